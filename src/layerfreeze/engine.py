@@ -1,0 +1,491 @@
+"""The freezing engine: the mechanics every strategy uses (freeze, thaw, optimizer surgery, checkpointable state).
+
+Strategies decide, the engine applies. The mechanics are small module-level helpers (in the spirit of Lightning's
+``BaseFinetuning.freeze`` / ``make_trainable``) and :class:`Freezer` wires them to a model, an optimizer and a
+strategy for use in any training loop::
+
+    freezer = Freezer(model, optimizer, strategy="static", strategy_params={"k": 5})
+    for batch in loader:
+        loss = model(**batch).loss
+        loss.backward()
+        freezer.after_backward()      # only needed by gradient-based strategies
+        optimizer.step(); optimizer.zero_grad(set_to_none=True)
+        freezer.step()
+    freezer.epoch_end()
+
+What freezing a block does, and why each part matters (each is a public fault seen in other tools):
+
+* ``requires_grad_(False)``: autograd builds no graph for a frozen prefix (its output does not require grad, so no
+  activations are kept for backward and backward stops at the first trainable block).
+* The parameters leave the optimizer's param groups and their optimizer state is freed. A parameter left in an
+  optimizer keeps receiving momentum and (decoupled) weight decay updates when its gradient is zero instead of
+  None, so "frozen" weights drift; its state also keeps costing memory (two fp32 copies for Adam).
+* ``.grad`` is set to None so no stale gradient is applied or clipped later.
+* BatchNorm running statistics and dropout go to eval mode (a forward pre-hook re-applies it after every
+  ``model.train()``), unless ``train_bn=True`` (fastai / Lightning ``train_bn``): then BatchNorm layers keep
+  training, affine parameters included.
+
+Thawing reverses all of it and puts each parameter back into the param group it came from, so the number of param
+groups never changes (LR schedulers keep working) and checkpoints load without "different number of parameter
+groups" errors. A learning rate for the thawed block may be given (discriminative LR); that needs param groups that
+hold only that block's parameters, which :func:`block_param_groups` builds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .blocks import Block, discover_blocks
+from .strategies import Decision, StageContext, Strategy, create_strategy
+from .strategies.base import BlockView
+
+STATE_VERSION = 1
+
+_NORM_TYPES = (nn.modules.batchnorm._BatchNorm,)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Mechanics (stateless helpers)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def frozen_parameters(block: Block, train_bn: bool = False) -> list[nn.Parameter]:
+    """The parameters that freezing ``block`` stops training (BatchNorm affine ones stay if ``train_bn``)."""
+    if not train_bn:
+        return list(block.parameters())
+    keep = {id(p) for _, m in block.modules for sub in m.modules() if isinstance(sub, _NORM_TYPES)
+            for p in sub.parameters(recurse=False)}
+    return [p for p in block.parameters() if id(p) not in keep]
+
+
+def set_eval_mode(module: nn.Module, train_bn: bool = False) -> None:
+    """Put ``module`` and its sub-modules in eval mode (BatchNorm layers excepted when ``train_bn``)."""
+    for sub in module.modules():
+        sub.training = bool(train_bn and isinstance(sub, _NORM_TYPES) and sub.training)
+
+
+def remove_from_optimizer(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> dict[int, int]:
+    """Take ``params`` out of the optimizer's param groups and free their optimizer state.
+
+    Why: a parameter left in a param group keeps getting momentum and weight-decay updates, and its state (Adam's
+    two moments) keeps its memory.
+
+    Returns:
+        ``{id(param): index of the param group it was in}`` for the parameters that were in the optimizer.
+    """
+    ids = {id(p) for p in params}
+    origin: dict[int, int] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        kept = []
+        for p in group["params"]:
+            if id(p) in ids:
+                origin[id(p)] = gi
+                optimizer.state.pop(p, None)
+            else:
+                kept.append(p)
+        group["params"] = kept
+    return origin
+
+
+def add_to_optimizer(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter], group_index: int) -> None:
+    """Append ``params`` to param group ``group_index`` (no-op for parameters already in the optimizer)."""
+    present = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    group = optimizer.param_groups[group_index]
+    group["params"].extend(p for p in params if id(p) not in present)
+
+
+def block_param_groups(
+    model: nn.Module,
+    blocks: Sequence[Block],
+    lr: float,
+    weight_decay: float = 0.0,
+    lr_decay: float = 1.0,
+    no_decay: Callable[[str, nn.Parameter], bool] | None = None,
+) -> list[dict[str, Any]]:
+    """Optimizer param groups with one group per block (two if ``no_decay`` splits it), for discriminative LRs.
+
+    Discriminative learning rates (Howard & Ruder, "Universal Language Model Fine-tuning for Text
+    Classification", ACL 2018, sec. 3.2): block ``l`` of ``L`` gets ``lr / lr_decay ** (L - 1 - l)``, so the head
+    gets ``lr`` and each earlier block ``lr_decay`` times less (ULMFiT uses 2.6). Parameters in no block go to a
+    last group with ``lr``.
+
+    Args:
+        model: The model the blocks belong to.
+        blocks: Its blocks, front to back.
+        lr: Learning rate of the head.
+        weight_decay: Weight decay of the groups (0 for parameters selected by ``no_decay``).
+        lr_decay: Factor between consecutive blocks' learning rates, ``>= 1``.
+        no_decay: ``(name, param) -> bool`` selecting parameters without weight decay (e.g. biases, LayerNorm).
+
+    Returns:
+        A list for ``torch.optim.*(groups, ...)``; each group has a ``"block"`` key naming its block.
+
+    Raises:
+        ValueError: ``lr <= 0`` or ``lr_decay < 1``.
+    """
+    if lr <= 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    if lr_decay < 1:
+        raise ValueError(f"lr_decay must be >= 1 (ULMFiT uses 2.6), got {lr_decay}")
+    groups: list[dict[str, Any]] = []
+    num = len(blocks)
+
+    def add(name: str, named: list[tuple[str, nn.Parameter]], block_lr: float) -> None:
+        decay = [p for n, p in named if not (no_decay and no_decay(n, p))]
+        plain = [p for n, p in named if no_decay and no_decay(n, p)]
+        if decay:
+            groups.append({"params": decay, "lr": block_lr, "weight_decay": weight_decay, "block": name})
+        if plain:
+            groups.append({"params": plain, "lr": block_lr, "weight_decay": 0.0, "block": name})
+
+    for block in blocks:
+        add(block.name, list(block.named_parameters()), lr / lr_decay ** (num - 1 - block.index))
+    owned = {id(p) for b in blocks for p in b.parameters()}
+    add("(unassigned)", [(n, p) for n, p in model.named_parameters() if id(p) not in owned], lr)
+    return groups
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The Freezer
+# --------------------------------------------------------------------------------------------------------------
+
+
+class Freezer:
+    """Applies a freezing strategy to a model and its optimizer, in any training loop.
+
+    Args:
+        model: The model being trained.
+        optimizer: Its optimizer (may be None for pure inference-style freezing; then only ``requires_grad``,
+            gradients and BatchNorm modes are handled).
+        strategy: A :class:`~layerfreeze.strategies.Strategy` or a registered name (``"none"``, ``"static"``...).
+        strategy_params: Parameters for a strategy given by name.
+        blocks: Module-name patterns, or ready :class:`~layerfreeze.blocks.Block` objects; default: discovered.
+        train_bn: Keep BatchNorm layers of frozen blocks training (statistics and affine parameters).
+        scheduler: The LR scheduler, if any; its ``base_lrs`` are updated when a thaw sets a learning rate.
+        total_steps: Planned optimizer steps (needed by schedule-based strategies).
+        steps_per_epoch: Optimizer steps per epoch, if known.
+        on_event: Called with each freeze/thaw record (a dict), e.g. to log it to telemetry.
+
+    The strategy's start stage runs in the constructor, so blocks a strategy freezes from the start are frozen
+    before the first forward pass.
+
+    Raises:
+        BlockDiscoveryError: blocks cannot be discovered (see :func:`~layerfreeze.blocks.discover_blocks`).
+        UnknownStrategyError / ValueError: bad strategy name or parameters.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        strategy: str | Strategy = "none",
+        strategy_params: dict[str, Any] | None = None,
+        *,
+        blocks: Sequence[str] | Sequence[Block] | None = None,
+        train_bn: bool = False,
+        scheduler: Any = None,
+        total_steps: int | None = None,
+        steps_per_epoch: int | None = None,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_bn = train_bn
+        self.total_steps = total_steps
+        self.steps_per_epoch = steps_per_epoch
+        self.on_event = on_event
+        if blocks and isinstance(blocks[0], Block):
+            self.blocks: list[Block] = list(blocks)  # type: ignore[arg-type]
+        else:
+            self.blocks = discover_blocks(model, blocks)  # type: ignore[arg-type]
+        if isinstance(strategy, str):
+            strategy = create_strategy(strategy, **(strategy_params or {}))
+        elif strategy_params:
+            raise ValueError("strategy_params is only used with a strategy given by name")
+        self.strategy = strategy
+        self.frozen = [False] * len(self.blocks)
+        self.step_count = 0
+        self.epoch = 0
+        self.history: list[dict[str, Any]] = []
+        self.last_signals: dict[str, Any] = {}
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        self._origin: dict[int, int] = {}
+        if optimizer is not None:
+            self._origin = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self._hooks: dict[int, list[Any]] = {}
+        self._grad_l1 = [0.0] * len(self.blocks)
+        self._backward_calls = 0
+        self._stage(event="start")
+
+    # ---- queries -------------------------------------------------------------------------------------------
+
+    @property
+    def frozen_prefix(self) -> int:
+        """Number of leading blocks that are frozen (backward stops at block ``frozen_prefix``)."""
+        k = 0
+        while k < len(self.frozen) and self.frozen[k]:
+            k += 1
+        return k
+
+    @property
+    def frozen_blocks(self) -> list[str]:
+        """Names of the frozen blocks, front to back."""
+        return [b.name for b, f in zip(self.blocks, self.frozen) if f]
+
+    def block(self, key: int | str) -> Block:
+        """A block by index or name. Raises KeyError listing the names for an unknown name."""
+        if isinstance(key, int):
+            return self.blocks[key]
+        for b in self.blocks:
+            if b.name == key:
+                return b
+        raise KeyError(f"No block named {key!r}; blocks: {', '.join(b.name for b in self.blocks)}")
+
+    def trainable_parameters(self) -> int:
+        """Number of scalar parameters that currently require grad."""
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    # ---- freeze / thaw -------------------------------------------------------------------------------------
+
+    def freeze(self, key: int | str, reason: str = "manual") -> bool:
+        """Freeze one block (see the module docstring for everything that entails).
+
+        Returns:
+            True if the block was trainable and is now frozen, False if it was already frozen.
+        """
+        block = self.block(key)
+        if self.frozen[block.index]:
+            return False
+        params = frozen_parameters(block, self.train_bn)
+        for p in params:
+            p.requires_grad_(False)
+            p.grad = None
+        if self.optimizer is not None:
+            self._origin.update(remove_from_optimizer(self.optimizer, params))
+        for _, module in block.modules:
+            set_eval_mode(module, self.train_bn)
+            self._hooks.setdefault(block.index, []).append(module.register_forward_pre_hook(self._eval_hook))
+        self.frozen[block.index] = True
+        self._record("freeze", block, reason)
+        return True
+
+    def thaw(self, key: int | str, lr: float | None = None, reason: str = "manual") -> bool:
+        """Thaw one block: it trains again, back in the param groups it came from.
+
+        Args:
+            key: Block index or name.
+            lr: Learning rate for the block's param groups (discriminative LR); None keeps the groups' LR.
+
+        Returns:
+            True if the block was frozen and is now trainable.
+
+        Raises:
+            ValueError: ``lr`` given but a target param group also holds other blocks' parameters (build the
+                optimizer with :func:`block_param_groups`).
+        """
+        block = self.block(key)
+        was_frozen = self.frozen[block.index]
+        if was_frozen:
+            for handle in self._hooks.pop(block.index, []):
+                handle.remove()
+            for _, module in block.modules:
+                module.train(self.model.training)
+            params = frozen_parameters(block, self.train_bn)
+            for p in params:
+                p.requires_grad_(True)
+            if self.optimizer is not None:
+                for p in params:
+                    add_to_optimizer(self.optimizer, [p], self._origin.get(id(p), 0))
+            self.frozen[block.index] = False
+        if lr is not None:
+            self.set_block_lr(block, lr)
+        if was_frozen:
+            self._record("thaw", block, reason, lr=lr)
+        return was_frozen
+
+    def set_block_lr(self, key: int | str | Block, lr: float) -> None:
+        """Set the learning rate of the param groups holding ``block``'s parameters (and the scheduler's base LR).
+
+        Raises:
+            ValueError: no optimizer, ``lr <= 0``, or a group that also holds other blocks' parameters.
+        """
+        block = key if isinstance(key, Block) else self.block(key)
+        if self.optimizer is None or lr <= 0:
+            raise ValueError(f"set_block_lr needs an optimizer and lr > 0 (got lr={lr})")
+        own = {id(p) for p in block.parameters()}
+        indices = sorted({self._origin.get(id(p), 0) for p in block.parameters()})
+        for gi in indices:
+            group = self.optimizer.param_groups[gi]
+            if any(id(p) not in own for p in group["params"]):
+                raise ValueError(
+                    f"Cannot give block {block.name!r} its own learning rate: param group {gi} also holds other "
+                    "blocks' parameters. Build the optimizer from layerfreeze.block_param_groups(...) (one group "
+                    "per block)."
+                )
+            group["lr"] = lr
+            if "initial_lr" in group:
+                group["initial_lr"] = lr
+            if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
+                self.scheduler.base_lrs[gi] = lr
+
+    # ---- training-loop hooks -------------------------------------------------------------------------------
+
+    def after_backward(self) -> None:
+        """Collect gradient signals (per-block L1 norm of gradients) after ``loss.backward()``.
+
+        Only needed when the strategy lists ``"grad_l1"`` in its ``signals``; cheap otherwise (returns at once).
+        """
+        self._backward_calls += 1
+        if "grad_l1" not in self.strategy.signals:
+            return
+        with torch.no_grad():
+            for block in self.blocks:
+                if self.frozen[block.index]:
+                    continue
+                grads = [p.grad for p in block.parameters() if p.grad is not None]
+                if grads:
+                    self._grad_l1[block.index] += float(sum(g.abs().sum() for g in grads))
+
+    def step(self) -> Decision | None:
+        """Call once after each ``optimizer.step()``; runs a freezing stage every ``strategy.stage_every`` steps."""
+        self.step_count += 1
+        every = self.strategy.stage_every
+        if every and self.step_count % every == 0:
+            return self._stage(event="step")
+        return None
+
+    def epoch_end(self) -> Decision | None:
+        """Call at the end of each epoch; runs an epoch-end stage if the strategy wants one."""
+        decision = self._stage(event="epoch_end") if self.strategy.at_epoch_end else None
+        self.epoch += 1
+        return decision
+
+    # ---- checkpoint ----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: frozen set, optimizer param-group membership, counters, strategy state.
+
+        Save it beside ``optimizer.state_dict()``; on resume call :meth:`load_state_dict` *before*
+        ``optimizer.load_state_dict`` so the param groups match (see :mod:`layerfreeze.checkpoint`).
+        """
+        state: dict[str, Any] = {
+            "version": STATE_VERSION,
+            "blocks": [b.name for b in self.blocks],
+            "frozen": list(self.frozen),
+            "step": self.step_count,
+            "epoch": self.epoch,
+            "history": list(self.history),
+            "strategy": {"name": self.strategy.name, "state": self.strategy.state_dict()},
+            "grad_l1": list(self._grad_l1),
+            "backward_calls": self._backward_calls,
+            "train_bn": self.train_bn,
+        }
+        if self.optimizer is not None:
+            state["param_groups"] = [[self._names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
+            state["origin"] = {self._names[i]: gi for i, gi in self._origin.items() if i in self._names}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: re-freezes/thaws blocks and rebuilds the optimizer's param groups.
+
+        Raises:
+            ValueError: the state is from another version, another set of blocks, another strategy, or an
+                optimizer with a different number of param groups.
+        """
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"Freezer state version {state.get('version')!r} != {STATE_VERSION}; cannot resume it")
+        names = [b.name for b in self.blocks]
+        if state["blocks"] != names:
+            raise ValueError(f"Checkpoint blocks {state['blocks']} do not match this model's blocks {names}")
+        if state["strategy"]["name"] != self.strategy.name:
+            raise ValueError(
+                f"Checkpoint was written by strategy {state['strategy']['name']!r}, this run uses "
+                f"{self.strategy.name!r}; resume with the same strategy"
+            )
+        self.train_bn = state.get("train_bn", self.train_bn)
+        for block, frozen in zip(self.blocks, state["frozen"]):
+            if frozen and not self.frozen[block.index]:
+                self.freeze(block.index, reason="resume")
+            elif not frozen and self.frozen[block.index]:
+                self.thaw(block.index, reason="resume")
+        if self.optimizer is not None and "param_groups" in state:
+            by_name = dict(self.model.named_parameters())
+            if len(state["param_groups"]) != len(self.optimizer.param_groups):
+                raise ValueError(
+                    f"Checkpoint optimizer has {len(state['param_groups'])} param groups, this one has "
+                    f"{len(self.optimizer.param_groups)}; build the optimizer the same way as the saved run"
+                )
+            for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
+                group["params"] = [by_name[n] for n in saved]
+            self._origin = {id(by_name[n]): gi for n, gi in state["origin"].items()}
+            self.optimizer.state.clear()
+        self.step_count = state["step"]
+        self.epoch = state["epoch"]
+        self.history = list(state["history"])
+        self._grad_l1 = list(state["grad_l1"])
+        self._backward_calls = state["backward_calls"]
+        self.strategy.load_state_dict(state["strategy"]["state"])
+
+    # ---- internals -----------------------------------------------------------------------------------------
+
+    def _eval_hook(self, module: nn.Module, args: Any) -> None:
+        # model.train() flips frozen blocks back to training mode; undo it before they run.
+        if module.training:
+            set_eval_mode(module, self.train_bn)
+
+    def _record(self, kind: str, block: Block, reason: str, **extra: Any) -> None:
+        record = {
+            "kind": kind,
+            "block": block.name,
+            "index": block.index,
+            "step": self.step_count,
+            "epoch": self.epoch,
+            "reason": reason,
+            "frozen_count": sum(self.frozen),
+            "frozen_prefix": self.frozen_prefix,
+        }
+        record.update({k: v for k, v in extra.items() if v is not None})
+        if reason != "resume":
+            self.history.append(record)
+        if self.on_event is not None:
+            self.on_event(record)
+
+    def _context(self, event: str) -> StageContext:
+        views = [
+            BlockView(b.name, b.index, self.frozen[b.index], b.is_head, b.num_parameters()) for b in self.blocks
+        ]
+        signals: dict[str, Any] = {}
+        if "grad_l1" in self.strategy.signals and event != "start":
+            if self._backward_calls == 0:
+                raise RuntimeError(
+                    f"Strategy {self.strategy.name!r} needs gradients, but freezer.after_backward() was never called. "
+                    "Call it after loss.backward() and before optimizer.zero_grad()."
+                )
+            signals["grad_l1"] = list(self._grad_l1)
+        return StageContext(
+            step=self.step_count,
+            epoch=self.epoch,
+            event=event,
+            blocks=views,
+            total_steps=self.total_steps,
+            steps_per_epoch=self.steps_per_epoch,
+            signals=signals,
+        )
+
+    def _stage(self, event: str) -> Decision:
+        decision = self.strategy.decide(self._context(event))
+        self._grad_l1 = [0.0] * len(self.blocks)
+        self._backward_calls = 0
+        self.last_signals = dict(decision.signals)
+        for i in decision.freeze:
+            if self.blocks[i].is_head:
+                raise RuntimeError(f"Strategy {self.strategy.name!r} tried to freeze the head ({self.blocks[i].name})")
+            self.freeze(i, reason=decision.reason or self.strategy.name)
+        for i in decision.thaw:
+            self.thaw(i, lr=decision.thaw_lr.get(i), reason=decision.reason or self.strategy.name)
+        return decision

@@ -1,0 +1,70 @@
+"""Freezing strategies, registered by name (``create_strategy("static", k=5)``).
+
+One file per strategy; each cites its source in its docstring.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from .base import BlockView, Decision, StageContext, Strategy
+from .none import NoFreezing
+from .static import StaticFreezing
+
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (NoFreezing, StaticFreezing)}
+
+#: The strategy used when none is named (the learned SmartFRZ policy will take this place when it lands).
+DEFAULT_STRATEGY = "static"
+
+
+class UnknownStrategyError(ValueError):
+    """Raised for a strategy name that is not registered, or a parameter it does not take."""
+
+
+def strategy_parameters(name: str) -> dict[str, Any]:
+    """The parameters strategy ``name`` accepts, with their defaults (``inspect.Parameter.empty`` if required)."""
+    cls = _lookup(name)
+    sig = inspect.signature(cls.__init__)
+    return {p.name: p.default for p in list(sig.parameters.values())[1:] if p.kind is p.POSITIONAL_OR_KEYWORD}
+
+
+def _lookup(name: str) -> type[Strategy]:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise UnknownStrategyError(
+            f"Unknown strategy {name!r}. Available: {', '.join(sorted(STRATEGIES))}."
+        ) from None
+
+
+def create_strategy(name: str, **params: Any) -> Strategy:
+    """Build a registered strategy.
+
+    Raises:
+        UnknownStrategyError: unknown name, or a parameter the strategy does not take (the message lists the valid
+            ones).
+        ValueError: a parameter outside its range (raised by the strategy itself).
+    """
+    cls = _lookup(name)
+    allowed = strategy_parameters(name)
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        valid = ", ".join(f"{k}={v!r}" for k, v in allowed.items()) or "none"
+        raise UnknownStrategyError(f"Strategy {name!r} has no parameter(s) {', '.join(unknown)}; valid: {valid}.")
+    return cls(**params)
+
+
+__all__ = [
+    "BlockView",
+    "DEFAULT_STRATEGY",
+    "Decision",
+    "NoFreezing",
+    "STRATEGIES",
+    "StageContext",
+    "StaticFreezing",
+    "Strategy",
+    "UnknownStrategyError",
+    "create_strategy",
+    "strategy_parameters",
+]

@@ -1,0 +1,109 @@
+"""The strategy interface: a policy that, at each freezing stage, says which blocks to freeze or thaw.
+
+Strategies decide; the engine (:mod:`layerfreeze.engine`) applies. A strategy never touches the model or the
+optimizer, so the same strategy works in the CLI trainer, in a user's own loop, in Lightning and in the HF Trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class BlockView:
+    """What a strategy sees of one block at a freezing stage."""
+
+    name: str
+    index: int
+    frozen: bool
+    is_head: bool
+    num_parameters: int
+
+
+@dataclass
+class StageContext:
+    """Everything a strategy may look at during a freezing stage.
+
+    Attributes:
+        step: Optimizer steps completed so far (the stage happens after step ``step``).
+        epoch: 0-based epoch the stage belongs to; at an epoch-end stage, the epoch just finished.
+        event: ``"start"`` (before the first step), ``"step"`` (every ``stage_every`` steps) or ``"epoch_end"``.
+        blocks: The blocks in forward order.
+        total_steps: Planned optimizer steps for the run, if known (needed by schedule-based strategies).
+        steps_per_epoch: Optimizer steps per epoch, if known.
+        signals: Signals the strategy asked for in :attr:`Strategy.signals`, e.g.
+            ``{"grad_l1": [float per block]}`` accumulated since the previous stage.
+    """
+
+    step: int
+    epoch: int
+    event: str
+    blocks: list[BlockView]
+    total_steps: int | None = None
+    steps_per_epoch: int | None = None
+    signals: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def progress(self) -> float | None:
+        """Fraction of training done, in [0, 1], when ``total_steps`` is known."""
+        if not self.total_steps:
+            return None
+        return min(1.0, self.step / self.total_steps)
+
+    @property
+    def frozen_prefix(self) -> int:
+        """Number of leading blocks that are frozen."""
+        k = 0
+        for b in self.blocks:
+            if not b.frozen:
+                break
+            k += 1
+        return k
+
+
+@dataclass
+class Decision:
+    """What a strategy wants done at a stage: block indices to freeze and to thaw, and why.
+
+    ``thaw_lr`` optionally maps a block index to the learning rate its parameters get back (discriminative LR);
+    ``signals`` carries the strategy's internal values (ratios, plasticity, schedules) to telemetry.
+    """
+
+    freeze: list[int] = field(default_factory=list)
+    thaw: list[int] = field(default_factory=list)
+    reason: str = ""
+    thaw_lr: dict[int, float] = field(default_factory=dict)
+    signals: dict[str, Any] = field(default_factory=dict)
+
+
+class Strategy:
+    """Base class of freezing strategies.
+
+    Subclasses set :attr:`name`, optionally :attr:`signals`, and implement :meth:`decide`. They are asked at the
+    start of training (``event="start"``), every ``stage_every`` optimizer steps if :attr:`stage_every` is set, and
+    at each epoch end if :attr:`at_epoch_end` is true. Strategies keep their own state in plain attributes and
+    expose it through :meth:`state_dict` / :meth:`load_state_dict` so runs resume exactly.
+    """
+
+    name: ClassVar[str] = "base"
+    #: Signals the engine must collect for this strategy, e.g. ``("grad_l1",)``.
+    signals: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self) -> None:
+        self.stage_every: int | None = None
+        self.at_epoch_end: bool = False
+
+    def decide(self, ctx: StageContext) -> Decision:
+        """Return the blocks to freeze / thaw at this stage. The head is never frozen (the engine enforces it)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """The strategy's resumable state (plain Python values)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

@@ -1,0 +1,694 @@
+"""Telemetry for a training run.
+
+What is recorded, and where:
+
+* ``<run_dir>/metrics.jsonl``: one JSON object per line, appended and flushed
+  as it is written, so a crash keeps every complete record.  Each record has a
+  ``"type"`` (``"step"``, ``"epoch"``, ``"event"`` or ``"config"``) and a
+  ``"time"`` (Unix time, seconds).  Read it back with :func:`read_metrics`.
+* ``<run_dir>/tensorboard/``: TensorBoard event files written by
+  :class:`torch.utils.tensorboard.SummaryWriter` (scalars ``train/<name>``,
+  ``epoch/<name>``, ``blocks/frozen_count``; text ``events`` and ``config``).
+* Training FLOPs measured with :func:`measure_flops`
+  (:class:`torch.utils.flop_counter.FlopCounterMode`).
+* Peak memory: :func:`reset_peak_memory` / :func:`peak_memory_bytes`
+  (CUDA allocator statistics on CUDA, process peak RSS otherwise).
+* An end-of-run summary table (:func:`summary_table`, :func:`print_summary`)
+  rendered with ``rich``.
+
+Progress bars are not handled here; the trainer owns them.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import enum
+import json
+import math
+import numbers
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import psutil
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = [
+    "METRICS_FILENAME",
+    "TENSORBOARD_DIRNAME",
+    "Telemetry",
+    "current_memory_bytes",
+    "format_bytes",
+    "format_flops",
+    "measure_flops",
+    "peak_memory_bytes",
+    "print_summary",
+    "read_metrics",
+    "reset_peak_memory",
+    "summary_table",
+]
+
+T = TypeVar("T")
+
+METRICS_FILENAME = "metrics.jsonl"
+TENSORBOARD_DIRNAME = "tensorboard"
+
+_PROC_STATUS = "/proc/self/status"
+_PROC_CLEAR_REFS = "/proc/self/clear_refs"
+
+
+# --------------------------------------------------------------------------- #
+# FLOPs
+# --------------------------------------------------------------------------- #
+def measure_flops(fn: Callable[[], T]) -> tuple[T, int]:
+    """Run ``fn()`` once and count the floating-point operations it executes.
+
+    ``fn`` should be a real training step (forward + backward, optionally the
+    optimizer step).  It runs inside
+    ``torch.utils.flop_counter.FlopCounterMode(display=False)``, which counts
+    the FLOPs of the matmul / convolution / attention ops that are *actually
+    dispatched* (one multiply-add = 2 FLOPs).  Consequently backward work that
+    autograd skips for frozen blocks is not counted: a frozen block computes no
+    weight gradients, and blocks before the first trainable block compute no
+    input gradients either, so freezing a prefix of the network lowers the
+    count.  Elementwise ops (activations, norms, bias-gradient reductions,
+    optimizer updates) are not counted, so the number is a lower bound on the
+    true arithmetic, dominated in practice by the matmuls/convs.
+
+    Args:
+        fn: zero-argument callable to run.
+
+    Returns:
+        ``(result, flops)``: whatever ``fn`` returned and the total FLOPs
+        counted (an ``int``).
+
+    Raises:
+        Whatever ``fn`` raises; it is not caught.
+    """
+    counter = FlopCounterMode(display=False)
+    with counter:
+        result = fn()
+    return result, int(counter.get_total_flops())
+
+
+# --------------------------------------------------------------------------- #
+# Memory
+# --------------------------------------------------------------------------- #
+def _as_device(device: torch.device | str) -> torch.device:
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
+def _read_vm_hwm() -> int | None:
+    """Peak resident set size of this process from /proc (bytes), or None."""
+    try:
+        with open(_PROC_STATUS, encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    # "VmHWM:     1764 kB"
+                    parts = line.split()
+                    return int(parts[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _ru_maxrss_bytes() -> int:
+    import resource
+
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux/BSD report kilobytes; macOS reports bytes.
+    return int(maxrss) if sys.platform == "darwin" else int(maxrss) * 1024
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    """Reset the peak-memory counter read by :func:`peak_memory_bytes`.
+
+    * CUDA devices: ``torch.cuda.reset_peak_memory_stats(device)``.
+    * Any other device (CPU, ...): best effort reset of the process's peak
+      RSS by writing ``"5"`` to ``/proc/self/clear_refs`` (Linux resets
+      ``VmHWM`` to the current RSS that way).  If the file is absent or not
+      writable (non-Linux, restricted containers) the ``OSError`` is ignored
+      and the peak keeps covering the whole process lifetime.
+
+    Raises:
+        RuntimeError: from ``torch.cuda`` if a CUDA device is given but CUDA
+            is not available.
+    """
+    dev = _as_device(device)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        return
+    try:
+        with open(_PROC_CLEAR_REFS, "w", encoding="ascii") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
+def peak_memory_bytes(device: torch.device | str) -> int:
+    """Peak memory in bytes since the last :func:`reset_peak_memory`.
+
+    * CUDA devices: ``torch.cuda.max_memory_allocated(device)`` (tensor
+      memory held by PyTorch's caching allocator, not the reserved pool).
+    * Any other device: the process's peak resident set size, ``VmHWM`` from
+      ``/proc/self/status``; where /proc is not available,
+      ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (peak over the whole
+      process lifetime, never reset).
+
+    Raises:
+        RuntimeError: from ``torch.cuda`` if a CUDA device is given but CUDA
+            is not available.
+    """
+    dev = _as_device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(dev))
+    hwm = _read_vm_hwm()
+    if hwm is not None:
+        return hwm
+    return _ru_maxrss_bytes()
+
+
+def current_memory_bytes(device: torch.device | str) -> int:
+    """Memory in use now, in bytes.
+
+    CUDA devices: ``torch.cuda.memory_allocated(device)``; any other device:
+    the process's resident set size (``psutil.Process().memory_info().rss``).
+
+    Raises:
+        RuntimeError: from ``torch.cuda`` if a CUDA device is given but CUDA
+            is not available.
+    """
+    dev = _as_device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.memory_allocated(dev))
+    return int(psutil.Process(os.getpid()).memory_info().rss)
+
+
+# --------------------------------------------------------------------------- #
+# JSON helpers
+# --------------------------------------------------------------------------- #
+def _json_default(obj: Any) -> Any:
+    """``json.dumps`` hook for values the stdlib encoder does not know."""
+    if isinstance(obj, torch.Tensor):
+        obj = obj.detach().cpu()
+        return obj.item() if obj.numel() == 1 and obj.dim() == 0 else obj.tolist()
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if isinstance(obj, (torch.dtype, torch.device)):
+        return str(obj)
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj, key=repr)
+    if isinstance(obj, (_dt.datetime, _dt.date)):
+        return obj.isoformat()
+    # numpy scalars and arrays, without importing numpy.
+    if type(obj).__module__ == "numpy":
+        if hasattr(obj, "tolist"):
+            return obj.tolist()
+    # Anything else exposing a numeric conversion (e.g. Decimal-like scalars).
+    if isinstance(obj, numbers.Integral):
+        return int(obj)
+    if isinstance(obj, numbers.Real):
+        return float(obj)
+    raise TypeError(
+        f"telemetry: value of type {type(obj).__qualname__} is not JSON serialisable: {obj!r}"
+    )
+
+
+def _dumps(record: Mapping[str, Any]) -> str:
+    return json.dumps(record, default=_json_default, ensure_ascii=False)
+
+
+def _as_scalar(value: Any) -> float | int | None:
+    """Return ``value`` as a plain Python number if it is a numeric scalar.
+
+    Accepts Python ints/floats, 0-d / one-element torch tensors and numpy
+    scalars.  Returns None for anything else (bools, strings, lists, None).
+    """
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool:
+            return None
+        value = value.detach().cpu().item()
+        return value if isinstance(value, (int, float)) else None
+    if type(value).__module__ == "numpy":
+        if getattr(value, "size", None) != 1 or getattr(value, "dtype", None) is None:
+            return None
+        if value.dtype.kind == "b":
+            return None
+        item = value.item() if hasattr(value, "item") else None
+        return item if isinstance(item, (int, float)) and not isinstance(item, bool) else None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return None
+
+
+# --------------------------------------------------------------------------- #
+# Telemetry
+# --------------------------------------------------------------------------- #
+_RESERVED = frozenset({"type", "time", "step", "epoch", "kind"})
+
+
+class Telemetry:
+    """Writes a run's metrics to ``metrics.jsonl`` and TensorBoard.
+
+    Args:
+        run_dir: run directory; created (with parents) if missing.
+        tensorboard: also write TensorBoard event files under
+            ``<run_dir>/tensorboard/``.
+
+    ``metrics.jsonl`` is opened in append mode, so resuming a run keeps
+    extending the same file.  If the file ends with an incomplete line (a
+    crash in the middle of a write) that partial record is removed first, so
+    appended records stay on their own lines.  Every record is flushed as it is
+    written.
+
+    Use as a context manager or call :meth:`close` (idempotent).  Logging after
+    ``close`` raises ``RuntimeError``.  Values that cannot be serialised to
+    JSON raise ``TypeError`` (torch tensors, numpy scalars/arrays, paths,
+    dtypes, devices, enums, sets and datetimes are converted).
+    """
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / METRICS_FILENAME
+        _drop_partial_last_line(self.metrics_path)
+        self._fh = open(self.metrics_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        self._writer = None
+        self.tensorboard_dir: Path | None = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard_dir = self.run_dir / TENSORBOARD_DIRNAME
+            try:
+                self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir))
+            except BaseException:
+                self._fh.close()
+                raise
+        self._closed = False
+
+    # -- plumbing ----------------------------------------------------------- #
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"Telemetry for {self.run_dir} is closed")
+
+    @staticmethod
+    def _check_names(names: Mapping[str, Any], what: str) -> None:
+        clash = _RESERVED.intersection(names)
+        if clash:
+            raise ValueError(f"{what}: reserved field name(s) {sorted(clash)}")
+
+    def _write(self, record: dict[str, Any]) -> None:
+        line = _dumps(record)  # serialise first: a TypeError writes nothing
+        self._fh.write(line + "\n")
+        self._fh.flush()
+
+    def _scalars(self, prefix: str, step: int, metrics: Mapping[str, Any]) -> None:
+        if self._writer is None:
+            return
+        for name, value in metrics.items():
+            scalar = _as_scalar(value)
+            if scalar is not None:
+                self._writer.add_scalar(f"{prefix}/{name}", scalar, global_step=step)
+
+    # -- public ------------------------------------------------------------- #
+    def log_step(self, step: int, **metrics: float | int | list) -> None:
+        """Record per-step metrics (e.g. ``loss``, ``lr``, ``flops``).
+
+        Writes ``{"type": "step", "step": step, "time": <unix s>, **metrics}``.
+        Numeric scalar metrics also go to TensorBoard as ``train/<name>`` at
+        ``global_step=step``; None, bools, strings and lists are JSON-only.
+
+        Raises:
+            ValueError: a metric is named type/time/step/epoch/kind.
+            TypeError: a value is not JSON serialisable.
+            RuntimeError: after :meth:`close`.
+        """
+        self._check_open()
+        self._check_names(metrics, "log_step")
+        self._write({"type": "step", "step": int(step), "time": time.time(), **metrics})
+        self._scalars("train", int(step), metrics)
+
+    def log_epoch(self, epoch: int, step: int, **metrics: Any) -> None:
+        """Record end-of-epoch metrics (e.g. ``val_loss``, ``epoch_time_s``).
+
+        Writes ``{"type": "epoch", "epoch": epoch, "step": step, "time": ..., **metrics}``;
+        numeric scalars go to TensorBoard as ``epoch/<name>`` at
+        ``global_step=step`` (the global training step, so epoch curves line
+        up with step curves).
+
+        Raises:
+            ValueError, TypeError, RuntimeError: as :meth:`log_step`.
+        """
+        self._check_open()
+        self._check_names(metrics, "log_epoch")
+        self._write(
+            {"type": "epoch", "epoch": int(epoch), "step": int(step), "time": time.time(), **metrics}
+        )
+        self._scalars("epoch", int(step), metrics)
+        if self._writer is not None:
+            self._writer.flush()
+
+    def log_event(self, kind: str, step: int, **fields: Any) -> None:
+        """Record a discrete event such as ``"freeze"``, ``"thaw"``,
+        ``"flops_remeasured"``, ``"checkpoint"`` or ``"interrupted"``.
+
+        Writes ``{"type": "event", "kind": kind, "step": step, "time": ..., **fields}``.
+        In TensorBoard, ``freeze``/``thaw`` events add a line to the text tag
+        ``events``, and any event carrying a numeric ``frozen_count`` field
+        sets the scalar ``blocks/frozen_count`` at ``global_step=step``.
+
+        Raises:
+            ValueError: ``kind`` is empty or a field uses a reserved name
+                (type/time/step/kind; ``epoch`` is allowed here).
+            TypeError, RuntimeError: as :meth:`log_step`.
+        """
+        self._check_open()
+        if not isinstance(kind, str) or not kind:
+            raise ValueError(f"log_event: kind must be a non-empty string, got {kind!r}")
+        clash = (_RESERVED - {"epoch"}).intersection(fields)
+        if clash:
+            raise ValueError(f"log_event: reserved field name(s) {sorted(clash)}")
+        self._write({"type": "event", "kind": kind, "step": int(step), "time": time.time(), **fields})
+        if self._writer is None:
+            return
+        if kind in ("freeze", "thaw"):
+            details = ", ".join(f"{k}={_dumps_value(v)}" for k, v in fields.items())
+            text = f"step {int(step)}: **{kind}**" + (f" ({details})" if details else "")
+            self._writer.add_text("events", text, global_step=int(step))
+        count = _as_scalar(fields.get("frozen_count"))
+        if count is not None:
+            self._writer.add_scalar("blocks/frozen_count", count, global_step=int(step))
+        self._writer.flush()
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """Record the run configuration.
+
+        Writes ``{"type": "config", "time": ..., "config": config}`` and, in
+        TensorBoard, the text tag ``config`` holding the config as an indented
+        JSON block.
+
+        Raises:
+            TypeError: ``config`` is not a mapping or holds a value that is not
+                JSON serialisable.
+            RuntimeError: after :meth:`close`.
+        """
+        self._check_open()
+        if not isinstance(config, Mapping):
+            raise TypeError(f"log_config: config must be a mapping, got {type(config).__qualname__}")
+        self._write({"type": "config", "time": time.time(), "config": dict(config)})
+        if self._writer is not None:
+            pretty = json.dumps(dict(config), default=_json_default, indent=2, ensure_ascii=False)
+            # Indented lines render as a code block in TensorBoard's markdown.
+            block = "\n".join("    " + line for line in pretty.splitlines())
+            self._writer.add_text("config", block, global_step=0)
+            self._writer.flush()
+
+    def flush(self) -> None:
+        """Flush ``metrics.jsonl`` and the TensorBoard writer (no-op once closed)."""
+        if self._closed:
+            return
+        self._fh.flush()
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close ``metrics.jsonl`` and the TensorBoard writer.
+
+        Safe to call more than once.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._writer is not None:
+                self._writer.flush()
+                self._writer.close()
+        finally:
+            self._fh.close()
+
+    def __enter__(self) -> Telemetry:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"Telemetry(run_dir={str(self.run_dir)!r}, tensorboard={self._writer is not None}, {state})"
+
+
+def _dumps_value(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, default=_json_default, ensure_ascii=False)
+    except TypeError:
+        return repr(value)
+
+
+def _drop_partial_last_line(path: Path) -> None:
+    """Remove an unterminated final line (crash mid-write) from ``path``."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return
+    if size == 0:
+        return
+    with open(path, "rb+") as fh:
+        fh.seek(-1, os.SEEK_END)
+        if fh.read(1) == b"\n":
+            return
+        # Scan backwards for the last newline.
+        chunk = 64 * 1024
+        pos = size
+        keep = 0
+        while pos > 0:
+            start = max(0, pos - chunk)
+            fh.seek(start)
+            data = fh.read(pos - start)
+            idx = data.rfind(b"\n")
+            if idx != -1:
+                keep = start + idx + 1
+                break
+            pos = start
+        fh.truncate(keep)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Parse ``metrics.jsonl`` into a list of records, in file order.
+
+    Args:
+        run_dir: the run directory (or the path of the ``.jsonl`` file itself).
+
+    Blank lines are skipped.  A final line that is not valid JSON is taken to
+    be a record truncated by a crash and is skipped silently.
+
+    Raises:
+        FileNotFoundError: no metrics file.
+        ValueError: a line other than the last is not valid JSON, or a line
+            is not a JSON object; the message names the file and line number.
+    """
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / METRICS_FILENAME
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        lines = fh.read().split("\n")
+    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+    records: list[dict[str, Any]] = []
+    for pos, (lineno, line) in enumerate(numbered):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if pos == len(numbered) - 1:
+                break  # truncated final record
+            raise ValueError(f"{path}: line {lineno} is not valid JSON: {err.msg}") from err
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: line {lineno} is not a JSON object")
+        records.append(record)
+    return records
+
+
+# --------------------------------------------------------------------------- #
+# Formatting and summary
+# --------------------------------------------------------------------------- #
+def _scaled(value: float, base: float, units: list[str]) -> tuple[str, str]:
+    """Pick a unit so the mantissa is in [1, base); 2 decimals below 10, else 1."""
+    idx = 0
+    while value >= base and idx < len(units) - 1:
+        value /= base
+        idx += 1
+    text = f"{value:.2f}" if value < 10 else f"{value:.1f}"
+    # Rounding may reach the next unit (999.96 -> "1000.0").
+    if float(text) >= base and idx < len(units) - 1:
+        value /= base
+        idx += 1
+        text = f"{value:.2f}"
+    return text, units[idx]
+
+
+_FLOP_UNITS = ["kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP", "ZFLOP", "YFLOP"]
+_BYTE_UNITS = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"]
+
+
+def format_flops(n: float) -> str:
+    """Format a FLOP count with SI (power-of-1000) units.
+
+    Below 1000: the integer count, ``"512 FLOP"``.  Otherwise 2 decimals when
+    the mantissa is below 10 and 1 decimal up to 999.9:
+    ``format_flops(1.234e15) == "1.23 PFLOP"``,
+    ``format_flops(4.567e14) == "456.7 TFLOP"``.
+
+    Raises:
+        ValueError: ``n`` is negative, NaN or infinite.
+    """
+    n = float(n)
+    if not math.isfinite(n) or n < 0:
+        raise ValueError(f"format_flops: expected a finite non-negative count, got {n!r}")
+    if round(n) < 1000:
+        return f"{n:.0f} FLOP"
+    text, unit = _scaled(n / 1000.0, 1000.0, _FLOP_UNITS)
+    return f"{text} {unit}"
+
+
+def format_bytes(n: int) -> str:
+    """Format a byte count with binary (power-of-1024) units.
+
+    Below 1024: ``"512 B"``.  Otherwise 2 decimals when the mantissa is below
+    10 and 1 decimal up to 1023.9: ``format_bytes(3 * 2**29) == "1.50 GiB"``,
+    ``format_bytes(200 * 2**20) == "200.0 MiB"``.
+
+    Raises:
+        ValueError: ``n`` is negative, NaN or infinite.
+    """
+    n = float(n)
+    if not math.isfinite(n) or n < 0:
+        raise ValueError(f"format_bytes: expected a finite non-negative size, got {n!r}")
+    if n < 1024:
+        return f"{n:.0f} B"
+    text, unit = _scaled(n / 1024.0, 1024.0, _BYTE_UNITS)
+    return f"{text} {unit}"
+
+
+def _format_seconds(s: float) -> str:
+    """``"42.50 s"`` below a minute, ``"2m 05.0s"`` below an hour, else ``"1h 02m 03s"``."""
+    s = float(s)
+    if s < 60:
+        return f"{s:.2f} s"
+    if s < 3600:
+        m, rest = divmod(s, 60)
+        return f"{int(m)}m {rest:04.1f}s"
+    h, rest = divmod(int(round(s)), 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}h {m:02d}m {sec:02d}s"
+
+
+def _format_epoch_times(times: list[float]) -> str:
+    values = [float(t) for t in times]
+    if not values:
+        return "-"
+    mean = sum(values) / len(values)
+    if len(values) <= 10:
+        listed = ", ".join(f"{t:.2f}" for t in values)
+        return f"mean {mean:.2f} s  [{listed}] s"
+    return f"mean {mean:.2f} s  (min {min(values):.2f}, max {max(values):.2f}, {len(values)} epochs)"
+
+
+def _format_timeline(timeline: list[Mapping[str, Any]]) -> str:
+    rows = sorted(timeline, key=lambda e: (int(e.get("step", 0)), str(e.get("block", ""))))
+    width = max((len(str(e.get("block", ""))) for e in rows), default=0)
+    lines = []
+    for entry in rows:
+        block = str(entry.get("block", "?"))
+        action = str(entry.get("action", "freeze"))
+        verb = {"freeze": "frozen", "thaw": "thawed"}.get(action, action)
+        line = f"{block.ljust(width)}  {verb} at step {int(entry.get('step', 0))}"
+        if entry.get("epoch") is not None:
+            line += f" (epoch {int(entry['epoch'])})"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") -> Table:
+    """Build a two-column ``rich`` table summarising a run.
+
+    Recognised keys of ``summary`` (all optional; absent or None keys are
+    left out, unknown keys are ignored): ``strategy``, ``model``, ``task``,
+    ``test_accuracy`` (fraction in 0..1, shown as a percentage with 2
+    decimals), ``test_loss``, ``epochs``, ``steps``, ``wall_time_s``,
+    ``train_time_s`` (seconds), ``time_per_epoch_s`` (list of seconds),
+    ``flops_total``, ``flops_per_step_first``, ``flops_per_step_last``
+    (FLOPs), ``peak_memory_bytes`` (bytes) and ``freeze_timeline`` (list of
+    ``{"block", "step", "epoch", "action"}``; rendered one line per entry as
+    ``"<block>  frozen at step N (epoch E)"``, blocks frozen from the start
+    having step 0).
+    """
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("metric", style="cyan", no_wrap=True)
+    table.add_column("value", overflow="fold")
+
+    def get(key: str) -> Any:
+        return summary.get(key)
+
+    for key in ("strategy", "model", "task"):
+        if get(key) is not None:
+            table.add_row(key, str(get(key)))
+    if get("test_accuracy") is not None:
+        table.add_row("test accuracy", f"{100.0 * float(get('test_accuracy')):.2f}%")
+    if get("test_loss") is not None:
+        table.add_row("test loss", f"{float(get('test_loss')):.4f}")
+    for key in ("epochs", "steps"):
+        if get(key) is not None:
+            table.add_row(key, f"{int(get(key)):,}")
+    if get("wall_time_s") is not None:
+        table.add_row("wall time", _format_seconds(get("wall_time_s")))
+    if get("train_time_s") is not None:
+        table.add_row("train time", _format_seconds(get("train_time_s")))
+    if get("time_per_epoch_s") is not None:
+        table.add_row("time per epoch", _format_epoch_times(list(get("time_per_epoch_s"))))
+    if get("flops_total") is not None:
+        table.add_row("training FLOPs", format_flops(get("flops_total")))
+    first, last = get("flops_per_step_first"), get("flops_per_step_last")
+    if first is not None:
+        table.add_row("FLOPs/step (first)", format_flops(first))
+    if last is not None:
+        text = format_flops(last)
+        if first is not None and float(first) > 0:
+            change = 100.0 * (float(last) - float(first)) / float(first)
+            text += f" ({change:+.1f}% vs first)"
+        table.add_row("FLOPs/step (last)", text)
+    if get("peak_memory_bytes") is not None:
+        table.add_row("peak memory", format_bytes(get("peak_memory_bytes")))
+    timeline = get("freeze_timeline")
+    if timeline:
+        table.add_section()
+        table.add_row("freeze timeline", _format_timeline(list(timeline)))
+    return table
+
+
+def print_summary(summary: Mapping[str, Any], console: Console | None = None) -> None:
+    """Print :func:`summary_table` of ``summary`` to ``console`` (a new
+    ``rich.console.Console`` on stdout if None)."""
+    (console or Console()).print(summary_table(summary))

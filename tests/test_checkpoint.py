@@ -1,0 +1,88 @@
+"""Freeze state is part of the checkpoint: a resumed run follows the uninterrupted one bitwise (CPU, same seed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from layerfreeze import CheckpointError, Freezer, block_param_groups, discover_blocks, load_checkpoint, save_checkpoint
+from tests.test_engine import Scripted, make_net
+
+# freeze blocks 0,1 at step 3; thaw 1 and freeze 2 at step 6; thaw everything at step 9
+TABLE = {3: ([0, 1], []), 6: ([2], [1]), 9: ([], [0, 2])}
+
+
+def build(opt_name: str):
+    model = make_net(seed=0)
+    blocks = discover_blocks(model)
+    groups = block_param_groups(model, blocks, lr=0.05, weight_decay=0.1, lr_decay=2.6)
+    if opt_name == "sgd":
+        optimizer = torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=0.1)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=0.05, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.1 * s))
+    freezer = Freezer(model, optimizer, Scripted(TABLE), blocks=blocks, scheduler=scheduler)
+    return model, optimizer, scheduler, freezer
+
+
+def run(model, optimizer, scheduler, freezer, start: int, stop: int):
+    data = torch.Generator().manual_seed(123)
+    batches = [(torch.randn(16, 8, generator=data), torch.randint(0, 3, (16,), generator=data)) for _ in range(12)]
+    for step in range(start, stop):
+        x, y = batches[step]
+        model.train()
+        loss = nn.functional.cross_entropy(model(x), y)  # dropout draws from the global RNG
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        freezer.step()
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("stop_at", [4, 7])  # inside a frozen phase, and after a thaw
+def test_resume_is_bitwise_identical_to_uninterrupted_run(tmp_path, opt_name, stop_at):
+    torch.manual_seed(7)
+    reference = build(opt_name)
+    run(*reference, 0, 12)
+
+    torch.manual_seed(7)
+    first = build(opt_name)
+    run(*first, 0, stop_at)
+    save_checkpoint(tmp_path / "ckpt", *first[:2], freezer=first[3], scheduler=first[2], extra={"step": stop_at})
+    torch.manual_seed(999)  # the resumed process starts from another RNG state
+    resumed = build(opt_name)
+    extra = load_checkpoint(tmp_path / "ckpt", resumed[0], resumed[1], freezer=resumed[3], scheduler=resumed[2])
+    assert extra == {"step": stop_at}
+    assert resumed[3].frozen == first[3].frozen
+    assert [p.requires_grad for p in resumed[0].parameters()] == [p.requires_grad for p in first[0].parameters()]
+    run(*resumed, stop_at, 12)
+
+    for (name, a), b in zip(reference[0].state_dict().items(), resumed[0].state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs after resume"
+    assert resumed[3].history == reference[3].history
+    assert resumed[3].frozen == reference[3].frozen == [False] * 5
+
+
+def test_corrupt_or_incomplete_checkpoint_is_detected(tmp_path):
+    model, optimizer, scheduler, freezer = build("adamw")
+    run(model, optimizer, scheduler, freezer, 0, 4)
+    path = save_checkpoint(tmp_path / "ckpt", model, optimizer, freezer, scheduler)
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="SHA-256"):
+        load_checkpoint(path, *build("adamw")[:2])
+    (path / "state.pt").unlink()
+    with pytest.raises(CheckpointError, match="state.pt is missing"):
+        load_checkpoint(path, *build("adamw")[:2])
+
+
+def test_checkpoint_from_other_blocks_is_refused(tmp_path):
+    model, optimizer, scheduler, freezer = build("sgd")
+    path = save_checkpoint(tmp_path / "ckpt", model, optimizer, freezer, scheduler)
+    other = make_net()
+    other_freezer = Freezer(other, torch.optim.SGD(other.parameters(), lr=0.1), blocks=["0", "1", "6"])
+    with pytest.raises(CheckpointError, match="blocks"):
+        load_checkpoint(path, other, other_freezer.optimizer, freezer=other_freezer)

@@ -1,0 +1,236 @@
+"""The engine's guarantees, with real values: frozen weights bitwise unchanged, thawed weights train again, no
+optimizer state for frozen weights, BatchNorm statistics still, no autograd graph for a frozen prefix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from layerfreeze import Freezer, block_param_groups, discover_blocks
+from layerfreeze.strategies import Decision, StageContext, Strategy
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1),
+}
+
+
+def make_net(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(),
+        nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.2),
+        nn.Linear(16, 3),
+    )
+
+
+def train_steps(model, optimizer, n, freezer=None, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        model.train()
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if freezer is not None:
+            freezer.after_backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if freezer is not None:
+            freezer.step()
+
+
+def snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_discovery_of_sequential_skips_parameter_free_layers():
+    blocks = discover_blocks(make_net())
+    assert [b.name for b in blocks] == ["0", "1", "3", "4", "6"]
+    assert [b.is_head for b in blocks] == [False] * 4 + [True]
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_frozen_block_is_bitwise_unchanged_and_thaw_trains_again(opt_name):
+    model = make_net()
+    optimizer = OPTIMIZERS[opt_name](model.parameters())
+    freezer = Freezer(model, optimizer)
+    train_steps(model, optimizer, 3, freezer)  # build momentum / Adam moments for every weight
+    assert all(len(optimizer.state[p]) > 0 for p in model[0].parameters())
+
+    freezer.freeze(0)
+    freezer.freeze(1)  # BatchNorm block: affine weights and running statistics must stay
+    frozen_before = snapshot(model[0]) | {f"bn.{k}": v for k, v in snapshot(model[1]).items()}
+    head_before = snapshot(model[6])
+
+    assert all(p.grad is None and not p.requires_grad for p in model[0].parameters())
+    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert not any(id(p) in in_optimizer for p in [*model[0].parameters(), *model[1].parameters()])
+    assert not any(p in optimizer.state for p in [*model[0].parameters(), *model[1].parameters()])
+    assert len(optimizer.param_groups) == 1
+
+    train_steps(model, optimizer, 5, freezer, seed=2)
+    frozen_after = snapshot(model[0]) | {f"bn.{k}": v for k, v in snapshot(model[1]).items()}
+    for key, value in frozen_before.items():
+        assert torch.equal(value, frozen_after[key]), f"frozen tensor {key} changed"
+    assert frozen_after["bn.num_batches_tracked"].item() == 3
+    assert not torch.equal(head_before["weight"], model[6].weight), "the head must keep training"
+
+    freezer.thaw(0)
+    freezer.thaw(1)
+    assert all(p.requires_grad for p in model[0].parameters())
+    train_steps(model, optimizer, 2, freezer, seed=3)
+    assert not torch.equal(frozen_before["weight"], model[0].weight), "thawed weights must train again"
+    assert not torch.equal(frozen_before["bn.running_mean"], model[1].running_mean)
+    assert model[1].num_batches_tracked.item() == 5
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_zeroed_grads_left_in_optimizer_drift_which_is_why_we_remove_them(opt_name):
+    """Control for the test above: the common fault (grad zeroed, param left in the optimizer) does move weights."""
+    model = make_net()
+    optimizer = OPTIMIZERS[opt_name](model.parameters())
+    train_steps(model, optimizer, 3)
+    before = model[0].weight.detach().clone()
+    for _ in range(3):
+        model(torch.randn(16, 8)).sum().backward()
+        model[0].weight.grad.zero_()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    assert not torch.equal(before, model[0].weight)
+
+
+def test_frozen_prefix_builds_no_graph_and_backward_stops_at_first_trainable_block():
+    model = make_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    freezer = Freezer(model, optimizer)
+    freezer.freeze(0)
+    freezer.freeze(1)
+    assert freezer.frozen_prefix == 2
+    seen = {}
+    model[2].register_forward_hook(lambda m, i, o: seen.setdefault("prefix_out", o))
+    out = model(torch.randn(4, 8))
+    assert seen["prefix_out"].grad_fn is None and not seen["prefix_out"].requires_grad
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert model[0].weight.grad is None and model[3].weight.grad is not None
+
+
+def test_bn_stays_in_eval_after_model_train_and_train_bn_keeps_it_training():
+    model = make_net()
+    freezer = Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    freezer.freeze(1)
+    model.train()
+    model(torch.randn(4, 8))
+    assert not model[1].training and model[1].num_batches_tracked.item() == 0
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.2)), nn.Linear(16, 3))
+    freezer = Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), train_bn=True)
+    freezer.freeze(0)  # Linear frozen; BatchNorm keeps training (statistics and affine); Dropout goes to eval
+    assert not model[0][0].weight.requires_grad
+    assert model[0][1].weight.requires_grad and model[0][1].bias.requires_grad
+    model.train()
+    model(torch.randn(4, 8))
+    assert model[0][1].training and model[0][1].num_batches_tracked.item() == 1
+    assert not model[0][2].training and not model[0][0].training
+
+
+def test_thaw_with_discriminative_lr_needs_one_group_per_block():
+    model = make_net()
+    blocks = discover_blocks(model)
+    groups = block_param_groups(model, blocks, lr=1.0, lr_decay=2.6)
+    assert [g["block"] for g in groups] == ["0", "1", "3", "4", "6"]
+    assert [round(g["lr"], 6) for g in groups] == [round(2.6 ** -k, 6) for k in (4, 3, 2, 1, 0)]
+    optimizer = torch.optim.SGD(groups, lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
+    freezer = Freezer(model, optimizer, blocks=blocks, scheduler=scheduler)
+    freezer.freeze(0)
+    assert optimizer.param_groups[0]["params"] == []
+    freezer.thaw(0, lr=0.25)
+    assert scheduler.base_lrs[0] == 0.25
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == 0.125 and len(optimizer.param_groups[0]["params"]) == 2
+
+    shared = make_net()
+    freezer = Freezer(shared, torch.optim.SGD(shared.parameters(), lr=1.0))
+    freezer.freeze(0)
+    with pytest.raises(ValueError, match="block_param_groups"):
+        freezer.thaw(0, lr=0.5)
+
+
+class Scripted(Strategy):
+    """Freezes / thaws by a fixed step table (a stand-in for a strategy fed a crafted signal)."""
+
+    name = "scripted"
+
+    def __init__(self, table):
+        super().__init__()
+        self.stage_every = 1
+        self.table = table
+        self.calls = 0
+
+    def decide(self, ctx: StageContext) -> Decision:
+        self.calls += 1
+        freeze, thaw = self.table.get(ctx.step, ([], []))
+        return Decision(freeze=list(freeze), thaw=list(thaw), reason=f"table@{ctx.step}")
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state):
+        self.calls = state["calls"]
+
+
+def test_freezer_applies_a_strategy_at_exact_steps_and_refuses_to_freeze_the_head():
+    model = make_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    freezer = Freezer(model, optimizer, Scripted({2: ([0, 1], []), 4: ([2], [1])}))
+    train_steps(model, optimizer, 5, freezer)
+    assert [(h["kind"], h["block"], h["step"]) for h in freezer.history] == [
+        ("freeze", "0", 2), ("freeze", "1", 2), ("freeze", "3", 4), ("thaw", "1", 4),
+    ]
+    assert freezer.frozen == [True, False, True, False, False]
+    freezer = Freezer(make_net(), None, Scripted({1: ([4], [])}))
+    with pytest.raises(RuntimeError, match="head"):
+        freezer.step()
+
+
+class NeedsGrads(Strategy):
+    name = "needs-grads"
+    signals = ("grad_l1",)
+
+    def __init__(self):
+        super().__init__()
+        self.stage_every = 2
+        self.seen = []
+
+    def decide(self, ctx):
+        if ctx.event == "step":
+            self.seen.append(ctx.signals["grad_l1"])
+        return Decision()
+
+
+def test_gradient_signal_is_accumulated_and_missing_backward_is_an_error():
+    model = make_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: same gradients every step
+    strategy = NeedsGrads()
+    freezer = Freezer(model, optimizer, strategy)
+    freezer.freeze(0)
+    model.eval()
+    x = torch.randn(16, 8)
+    for _ in range(2):
+        model(x).sum().backward()
+        freezer.after_backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        freezer.step()
+    model(x).sum().backward()
+    expected_head = 2 * float(sum(p.grad.abs().sum() for p in model[6].parameters()))
+    assert strategy.seen[0][0] == 0.0  # frozen block: no gradient
+    assert strategy.seen[0][4] == pytest.approx(expected_head, rel=1e-6)
+
+    freezer = Freezer(make_net(), None, NeedsGrads())
+    freezer.step()
+    with pytest.raises(RuntimeError, match="after_backward"):
+        freezer.step()

@@ -1,0 +1,367 @@
+"""Tests for layerfreeze.telemetry: FLOP counting, memory, metrics files, summary."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+from layerfreeze.telemetry import (
+    Telemetry,
+    current_memory_bytes,
+    format_bytes,
+    format_flops,
+    measure_flops,
+    peak_memory_bytes,
+    print_summary,
+    read_metrics,
+    reset_peak_memory,
+    summary_table,
+)
+
+B, IN, HID, OUT = 8, 64, 32, 16
+# One matmul (m x k) @ (k x n) costs 2*m*k*n FLOPs (a multiply and an add).
+FWD_L1 = 2 * B * IN * HID  # Linear(64, 32) on a batch of 8: addmm (8x64)@(64x32) = 32768
+FWD_L2 = 2 * B * HID * OUT  # Linear(32, 16) on a batch of 8: addmm (8x32)@(32x16) = 8192
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> Callable[[], float]:
+    def fn() -> float:
+        loss = model(x).square().mean()
+        loss.backward()
+        return float(loss.detach())
+
+    return fn
+
+
+# --------------------------------------------------------------------------- #
+# measure_flops
+# --------------------------------------------------------------------------- #
+def test_measure_flops_linear_forward_only() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(IN, HID)
+    x = torch.randn(B, IN)
+    out, flops = measure_flops(lambda: lin(x))
+    assert out.shape == (B, HID)
+    # addmm(bias, x, W^T): the bias add is elementwise and not counted.
+    assert flops == FWD_L1 == 32768
+
+
+def test_measure_flops_linear_trainable() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(IN, HID)
+    x = torch.randn(B, IN)  # input does not require grad
+    loss, flops = measure_flops(_step(lin, x))
+    assert isinstance(loss, float)
+    # forward:      addmm (8x64)@(64x32)                  = 2*8*64*32 = 32768
+    # weight grad:  mm grad_out^T @ x, (32x8)@(8x64)       = 2*32*8*64 = 32768
+    # bias grad:    a sum over the batch (elementwise)     = not counted
+    # input grad:   not computed (x does not require grad) = 0
+    assert flops == 2 * FWD_L1 == 65536
+    assert lin.weight.grad is not None
+
+
+def test_measure_flops_linear_weight_frozen() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(IN, HID)
+    lin.weight.requires_grad_(False)  # bias stays trainable so backward() runs
+    x = torch.randn(B, IN)
+    _, flops = measure_flops(_step(lin, x))
+    # forward addmm only; backward computes just the bias grad (a reduction,
+    # not counted): no weight grad, no input grad.
+    assert flops == FWD_L1 == 32768
+    assert lin.weight.grad is None and lin.bias.grad is not None
+
+
+def test_measure_flops_frozen_prefix_drops_backward_work() -> None:
+    x = torch.randn(B, IN)
+
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(IN, HID), nn.ReLU(), nn.Linear(HID, OUT))
+    _, flops_full = measure_flops(_step(full, x))
+    # forward: L1 32768 + L2 8192                               = 40960
+    # L2 weight grad: (16x8)@(8x32)  = 2*16*8*32                 =  8192
+    # L2 input grad:  (8x16)@(16x32) = 2*8*16*32 (L1 trainable)  =  8192
+    # L1 weight grad: (32x8)@(8x64)  = 2*32*8*64                 = 32768
+    # L1 input grad: none (x does not require grad)              =     0
+    assert flops_full == FWD_L1 + FWD_L2 + 2 * B * OUT * HID + 2 * B * OUT * HID + 2 * HID * B * IN
+    assert flops_full == 90112
+
+    torch.manual_seed(0)
+    prefix_frozen = nn.Sequential(nn.Linear(IN, HID), nn.ReLU(), nn.Linear(HID, OUT))
+    for p in prefix_frozen[0].parameters():
+        p.requires_grad_(False)
+    _, flops_frozen = measure_flops(_step(prefix_frozen, x))
+    # forward: L1 32768 + L2 8192                                    = 40960
+    # L2 weight grad: 2*16*8*32                                       =  8192
+    # L2 input grad: none, L1's output does not require grad          =     0
+    # L1 (frozen): no weight grad, no input grad                      =     0
+    assert flops_frozen == FWD_L1 + FWD_L2 + 2 * OUT * B * HID == 49152
+    assert flops_frozen < flops_full
+    assert prefix_frozen[0].weight.grad is None and prefix_frozen[2].weight.grad is not None
+
+
+def test_measure_flops_propagates_errors() -> None:
+    def boom() -> None:
+        raise KeyError("x")
+
+    with pytest.raises(KeyError):
+        measure_flops(boom)
+
+
+# --------------------------------------------------------------------------- #
+# memory
+# --------------------------------------------------------------------------- #
+def _clear_refs_works() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+MB200 = 50_000_000  # float32 elements = 200 MB
+
+
+def test_peak_memory_cpu_grows_with_allocation() -> None:
+    reset_peak_memory("cpu")
+    before_peak = peak_memory_bytes("cpu")
+    before_rss = current_memory_bytes(torch.device("cpu"))
+    assert before_peak > 0 and before_rss > 0
+    t = torch.ones(MB200)  # torch.ones writes every page, so it is resident
+    rss_with = current_memory_bytes("cpu")
+    after_peak = peak_memory_bytes("cpu")
+    del t
+    assert rss_with >= before_rss + 180 * 10**6
+    # The peak covers at least the RSS before plus the tensor...
+    assert after_peak >= before_rss + 180 * 10**6
+    assert after_peak >= rss_with
+    # ...and therefore grew, when the reset made the earlier peak current RSS.
+    if _clear_refs_works():
+        assert after_peak >= before_peak + 180 * 10**6
+    else:
+        assert after_peak >= before_peak
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_reset_peak_memory_cpu_clears_refs() -> None:
+    if not _clear_refs_works():
+        pytest.skip("/proc/self/clear_refs not writable here")
+    t = torch.ones(MB200)
+    peak_with = peak_memory_bytes("cpu")
+    del t  # a 200 MB block is mmap'ed and returned to the OS on free
+    reset_peak_memory("cpu")
+    peak_after_reset = peak_memory_bytes("cpu")
+    assert peak_after_reset <= peak_with - 150 * 10**6
+    # After a reset VmHWM restarts at the current RSS.
+    assert peak_after_reset >= current_memory_bytes("cpu") - 50 * 10**6
+
+
+# --------------------------------------------------------------------------- #
+# Telemetry files
+# --------------------------------------------------------------------------- #
+def _scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_telemetry_writes_jsonl_and_tensorboard(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "r1"
+    with Telemetry(run) as tel:
+        tel.log_config({"lr": 1e-3, "out": Path("/tmp/x"), "blocks": ["a", "b"]})
+        tel.log_step(1, loss=torch.tensor(2.5), lr=np.float32(0.5), frozen=["a"], note=None)
+        tel.log_step(2, loss=1.5, lr=0.25, tokens=np.int64(64))
+        tel.log_event("freeze", 2, blocks=["a"], frozen_count=1)
+        tel.log_event("checkpoint", 2, path=run / "ckpt.pt")
+        tel.log_epoch(0, 2, val_loss=1.25, val_acc=torch.tensor(0.75, dtype=torch.float64))
+    assert tel.closed
+    tel.close()  # idempotent
+
+    recs = read_metrics(run)
+    assert [r["type"] for r in recs] == ["config", "step", "step", "event", "event", "epoch"]
+    cfg, s1, s2, ev_freeze, ev_ckpt, ep = recs
+    assert cfg["config"] == {"lr": 1e-3, "out": "/tmp/x", "blocks": ["a", "b"]}
+    assert s1["step"] == 1 and s1["loss"] == 2.5 and s1["lr"] == 0.5
+    assert s1["frozen"] == ["a"] and s1["note"] is None
+    assert s2["tokens"] == 64 and isinstance(s2["tokens"], int)
+    assert ev_freeze == {**ev_freeze, "kind": "freeze", "step": 2, "blocks": ["a"], "frozen_count": 1}
+    assert ev_ckpt["kind"] == "checkpoint" and ev_ckpt["path"] == str(run / "ckpt.pt")
+    assert ep["epoch"] == 0 and ep["step"] == 2 and ep["val_acc"] == 0.75
+    times = [r["time"] for r in recs]
+    assert times == sorted(times) and all(t > 1.6e9 for t in times)
+
+    tb_dir = run / "tensorboard"
+    assert any(p.name.startswith("events.out.tfevents") for p in tb_dir.iterdir())
+    scalars = _scalars(tb_dir)
+    assert scalars["train/loss"] == [(1, 2.5), (2, 1.5)]
+    assert scalars["train/lr"] == [(1, 0.5), (2, 0.25)]
+    assert scalars["train/tokens"] == [(2, 64.0)]
+    assert scalars["epoch/val_loss"] == [(2, 1.25)]
+    assert scalars["epoch/val_acc"] == [(2, 0.75)]
+    assert scalars["blocks/frozen_count"] == [(2, 1.0)]
+    # non-numeric / None metrics are JSON-only
+    assert "train/frozen" not in scalars and "train/note" not in scalars
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    tensor_tags = acc.Tags()["tensors"]
+    assert any(t.startswith("events") for t in tensor_tags)
+    assert any(t.startswith("config") for t in tensor_tags)
+
+
+def test_telemetry_rejects_bad_input_and_closed(tmp_path: Path) -> None:
+    tel = Telemetry(tmp_path, tensorboard=False)
+    assert not (tmp_path / "tensorboard").exists()
+    with pytest.raises(ValueError, match="reserved"):
+        tel.log_step(1, time=3.0)
+    with pytest.raises(TypeError, match="not JSON serialisable"):
+        tel.log_step(1, obj=object())
+    tel.log_step(3, loss=0.5)
+    tel.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        tel.log_step(4, loss=0.5)
+    # The rejected calls wrote nothing.
+    assert [(r["type"], r["step"]) for r in read_metrics(tmp_path)] == [("step", 3)]
+
+
+def test_read_metrics_truncated_last_line_and_corrupt_middle(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"type": "step", "step": i, "loss": 1.0 / i}) for i in (1, 2)]
+    path.write_text("\n".join(good) + '\n{"type": "step", "st')  # crash mid-write
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]  # file path accepted too
+
+    path.write_text(good[0] + "\n{not json\n" + good[1] + "\n")
+    with pytest.raises(ValueError, match="line 2"):
+        read_metrics(tmp_path)
+
+    with pytest.raises(FileNotFoundError):
+        read_metrics(tmp_path / "missing")
+
+
+def test_telemetry_resume_after_crash_drops_partial_record(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"type": "step", "step": 1}) + '\n{"type": "st')
+    with Telemetry(tmp_path, tensorboard=False) as tel:
+        tel.log_step(2, loss=0.1)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert path.read_text().count("\n") == 2
+
+
+# --------------------------------------------------------------------------- #
+# formatting and summary
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [
+        (0, "0 FLOP"),
+        (999, "999 FLOP"),
+        (1000, "1.00 kFLOP"),
+        (65536, "65.5 kFLOP"),
+        (1.234e15, "1.23 PFLOP"),
+        (4.567e14, "456.7 TFLOP"),
+        (999.96e12, "1.00 PFLOP"),
+        (2.5e21, "2.50 ZFLOP"),
+    ],
+)
+def test_format_flops(n: float, text: str) -> None:
+    assert format_flops(n) == text
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1.00 KiB"),
+        (200 * 2**20, "200.0 MiB"),
+        (3 * 2**29, "1.50 GiB"),
+        (2**40 - 1, "1.00 TiB"),
+    ],
+)
+def test_format_bytes(n: int, text: str) -> None:
+    assert format_bytes(n) == text
+
+
+def test_format_rejects_negative() -> None:
+    with pytest.raises(ValueError):
+        format_flops(-1)
+    with pytest.raises(ValueError):
+        format_bytes(float("nan"))
+
+
+def _render(table) -> str:
+    console = Console(record=True, width=120)
+    console.print(table)
+    return console.export_text()
+
+
+def test_summary_table_renders() -> None:
+    summary = {
+        "strategy": "autofreeze",
+        "model": "minilm-l6",
+        "task": "bbc-news",
+        "test_accuracy": 0.97531,
+        "test_loss": 0.08123,
+        "epochs": 3,
+        "steps": 1200,
+        "wall_time_s": 125.0,
+        "train_time_s": 42.5,
+        "time_per_epoch_s": [14.0, 14.5, 14.0],
+        "flops_total": 1.234e15,
+        "flops_per_step_first": 4.0e12,
+        "flops_per_step_last": 2.5e12,
+        "peak_memory_bytes": 3 * 2**29,
+        "freeze_timeline": [
+            {"block": "layer.1", "step": 400, "epoch": 1, "action": "freeze"},
+            {"block": "embeddings", "step": 0, "epoch": 0, "action": "freeze"},
+            {"block": "layer.1", "step": 900, "epoch": 2, "action": "thaw"},
+        ],
+    }
+    text = _render(summary_table(summary, title="my run"))
+    for expected in (
+        "my run",
+        "autofreeze",
+        "minilm-l6",
+        "bbc-news",
+        "97.53%",
+        "0.0812",
+        "1,200",
+        "2m 05.0s",
+        "42.50 s",
+        "mean 14.17 s",
+        "1.23 PFLOP",
+        "4.00 TFLOP",
+        "2.50 TFLOP (-37.5% vs first)",
+        "1.50 GiB",
+        "embeddings  frozen at step 0 (epoch 0)",
+        "layer.1     frozen at step 400 (epoch 1)",
+        "layer.1     thawed at step 900 (epoch 2)",
+    ):
+        assert expected in text, expected
+    # timeline sorted by step
+    assert text.index("embeddings  frozen") < text.index("layer.1     frozen") < text.index("thawed")
+
+
+def test_summary_table_shows_only_present_keys() -> None:
+    text = _render(summary_table({"test_accuracy": 0.5, "steps": None}))
+    assert "50.00%" in text
+    assert "steps" not in text and "peak memory" not in text and "freeze timeline" not in text
+
+    console = Console(record=True, width=120)
+    print_summary({"strategy": "none", "peak_memory_bytes": 200 * 2**20}, console=console)
+    out = console.export_text()
+    assert "layerfreeze run" in out and "none" in out and "200.0 MiB" in out

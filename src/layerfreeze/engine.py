@@ -220,6 +220,10 @@ class Freezer:
         self._hooks: dict[int, list[Any]] = {}
         self._grad_l1 = [0.0] * len(self.blocks)
         self._backward_calls = 0
+        self._lr_scale: dict[int, float] = {}
+        self._lr_written: dict[int, tuple[float, float]] = {}  # group -> (unscaled lr, lr we wrote)
+        self.strategy.validate(len(self.blocks))
+        self.strategy.attach(model, self.blocks)
         self._stage(event="start")
 
     # ---- queries -------------------------------------------------------------------------------------------
@@ -317,21 +321,52 @@ class Freezer:
         block = key if isinstance(key, Block) else self.block(key)
         if self.optimizer is None or lr <= 0:
             raise ValueError(f"set_block_lr needs an optimizer and lr > 0 (got lr={lr})")
-        own = {id(p) for p in block.parameters()}
-        indices = sorted({self._origin.get(id(p), 0) for p in block.parameters()})
-        for gi in indices:
+        for gi in self._exclusive_groups(block, "its own learning rate"):
             group = self.optimizer.param_groups[gi]
-            if any(id(p) not in own for p in group["params"]):
-                raise ValueError(
-                    f"Cannot give block {block.name!r} its own learning rate: param group {gi} also holds other "
-                    "blocks' parameters. Build the optimizer from layerfreeze.block_param_groups(...) (one group "
-                    "per block)."
-                )
             group["lr"] = lr
             if "initial_lr" in group:
                 group["initial_lr"] = lr
             if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
                 self.scheduler.base_lrs[gi] = lr
+            self._lr_written.pop(gi, None)
+
+    def _block_group_indices(self, block: Block) -> list[int]:
+        return sorted({self._origin[id(p)] for p in block.parameters() if id(p) in self._origin})
+
+    def _exclusive_groups(self, block: Block, purpose: str) -> list[int]:
+        """The param groups of ``block``; ValueError if one also holds other blocks' parameters."""
+        own = {id(p) for p in block.parameters()}
+        indices = self._block_group_indices(block)
+        for gi in indices:
+            if any(id(p) not in own for p in self.optimizer.param_groups[gi]["params"]):
+                raise ValueError(
+                    f"Cannot give block {block.name!r} {purpose}: param group {gi} also holds other blocks' "
+                    "parameters. Build the optimizer from layerfreeze.block_param_groups(...) (one group per block)."
+                )
+        return indices
+
+    def _apply_lr_scales(self) -> None:
+        """Multiply each scaled block's scheduled LR by its factor (after the scheduler has set this step's LR).
+
+        A group whose LR is still the value we wrote last time has not been rescheduled (no scheduler, or the
+        scheduler only runs per epoch), so the factor is applied to the remembered unscaled LR, not compounded.
+        Schedulers that derive the next LR from the current one (StepLR, ExponentialLR) would compound the factor:
+        use LambdaLR-style schedulers (as the CLI trainer does) with strategies that scale LRs.
+        """
+        if self.optimizer is None:
+            return
+        for index, scale in self._lr_scale.items():
+            for gi in self._block_group_indices(self.blocks[index]):
+                group = self.optimizer.param_groups[gi]
+                unscaled, written = self._lr_written.get(gi, (None, None))
+                if written is None or group["lr"] != written:
+                    unscaled = group["lr"]
+                group["lr"] = unscaled * scale
+                self._lr_written[gi] = (unscaled, group["lr"])
+
+    def close(self) -> None:
+        """Release what the strategy attached (hooks, background threads)."""
+        self.strategy.detach()
 
     # ---- training-loop hooks -------------------------------------------------------------------------------
 
@@ -355,9 +390,9 @@ class Freezer:
         """Call once after each ``optimizer.step()``; runs a freezing stage every ``strategy.stage_every`` steps."""
         self.step_count += 1
         every = self.strategy.stage_every
-        if every and self.step_count % every == 0:
-            return self._stage(event="step")
-        return None
+        decision = self._stage(event="step") if every and self.step_count % every == 0 else None
+        self._apply_lr_scales()
+        return decision
 
     def epoch_end(self) -> Decision | None:
         """Call at the end of each epoch; runs an epoch-end stage if the strategy wants one."""
@@ -384,6 +419,8 @@ class Freezer:
             "grad_l1": list(self._grad_l1),
             "backward_calls": self._backward_calls,
             "train_bn": self.train_bn,
+            "lr_scale": dict(self._lr_scale),
+            "lr_written": dict(self._lr_written),
         }
         if self.optimizer is not None:
             state["param_groups"] = [[self._names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
@@ -429,6 +466,8 @@ class Freezer:
         self.history = list(state["history"])
         self._grad_l1 = list(state["grad_l1"])
         self._backward_calls = state["backward_calls"]
+        self._lr_scale = {int(k): v for k, v in state["lr_scale"].items()}
+        self._lr_written = {int(k): tuple(v) for k, v in state["lr_written"].items()}
         self.strategy.load_state_dict(state["strategy"]["state"])
 
     # ---- internals -----------------------------------------------------------------------------------------
@@ -467,6 +506,14 @@ class Freezer:
                     "Call it after loss.backward() and before optimizer.zero_grad()."
                 )
             signals["grad_l1"] = list(self._grad_l1)
+        block_lrs = None
+        if self.optimizer is not None:
+            block_lrs = []
+            for b in self.blocks:
+                groups = self._block_group_indices(b)
+                g = self.optimizer.param_groups[groups[0]] if groups else None
+                unscaled = self._lr_written.get(groups[0], (None,))[0] if groups else None
+                block_lrs.append(None if g is None else g.get("initial_lr", unscaled or g["lr"]))
         return StageContext(
             step=self.step_count,
             epoch=self.epoch,
@@ -475,6 +522,7 @@ class Freezer:
             total_steps=self.total_steps,
             steps_per_epoch=self.steps_per_epoch,
             signals=signals,
+            block_lrs=block_lrs,
         )
 
     def _stage(self, event: str) -> Decision:
@@ -488,4 +536,12 @@ class Freezer:
             self.freeze(i, reason=decision.reason or self.strategy.name)
         for i in decision.thaw:
             self.thaw(i, lr=decision.thaw_lr.get(i), reason=decision.reason or self.strategy.name)
+        for i, scale in decision.lr_scale.items():
+            if self.optimizer is None:
+                raise ValueError(f"Strategy {self.strategy.name!r} scales learning rates: it needs an optimizer")
+            self._exclusive_groups(self.blocks[i], "a learning-rate factor")
+            if scale == 1.0:
+                self._lr_scale.pop(i, None)
+            else:
+                self._lr_scale[i] = float(scale)
         return decision

@@ -34,6 +34,8 @@ class StageContext:
         steps_per_epoch: Optimizer steps per epoch, if known.
         signals: Signals the strategy asked for in :attr:`Strategy.signals`, e.g.
             ``{"grad_l1": [float per block]}`` accumulated since the previous stage.
+        block_lrs: Base learning rate of each block (its first param group's ``initial_lr``, else ``lr``) before any
+            scaling by the strategy; None without an optimizer.
     """
 
     step: int
@@ -43,6 +45,7 @@ class StageContext:
     total_steps: int | None = None
     steps_per_epoch: int | None = None
     signals: dict[str, Any] = field(default_factory=dict)
+    block_lrs: list[float] | None = None
 
     @property
     def progress(self) -> float | None:
@@ -67,6 +70,8 @@ class Decision:
     """What a strategy wants done at a stage: block indices to freeze and to thaw, and why.
 
     ``thaw_lr`` optionally maps a block index to the learning rate its parameters get back (discriminative LR);
+    ``lr_scale`` maps a block index to a factor the engine multiplies into that block's scheduled learning rate
+    after every step until changed again (1.0 removes it; used by FreezeOut's per-block annealing);
     ``signals`` carries the strategy's internal values (ratios, plasticity, schedules) to telemetry.
     """
 
@@ -74,6 +79,7 @@ class Decision:
     thaw: list[int] = field(default_factory=list)
     reason: str = ""
     thaw_lr: dict[int, float] = field(default_factory=dict)
+    lr_scale: dict[int, float] = field(default_factory=dict)
     signals: dict[str, Any] = field(default_factory=dict)
 
 
@@ -93,6 +99,16 @@ class Strategy:
     def __init__(self) -> None:
         self.stage_every: int | None = None
         self.at_epoch_end: bool = False
+
+    def validate(self, num_blocks: int) -> None:
+        """Check the parameters against the model's number of blocks; raise ValueError with what to change."""
+
+    def attach(self, model: Any, blocks: list[Any]) -> None:
+        """Called once by the engine before the start stage, for strategies that observe the model themselves
+        (weights, activations). They must not change the model, the optimizer or ``requires_grad``."""
+
+    def detach(self) -> None:
+        """Release what :meth:`attach` set up (hooks, threads). Called by ``Freezer.close()``."""
 
     def decide(self, ctx: StageContext) -> Decision:
         """Return the blocks to freeze / thaw at this stage. The head is never frozen (the engine enforces it)."""

@@ -1,0 +1,11 @@
+# Two entry points from a fresh clone: `make demo` (the default job) and `make test` (the test suite).
+.PHONY: demo test setup
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/layerfreeze train
+
+test: setup
+	.venv/bin/python -m pytest -q

@@ -1,0 +1,196 @@
+"""``layerfreeze`` command line: ``train``, ``blocks``, ``strategies``, ``assets``.
+
+Exit codes: 0 success; 2 bad input (config, strategy, missing asset, undiscoverable blocks, bad checkpoint) found
+before training starts; 130 interrupted (a resumable checkpoint was written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from .assets import AssetMissingError, check_assets
+from .blocks import BlockDiscoveryError
+from .checkpoint import CheckpointError
+from .config import ConfigError, load_config, parse_override
+from .strategies import DEFAULT_STRATEGY, STRATEGIES, UnknownStrategyError, strategy_parameters
+
+USER_ERRORS = (ConfigError, AssetMissingError, BlockDiscoveryError, UnknownStrategyError, CheckpointError)
+
+# flag -> config key (the flag's value is parsed as YAML, like --set)
+TRAIN_FLAGS = {
+    "task": "task",
+    "model": "model.name_or_path",
+    "data": "data.path",
+    "strategy": "freeze.strategy",
+    "epochs": "train.epochs",
+    "batch_size": "train.batch_size",
+    "lr": "train.lr",
+    "seed": "train.seed",
+    "max_steps": "train.max_steps",
+    "limit_train": "data.limit_train",
+    "limit_test": "data.limit_test",
+    "run_dir": "run.dir",
+    "device": "run.device",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="layerfreeze",
+        description="Train neural networks cheaper by freezing blocks as they train.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    train = sub.add_parser(
+        "train",
+        help="train with a freezing strategy (no arguments: MiniLM-L6 on BBC News)",
+        description="Train with a freezing strategy. With no arguments: fine-tune MiniLM-L6 on BBC News with the "
+        f"default strategy ({DEFAULT_STRATEGY}). Config sections: task, model, data, train, freeze, run.",
+        epilog="examples:\n  layerfreeze train\n  layerfreeze train --strategy none --epochs 3\n"
+        "  layerfreeze train --task fashion-mnist --strategy static -p k=8\n"
+        "  layerfreeze train --config run.yaml --set train.lr=3e-5\n  layerfreeze train --resume runs/my-run",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("--config", "-c", help="YAML or TOML config file")
+    train.add_argument("--task", help="bbc-news (default), fashion-mnist, text-csv, image-folder")
+    train.add_argument("--model", help="local Hugging Face model folder, or mobilenet_v2 / resnet18")
+    train.add_argument("--data", help="CSV file (text-csv) or image folder (image-folder)")
+    train.add_argument("--strategy", "-s", help=f"freezing strategy: {', '.join(sorted(STRATEGIES))}")
+    train.add_argument("--param", "-p", action="append", default=[], metavar="NAME=VALUE",
+                       help="strategy parameter, e.g. -p k=5 (repeatable)")
+    train.add_argument("--epochs", type=int)
+    train.add_argument("--batch-size", type=int)
+    train.add_argument("--lr", type=float, help="learning rate of the head")
+    train.add_argument("--seed", type=int)
+    train.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    train.add_argument("--limit-train", type=int, help="use only the first N training samples")
+    train.add_argument("--limit-test", type=int, help="use only the first N test samples")
+    train.add_argument("--run-dir", help="output folder (default runs/<task>-<strategy>-<time>)")
+    train.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its checkpoint")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="any config key, e.g. --set train.warmup_fraction=0.06 (repeatable)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files")
+
+    blocks = sub.add_parser("blocks", help="show the blocks of a task's model (what strategies freeze)")
+    blocks.add_argument("--config", "-c")
+    blocks.add_argument("--task")
+    blocks.add_argument("--model")
+    blocks.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+
+    sub.add_parser("strategies", help="list the freezing strategies and their parameters")
+    sub.add_parser("assets", help="check the offline assets (models, datasets) and how to install missing ones")
+    return parser
+
+
+def _overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[dict[str, Any]]:
+    out = []
+    for attr, key in flags.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            out.append(parse_override(f"{key}={value}"))
+    for item in getattr(args, "param", []):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--param {item!r} must look like NAME=VALUE, e.g. -p k=5")
+        out.append(parse_override(f"freeze.params.{name}={value}"))
+    out.extend(parse_override(item) for item in args.set)
+    if getattr(args, "no_progress", False):
+        out.append({"run": {"progress": False}})
+    if getattr(args, "no_tensorboard", False):
+        out.append({"run": {"tensorboard": False}})
+    return out
+
+
+def _cmd_train(args: argparse.Namespace, console: Console) -> int:
+    from .telemetry import print_summary
+    from .trainer import CONFIG_FILE, Trainer
+
+    overrides = _overrides(args, TRAIN_FLAGS)
+    config_path = args.config
+    if args.resume:
+        run_dir = Path(args.resume)
+        if not (run_dir / CONFIG_FILE).is_file():
+            raise ConfigError(f"--resume {run_dir}: not a layerfreeze run folder (no {CONFIG_FILE})")
+        saved = json.loads((run_dir / CONFIG_FILE).read_text())
+        saved["run"].update(dir=str(run_dir), resume=str(run_dir))
+        overrides = [saved, *overrides]
+        if config_path:
+            raise ConfigError("--resume takes the run's saved config; drop --config (use --set to change a key)")
+    config = load_config(config_path, overrides)
+    trainer = Trainer(config)
+    console.print(f"[bold]layerfreeze[/] {config.task} | strategy {config.freeze.strategy} "
+                  f"{config.freeze.params or ''} | run dir {trainer.run_dir}")
+    try:
+        summary = trainer.run()
+    except KeyboardInterrupt:
+        console.print(f"\nInterrupted. A checkpoint is in {trainer.run_dir}/checkpoint; continue with:\n"
+                      f"  layerfreeze train --resume {trainer.run_dir}")
+        return 130
+    print_summary(summary, console=console)
+    console.print(f"metrics: {trainer.run_dir}/metrics.jsonl   TensorBoard: tensorboard --logdir {trainer.run_dir}")
+    return 0
+
+
+def _cmd_blocks(args: argparse.Namespace, console: Console) -> int:
+    from .blocks import describe_blocks, discover_blocks
+    from .tasks import build_task
+
+    config = load_config(args.config, _overrides(args, {"task": "task", "model": "model.name_or_path"}))
+    task = build_task(config)
+    blocks = discover_blocks(task.model, config.model.blocks)
+    console.print(f"{task.model_name}: {len(blocks)} blocks (front to back; the last is the head)")
+    console.print(describe_blocks(blocks), highlight=False)
+    return 0
+
+
+def _cmd_strategies(console: Console) -> int:
+    for name, cls in sorted(STRATEGIES.items()):
+        params = ", ".join(f"{k}={v!r}" for k, v in strategy_parameters(name).items()) or "-"
+        doc = (inspect.getdoc(cls) or "").splitlines()[0]
+        default = "  (default)" if name == DEFAULT_STRATEGY else ""
+        console.print(f"[bold]{name}[/]{default}  params: {params}\n    {doc}", highlight=False)
+    return 0
+
+
+def _cmd_assets(console: Console) -> int:
+    missing = 0
+    for name, status in check_assets().items():
+        ok = Path(status).exists()
+        missing += not ok
+        console.print(f"{'ok' if ok else 'MISSING':>7}  {name:<14} {status}", highlight=False)
+    return 0 if missing == 0 else 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``layerfreeze`` command; returns the exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    console = Console()
+    err = Console(stderr=True)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        if args.command == "train":
+            return _cmd_train(args, console)
+        if args.command == "blocks":
+            return _cmd_blocks(args, console)
+        if args.command == "strategies":
+            return _cmd_strategies(console)
+        return _cmd_assets(console)
+    except USER_ERRORS as exc:
+        err.print(f"[bold red]layerfreeze: error:[/] {exc}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Tasks for the CLI trainer: a model, a train and a test dataset, and how a batch becomes logits.
+
+Built-in tasks use only the offline assets (:mod:`layerfreeze.assets`); nothing is fetched from a model hub:
+
+* ``bbc-news``: MiniLM-L6 (or another local Hugging Face encoder folder) fine-tuned on BBC News, 5 topics, a fixed
+  stratified 80/20 split.
+* ``text-csv``: the same on the user's CSV (``data.path``, optional ``data.test_path``).
+* ``fashion-mnist``: MobileNetV2 with ImageNet weights fine-tuned on Fashion-MNIST at 32x32, 3 channels.
+* ``image-folder``: the same on the user's folder of class sub-folders.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, Subset
+
+from . import assets, data
+from .config import Config, ConfigError
+
+
+@dataclass
+class Task:
+    """What the trainer needs to know about a task.
+
+    Attributes:
+        name: Task name for reports.
+        model: The network; ``forward(model, batch)`` turns a batch dict into logits ``(batch, num_classes)``.
+        train_set / test_set: Datasets whose items are dicts of tensors with a ``"labels"`` key.
+        num_classes: Number of classes.
+        model_name: For reports (a path or an architecture name).
+        forward: ``(model, batch) -> logits``.
+    """
+
+    name: str
+    model: nn.Module
+    train_set: Dataset
+    test_set: Dataset
+    num_classes: int
+    model_name: str
+    forward: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def text_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits ``(B, C)`` of a Hugging Face sequence classifier from a tokenized batch."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in batch}
+    return model(**inputs).logits
+
+
+def image_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits ``(B, C)`` of an image classifier from ``pixel_values`` ``(B, 3, H, W)``."""
+    return model(batch["pixel_values"])
+
+
+def _limit(dataset: Dataset, limit: int | None) -> Dataset:
+    return Subset(dataset, range(min(limit, len(dataset)))) if limit else dataset
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load_text_model(path: str | Path, num_labels: int) -> tuple[nn.Module, Any]:
+    """A sequence classifier and its tokenizer from a local Hugging Face folder (never a hub download).
+
+    Raises:
+        ConfigError: the folder does not exist or holds no model.
+    """
+    _quiet_transformers()
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.name_or_path {path} is not a local Hugging Face model folder (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, local_files_only=True)
+    return model, tokenizer
+
+
+def load_vision_model(name: str, num_classes: int, pretrained: bool) -> nn.Module:
+    """A torchvision classifier with a new ``num_classes`` head.
+
+    ``mobilenet_v2`` loads the installed ImageNet weights when ``pretrained``; ``resnet18`` is from scratch.
+
+    Raises:
+        ConfigError: unknown architecture, or ``pretrained`` for one without offline weights.
+        AssetMissingError: the MobileNetV2 weights are not installed.
+    """
+    import torchvision
+
+    if name == "mobilenet_v2":
+        model = torchvision.models.mobilenet_v2(num_classes=1000)
+        if pretrained:
+            state = torch.load(assets.mobilenet_v2_weights(), map_location="cpu", weights_only=True)
+            model.load_state_dict(state)
+        model.classifier[1] = nn.Linear(model.last_channel, num_classes)
+        return model
+    if name == "resnet18":
+        if pretrained:
+            raise ConfigError("resnet18 has no offline pretrained weights; set model.pretrained: false")
+        return torchvision.models.resnet18(num_classes=num_classes)
+    raise ConfigError(f"Unknown vision model {name!r}; use mobilenet_v2 or resnet18")
+
+
+def _split(dataset: Dataset, labels: list[int], cfg: Config) -> tuple[Dataset, Dataset]:
+    train_idx, test_idx = data.stratified_split(labels, cfg.data.test_fraction, cfg.data.split_seed)
+    return Subset(dataset, train_idx), Subset(dataset, test_idx)
+
+
+def build_task(cfg: Config) -> Task:
+    """Build the model and datasets a config describes.
+
+    Raises:
+        AssetMissingError: a built-in asset is not installed (the message gives the install command).
+        ConfigError: a user path that does not exist or does not fit the task.
+    """
+    torch.manual_seed(cfg.train.seed)  # new heads are initialised from the run's seed
+    if cfg.task in ("bbc-news", "text-csv"):
+        if cfg.task == "bbc-news":
+            texts, labels, classes = data.load_bbc_news()
+        else:
+            if not Path(cfg.data.path).is_file():
+                raise ConfigError(f"data.path {cfg.data.path} is not a CSV file")
+            texts, labels, classes = data.load_text_csv(cfg.data.path, cfg.data.text_column, cfg.data.label_column)
+        model_path = cfg.model.name_or_path or str(assets.minilm_dir())
+        model, tokenizer = load_text_model(model_path, num_labels=len(classes))
+        full = data.TokenizedTextDataset(texts, labels, tokenizer, cfg.model.max_length)
+        if cfg.data.test_path:
+            t_texts, t_labels, _ = data.load_text_csv(cfg.data.test_path, cfg.data.text_column, cfg.data.label_column)
+            train_set, test_set = full, data.TokenizedTextDataset(t_texts, t_labels, tokenizer, cfg.model.max_length)
+        else:
+            train_set, test_set = _split(full, labels, cfg)
+        forward, model_name = text_forward, model_path
+    else:
+        if cfg.task == "fashion-mnist":
+            size = cfg.data.image_size
+            train_set = data.load_fashion_mnist("train", size=size, limit=cfg.data.limit_train)
+            test_set = data.load_fashion_mnist("test", size=size, limit=cfg.data.limit_test)
+            classes = list(data.FASHION_MNIST_CLASSES)
+        else:
+            if not Path(cfg.data.path).is_dir():
+                raise ConfigError(f"data.path {cfg.data.path} is not a folder of class sub-folders")
+            full = data.load_image_folder(cfg.data.path, size=cfg.data.image_size)
+            classes = list(full.classes)
+            if cfg.data.test_path:
+                train_set, test_set = full, data.load_image_folder(cfg.data.test_path, size=cfg.data.image_size)
+            else:
+                train_set, test_set = _split(full, [y for _, y in full.dataset.samples], cfg)
+        name = cfg.model.name_or_path or "mobilenet_v2"
+        model = load_vision_model(name, len(classes), cfg.model.pretrained)
+        forward, model_name = image_forward, name
+    return Task(
+        name=cfg.task,
+        model=model,
+        train_set=_limit(train_set, cfg.data.limit_train),
+        test_set=_limit(test_set, cfg.data.limit_test),
+        num_classes=len(classes),
+        model_name=model_name,
+        forward=forward,
+    )

@@ -1,0 +1,366 @@
+"""The CLI's trainer: a small, readable train/eval loop with freezing, telemetry and resumable checkpoints.
+
+The whole path, in order: seed -> task (model, data) -> blocks -> optimizer (one param group per block) -> LR
+schedule (warm-up, then linear/cosine decay) -> :class:`~layerfreeze.engine.Freezer` -> for each epoch: a fixed
+permutation from ``seed + epoch`` -> steps (forward, loss, backward, clip, step) -> evaluation -> checkpoint.
+
+Measurements per step: loss, learning rate, step time (s), samples/s, training FLOPs per step measured with
+``FlopCounterMode`` on a real step (re-measured whenever the frozen set changes), cumulative FLOPs, peak memory
+(bytes). A checkpoint is written at every epoch end and when the run is interrupted (Ctrl-C or an exception), so
+``layerfreeze train --resume RUN_DIR`` continues exactly where it stopped (same batches, same RNG).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from . import telemetry as tm
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import Config, ConfigError
+from .engine import Freezer, block_param_groups
+from .blocks import discover_blocks
+from .strategies import create_strategy
+from .tasks import Task, build_task
+
+CHECKPOINT_DIR = "checkpoint"
+CONFIG_FILE = "config.json"
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"run.device is {name!r} but CUDA is not available on this machine; use cpu or auto")
+    return torch.device(name)
+
+
+def no_weight_decay(name: str, param: nn.Parameter) -> bool:
+    """Biases and normalisation weights (1-D tensors) get no weight decay (the usual BERT/ResNet practice)."""
+    return param.ndim <= 1
+
+
+def lr_lambda(total_steps: int, warmup_steps: int, schedule: str) -> Callable[[int], float]:
+    """Multiplier of the base LR at a step: linear warm-up to 1, then linear/cosine decay to 0 (or constant)."""
+
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        progress = min(1.0, progress)
+        return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """The batches of one epoch: a permutation of ``range(n)`` from ``seed + epoch``, cut into batches.
+
+    Deterministic, so a resumed run replays exactly the batches the interrupted one had left.
+    """
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(n, generator=g).tolist()
+    return [perm[i : i + batch_size] for i in range(0, n, batch_size)]
+
+
+def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def evaluate(task: Task, model: nn.Module, device: torch.device, batch_size: int) -> tuple[float, float]:
+    """Mean cross-entropy loss and accuracy (fraction in [0, 1]) on the task's test set."""
+    model.eval()
+    loader = DataLoader(task.test_set, batch_size=batch_size, shuffle=False)
+    total_loss, correct, count = 0.0, 0, 0
+    for batch in loader:
+        batch = _to(batch, device)
+        logits = task.forward(model, batch)
+        total_loss += float(nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"))
+        correct += int((logits.argmax(-1) == batch["labels"]).sum())
+        count += len(batch["labels"])
+    return total_loss / max(1, count), correct / max(1, count)
+
+
+class Trainer:
+    """Runs one configured training with freezing.
+
+    Args:
+        config: A validated :class:`~layerfreeze.config.Config`.
+        task: A ready task (model + data); default: built from the config.
+        run_dir: Where metrics, TensorBoard files, checkpoints and the summary go (default ``config.run.dir``,
+            else ``runs/<task>-<strategy>-<time>``).
+
+    Raises (from :meth:`run`, before training starts):
+        ConfigError, AssetMissingError, BlockDiscoveryError: bad config, missing asset, undiscoverable blocks.
+    """
+
+    def __init__(self, config: Config, task: Task | None = None, run_dir: str | Path | None = None) -> None:
+        self.config = config
+        self.task = task
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.run_dir = Path(run_dir or config.run.dir or f"runs/{config.task}-{config.freeze.strategy}-{stamp}")
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        cfg = self.config
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        self.device = resolve_device(cfg.run.device)
+        seed_everything(cfg.train.seed)
+        if self.task is None:
+            self.task = build_task(cfg)
+        seed_everything(cfg.train.seed)
+        model = self.task.model.to(self.device)
+        blocks = discover_blocks(model, cfg.model.blocks)
+        strategy = create_strategy(cfg.freeze.strategy, **cfg.freeze.params)
+        try:
+            strategy.validate(len(blocks))
+        except ValueError as exc:
+            raise ConfigError(f"freeze.params: {exc}") from None
+        groups = block_param_groups(model, blocks, cfg.train.lr, cfg.train.weight_decay, cfg.train.lr_decay,
+                                    no_decay=no_weight_decay)
+        if cfg.train.optimizer == "adamw":
+            self.optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        else:
+            self.optimizer = torch.optim.SGD(groups, lr=cfg.train.lr, momentum=cfg.train.momentum,
+                                             weight_decay=cfg.train.weight_decay)
+        self.batches_per_epoch = math.ceil(len(self.task.train_set) / cfg.train.batch_size)
+        planned = self.batches_per_epoch * cfg.train.epochs
+        self.total_steps = min(planned, cfg.train.max_steps) if cfg.train.max_steps else planned
+        warmup = int(cfg.train.warmup_fraction * self.total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(self.total_steps, warmup, cfg.train.schedule)
+        )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.telemetry = tm.Telemetry(self.run_dir, tensorboard=cfg.run.tensorboard)
+        self.freezer = Freezer(
+            model, self.optimizer, strategy, blocks=blocks, train_bn=cfg.freeze.train_bn, scheduler=self.scheduler,
+            total_steps=self.total_steps, steps_per_epoch=self.batches_per_epoch,
+        )
+        self.model = model
+        (self.run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
+
+    def _on_freeze_event(self, record: dict[str, Any]) -> None:
+        fields = {k: v for k, v in record.items() if k not in ("kind", "step")}
+        self.telemetry.log_event(record["kind"], record["step"], **fields)
+
+    def _checkpoint(self, epoch: int, batch_in_epoch: int, reason: str) -> Path | None:
+        if not self.config.run.checkpoint:
+            return None
+        path = save_checkpoint(
+            self.run_dir / CHECKPOINT_DIR, self.model, self.optimizer, self.freezer, self.scheduler,
+            extra={"epoch": epoch, "batch_in_epoch": batch_in_epoch, "progress": dict(self.progress),
+                   "config": self.config.model_dump(mode="json")},
+        )
+        self.telemetry.log_event("checkpoint", self.progress["step"], epoch=epoch, batch_in_epoch=batch_in_epoch,
+                                 reason=reason, path=str(path))
+        return path
+
+    def _resume(self, path: Path) -> tuple[int, int]:
+        ckpt = path / CHECKPOINT_DIR if (path / CHECKPOINT_DIR).is_dir() else path
+        if not (ckpt / "state.pt").is_file():
+            raise ConfigError(f"run.resume: no checkpoint found at {path} (expected {ckpt}/state.pt)")
+        extra = load_checkpoint(ckpt, self.model, self.optimizer, self.freezer, self.scheduler)
+        self.progress.update(extra["progress"])
+        self.telemetry.log_event("resumed", self.progress["step"], epoch=extra["epoch"], path=str(ckpt))
+        return extra["epoch"], extra["batch_in_epoch"]
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Train, evaluate every epoch, checkpoint, and return the summary (also written to ``summary.json``).
+
+        Raises:
+            KeyboardInterrupt: re-raised after writing a resumable checkpoint.
+        """
+        cfg = self.config
+        self._setup()
+        self.telemetry.log_config(cfg.model_dump(mode="json"))
+        self.progress: dict[str, Any] = {
+            "step": 0, "flops_total": 0, "train_time_s": 0.0, "epoch_times_s": [], "flops_per_step": None,
+            "flops_first": None, "history_eval": [],
+        }
+        start_epoch, skip = 0, 0
+        if cfg.run.resume:
+            start_epoch, skip = self._resume(Path(cfg.run.resume))
+        else:
+            for record in self.freezer.history:  # blocks frozen at the start stage
+                self._on_freeze_event(record)
+        self.freezer.on_event = self._on_freeze_event
+        tm.reset_peak_memory(self.device)
+        wall_start = time.perf_counter()
+        measured_for: tuple[bool, ...] | None = None
+        epoch, done_in_epoch = start_epoch, skip
+        restore_sigint = self._install_sigint()
+        try:
+            for epoch in range(start_epoch, cfg.train.epochs):
+                if self.progress["step"] >= self.total_steps:
+                    break
+                batches = epoch_batches(len(self.task.train_set), cfg.train.batch_size, cfg.train.seed, epoch)
+                done_in_epoch = skip if epoch == start_epoch else 0
+                loader = DataLoader(self.task.train_set, batch_sampler=batches[done_in_epoch:])
+                epoch_time, epoch_loss, epoch_n = 0.0, 0.0, 0
+                self.model.train()
+                bar = tqdm(loader, total=len(batches), initial=done_in_epoch, disable=not cfg.run.progress,
+                           desc=f"epoch {epoch + 1}/{cfg.train.epochs}", unit="step", leave=False)
+                for batch in bar:
+                    remeasure = tuple(self.freezer.frozen) != measured_for
+                    t0 = time.perf_counter()
+                    if remeasure:
+                        loss, flops = tm.measure_flops(lambda: self._train_step(batch))
+                        self.progress["flops_per_step"] = flops
+                        if self.progress["flops_first"] is None:
+                            self.progress["flops_first"] = flops
+                        measured_for = tuple(self.freezer.frozen)
+                        self.telemetry.log_event("flops_remeasured", self.progress["step"] + 1, flops_per_step=flops,
+                                                 frozen_blocks=self.freezer.frozen_blocks)
+                    else:
+                        loss = self._train_step(batch)
+                    step_time = time.perf_counter() - t0
+                    done_in_epoch += 1
+                    self.progress["step"] += 1
+                    self.progress["flops_total"] += self.progress["flops_per_step"]
+                    self.progress["train_time_s"] += step_time
+                    epoch_time += step_time
+                    n = len(batch["labels"])
+                    epoch_loss += loss * n
+                    epoch_n += n
+                    self.telemetry.log_step(
+                        self.progress["step"], loss=loss, lr=self.optimizer.param_groups[-1]["lr"],
+                        step_time_s=step_time, samples_per_s=n / step_time,
+                        flops_per_step=self.progress["flops_per_step"], flops_total=self.progress["flops_total"],
+                        frozen_count=sum(self.freezer.frozen), frozen_prefix=self.freezer.frozen_prefix,
+                        peak_memory_bytes=tm.peak_memory_bytes(self.device), **self._signals(),
+                    )
+                    bar.set_postfix(loss=f"{loss:.4f}", frozen=f"{sum(self.freezer.frozen)}/{len(self.freezer.blocks)}")
+                    self.freezer.step()
+                    if self._stop_requested:
+                        raise KeyboardInterrupt("stopped by Ctrl-C after a complete step")
+                    if self.progress["step"] >= self.total_steps:
+                        break
+                bar.close()
+                self._end_epoch(epoch, epoch_time, epoch_loss / max(1, epoch_n))
+                done_in_epoch = 0
+        except BaseException as exc:
+            path = self._checkpoint(epoch, done_in_epoch, reason=type(exc).__name__)
+            self.telemetry.log_event("interrupted", self.progress["step"], epoch=epoch, error=repr(exc),
+                                     checkpoint=str(path) if path else None)
+            self.telemetry.close()
+            raise
+        finally:
+            restore_sigint()
+            self.freezer.close()
+        summary = self._summary(time.perf_counter() - wall_start)
+        self.telemetry.close()
+        return summary
+
+    def _install_sigint(self) -> Callable[[], None]:
+        """First Ctrl-C: finish the current step, checkpoint, stop. Second Ctrl-C: stop at once.
+
+        Stopping between steps keeps model, optimizer and data position consistent, so the resumed run is exact.
+        """
+        self._stop_requested = False
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._stop_requested:
+                raise KeyboardInterrupt
+            self._stop_requested = True
+            tqdm.write("Ctrl-C: stopping after this step and writing a checkpoint (press again to stop now)")
+
+        previous = signal.signal(signal.SIGINT, handler)
+        return lambda: signal.signal(signal.SIGINT, previous)
+
+    def _train_step(self, batch: dict[str, torch.Tensor]) -> float:
+        batch = _to(batch, self.device)
+        logits = self.task.forward(self.model, batch)
+        loss = nn.functional.cross_entropy(logits, batch["labels"])
+        loss.backward()
+        self.freezer.after_backward()
+        if self.config.train.grad_clip:
+            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.config.train.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    def _signals(self) -> dict[str, Any]:
+        return {f"signal_{k}": v for k, v in self.freezer.last_signals.items() if isinstance(v, (int, float))}
+
+    def _end_epoch(self, epoch: int, epoch_time: float, train_loss: float) -> None:
+        eval_start = time.perf_counter()
+        eval_loss, eval_acc = evaluate(self.task, self.model, self.device, self.config.train.eval_batch_size)
+        eval_time = time.perf_counter() - eval_start
+        self.progress["epoch_times_s"].append(epoch_time)
+        self.progress["history_eval"].append({"epoch": epoch, "loss": eval_loss, "accuracy": eval_acc})
+        self.telemetry.log_epoch(
+            epoch, self.progress["step"], train_loss=train_loss, eval_loss=eval_loss, eval_accuracy=eval_acc,
+            epoch_time_s=epoch_time, eval_time_s=eval_time, frozen_blocks=self.freezer.frozen_blocks,
+            peak_memory_bytes=tm.peak_memory_bytes(self.device),
+        )
+        if self.config.run.progress:
+            tqdm.write(f"epoch {epoch + 1}: train loss {train_loss:.4f}  eval loss {eval_loss:.4f}  accuracy "
+                       f"{eval_acc:.4f}  train time {epoch_time:.1f} s  frozen {sum(self.freezer.frozen)}"
+                       f"/{len(self.freezer.blocks)}")
+        self.freezer.epoch_end()
+        self._checkpoint(epoch + 1, 0, reason="epoch_end")
+
+    def _summary(self, wall_time: float) -> dict[str, Any]:
+        cfg, p = self.config, self.progress
+        last_eval = p["history_eval"][-1] if p["history_eval"] else {}
+        timeline = [
+            {"block": h["block"], "step": h["step"], "epoch": h["epoch"], "action": h["kind"]}
+            for h in self.freezer.history
+        ]
+        summary = {
+            "task": cfg.task,
+            "model": self.task.model_name,
+            "strategy": cfg.freeze.strategy,
+            "strategy_params": dict(cfg.freeze.params),
+            "test_accuracy": last_eval.get("accuracy"),
+            "test_loss": last_eval.get("loss"),
+            "epochs": len(p["epoch_times_s"]),
+            "steps": p["step"],
+            "wall_time_s": wall_time,
+            "train_time_s": p["train_time_s"],
+            "time_per_epoch_s": list(p["epoch_times_s"]),
+            "flops_total": p["flops_total"],
+            "flops_per_step_first": p["flops_first"],
+            "flops_per_step_last": p["flops_per_step"],
+            "peak_memory_bytes": tm.peak_memory_bytes(self.device),
+            "blocks": [b.name for b in self.freezer.blocks],
+            "frozen_blocks": self.freezer.frozen_blocks,
+            "trainable_parameters": self.freezer.trainable_parameters(),
+            "freeze_timeline": timeline,
+            "eval_history": p["history_eval"],
+            "run_dir": str(self.run_dir),
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary

@@ -1,0 +1,79 @@
+"""Shared fixtures: a tiny synthetic task for trainer tests and a tiny local Hugging Face model for CLI tests."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from layerfreeze.tasks import Task, image_forward
+
+
+class BlobDataset(Dataset):
+    """Gaussian blobs, 4 classes, 16 features: items ``{"pixel_values": (16,), "labels", "index"}``."""
+
+    def __init__(self, n: int, seed: int, on_fetch=None):
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(0, 4, (n,), generator=g)
+        centers = torch.randn(4, 16, generator=torch.Generator().manual_seed(0)) * 2
+        self.x = centers[self.labels] + torch.randn(n, 16, generator=g)
+        self.on_fetch = on_fetch
+        self.fetches = 0
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        self.fetches += 1
+        if self.on_fetch is not None:
+            self.on_fetch(self.fetches)
+        return {"pixel_values": self.x[i], "labels": self.labels[i], "index": torch.tensor(i)}
+
+
+def blob_task(on_fetch=None) -> Task:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1),
+        nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4),
+    )
+    return Task("blobs", model, BlobDataset(96, seed=1, on_fetch=on_fetch), BlobDataset(40, seed=2), 4, "mlp",
+                image_forward)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory) -> Path:
+    """A 2-layer BERT (hidden 32) saved as a local Hugging Face folder with MiniLM's tokenizer files."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from layerfreeze.assets import minilm_dir
+
+    path = tmp_path_factory.mktemp("tiny-bert")
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64)
+    BertForSequenceClassification(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(minilm_dir() / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_csv(tmp_path_factory) -> Path:
+    """A 2-class text CSV: sports words vs. finance words, 48 rows."""
+    path = tmp_path_factory.mktemp("csv") / "texts.csv"
+    sport = "match goal team player coach league win score".split()
+    money = "bank market shares profit economy price trade rate".split()
+    g = torch.Generator().manual_seed(0)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["text", "label"])
+        for i in range(48):
+            words = sport if i % 2 else money
+            picks = torch.randint(0, len(words), (12,), generator=g).tolist()
+            writer.writerow([" ".join(words[j] for j in picks), "sport" if i % 2 else "money"])
+    return path

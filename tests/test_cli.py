@@ -1,0 +1,138 @@
+"""``layerfreeze`` CLI: bad input fails before training with exit code 2; real runs on the offline assets; Ctrl-C
+in a real process and ``--resume``."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from layerfreeze.cli import main
+from layerfreeze.config import ConfigError, load_config
+from layerfreeze.telemetry import read_metrics
+
+
+def test_unknown_strategy_is_exit_2_listing_the_available_ones(tmp_path, capsys):
+    assert main(["train", "--strategy", "nope", "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "Unknown strategy 'nope'" in err and "static" in err and "none" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_unknown_strategy_parameter_and_bad_values(tmp_path, capsys):
+    assert main(["train", "-s", "static", "-p", "depth=3"]) == 2
+    assert "no parameter(s) depth" in capsys.readouterr().err
+    assert main(["train", "-s", "static", "-p", "k=-1"]) == 2
+    assert "k must be an integer >= 0" in capsys.readouterr().err
+    assert main(["train", "--lr", "-1"]) == 2
+    assert "train.lr" in capsys.readouterr().err
+
+
+def test_bad_config_key_names_the_key(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("task: bbc-news\ntrain:\n  epochs: 2\n  learning_rate: 0.1\n")
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "train.learning_rate: unknown key" in err
+    toml = tmp_path / "run.toml"
+    toml.write_text('task = "fashion-mnist"\n[freeze]\nstrategy = "none"\n')
+    cfg = load_config(toml)
+    assert cfg.task == "fashion-mnist" and cfg.train.lr == 1e-3 and cfg.freeze.params == {}
+    with pytest.raises(ConfigError, match="text-csv' needs data.path"):
+        load_config(None, [{"task": "text-csv"}])
+
+
+@pytest.mark.assets
+def test_missing_asset_names_the_install_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LAYERFREEZE_FASHION_MNIST_DIR", str(tmp_path))
+    assert main(["train", "--task", "fashion-mnist", "--run-dir", str(tmp_path / "r")]) == 2
+    assert "apt-get install dataset-fashion-mnist" in capsys.readouterr().err
+
+
+@pytest.mark.assets
+def test_static_k_reaching_the_head_and_bad_block_pattern_fail_before_training(tmp_path, tiny_bert_dir, tiny_csv,
+                                                                                capsys):
+    base = ["train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir), "--no-progress"]
+    assert main([*base, "-p", "k=5", "--run-dir", str(tmp_path / "a")]) == 2
+    assert "would freeze the head" in capsys.readouterr().err
+    assert main([*base, "--set", "model.blocks=[nothing.here]", "--run-dir", str(tmp_path / "b")]) == 2
+    assert "'nothing.here' matches no module" in capsys.readouterr().err
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()
+
+
+@pytest.mark.assets
+def test_bbc_news_minilm_short_real_run(tmp_path, capsys):
+    """Two real optimizer steps of MiniLM-L6 on BBC News with the default strategy, end to end."""
+    run = tmp_path / "bbc"
+    assert main(["train", "--max-steps", "2", "--limit-test", "32", "--run-dir", str(run), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "test accuracy" in out and "bert.encoder.layer.3" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["frozen_blocks"] == ["bert.embeddings"] + [f"bert.encoder.layer.{i}" for i in range(4)]
+    assert summary["steps"] == 2 and summary["flops_per_step_first"] > 1e10
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.assets
+def test_fashion_mnist_mobilenet_v2_short_real_run(tmp_path, capsys):
+    run = tmp_path / "fm"
+    args = ["train", "--task", "fashion-mnist", "--epochs", "1", "--limit-train", "256", "--limit-test", "128",
+            "--run-dir", str(run), "--no-progress"]
+    assert main(args) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["blocks"][-1] == "classifier" and len(summary["blocks"]) == 20
+    assert summary["frozen_blocks"] == [f"features.{i}" for i in range(10)]
+    assert "freeze timeline" in capsys.readouterr().out
+
+
+def _cli(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "layerfreeze.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+@pytest.mark.assets
+def test_ctrl_c_in_a_real_process_then_resume_equals_the_uninterrupted_run(tmp_path, tiny_bert_dir, tiny_csv):
+    common = ["train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir),
+              "--epochs", "2", "--batch-size", "4", "--lr", "1e-3", "-p", "k=1", "--no-progress",
+              "--set", "model.max_length=32", "--set", "run.threads=1"]
+    ref = _cli(*common, "--run-dir", str(tmp_path / "ref"))
+    cut_dir = tmp_path / "cut"
+    cut = _cli(*common, "--run-dir", str(cut_dir))
+    deadline = time.time() + 120
+    while time.time() < deadline:  # wait until the run is a few steps into epoch 1
+        metrics = cut_dir / "metrics.jsonl"
+        if metrics.exists() and sum('"type": "step"' in line for line in metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    cut.send_signal(signal.SIGINT)
+    out, _ = cut.communicate(timeout=120)
+    assert cut.returncode == 130, out
+    assert f"layerfreeze train --resume {cut_dir}" in out
+    stopped_at = max(r["step"] for r in read_metrics(cut_dir) if r["type"] == "step")
+    assert stopped_at < 20  # 2 epochs of 10 steps (38 train rows / 4)
+
+    resumed = _cli("train", "--resume", str(cut_dir))
+    out, _ = resumed.communicate(timeout=180)
+    assert resumed.returncode == 0, out
+    ref_out, _ = ref.communicate(timeout=180)
+    assert ref.returncode == 0, ref_out
+    a = load_file(tmp_path / "ref" / "checkpoint" / "model.safetensors")
+    b = load_file(cut_dir / "checkpoint" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((cut_dir / "summary.json").read_text())["steps"] == 20
+
+
+def test_help_and_strategies_list(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--help"])
+    assert exc.value.code == 0
+    assert "--resume" in capsys.readouterr().out
+    assert main(["strategies"]) == 0
+    out = capsys.readouterr().out
+    assert "static  (default)" in out and "k=1" in out

@@ -1,0 +1,124 @@
+"""The CLI trainer on a tiny synthetic task: telemetry files, measured FLOPs, Ctrl-C and exact resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from layerfreeze import BlockDiscoveryError
+from layerfreeze.config import ConfigError, build_config
+from layerfreeze.telemetry import read_metrics
+from layerfreeze.trainer import Trainer
+from tests.conftest import blob_task
+
+
+def config(tmp_path, name, **train):
+    return build_config({
+        "train": {"epochs": 2, "batch_size": 16, "lr": 0.01, "warmup_fraction": 0.1, **train},
+        "freeze": {"strategy": "static", "params": {"k": 2}},
+        "run": {"dir": str(tmp_path / name), "progress": False},
+    })
+
+
+def test_run_writes_metrics_tensorboard_summary_and_flops_drop_with_frozen_prefix(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    summary = Trainer(config(tmp_path, "static"), task=blob_task()).run()
+    full = Trainer(build_config({
+        "train": {"epochs": 2, "batch_size": 16, "lr": 0.01},
+        "freeze": {"strategy": "none"},
+        "run": {"dir": str(tmp_path / "none"), "progress": False},
+    }), task=blob_task()).run()
+
+    assert summary["steps"] == 12 and summary["epochs"] == 2  # 96 samples / 16, two epochs
+    assert summary["frozen_blocks"] == ["0", "1"]
+    assert summary["trainable_parameters"] == 32 * 32 + 32 + 32 * 4 + 4
+    # batch 16: full = fwd (2*16*(16*32+32*32+32*4)) + weight grads of all three + input grads of the last two
+    fwd = 2 * 16 * (16 * 32 + 32 * 32 + 32 * 4)
+    assert full["flops_per_step_first"] == fwd + fwd + 2 * 16 * (32 * 32 + 32 * 4)
+    # static k=2: Linear(16,32) and the BN block frozen -> backward only for the last two Linear layers'
+    # weights and the input grad of the last one
+    assert summary["flops_per_step_first"] == fwd + 2 * 16 * (32 * 32 + 32 * 4) + 2 * 16 * 32 * 4
+    assert summary["flops_total"] == 12 * summary["flops_per_step_first"]
+    assert summary["test_accuracy"] > 0.9 and full["test_accuracy"] > 0.9
+
+    records = read_metrics(tmp_path / "static")
+    steps = [r for r in records if r["type"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert all(r["step_time_s"] > 0 and r["samples_per_s"] > 0 and r["peak_memory_bytes"] > 0 for r in steps)
+    events = [(r["kind"], r.get("block")) for r in records if r["type"] == "event"]
+    assert events[:2] == [("freeze", "0"), ("freeze", "1")]
+    assert ("flops_remeasured", None) in events
+    epochs = [r for r in records if r["type"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == [0, 1] and all(0 <= r["eval_accuracy"] <= 1 for r in epochs)
+
+    acc = EventAccumulator(str(tmp_path / "static" / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 13))
+    assert [e.step for e in acc.Scalars("epoch/eval_accuracy")] == [6, 12]
+    assert (tmp_path / "static" / "summary.json").is_file()
+
+
+def test_ctrl_c_leaves_a_checkpoint_and_resume_matches_the_uninterrupted_run(tmp_path):
+    Trainer(config(tmp_path, "ref"), task=blob_task()).run()
+
+    def press_ctrl_c(fetches):
+        if fetches == 16 * 8 + 3:  # while loading the 9th batch (3rd of epoch 2)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(config(tmp_path, "cut"), task=blob_task(press_ctrl_c)).run()
+    kinds = [r.get("kind") for r in read_metrics(tmp_path / "cut")]
+    assert "interrupted" in kinds
+    assert max(r["step"] for r in read_metrics(tmp_path / "cut") if r["type"] == "step") == 9
+
+    resumed = config(tmp_path, "cut")
+    resumed.run.resume = str(tmp_path / "cut")
+    summary = Trainer(resumed, task=blob_task()).run()
+    assert summary["steps"] == 12
+    ref = load_file(tmp_path / "ref" / "checkpoint" / "model.safetensors")
+    got = load_file(tmp_path / "cut" / "checkpoint" / "model.safetensors")
+    assert ref.keys() == got.keys()
+    for key in ref:
+        assert torch.equal(ref[key], got[key]), key
+
+
+def test_exception_in_the_loop_also_checkpoints(tmp_path):
+    def fail(fetches):
+        if fetches == 40:
+            raise OSError("disk went away")
+
+    with pytest.raises(OSError):
+        Trainer(config(tmp_path, "crash"), task=blob_task(fail)).run()
+    assert (tmp_path / "crash" / "checkpoint" / "state.pt").is_file()
+    events = [r for r in read_metrics(tmp_path / "crash") if r.get("kind") == "interrupted"]
+    assert "disk went away" in events[0]["error"]
+
+
+def test_model_without_discoverable_blocks_and_head_reaching_k_fail_before_training(tmp_path):
+    task = blob_task()
+
+    class Opaque(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.body, self.out = inner[:6], inner[6]
+
+        def forward(self, x):
+            return self.out(self.body(x))
+
+    task.model = Opaque(task.model)
+    with pytest.raises(BlockDiscoveryError, match=r"body \(Sequential"):
+        Trainer(config(tmp_path, "opaque"), task=task).run()
+    cfg = config(tmp_path, "patterns")
+    cfg.model.blocks = ["body.0", "body.1", "body.4", "out"]
+    assert Trainer(cfg, task=task).run()["frozen_blocks"] == ["body.0", "body.1"]
+
+    cfg = config(tmp_path, "too-far")
+    cfg.freeze.params = {"k": 4}
+    with pytest.raises(ConfigError, match="would freeze the head"):
+        Trainer(cfg, task=blob_task()).run()
+    assert not (tmp_path / "too-far" / "metrics.jsonl").exists()

@@ -19,6 +19,7 @@ from .assets import AssetMissingError, check_assets
 from .blocks import BlockDiscoveryError
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config, parse_override
+from .compare import DEFAULT_ROWS
 from .strategies import DEFAULT_STRATEGY, STRATEGIES, UnknownStrategyError, strategy_parameters
 
 USER_ERRORS = (ConfigError, AssetMissingError, BlockDiscoveryError, UnknownStrategyError, CheckpointError)
@@ -80,6 +81,25 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files")
 
+    comp = sub.add_parser(
+        "compare",
+        help="run several strategies (and a LoRA row) on one task with the same seed and budget, print a table",
+        description="Run strategies one after another in one process, same seed, data order and budget; print and "
+        "save a table (accuracy, wall time and FLOPs with ratios to none, peak memory, freeze steps).",
+    )
+    comp.add_argument("--rows", help=f"comma-separated strategies, 'lora' for the LoRA row (default: "
+                      f"{','.join(DEFAULT_ROWS)}, those registered)")
+    comp.add_argument("--config", "-c", help="YAML or TOML config file (its freeze.params apply to its strategy)")
+    for flag in ("task", "model", "data", "run-dir", "device"):
+        comp.add_argument(f"--{flag}")
+    for flag in ("epochs", "batch-size", "seed", "max-steps", "limit-train", "limit-test"):
+        comp.add_argument(f"--{flag}", type=int)
+    comp.add_argument("--lr", type=float)
+    comp.add_argument("--row-param", "-p", action="append", default=[], metavar="ROW.NAME=VALUE",
+                      help="a parameter of one row's strategy, e.g. -p autofreeze.interval=20 (repeatable)")
+    comp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    comp.add_argument("--no-progress", action="store_true")
+
     blocks = sub.add_parser("blocks", help="show the blocks of a task's model (what strategies freeze)")
     blocks.add_argument("--config", "-c")
     blocks.add_argument("--task")
@@ -140,6 +160,34 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
+    import time
+
+    from .compare import compare
+    from .config import deep_merge, read_config_file
+
+    rows = args.rows.split(",") if args.rows else [r for r in DEFAULT_ROWS if r in STRATEGIES or r == "lora"]
+    unknown = [r for r in rows if r not in STRATEGIES and r != "lora"]
+    if unknown:
+        raise UnknownStrategyError(f"Unknown row(s) {', '.join(unknown)}; available: "
+                                   f"{', '.join(sorted(STRATEGIES))}, lora")
+    base: dict[str, Any] = read_config_file(args.config) if args.config else {}
+    for override in _overrides(args, {k: v for k, v in TRAIN_FLAGS.items() if k != "strategy"}):
+        base = deep_merge(base, override)
+    task = base.get("task", "bbc-news")
+    run_dir = base.get("run", {}).get("dir") or f"runs/compare-{task}-{time.strftime('%Y%m%d-%H%M%S')}"
+    row_params: dict[str, dict[str, Any]] = {}
+    for item in args.row_param:
+        key, sep, _ = item.partition("=")
+        row, dot, name = key.partition(".")
+        if not sep or not dot or row not in rows:
+            raise ConfigError(f"--row-param {item!r} must look like ROW.NAME=VALUE with ROW one of {', '.join(rows)}")
+        row_params = deep_merge(row_params, parse_override(item))
+    results = compare(base, rows, run_dir, console=console, row_params=row_params)
+    console.print(f"table: {run_dir}/compare.md   rows: {run_dir}/compare.json   ({len(results)} runs)")
+    return 0
+
+
 def _cmd_blocks(args: argparse.Namespace, console: Console) -> int:
     from .blocks import describe_blocks, discover_blocks
     from .tasks import build_task
@@ -174,14 +222,17 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``layerfreeze`` command; returns the exit code."""
     parser = _parser()
     args = parser.parse_args(argv)
-    console = Console()
-    err = Console(stderr=True)
+    # Logs and pipes get 160 columns so tables are not folded; terminals keep their own width.
+    console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+    err = Console(stderr=True, soft_wrap=True)
     if args.command is None:
         parser.print_help()
         return 0
     try:
         if args.command == "train":
             return _cmd_train(args, console)
+        if args.command == "compare":
+            return _cmd_compare(args, console)
         if args.command == "blocks":
             return _cmd_blocks(args, console)
         if args.command == "strategies":

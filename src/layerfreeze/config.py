@@ -35,6 +35,15 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraConfig(_Section):
+    """LoRA adapters through the ``peft`` library (Hu et al. 2021): rank, scaling and the modules they wrap."""
+
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.1, ge=0, lt=1)
+    targets: list[str] = Field(default_factory=lambda: ["query", "value"])
+
+
 class ModelConfig(_Section):
     """Which network to train.
 
@@ -47,6 +56,7 @@ class ModelConfig(_Section):
     blocks: list[str] | None = None
     max_length: int = Field(128, ge=8, le=4096, description="tokens per text sample")
     pretrained: bool = True
+    lora: LoraConfig | None = None
 
 
 class DataConfig(_Section):
@@ -81,12 +91,27 @@ class TrainConfig(_Section):
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (quick runs)")
 
 
+class GuardConfig(_Section):
+    """Stability guard (:mod:`layerfreeze.guard`): thaw the latest frozen block when validation loss worsens.
+
+    The validation loss is measured on ``val_fraction`` of the training data (held out from training), at every
+    epoch end and, if ``every_steps`` is set, every that many steps.
+    """
+
+    tolerance: float = Field(0.05, gt=0)
+    patience: int = Field(1, ge=1)
+    cooldown: int = Field(2, ge=0)
+    val_fraction: float = Field(0.1, gt=0, lt=1)
+    every_steps: int | None = Field(None, ge=1)
+
+
 class FreezeConfig(_Section):
-    """The freezing strategy: a registered name and its parameters."""
+    """The freezing strategy: a registered name and its parameters; optionally the stability guard."""
 
     strategy: str = DEFAULT_STRATEGY
     params: dict[str, Any] = Field(default_factory=dict)
     train_bn: bool = False
+    guard: GuardConfig | None = None
 
     @model_validator(mode="after")
     def _check_strategy(self) -> FreezeConfig:

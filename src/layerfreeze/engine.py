@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .blocks import Block, discover_blocks
+from .guard import StabilityGuard
 from .strategies import Decision, StageContext, Strategy, create_strategy
 from .strategies.base import BlockView
 
@@ -169,9 +170,11 @@ class Freezer:
         total_steps: Planned optimizer steps (needed by schedule-based strategies).
         steps_per_epoch: Optimizer steps per epoch, if known.
         on_event: Called with each freeze/thaw record (a dict), e.g. to log it to telemetry.
+        guard: An optional :class:`~layerfreeze.guard.StabilityGuard`; feed it with :meth:`report_metric`.
 
     The strategy's start stage runs in the constructor, so blocks a strategy freezes from the start are frozen
-    before the first forward pass.
+    before the first forward pass, and learning-rate factors it sets apply to the first step (create the LR
+    scheduler before the Freezer, or it would take the scaled LRs as its base).
 
     Raises:
         BlockDiscoveryError: blocks cannot be discovered (see :func:`~layerfreeze.blocks.discover_blocks`).
@@ -191,6 +194,7 @@ class Freezer:
         total_steps: int | None = None,
         steps_per_epoch: int | None = None,
         on_event: Callable[[dict[str, Any]], None] | None = None,
+        guard: StabilityGuard | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -199,6 +203,7 @@ class Freezer:
         self.total_steps = total_steps
         self.steps_per_epoch = steps_per_epoch
         self.on_event = on_event
+        self.guard = guard
         if blocks and isinstance(blocks[0], Block):
             self.blocks: list[Block] = list(blocks)  # type: ignore[arg-type]
         else:
@@ -225,6 +230,7 @@ class Freezer:
         self.strategy.validate(len(self.blocks))
         self.strategy.attach(model, self.blocks)
         self._stage(event="start")
+        self._apply_lr_scales()  # LR factors from the start stage already apply to the first step
 
     # ---- queries -------------------------------------------------------------------------------------------
 
@@ -400,6 +406,20 @@ class Freezer:
         self.epoch += 1
         return decision
 
+    def report_metric(self, value: float) -> int | None:
+        """Give the stability guard a validation value (loss by default); it may thaw the latest frozen block.
+
+        Returns:
+            The index of the block the guard thawed, or None (also None without a guard).
+        """
+        if self.guard is None:
+            return None
+        index = self.guard.observe(float(value), list(self.frozen))
+        if index is not None:
+            reference = self.guard.reference if self.guard.reference is not None else float("nan")
+            self.thaw(index, reason=f"guard: metric {value:.4g} worse than {reference:.4g} before the freeze")
+        return index
+
     # ---- checkpoint ----------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -421,6 +441,7 @@ class Freezer:
             "train_bn": self.train_bn,
             "lr_scale": dict(self._lr_scale),
             "lr_written": dict(self._lr_written),
+            "guard": self.guard.state_dict() if self.guard is not None else None,
         }
         if self.optimizer is not None:
             state["param_groups"] = [[self._names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
@@ -469,6 +490,8 @@ class Freezer:
         self._lr_scale = {int(k): v for k, v in state["lr_scale"].items()}
         self._lr_written = {int(k): tuple(v) for k, v in state["lr_written"].items()}
         self.strategy.load_state_dict(state["strategy"]["state"])
+        if self.guard is not None and state.get("guard") is not None:
+            self.guard.load_state_dict(state["guard"])
 
     # ---- internals -----------------------------------------------------------------------------------------
 
@@ -533,7 +556,10 @@ class Freezer:
         for i in decision.freeze:
             if self.blocks[i].is_head:
                 raise RuntimeError(f"Strategy {self.strategy.name!r} tried to freeze the head ({self.blocks[i].name})")
-            self.freeze(i, reason=decision.reason or self.strategy.name)
+            if self.guard is not None and self.guard.blocks_freeze(i):
+                continue  # cooling down after a guard thaw
+            if self.freeze(i, reason=decision.reason or self.strategy.name) and self.guard is not None:
+                self.guard.on_freeze(i)
         for i in decision.thaw:
             self.thaw(i, lr=decision.thaw_lr.get(i), reason=decision.reason or self.strategy.name)
         for i, scale in decision.lr_scale.items():

@@ -113,6 +113,26 @@ def load_vision_model(name: str, num_classes: int, pretrained: bool) -> nn.Modul
     raise ConfigError(f"Unknown vision model {name!r}; use mobilenet_v2 or resnet18")
 
 
+def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
+    """Wrap ``model`` with LoRA adapters (``peft``): base weights frozen, adapters and the task head trained.
+
+    Raises:
+        ConfigError: peft is not installed, or no module matches ``model.lora.targets``.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ConfigError("model.lora needs the peft library: pip install layerfreeze[lora]") from None
+    lora = cfg.model.lora
+    head = [n for n, m in model.named_children() if n in ("classifier", "fc", "head", "score")]
+    try:
+        peft_model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                      target_modules=lora.targets, modules_to_save=head))
+    except ValueError as exc:
+        raise ConfigError(f"model.lora.targets {lora.targets}: {exc}") from None
+    return peft_model.base_model.model  # the original model class, now holding LoRA layers
+
+
 def _split(dataset: Dataset, labels: list[int], cfg: Config) -> tuple[Dataset, Dataset]:
     train_idx, test_idx = data.stratified_split(labels, cfg.data.test_fraction, cfg.data.split_seed)
     return Subset(dataset, train_idx), Subset(dataset, test_idx)
@@ -160,6 +180,8 @@ def build_task(cfg: Config) -> Task:
         name = cfg.model.name_or_path or "mobilenet_v2"
         model = load_vision_model(name, len(classes), cfg.model.pretrained)
         forward, model_name = image_forward, name
+    if cfg.model.lora is not None:
+        model = apply_lora(model, cfg)
     return Task(
         name=cfg.task,
         model=model,

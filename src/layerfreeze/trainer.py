@@ -25,13 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm.auto import tqdm
 
 from . import telemetry as tm
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, ConfigError
 from .engine import Freezer, block_param_groups
+from .guard import StabilityGuard
 from .blocks import discover_blocks
 from .strategies import create_strategy
 from .tasks import Task, build_task
@@ -91,10 +92,15 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
 
 
 @torch.no_grad()
-def evaluate(task: Task, model: nn.Module, device: torch.device, batch_size: int) -> tuple[float, float]:
-    """Mean cross-entropy loss and accuracy (fraction in [0, 1]) on the task's test set."""
+def evaluate(task: Task, model: nn.Module, device: torch.device, batch_size: int,
+             dataset: Dataset | None = None) -> tuple[float, float]:
+    """Mean cross-entropy loss and accuracy (fraction in [0, 1]) on ``dataset`` (default: the task's test set).
+
+    Leaves the model in eval mode; the training loop switches it back.
+    """
     model.eval()
-    loader = DataLoader(task.test_set, batch_size=batch_size, shuffle=False)
+    loader = DataLoader(task.test_set if dataset is None else dataset, batch_size=batch_size, shuffle=False,
+                        generator=torch.Generator())  # own generator: keep the global RNG untouched
     total_loss, correct, count = 0.0, 0, 0
     for batch in loader:
         batch = _to(batch, device)
@@ -103,6 +109,17 @@ def evaluate(task: Task, model: nn.Module, device: torch.device, batch_size: int
         correct += int((logits.argmax(-1) == batch["labels"]).sum())
         count += len(batch["labels"])
     return total_loss / max(1, count), correct / max(1, count)
+
+
+def holdout(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """Split ``dataset`` into (train, validation) with a fixed permutation from ``seed``; validation gets
+    ``ceil(fraction * n)`` samples (at least 1). Raises ValueError when nothing would be left to train on."""
+    n = len(dataset)
+    n_val = max(1, math.ceil(fraction * n))
+    if n_val >= n:
+        raise ConfigError(f"freeze.guard.val_fraction {fraction} leaves no training data ({n} samples)")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return Subset(dataset, sorted(perm[n_val:])), Subset(dataset, sorted(perm[:n_val]))
 
 
 class Trainer:
@@ -144,12 +161,19 @@ class Trainer:
             raise ConfigError(f"freeze.params: {exc}") from None
         groups = block_param_groups(model, blocks, cfg.train.lr, cfg.train.weight_decay, cfg.train.lr_decay,
                                     no_decay=no_weight_decay)
+        for group in groups:  # weights frozen before training (LoRA's base model) never enter the optimizer
+            group["params"] = [p for p in group["params"] if p.requires_grad]
         if cfg.train.optimizer == "adamw":
             self.optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         else:
             self.optimizer = torch.optim.SGD(groups, lr=cfg.train.lr, momentum=cfg.train.momentum,
                                              weight_decay=cfg.train.weight_decay)
-        self.batches_per_epoch = math.ceil(len(self.task.train_set) / cfg.train.batch_size)
+        self.train_set, self.val_set, self.guard = self.task.train_set, None, None
+        if cfg.freeze.guard is not None:
+            g = cfg.freeze.guard
+            self.guard = StabilityGuard(g.tolerance, g.patience, g.cooldown)
+            self.train_set, self.val_set = holdout(self.task.train_set, g.val_fraction, cfg.data.split_seed)
+        self.batches_per_epoch = math.ceil(len(self.train_set) / cfg.train.batch_size)
         planned = self.batches_per_epoch * cfg.train.epochs
         self.total_steps = min(planned, cfg.train.max_steps) if cfg.train.max_steps else planned
         warmup = int(cfg.train.warmup_fraction * self.total_steps)
@@ -160,7 +184,7 @@ class Trainer:
         self.telemetry = tm.Telemetry(self.run_dir, tensorboard=cfg.run.tensorboard)
         self.freezer = Freezer(
             model, self.optimizer, strategy, blocks=blocks, train_bn=cfg.freeze.train_bn, scheduler=self.scheduler,
-            total_steps=self.total_steps, steps_per_epoch=self.batches_per_epoch,
+            total_steps=self.total_steps, steps_per_epoch=self.batches_per_epoch, guard=self.guard,
         )
         self.model = model
         (self.run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
@@ -221,9 +245,12 @@ class Trainer:
             for epoch in range(start_epoch, cfg.train.epochs):
                 if self.progress["step"] >= self.total_steps:
                     break
-                batches = epoch_batches(len(self.task.train_set), cfg.train.batch_size, cfg.train.seed, epoch)
+                batches = epoch_batches(len(self.train_set), cfg.train.batch_size, cfg.train.seed, epoch)
                 done_in_epoch = skip if epoch == start_epoch else 0
-                loader = DataLoader(self.task.train_set, batch_sampler=batches[done_in_epoch:])
+                # An iterator over a DataLoader draws a base seed from its generator; without one it would draw
+                # from the global RNG, and a resumed run (one more iterator) would get other dropout masks.
+                loader = DataLoader(self.train_set, batch_sampler=batches[done_in_epoch:],
+                                    generator=torch.Generator())
                 epoch_time, epoch_loss, epoch_n = 0.0, 0.0, 0
                 self.model.train()
                 bar = tqdm(loader, total=len(batches), initial=done_in_epoch, disable=not cfg.run.progress,
@@ -259,6 +286,10 @@ class Trainer:
                     )
                     bar.set_postfix(loss=f"{loss:.4f}", frozen=f"{sum(self.freezer.frozen)}/{len(self.freezer.blocks)}")
                     self.freezer.step()
+                    every = cfg.freeze.guard.every_steps if cfg.freeze.guard else None
+                    if every and self.progress["step"] % every == 0:
+                        self._guard_check()
+                        self.model.train()
                     if self._stop_requested:
                         raise KeyboardInterrupt("stopped by Ctrl-C after a complete step")
                     if self.progress["step"] >= self.total_steps:
@@ -329,8 +360,16 @@ class Trainer:
             tqdm.write(f"epoch {epoch + 1}: train loss {train_loss:.4f}  eval loss {eval_loss:.4f}  accuracy "
                        f"{eval_acc:.4f}  train time {epoch_time:.1f} s  frozen {sum(self.freezer.frozen)}"
                        f"/{len(self.freezer.blocks)}")
+        if self.guard is not None:
+            self._guard_check()
         self.freezer.epoch_end()
         self._checkpoint(epoch + 1, 0, reason="epoch_end")
+
+    def _guard_check(self) -> None:
+        val_loss, val_acc = evaluate(self.task, self.model, self.device, self.config.train.eval_batch_size,
+                                     self.val_set)
+        self.telemetry.log_step(self.progress["step"], val_loss=val_loss, val_accuracy=val_acc)
+        self.freezer.report_metric(val_loss)
 
     def _summary(self, wall_time: float) -> dict[str, Any]:
         cfg, p = self.config, self.progress

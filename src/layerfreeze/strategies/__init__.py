@@ -9,10 +9,20 @@ import inspect
 from typing import Any
 
 from .base import BlockView, Decision, StageContext, Strategy
+from .autofreeze import AutoFreeze
+from .egeria import Egeria
+from .freezeout import FreezeOut
+from .geometric import GeometricFreezing
+from .gradual import GradualUnfreezing
+from .linear import LinearFreezing
 from .none import NoFreezing
 from .static import StaticFreezing
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (NoFreezing, StaticFreezing)}
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls
+    for cls in (NoFreezing, StaticFreezing, GradualUnfreezing, LinearFreezing, GeometricFreezing, FreezeOut,
+                AutoFreeze, Egeria)
+}
 
 #: The strategy used when none is named (the learned SmartFRZ policy will take this place when it lands).
 DEFAULT_STRATEGY = "static"
@@ -56,7 +66,13 @@ def create_strategy(name: str, **params: Any) -> Strategy:
 
 
 __all__ = [
+    "AutoFreeze",
     "BlockView",
+    "Egeria",
+    "FreezeOut",
+    "GeometricFreezing",
+    "GradualUnfreezing",
+    "LinearFreezing",
     "DEFAULT_STRATEGY",
     "Decision",
     "NoFreezing",

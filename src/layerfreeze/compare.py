@@ -1,0 +1,120 @@
+"""``layerfreeze compare``: several strategies on one task, same seed, data order and budget, one after another
+in one process, with a table of test accuracy, wall time and FLOPs (and their ratios to ``none``), peak memory and
+the step each block froze. A LoRA row (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021,
+through the ``peft`` library) shows the parameter-efficient alternative on the same budget.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .config import build_config, deep_merge
+from .strategies import DEFAULT_STRATEGY
+from .telemetry import format_bytes, format_flops
+
+#: Rows of a default comparison, in order; ``lora`` is not a freezing strategy but a row of its own.
+DEFAULT_ROWS = ("none", "static", "gradual", "linear", "geometric", "freezeout", "autofreeze", "egeria", "lora")
+
+
+def row_config(base: dict[str, Any], row: str, run_dir: Path,
+               row_params: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The config dict of one row: the base config with the row's strategy (or LoRA) and its own run folder.
+
+    ``freeze.params`` of the base apply only to the row of the base's strategy (the default strategy when the base
+    names none); other rows run with their strategy's defaults (and the task preset). ``row_params`` maps a row
+    to parameters of its own (``{"autofreeze": {"interval": 20}}``), applied last.
+    """
+    cfg = deep_merge(base, {"run": {"dir": str(run_dir / row), "resume": None}})
+    freeze = cfg.setdefault("freeze", {})
+    base_strategy = freeze.get("strategy", DEFAULT_STRATEGY)
+    params = freeze.get("params", {}) if base_strategy == row else {}
+    if row == "lora":
+        freeze["strategy"], freeze["params"] = "none", {}
+        cfg = deep_merge(cfg, {"model": {"lora": {"r": 8}}})
+    else:
+        freeze["strategy"], freeze["params"] = row, {**params, **(row_params or {}).get(row, {})}
+    return cfg
+
+
+def freeze_steps(summary: dict[str, Any]) -> dict[str, int]:
+    """Block name -> the step it was (last) frozen at, for blocks frozen at the end of the run."""
+    steps: dict[str, int] = {}
+    for event in summary.get("freeze_timeline", []):
+        if event["action"] == "freeze":
+            steps[event["block"]] = event["step"]
+        else:
+            steps.pop(event["block"], None)
+    return steps
+
+
+def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console: Console | None = None,
+            row_params: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Run every row and return one result dict per row (also written to ``run_dir/compare.json`` and ``.md``).
+
+    Args:
+        base: A user config dict (validated per row); ``freeze.params`` apply to the row of the same strategy.
+        rows: Strategy names, ``"lora"`` for the LoRA row; ``"none"`` should come first (ratios are to it).
+        row_params: Per-row strategy parameters, e.g. ``{"autofreeze": {"interval": 20}}``.
+
+    Raises:
+        ConfigError: a row's config is invalid (checked for every row before the first run starts).
+    """
+    from .trainer import Trainer
+
+    console = console or Console()
+    run_dir = Path(run_dir)
+    configs = [(row, build_config(row_config(base, row, run_dir, row_params))) for row in rows]  # validate first
+    results = []
+    for row, config in configs:
+        console.print(f"[bold]compare[/]: {row} ({len(results) + 1}/{len(configs)})")
+        summary = Trainer(config).run()
+        results.append({"row": row, **summary, "freeze_steps": freeze_steps(summary)})
+        (run_dir / "compare.json").write_text(json.dumps(results, indent=2))
+    base_row = next((r for r in results if r["row"] == "none"), None)
+    for r in results:
+        r["time_ratio"] = r["train_time_s"] / base_row["train_time_s"] if base_row else None
+        r["flops_ratio"] = r["flops_total"] / base_row["flops_total"] if base_row else None
+        r["accuracy_delta"] = (r["test_accuracy"] - base_row["test_accuracy"]) if base_row else None
+    (run_dir / "compare.json").write_text(json.dumps(results, indent=2))
+    (run_dir / "compare.md").write_text(markdown_table(results))
+    console.print(rich_table(results))
+    return results
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    def ratio(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    delta = "-" if r["accuracy_delta"] is None else f"{100 * r['accuracy_delta']:+.2f}"
+    frozen = ", ".join(f"{b}@{s}" for b, s in r["freeze_steps"].items()) or "-"
+    return [
+        r["row"], f"{100 * r['test_accuracy']:.2f}", delta, f"{r['train_time_s']:.1f}", ratio(r["time_ratio"]),
+        format_flops(r["flops_total"]), ratio(r["flops_ratio"]), format_bytes(r["peak_memory_bytes"]), frozen,
+    ]
+
+
+HEADERS = ["strategy", "test acc %", "Δ acc pts", "train s", "time ratio", "train FLOPs", "FLOPs ratio",
+           "peak mem", "frozen block@step"]
+
+
+def rich_table(results: list[dict[str, Any]]) -> Table:
+    """The comparison as a rich table for the terminal."""
+    table = Table(title="layerfreeze compare")
+    for h in HEADERS:
+        table.add_column(h, justify="left" if h in ("strategy", "frozen block@step") else "right",
+                         overflow="fold")
+    for r in results:
+        table.add_row(*_cells(r))
+    return table
+
+
+def markdown_table(results: list[dict[str, Any]]) -> str:
+    """The comparison as a Markdown table."""
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in results]
+    return "\n".join(lines) + "\n"

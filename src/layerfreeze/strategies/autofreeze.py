@@ -1,0 +1,183 @@
+"""``autofreeze``: freeze the front blocks whose gradient norm has stopped changing (gradient-norm test).
+
+Source: Y. Liu, S. Agarwal, S. Venkataraman, "AutoFreeze: Automatically Freezing Model Blocks to Accelerate
+Fine-tuning", arXiv:2102.01386, 2021, sec. 3 (Algorithm 1, the gradient-norm test), and the authors' public code
+(github.com/YuhanLiu11/AutoFreeze, ``freeze_intermediate_e2e_lr.py``: the evaluation loop of ``main``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .base import Decision, StageContext, Strategy
+
+
+def percentile_linear(values: list[float], q: float) -> float:
+    """The ``q``-th percentile of ``values`` by linear interpolation (``numpy.percentile``'s default ``"linear"``
+    method): sort, take the virtual index ``h = (n - 1) * q / 100`` and interpolate between the two neighbours.
+
+    Unlike numpy it returns ``inf`` rather than NaN when both neighbours are ``inf`` (numpy computes
+    ``inf - inf``); with finite values it equals ``numpy.percentile(values, q)`` up to rounding.
+    """
+    a = sorted(values)
+    h = (len(a) - 1) * q / 100.0
+    lo = math.floor(h)
+    frac = h - lo
+    if frac == 0.0 or a[lo] == a[lo + 1]:
+        return a[lo]
+    if math.isinf(a[lo + 1]):
+        return math.inf
+    return a[lo] + (a[lo + 1] - a[lo]) * frac
+
+
+class AutoFreeze(Strategy):
+    """AutoFreeze's gradient-norm test: every ``interval`` steps, freeze the front blocks that changed least.
+
+    The rule, at each stage (every ``interval`` optimizer steps; ``grad_l1[i]`` = the L1 norm of block ``i``'s
+    gradients summed over the backward passes since the previous stage, collected by ``Freezer.after_backward``):
+
+    1. ``cur[i] = grad_l1[i]`` for every *active non-head* block ``i`` (the head is never a candidate, as the
+       public code scores only the encoder layers).
+    2. At the first stage there is no previous value: ``cur`` is stored as ``prev`` and nothing is decided.
+    3. Otherwise ``ratio[i] = |prev[i] - cur[i]| / prev[i]``, the relative change of the block's gradient norm
+       between two intervals. ``prev[i] = 0`` (the block got no gradient in the previous interval, or it was not
+       active then) gives ``ratio = inf``: "not known to be stable", so the block and every block after it stay
+       trainable at this stage.
+    4. ``threshold`` = the ``percentile``-th percentile of the active non-head blocks' ratios, by linear
+       interpolation between the two nearest ranks (``numpy.percentile``'s default method; an ``inf`` pair gives
+       ``inf``, not NaN). The default 50 is the median, as in the paper.
+    5. Let ``k`` be the first active non-head block with ``ratio[k] >= threshold``. Freeze the active blocks
+       before ``k`` that lie in the contiguous run of active blocks that starts right after the current frozen
+       prefix (the candidates), so the frozen blocks stay a prefix; the public code sets ``start_layer = k``.
+       Since the maximum ratio is always ``>= threshold``, at least one non-head block stays trainable, and the
+       head is never frozen. Blocks are never thawed.
+    6. ``prev = cur``.
+
+    If an active block's ``grad_l1`` is not finite (NaN / inf from an overflow), the stage decides nothing and
+    keeps the previous ``prev``.
+
+    Differences from the public code, all at edges: it raises ZeroDivisionError for ``prev = 0`` (here ``inf``),
+    and gives ratio 0 to a layer with ``cur = 0`` (here the formula, i.e. 1.0). Its gradient signal is the L1 norm
+    of the gradient *summed* over the interval, ``||sum_t g_t||_1``; the engine's ``grad_l1`` is the sum of the
+    per-backward norms, ``sum_t ||g_t||_1`` (equal when the gradient keeps its sign within the interval). The public
+    code evaluates ``num_intervals`` times per run (interval = total_steps / num_intervals); here the interval is
+    given in steps.
+
+    Args:
+        interval: Optimizer steps between two evaluations (``stage_every``); integer ``>= 1``, default 50.
+        percentile: Percentile of the active blocks' ratios used as threshold, ``0 <= percentile <= 100``,
+            default 50. 0 never freezes (the first candidate is always at or above the minimum); 100 freezes up to
+            the block with the largest ratio.
+
+    Raises:
+        ValueError: a parameter outside its range.
+        RuntimeError (from the engine): ``freezer.after_backward()`` was never called between two stages.
+
+    Signals: ``ratios`` (per block; NaN for blocks without a ratio: frozen, head, or first stage), ``threshold``,
+    ``candidates`` (size of the candidate run), ``first_unstable`` (``k``, -1 if none this stage),
+    ``grad_l1`` (the ``cur`` values; NaN for frozen blocks and the head).
+    """
+
+    name = "autofreeze"
+    signals = ("grad_l1",)
+
+    def __init__(self, interval: int = 50, percentile: float = 50.0) -> None:
+        super().__init__()
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(
+                f"autofreeze: interval must be an integer >= 1 (optimizer steps between two evaluations), "
+                f"got {interval!r}"
+            )
+        if (isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not math.isfinite(percentile)
+                or not 0 <= percentile <= 100):
+            raise ValueError(f"autofreeze: percentile must be a number in [0, 100], got {percentile!r}")
+        self.interval = interval
+        self.percentile = float(percentile)
+        self.stage_every = interval
+        #: ``cur`` of the previous evaluation, one entry per block (None where the block had no value).
+        self.prev: list[float | None] | None = None
+        #: Number of step-stages evaluated so far.
+        self.evaluations = 0
+
+    def validate(self, num_blocks: int) -> None:
+        """AutoFreeze works with any number of blocks (with fewer than 3 it can never freeze anything)."""
+        if num_blocks < 1:
+            raise ValueError(f"autofreeze: the model has no blocks (got {num_blocks})")
+
+    def decide(self, ctx: StageContext) -> Decision:
+        if ctx.event != "step":
+            return Decision()
+        grad = ctx.signals.get("grad_l1")
+        if grad is None or len(grad) != len(ctx.blocks):
+            raise RuntimeError(
+                "autofreeze needs ctx.signals['grad_l1'] (one value per block); drive it through "
+                "layerfreeze.Freezer and call freezer.after_backward() after each loss.backward()"
+            )
+        nan = math.nan
+        active = [b.index for b in ctx.blocks if not b.frozen and not b.is_head]
+        cur: list[float | None] = [None] * len(ctx.blocks)
+        for i in active:
+            cur[i] = float(grad[i])
+        self.evaluations += 1
+        signals: dict[str, Any] = {"grad_l1": [nan if v is None else v for v in cur]}
+        if any(not math.isfinite(cur[i]) for i in active):  # type: ignore[arg-type]
+            return Decision(reason="", signals={**signals, "skipped_non_finite": 1})
+        if self.prev is None:
+            self.prev = cur
+            return Decision(signals=signals)
+
+        ratios: list[float] = [nan] * len(ctx.blocks)
+        for i in active:
+            p = self.prev[i] if i < len(self.prev) else None
+            ratios[i] = math.inf if not p else abs(p - cur[i]) / p  # type: ignore[operator]
+        self.prev = cur
+        signals["ratios"] = ratios
+        if not active:
+            return Decision(signals=signals)
+
+        threshold = percentile_linear([ratios[i] for i in active], self.percentile)
+        first = next(i for i in active if ratios[i] >= threshold)  # exists: max(ratios) >= any percentile
+        start = ctx.frozen_prefix
+        run: list[int] = []
+        for b in ctx.blocks[start:]:
+            if b.frozen or b.is_head:
+                break
+            run.append(b.index)
+        freeze = [i for i in run if i < first]
+        signals.update(threshold=threshold, candidates=len(run), first_unstable=first)
+        reason = ""
+        if freeze:
+            reason = (
+                f"autofreeze: block {first} is the first whose gradient-norm change ratio "
+                f"{ratios[first]:.4g} >= the {self.percentile:g}th percentile {threshold:.4g}; blocks before it "
+                f"changed less"
+            )
+        return Decision(freeze=freeze, reason=reason, signals=signals)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "interval": self.interval,
+            "percentile": self.percentile,
+            "prev": None if self.prev is None else list(self.prev),
+            "evaluations": self.evaluations,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``prev`` and the evaluation count.
+
+        Raises:
+            ValueError: the checkpoint was written with another ``interval`` or ``percentile``.
+        """
+        for key in ("interval", "percentile"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"autofreeze: the checkpoint was written with {key}={state[key]!r}, this run has "
+                    f"{key}={getattr(self, key)!r}; resume with the same freeze.params"
+                )
+        prev = state.get("prev")
+        self.prev = None if prev is None else [None if v is None else float(v) for v in prev]
+        self.evaluations = int(state.get("evaluations", 0))
+
+    def __repr__(self) -> str:
+        return f"AutoFreeze(interval={self.interval}, percentile={self.percentile:g})"

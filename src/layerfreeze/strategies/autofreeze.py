@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .base import Decision, StageContext, Strategy
+from .base import Decision, StageContext, Strategy, is_int, is_number
 
 
 def percentile_linear(values: list[float], q: float) -> float:
@@ -84,12 +84,12 @@ class AutoFreeze(Strategy):
 
     def __init__(self, interval: int = 50, percentile: float = 50.0) -> None:
         super().__init__()
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        if not is_int(interval) or interval < 1:
             raise ValueError(
                 f"autofreeze: interval must be an integer >= 1 (optimizer steps between two evaluations), "
                 f"got {interval!r}"
             )
-        if (isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not math.isfinite(percentile)
+        if (not is_number(percentile)
                 or not 0 <= percentile <= 100):
             raise ValueError(f"autofreeze: percentile must be a number in [0, 100], got {percentile!r}")
         self.interval = interval

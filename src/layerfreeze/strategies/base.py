@@ -6,8 +6,19 @@ optimizer, so the same strategy works in the CLI trainer, in a user's own loop, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+
+def is_int(value: Any) -> bool:
+    """True for an ``int`` that is not a ``bool`` (parameter validation: ``True`` is not a block count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """True for a finite ``int``/``float`` that is not a ``bool``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)

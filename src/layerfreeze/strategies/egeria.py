@@ -92,7 +92,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .base import Decision, StageContext, Strategy
+from .base import Decision, StageContext, Strategy, is_int
 
 STATE_VERSION = 1
 
@@ -371,7 +371,7 @@ def _evaluate(step: int, shadow: nn.Module, reference: nn.Module, probe: tuple[A
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"egeria: {name} must be an integer >= {minimum}, got {value!r}")
     return value
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .base import Decision, StageContext, Strategy
+from .base import Decision, StageContext, Strategy, is_number
 
 #: How ``t_i`` is scaled after the linear spacing (``scale_fn`` in the public code).
 SCALINGS: dict[str, int] = {"linear": 1, "squared": 2, "cubic": 3}
@@ -52,9 +52,8 @@ class FreezeOut(Strategy):
     LR is the product of the two curves (lower than FreezeOut's). In a user loop without a scheduler the factor
     multiplies the param group's own LR. The factors need one param group per block: build the optimizer from
     :func:`layerfreeze.block_param_groups` (the engine raises ValueError otherwise, and without an optimizer).
-    The engine applies factors after each ``Freezer.step()``, so the start stage's factors (``1 / t_i`` with
-    ``scale_lr``) first reach the param groups after step 1: the very first optimizer step runs at the groups' own
-    learning rate.
+    The engine applies the start stage's factors (``1 / t_i`` with ``scale_lr``) in the Freezer's constructor, so
+    the first optimizer step already runs at FreezeOut's learning rates (create the LR scheduler before the Freezer).
 
     Args:
         t0: When the first block stops, as a fraction of training *before* scaling; ``0 < t0 <= 1`` (1: every
@@ -75,7 +74,7 @@ class FreezeOut(Strategy):
 
     def __init__(self, t0: float = 0.8, scaling: str = "cubic", scale_lr: bool = True) -> None:
         super().__init__()
-        if isinstance(t0, bool) or not isinstance(t0, (int, float)) or not math.isfinite(t0) or not 0 < t0 <= 1:
+        if not is_number(t0) or not 0 < t0 <= 1:
             raise ValueError(
                 f"freezeout: t0 must be a number in (0, 1] (when the first block stops, before scaling), got {t0!r}"
             )

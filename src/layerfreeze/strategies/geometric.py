@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .base import Decision, StageContext, Strategy
+from .base import Decision, StageContext, Strategy, is_number
 
 #: Added before flooring, so float rounding does not drop a block whose exact count is an integer
 #: (9 * (1 - (1 - 1/3)) is 2.9999999999999996 in floats, but exactly 3).
@@ -52,7 +52,7 @@ class GeometricFreezing(Strategy):
 
     def __init__(self, alpha: float = 1 / 3) -> None:
         super().__init__()
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) \
+        if not is_number(alpha) \
                 or not 0.0 < alpha <= 1.0:
             raise ValueError(f"geometric: alpha must be a number in (0, 1] (fraction of the remaining blocks frozen "
                              f"per epoch; PipeTransformer uses 1/3), got {alpha!r}")

@@ -9,14 +9,9 @@ alone for ``freeze_epochs``, then everything with discriminative learning rates)
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from .base import Decision, StageContext, Strategy
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+from .base import Decision, StageContext, Strategy, is_int, is_number
 
 
 class GradualUnfreezing(Strategy):
@@ -54,16 +49,16 @@ class GradualUnfreezing(Strategy):
 
     def __init__(self, every_epochs: int = 1, every_steps: int | None = None, lr_decay: float = 2.6) -> None:
         super().__init__()
-        if not _is_int(every_epochs) or every_epochs < 1:
+        if not is_int(every_epochs) or every_epochs < 1:
             raise ValueError(f"gradual: every_epochs must be an integer >= 1 (epochs between thaws), got "
                              f"{every_epochs!r}")
-        if every_steps is not None and (not _is_int(every_steps) or every_steps < 1):
+        if every_steps is not None and (not is_int(every_steps) or every_steps < 1):
             raise ValueError(f"gradual: every_steps must be an integer >= 1 (optimizer steps between thaws) or None, "
                              f"got {every_steps!r}")
         if every_steps is not None and every_epochs != 1:
             raise ValueError(f"gradual: give every_epochs or every_steps, not both (got every_epochs={every_epochs}, "
                              f"every_steps={every_steps}); set every_steps=None to thaw every {every_epochs} epochs")
-        if isinstance(lr_decay, bool) or not isinstance(lr_decay, (int, float)) or not math.isfinite(lr_decay) \
+        if not is_number(lr_decay) \
                 or lr_decay < 1:
             raise ValueError(f"gradual: lr_decay must be a finite number >= 1 (ratio between consecutive blocks' "
                              f"learning rates; ULMFiT uses 2.6), got {lr_decay!r}")

@@ -13,15 +13,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .base import Decision, StageContext, Strategy
+from .base import Decision, StageContext, Strategy, is_number
 
 #: Added before truncating to an int, so float rounding does not drop a block whose exact count is an integer
 #: (e.g. 0.6 - 0.5 = 0.09999999999999998 in floats, which would give int(1.9999999999999996) = 1 instead of 2).
 _EPS = 1e-9
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def linear_freeze_fraction(t: float, freeze_start: float, freeze_level: float) -> float:
@@ -64,10 +60,10 @@ class LinearFreezing(Strategy):
 
     def __init__(self, freeze_start: float = 0.5, freeze_level: float = 1.0) -> None:
         super().__init__()
-        if not _is_number(freeze_start) or not 0.0 <= freeze_start < 1.0:
+        if not is_number(freeze_start) or not 0.0 <= freeze_start < 1.0:
             raise ValueError(f"linear: freeze_start must be a number in [0, 1) (fraction of training before freezing "
                              f"begins), got {freeze_start!r}")
-        if not _is_number(freeze_level) or not 0.0 < freeze_level <= 1.0:
+        if not is_number(freeze_level) or not 0.0 < freeze_level <= 1.0:
             raise ValueError(f"linear: freeze_level must be a number in (0, 1] (fraction of the non-head blocks "
                              f"frozen by the end of training), got {freeze_level!r}")
         self.freeze_start = float(freeze_start)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Decision, StageContext, Strategy
+from .base import Decision, StageContext, Strategy, is_int
 
 
 class StaticFreezing(Strategy):
@@ -26,7 +26,7 @@ class StaticFreezing(Strategy):
 
     def __init__(self, k: int = 1) -> None:
         super().__init__()
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        if not is_int(k) or k < 0:
             raise ValueError(f"static: k must be an integer >= 0 (number of leading blocks to freeze), got {k!r}")
         self.k = k
 

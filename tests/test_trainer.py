@@ -122,3 +122,13 @@ def test_model_without_discoverable_blocks_and_head_reaching_k_fail_before_train
     with pytest.raises(ConfigError, match="would freeze the head"):
         Trainer(cfg, task=blob_task()).run()
     assert not (tmp_path / "too-far" / "metrics.jsonl").exists()
+
+
+def test_guard_holds_out_validation_data_and_reports_val_loss(tmp_path):
+    cfg = config(tmp_path, "guard")
+    cfg.freeze.guard = {"tolerance": 0.05, "every_steps": 2, "val_fraction": 0.1}
+    summary = Trainer(cfg, task=blob_task()).run()
+    assert summary["steps"] == 12  # 96 - ceil(9.6) = 86 training samples -> 6 batches of 16 per epoch
+    val = [r for r in read_metrics(tmp_path / "guard") if "val_loss" in r]
+    assert [r["step"] for r in val] == [2, 4, 6, 6, 8, 10, 12, 12]  # every 2 steps and at each epoch end
+    assert all(r["val_loss"] > 0 for r in val)

@@ -80,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="any config key, e.g. --set train.warmup_fraction=0.06 (repeatable)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files")
+    train.add_argument("--no-report", action="store_true", help="no HTML report at the end")
 
     comp = sub.add_parser(
         "compare",
@@ -99,12 +100,16 @@ def _parser() -> argparse.ArgumentParser:
                       help="a parameter of one row's strategy, e.g. -p autofreeze.interval=20 (repeatable)")
     comp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     comp.add_argument("--no-progress", action="store_true")
+    comp.add_argument("--no-report", action="store_true", help="no HTML report at the end")
 
     blocks = sub.add_parser("blocks", help="show the blocks of a task's model (what strategies freeze)")
     blocks.add_argument("--config", "-c")
     blocks.add_argument("--task")
     blocks.add_argument("--model")
     blocks.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+
+    rep = sub.add_parser("report", help="write an HTML report with PNG plots for a run or compare folder")
+    rep.add_argument("run_dir", metavar="RUN_DIR", help="a folder written by `layerfreeze train` or `compare`")
 
     sub.add_parser("strategies", help="list the freezing strategies and their parameters")
     sub.add_parser("assets", help="check the offline assets (models, datasets) and how to install missing ones")
@@ -157,7 +162,20 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         return 130
     print_summary(summary, console=console)
     console.print(f"metrics: {trainer.run_dir}/metrics.jsonl   TensorBoard: tensorboard --logdir {trainer.run_dir}")
+    _report(trainer.run_dir, args, console)
     return 0
+
+
+def _report(run_dir: Path | str, args: argparse.Namespace, console: Console) -> None:
+    """The HTML report at the end of train/compare (skipped with --no-report or without matplotlib)."""
+    if getattr(args, "no_report", False):
+        return
+    from .report import write_report
+
+    try:
+        console.print(f"report: {write_report(run_dir)}")
+    except ImportError as exc:
+        console.print(f"report skipped: {exc}")
 
 
 def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
@@ -185,6 +203,7 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
         row_params = deep_merge(row_params, parse_override(item))
     results = compare(base, rows, run_dir, console=console, row_params=row_params)
     console.print(f"table: {run_dir}/compare.md   rows: {run_dir}/compare.json   ({len(results)} runs)")
+    _report(run_dir, args, console)
     return 0
 
 
@@ -235,10 +254,15 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_compare(args, console)
         if args.command == "blocks":
             return _cmd_blocks(args, console)
+        if args.command == "report":
+            from .report import write_report
+
+            console.print(f"report: {write_report(args.run_dir)}")
+            return 0
         if args.command == "strategies":
             return _cmd_strategies(console)
         return _cmd_assets(console)
-    except USER_ERRORS as exc:
+    except (*USER_ERRORS, FileNotFoundError) as exc:
         err.print(f"[bold red]layerfreeze: error:[/] {exc}", highlight=False)
         return 2
 

@@ -4,7 +4,8 @@ The whole path, in order: seed -> task (model, data) -> blocks -> optimizer (one
 schedule (warm-up, then linear/cosine decay) -> :class:`~layerfreeze.engine.Freezer` -> for each epoch: a fixed
 permutation from ``seed + epoch`` -> steps (forward, loss, backward, clip, step) -> evaluation -> checkpoint.
 
-Measurements per step: loss, learning rate, step time (s), samples/s, training FLOPs per step measured with
+Measurements per step: loss, learning rate, step time (s: forward, backward, optimizer step and the strategy's
+freezing stage; data loading and evaluation excluded), samples/s, training FLOPs per step measured with
 ``FlopCounterMode`` on a real step (re-measured whenever the frozen set changes), cumulative FLOPs, peak memory
 (bytes). A checkpoint is written at every epoch end and when the run is interrupted (Ctrl-C or an exception), so
 ``layerfreeze train --resume RUN_DIR`` continues exactly where it stopped (same batches, same RNG).
@@ -268,6 +269,7 @@ class Trainer:
                                                  frozen_blocks=self.freezer.frozen_blocks)
                     else:
                         loss = self._train_step(batch)
+                    self.freezer.step()  # inside the timed region: a strategy's own cost counts against it
                     step_time = time.perf_counter() - t0
                     done_in_epoch += 1
                     self.progress["step"] += 1
@@ -285,7 +287,6 @@ class Trainer:
                         peak_memory_bytes=tm.peak_memory_bytes(self.device), **self._signals(),
                     )
                     bar.set_postfix(loss=f"{loss:.4f}", frozen=f"{sum(self.freezer.frozen)}/{len(self.freezer.blocks)}")
-                    self.freezer.step()
                     every = cfg.freeze.guard.every_steps if cfg.freeze.guard else None
                     if every and self.progress["step"] % every == 0:
                         self._guard_check()

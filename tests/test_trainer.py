@@ -132,3 +132,38 @@ def test_guard_holds_out_validation_data_and_reports_val_loss(tmp_path):
     val = [r for r in read_metrics(tmp_path / "guard") if "val_loss" in r]
     assert [r["step"] for r in val] == [2, 4, 6, 6, 8, 10, 12, 12]  # every 2 steps and at each epoch end
     assert all(r["val_loss"] > 0 for r in val)
+
+
+def test_frozen_prefix_cache_gives_the_same_losses_and_skips_prefix_flops(tmp_path):
+    plain = Trainer(config(tmp_path, "plain", epochs=3), task=blob_task()).run()
+    cfg = config(tmp_path, "cached", epochs=3)
+    cfg.freeze.cache = {"mode": "on"}
+    cached = Trainer(cfg, task=blob_task()).run()
+    losses = lambda name: [r["loss"] for r in read_metrics(tmp_path / name) if r["type"] == "step"]  # noqa: E731
+    assert losses("plain") == losses("cached")  # exact in float32
+    epochs = [r for r in read_metrics(tmp_path / "cached") if r["type"] == "epoch"]
+    assert [e["cache_hits"] for e in epochs] == [0, 96, 192]  # every sample cached in epoch 1, read back after
+    assert epochs[-1]["cache_size_bytes"] == 96 * 32 * 4  # one (32,) float32 state per training sample
+    # with the prefix's forward skipped, the measured FLOPs of a step lose Linear(16, 32)'s forward
+    assert cached["flops_per_step_last"] == plain["flops_per_step_last"] - 2 * 16 * 16 * 32
+
+
+def test_cache_refuses_random_augmentation(tmp_path):
+    task = blob_task()
+    noisy = task.train_set
+    original = type(noisy).__getitem__
+
+    class Noisy(type(noisy)):
+        def __getitem__(self, i):
+            item = original(self, i)
+            return {**item, "pixel_values": item["pixel_values"] + 0.1 * torch.randn(16)}
+
+    noisy.__class__ = Noisy
+    cfg = config(tmp_path, "noisy")
+    cfg.freeze.cache = {"mode": "on"}
+    with pytest.raises(ConfigError, match="random augmentation"):
+        Trainer(cfg, task=task).run()
+    cfg = config(tmp_path, "noisy-auto")
+    cfg.freeze.cache = {"mode": "auto"}
+    Trainer(cfg, task=task).run()
+    assert any(r.get("kind") == "cache_off" for r in read_metrics(tmp_path / "noisy-auto"))

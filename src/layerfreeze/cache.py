@@ -28,9 +28,10 @@ Correctness rules (each one guards against reusing a stale value silently):
   (``corrupt_shards``) and its entries are recomputed, never returned.
 
 Equality. In float32 the cached path gives the same logits as the full forward bit for bit whenever the prefix's
-kernels give a sample the same result in any batch. CPU kernels do for batches of a few samples and more
-(tested); tiny batches (1-3 rows) or other thread counts may pick another GEMM kernel and differ in the last bits,
-as any change of batch size would. Storing in float16/bfloat16 rounds the state (about 1e-3 relative).
+kernels give a sample the same bits whatever else is in its batch. On CPU they do for batches of 4 or more rows
+(tested with 1 and 2 threads); a batch of 1-3 rows (a short last batch, a few misses recomputed together) may get
+another GEMM kernel and differ in the last bits, as any change of batch size would without a cache. Storing in
+float16/bfloat16 rounds the state (about 1e-3 relative).
 
 A cache holds the outputs of one model for one dataset: ``index`` must identify a sample of that dataset (never
 mix train and test batches), and entries are valid only for the weights they were computed with (the disk files
@@ -523,7 +524,9 @@ class ActivationCache:
 
     # ---- reading -------------------------------------------------------------------------------------------
 
-    def lookup(self, indices: Sequence[int] | torch.Tensor, depth: int, count: bool = True) -> list[torch.Tensor | None]:
+    def lookup(
+        self, indices: Sequence[int] | torch.Tensor, depth: int, count: bool = True
+    ) -> list[torch.Tensor | None]:
         """Per sample: its state at ``depth`` (CPU, trimmed, in the dtype it was computed in), or None.
 
         Disk entries are verified (see the class docstring); a corrupt shard's entries come back as None.
@@ -632,7 +635,7 @@ class ActivationCache:
             f"activation cache shard {path} is corrupt ({reason}); its {len(keys)} entries were dropped and will "
             "be recomputed",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
         return None
 

@@ -105,13 +105,27 @@ class GuardConfig(_Section):
     every_steps: int | None = Field(None, ge=1)
 
 
+class CacheConfig(_Section):
+    """Frozen-prefix activation cache (:mod:`layerfreeze.cache`): skip the frozen prefix's forward.
+
+    ``mode``: ``off``; ``on`` (refuse to start when the data or the prefix is not deterministic); ``auto`` (check,
+    and train without the cache, with a warning event, when it is not). ``dtype``: storage precision.
+    ``budget_mb``: memory before spilling to safetensors shards in the run folder.
+    """
+
+    mode: Literal["off", "on", "auto"] = "off"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    budget_mb: float = Field(1024, ge=0)
+
+
 class FreezeConfig(_Section):
-    """The freezing strategy: a registered name and its parameters; optionally the stability guard."""
+    """The freezing strategy: a registered name and its parameters; optionally the stability guard and the cache."""
 
     strategy: str = DEFAULT_STRATEGY
     params: dict[str, Any] = Field(default_factory=dict)
     train_bn: bool = False
     guard: GuardConfig | None = None
+    cache: CacheConfig = Field(default_factory=CacheConfig)
 
     @model_validator(mode="after")
     def _check_strategy(self) -> FreezeConfig:

@@ -34,7 +34,9 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, ConfigError
 from .engine import Freezer, block_param_groups
 from .guard import StabilityGuard
+from .split import split_for
 from .blocks import discover_blocks
+from .cache import ActivationCache, CachedPrefix, check_deterministic
 from .strategies import create_strategy
 from .tasks import Task, build_task
 
@@ -188,7 +190,29 @@ class Trainer:
             total_steps=self.total_steps, steps_per_epoch=self.batches_per_epoch, guard=self.guard,
         )
         self.model = model
+        self.runner = self._make_cache_runner(blocks)
         (self.run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
+
+    def _make_cache_runner(self, blocks: list) -> CachedPrefix | None:
+        """The cached forward (``freeze.cache``), or None to use the task's plain forward.
+
+        Raises:
+            ConfigError: ``mode: on`` and the data or the model's family does not allow a cache.
+        """
+        cfg = self.config.freeze.cache
+        if cfg.mode == "off":
+            return None
+        try:
+            split = split_for(self.model, blocks, input_key="pixel_values")
+            check_deterministic(self.train_set)
+        except ValueError as exc:  # CacheRefused is a ValueError
+            if cfg.mode == "on":
+                raise ConfigError(f"freeze.cache.mode is on but the frozen prefix cannot be cached: {exc}") from None
+            self.telemetry.log_event("cache_off", 0, reason=str(exc))
+            return None
+        dtype = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[cfg.dtype]
+        cache = ActivationCache(int(cfg.budget_mb * 2**20), dtype, directory=self.run_dir / "cache")
+        return CachedPrefix(self.model, blocks, split, cache, freezer=self.freezer, fallback=cfg.mode == "auto")
 
     def _on_freeze_event(self, record: dict[str, Any]) -> None:
         fields = {k: v for k, v in record.items() if k not in ("kind", "step")}
@@ -239,7 +263,7 @@ class Trainer:
         self.freezer.on_event = self._on_freeze_event
         tm.reset_peak_memory(self.device)
         wall_start = time.perf_counter()
-        measured_for: tuple[bool, ...] | None = None
+        measured_for: tuple[Any, ...] | None = None
         epoch, done_in_epoch = start_epoch, skip
         restore_sigint = self._install_sigint()
         try:
@@ -257,14 +281,16 @@ class Trainer:
                 bar = tqdm(loader, total=len(batches), initial=done_in_epoch, disable=not cfg.run.progress,
                            desc=f"epoch {epoch + 1}/{cfg.train.epochs}", unit="step", leave=False)
                 for batch in bar:
-                    remeasure = tuple(self.freezer.frozen) != measured_for
+                    # with the cache, whether the prefix runs depends on the epoch (cold, then warm): measure per epoch
+                    key = (tuple(self.freezer.frozen), epoch if self.runner is not None else None)
+                    remeasure = key != measured_for
                     t0 = time.perf_counter()
                     if remeasure:
                         loss, flops = tm.measure_flops(lambda: self._train_step(batch))
                         self.progress["flops_per_step"] = flops
                         if self.progress["flops_first"] is None:
                             self.progress["flops_first"] = flops
-                        measured_for = tuple(self.freezer.frozen)
+                        measured_for = key
                         self.telemetry.log_event("flops_remeasured", self.progress["step"] + 1, flops_per_step=flops,
                                                  frozen_blocks=self.freezer.frozen_blocks)
                     else:
@@ -307,6 +333,8 @@ class Trainer:
         finally:
             restore_sigint()
             self.freezer.close()
+            if self.runner is not None:
+                self.runner.cache.close()
         summary = self._summary(time.perf_counter() - wall_start)
         self.telemetry.close()
         return summary
@@ -331,7 +359,7 @@ class Trainer:
 
     def _train_step(self, batch: dict[str, torch.Tensor]) -> float:
         batch = _to(batch, self.device)
-        logits = self.task.forward(self.model, batch)
+        logits = self.runner(batch) if self.runner is not None else self.task.forward(self.model, batch)
         loss = nn.functional.cross_entropy(logits, batch["labels"])
         loss.backward()
         self.freezer.after_backward()
@@ -355,7 +383,7 @@ class Trainer:
         self.telemetry.log_epoch(
             epoch, self.progress["step"], train_loss=train_loss, eval_loss=eval_loss, eval_accuracy=eval_acc,
             epoch_time_s=epoch_time, eval_time_s=eval_time, frozen_blocks=self.freezer.frozen_blocks,
-            peak_memory_bytes=tm.peak_memory_bytes(self.device),
+            peak_memory_bytes=tm.peak_memory_bytes(self.device), **self._cache_stats(),
         )
         if self.config.run.progress:
             tqdm.write(f"epoch {epoch + 1}: train loss {train_loss:.4f}  eval loss {eval_loss:.4f}  accuracy "
@@ -365,6 +393,14 @@ class Trainer:
             self._guard_check()
         self.freezer.epoch_end()
         self._checkpoint(epoch + 1, 0, reason="epoch_end")
+
+    def _cache_stats(self) -> dict[str, Any]:
+        if self.runner is None:
+            return {}
+        stats = {f"cache_{k}": v for k, v in self.runner.stats().items() if isinstance(v, (int, float))}
+        if self.runner.disabled:
+            stats["cache_disabled"] = self.runner.disabled
+        return stats
 
     def _guard_check(self) -> None:
         val_loss, val_acc = evaluate(self.task, self.model, self.device, self.config.train.eval_batch_size,

@@ -1,0 +1,124 @@
+"""The SmartFRZ freeze predictor: single-query attention over a block's recorded weight history.
+
+Architecture (SmartFRZ, Li et al., ICLR 2023, sec. 3.3: an attention-based predictor over the recorded history;
+sizes are ours): each snapshot's feature vector (:mod:`.features`, ``(W - 1, F)``) goes through a shared snapshot
+encoder (MLP F -> H -> H); the newest snapshot's encoding is the query, all snapshots' encodings are keys and
+values (scaled dot-product attention, one head); the query concatenated with the attended value goes through a
+classifier (MLP 2H -> H -> 1) giving the logit of "this block can be frozen now".
+
+Files are safetensors with metadata: format and feature versions, window, hidden size, and the SHA-256 of the
+tensor bytes, so a truncated, corrupt or other-version file is refused by name, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .features import FEATURE_VERSION, NUM_FEATURES
+
+FORMAT = "layerfreeze-smartfrz-predictor"
+FORMAT_VERSION = 1
+DEFAULT_PREDICTOR = Path(__file__).with_name("predictor.safetensors")
+
+
+class PredictorError(RuntimeError):
+    """A predictor file is missing, corrupt, or from an incompatible version."""
+
+
+class FreezePredictor(nn.Module):
+    """p(freeze now) for a batch of blocks' feature windows.
+
+    Args:
+        hidden: Encoder width H.
+
+    Forward: ``features`` ``(B, W - 1, F)`` -> logits ``(B,)``.
+    """
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.encoder = nn.Sequential(nn.Linear(NUM_FEATURES, hidden), nn.GELU(), nn.Linear(hidden, hidden))
+        self.query = nn.Linear(hidden, hidden, bias=False)
+        self.key = nn.Linear(hidden, hidden, bias=False)
+        self.value = nn.Linear(hidden, hidden, bias=False)
+        self.classifier = nn.Sequential(nn.Linear(2 * hidden, hidden), nn.GELU(), nn.Linear(hidden, 1))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(features)                              # (B, T, H)
+        q = self.query(h[:, -1:])                               # (B, 1, H): newest snapshot
+        att = torch.softmax(q @ self.key(h).transpose(1, 2) / self.hidden ** 0.5, dim=-1)  # (B, 1, T)
+        ctx = (att @ self.value(h))[:, 0]                       # (B, H)
+        return self.classifier(torch.cat([h[:, -1], ctx], dim=-1))[:, 0]
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_predictor(path: str | Path, model: FreezePredictor, window: int, card: dict[str, Any] | None = None) -> Path:
+    """Write ``model`` as safetensors with versioned, checksummed metadata (``card`` is stored as JSON)."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    meta = {
+        "format": FORMAT, "format_version": str(FORMAT_VERSION), "feature_version": str(FEATURE_VERSION),
+        "window": str(window), "hidden": str(model.hidden), "sha256": _digest(tensors),
+        "card": json.dumps(card or {}),
+    }
+    path = Path(path)
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+def load_predictor(path: str | Path | None = None) -> tuple[FreezePredictor, dict[str, Any]]:
+    """Load a predictor file (default: the one shipped in the package).
+
+    Returns:
+        ``(model in eval mode, metadata)`` with ``metadata["window"]`` an int and ``metadata["card"]`` a dict.
+
+    Raises:
+        PredictorError: the file is missing, not a safetensors predictor, truncated/corrupt (checksum), or written
+            for another format or feature version. The message names the file.
+    """
+    from safetensors import safe_open
+
+    path = Path(path) if path is not None else DEFAULT_PREDICTOR
+    if not path.is_file():
+        raise PredictorError(
+            f"SmartFRZ predictor file {path} does not exist. Train one with `layerfreeze predictor train` or "
+            "point freeze.params.predictor at an existing file."
+        )
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # noqa: BLE001 - any parse failure means the file is unusable
+        raise PredictorError(f"SmartFRZ predictor file {path} is corrupt or not a safetensors file: {exc}") from None
+    if meta.get("format") != FORMAT:
+        raise PredictorError(f"{path} is not a layerfreeze SmartFRZ predictor (format {meta.get('format')!r})")
+    for key, want in (("format_version", FORMAT_VERSION), ("feature_version", FEATURE_VERSION)):
+        if meta.get(key) != str(want):
+            raise PredictorError(f"{path} was written with {key} {meta.get(key)!r}; this layerfreeze needs {want}. "
+                                 "Retrain it with `layerfreeze predictor train`.")
+    if _digest(tensors) != meta.get("sha256"):
+        raise PredictorError(f"SmartFRZ predictor file {path} fails its checksum: it is corrupt")
+    model = FreezePredictor(hidden=int(meta["hidden"]))
+    try:
+        model.load_state_dict(tensors)
+    except RuntimeError as exc:
+        raise PredictorError(f"SmartFRZ predictor file {path} does not match the predictor architecture: {exc}")
+    model.eval()
+    out: dict[str, Any] = dict(meta)
+    out["window"] = int(meta["window"])
+    out["card"] = json.loads(meta.get("card", "{}"))
+    return model, out

@@ -1,0 +1,118 @@
+"""Weight recorder for SmartFRZ: a fixed sample of each active block's weights, snapshotted into a ring buffer.
+
+"Layer tailoring" (SmartFRZ, Li et al., ICLR 2023, sec. 3.2): every block, whatever its size, is represented by
+the same number of weights, sampled once at fixed positions, so one predictor serves blocks and networks of any
+size. Positions are drawn once per block with a seeded generator and spread over the block's weight tensors in
+proportion to their sizes. A block with fewer weights than the sample size contributes all of them and the rest is
+padding (zeros, with ``mask == False``), which the features ignore.
+
+Cost per snapshot: one gather of ``sample_size`` values per active block (``torch.take`` on each tensor), copied
+into a preallocated ``(window, sample_size)`` float32 buffer; frozen blocks are not recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..blocks import Block
+
+
+class BlockSample:
+    """Fixed sampled positions of one block's parameters.
+
+    Attributes:
+        index: Block index.
+        picks: ``[(parameter, flat positions LongTensor)]``; positions are into ``parameter.view(-1)``.
+        mask: ``(sample_size,)`` bool, False for padding when the block is smaller than the sample size.
+    """
+
+    def __init__(self, block: Block, sample_size: int, generator: torch.Generator) -> None:
+        self.index = block.index
+        params = [p for p in block.parameters()]
+        sizes = torch.tensor([p.numel() for p in params], dtype=torch.float64)
+        total = int(sizes.sum())
+        self.mask = torch.zeros(sample_size, dtype=torch.bool)
+        self.picks: list[tuple[nn.Parameter, torch.Tensor]] = []
+        if total <= sample_size:  # small block: take everything, pad the rest
+            for p in params:
+                self.picks.append((p, torch.arange(p.numel())))
+            self.mask[:total] = True
+            return
+        # proportional allocation with largest remainders, so counts add up to sample_size exactly
+        exact = sizes / total * sample_size
+        counts = exact.floor().long()
+        order = torch.argsort(exact - counts, descending=True)
+        counts[order[: sample_size - int(counts.sum())]] += 1
+        for p, n in zip(params, counts.tolist()):
+            if n:
+                positions = torch.randperm(p.numel(), generator=generator)[:n].sort().values
+                self.picks.append((p, positions))
+        self.mask[:] = True
+
+    def gather(self, out: torch.Tensor) -> None:
+        """Write the current sampled values into ``out`` (``(sample_size,)`` float32, CPU)."""
+        values = [p.detach().reshape(-1)[idx.to(p.device)] for p, idx in self.picks]
+        flat = torch.cat(values).float().cpu() if values else torch.zeros(0)
+        out.zero_()
+        out[: flat.numel()] = flat
+
+
+class WeightRecorder:
+    """Ring buffers of the last ``window`` weight samples of every block.
+
+    Args:
+        blocks: The model's blocks (front to back).
+        sample_size: Weights sampled per block (default 1,024).
+        window: Snapshots kept per block (default 30).
+        seed: Seed of the position sampling (fixed: the same blocks get the same positions).
+
+    Shapes: :meth:`window_of` returns ``(n, sample_size)`` float32 (oldest first) with ``n <= window``.
+    """
+
+    def __init__(self, blocks: list[Block], sample_size: int = 1024, window: int = 30, seed: int = 0) -> None:
+        if sample_size < 8 or window < 3:
+            raise ValueError(f"sample_size must be >= 8 and window >= 3, got {sample_size}, {window}")
+        g = torch.Generator().manual_seed(seed)
+        self.sample_size, self.window = sample_size, window
+        self.samples = [BlockSample(b, sample_size, g) for b in blocks]
+        self.buffers = torch.zeros(len(blocks), window, sample_size)
+        self.counts = [0] * len(blocks)  # snapshots taken per block (not capped)
+
+    def snapshot(self, active: list[bool]) -> None:
+        """Record the current sample of every active block (frozen blocks are skipped)."""
+        with torch.no_grad():
+            for i, sample in enumerate(self.samples):
+                if not active[i]:
+                    continue
+                slot = self.counts[i] % self.window
+                sample.gather(self.buffers[i, slot])
+                self.counts[i] += 1
+
+    def window_of(self, index: int) -> torch.Tensor:
+        """The recorded snapshots of block ``index``, oldest first: ``(min(count, window), sample_size)``."""
+        n = min(self.counts[index], self.window)
+        if n < self.window:
+            return self.buffers[index, :n].clone()
+        start = self.counts[index] % self.window
+        return torch.roll(self.buffers[index], shifts=-start, dims=0).clone()
+
+    def mask_of(self, index: int) -> torch.Tensor:
+        """``(sample_size,)`` bool: which positions of block ``index`` are real weights (not padding)."""
+        return self.samples[index].mask
+
+    def ready(self, index: int) -> bool:
+        """True once block ``index`` has a full window of snapshots."""
+        return self.counts[index] >= self.window
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"buffers": self.buffers.clone(), "counts": list(self.counts)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["buffers"].shape != self.buffers.shape:
+            raise ValueError(f"recorder state has shape {tuple(state['buffers'].shape)}, "
+                             f"this recorder {tuple(self.buffers.shape)}")
+        self.buffers.copy_(state["buffers"])
+        self.counts = list(state["counts"])

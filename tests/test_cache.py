@@ -1,0 +1,382 @@
+"""The activation cache of the frozen prefix, with real values: the split forward gives the model's logits bit for
+bit, training with the cache gives the same losses as without it (also across a deeper freeze, which extends the
+cache from the old boundary, and with variable-length text), reduced-precision storage, disk shards with corruption
+detection, and the refusals (random augmentation, stochastic prefix modules, changed inputs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset, default_collate
+
+from layerfreeze import Freezer, discover_blocks
+from layerfreeze.cache import (
+    ActivationCache,
+    CachedPrefix,
+    CacheRefused,
+    check_deterministic,
+    check_prefix_deterministic,
+)
+from layerfreeze.split import BertSplit, MobileNetV2Split, ResNetSplit, SequentialSplit, split_for
+from layerfreeze.trainer import epoch_batches
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One CPU thread: cheap beside other jobs, and CPU GEMM picks the same kernel for every batch of >= 4 rows."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- models and data ---------------------------------------------------------------------------------------
+
+
+def tiny_bert(attn: str = "sdpa", seed: int = 0):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=3, attn_implementation=attn)
+    return BertForSequenceClassification(config)
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    """Blocks 0 (Linear), 1 (BatchNorm), 3, 5, 8 (head); the Dropout sits after block 5, in the trainable part."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+        nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4),
+    )
+
+
+class Blobs(Dataset):
+    """Fixed Gaussian blobs ``{"pixel_values": (16,), "labels", "index"}``; ``noise > 0`` adds fresh noise per fetch."""
+
+    def __init__(self, n: int = 48, noise: float = 0.0):
+        g = torch.Generator().manual_seed(1)
+        self.labels = torch.randint(0, 4, (n,), generator=g)
+        self.x = torch.randn(4, 16, generator=g)[self.labels] * 2 + torch.randn(n, 16, generator=g)
+        self.noise = noise
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        x = self.x[i] + self.noise * torch.randn(16) if self.noise else self.x[i]
+        return {"pixel_values": x, "labels": self.labels[i], "index": torch.tensor(i)}
+
+
+class Texts(Dataset):
+    """Token sequences of lengths 3..12, right-padded with 0 to 12, with attention masks."""
+
+    def __init__(self, n: int = 24, length: int = 12):
+        g = torch.Generator().manual_seed(2)
+        self.ids = torch.randint(1, 100, (n, length), generator=g)
+        self.lengths = torch.randint(3, length + 1, (n,), generator=g)
+        self.mask = (torch.arange(length)[None, :] < self.lengths[:, None]).long()
+        self.ids = self.ids * self.mask
+        self.labels = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i],
+                "token_type_ids": torch.zeros_like(self.ids[i]), "labels": self.labels[i], "index": torch.tensor(i)}
+
+
+def collate(dataset, indices):
+    return default_collate([dataset[i] for i in indices])
+
+
+def frozen(model, depth, train_bn=False):
+    freezer = Freezer(model, train_bn=train_bn)
+    for i in range(depth):
+        freezer.freeze(i)
+    return freezer
+
+
+# ---- splits ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_bert_split_gives_the_models_logits_exactly_at_every_depth(attn):
+    model = tiny_bert(attn).eval()
+    split = split_for(model, discover_blocks(model))
+    assert isinstance(split, BertSplit) and split.max_depth == 5  # embeddings, 3 layers, pooler | classifier
+    data = Texts(6)
+    padded = collate(data, range(6))
+    assert (padded["attention_mask"] == 0).any()
+    unpadded = {"input_ids": padded["input_ids"][:, :3], "attention_mask": torch.ones(6, 3, dtype=torch.long)}
+    for batch in (padded, unpadded):
+        logits = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in batch}).logits
+        for depth in range(1, split.max_depth + 1):
+            state = split.prefix(model, batch, depth)
+            assert not state.requires_grad
+            assert torch.equal(split.suffix(model, state, batch, depth), logits), depth
+            if depth > 1:
+                assert torch.equal(split.extend(model, split.prefix(model, batch, 1), batch, 1, depth), state)
+    assert split.prefix(model, padded, 2).shape == (6, 12, 32)
+    assert split.prefix(model, padded, 5).shape == (6, 32)  # the pooler is in the prefix: no sequence any more
+    assert torch.equal(split.lengths(padded, 2), data.lengths[:6])
+    assert split.lengths(padded, 5) is None
+
+
+def test_mobilenet_v2_resnet_and_sequential_splits_give_the_models_logits_exactly():
+    x = {"pixel_values": torch.randn(2, 3, 32, 32)}
+    for model, kind in ((torchvision.models.mobilenet_v2(num_classes=10), MobileNetV2Split),
+                        (torchvision.models.resnet18(num_classes=10), ResNetSplit)):
+        model.eval()
+        split = split_for(model, discover_blocks(model))
+        assert isinstance(split, kind)
+        logits = model(x["pixel_values"])
+        for depth in range(1, split.max_depth + 1):
+            assert torch.equal(split.suffix(model, split.prefix(model, x, depth), x, depth), logits), (kind, depth)
+        if kind is MobileNetV2Split:
+            assert split.max_depth == 19  # features.0 .. features.18 | classifier
+    model = mlp().eval()
+    split = split_for(model, discover_blocks(model))
+    assert isinstance(split, SequentialSplit)
+    batch = {"pixel_values": torch.randn(6, 16)}
+    for depth in range(1, split.max_depth + 1):
+        state = split.prefix(model, batch, depth)
+        assert torch.equal(split.suffix(model, state, batch, depth), model(batch["pixel_values"]))
+    # The boundary is right after a block: parameter-free modules after it (ReLU, Dropout) run in the suffix.
+    assert [name for name, _ in split.prefix_modules(model, 4)] == ["0", "1", "2", "3", "4", "5"]
+    assert [name for name, _ in split.prefix_modules(model, 2)] == ["0", "1"]
+
+
+def test_split_for_names_the_supported_families():
+    class FeaturesClassifier(nn.Module):  # VGG-like: discovered as blocks, but its forward is not MobileNetV2's
+        def __init__(self):
+            super().__init__()
+            self.features = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3))
+            self.classifier = nn.Linear(4, 2)
+
+    model = FeaturesClassifier()
+    with pytest.raises(ValueError, match="Supported families") as err:
+        split_for(model, discover_blocks(model))
+    for family in ("BertForSequenceClassification", "MobileNetV2", "ResNet", "nn.Sequential"):
+        assert family in str(err.value)
+
+
+# ---- training with the cache == training without it -------------------------------------------------------
+
+
+def train(model, dataset, cached, depth0, deeper_at, epochs=4, batch_size=8, lr=0.05, **cache_kwargs):
+    """Train with a frozen prefix of ``depth0`` blocks, one more block frozen at epoch ``deeper_at``.
+
+    Returns (per-step losses, CachedPrefix or None, per-epoch stats).
+    """
+    optimizer = torch.optim.SGD([p for p in model.parameters()], lr=lr, momentum=0.9)
+    freezer = Freezer(model, optimizer)
+    for i in range(depth0):
+        freezer.freeze(i)
+    runner = None
+    if cached:
+        check_deterministic(dataset)
+        runner = CachedPrefix(model, freezer.blocks, cache=ActivationCache(**cache_kwargs), freezer=freezer)
+    split = split_for(model, freezer.blocks)
+    losses, stats = [], []
+    for epoch in range(epochs):
+        if epoch == deeper_at:
+            freezer.freeze(depth0)
+        model.train()
+        for indices in epoch_batches(len(dataset), batch_size, seed=0, epoch=epoch):
+            batch = collate(dataset, indices)
+            logits = runner.forward(batch) if cached else split.full(model, batch)
+            loss = F.cross_entropy(logits, batch["labels"])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        if cached:
+            stats.append(runner.stats())
+    return torch.stack(losses), runner, stats
+
+
+def test_training_with_the_cache_gives_the_same_losses_and_extends_from_the_old_boundary():
+    data = Blobs(48)
+    plain, _, _ = train(mlp(), data, cached=False, depth0=3, deeper_at=2)
+    cached, runner, stats = train(mlp(), data, cached=True, depth0=3, deeper_at=2)
+    assert torch.equal(plain, cached), (plain - cached).abs().max()
+    assert plain[-1] < plain[0]  # it trains
+    # epoch 0: every sample computed through blocks 0..2; epoch 1: all hits
+    assert (stats[0]["prefix_samples"], stats[0]["hits"]) == (48, 0)
+    assert stats[1]["hits"] == 48 and stats[1]["prefix_samples"] == 48
+    # epoch 2: block 3 froze -> every sample carried from the depth-3 entry through block 3 only, never from input
+    assert stats[2]["extend_samples"] == 48 and stats[2]["prefix_samples"] == 48 and stats[2]["hits"] == 48
+    assert stats[2]["depth"] == 4
+    assert stats[3]["hits"] == 96
+    cache = runner.cache
+    assert all(cache.depths(i) == [4] for i in range(48))  # old-depth entries dropped once upgraded
+    assert cache.size_bytes == 48 * 32 * 4  # one (32,) float32 state per sample, in memory
+
+
+def test_variable_length_text_trimmed_and_repadded_gives_the_same_losses():
+    data = Texts(24)
+    plain, _, _ = train(tiny_bert(), data, cached=False, depth0=2, deeper_at=2, lr=0.01)
+    cached, runner, stats = train(tiny_bert(), data, cached=True, depth0=2, deeper_at=2, lr=0.01)
+    assert torch.equal(plain, cached), (plain - cached).abs().max()
+    assert stats[1]["hits"] == 24 and stats[2]["extend_samples"] == 24
+    # each sample stored cut to its true length: sum(lengths) x hidden 32 x 4 bytes
+    assert runner.cache.size_bytes == int(data.lengths.sum()) * 32 * 4
+    assert runner.cache.lookup([0], 3)[0].shape == (int(data.lengths[0]), 32)
+
+
+def test_float16_storage_is_close_and_half_the_size():
+    data = Texts(8)
+    batch = collate(data, range(8))
+    model = tiny_bert().eval()
+    freezer = frozen(model, 3)
+    full = split_for(model, freezer.blocks).full(model, batch)
+    sizes = {}
+    for dtype in (None, torch.float16, torch.bfloat16):
+        runner = CachedPrefix(model, freezer.blocks, cache=ActivationCache(dtype=dtype), freezer=freezer)
+        first = runner.forward(batch)  # computed
+        again = runner.forward(batch)  # from the cache
+        assert runner.cache.hits == 8
+        assert torch.equal(first, full)
+        state = runner.cache.get_batch(range(8), 3, pad_to=12)
+        assert state.dtype == torch.float32  # cast back to the compute dtype
+        if dtype is None:
+            assert torch.equal(again, full)
+        else:
+            assert torch.allclose(again, full, atol=1e-2) and not torch.equal(again, full)
+        sizes[dtype] = runner.cache.size_bytes
+    assert sizes[torch.float16] * 2 == sizes[None] == int(data.lengths[:8].sum()) * 32 * 4
+    assert sizes[torch.bfloat16] == sizes[torch.float16]
+
+
+# ---- disk shards ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_disk_shards_read_back_equal_and_a_corrupt_shard_is_recomputed(tmp_path, damage):
+    data = Blobs(32)
+    model = mlp().eval()
+    freezer = frozen(model, 3)
+    cache = ActivationCache(budget_bytes=8 * 32 * 4, directory=tmp_path, shard_bytes=0)
+    runner = CachedPrefix(model, freezer.blocks, cache=cache, freezer=freezer)
+    split = runner.split
+    batches = [collate(data, range(i, i + 8)) for i in range(0, 32, 8)]
+    for batch in batches:
+        runner.forward(batch)
+    # the first batch fits the budget; the three others spilled, one shard each, with an index of sizes and hashes
+    assert cache.memory_bytes == 8 * 32 * 4
+    shards = cache.shard_paths()
+    assert len(shards) == 3 and cache.disk_bytes == sum(p.stat().st_size for p in shards)
+    assert cache.size_bytes == cache.memory_bytes + cache.disk_bytes
+    index = json.loads((cache.path / "index.json").read_text())
+    assert {p.name for p in shards} == set(index["shards"])
+    assert all(len(s["sha256"]) == 64 and s["size"] > 0 for s in index["shards"].values())
+    for batch in batches:
+        expected = split.prefix(model, batch, 3)
+        assert torch.equal(cache.get_batch(batch["index"], 3), expected)
+    # damage the shard holding samples 8..15
+    target = cache.path / next(n for n, s in index["shards"].items() if "8:3" in s["entries"])
+    raw = bytearray(target.read_bytes())
+    if damage == "flip":
+        raw[-40] ^= 0xFF
+        target.write_bytes(bytes(raw))
+    else:
+        target.write_bytes(bytes(raw[: len(raw) // 2]))
+    with pytest.warns(RuntimeWarning, match="corrupt"):
+        assert cache.get_batch(batches[1]["index"], 3) is None  # never garbage
+    assert cache.corrupt_shards == 1 and not target.exists()
+    assert all(cache.depths(i) == [] for i in range(8, 16))
+    before = runner.prefix_samples
+    logits = runner.forward(batches[1])  # recomputed and stored again
+    assert runner.prefix_samples == before + 8
+    assert torch.equal(logits, split.full(model, batches[1]))
+    assert torch.equal(cache.get_batch(batches[1]["index"], 3), split.prefix(model, batches[1], 3))
+    assert torch.equal(cache.get_batch(batches[2]["index"], 3), split.prefix(model, batches[2], 3))  # others intact
+    assert cache.corrupt_shards == 1
+    path = cache.path
+    cache.close()
+    assert not path.exists()
+
+
+# ---- refusals and stale entries ----------------------------------------------------------------------------
+
+
+def test_random_augmentation_is_refused_without_touching_the_random_stream():
+    torch.manual_seed(3)
+    expected = torch.rand(3)
+    torch.manual_seed(3)
+    with pytest.raises(CacheRefused, match="random augmentation in the dataset") as err:
+        check_deterministic(Blobs(8, noise=0.1))
+    assert "pixel_values" in str(err.value) and "cache: off" in str(err.value)
+    check_deterministic(Blobs(8))  # deterministic: accepted
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_changed_inputs_of_a_cached_sample_are_refused_or_fall_back():
+    model = mlp().eval()
+    freezer = frozen(model, 3)
+    batch = collate(Blobs(8), range(8))
+    runner = CachedPrefix(model, freezer.blocks, freezer=freezer)
+    runner.forward(batch)
+    for changed in (batch["pixel_values"] + 1e-3 * torch.randn(8, 16), batch["pixel_values"].flip(-1)):
+        with pytest.raises(CacheRefused, match="inputs of sample 0 changed.*random augmentation"):
+            runner.forward({**batch, "pixel_values": changed})
+    runner = CachedPrefix(model, freezer.blocks, freezer=freezer, fallback=True)
+    runner.forward(batch)
+    flipped = {**batch, "pixel_values": batch["pixel_values"].flip(-1)}
+    with pytest.warns(RuntimeWarning, match="turned off"):
+        logits = runner.forward(flipped)
+    assert torch.equal(logits, model(flipped["pixel_values"])) and runner.disabled and len(runner.cache) == 0
+
+
+def test_stochastic_modules_in_the_prefix_are_refused_by_name():
+    batch = collate(Blobs(8), range(8))
+    # a Dropout between two frozen blocks belongs to no block, so the Freezer leaves it training
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    freezer = frozen(model, 2)
+    model.train()
+    with pytest.raises(CacheRefused, match=r"module '1' .*Dropout\(p=0.5\) in training mode"):
+        CachedPrefix(model, freezer.blocks, freezer=freezer).forward(batch)
+    runner = CachedPrefix(model, freezer.blocks, freezer=freezer, fallback=True)
+    with pytest.warns(RuntimeWarning, match="turned off"):
+        torch.manual_seed(5)
+        logits = runner.forward(batch)
+    torch.manual_seed(5)
+    assert torch.equal(logits, model(batch["pixel_values"])) and runner.full_forwards == 1
+    # train_bn=True keeps BatchNorm of frozen blocks training: batch statistics
+    model = mlp()
+    freezer = frozen(model, 3, train_bn=True)
+    model.train()
+    with pytest.raises(CacheRefused, match=r"module '1' .*BatchNorm1d in training mode"):
+        CachedPrefix(model, freezer.blocks, freezer=freezer).forward(batch)
+    # without a freezer nothing puts frozen blocks in eval mode: BERT's embedding dropout is named
+    bert = tiny_bert().train()
+    with pytest.raises(CacheRefused, match=r"bert\.embeddings\.dropout"):
+        check_prefix_deterministic(discover_blocks(bert), 1)
+    check_prefix_deterministic(discover_blocks(bert.eval()), 1)
+
+
+def test_changed_prefix_weights_and_thaws_invalidate_entries():
+    model = mlp().eval()
+    freezer = frozen(model, 3)
+    batch = collate(Blobs(8), range(8))
+    runner = CachedPrefix(model, freezer.blocks, freezer=freezer)
+    runner.forward(batch)
+    with torch.no_grad():
+        model[3].weight.mul_(1.5)  # a frozen block modified in place (e.g. a checkpoint loaded into it)
+    assert torch.equal(runner.forward(batch), model(batch["pixel_values"]))
+    assert runner.invalidations == 8 and runner.prefix_samples == 16
+    freezer.thaw(2)  # depth 3 -> 2: entries through block 2 are stale
+    freezer.thaw(1)
+    assert freezer.frozen_prefix == 1
+    runner.forward(batch)
+    assert runner.cache.depth == 1 and all(runner.cache.depths(i) == [1] for i in range(8))
+    with pytest.raises(ValueError, match="beyond the frozen prefix"):
+        runner.forward(batch, depth=3)

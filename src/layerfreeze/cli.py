@@ -111,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="write an HTML report with PNG plots for a run or compare folder")
     rep.add_argument("run_dir", metavar="RUN_DIR", help="a folder written by `layerfreeze train` or `compare`")
 
+    from .smartfrz import cli as smartfrz_cli
+
+    smartfrz_cli.add_parser(sub)
+
     sub.add_parser("strategies", help="list the freezing strategies and their parameters")
     sub.add_parser("assets", help="check the offline assets (models, datasets) and how to install missing ones")
     return parser
@@ -259,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
 
             console.print(f"report: {write_report(args.run_dir)}")
             return 0
+        if args.command == "predictor":
+            from .smartfrz import cli as smartfrz_cli
+
+            return smartfrz_cli.run(args, console)
         if args.command == "strategies":
             return _cmd_strategies(console)
         return _cmd_assets(console)

@@ -112,13 +112,20 @@ def load_predictor(path: str | Path | None = None) -> tuple[FreezePredictor, dic
                                  "Retrain it with `layerfreeze predictor train`.")
     if _digest(tensors) != meta.get("sha256"):
         raise PredictorError(f"SmartFRZ predictor file {path} fails its checksum: it is corrupt")
-    model = FreezePredictor(hidden=int(meta["hidden"]))
+    try:
+        hidden, window = int(meta["hidden"]), int(meta["window"])
+        card = json.loads(meta.get("card") or "{}")
+    except (KeyError, ValueError) as exc:
+        raise PredictorError(f"SmartFRZ predictor file {path} has bad metadata ({exc!r})") from None
+    if window < 3 or hidden < 1:
+        raise PredictorError(f"SmartFRZ predictor file {path} has window {window} (needs >= 3) / hidden {hidden}")
+    model = FreezePredictor(hidden=hidden)
     try:
         model.load_state_dict(tensors)
     except RuntimeError as exc:
         raise PredictorError(f"SmartFRZ predictor file {path} does not match the predictor architecture: {exc}")
     model.eval()
     out: dict[str, Any] = dict(meta)
-    out["window"] = int(meta["window"])
-    out["card"] = json.loads(meta.get("card", "{}"))
+    out["window"] = window
+    out["card"] = card
     return model, out

@@ -1,0 +1,103 @@
+"""``PREDICTOR_CARD.md``: the predictor's card rendered as Markdown (what it was trained on, the label thresholds,
+the held-out metrics, and the command that reproduces it). The same card is stored as JSON inside the predictor
+file's metadata (``load_predictor(path)[1]["card"]``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
+    return str(v)
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def _runs_table(runs: list[dict[str, Any]]) -> list[str]:
+    if not runs:
+        return ["(none)"]
+    return _table(["run", "recipe", "arch", "dataset", "mode", "seed", "lr", "steps", "blocks", "test acc."],
+                  [[r["run"], r["recipe"], r.get("arch"), r.get("dataset"), r.get("mode"), r["seed"], f"{r['lr']:g}",
+                    r["steps"], r.get("blocks"), r.get("test_accuracy")] for r in runs])
+
+
+_METRIC_COLS = ["windows", "precision", "recall", "f1", "blocks", "freeze_step_error", "freeze_step_bias",
+                "early_fraction"]
+
+
+def render_card(card: dict[str, Any]) -> str:
+    """The card as Markdown text."""
+    labels = card.get("labels", {})
+    training = card.get("training", {})
+    cfg = training.get("config", {})
+    lines = [f"# {card.get('name', 'SmartFRZ freeze predictor')}", ""]
+    lines += [
+        "A learned freezing policy for `layerfreeze`'s `smartfrz` strategy: given the last "
+        f"{card.get('window')} weight snapshots of a block (1,024 sampled weights, scale-free features), it gives "
+        "the probability that the block can be frozen now. Trained offline on CKA labels (SmartFRZ, Li et al., "
+        "ICLR 2023); all metrics below are on held-out recipes (architectures or datasets it never saw).",
+        "",
+        f"- layerfreeze {card.get('layerfreeze_version')}, torch {card.get('torch_version')}",
+        f"- window: {card.get('window')} snapshots; decision threshold: {card.get('threshold')}",
+        f"- training recipes: {', '.join(card.get('train_recipes', [])) or '-'}",
+        f"- held-out recipes: {', '.join(card.get('heldout_recipes', [])) or '-'}",
+        "",
+        "## Labels",
+        "",
+        f"A block is *freezable at t* when the linear CKA between its output on a fixed probe batch at t and at the "
+        f"end of training is >= tau = {labels.get('tau')}, that CKA moved by at most delta = {labels.get('delta')} "
+        f"(max - min) over the last window = {labels.get('window')} activation snapshots, and every earlier block is "
+        "freezable too; the head never is. See `layerfreeze.smartfrz.labels` for why these values.",
+        "",
+        "## Training",
+        "",
+        f"- examples: {training.get('examples')} windows ({training.get('positives')} freezable, "
+        f"{training.get('negatives')} not); class-balanced BCE (pos_weight {training.get('pos_weight')})",
+        f"- FreezePredictor(hidden={cfg.get('hidden')}), AdamW lr {cfg.get('lr')}, weight decay "
+        f"{cfg.get('weight_decay')}, batch {cfg.get('batch_size')}, {cfg.get('epochs')} epochs, seed {cfg.get('seed')}"
+        "; one thread, deterministic algorithms",
+        f"- final training loss: {_fmt(training.get('final_train_loss'), 4)}",
+        f"- training data SHA-256: `{training.get('data_sha256')}`",
+        "",
+        "## Held-out metrics",
+        "",
+    ]
+    metrics = card.get("heldout_metrics")
+    if not metrics:
+        lines += ["No held-out runs were available: this predictor is unevaluated.", ""]
+    else:
+        lines += [
+            "Per-window decisions (`p >= threshold` vs. the label at every labelled snapshot) and freeze-step "
+            "error (first step the strategy's prefix rule freezes a block vs. its first labelled freezable step, "
+            "as a fraction of training; never frozen = end of training). Bias > 0: freezes later than the labels; "
+            "early = fraction of blocks frozen before their label.",
+            "",
+        ]
+        rows = [["**all held-out**", *[metrics["overall"].get(c) for c in _METRIC_COLS]]]
+        rows += [[k, *[v.get(c) for c in _METRIC_COLS]] for k, v in metrics.get("per_recipe", {}).items()]
+        lines += _table(["recipe", "windows", "precision", "recall", "F1", "blocks", "step error", "step bias",
+                         "early"], rows)
+        lines.append("")
+    lines += ["## Training runs", "", *_runs_table(card.get("train_runs", [])), "",
+              "## Held-out runs", "", *_runs_table(card.get("heldout_runs", [])), "",
+              "## Reproduce", "",
+              "Predictor training is bit-for-bit reproducible from the runs and the seed (same training-data "
+              "SHA-256 above); the runs are recorded with fixed seeds (bitwise identical on the same machine and "
+              "thread count).", "", "```", card.get("command") or "(not recorded)", "```", ""]
+    return "\n".join(lines)
+
+
+def write_card(card: dict[str, Any], path: str | Path) -> Path:
+    """Write :func:`render_card` of ``card`` to ``path`` (Markdown)."""
+    path = Path(path)
+    path.write_text(render_card(card))
+    return path

@@ -1,0 +1,250 @@
+"""``layerfreeze predictor collect | label | train | evaluate``: the offline SmartFRZ pipeline.
+
+::
+
+    layerfreeze predictor collect --out runs/smartfrz            # all recipes, seeds 0,1, both learning rates
+    layerfreeze predictor label runs/smartfrz                     # CKA labels (labels.json per run)
+    layerfreeze predictor train runs/smartfrz --out predictor.safetensors   # + PREDICTOR_CARD.md beside it
+    layerfreeze predictor evaluate runs/smartfrz --predictor predictor.safetensors
+
+Then ``freeze.params.predictor: predictor.safetensors`` (or ``SmartFRZ(predictor=...)``) uses it.
+
+Exit codes: 0 success, 2 bad input (no runs, unknown recipe, unlabelled runs, bad predictor file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .collect import DEFAULT_HOLDOUT, RECIPES
+from .fit import DEFAULT_HISTORY, DEFAULT_THRESHOLD, TrainConfig
+from .labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_WINDOW
+from .predictor import PredictorError
+from .runs import PipelineError
+
+DEFAULT_RUNS_DIR = "runs/smartfrz"
+
+
+def _csv(kind: type) -> Any:
+    def parse(text: str) -> list[Any]:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
+    return parse
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``predictor`` and its sub-commands to the main CLI's sub-parsers."""
+    p = subparsers.add_parser(
+        "predictor", help="collect runs, label them with CKA, train and evaluate the SmartFRZ predictor",
+        description="The offline SmartFRZ pipeline: collect -> label -> train -> evaluate.",
+        epilog=__doc__.split("::", 1)[1].split("Exit codes")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="predictor_command", metavar="SUBCOMMAND", required=True)
+
+    c = sub.add_parser("collect", help="train the recipes to the end, recording weights and probe activations")
+    c.add_argument("--out", default=DEFAULT_RUNS_DIR, help=f"runs folder (default {DEFAULT_RUNS_DIR}); finished runs "
+                   "are skipped, so an interrupted collection resumes")
+    c.add_argument("--recipes", type=_csv(str), help=f"comma-separated recipes (default all: {', '.join(RECIPES)})")
+    c.add_argument("--seeds", type=_csv(int), default=[0, 1], help="comma-separated seeds (default 0,1)")
+    c.add_argument("--lrs", type=_csv(float), help="learning rates overriding each recipe's own pair")
+    c.add_argument("--quick", action="store_true", help="shrink every recipe to a few seconds (tests, CI)")
+    c.add_argument("--list", action="store_true", help="list the recipes and exit")
+
+    lab = sub.add_parser("label", help="CKA labels: when each block of each run became freezable")
+    lab.add_argument("runs_dir", metavar="RUNS_DIR")
+    lab.add_argument("--tau", type=float, default=DEFAULT_TAU, help=f"CKA to the final state (default {DEFAULT_TAU})")
+    lab.add_argument("--delta", type=float, default=DEFAULT_DELTA,
+                     help=f"max CKA change over the window (default {DEFAULT_DELTA})")
+    lab.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                     help=f"activation snapshots in the stability window (default {DEFAULT_WINDOW})")
+
+    t = sub.add_parser("train", help="fit the predictor on the non-held-out runs; evaluate on the held-out ones")
+    t.add_argument("runs_dir", metavar="RUNS_DIR")
+    t.add_argument("--out", default="predictor.safetensors", help="predictor file (PREDICTOR_CARD.md goes beside it)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--holdout", type=_csv(str), default=list(DEFAULT_HOLDOUT),
+                   help=f"recipes never trained on (default {','.join(DEFAULT_HOLDOUT)}; '' for none)")
+    t.add_argument("--history", type=int, default=DEFAULT_HISTORY,
+                   help=f"weight snapshots in the predictor's window (default {DEFAULT_HISTORY})")
+    t.add_argument("--epochs", type=int, default=TrainConfig.epochs)
+    t.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="decision threshold for the metrics")
+
+    e = sub.add_parser("evaluate", help="precision/recall/F1 and freeze-step error on runs the predictor never saw")
+    e.add_argument("runs_dir", metavar="RUNS_DIR")
+    e.add_argument("--predictor", help="predictor file (default: the one shipped with layerfreeze)")
+    e.add_argument("--threshold", type=float, help="decision threshold (default: the card's, else 0.5)")
+    e.add_argument("--recipes", type=_csv(str), help="only these recipes (default: every recipe the predictor was "
+                   "not trained on)")
+    return p
+
+
+def run(args: argparse.Namespace, console: Console | None = None) -> int:
+    """Run a ``predictor`` sub-command; returns the exit code."""
+    console = console or Console()
+    commands = {"collect": _collect, "label": _label, "train": _train, "evaluate": _evaluate}
+    try:
+        return commands[args.predictor_command](args, console)
+    except (PipelineError, PredictorError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+
+
+def _collect(args: argparse.Namespace, console: Console) -> int:
+    from .collect import collect, get_recipes
+
+    recipes = get_recipes(args.recipes)
+    if args.list:
+        table = Table(title="SmartFRZ collection recipes")
+        for col in ("recipe", "arch", "dataset", "mode", "lrs", "min/run", "held out"):
+            table.add_column(col, no_wrap=col == "recipe")
+        for r in recipes:
+            table.add_row(r.name, r.arch, r.dataset, r.mode, ", ".join(f"{x:g}" for x in r.lrs), f"{r.minutes:g}",
+                          "yes" if r.name in DEFAULT_HOLDOUT else "")
+        console.print(table)
+        for r in recipes:
+            console.print(f"  [bold]{r.name}[/]: {r.description}")
+        return 0
+    n_runs = sum(len(args.seeds) * len(args.lrs or r.lrs) for r in recipes)
+    est = sum(len(args.seeds) * len(args.lrs or r.lrs) * r.minutes for r in recipes)
+    console.print(f"collecting {n_runs} runs into {args.out}" + ("" if args.quick else f" (~{est:.0f} min)"))
+    done = {"complete": 0, "diverged": 0, "skipped": 0}
+
+    def on_run(name: str, status: str, meta: dict[str, Any] | None) -> None:
+        done[status] += 1
+        extra = ""
+        if status == "complete":
+            acc = meta.get("test_accuracy")
+            extra = f"{meta['wall_seconds']:.0f}s" + (f", test acc {acc:.3f}" if acc is not None else "")
+        elif status == "diverged":
+            extra = f"at step {meta.get('diverged_at_step')}: excluded"
+        console.print(f"  {name}: {status} {extra}")
+
+    collect(args.out, [r.name for r in recipes], args.seeds, args.lrs, args.quick, on_run=on_run)
+    console.print(f"done: {done['complete']} recorded, {done['skipped']} already there, {done['diverged']} diverged")
+    return 0
+
+
+def _label(args: argparse.Namespace, console: Console) -> int:
+    from .labels import label_run
+    from .runs import list_runs
+
+    runs = list_runs(args.runs_dir)
+    if not runs:
+        raise PipelineError(f"no complete runs in {args.runs_dir}")
+    table = Table(title=f"CKA labels (tau {args.tau}, delta {args.delta}, window {args.window}): first freezable "
+                        "step per block, fraction of training")
+    table.add_column("run")
+    table.add_column("first freezable (front to back; - never; head omitted)")
+    for d in runs:
+        lab = label_run(d, args.tau, args.delta, args.window)
+        firsts = [("-" if s is None else f"{s / lab['steps']:.2f}") for i, s in enumerate(lab["first_freezable_step"])
+                  if i != lab["head"]]
+        table.add_row(d.name, " ".join(firsts))
+    console.print(table)
+    return 0
+
+
+def _reproduce_command(runs: list[Any], runs_dir: str, args: argparse.Namespace) -> str:
+    recipes = sorted({r.recipe for r in runs}, key=lambda n: list(RECIPES).index(n) if n in RECIPES else 999)
+    seeds = sorted({int(r.meta["seed"]) for r in runs})
+    lrs = sorted({float(r.meta["lr"]) for r in runs})
+    default_lrs = all(float(r.meta["lr"]) in RECIPES[r.recipe].lrs for r in runs if r.recipe in RECIPES)
+    quick = any(r.meta.get("quick") for r in runs)
+    lab = runs[0].labels
+    q = shlex.quote
+    if not all(r.recipe in RECIPES for r in runs):
+        collect = "# some runs were recorded outside the registered recipes (layerfreeze.smartfrz.collect.record_run)"
+    else:
+        collect = (f"layerfreeze predictor collect --out {q(runs_dir)} --recipes {','.join(recipes)} "
+                   f"--seeds {','.join(map(str, seeds))}"
+                   + ("" if default_lrs else f" --lrs {','.join(f'{x:g}' for x in lrs)}")
+                   + (" --quick" if quick else ""))
+    label = (f"layerfreeze predictor label {q(runs_dir)} --tau {lab['tau']} --delta {lab['delta']} "
+             f"--window {lab['window']}")
+    train = (f"layerfreeze predictor train {q(runs_dir)} --seed {args.seed} --history {args.history} "
+             f"--epochs {args.epochs} --threshold {args.threshold} --holdout {q(','.join(args.holdout))} "
+             f"--out {q(str(args.out))}")
+    return f"{collect}\n{label}\n{train}"
+
+
+def _metrics_table(title: str, metrics: dict[str, Any]) -> Table:
+    table = Table(title=title, caption="win: labelled windows; prec/rec/F1: per-window decisions; err: mean "
+                  "|freeze step - labelled step| / steps; bias: signed (> 0 later); early: blocks frozen before label")
+    for col in ("recipe", "win", "prec", "rec", "F1", "blocks", "err", "bias", "early"):
+        if col == "recipe":
+            table.add_column(col, overflow="fold")
+        else:
+            table.add_column(col, justify="right", no_wrap=True, min_width=6 if col in ("bias", "blocks") else 5)
+
+    def row(name: str, m: dict[str, Any]) -> None:
+        def f(v: Any) -> str:
+            return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+        table.add_row(name, *(f(m.get(k)) for k in ("windows", "precision", "recall", "f1", "blocks",
+                                                     "freeze_step_error", "freeze_step_bias", "early_fraction")))
+
+    for name, m in metrics.get("per_recipe", {}).items():
+        row(name, m)
+    row("[bold]all[/]", metrics["overall"])
+    return table
+
+
+def _train(args: argparse.Namespace, console: Console) -> int:
+    from .fit import train_and_save
+    from .runs import list_runs, read_run
+
+    runs = [read_run(d, need_labels=True) for d in list_runs(args.runs_dir)]
+    if not runs:
+        raise PipelineError(f"no complete runs in {args.runs_dir}")
+    cfg = TrainConfig(seed=args.seed, history=args.history, epochs=args.epochs)
+    command = _reproduce_command(runs, str(args.runs_dir), args)
+    path, card = train_and_save(runs, args.out, args.holdout, cfg, args.threshold, command=command)
+    info = card["training"]
+    console.print(f"trained on {len(card['train_runs'])} runs ({', '.join(card['train_recipes'])}): "
+                  f"{info['examples']} windows, {info['positives']} freezable; final loss {info['final_train_loss']}")
+    if card["heldout_metrics"]:
+        console.print(_metrics_table(f"held out: {', '.join(card['heldout_recipes'])}", card["heldout_metrics"]))
+    else:
+        console.print("[yellow]no held-out runs: the predictor is unevaluated[/]")
+    console.print(f"predictor: {path}\ncard: {Path(path).with_name('PREDICTOR_CARD.md')}")
+    return 0
+
+
+def _evaluate(args: argparse.Namespace, console: Console) -> int:
+    from .fit import evaluate
+    from .predictor import load_predictor
+    from .runs import list_runs, read_run
+
+    model, meta = load_predictor(args.predictor)
+    card = meta.get("card") or {}
+    trained_runs = {r["run"] for r in card.get("train_runs", [])}
+    trained_recipes = set(card.get("train_recipes", []))
+    runs = [read_run(d, need_labels=True) for d in list_runs(args.runs_dir) if d.name not in trained_runs]
+    if args.recipes:
+        seen = sorted(set(args.recipes) & trained_recipes)
+        if seen:
+            console.print(f"[yellow]note:[/] the predictor was trained on other runs of {', '.join(seen)}")
+        runs = [r for r in runs if r.recipe in set(args.recipes)]
+    else:
+        runs = [r for r in runs if r.recipe not in trained_recipes]
+    if not runs:
+        raise PipelineError(f"no labelled runs in {args.runs_dir} that the predictor was not trained on")
+    threshold = args.threshold if args.threshold is not None else card.get("threshold", DEFAULT_THRESHOLD)
+    trained_labels = card.get("labels")
+    if trained_labels:
+        for r in runs:
+            got = {k: r.labels[k] for k in ("tau", "delta", "window")}
+            if got != trained_labels:
+                console.print(f"[yellow]note:[/] {r.name} is labelled with {got}; the predictor was trained on "
+                              f"labels {trained_labels}")
+                break
+    metrics = evaluate(model, runs, meta["window"], threshold)
+    console.print(_metrics_table(f"{args.predictor or 'shipped predictor'} on {len(runs)} unseen runs "
+                                 f"(threshold {threshold})", metrics))
+    return 0

@@ -1,0 +1,389 @@
+"""Train and evaluate the SmartFRZ freeze predictor on labelled runs.
+
+Dataset: for every labelled run, every non-head block and every activation snapshot ``k`` with a full history
+(``k >= history - 1`` weight snapshots), the input is :func:`~layerfreeze.smartfrz.features.window_features` of the
+block's weight samples ``samples[k - history + 1 : k + 1]`` (exactly the window the online strategy sees at that
+step) and the target is the CKA label of :mod:`.labels`.
+
+Training is bit-for-bit reproducible from the seed: one CPU thread, ``torch.use_deterministic_algorithms(True)``,
+parameters initialised and mini-batches drawn from seeded generators, a fixed number of epochs (the global RNG,
+thread count and determinism flag are restored afterwards). The card records a SHA-256 of the training tensors, so
+a reproduction can check it started from the same data.
+
+Split by *recipe*: the held-out recipes (:data:`~layerfreeze.smartfrz.collect.DEFAULT_HOLDOUT`: unseen
+architectures and an unseen dataset) are never used for training; every metric in the card is measured on them.
+
+Evaluation (:func:`evaluate`):
+
+* per-window decisions: ``p >= threshold`` against the label, at every labelled window -> precision, recall, F1;
+* freeze-step error: per run and non-head block, the first step at which the strategy's prefix rule (as in
+  :class:`~layerfreeze.strategies.smartfrz.SmartFRZ`: at every weight snapshot with a full window, blocks front to
+  back, freeze while ``p >= threshold`` and every earlier block is frozen) would freeze the block, against the first
+  labelled freezable step, as a fraction of training; a block that one side never freezes counts at the end of
+  training. Also the signed mean (positive: the predictor freezes later than the labels) and the fraction of
+  blocks frozen *before* their label (the costly mistake).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .features import NUM_FEATURES, window_features
+from .predictor import FreezePredictor
+from .runs import PipelineError, RunData
+
+DEFAULT_HISTORY = 30
+DEFAULT_THRESHOLD = 0.5
+
+
+@dataclass
+class TrainConfig:
+    """Predictor training settings (all recorded in the card)."""
+
+    seed: int = 0
+    history: int = DEFAULT_HISTORY
+    epochs: int = 40
+    hidden: int = 32
+    lr: float = 3e-3
+    weight_decay: float = 1e-2
+    batch_size: int = 256
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Dataset
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _snapshot_index(run: RunData) -> dict[int, int]:
+    return {int(s): k for k, s in enumerate(run.steps.tolist())}
+
+
+def block_window(run: RunData, block: int, k: int, history: int) -> torch.Tensor:
+    """``(history - 1, F)`` features of block ``block``'s window ending at weight snapshot ``k``."""
+    return window_features(run.samples[k - history + 1:k + 1, block], run.mask[block])
+
+
+def run_windows(run: RunData, history: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """Labelled windows of one run.
+
+    Returns:
+        ``(features (N, history - 1, F), labels (N,) float32, [(block, weight snapshot index)])``.
+    """
+    if run.labels is None:
+        raise PipelineError(f"{run.path} has no labels.json: run `layerfreeze predictor label` first")
+    index = _snapshot_index(run)
+    feats, labels, where = [], [], []
+    for b in range(run.num_blocks):
+        if b == run.head:
+            continue
+        for a, step in enumerate(run.labels["act_steps"]):
+            k = index[int(step)]
+            if k < history - 1:
+                continue
+            feats.append(block_window(run, b, k, history))
+            labels.append(float(run.labels["freezable"][b][a]))
+            where.append((b, k))
+    if not feats:
+        return torch.zeros(0, history - 1, NUM_FEATURES), torch.zeros(0), []
+    return torch.stack(feats), torch.tensor(labels, dtype=torch.float32), where
+
+
+def build_dataset(runs: Iterable[RunData], history: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All labelled windows of ``runs``, concatenated in the runs' order.
+
+    Raises:
+        PipelineError: no run has a full window of ``history`` snapshots at a labelled step.
+    """
+    xs, ys = [], []
+    for run in runs:
+        x, y, _ = run_windows(run, history)
+        xs.append(x)
+        ys.append(y)
+    if not xs or sum(len(y) for y in ys) == 0:
+        raise PipelineError(f"no labelled window of {history} snapshots in the training runs: record longer runs "
+                            "or pass a smaller --history")
+    return torch.cat(xs), torch.cat(ys)
+
+
+def label_settings(runs: Iterable[RunData]) -> dict[str, Any]:
+    """The (tau, delta, window) the runs were labelled with.
+
+    Raises:
+        PipelineError: a run is unlabelled, or runs were labelled with different thresholds.
+    """
+    seen = set()
+    for run in runs:
+        if run.labels is None:
+            raise PipelineError(f"{run.path} has no labels.json: run `layerfreeze predictor label` first")
+        seen.add((run.labels["tau"], run.labels["delta"], run.labels["window"]))
+    if len(seen) != 1:
+        raise PipelineError(f"runs were labelled with different thresholds {sorted(seen)}; relabel them together "
+                            "with `layerfreeze predictor label RUNS_DIR`")
+    tau, delta, window = seen.pop()
+    return {"tau": tau, "delta": delta, "window": window}
+
+
+def tensor_digest(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------------------
+
+
+def train_predictor(runs: list[RunData], config: TrainConfig | None = None) -> tuple[FreezePredictor, dict[str, Any]]:
+    """Fit a :class:`FreezePredictor` on the labelled windows of ``runs`` (AdamW, class-balanced BCE).
+
+    Class balance: BCE with ``pos_weight = negatives / positives``, so both classes weigh the same in the loss.
+
+    Returns:
+        ``(model in eval mode, info)``; ``info`` holds the config, example counts, the final training loss and the
+        SHA-256 of the training tensors.
+    """
+    cfg = config or TrainConfig()
+    if cfg.history < 3 or cfg.epochs < 1 or cfg.batch_size < 1:
+        raise PipelineError(f"need history >= 3, epochs >= 1, batch_size >= 1; got {cfg.history}, {cfg.epochs}, "
+                            f"{cfg.batch_size}")
+    x, y = build_dataset(runs, cfg.history)
+    n_pos = int(y.sum())
+    n_neg = len(y) - n_pos
+    pos_weight = torch.tensor(n_neg / n_pos if n_pos and n_neg else 1.0)
+    det, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = FreezePredictor(hidden=cfg.hidden)
+            gen = torch.Generator().manual_seed(cfg.seed)
+            opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            loss_fn = nn.BCEWithLogitsLoss(pos_weight=pos_weight)
+            model.train()
+            last = math.nan
+            for _ in range(cfg.epochs):
+                order = torch.randperm(len(y), generator=gen)
+                total, count = 0.0, 0
+                for s in range(0, len(y), cfg.batch_size):
+                    idx = order[s:s + cfg.batch_size]
+                    loss = loss_fn(model(x[idx]), y[idx])
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    total += loss.item() * len(idx)
+                    count += len(idx)
+                last = total / count
+    finally:
+        torch.use_deterministic_algorithms(det)
+        torch.set_num_threads(threads)
+    model.eval()
+    info = {"config": asdict(cfg), "examples": len(y), "positives": n_pos, "negatives": n_neg,
+            "pos_weight": round(float(pos_weight), 6), "final_train_loss": round(last, 6),
+            "data_sha256": tensor_digest(x, y)}
+    return model, info
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------------------------------
+
+
+def predict_run(model: FreezePredictor, run: RunData, history: int) -> torch.Tensor:
+    """``p(freeze)`` at every weight snapshot with a full window: ``(N_snap, L)``, NaN where undefined (no full
+    window, the head, or NaN/Inf weights)."""
+    n_snap, n_blocks = run.samples.shape[0], run.num_blocks
+    probs = torch.full((n_snap, n_blocks), math.nan)
+    feats, where = [], []
+    for b in range(n_blocks):
+        if b == run.head:
+            continue
+        for k in range(history - 1, n_snap):
+            try:
+                feats.append(block_window(run, b, k, history))
+            except ValueError:
+                continue
+            where.append((k, b))
+    if feats:
+        with torch.no_grad():
+            p = torch.sigmoid(model(torch.stack(feats)))
+        for (k, b), v in zip(where, p.tolist()):
+            probs[k, b] = v
+    return probs
+
+
+def prefix_freeze_steps(probs: torch.Tensor, steps: list[int], head: int | None, threshold: float
+                        ) -> list[int | None]:
+    """The step at which the strategy's prefix rule freezes each block (None: never), replayed on ``probs``.
+
+    At each snapshot, blocks front to back: a frozen block is skipped; a block is frozen when its ``p >= threshold``
+    (a NaN ``p`` is no decision) and every earlier block is frozen; the first block that is not frozen ends the
+    visit. The head is never frozen.
+    """
+    n_snap, n_blocks = probs.shape
+    frozen: list[int | None] = [None] * n_blocks
+    for k in range(n_snap):
+        for b in range(n_blocks):
+            if b == head:
+                break
+            if frozen[b] is not None:
+                continue
+            p = float(probs[k, b])
+            if not math.isnan(p) and p >= threshold and all(frozen[j] is not None for j in range(b)):
+                frozen[b] = int(steps[k])
+            else:
+                break
+    return frozen
+
+
+def _counts_metrics(tp: int, fp: int, fn: int, tn: int) -> dict[str, float]:
+    precision = tp / (tp + fp) if tp + fp else 0.0
+    recall = tp / (tp + fn) if tp + fn else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    n = tp + fp + fn + tn
+    return {"windows": n, "tp": tp, "fp": fp, "fn": fn, "tn": tn, "precision": precision, "recall": recall,
+            "f1": f1, "accuracy": (tp + tn) / n if n else 0.0}
+
+
+def evaluate(model: FreezePredictor, runs: list[RunData], history: int,
+             threshold: float = DEFAULT_THRESHOLD) -> dict[str, Any]:
+    """Precision/recall/F1 of per-window decisions and the mean freeze-step error on ``runs`` (see module doc).
+
+    Returns:
+        ``{"overall": {...}, "per_recipe": {recipe: {...}}, "per_run": {run: {"predicted": [...],
+        "labelled": [...]}}, "threshold", "history"}``; each metrics dict has windows, tp, fp, fn, tn, precision,
+        recall, f1, accuracy, blocks, freeze_step_error, freeze_step_bias, early_fraction.
+    """
+    groups: dict[str, dict[str, Any]] = {}
+    per_run: dict[str, Any] = {}
+
+    def acc(key: str) -> dict[str, Any]:
+        return groups.setdefault(key, {"tp": 0, "fp": 0, "fn": 0, "tn": 0, "err": [], "bias": [], "early": 0})
+
+    for run in runs:
+        if run.labels is None:
+            raise PipelineError(f"{run.path} has no labels.json: run `layerfreeze predictor label` first")
+        probs = predict_run(model, run, history)
+        index = _snapshot_index(run)
+        total = int(run.meta["steps"])
+        for key in ("overall", run.recipe):
+            g = acc(key)
+            for b in range(run.num_blocks):
+                if b == run.head:
+                    continue
+                for a, step in enumerate(run.labels["act_steps"]):
+                    p = float(probs[index[int(step)], b])
+                    if math.isnan(p):
+                        continue
+                    pred, lab = p >= threshold, bool(run.labels["freezable"][b][a])
+                    g["tp" if pred and lab else "fp" if pred else "fn" if lab else "tn"] += 1
+        predicted = prefix_freeze_steps(probs, run.steps.tolist(), run.head, threshold)
+        labelled = run.labels["first_freezable_step"]
+        for key in ("overall", run.recipe):
+            g = acc(key)
+            for b in range(run.num_blocks):
+                if b == run.head:
+                    continue
+                ps = total if predicted[b] is None else predicted[b]
+                ls = total if labelled[b] is None else labelled[b]
+                g["err"].append(abs(ps - ls) / total)
+                g["bias"].append((ps - ls) / total)
+                g["early"] += int(ps < ls)
+        per_run[run.name] = {"recipe": run.recipe, "steps": total, "predicted": predicted, "labelled": labelled}
+
+    def finish(g: dict[str, Any]) -> dict[str, Any]:
+        out = _counts_metrics(g["tp"], g["fp"], g["fn"], g["tn"])
+        n = len(g["err"])
+        out.update(blocks=n, freeze_step_error=sum(g["err"]) / n if n else math.nan,
+                   freeze_step_bias=sum(g["bias"]) / n if n else math.nan,
+                   early_fraction=g["early"] / n if n else math.nan)
+        return out
+
+    overall = finish(groups.pop("overall")) if "overall" in groups else finish(
+        {"tp": 0, "fp": 0, "fn": 0, "tn": 0, "err": [], "bias": [], "early": 0})
+    return {"threshold": threshold, "history": history, "overall": overall,
+            "per_recipe": {k: finish(v) for k, v in sorted(groups.items())}, "per_run": per_run}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The whole `train` step: split, fit, evaluate on held-out, save with a card
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _run_summary(run: RunData) -> dict[str, Any]:
+    m = run.meta
+    return {"run": run.name, "recipe": m["recipe"], "arch": m.get("arch"), "dataset": m.get("dataset"),
+            "mode": m.get("mode"), "seed": m["seed"], "lr": m["lr"], "steps": m["steps"],
+            "blocks": len(m["blocks"]), "test_accuracy": m.get("test_accuracy")}
+
+
+def _rounded(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return round(obj, 4) if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _rounded(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rounded(v) for v in obj]
+    return obj
+
+
+def split_runs(runs: list[RunData], holdout: Iterable[str]) -> tuple[list[RunData], list[RunData]]:
+    """``(training runs, held-out runs)``: a run is held out when its recipe is in ``holdout``."""
+    held = set(holdout)
+    return [r for r in runs if r.recipe not in held], [r for r in runs if r.recipe in held]
+
+
+def train_and_save(runs: list[RunData], out: str | Path, holdout: Iterable[str], config: TrainConfig | None = None,
+                   threshold: float = DEFAULT_THRESHOLD, command: str = "", card_path: str | Path | None = None
+                   ) -> tuple[Path, dict[str, Any]]:
+    """Split by recipe, train on the rest, evaluate on the held-out runs, save the predictor with its card.
+
+    Args:
+        runs: Labelled runs (all of one labelling).
+        out: The predictor file (``.safetensors``).
+        holdout: Recipes never trained on; metrics are measured on them.
+        command: The command line that reproduces this file (recorded in the card).
+        card_path: Where to write the Markdown card (default: ``PREDICTOR_CARD.md`` beside ``out``).
+
+    Returns:
+        ``(predictor path, card dict)``.
+
+    Raises:
+        PipelineError: no training runs left after the split, or runs labelled differently.
+    """
+    from .. import __version__
+    from .card import write_card
+    from .predictor import save_predictor
+
+    cfg = config or TrainConfig()
+    holdout = sorted(set(holdout))
+    train_runs, held_runs = split_runs(runs, holdout)
+    if not train_runs:
+        raise PipelineError(f"every run belongs to a held-out recipe ({', '.join(holdout)}); nothing to train on")
+    labels = label_settings(runs)
+    model, info = train_predictor(train_runs, cfg)
+    metrics = None
+    if held_runs:
+        metrics = _rounded(evaluate(model, held_runs, cfg.history, threshold))
+        metrics.pop("per_run", None)
+    card = {
+        "name": "layerfreeze SmartFRZ freeze predictor",
+        "layerfreeze_version": __version__, "torch_version": torch.__version__,
+        "window": cfg.history, "threshold": threshold, "labels": labels, "training": info,
+        "train_recipes": sorted({r.recipe for r in train_runs}), "heldout_recipes": holdout,
+        "train_runs": [_run_summary(r) for r in train_runs], "heldout_runs": [_run_summary(r) for r in held_runs],
+        "heldout_metrics": metrics, "command": command,
+    }
+    path = save_predictor(out, model, cfg.history, card=card)
+    write_card(card, card_path or Path(out).with_name("PREDICTOR_CARD.md"))
+    return path, card

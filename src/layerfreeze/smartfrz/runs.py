@@ -1,0 +1,141 @@
+"""Reading recorded runs (the on-disk format is documented in :mod:`layerfreeze.smartfrz.collect`).
+
+A *runs folder* holds one sub-folder per run. A run is usable for labelling and training when its ``meta.json``
+says ``"status": "complete"``; runs that diverged (``"status": "diverged"``) are listed but never used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+META_FILE = "meta.json"
+WEIGHTS_FILE = "weights.safetensors"
+ACTIVATIONS_FILE = "activations.safetensors"
+LABELS_FILE = "labels.json"
+RUN_FORMAT = "layerfreeze-smartfrz-run"
+RUN_FORMAT_VERSION = 1
+
+
+class PipelineError(ValueError):
+    """Bad input to the offline pipeline (no runs, unknown recipe, unlabelled runs, a window that does not fit)."""
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON through a temporary file and a rename, so a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def read_meta(run_dir: str | Path) -> dict[str, Any] | None:
+    """``meta.json`` of a run folder, or None when it has none (an unfinished run)."""
+    path = Path(run_dir) / META_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def is_finished(run_dir: str | Path) -> bool:
+    """True when a run needs no more work: complete (with both tensor files) or recorded as diverged."""
+    meta = read_meta(run_dir)
+    if meta is None or meta.get("format") != RUN_FORMAT:
+        return False
+    if meta.get("status") == "diverged":
+        return True
+    run_dir = Path(run_dir)
+    return meta.get("status") == "complete" and (run_dir / WEIGHTS_FILE).is_file() and \
+        (run_dir / ACTIVATIONS_FILE).is_file()
+
+
+def list_runs(runs_dir: str | Path, include_diverged: bool = False) -> list[Path]:
+    """Run folders under ``runs_dir`` (sorted by name) whose ``meta.json`` marks them complete.
+
+    Raises:
+        PipelineError: ``runs_dir`` is not a folder.
+    """
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        raise PipelineError(f"{runs_dir} is not a folder of recorded runs (make one with `layerfreeze predictor "
+                            "collect --out DIR`)")
+    out = []
+    for d in sorted(p for p in runs_dir.iterdir() if p.is_dir()):
+        if not is_finished(d):
+            continue
+        if include_diverged or read_meta(d)["status"] == "complete":
+            out.append(d)
+    return out
+
+
+@dataclass
+class RunData:
+    """One complete run, read back: its meta, the weight-sample trajectory and (when present) its labels.
+
+    Attributes:
+        samples: ``(N_snap, L, S)`` float32. mask: ``(L, S)`` bool. steps: ``(N_snap,)`` int64.
+        labels: the parsed ``labels.json`` or None.
+    """
+
+    path: Path
+    meta: dict[str, Any]
+    samples: torch.Tensor
+    mask: torch.Tensor
+    steps: torch.Tensor
+    labels: dict[str, Any] | None = field(default=None)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def recipe(self) -> str:
+        return self.meta["recipe"]
+
+    @property
+    def head(self) -> int | None:
+        return self.meta.get("head")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.meta["blocks"])
+
+
+def read_run(run_dir: str | Path, need_labels: bool = False) -> RunData:
+    """Read a complete run's weights (and labels, when present).
+
+    Raises:
+        PipelineError: the run is not complete, or ``need_labels`` and it has no ``labels.json``.
+    """
+    from safetensors.torch import load_file
+
+    run_dir = Path(run_dir)
+    meta = read_meta(run_dir)
+    if meta is None or meta.get("status") != "complete" or not (run_dir / WEIGHTS_FILE).is_file():
+        raise PipelineError(f"{run_dir} is not a complete recorded run")
+    w = load_file(str(run_dir / WEIGHTS_FILE))
+    labels = None
+    if (run_dir / LABELS_FILE).is_file():
+        labels = json.loads((run_dir / LABELS_FILE).read_text())
+    elif need_labels:
+        raise PipelineError(f"{run_dir} has no {LABELS_FILE}: run `layerfreeze predictor label {run_dir.parent}`")
+    return RunData(run_dir, meta, w["samples"], w["mask"].bool(), w["steps"], labels)
+
+
+def read_activations(run_dir: str | Path) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``([act.<i> (N_act, P, D_i) float16 per block], act_steps (N_act,) int64)`` of a complete run."""
+    from safetensors.torch import load_file
+
+    run_dir = Path(run_dir)
+    meta = read_meta(run_dir)
+    if meta is None or meta.get("status") != "complete":
+        raise PipelineError(f"{run_dir} is not a complete recorded run")
+    t = load_file(str(run_dir / ACTIVATIONS_FILE))
+    return [t[f"act.{i}"] for i in range(len(meta["blocks"]))], t["act_steps"]

@@ -18,11 +18,13 @@ from rich.console import Console
 from .assets import AssetMissingError, check_assets
 from .blocks import BlockDiscoveryError
 from .checkpoint import CheckpointError
+from .smartfrz.predictor import PredictorError
 from .config import ConfigError, load_config, parse_override
 from .compare import DEFAULT_ROWS
 from .strategies import DEFAULT_STRATEGY, STRATEGIES, UnknownStrategyError, strategy_parameters
 
-USER_ERRORS = (ConfigError, AssetMissingError, BlockDiscoveryError, UnknownStrategyError, CheckpointError)
+USER_ERRORS = (ConfigError, AssetMissingError, BlockDiscoveryError, UnknownStrategyError, CheckpointError,
+               PredictorError)
 
 # flag -> config key (the flag's value is parsed as YAML, like --set)
 TRAIN_FLAGS = {

@@ -18,7 +18,8 @@ from .strategies import DEFAULT_STRATEGY
 from .telemetry import format_bytes, format_flops
 
 #: Rows of a default comparison, in order; ``lora`` is not a freezing strategy but a row of its own.
-DEFAULT_ROWS = ("none", "static", "gradual", "linear", "geometric", "freezeout", "autofreeze", "egeria", "lora")
+DEFAULT_ROWS = ("none", "static", "gradual", "linear", "geometric", "freezeout", "autofreeze", "egeria", "smartfrz",
+                "lora")
 
 
 def row_config(base: dict[str, Any], row: str, run_dir: Path,

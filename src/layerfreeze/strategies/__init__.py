@@ -16,12 +16,13 @@ from .geometric import GeometricFreezing
 from .gradual import GradualUnfreezing
 from .linear import LinearFreezing
 from .none import NoFreezing
+from .smartfrz import SmartFRZ
 from .static import StaticFreezing
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls
     for cls in (NoFreezing, StaticFreezing, GradualUnfreezing, LinearFreezing, GeometricFreezing, FreezeOut,
-                AutoFreeze, Egeria)
+                AutoFreeze, Egeria, SmartFRZ)
 }
 
 #: The strategy used when none is named (the learned SmartFRZ policy will take this place when it lands).
@@ -77,6 +78,7 @@ __all__ = [
     "Decision",
     "NoFreezing",
     "STRATEGIES",
+    "SmartFRZ",
     "StageContext",
     "StaticFreezing",
     "Strategy",

@@ -45,6 +45,15 @@ def blob_task(on_fetch=None) -> Task:
                 image_forward)
 
 
+@pytest.fixture
+def one_thread():
+    """One CPU thread: cheap beside other jobs, and CPU GEMM picks the same kernel for every batch of >= 4 rows."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_bert_dir(tmp_path_factory) -> Path:
     """A 2-layer BERT (hidden 32) saved as a local Hugging Face folder with MiniLM's tokenizer files."""

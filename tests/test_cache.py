@@ -26,13 +26,7 @@ from layerfreeze.split import BertSplit, MobileNetV2Split, ResNetSplit, Sequenti
 from layerfreeze.trainer import epoch_batches
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One CPU thread: cheap beside other jobs, and CPU GEMM picks the same kernel for every batch of >= 4 rows."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- models and data ---------------------------------------------------------------------------------------

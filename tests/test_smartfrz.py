@@ -22,13 +22,7 @@ from layerfreeze.smartfrz.recorder import BlockSample, WeightRecorder
 from layerfreeze.strategies.smartfrz import SmartFRZ
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Keep these tests light on CPU (and the pipeline's thread handling honest)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def stack(n_hidden: int = 3, width: int = 16, seed: int = 0) -> nn.Sequential:

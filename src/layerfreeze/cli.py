@@ -18,9 +18,9 @@ from rich.console import Console
 from .assets import AssetMissingError, check_assets
 from .blocks import BlockDiscoveryError
 from .checkpoint import CheckpointError
-from .smartfrz.predictor import PredictorError
 from .config import ConfigError, load_config, parse_override
 from .compare import DEFAULT_ROWS
+from .smartfrz.predictor import PredictorError
 from .strategies import DEFAULT_STRATEGY, STRATEGIES, UnknownStrategyError, strategy_parameters
 
 USER_ERRORS = (ConfigError, AssetMissingError, BlockDiscoveryError, UnknownStrategyError, CheckpointError,

@@ -372,17 +372,7 @@ def _fmt_bytes(x: Any) -> str:
 
 
 def _fmt_seconds(s: Any) -> str:
-    if not _finite(s):
-        return "–"
-    s = float(s)
-    if s < 60:
-        return f"{s:.2f} s"
-    if s < 3600:
-        m, rest = divmod(s, 60)
-        return f"{int(m)} min {rest:04.1f} s"
-    h, rest = divmod(int(round(s)), 3600)
-    m, sec = divmod(rest, 60)
-    return f"{h} h {m:02d} min {sec:02d} s"
+    return tm.format_seconds(s) if _finite(s) else "–"
 
 
 def _fmt_pct(x: Any) -> str:

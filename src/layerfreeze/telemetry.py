@@ -592,8 +592,8 @@ def format_bytes(n: int) -> str:
     return f"{text} {unit}"
 
 
-def _format_seconds(s: float) -> str:
-    """``"42.50 s"`` below a minute, ``"2m 05.0s"`` below an hour, else ``"1h 02m 03s"``."""
+def format_seconds(s: float) -> str:
+    """A duration in seconds as ``"42.50 s"`` below a minute, ``"2m 05.0s"`` below an hour, else ``"1h 02m 03s"``."""
     s = float(s)
     if s < 60:
         return f"{s:.2f} s"
@@ -663,9 +663,9 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
         if get(key) is not None:
             table.add_row(key, f"{int(get(key)):,}")
     if get("wall_time_s") is not None:
-        table.add_row("wall time", _format_seconds(get("wall_time_s")))
+        table.add_row("wall time", format_seconds(get("wall_time_s")))
     if get("train_time_s") is not None:
-        table.add_row("train time", _format_seconds(get("train_time_s")))
+        table.add_row("train time", format_seconds(get("train_time_s")))
     if get("time_per_epoch_s") is not None:
         table.add_row("time per epoch", _format_epoch_times(list(get("time_per_epoch_s"))))
     if get("flops_total") is not None:

@@ -16,10 +16,10 @@ from layerfreeze.trainer import Trainer
 from tests.conftest import blob_task
 
 
-def config(tmp_path, name, **train):
+def config(tmp_path, name, freeze=None, **train):
     return build_config({
         "train": {"epochs": 2, "batch_size": 16, "lr": 0.01, "warmup_fraction": 0.1, **train},
-        "freeze": {"strategy": "static", "params": {"k": 2}},
+        "freeze": freeze or {"strategy": "static", "params": {"k": 2}},
         "run": {"dir": str(tmp_path / name), "progress": False},
     })
 
@@ -167,3 +167,15 @@ def test_cache_refuses_random_augmentation(tmp_path):
     cfg.freeze.cache = {"mode": "auto"}
     Trainer(cfg, task=task).run()
     assert any(r.get("kind") == "cache_off" for r in read_metrics(tmp_path / "noisy-auto"))
+
+
+def test_strategy_signals_reach_metrics_at_their_stages(tmp_path):
+    cfg = config(tmp_path, "freezeout", freeze={"strategy": "freezeout"}, epochs=1)
+    Trainer(cfg, task=blob_task()).run()
+    steps = [r for r in read_metrics(tmp_path / "freezeout") if r["type"] == "step"]
+    assert all(len(r["signal_t_i"]) == 4 for r in steps)  # FreezeOut has a stage after every step
+    assert steps[0]["signal_t_i"][0] == pytest.approx(0.8 ** 3)
+    cfg = config(tmp_path, "geometric", freeze={"strategy": "geometric"}, epochs=2)
+    Trainer(cfg, task=blob_task()).run()
+    stages = [r for r in read_metrics(tmp_path / "geometric") if r.get("kind") == "stage"]
+    assert [s["signal_target_frozen"] for s in stages] == [1, 1]  # floor(3 * (1 - (2/3)^T)) for T = 1, 2

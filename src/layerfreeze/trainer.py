@@ -114,6 +114,19 @@ def evaluate(task: Task, model: nn.Module, device: torch.device, batch_size: int
     return total_loss / max(1, count), correct / max(1, count)
 
 
+def signals_of(decision: Any) -> dict[str, Any]:
+    """A stage's strategy signals for telemetry, as ``signal_<name>``: numbers, and lists of numbers per block
+    (NaN where a block has no value); None when no stage ran."""
+    if decision is None:
+        return {}
+    out = {}
+    for name, value in decision.signals.items():
+        if isinstance(value, (int, float)) or (isinstance(value, list) and all(
+                isinstance(v, (int, float)) or v is None for v in value)):
+            out[f"signal_{name}"] = value
+    return out
+
+
 def holdout(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
     """Split ``dataset`` into (train, validation) with a fixed permutation from ``seed``; validation gets
     ``ceil(fraction * n)`` samples (at least 1). Raises ValueError when nothing would be left to train on."""
@@ -295,7 +308,7 @@ class Trainer:
                                                  frozen_blocks=self.freezer.frozen_blocks)
                     else:
                         loss = self._train_step(batch)
-                    self.freezer.step()  # inside the timed region: a strategy's own cost counts against it
+                    decision = self.freezer.step()  # timed: a strategy's own cost counts against it
                     step_time = time.perf_counter() - t0
                     done_in_epoch += 1
                     self.progress["step"] += 1
@@ -310,7 +323,7 @@ class Trainer:
                         step_time_s=step_time, samples_per_s=n / step_time,
                         flops_per_step=self.progress["flops_per_step"], flops_total=self.progress["flops_total"],
                         frozen_count=sum(self.freezer.frozen), frozen_prefix=self.freezer.frozen_prefix,
-                        peak_memory_bytes=tm.peak_memory_bytes(self.device), **self._signals(),
+                        peak_memory_bytes=tm.peak_memory_bytes(self.device), **signals_of(decision),
                     )
                     bar.set_postfix(loss=f"{loss:.4f}", frozen=f"{sum(self.freezer.frozen)}/{len(self.freezer.blocks)}")
                     every = cfg.freeze.guard.every_steps if cfg.freeze.guard else None
@@ -371,9 +384,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    def _signals(self) -> dict[str, Any]:
-        return {f"signal_{k}": v for k, v in self.freezer.last_signals.items() if isinstance(v, (int, float))}
-
     def _end_epoch(self, epoch: int, epoch_time: float, train_loss: float) -> None:
         eval_start = time.perf_counter()
         eval_loss, eval_acc = evaluate(self.task, self.model, self.device, self.config.train.eval_batch_size)
@@ -391,7 +401,9 @@ class Trainer:
                        f"/{len(self.freezer.blocks)}")
         if self.guard is not None:
             self._guard_check()
-        self.freezer.epoch_end()
+        decision = self.freezer.epoch_end()
+        if decision is not None and decision.signals:
+            self.telemetry.log_event("stage", self.progress["step"], epoch=epoch, **signals_of(decision))
         self._checkpoint(epoch + 1, 0, reason="epoch_end")
 
     def _cache_stats(self) -> dict[str, Any]:

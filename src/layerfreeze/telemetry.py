@@ -626,7 +626,7 @@ def _format_timeline(timeline: list[Mapping[str, Any]]) -> str:
         verb = {"freeze": "frozen", "thaw": "thawed"}.get(action, action)
         line = f"{block.ljust(width)}  {verb} at step {int(entry.get('step', 0))}"
         if entry.get("epoch") is not None:
-            line += f" (epoch {int(entry['epoch'])})"
+            line += f" (epoch {int(entry['epoch']) + 1})"  # 1-based, as the progress bar counts
         lines.append(line)
     return "\n".join(lines)
 

@@ -395,10 +395,10 @@ class Trainer:
             epoch_time_s=epoch_time, eval_time_s=eval_time, frozen_blocks=self.freezer.frozen_blocks,
             peak_memory_bytes=tm.peak_memory_bytes(self.device), **self._cache_stats(),
         )
-        if self.config.run.progress:
-            tqdm.write(f"epoch {epoch + 1}: train loss {train_loss:.4f}  eval loss {eval_loss:.4f}  accuracy "
-                       f"{eval_acc:.4f}  train time {epoch_time:.1f} s  frozen {sum(self.freezer.frozen)}"
-                       f"/{len(self.freezer.blocks)}")
+        # one line per epoch, also without the progress bar
+        tqdm.write(f"epoch {epoch + 1}: train loss {train_loss:.4f}  eval loss {eval_loss:.4f}  accuracy "
+                   f"{eval_acc:.4f}  train time {epoch_time:.1f} s  frozen {sum(self.freezer.frozen)}"
+                   f"/{len(self.freezer.blocks)}")
         if self.guard is not None:
             self._guard_check()
         decision = self.freezer.epoch_end()

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     try:
         return commands[args.predictor_command](args, console)
     except (PipelineError, PredictorError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[bold red]layerfreeze: error:[/] {exc}", highlight=False)
         return 2
 
 
@@ -221,11 +221,12 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     from .predictor import load_predictor
     from .runs import list_runs, read_run
 
+    runs_dirs = list_runs(args.runs_dir)  # a bad folder is reported before the predictor is loaded
     model, meta = load_predictor(args.predictor)
     card = meta.get("card") or {}
     trained_runs = {r["run"] for r in card.get("train_runs", [])}
     trained_recipes = set(card.get("train_recipes", []))
-    runs = [read_run(d, need_labels=True) for d in list_runs(args.runs_dir) if d.name not in trained_runs]
+    runs = [read_run(d, need_labels=True) for d in runs_dirs if d.name not in trained_runs]
     if args.recipes:
         seen = sorted(set(args.recipes) & trained_recipes)
         if seen:

@@ -15,14 +15,11 @@ from torch import nn
 
 from layerfreeze.telemetry import (
     Telemetry,
-    current_memory_bytes,
     format_bytes,
     format_flops,
     measure_flops,
-    peak_memory_bytes,
     print_summary,
     read_metrics,
-    reset_peak_memory,
     summary_table,
 )
 

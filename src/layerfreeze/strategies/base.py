@@ -65,6 +65,15 @@ class StageContext:
             return None
         return min(1.0, self.step / self.total_steps)
 
+    def require_progress(self, who: str) -> float:
+        """:attr:`progress`, or RuntimeError: strategy ``who`` needs the run length (``Freezer(total_steps=...)``)."""
+        if self.progress is None:
+            raise RuntimeError(
+                f"Strategy {who!r} needs the planned number of optimizer steps to know the fraction of training done: "
+                "pass total_steps=<planned optimizer steps> to Freezer(...) (the CLI trainer does this)"
+            )
+        return self.progress
+
     @property
     def frozen_prefix(self) -> int:
         """Number of leading blocks that are frozen."""

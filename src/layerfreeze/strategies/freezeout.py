@@ -113,12 +113,7 @@ class FreezeOut(Strategy):
     # ---- the stage -------------------------------------------------------------------------------------------
 
     def decide(self, ctx: StageContext) -> Decision:
-        t = ctx.progress
-        if t is None:
-            raise RuntimeError(
-                "freezeout needs the length of the run to place each block's stop point t_i: pass "
-                "total_steps=<planned optimizer steps> to Freezer (the CLI trainer does this)"
-            )
+        t = ctx.require_progress(self.name)  # places each block's stop point t_i
         ts = self.t_i(len(ctx.blocks))
         freeze: list[int] = []
         lr_scale: dict[int, float] = {}

@@ -77,12 +77,7 @@ class LinearFreezing(Strategy):
         return min(count, math.floor(fraction * count + _EPS))
 
     def decide(self, ctx: StageContext) -> Decision:
-        t = ctx.progress
-        if t is None:
-            raise RuntimeError(
-                "Strategy 'linear' needs the planned number of optimizer steps to know the fraction of training done: "
-                "pass total_steps=... to Freezer(...)"
-            )
+        t = ctx.require_progress(self.name)
         if ctx.event == "start":
             self.target = 0
             return Decision()

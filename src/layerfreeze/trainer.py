@@ -30,13 +30,13 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm.auto import tqdm
 
 from . import telemetry as tm
+from .blocks import discover_blocks
+from .cache import ActivationCache, CachedPrefix, check_deterministic
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, ConfigError
 from .engine import Freezer, block_param_groups
 from .guard import StabilityGuard
 from .split import split_for
-from .blocks import discover_blocks
-from .cache import ActivationCache, CachedPrefix, check_deterministic
 from .strategies import create_strategy
 from .tasks import Task, build_task
 

@@ -21,7 +21,8 @@ saying so. A resumed run's records are read the way the trainer replays them: wh
 checkpoint it resumed from is dropped (those steps were redone).
 
 Comparison (``compare.json``): a table with the columns of ``compare.md`` plus a link to each row's own report
-(generated too), ``accuracy_vs_time.png`` (test accuracy vs training time, ``none`` highlighted),
+(generated too), ``accuracy_vs_time.png`` (test accuracy vs training time, ``none`` highlighted, rows named in a
+legend by colour and marker),
 ``flops_ratio.png`` (FLOPs and time relative to ``none``) and ``loss_vs_time.png`` (every row's smoothed training
 loss).
 """
@@ -960,76 +961,50 @@ def _compare_headers() -> list[str]:
                 "peak mem", "frozen block@step"]
 
 
-def _place_labels(fig: Any, ax: Any, xs: list[float], ys: list[float], labels: list[str],
-                  styles: list[dict[str, Any]]) -> None:
-    """Annotate points, trying a few offsets per label so labels do not overlap each other or the points."""
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    offsets = [((7, 5), "left", "bottom"), ((7, -5), "left", "top"), ((-7, 5), "right", "bottom"),
-               ((-7, -5), "right", "top"), ((0, 9), "center", "bottom"), ((0, -9), "center", "top")]
-    taken = []
-    for x, y in zip(xs, ys):
-        px, py = ax.transData.transform((x, y))
-        taken.append((px - 5, py - 5, px + 5, py + 5))
-    axes_box = ax.get_window_extent(renderer)
-    for x, y, label, style in zip(xs, ys, labels, styles):
-        chosen = None
-        for (dx, dy), ha, va in offsets:
-            text = ax.annotate(label, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, va=va, **style)
-            bb = text.get_window_extent(renderer)
-            box = (bb.x0, bb.y0, bb.x1, bb.y1)
-            inside = bb.x0 >= axes_box.x0 and bb.x1 <= axes_box.x1 and bb.y0 >= axes_box.y0 and bb.y1 <= axes_box.y1
-            clash = any(box[0] < t[2] and box[2] > t[0] and box[1] < t[3] and box[3] > t[1] for t in taken)
-            if inside and not clash:
-                chosen = box
-                break
-            text.remove()
-        if chosen is None:  # no free spot: first choice anyway
-            (dx, dy), ha, va = offsets[0]
-            text = ax.annotate(label, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, va=va, **style)
-            bb = text.get_window_extent(renderer)
-            chosen = (bb.x0, bb.y0, bb.x1, bb.y1)
-        taken.append(chosen)
+#: Marker per non-baseline row of the accuracy-vs-time plot, with colours C0..C9: a point stays identifiable by its
+#: shape when its neighbour covers part of it, and in greyscale prints.
+_ROW_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "p", "d")
 
 
 def _plot_accuracy_vs_time(rows: list[dict[str, Any]], out: Path) -> str | None:
+    """One point per row; each row has its own colour and marker, named in a legend beside the plot with its
+    accuracy, its accuracy difference and its time ratio to ``none``.
+
+    Why a legend and not text beside the points: rows often sit close together (several strategies within a
+    point of ``none``'s accuracy and a few percent of its time), and labels next to the points then overlap.
+    """
     pts = [(float(r["train_time_s"]), 100.0 * float(r["test_accuracy"]), str(r["row"]), r) for r in rows
            if _finite(r.get("train_time_s")) and _finite(r.get("test_accuracy"))]
     if not pts:
         return None
-    fig, axes = _figure()
+    fig, axes = _figure(figsize=(FIGSIZE[0] + 2.6, FIGSIZE[1]))
     ax = axes[0, 0]
     base = next((p for p in pts if p[2] == _BASELINE), None)
     if base is not None:
         ax.axhline(base[1], color="0.3", linestyle="--", linewidth=0.9, zorder=1)
         ax.axvline(base[0], color="0.3", linestyle="--", linewidth=0.9, zorder=1)
+        ax.scatter([base[0]], [base[1]], s=220, marker="*", color="gold", edgecolor="black", linewidth=0.9,
+                   zorder=4, label=f"{_BASELINE} (nothing frozen)\n{base[1]:.2f} %, {_fmt_seconds(base[0])}")
     others = [p for p in pts if p is not base]
-    for i, (x, y, name, _) in enumerate(others):
-        ax.scatter([x], [y], s=55, color=f"C{i % 10}", edgecolor="black", linewidth=0.5, zorder=3)
-    if base is not None:
-        ax.scatter([base[0]], [base[1]], s=200, marker="*", color="gold", edgecolor="black", linewidth=0.9,
-                   zorder=4, label=f"{_BASELINE} (nothing frozen): {base[1]:.2f} %, {_fmt_seconds(base[0])}")
+    for i, (x, y, name, r) in enumerate(others):
+        extra = [f"{y:.2f} %"]
+        if _finite(r.get("accuracy_delta")):
+            extra.append(f"{100 * r['accuracy_delta']:+.2f} pts")
+        if _finite(r.get("time_ratio")):
+            extra.append(f"{r['time_ratio']:.2f}× time")
+        ax.scatter([x], [y], s=60, marker=_ROW_MARKERS[i % len(_ROW_MARKERS)], color=f"C{i % 10}",
+                   edgecolor="black", linewidth=0.6, alpha=0.9, zorder=3, label=f"{name}\n{', '.join(extra)}")
     xs = [p[0] for p in pts]
     ys = [p[1] for p in pts]
     span_x = (max(xs) - min(xs)) or max(abs(max(xs)), 1e-9)
     span_y = (max(ys) - min(ys)) or 5.0
-    ax.set_xlim(max(0.0, min(xs) - 0.15 * span_x), max(xs) + 0.22 * span_x)
-    ax.set_ylim(min(ys) - 0.2 * span_y, max(ys) + 0.2 * span_y)
+    ax.set_xlim(max(0.0, min(xs) - 0.08 * span_x), max(xs) + 0.08 * span_x)
+    ax.set_ylim(min(ys) - 0.1 * span_y, max(ys) + 0.1 * span_y)
     ax.set_xlabel("training time (s)  [sum of step times]")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title("Test accuracy vs training time (up and left is better)")
-    if base is not None:
-        ax.legend(loc="lower right", fontsize=8, framealpha=0.85)
-    styles = [{"fontsize": 8.5, "fontweight": "bold" if p is base else "normal"} for p in pts]
-    labels = []
-    for _, _, name, r in pts:
-        extra = []
-        if name != _BASELINE and _finite(r.get("accuracy_delta")):
-            extra.append(f"{100 * r['accuracy_delta']:+.2f} pts")
-        if name != _BASELINE and _finite(r.get("time_ratio")):
-            extra.append(f"{r['time_ratio']:.2f}× time")
-        labels.append(name + ("\n" + ", ".join(extra) if extra else ""))
-    _place_labels(fig, ax, xs, ys, labels, styles)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside right upper", fontsize=7.5, frameon=False,
+               labelspacing=0.8)
     return _save(fig, out / ACCURACY_VS_TIME)
 
 

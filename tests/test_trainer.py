@@ -179,3 +179,22 @@ def test_strategy_signals_reach_metrics_at_their_stages(tmp_path):
     Trainer(cfg, task=blob_task()).run()
     stages = [r for r in read_metrics(tmp_path / "geometric") if r.get("kind") == "stage"]
     assert [s["signal_target_frozen"] for s in stages] == [1, 1]  # floor(3 * (1 - (2/3)^T)) for T = 1, 2
+
+
+def test_step_callbacks_run_before_the_first_step_and_after_every_step_without_changing_the_run(tmp_path):
+    seen = []
+
+    def probe(trainer):  # what the benchmark oracle does: an eval-mode forward on a few samples, modes restored
+        seen.append(trainer.progress["step"])
+        modes = [m.training for m in trainer.model.modules()]
+        trainer.model.eval()
+        with torch.no_grad():
+            trainer.model(torch.stack([trainer.train_set[i]["pixel_values"] for i in range(4)]))
+        for m, mode in zip(trainer.model.modules(), modes):
+            m.training = mode
+
+    none = {"strategy": "none"}
+    plain = Trainer(config(tmp_path, "plain", none), task=blob_task()).run()
+    hooked = Trainer(config(tmp_path, "hooked", none), task=blob_task(), step_callbacks=[probe]).run()
+    assert seen == list(range(0, 13))  # start, then after each of the 12 steps
+    assert hooked["test_loss"] == plain["test_loss"] and hooked["test_accuracy"] == plain["test_accuracy"]

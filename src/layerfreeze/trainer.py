@@ -146,14 +146,22 @@ class Trainer:
         task: A ready task (model + data); default: built from the config.
         run_dir: Where metrics, TensorBoard files, checkpoints and the summary go (default ``config.run.dir``,
             else ``runs/<task>-<strategy>-<time>``).
+        step_callbacks: Called with the trainer once before the first step (``trainer.progress["step"]`` is the
+            starting step: 0, or where a resumed run continues) and after every optimizer step, outside the timed
+            part of the step (after its telemetry record). They may read ``model``, ``task``, ``train_set``,
+            ``freezer``, ``total_steps``, ``device`` and ``progress``, and must leave the model (weights, train/eval
+            modes), the optimizer and the global RNG as they found them, so the run is the same with or without
+            them. Example: recording each block's output on a probe batch every few steps (the benchmark oracle).
 
     Raises (from :meth:`run`, before training starts):
         ConfigError, AssetMissingError, BlockDiscoveryError: bad config, missing asset, undiscoverable blocks.
     """
 
-    def __init__(self, config: Config, task: Task | None = None, run_dir: str | Path | None = None) -> None:
+    def __init__(self, config: Config, task: Task | None = None, run_dir: str | Path | None = None,
+                 step_callbacks: list[Callable[[Trainer], None]] | None = None) -> None:
         self.config = config
         self.task = task
+        self.step_callbacks = list(step_callbacks or [])
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(run_dir or config.run.dir or f"runs/{config.task}-{config.freeze.strategy}-{stamp}")
 
@@ -274,6 +282,8 @@ class Trainer:
             for record in self.freezer.history:  # blocks frozen at the start stage
                 self._on_freeze_event(record)
         self.freezer.on_event = self._on_freeze_event
+        for callback in self.step_callbacks:
+            callback(self)
         tm.reset_peak_memory(self.device)
         wall_start = time.perf_counter()
         measured_for: tuple[Any, ...] | None = None
@@ -326,6 +336,8 @@ class Trainer:
                         peak_memory_bytes=tm.peak_memory_bytes(self.device), **signals_of(decision),
                     )
                     bar.set_postfix(loss=f"{loss:.4f}", frozen=f"{sum(self.freezer.frozen)}/{len(self.freezer.blocks)}")
+                    for callback in self.step_callbacks:
+                        callback(self)
                     every = cfg.freeze.guard.every_steps if cfg.freeze.guard else None
                     if every and self.progress["step"] % every == 0:
                         self._guard_check()

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from layerfreeze.cli import main
+from layerfreeze.compare import row_config
 
 
 @pytest.mark.assets
@@ -14,7 +15,8 @@ def test_compare_rows_share_budget_and_report_ratios(tmp_path, tiny_bert_dir, ti
     run = tmp_path / "cmp"
     args = ["compare", "--rows", "none,static,lora", "--task", "text-csv", "--data", str(tiny_csv),
             "--model", str(tiny_bert_dir), "--epochs", "1", "--batch-size", "8", "--lr", "1e-3",
-            "--set", "model.max_length=32", "--set", "freeze.params.k=2", "--run-dir", str(run), "--no-progress"]
+            "--set", "model.max_length=32", "--set", "freeze.params.k=2", "--run-dir", str(run), "--no-progress",
+            "--row-set", "lora.train.lr=2e-3"]
     assert main(args) == 0
     rows = {r["row"]: r for r in json.loads((run / "compare.json").read_text())}
     assert list(rows) == ["none", "static", "lora"]
@@ -28,6 +30,8 @@ def test_compare_rows_share_budget_and_report_ratios(tmp_path, tiny_bert_dir, ti
     head = 32 * 32 + 32 + 32 * 2 + 2  # pooler is frozen; modules_to_save copies the classifier
     assert rows["lora"]["trainable_parameters"] == lora_params + 32 * 2 + 2
     assert rows["lora"]["trainable_parameters"] < head + lora_params
+    lrs = {row: json.loads((run / row / "config.json").read_text())["train"]["lr"] for row in rows}
+    assert lrs == {"none": 1e-3, "static": 1e-3, "lora": 2e-3}  # --row-set reaches only its row
     table = (run / "compare.md").read_text()
     assert table.startswith("| strategy | test acc %") and "| lora |" in table
     assert "FLOPs ratio" in capsys.readouterr().out
@@ -37,3 +41,25 @@ def test_compare_rejects_unknown_rows_before_running(tmp_path, capsys):
     assert main(["compare", "--rows", "none,nope", "--run-dir", str(tmp_path / "x")]) == 2
     assert "Unknown row(s) nope" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_row_config_applies_row_params_and_row_overrides_to_their_row_only(tmp_path):
+    base = {"task": "bbc-news", "train": {"lr": 5e-5, "epochs": 2}, "freeze": {"strategy": "static", "params": {"k": 3}}}
+    params = {"autofreeze": {"interval": 7}}
+    overrides = {"lora": {"train": {"lr": 1e-3}, "model": {"lora": {"targets": ["query"]}}},
+                 "static": {"train": {"epochs": 1}}}
+    lora = row_config(base, "lora", tmp_path, params, overrides)
+    assert lora["train"] == {"lr": 1e-3, "epochs": 2}
+    assert lora["model"]["lora"] == {"r": 8, "targets": ["query"]} and lora["freeze"] == {"strategy": "none", "params": {}}
+    static = row_config(base, "static", tmp_path, params, overrides)
+    assert static["train"] == {"lr": 5e-5, "epochs": 1} and static["freeze"]["params"] == {"k": 3}
+    auto = row_config(base, "autofreeze", tmp_path, params, overrides)
+    assert auto["train"] == base["train"] and auto["freeze"]["params"] == {"interval": 7}
+    assert auto["run"]["dir"] == str(tmp_path / "autofreeze")
+    assert base["train"] == {"lr": 5e-5, "epochs": 2}  # the base is not changed
+
+
+def test_compare_rejects_a_row_set_for_a_row_it_does_not_run(tmp_path, capsys):
+    assert main(["compare", "--rows", "none,static", "--row-set", "lora.train.lr=1e-3",
+                 "--run-dir", str(tmp_path / "x")]) == 2
+    assert "--row-set" in capsys.readouterr().err

@@ -100,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--lr", type=float)
     comp.add_argument("--row-param", "-p", action="append", default=[], metavar="ROW.NAME=VALUE",
                       help="a parameter of one row's strategy, e.g. -p autofreeze.interval=20 (repeatable)")
+    comp.add_argument("--row-set", action="append", default=[], metavar="ROW.KEY=VALUE",
+                      help="a config key of one row only, e.g. --row-set lora.train.lr=1e-3 (repeatable)")
     comp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     comp.add_argument("--no-progress", action="store_true")
     comp.add_argument("--no-report", action="store_true", help="no HTML report at the end")
@@ -207,7 +209,15 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
         if not sep or not dot or row not in rows:
             raise ConfigError(f"--row-param {item!r} must look like ROW.NAME=VALUE with ROW one of {', '.join(rows)}")
         row_params = deep_merge(row_params, parse_override(item))
-    results = compare(base, rows, run_dir, console=console, row_params=row_params)
+    row_overrides: dict[str, dict[str, Any]] = {}
+    for item in args.row_set:
+        key, sep, _ = item.partition("=")
+        row, dot, name = key.partition(".")
+        if not sep or "." not in name or row not in rows:
+            raise ConfigError(f"--row-set {item!r} must look like ROW.SECTION.KEY=VALUE with ROW one of "
+                              f"{', '.join(rows)}")
+        row_overrides = deep_merge(row_overrides, parse_override(item))
+    results = compare(base, rows, run_dir, console=console, row_params=row_params, row_overrides=row_overrides)
     console.print(f"table: {run_dir}/compare.md   rows: {run_dir}/compare.json   ({len(results)} runs)")
     _report(run_dir, args, console)
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -23,12 +24,15 @@ DEFAULT_ROWS = ("none", "static", "gradual", "linear", "geometric", "freezeout",
 
 
 def row_config(base: dict[str, Any], row: str, run_dir: Path,
-               row_params: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+               row_params: dict[str, dict[str, Any]] | None = None,
+               row_overrides: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The config dict of one row: the base config with the row's strategy (or LoRA) and its own run folder.
 
     ``freeze.params`` of the base apply only to the row of the base's strategy (the default strategy when the base
     names none); other rows run with their strategy's defaults (and the task preset). ``row_params`` maps a row
-    to parameters of its own (``{"autofreeze": {"interval": 20}}``), applied last.
+    to parameters of its own (``{"autofreeze": {"interval": 20}}``), applied last. ``row_overrides`` maps a row
+    to config keys of its own, merged over everything else (``{"lora": {"train": {"lr": 1e-3}}}``: LoRA wants a
+    larger learning rate than full fine-tuning).
     """
     cfg = deep_merge(base, {"run": {"dir": str(run_dir / row), "resume": None}})
     freeze = cfg.setdefault("freeze", {})
@@ -39,7 +43,7 @@ def row_config(base: dict[str, Any], row: str, run_dir: Path,
         cfg = deep_merge(cfg, {"model": {"lora": {"r": 8}}})
     else:
         freeze["strategy"], freeze["params"] = row, {**params, **(row_params or {}).get(row, {})}
-    return cfg
+    return deep_merge(cfg, (row_overrides or {}).get(row, {}))
 
 
 def freeze_steps(summary: dict[str, Any]) -> dict[str, int]:
@@ -54,13 +58,17 @@ def freeze_steps(summary: dict[str, Any]) -> dict[str, int]:
 
 
 def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console: Console | None = None,
-            row_params: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+            row_params: dict[str, dict[str, Any]] | None = None,
+            row_overrides: dict[str, dict[str, Any]] | None = None,
+            row_callbacks: dict[str, list[Callable[[Any], None]]] | None = None) -> list[dict[str, Any]]:
     """Run every row and return one result dict per row (also written to ``run_dir/compare.json`` and ``.md``).
 
     Args:
         base: A user config dict (validated per row); ``freeze.params`` apply to the row of the same strategy.
         rows: Strategy names, ``"lora"`` for the LoRA row; ``"none"`` should come first (ratios are to it).
         row_params: Per-row strategy parameters, e.g. ``{"autofreeze": {"interval": 20}}``.
+        row_overrides: Per-row config keys, e.g. ``{"lora": {"train": {"lr": 1e-3}}}`` (see :func:`row_config`).
+        row_callbacks: Per-row trainer ``step_callbacks`` (see :class:`~layerfreeze.trainer.Trainer`).
 
     Raises:
         ConfigError: a row's config is invalid (checked for every row before the first run starts).
@@ -69,11 +77,12 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
 
     console = console or Console()
     run_dir = Path(run_dir)
-    configs = [(row, build_config(row_config(base, row, run_dir, row_params))) for row in rows]  # validate first
+    configs = [(row, build_config(row_config(base, row, run_dir, row_params, row_overrides)))
+               for row in rows]  # validate first
     results = []
     for row, config in configs:
         console.print(f"[bold]compare[/]: {row} ({len(results) + 1}/{len(configs)})")
-        summary = Trainer(config).run()
+        summary = Trainer(config, step_callbacks=(row_callbacks or {}).get(row)).run()
         results.append({"row": row, **summary, "freeze_steps": freeze_steps(summary)})
         (run_dir / "compare.json").write_text(json.dumps(results, indent=2))
     base_row = next((r for r in results if r["row"] == "none"), None)

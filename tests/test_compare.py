@@ -44,13 +44,15 @@ def test_compare_rejects_unknown_rows_before_running(tmp_path, capsys):
 
 
 def test_row_config_applies_row_params_and_row_overrides_to_their_row_only(tmp_path):
-    base = {"task": "bbc-news", "train": {"lr": 5e-5, "epochs": 2}, "freeze": {"strategy": "static", "params": {"k": 3}}}
+    base = {"task": "bbc-news", "train": {"lr": 5e-5, "epochs": 2},
+            "freeze": {"strategy": "static", "params": {"k": 3}}}
     params = {"autofreeze": {"interval": 7}}
     overrides = {"lora": {"train": {"lr": 1e-3}, "model": {"lora": {"targets": ["query"]}}},
                  "static": {"train": {"epochs": 1}}}
     lora = row_config(base, "lora", tmp_path, params, overrides)
     assert lora["train"] == {"lr": 1e-3, "epochs": 2}
-    assert lora["model"]["lora"] == {"r": 8, "targets": ["query"]} and lora["freeze"] == {"strategy": "none", "params": {}}
+    assert lora["model"]["lora"] == {"r": 8, "targets": ["query"]}
+    assert lora["freeze"] == {"strategy": "none", "params": {}}
     static = row_config(base, "static", tmp_path, params, overrides)
     assert static["train"] == {"lr": 5e-5, "epochs": 1} and static["freeze"]["params"] == {"k": 3}
     auto = row_config(base, "autofreeze", tmp_path, params, overrides)

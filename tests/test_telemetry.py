@@ -370,3 +370,24 @@ def test_summary_table_shows_only_present_keys() -> None:
     print_summary({"strategy": "none", "peak_memory_bytes": 200 * 2**20}, console=console)
     out = console.export_text()
     assert "layerfreeze run" in out and "none" in out and "200.0 MiB" in out
+
+
+@pytest.mark.parametrize("groups", [1, 4, 32])
+def test_measure_flops_conv_backward_counts_grouped_weight_gradients_per_group(groups: int) -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(32, 32, 3, padding=1, groups=groups)
+    x = torch.randn(4, 32, 8, 8, requires_grad=True)
+    fwd = 2 * 4 * 32 * 8 * 8 * (32 // groups) * 9  # per output value: C_in / groups * 3 * 3 multiply-adds
+    _, flops = measure_flops(lambda: conv(x).sum().backward())
+    assert flops == 3 * fwd  # forward, input gradient, weight gradient: each one forward's worth
+    conv.weight.requires_grad_(False)
+    _, frozen = measure_flops(lambda: conv(x).sum().backward())
+    assert frozen == 2 * fwd  # no weight gradient
+    if groups == 1:  # dense convolutions: the same count as torch's own formula
+        counter = FlopCounterMode(display=False)
+        conv.weight.requires_grad_(True)
+        with counter:
+            conv(x).sum().backward()
+        assert counter.get_total_flops() == flops

@@ -67,6 +67,32 @@ _PROC_CLEAR_REFS = "/proc/self/clear_refs"
 # --------------------------------------------------------------------------- #
 # FLOPs
 # --------------------------------------------------------------------------- #
+def _conv_backward_flops(grad_out_shape: Any, x_shape: Any, w_shape: Any, _bias: Any, _stride: Any,
+                         _padding: Any, _dilation: Any, transposed: bool, _output_padding: Any, groups: int,
+                         output_mask: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """FLOPs of ``aten.convolution_backward``: torch's formula with the weight gradient of a grouped convolution
+    divided by ``groups``.
+
+    Why: torch's ``conv_backward_flop`` (2.x) computes the weight gradient's count as a convolution of all input
+    channels with all output channels, ignoring groups, while each output channel only sees ``C_in / groups``
+    input channels. A depthwise convolution (``groups = channels``) had its weight gradient counted ``channels``
+    times too large: MobileNetV2's backward came out at 19x its forward, and freezing its depthwise convs looked
+    like a far larger saving than it is. The input gradient's count already uses the grouped weight shape.
+    """
+    from torch.utils.flop_counter import conv_flop_count
+
+    def t(shape: Any) -> list[int]:
+        return [shape[1], shape[0], *shape[2:]]
+
+    flops = 0
+    if output_mask[0]:  # grad_input as a transposed convolution of grad_output with the weight
+        flops += conv_flop_count(list(grad_out_shape), list(w_shape), list(out_shape[0]), not transposed)
+    if output_mask[1]:  # grad_weight as a convolution of the input with grad_output, per group
+        a, b = (grad_out_shape, x_shape) if transposed else (x_shape, grad_out_shape)
+        flops += conv_flop_count(t(a), t(b), t(out_shape[1]), transposed=False) // max(1, groups)
+    return flops
+
+
 def measure_flops(fn: Callable[[], T]) -> tuple[T, int]:
     """Run ``fn()`` once and count the floating-point operations it executes.
 
@@ -82,6 +108,10 @@ def measure_flops(fn: Callable[[], T]) -> tuple[T, int]:
     optimizer updates) are not counted, so the number is a lower bound on the
     true arithmetic, dominated in practice by the matmuls/convs.
 
+    Convolution backward is counted with :func:`_conv_backward_flops`
+    (torch's formula, except that the weight gradient of a grouped convolution
+    is divided by ``groups``: torch counts it as a dense convolution).
+
     Args:
         fn: zero-argument callable to run.
 
@@ -92,7 +122,8 @@ def measure_flops(fn: Callable[[], T]) -> tuple[T, int]:
     Raises:
         Whatever ``fn`` raises; it is not caught.
     """
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False,
+                              custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flops})
     with counter:
         result = fn()
     return result, int(counter.get_total_flops())

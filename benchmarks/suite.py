@@ -1,0 +1,631 @@
+"""The benchmark suite (issue 6): three tasks, every strategy plus ``none`` and a LoRA row, several seeds, and the
+oracle line, written as JSON and as a generated Markdown section of BENCHMARKS.md.
+
+Per task and seed, one ``layerfreeze.compare`` run: every row one after another in this process, ``none`` first,
+same seed, data order and budget. Ratios (time, FLOPs) and accuracy differences are taken row by row against that
+seed's ``none`` run, then averaged over seeds. The oracle (``layerfreeze.oracle``) comes from the same ``none`` run:
+each block's output on a fixed probe batch is recorded every few steps, the oracle freezes a block at the first
+record where its CKA to the final output has converged (the SmartFRZ labelling rule), and its FLOPs are integrated
+from per-prefix step FLOPs measured once. Each row's distance to it: the mean |freeze step - oracle step| over the
+non-head blocks as a fraction of the run (never frozen = the end), and its FLOPs ratio minus the oracle's.
+
+    python benchmarks/suite.py                         # the whole suite (sizes: SIZES below), 3 seeds
+    python benchmarks/suite.py --quick                 # a few minutes: tiny sizes, 1 seed; OUT/suite.md only
+    python benchmarks/suite.py --tasks bbc --seeds 1 --rows none,static,lora
+    python benchmarks/suite.py --from-json runs/bench-suite/results.json   # only regenerate the Markdown
+
+Outputs: ``OUT/results.json`` (raw rows per task and seed, the oracle, the aggregates, machine and versions; rewritten
+after every seed), ``OUT/suite.md`` (the generated section), the section between ``<!-- suite:begin -->`` and
+``<!-- suite:end -->`` in ``--markdown`` (default BENCHMARKS.md; not written by ``--quick`` unless asked), one rich
+table per task on the terminal, and every row's run folder under ``OUT/<task>/seed<N>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sizes: what sets the suite's run time. Edit here (target: the whole suite, 3 tasks x every row x 3 seeds, under
+# an hour on the 2-core CPU machine; the values below are first guesses, to be measured). None: all the data
+# (limits) / not used (max_length of an image task). BBC News: shorten with max_steps or epochs, not limit_train:
+# the task's split is ordered by class, so a limit keeps the first classes only.
+# ----------------------------------------------------------------------------------------------------------------
+SIZE_FIELDS = ("epochs", "limit_train", "limit_test", "max_length", "batch_size", "max_steps")
+SIZES: dict[str, tuple[int | None, ...]] = {
+    #                    epochs  limit_train  limit_test  max_length  batch_size  max_steps
+    "bbc":              (2,      None,        None,       64,         32,         None),
+    "fmnist-mobilenet": (2,      8000,        2000,       None,       128,        None),
+    "fmnist-resnet":    (3,      8000,        2000,       None,       128,        None),
+}
+#: ``--quick``: enough steps for every stage to run once or twice, not a measurement.
+QUICK_SIZES: dict[str, tuple[int | None, ...]] = {
+    #                    epochs  limit_train  limit_test  max_length  batch_size  max_steps
+    "bbc":              (1,      None,        None,       32,         16,         8),
+    "fmnist-mobilenet": (1,      256,         128,        None,       64,         None),
+    "fmnist-resnet":    (1,      256,         128,        None,       64,         None),
+}
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task of the suite: model, optimisation, the LoRA row's settings, and its sizes (from SIZES)."""
+
+    title: str
+    task: str
+    model: str | None
+    pretrained: bool
+    optimizer: str
+    lr: float
+    weight_decay: float
+    static_k: int
+    lora_lr: float | None  # None: no LoRA row for this task (see lora_note)
+    lora_targets: str = "default"  # "default": the config's (query, value); "conv1x1": MobileNetV2's dense convs
+    lora_note: str = ""
+    epochs: int = 1
+    limit_train: int | None = None
+    limit_test: int | None = None
+    max_length: int | None = None
+    batch_size: int = 32
+    max_steps: int | None = None
+
+
+#: The tasks. Learning rates: MiniLM's full fine-tuning rate is the task's usual 5e-5; ResNet-18 from scratch:
+#: AdamW 1e-3 reached 83.4% after 48 steps where SGD 0.05 (momentum 0.9) reached 78.2%; LoRA on MobileNetV2: 3e-3
+#: reached 80.3% after 48 steps, 1e-3 71.0%, 1e-2 80.9% with an unstable first epoch (3,072 samples, 2 epochs).
+TASKS: dict[str, TaskSpec] = {
+    "bbc": TaskSpec(
+        "MiniLM-L6 fine-tuned on BBC News", "bbc-news", None, True, "adamw", 5e-5, 0.01, static_k=5,
+        lora_lr=1e-3, lora_note="LoRA rank 8 on query/value, classifier trained, AdamW 1e-3 (LoRA wants a larger "
+        "learning rate than full fine-tuning)"),
+    "fmnist-mobilenet": TaskSpec(
+        "MobileNetV2 (ImageNet weights) fine-tuned on Fashion-MNIST", "fashion-mnist", "mobilenet_v2", True, "adamw",
+        1e-3, 1e-4, static_k=10, lora_lr=3e-3, lora_targets="conv1x1",
+        lora_note="LoRA rank 8 on every convolution with groups=1 (the stem, the 1x1 expand/project convs and the "
+        "last 1x1 conv; depthwise convs have no low-rank form), classifier trained, AdamW 3e-3"),
+    "fmnist-resnet": TaskSpec(
+        "ResNet-18 trained from scratch on Fashion-MNIST", "fashion-mnist", "resnet18", False, "adamw", 1e-3, 5e-4,
+        static_k=3, lora_lr=None,
+        lora_note="no LoRA row: LoRA adapts a pretrained network; on a randomly initialised ResNet its frozen base "
+        "weights are random features, so the row would only measure that"),
+}
+
+
+def task_spec(key: str, quick: bool) -> TaskSpec:
+    """The task's spec with its sizes from SIZES (QUICK_SIZES with ``quick``)."""
+    sizes = (QUICK_SIZES if quick else SIZES)[key]
+    return replace(TASKS[key], **dict(zip(SIZE_FIELDS, sizes)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configs
+# ----------------------------------------------------------------------------------------------------------------
+def dataset_sizes(spec: TaskSpec) -> tuple[int, int]:
+    """(train, test) samples the task's runs use (the BBC split is the task's fixed stratified 80/20 one)."""
+    from layerfreeze import data
+
+    if spec.task == "bbc-news":
+        _, labels, _ = data.load_bbc_news()
+        train, test = (len(s) for s in data.stratified_split(labels, 0.2, 0))
+    else:
+        train, test = 60_000, 10_000  # Fashion-MNIST
+    return (min(train, spec.limit_train or train), min(test, spec.limit_test or test))
+
+
+def total_steps(spec: TaskSpec, n_train: int) -> int:
+    steps = math.ceil(n_train / spec.batch_size) * spec.epochs
+    return min(steps, spec.max_steps) if spec.max_steps else steps
+
+
+def base_config(spec: TaskSpec, seed: int, threads: int | None) -> dict[str, Any]:
+    """The config every row of one task and seed shares (rows add their strategy and run folder)."""
+    model: dict[str, Any] = {"pretrained": spec.pretrained}
+    if spec.model:
+        model["name_or_path"] = spec.model
+    if spec.max_length:
+        model["max_length"] = spec.max_length
+    train = {"epochs": spec.epochs, "batch_size": spec.batch_size, "optimizer": spec.optimizer, "lr": spec.lr,
+             "weight_decay": spec.weight_decay, "seed": seed}
+    if spec.max_steps:
+        train["max_steps"] = spec.max_steps
+    return {
+        "task": spec.task, "model": model, "train": train,
+        "data": {"limit_train": spec.limit_train, "limit_test": spec.limit_test},
+        "run": {"progress": False, "checkpoint": False, "tensorboard": False, "threads": threads},
+    }
+
+
+def lora_targets(kind: str) -> list[str] | None:
+    """Module names the LoRA row wraps: None keeps the config's default (query, value)."""
+    if kind == "default":
+        return None
+    if kind == "conv1x1":
+        import torchvision
+        from torch import nn
+
+        model = torchvision.models.mobilenet_v2()
+        return [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d) and m.groups == 1]
+    raise ValueError(f"unknown lora_targets {kind!r}")
+
+
+def row_settings(spec: TaskSpec, steps: int) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """(row_params, row_overrides) for compare: static's k; AutoFreeze/Egeria evaluate about 8 times per run;
+    the LoRA row's learning rate and targets."""
+    interval = max(1, round(steps / 8))
+    params = {"static": {"k": spec.static_k}, "autofreeze": {"interval": interval},
+              "egeria": {"interval": interval}}
+    overrides: dict[str, dict[str, Any]] = {}
+    if spec.lora_lr is not None:
+        overrides["lora"] = {"train": {"lr": spec.lora_lr}}
+        targets = lora_targets(spec.lora_targets)
+        if targets:
+            overrides["lora"]["model"] = {"lora": {"targets": targets}}
+    return params, overrides
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pairing and aggregation (pure functions; tests/test_bench_suite.py)
+# ----------------------------------------------------------------------------------------------------------------
+def pair_rows(rows: list[dict[str, Any]], oracle: dict[str, Any] | None, steps: int,
+              head: str | None) -> list[dict[str, Any]]:
+    """One seed's compare rows against that seed's ``none`` row (and oracle): accuracy difference, time and FLOPs
+    ratios, and the gap to the oracle (None for LoRA, which freezes no blocks, or without an oracle)."""
+    from layerfreeze.oracle import schedule_gap
+
+    base = next(r for r in rows if r["row"] == "none")
+    out = []
+    for r in rows:
+        p = {
+            "row": r["row"],
+            "test_accuracy": r["test_accuracy"],
+            "accuracy_delta": r["test_accuracy"] - base["test_accuracy"],
+            "time_ratio": r["train_time_s"] / base["train_time_s"],
+            "flops_ratio": r["flops_total"] / base["flops_total"],
+            "peak_memory_bytes": r["peak_memory_bytes"],
+            "freeze_steps": dict(r["freeze_steps"]),
+            "step_gap": None,
+            "flops_gap": None,
+        }
+        if oracle is not None and r["row"] != "lora":
+            p["step_gap"] = schedule_gap(r["freeze_steps"], oracle["freeze_steps"], steps, head)
+            p["flops_gap"] = p["flops_ratio"] - oracle["flops_ratio"]
+        out.append(p)
+    return out
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    """Mean, min and max."""
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+
+
+def _mean_or_none(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _steps_by_block(per_seed: list[dict[str, int | None]], blocks: list[str]) -> tuple[dict, dict, dict]:
+    """Per block frozen in at least one seed: steps per seed (None: not frozen), the median over the seeds where
+    it froze, and in how many seeds it froze."""
+    steps, median, count = {}, {}, {}
+    for b in blocks:
+        values = [s.get(b) for s in per_seed]
+        frozen = [v for v in values if v is not None]
+        if frozen:
+            steps[b], median[b], count[b] = values, statistics.median(frozen), len(frozen)
+    return steps, median, count
+
+
+def aggregate(paired: list[list[dict[str, Any]]], oracles: list[dict[str, Any] | None],
+              blocks: list[str]) -> dict[str, Any]:
+    """Rows over seeds (``paired[seed]`` from :func:`pair_rows`, rows in the first seed's order) and the oracle."""
+    rows = []
+    for name in [r["row"] for r in paired[0]]:
+        seeds = [next(r for r in seed if r["row"] == name) for seed in paired if any(r["row"] == name for r in seed)]
+        steps, median, count = _steps_by_block([r["freeze_steps"] for r in seeds], blocks)
+        rows.append({
+            "row": name,
+            "seeds": len(seeds),
+            "test_accuracy": stats([r["test_accuracy"] for r in seeds]),
+            "accuracy_delta": statistics.fmean(r["accuracy_delta"] for r in seeds),
+            "time_ratio": stats([r["time_ratio"] for r in seeds]),
+            "flops_ratio": statistics.fmean(r["flops_ratio"] for r in seeds),
+            "peak_memory_bytes": statistics.fmean(r["peak_memory_bytes"] for r in seeds),
+            "freeze_steps": steps,
+            "freeze_step_median": median,
+            "frozen_in_seeds": count,
+            "step_gap": _mean_or_none([r["step_gap"] for r in seeds]),
+            "flops_gap": _mean_or_none([r["flops_gap"] for r in seeds]),
+        })
+    out: dict[str, Any] = {"rows": rows, "oracle": None}
+    oracles = [o for o in oracles if o is not None]
+    if oracles:
+        steps, median, count = _steps_by_block([o["freeze_steps"] for o in oracles], blocks)
+        out["oracle"] = {"seeds": len(oracles), "flops_ratio": stats([o["flops_ratio"] for o in oracles]),
+                         "freeze_steps": steps, "freeze_step_median": median, "frozen_in_seeds": count}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Formatting
+# ----------------------------------------------------------------------------------------------------------------
+def _span(first: str, last: str) -> str:
+    """``bert.encoder.layer.0`` .. ``bert.encoder.layer.3`` -> ``bert.encoder.layer.0-3``."""
+    if first == last:
+        return first
+    a, _, i = first.rpartition(".")
+    b, _, j = last.rpartition(".")
+    if a and a == b and i.isdigit() and j.isdigit():
+        return f"{a}.{i}-{j}"
+    return f"{first}..{last}"
+
+
+def format_frozen(median: dict[str, float], count: dict[str, int], seeds: int, blocks: list[str]) -> str:
+    """``block@median step`` for every block frozen at the end of a run, consecutive blocks with the same label
+    merged (``features.0-9@0``); ``(k/n)`` when a block froze in only ``k`` of ``n`` seeds."""
+    labels = []
+    for b in blocks:
+        if b not in median:
+            labels.append((b, None))
+            continue
+        label = f"@{median[b]:g}" + (f" ({count[b]}/{seeds})" if count[b] < seeds else "")
+        labels.append((b, label))
+    parts, i = [], 0
+    while i < len(labels):
+        b, label = labels[i]
+        j = i
+        while label is not None and j + 1 < len(labels) and labels[j + 1][1] == label:
+            j += 1
+        if label is not None:
+            parts.append(_span(b, labels[j][0]) + label)
+        i = j + 1
+    return ", ".join(parts) or "-"
+
+
+def _bytes(n: float) -> str:
+    from layerfreeze.telemetry import format_bytes
+
+    return format_bytes(int(n))
+
+
+HEADERS = ["row", "test acc % mean [min, max]", "Δ pts vs none", "time ratio mean [min, max]", "FLOPs ratio",
+           "peak mem", "frozen block@step (median)", "gap to oracle (steps, FLOPs)"]
+
+
+def table_cells(agg: dict[str, Any], blocks: list[str]) -> list[list[str]]:
+    """The rows of one task's table (the oracle last), as strings."""
+    cells = []
+    for r in agg["rows"]:
+        acc, tr = r["test_accuracy"], r["time_ratio"]
+        gap = "-" if r["step_gap"] is None else f"{r['step_gap']:.2f}, {r['flops_gap']:+.3f}"
+        cells.append([
+            r["row"],
+            f"{100 * acc['mean']:.2f} [{100 * acc['min']:.2f}, {100 * acc['max']:.2f}]",
+            f"{100 * r['accuracy_delta']:+.2f}",
+            f"{tr['mean']:.3f} [{tr['min']:.3f}, {tr['max']:.3f}]",
+            f"{r['flops_ratio']:.3f}",
+            _bytes(r["peak_memory_bytes"]),
+            format_frozen(r["freeze_step_median"], r["frozen_in_seeds"], r["seeds"], blocks),
+            gap,
+        ])
+    o = agg.get("oracle")
+    if o is not None:
+        fr = o["flops_ratio"]
+        flops = f"{fr['mean']:.3f}" + (f" [{fr['min']:.3f}, {fr['max']:.3f}]" if o["seeds"] > 1 else "")
+        cells.append(["oracle", "n/a", "n/a", "n/a", flops, "-",
+                      format_frozen(o["freeze_step_median"], o["frozen_in_seeds"], o["seeds"], blocks), "0, +0.000"])
+    return cells
+
+
+def markdown_table(agg: dict[str, Any], blocks: list[str]) -> str:
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in table_cells(agg, blocks)]
+    return "\n".join(lines) + "\n"
+
+
+def rich_table(title: str, agg: dict[str, Any], blocks: list[str]) -> Table:
+    table = Table(title=title)
+    for h in HEADERS:
+        table.add_column(h, justify="left" if h.startswith(("row", "frozen")) else "right", overflow="fold")
+    for row in table_cells(agg, blocks):
+        table.add_row(*row)
+    return table
+
+
+def _task_settings(t: dict[str, Any]) -> str:
+    s = t["spec"]
+    parts = [f"{s['epochs']} epoch{'s' if s['epochs'] != 1 else ''} ({t['total_steps']} steps"
+             + (f", max_steps {s['max_steps']}" if s.get("max_steps") else "") + ")",
+             f"{t['n_train']:,} train / {t['n_test']:,} test samples"]
+    if s.get("max_length"):
+        parts.append(f"{s['max_length']} tokens")
+    parts += [f"batch {s['batch_size']}", f"{'AdamW' if s['optimizer'] == 'adamw' else 'SGD'} {s['lr']:g}"
+              f" (weight decay {s['weight_decay']:g})", "pretrained" if s["pretrained"] else "from scratch",
+              f"seeds {', '.join(str(x['seed']) for x in t['seeds'])}"]
+    return ", ".join(parts)
+
+
+HOW_TO_READ = """
+How the numbers are made:
+- Per task and seed one `compare` run: every row in one process, `none` first, the same seed, data order and step
+  budget. Each task starts with a discarded 3-step warm-up run, so `none` does not pay the process's one-time costs.
+- Time is training time: forward, backward, optimizer step and the strategy's own work; data loading and evaluation
+  excluded. FLOPs are measured training FLOPs (`FlopCounterMode` on real steps, re-measured when the frozen set
+  changes). Peak memory is the process's peak RSS during the row (CPU) or CUDA's peak allocation.
+- Ratios and Δ pts are taken against the same seed's `none` run, then averaged over seeds; [min, max] over seeds.
+- `frozen block@step`: the median step (over the seeds where it froze) at which each block was frozen for the rest
+  of the run; (k/n): frozen in k of n seeds.
+- Oracle: from each seed's `none` run, each block's output on 64 fixed training samples recorded ~33 times; a block
+  freezes at the first record where its linear CKA to its final output is >= 0.99 and stable within 0.01 over 3
+  records, with every earlier block frozen too (the SmartFRZ labelling rule). Its FLOPs sum per-prefix step FLOPs
+  measured once. Gap to oracle: mean |freeze step - oracle step| over the non-head blocks as a fraction of the run
+  (never frozen = the end), and the row's FLOPs ratio minus the oracle's.
+"""
+
+
+def markdown_section(results: dict[str, Any]) -> str:
+    """The generated BENCHMARKS.md section (between the markers), from ``results.json`` alone."""
+    m = results["meta"]
+    v = m["versions"]
+    versions = ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "torchvision", "transformers", "peft",
+                                                  "layerfreeze") if v.get(k))
+    commit = v.get("git_commit", "unknown") + (" + local changes" if v.get("git_dirty") else "")
+    lines = [BEGIN, ""]
+    if m.get("quick"):
+        lines += ["> **Quick mode** (`--quick`): tiny sizes, a smoke test of the suite, not a measurement.", ""]
+    lines += [
+        "## Benchmark suite: every strategy, the LoRA row and the oracle on three tasks",
+        "",
+        "Generated by `benchmarks/suite.py` from its `results.json`; regenerate this section without rerunning "
+        "with `python benchmarks/suite.py --from-json OUT/results.json`.",
+        "",
+        f"- Command: `{m['command']}`",
+        f"- Date: {m['date']}; suite wall time {m['wall_time_s'] / 60:.1f} min",
+        f"- Machine: {m['machine']['cpu']}, {m['machine']['cores']} cores, {m['machine']['ram_gib']:.1f} GiB RAM, "
+        f"device {m['machine']['device']}",
+        f"- Versions: {versions}; commit {commit}",
+        "",
+        HOW_TO_READ.strip(),
+    ]
+    for t in results["tasks"].values():
+        if not t.get("aggregate"):
+            continue
+        lines += ["", f"### {t['title']}", "", _task_settings(t) + ".", "",
+                  markdown_table(t["aggregate"], t["blocks"]).rstrip("\n")]
+        if t.get("notes"):
+            lines += [""] + [f"- {n}" for n in t["notes"]]
+    lines += ["", END]
+    return "\n".join(lines) + "\n"
+
+
+def update_markdown(text: str, section: str) -> str:
+    """``text`` with the part between the markers (markers included) replaced by ``section``; without markers,
+    ``section`` goes right after the first ``# `` title line (or at the very top)."""
+    if BEGIN in text and END in text and text.index(BEGIN) < text.index(END):
+        start, end = text.index(BEGIN), text.index(END) + len(END)
+        return text[:start] + section.rstrip("\n") + text[end:]
+    lines = text.splitlines(keepends=True)
+    if lines and lines[0].startswith("# "):
+        return lines[0] + "\n" + section + ("\n" + "".join(lines[1:]).lstrip("\n") if len(lines) > 1 else "")
+    return section + ("\n" + text if text else "")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Machine and versions
+# ----------------------------------------------------------------------------------------------------------------
+def machine() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    ram = 0.0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                ram = int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": ram, "device": device,
+            "torch_threads": torch.get_num_threads()}
+
+
+def versions() -> dict[str, Any]:
+    import importlib.metadata as md
+
+    out: dict[str, Any] = {"python": platform.python_version()}
+    for name in ("torch", "torchvision", "transformers", "peft", "layerfreeze"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    try:
+        out["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True, check=True).stdout.strip()
+        out["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                               capture_output=True, text=True, check=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running
+# ----------------------------------------------------------------------------------------------------------------
+def warm_up(base: dict[str, Any], run_dir: Path) -> None:
+    """A discarded 3-step ``none`` run: the first run in a process pays one-time costs (allocator, kernel setup)
+    that would otherwise inflate the ``none`` row's time, the denominator of every time ratio."""
+    from layerfreeze.compare import row_config
+    from layerfreeze.config import build_config, deep_merge
+    from layerfreeze.trainer import Trainer
+
+    cfg = deep_merge(row_config(base, "none", run_dir.parent), {"run": {"dir": str(run_dir)},
+                     "train": {"max_steps": 3}, "data": {"limit_test": 32}})
+    Trainer(build_config(cfg)).run()
+
+
+def run_oracle(recorder: Any, none_row: dict[str, Any], none_config: Any) -> dict[str, Any]:
+    """The oracle of one seed from its ``none`` run's probe records."""
+    from layerfreeze.oracle import oracle_flops, oracle_freeze_steps, prefix_step_flops, prefixes_used
+
+    steps = none_row["steps"]
+    cka = recorder.cka()
+    frozen = oracle_freeze_steps(cka, recorder.steps, recorder.head)
+    flops = prefix_step_flops(none_config, prefixes_used(frozen, steps) | {0})
+    total = oracle_flops(frozen, flops, steps)
+    return {
+        "freeze_steps": dict(zip(recorder.blocks, frozen)),
+        "flops_total": total,
+        "flops_ratio": total / (flops[0] * steps),
+        "flops_per_step_by_prefix": {str(k): v for k, v in sorted(flops.items())},
+        "flops_check": flops[0] / none_row["flops_per_step_first"],  # 1.0: same count as the trainer's
+        "record_steps": recorder.steps,
+        "cka": [[round(v, 6) for v in row] for row in cka],
+    }
+
+
+def run_task(key: str, spec: TaskSpec, rows: list[str], seeds: list[int], out: Path, threads: int | None,
+             console: Console, result: dict[str, Any], save: Any) -> None:
+    """Every seed of one task, filling ``result`` (part of results.json) and saving after each seed."""
+    from layerfreeze.compare import compare, row_config
+    from layerfreeze.config import build_config
+    from layerfreeze.oracle import ProbeRecorder
+
+    n_train, n_test = dataset_sizes(spec)
+    steps = total_steps(spec, n_train)
+    notes = []
+    task_rows = list(rows)
+    if "lora" in task_rows and spec.lora_lr is None:
+        task_rows.remove("lora")
+    if spec.lora_note and ("lora" in rows):
+        notes.append(spec.lora_note)
+    row_params, row_overrides = row_settings(spec, steps)
+    if "autofreeze" in task_rows or "egeria" in task_rows:
+        notes.append(f"AutoFreeze and Egeria evaluate every {row_params['autofreeze']['interval']} steps (about 8 "
+                     f"times per run); static freezes the first {spec.static_k} blocks; other strategies use "
+                     "their defaults.")
+    result.update({"title": spec.title, "spec": asdict(spec), "n_train": n_train, "n_test": n_test,
+                   "total_steps": steps, "rows": task_rows, "row_params": row_params,
+                   "row_overrides": row_overrides, "notes": notes, "seeds": []})
+    console.rule(f"[bold]{key}[/]: warm-up (3 steps, discarded)")
+    warm_up(base_config(spec, seeds[0], threads), out / key / "warmup")
+    for seed in seeds:
+        t0 = time.perf_counter()
+        console.rule(f"[bold]{key}[/]: seed {seed} ({len(task_rows)} rows, {steps} steps each)")
+        base = base_config(spec, seed, threads)
+        run_dir = out / key / f"seed{seed}"
+        recorder = ProbeRecorder()
+        raw = compare(base, task_rows, run_dir, console=console, row_params=row_params,
+                      row_overrides=row_overrides, row_callbacks={"none": [recorder]})
+        none_row = next(r for r in raw if r["row"] == "none")
+        oracle = run_oracle(recorder, none_row, build_config(row_config(base, "none", run_dir)))
+        result["blocks"], result["head"] = recorder.blocks, recorder.blocks[recorder.head]
+        result["seeds"].append({"seed": seed, "rows": raw, "oracle": oracle,
+                                "paired": pair_rows(raw, oracle, none_row["steps"], result["head"]),
+                                "wall_time_s": time.perf_counter() - t0})
+        result["aggregate"] = aggregate([s["paired"] for s in result["seeds"]],
+                                        [s["oracle"] for s in result["seeds"]], result["blocks"])
+        save()
+    console.print(rich_table(f"{spec.title} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})",
+                             result["aggregate"], result["blocks"]))
+    for n in notes:
+        console.print(f"  - {n}", highlight=False)
+
+
+def write_outputs(results: dict[str, Any], out: Path, markdown: str | None, console: Console) -> None:
+    section = markdown_section(results)
+    (out / "suite.md").write_text(section)
+    if markdown:
+        path = Path(markdown)
+        path.write_text(update_markdown(path.read_text() if path.exists() else "", section))
+        console.print(f"Markdown section: {path}")
+    console.print(f"Markdown: {out / 'suite.md'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from layerfreeze.compare import DEFAULT_ROWS
+    from layerfreeze.strategies import STRATEGIES
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (QUICK_SIZES), 1 seed unless --seeds")
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {', '.join(TASKS)}")
+    parser.add_argument("--seeds", type=int, help="seeds 0..N-1 (default 3; 1 with --quick)")
+    parser.add_argument("--rows", help="comma-separated rows (default: every registered strategy and lora; none "
+                        "is always run, first)")
+    parser.add_argument("--out", default="runs/bench-suite", help="results folder (default runs/bench-suite)")
+    parser.add_argument("--markdown", help="file whose suite section is (re)written (default BENCHMARKS.md; with "
+                        "--quick none unless given); '' for none")
+    parser.add_argument("--threads", type=int, help="torch threads per run (default: torch's)")
+    parser.add_argument("--from-json", metavar="RESULTS", help="only regenerate the Markdown (and tables) from a "
+                        "results.json")
+    args = parser.parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 180, soft_wrap=False)
+    markdown = args.markdown if args.markdown is not None else (None if args.quick else str(ROOT / "BENCHMARKS.md"))
+
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+        for t in results["tasks"].values():
+            if t.get("aggregate"):
+                console.print(rich_table(t["title"], t["aggregate"], t["blocks"]))
+        write_outputs(results, Path(args.from_json).parent, markdown, console)
+        return 0
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in TASKS]
+    rows = [r.strip() for r in args.rows.split(",")] if args.rows else \
+        [r for r in DEFAULT_ROWS if r in STRATEGIES or r == "lora"]
+    unknown_rows = [r for r in rows if r not in STRATEGIES and r != "lora"]
+    if unknown or unknown_rows:
+        parser.error(f"unknown task(s) {unknown} (known: {', '.join(TASKS)}) / row(s) {unknown_rows}")
+    rows = ["none"] + [r for r in rows if r != "none"]
+    seeds = list(range(args.seeds if args.seeds is not None else (1 if args.quick else 3)))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    results: dict[str, Any] = {"meta": {
+        "command": " ".join(["python", "benchmarks/suite.py", *(argv if argv is not None else sys.argv[1:])]),
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "quick": args.quick,
+        "machine": machine(), "versions": versions(), "seeds": seeds, "wall_time_s": 0.0,
+        "sizes": {k: dict(zip(SIZE_FIELDS, (QUICK_SIZES if args.quick else SIZES)[k])) for k in tasks},
+    }, "tasks": {}}
+
+    def save() -> None:
+        results["meta"]["wall_time_s"] = time.perf_counter() - start
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+
+    for key in tasks:
+        run_task(key, task_spec(key, args.quick), rows, seeds, out, args.threads, console,
+                 results["tasks"].setdefault(key, {}), save)
+        save()
+    console.rule("suite done")
+    for t in results["tasks"].values():
+        console.print(rich_table(t["title"], t["aggregate"], t["blocks"]))
+    console.print(f"wall time {results['meta']['wall_time_s'] / 60:.1f} min; results: {out / 'results.json'}")
+    write_outputs(results, out, markdown, console)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -224,3 +224,15 @@ def test_missing_fashion_mnist_suggests_sudo_when_not_root(tmp_path, monkeypatch
     monkeypatch.setattr(assets.os, "geteuid", lambda: 1000, raising=False)
     with pytest.raises(assets.AssetMissingError, match="sudo apt-get install dataset-fashion-mnist"):
         assets.fashion_mnist_dir()
+
+
+def test_limit_takes_a_seeded_random_subset_not_a_prefix():
+    from layerfreeze.tasks import _limit
+
+    data = [0] * 50 + [1] * 50 + [2] * 50  # stored sorted by class, like BBC News
+    sub = _limit(data, 30, seed=0)
+    labels = [sub[i] for i in range(len(sub))]
+    assert len(labels) == 30 and set(labels) == {0, 1, 2}
+    assert list(sub.indices) == sorted(sub.indices) == list(_limit(data, 30, seed=0).indices)
+    assert list(sub.indices) != list(_limit(data, 30, seed=1).indices)
+    assert _limit(data, 500, seed=0) is data and _limit(data, None, seed=0) is data

@@ -58,8 +58,16 @@ def image_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
     return model(batch["pixel_values"])
 
 
-def _limit(dataset: Dataset, limit: int | None) -> Dataset:
-    return Subset(dataset, range(min(limit, len(dataset)))) if limit else dataset
+def _limit(dataset: Dataset, limit: int | None, seed: int) -> Dataset:
+    """A seeded random subset of ``limit`` samples (in dataset order), or ``dataset`` when no limit applies.
+
+    Random, not the first ``limit``: some datasets are stored sorted by class (BBC News), and a prefix would keep
+    only the first classes.
+    """
+    if not limit or limit >= len(dataset):
+        return dataset
+    keep = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:limit].sort().values
+    return Subset(dataset, keep.tolist())
 
 
 def _quiet_transformers() -> None:
@@ -192,8 +200,8 @@ def build_task(cfg: Config) -> Task:
     return Task(
         name=cfg.task,
         model=model,
-        train_set=_limit(train_set, cfg.data.limit_train),
-        test_set=_limit(test_set, cfg.data.limit_test),
+        train_set=_limit(train_set, cfg.data.limit_train, cfg.data.split_seed),
+        test_set=_limit(test_set, cfg.data.limit_test, cfg.data.split_seed + 1),
         num_classes=len(classes),
         model_name=model_name,
         forward=forward,

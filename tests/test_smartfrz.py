@@ -64,10 +64,12 @@ def test_frozen_blocks_are_not_recorded_and_ring_keeps_order():
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(float(i))
-        rec.snapshot([True, i < 2])  # block 1 "frozen" after two snapshots
+        rec.snapshot([True, i < 2], step=10 * i)  # block 1 "frozen" after two snapshots
     assert rec.counts == [5, 2]
     assert rec.window_of(0)[:, 0].tolist() == [2.0, 3.0, 4.0]  # oldest first across the wrap-around
+    assert rec.steps_of(0).tolist() == [20, 30, 40]
     assert rec.window_of(1)[:, 0].tolist() == [0.0, 1.0]
+    assert rec.steps_of(1).tolist() == [0, 10]
     assert rec.ready(0) and not rec.ready(1)
 
 
@@ -98,6 +100,16 @@ def test_features_are_scale_free_and_order_free():
     assert torch.allclose(fast[:, others], f[:, others], atol=1e-5)
     assert not torch.allclose(fast[:, 8], f[:, 8], atol=1e-3)
     assert float((fast[:, 8] - f[:, 8]).mean()) == pytest.approx(0.25, abs=0.03)
+
+
+def test_context_features_are_depth_and_progress():
+    w = _walk(w=5)
+    f = window_features(w, depth=0.25, progress=torch.tensor([0.0, 0.1, 0.2, 0.3, 0.4]))
+    assert f[:, 10].tolist() == [0.25] * 4
+    assert torch.allclose(f[:, 11], torch.tensor([0.1, 0.2, 0.3, 0.4]))  # progress at the end of each delta
+    assert torch.equal(f[:, :10], window_features(w)[:, :10])  # context does not touch the weight features
+    with pytest.raises(ValueError, match="one value per snapshot"):
+        window_features(w, progress=torch.zeros(4))
 
 
 def test_features_ignore_padding_and_reject_nan():
@@ -229,6 +241,34 @@ def test_strategy_prefix_rule_with_scripted_predictor(tmp_path, prefix, expected
     assert 3 not in asked  # the head is never asked about
 
 
+def test_strategy_feeds_depth_and_progress(tmp_path):
+    path = save_predictor(tmp_path / "p.safetensors", _biased_predictor(-10.0), window=3)
+    model = stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    strategy = SmartFRZ(predictor=str(path), snapshot_every=2, prefix=False)  # every block is asked
+    freezer = Freezer(model, opt, strategy=strategy, total_steps=12)
+    seen: list[torch.Tensor] = []
+
+    class Spy(nn.Module):
+        def forward(self, feats: torch.Tensor) -> torch.Tensor:
+            seen.append(feats[0, :, 10:].clone())
+            return torch.tensor([-10.0])
+
+    strategy.model = Spy()
+    _train(model, freezer, 4)
+    # first full window at step 4 (snapshots after steps 0, 2, 4); 4 blocks, the head (index 3) is not asked
+    assert [x[0, 0].item() for x in seen] == pytest.approx([0.0, 1 / 3, 2 / 3])
+    assert all(torch.allclose(x[:, 1], torch.tensor([2 / 12, 4 / 12])) for x in seen)
+
+
+def test_strategy_needs_the_run_length(tmp_path):
+    path = save_predictor(tmp_path / "p.safetensors", _biased_predictor(0.0), window=3)
+    model = stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="total_steps"):
+        Freezer(model, opt, strategy=SmartFRZ(predictor=str(path), snapshot_every=2))
+
+
 def test_replayed_prefix_rule_matches_strategy():
     from layerfreeze.smartfrz.fit import prefix_freeze_steps
 
@@ -352,6 +392,14 @@ def test_diverged_run_is_recorded_and_excluded(tmp_path):
     meta = record_run(setup, tmp_path / "bad", lr=0.1, seed=0, info={"recipe": "x"})
     assert meta["status"] == "diverged" and meta["diverged_at_step"] == 3
     assert list_runs(tmp_path) == [] and list_runs(tmp_path, include_diverged=True) == [tmp_path / "bad"]
+
+
+@pytest.mark.parametrize("acc, classes, expected", [(0.104, 10, True), (0.15, 10, False), (0.74, 2, True),
+                                                     (0.75, 2, False), (None, 10, False)])
+def test_chance_level_run_counts_as_collapsed(acc, classes, expected):
+    from layerfreeze.smartfrz.runs import collapsed
+
+    assert collapsed({"test_accuracy": acc, "act_dims_full": [64, classes]}) is expected
 
 
 def test_pipeline_train_evaluate_and_reproducible(quick_runs, tmp_path):

@@ -114,6 +114,8 @@ def _collect(args: argparse.Namespace, console: Console) -> int:
     n_runs = sum(len(args.seeds) * len(args.lrs or r.lrs) for r in recipes)
     est = sum(len(args.seeds) * len(args.lrs or r.lrs) * r.minutes for r in recipes)
     console.print(f"collecting {n_runs} runs into {args.out}" + ("" if args.quick else f" (~{est:.0f} min)"))
+    from .runs import collapsed
+
     done = {"complete": 0, "diverged": 0, "skipped": 0}
 
     def on_run(name: str, status: str, meta: dict[str, Any] | None) -> None:
@@ -122,6 +124,8 @@ def _collect(args: argparse.Namespace, console: Console) -> int:
         if status == "complete":
             acc = meta.get("test_accuracy")
             extra = f"{meta['wall_seconds']:.0f}s" + (f", test acc {acc:.3f}" if acc is not None else "")
+            if collapsed(meta):
+                extra += " (chance level: collapsed, excluded)"
         elif status == "diverged":
             extra = f"at step {meta.get('diverged_at_step')}: excluded"
         console.print(f"  {name}: {status} {extra}")

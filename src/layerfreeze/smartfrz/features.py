@@ -13,7 +13,14 @@ positions (statistics over positions), so one predictor serves any block of any 
 5. median of ``|d_t| / s``; 6. 90th percentile of ``|d_t| / s``;
 7. ``||w_t - w_newest|| / (||w_newest - w_oldest|| + eps)`` (how far from where the block is now);
 8. ``log10(||d_t|| / ||w_t||) / 4`` (relative step size: an absolute, scale-free speed);
-9. ``t / (W - 1)`` (position in the window).
+9. ``t / (W - 1)`` (position in the window);
+10. the block's depth: its index / (number of blocks - 1), 0 for the first block, 1 for the head;
+11. training progress at snapshot ``t``: its step / the run's total optimizer steps.
+
+Features 10-11 are context (version 2): the weight dynamics of a block alone do not say how far its representation
+still has to travel. In a fine-tuned transformer every encoder layer moves its weights alike under Adam (the
+per-weight step is about the learning rate), while CKA to the final representation says the first layers are done
+at ~10% of training and the last at ~65% (MiniLM-L6 on BBC News, our recorded runs): depth and progress carry that.
 
 This encoder is our choice: SmartFRZ (Li et al., ICLR 2023) describes an attention-based predictor over the recorded
 history of sampled weights but its exact encoder is not public in a form we can read.
@@ -23,17 +30,20 @@ from __future__ import annotations
 
 import torch
 
-NUM_FEATURES = 10
-FEATURE_VERSION = 1
+NUM_FEATURES = 12
+FEATURE_VERSION = 2
 _EPS = 1e-12
 
 
-def window_features(window: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def window_features(window: torch.Tensor, mask: torch.Tensor | None = None, depth: float = 0.0,
+                    progress: torch.Tensor | None = None) -> torch.Tensor:
     """Features of one block's window.
 
     Args:
         window: ``(W, S)`` float, oldest snapshot first, ``W >= 3``.
         mask: ``(S,)`` bool, True for real weights (padding excluded); default all.
+        depth: The block's index / (number of blocks - 1), in [0, 1].
+        progress: ``(W,)`` step of each snapshot / total optimizer steps of the run; default zeros.
 
     Returns:
         ``(W - 1, NUM_FEATURES)`` float32.
@@ -58,8 +68,11 @@ def window_features(window: torch.Tensor, mask: torch.Tensor | None = None) -> t
     dist_now = (w[1:] - w[-1]).norm(dim=1) / (total.norm() + _EPS)
     rel_step = torch.log10(d.norm(dim=1) / (w[1:].norm(dim=1) + _EPS) + _EPS) / 4
     pos = torch.arange(1, n + 1, dtype=torch.float32) / n
+    prog = torch.zeros(n) if progress is None else torch.as_tensor(progress, dtype=torch.float32)[1:]
+    if prog.shape != (n,):
+        raise ValueError(f"progress must have one value per snapshot ({n + 1}), got {tuple(progress.shape)}")
     feats = torch.stack([
         ad.mean(dim=1), (d.std(dim=1) / s), d.mean(dim=1).abs() / s, cos_prev, cos_total,
-        q[0], q[1], dist_now, rel_step, pos,
+        q[0], q[1], dist_now, rel_step, pos, torch.full((n,), float(depth)), prog,
     ], dim=1)
     return feats.float()

@@ -76,6 +76,7 @@ def save_predictor(path: str | Path, model: FreezePredictor, window: int, card: 
         "card": json.dumps(card or {}),
     }
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=meta)
     return path
 

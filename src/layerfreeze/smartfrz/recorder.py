@@ -79,16 +79,18 @@ class WeightRecorder:
         self.sample_size, self.window = sample_size, window
         self.samples = [BlockSample(b, sample_size, g) for b in blocks]
         self.buffers = torch.zeros(len(blocks), window, sample_size)
+        self.steps = torch.zeros(len(blocks), window, dtype=torch.int64)  # optimizer step of each snapshot
         self.counts = [0] * len(blocks)  # snapshots taken per block (not capped)
 
-    def snapshot(self, active: list[bool]) -> None:
-        """Record the current sample of every active block (frozen blocks are skipped)."""
+    def snapshot(self, active: list[bool], step: int = 0) -> None:
+        """Record the current sample of every active block (frozen blocks are skipped), taken after ``step``."""
         with torch.no_grad():
             for i, sample in enumerate(self.samples):
                 if not active[i]:
                     continue
                 slot = self.counts[i] % self.window
                 sample.gather(self.buffers[i, slot])
+                self.steps[i, slot] = step
                 self.counts[i] += 1
 
     def window_of(self, index: int) -> torch.Tensor:
@@ -99,6 +101,13 @@ class WeightRecorder:
         start = self.counts[index] % self.window
         return torch.roll(self.buffers[index], shifts=-start, dims=0).clone()
 
+    def steps_of(self, index: int) -> torch.Tensor:
+        """``(min(count, window),)`` int64: the optimizer step of each snapshot of :meth:`window_of`."""
+        n = min(self.counts[index], self.window)
+        if n < self.window:
+            return self.steps[index, :n].clone()
+        return torch.roll(self.steps[index], shifts=-(self.counts[index] % self.window), dims=0).clone()
+
     def mask_of(self, index: int) -> torch.Tensor:
         """``(sample_size,)`` bool: which positions of block ``index`` are real weights (not padding)."""
         return self.samples[index].mask
@@ -108,11 +117,12 @@ class WeightRecorder:
         return self.counts[index] >= self.window
 
     def state_dict(self) -> dict[str, Any]:
-        return {"buffers": self.buffers.clone(), "counts": list(self.counts)}
+        return {"buffers": self.buffers.clone(), "steps": self.steps.clone(), "counts": list(self.counts)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["buffers"].shape != self.buffers.shape:
             raise ValueError(f"recorder state has shape {tuple(state['buffers'].shape)}, "
                              f"this recorder {tuple(self.buffers.shape)}")
         self.buffers.copy_(state["buffers"])
+        self.steps.copy_(state["steps"])
         self.counts = list(state["counts"])

@@ -56,8 +56,20 @@ def is_finished(run_dir: str | Path) -> bool:
         (run_dir / ACTIVATIONS_FILE).is_file()
 
 
+def collapsed(meta: dict[str, Any]) -> bool:
+    """True when a complete run ended at chance level: test accuracy < 1.5 / number of classes.
+
+    Such a run "finished" without NaN/Inf but learned nothing usable (e.g. MobileNetV2 at SGD lr 0.03: loss down,
+    BatchNorm statistics wrecked, test accuracy 0.104 on 10 classes); its labels would teach the predictor that a
+    broken network is converged. The number of classes is the head's output width (``act_dims_full[-1]``).
+    """
+    acc, dims = meta.get("test_accuracy"), meta.get("act_dims_full")
+    return acc is not None and bool(dims) and dims[-1] > 1 and acc < 1.5 / dims[-1]
+
+
 def list_runs(runs_dir: str | Path, include_diverged: bool = False) -> list[Path]:
-    """Run folders under ``runs_dir`` (sorted by name) whose ``meta.json`` marks them complete.
+    """Run folders under ``runs_dir`` (sorted by name) whose ``meta.json`` marks them complete and not
+    :func:`collapsed`.
 
     Raises:
         PipelineError: ``runs_dir`` is not a folder.
@@ -70,7 +82,8 @@ def list_runs(runs_dir: str | Path, include_diverged: bool = False) -> list[Path
     for d in sorted(p for p in runs_dir.iterdir() if p.is_dir()):
         if not is_finished(d):
             continue
-        if include_diverged or read_meta(d)["status"] == "complete":
+        meta = read_meta(d)
+        if include_diverged or (meta["status"] == "complete" and not collapsed(meta)):
             out.append(d)
     return out
 

@@ -23,14 +23,17 @@ class SmartFRZ(Strategy):
 
     Rule: every ``snapshot_every`` optimizer steps the weight sample of every active block is recorded (ring buffer
     of the last ``window`` snapshots); at the same stage, once a block has a full window, the predictor gives
-    ``p`` = probability that it can be frozen now. Blocks are visited front to back; a block is frozen when
+    ``p`` = probability that it can be frozen now, from the window's features, the block's depth (index / (number
+    of blocks - 1)) and the training progress of each snapshot (step / total steps; see
+    :mod:`layerfreeze.smartfrz.features`). Blocks are visited front to back; a block is frozen when
     ``p >= threshold`` and, with ``prefix=True`` (default), every earlier block is frozen; the first block that is
     not frozen ends the visit (prefix rule). The head is never frozen. A window with NaN/Inf weights gives no
     decision for that block and is reported in the signals (``nonfinite``).
 
     Args:
         predictor: Path of a predictor file; None uses the one shipped with the package.
-        threshold: Decision threshold on ``p``, in (0, 1). Default 0.5.
+        threshold: Decision threshold on ``p``, in (0, 1); None (default) uses the one in the predictor's card (the
+            threshold its held-out metrics were measured at), else 0.5.
         snapshot_every: Steps between snapshots (and stages), an int >= 1, or None: ``max(1, round(total_steps /
             150))`` so about five windows fit in a run.
         sample_size: Sampled weights per block, int >= 8 (default 1,024).
@@ -39,6 +42,7 @@ class SmartFRZ(Strategy):
 
     Raises:
         ValueError: a parameter outside its range. PredictorError (at attach): missing/corrupt/other-version file.
+        RuntimeError (at the first stage): the run length is unknown (``Freezer(total_steps=...)`` not given).
 
     Signals: ``p_freeze`` (per block, NaN where no prediction), ``nonfinite`` (count of blocks skipped for NaN/Inf
     weights), ``window_fill`` (snapshots recorded for the front active block).
@@ -46,10 +50,10 @@ class SmartFRZ(Strategy):
 
     name = "smartfrz"
 
-    def __init__(self, predictor: str | None = None, threshold: float = 0.5, snapshot_every: int | None = None,
+    def __init__(self, predictor: str | None = None, threshold: float | None = None, snapshot_every: int | None = None,
                  sample_size: int = 1024, prefix: bool = True, seed: int = 0) -> None:
         super().__init__()
-        if not is_number(threshold) or not 0 < threshold < 1:
+        if threshold is not None and (not is_number(threshold) or not 0 < threshold < 1):
             raise ValueError(f"smartfrz: threshold must be in (0, 1) (probability to freeze), got {threshold!r}")
         if snapshot_every is not None and (not is_int(snapshot_every) or snapshot_every < 1):
             raise ValueError(f"smartfrz: snapshot_every must be an integer >= 1 step or null, got {snapshot_every!r}")
@@ -58,7 +62,8 @@ class SmartFRZ(Strategy):
         if not isinstance(prefix, bool):
             raise ValueError(f"smartfrz: prefix must be true or false, got {prefix!r}")
         self.predictor_path = predictor
-        self.threshold, self.snapshot_every, self.sample_size = float(threshold), snapshot_every, sample_size
+        self.threshold = None if threshold is None else float(threshold)
+        self.snapshot_every, self.sample_size = snapshot_every, sample_size
         self.prefix, self.seed = prefix, seed
         self.model = None
         self.window = 0
@@ -71,23 +76,24 @@ class SmartFRZ(Strategy):
 
         self.model, meta = load_predictor(Path(self.predictor_path) if self.predictor_path else None)
         self.window = meta["window"]
+        if self.threshold is None:
+            self.threshold = float(meta["card"].get("threshold", 0.5))
         self.recorder = WeightRecorder(blocks, self.sample_size, self.window, self.seed)
 
     def decide(self, ctx: StageContext) -> Decision:
         if ctx.event == "start":
+            ctx.require_progress(self.name)  # the predictor's input includes training progress
             if self.stage_every is None:
-                if not ctx.total_steps:
-                    raise RuntimeError("smartfrz: snapshot_every is unset and the run length is unknown; pass "
-                                       "total_steps=... to Freezer(...) or set snapshot_every")
                 self.stage_every = max(1, round(ctx.total_steps / 150))
-            self.recorder.snapshot([not b.frozen for b in ctx.blocks])
+            self.recorder.snapshot([not b.frozen for b in ctx.blocks], ctx.step)
             return Decision(signals={"snapshot_every": self.stage_every})
         if ctx.event != "step":
             return Decision()
         from ..smartfrz.features import window_features
 
         active = [not b.frozen for b in ctx.blocks]
-        self.recorder.snapshot(active)
+        self.recorder.snapshot(active, ctx.step)
+        total, last = float(ctx.total_steps), max(len(ctx.blocks) - 1, 1)
         probs = [math.nan] * len(ctx.blocks)
         nonfinite = 0
         freeze: list[int] = []
@@ -99,7 +105,8 @@ class SmartFRZ(Strategy):
                     break
                 continue
             try:
-                feats = window_features(self.recorder.window_of(b.index), self.recorder.mask_of(b.index))
+                feats = window_features(self.recorder.window_of(b.index), self.recorder.mask_of(b.index),
+                                        depth=b.index / last, progress=self.recorder.steps_of(b.index) / total)
             except ValueError:
                 nonfinite += 1
                 if self.prefix:

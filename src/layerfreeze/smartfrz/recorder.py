@@ -53,11 +53,17 @@ class BlockSample:
         self.mask[:] = True
 
     def gather(self, out: torch.Tensor) -> None:
-        """Write the current sampled values into ``out`` (``(sample_size,)`` float32, CPU)."""
-        values = [p.detach().reshape(-1)[idx.to(p.device)] for p, idx in self.picks]
-        flat = torch.cat(values).float().cpu() if values else torch.zeros(0)
-        out.zero_()
-        out[: flat.numel()] = flat
+        """Write the current sampled values into ``out`` (``(sample_size,)`` float32, CPU); padding stays as is
+        (zero in the recorder's buffers, which are never written there)."""
+        start = 0
+        for p, idx in self.picks:
+            n = idx.numel()
+            flat = p.detach().reshape(-1)
+            if flat.dtype == out.dtype and flat.device == out.device:  # the common case: no temporary
+                torch.index_select(flat, 0, idx, out=out[start:start + n])
+            else:
+                out[start:start + n] = flat[idx.to(flat.device)].to(out.dtype).cpu()
+            start += n
 
 
 class WeightRecorder:

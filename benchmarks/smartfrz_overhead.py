@@ -1,0 +1,115 @@
+"""SmartFRZ's online cost: recorder snapshot + predictor, against the cost of one training step.
+
+For each task the script builds the real model and data (as ``layerfreeze train`` would) and times ``--steps`` full
+training steps (forward, backward, clip, optimizer step, nothing frozen). Then it times a SmartFRZ stage with every
+block active (every block gathered into its ring buffer) and predictions (features + attention network) for
+(a) the front block only: the usual stage under the prefix rule, whose visit stops at the first block that does not
+freeze, and (b) every non-head block: the worst case (``prefix=False``, or a stage where all blocks freeze).
+Overhead = stage time / (stage interval x step time), with the strategy's default interval
+``max(1, round(total_steps / 150))`` (``--every N`` to set it). Once blocks freeze the steps get cheaper, but so do
+the stages (frozen blocks are neither recorded nor predicted).
+
+    python benchmarks/smartfrz_overhead.py                     # MiniLM-L6 / BBC News and MobileNetV2 / F-MNIST
+    python benchmarks/smartfrz_overhead.py --tasks bbc-news --steps 20
+
+Prints a table and writes ``--out/results.json``. Run it alone on the machine (other torch processes share the
+cores and distort both timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from torch.utils.data import DataLoader
+from rich.table import Table
+
+from layerfreeze.config import build_config
+from layerfreeze.trainer import Trainer, epoch_batches
+
+TASKS = {
+    "bbc-news": {"task": "bbc-news", "model": {"max_length": 128}, "train": {"batch_size": 32}},
+    "fashion-mnist": {"task": "fashion-mnist", "train": {"batch_size": 128}, "data": {"limit_train": 4096}},
+}
+
+
+def time_stage(strategy, blocks, repeats: int, predict: int | None = None) -> float:
+    """Median seconds of one stage with every block active: snapshot every block, then predict the first
+    ``predict`` non-head blocks (None: all of them)."""
+    from layerfreeze.smartfrz.features import window_features
+
+    rec, last = strategy.recorder, max(len(blocks) - 1, 1)
+    total = 1000.0
+    for step in range(rec.window):  # fill the windows
+        rec.snapshot([True] * len(blocks), step)
+    asked = [b for b in blocks if not b.is_head][:predict]
+    times = []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        rec.snapshot([True] * len(blocks), rec.window + r)
+        for b in asked:
+            feats = window_features(rec.window_of(b.index), rec.mask_of(b.index), depth=b.index / last,
+                                    progress=rec.steps_of(b.index) / total)
+            with torch.no_grad():
+                torch.sigmoid(strategy.model(feats[None]))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(name: str, overrides: dict, steps: int, every: int | None, out: Path) -> dict:
+    config = build_config({**overrides, "freeze": {"strategy": "smartfrz"},
+                           "run": {"dir": str(out / name), "progress": False, "checkpoint": False,
+                                   "tensorboard": False}})
+    trainer = Trainer(config)
+    trainer._setup()
+    batches = epoch_batches(len(trainer.train_set), config.train.batch_size, config.train.seed, 0)[:steps + 2]
+    loader = DataLoader(trainer.train_set, batch_sampler=batches, generator=torch.Generator())
+    trainer.model.train()
+    step_times = []
+    for i, batch in enumerate(loader):
+        t0 = time.perf_counter()
+        trainer._train_step(batch)
+        if i >= 2:  # the first steps allocate optimizer state
+            step_times.append(time.perf_counter() - t0)
+    step = statistics.median(step_times)
+    strategy = trainer.freezer.strategy
+    blocks = trainer.freezer.blocks
+    typical = time_stage(strategy, blocks, repeats=20, predict=1)
+    worst = time_stage(strategy, blocks, repeats=20)
+    interval = every or max(1, round(trainer.total_steps / 150))
+    return {"task": name, "blocks": len(blocks), "sample_size": strategy.sample_size, "window": strategy.window,
+            "step_s": step, "stage_s": typical, "stage_worst_s": worst, "stage_every": interval,
+            "total_steps": trainer.total_steps, "overhead": typical / (interval * step),
+            "overhead_worst": worst / (interval * step)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {', '.join(TASKS)}")
+    parser.add_argument("--steps", type=int, default=10, help="timed training steps per task")
+    parser.add_argument("--every", type=int, help="stage interval in steps (default: the strategy's)")
+    parser.add_argument("--out", default="runs/bench-smartfrz-overhead")
+    args = parser.parse_args()
+    out = Path(args.out)
+    rows = [measure(t, TASKS[t], args.steps, args.every, out) for t in args.tasks.split(",")]
+    table = Table(title="SmartFRZ online cost per stage: every block recorded; predicted: the front block (prefix "
+                        "rule, the usual stage) / every non-head block (worst case)")
+    for col in ("task", "blocks", "train step", "stage, front block", "stage, all blocks", "stage every",
+                "overhead", "overhead, worst"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["task"], str(r["blocks"]), f"{1000 * r['step_s']:.1f} ms", f"{1000 * r['stage_s']:.2f} ms",
+                      f"{1000 * r['stage_worst_s']:.2f} ms", f"{r['stage_every']} steps",
+                      f"{100 * r['overhead']:.2f}%", f"{100 * r['overhead_worst']:.2f}%")
+    Console(width=140).print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

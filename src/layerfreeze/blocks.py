@@ -21,7 +21,9 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -71,6 +73,16 @@ class Block:
     def __repr__(self) -> str:
         head = ", head" if self.is_head else ""
         return f"Block({self.index}: {self.name}, {self.num_parameters():,} params{head})"
+
+
+def output_tensor(output: Any) -> torch.Tensor:
+    """The main tensor of a block's forward output: the first element of (nested) tuples/lists, a Hugging Face
+    output's ``last_hidden_state``, or the tensor itself (e.g. what a forward hook on a block's last module sees)."""
+    while isinstance(output, (tuple, list)):
+        output = output[0]
+    if hasattr(output, "last_hidden_state"):
+        output = output.last_hidden_state
+    return output
 
 
 def _has_params(module: nn.Module | None) -> bool:

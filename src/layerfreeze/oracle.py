@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .blocks import output_tensor
 from .smartfrz.labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_WINDOW, freezable_from_cka, linear_cka
 
 #: Probe samples (the smartfrz collector's probe batches are of this order too).
@@ -96,12 +97,7 @@ class ProbeRecorder:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self._enabled:
                 return
-            out = output
-            while isinstance(out, (tuple, list)):
-                out = out[0]
-            if hasattr(out, "last_hidden_state"):
-                out = out.last_hidden_state
-            self._outputs[i] = out.detach()
+            self._outputs[i] = output_tensor(output).detach()
         return hook
 
     def __call__(self, trainer: Any) -> None:

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..blocks import Block, discover_blocks
+from ..blocks import Block, discover_blocks, output_tensor
 from .recorder import WeightRecorder
 from .runs import (ACTIVATIONS_FILE, META_FILE, RUN_FORMAT, RUN_FORMAT_VERSION, WEIGHTS_FILE, PipelineError,
                    is_finished, write_json_atomic)
@@ -583,11 +583,7 @@ class _ActivationProbe:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self.enabled:
                 return
-            out = output
-            while isinstance(out, (tuple, list)):
-                out = out[0]
-            if hasattr(out, "last_hidden_state"):
-                out = out.last_hidden_state
+            out = output_tensor(output)
             self._current[i] = out.detach().float().reshape(out.shape[0], -1)
         return hook
 

@@ -5,8 +5,9 @@ Per task and seed, one ``layerfreeze.compare`` run: every row one after another 
 same seed, data order and budget. Ratios (time, FLOPs) and accuracy differences are taken row by row against that
 seed's ``none`` run, then averaged over seeds. The oracle (``layerfreeze.oracle``) comes from a second, untimed
 ``none`` run of the same seed (the same trajectory; recording in the timed row would slow it): each block's output
-on a fixed probe batch is recorded every few steps, the oracle freezes a block at the first record where its CKA to the final output has converged (the SmartFRZ labelling rule), and its FLOPs are integrated
-from per-prefix step FLOPs measured once. Each row's distance to it: the mean |freeze step - oracle step| over the
+on a fixed probe batch is recorded every few steps, the oracle freezes a block at the first record where its CKA
+to the final output has converged (the SmartFRZ labelling rule), and its FLOPs are integrated from per-prefix step
+FLOPs measured once. Each row's distance to it: the mean |freeze step - oracle step| over the
 non-head blocks as a fraction of the run (never frozen = the end), and its FLOPs ratio minus the oracle's.
 
     python benchmarks/suite.py                         # the whole suite (sizes: SIZES below), 3 seeds

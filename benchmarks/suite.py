@@ -80,7 +80,6 @@ class TaskSpec:
     weight_decay: float
     static_k: int
     lora_lr: float | None  # None: no LoRA row for this task (see lora_note)
-    lora_targets: str = "default"  # "default": the config's (query, value); "conv1x1": MobileNetV2's dense convs
     lora_note: str = ""
     epochs: int = 1
     limit_train: int | None = None
@@ -100,7 +99,7 @@ TASKS: dict[str, TaskSpec] = {
         "learning rate than full fine-tuning)"),
     "fmnist-mobilenet": TaskSpec(
         "MobileNetV2 (ImageNet weights) fine-tuned on Fashion-MNIST", "fashion-mnist", "mobilenet_v2", True, "adamw",
-        1e-3, 1e-4, static_k=10, lora_lr=3e-3, lora_targets="conv1x1",
+        1e-3, 1e-4, static_k=10, lora_lr=3e-3,
         lora_note="LoRA rank 8 on every convolution with groups=1 (the stem, the 1x1 expand/project convs and the "
         "last 1x1 conv; depthwise convs have no low-rank form), classifier trained, AdamW 3e-3"),
     "fmnist-resnet": TaskSpec(
@@ -155,31 +154,15 @@ def base_config(spec: TaskSpec, seed: int, threads: int | None) -> dict[str, Any
     }
 
 
-def lora_targets(kind: str) -> list[str] | None:
-    """Module names the LoRA row wraps: None keeps the config's default (query, value)."""
-    if kind == "default":
-        return None
-    if kind == "conv1x1":
-        import torchvision
-        from torch import nn
-
-        model = torchvision.models.mobilenet_v2()
-        return [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d) and m.groups == 1]
-    raise ValueError(f"unknown lora_targets {kind!r}")
-
-
 def row_settings(spec: TaskSpec, steps: int) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """(row_params, row_overrides) for compare: static's k; AutoFreeze/Egeria evaluate about 8 times per run;
-    the LoRA row's learning rate and targets."""
+    the LoRA row's learning rate."""
     interval = max(1, round(steps / 8))
     params = {"static": {"k": spec.static_k}, "autofreeze": {"interval": interval},
               "egeria": {"interval": interval}}
     overrides: dict[str, dict[str, Any]] = {}
     if spec.lora_lr is not None:
-        overrides["lora"] = {"train": {"lr": spec.lora_lr}}
-        targets = lora_targets(spec.lora_targets)
-        if targets:
-            overrides["lora"]["model"] = {"lora": {"targets": targets}}
+        overrides["lora"] = {"train": {"lr": spec.lora_lr}}  # targets: the per-model default (tasks.py)
     return params, overrides
 
 
@@ -597,7 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     markdown = args.markdown if args.markdown is not None else (None if args.quick else str(ROOT / "BENCHMARKS.md"))
 
     if args.from_json:
-        results = json.loads(Path(args.from_json).read_text())
+        try:
+            results = json.loads(Path(args.from_json).read_text())
+            results["tasks"], results["meta"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            parser.error(f"--from-json {args.from_json}: not a results.json written by this script ({exc})")
         for t in results["tasks"].values():
             if t.get("aggregate"):
                 console.print(rich_table(t["title"], t["aggregate"], t["blocks"]))
@@ -609,8 +596,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r.strip() for r in args.rows.split(",")] if args.rows else \
         [r for r in DEFAULT_ROWS if r in STRATEGIES or r == "lora"]
     unknown_rows = [r for r in rows if r not in STRATEGIES and r != "lora"]
-    if unknown or unknown_rows:
-        parser.error(f"unknown task(s) {unknown} (known: {', '.join(TASKS)}) / row(s) {unknown_rows}")
+    if unknown:
+        parser.error(f"unknown task(s) {', '.join(unknown)} (known: {', '.join(TASKS)})")
+    if unknown_rows:
+        parser.error(f"unknown row(s) {', '.join(unknown_rows)} (known: {', '.join(sorted(STRATEGIES))}, lora)")
     rows = ["none"] + [r for r in rows if r != "none"]
     seeds = list(range(args.seeds if args.seeds is not None else (1 if args.quick else 3)))
     out = Path(args.out)

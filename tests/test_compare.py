@@ -7,7 +7,7 @@ import json
 import pytest
 
 from layerfreeze.cli import main
-from layerfreeze.compare import row_config
+from layerfreeze.compare import compare, row_config
 
 
 @pytest.mark.assets
@@ -65,3 +65,30 @@ def test_compare_rejects_a_row_set_for_a_row_it_does_not_run(tmp_path, capsys):
     assert main(["compare", "--rows", "none,static", "--row-set", "lora.train.lr=1e-3",
                  "--run-dir", str(tmp_path / "x")]) == 2
     assert "--row-set" in capsys.readouterr().err
+
+
+def test_lora_default_targets_follow_the_model():
+    import torchvision
+    from torch import nn
+
+    from layerfreeze.tasks import default_lora_targets
+
+    mobilenet = torchvision.models.mobilenet_v2(num_classes=10)
+    targets = default_lora_targets(mobilenet)
+    convs = {n: m for n, m in mobilenet.named_modules() if isinstance(m, nn.Conv2d)}
+    assert targets and all(convs[n].groups == 1 for n in targets)
+    assert len(targets) == sum(m.groups == 1 for m in convs.values()) < len(convs)  # depthwise convs left out
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.query, self.key, self.value = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    assert default_lora_targets(nn.Sequential(Attention(), nn.Conv2d(1, 1, 1))) == ["query", "value"]
+
+
+def test_a_bad_row_setting_names_the_row(tmp_path):
+    from layerfreeze.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"(?s)row lora: .*train\.nope"):
+        compare({"task": "bbc-news"}, ["none", "lora"], tmp_path, row_overrides={"lora": {"train": {"nope": 1}}})

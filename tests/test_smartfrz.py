@@ -448,3 +448,13 @@ def test_pipeline_errors(tmp_path, quick_runs):
     assert _cli(["predictor", "train", str(quick_runs), "--out", str(tmp_path / "p.safetensors"),
                  "--holdout", "mlp-digits,cnn-digits", "--history", "6"]) == 2
     assert _cli(["predictor", "evaluate", str(quick_runs), "--predictor", str(tmp_path / "none.safetensors")]) == 2
+
+
+def test_missing_predictor_file_fails_at_config_time(tmp_path):
+    from layerfreeze.config import ConfigError, build_config
+
+    missing = tmp_path / "nope.safetensors"
+    with pytest.raises(ValueError, match="nope.safetensors does not exist"):
+        SmartFRZ(predictor=str(missing))
+    with pytest.raises(ConfigError, match="nope.safetensors"):
+        build_config({"freeze": {"strategy": "smartfrz", "params": {"predictor": str(missing)}}})

@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .config import build_config, deep_merge
+from .config import ConfigError, build_config, deep_merge
 from .strategies import DEFAULT_STRATEGY
 from .telemetry import format_bytes, format_flops
 
@@ -44,6 +44,14 @@ def row_config(base: dict[str, Any], row: str, run_dir: Path,
     else:
         freeze["strategy"], freeze["params"] = row, {**params, **(row_params or {}).get(row, {})}
     return deep_merge(cfg, (row_overrides or {}).get(row, {}))
+
+
+def _row_build(row: str, cfg: dict[str, Any]) -> Any:
+    """``build_config`` of one row, its error naming the row (``row lora: Invalid configuration: ...``)."""
+    try:
+        return build_config(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"row {row}: {exc}") from None
 
 
 def freeze_steps(summary: dict[str, Any]) -> dict[str, int]:
@@ -77,7 +85,7 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
 
     console = console or Console()
     run_dir = Path(run_dir)
-    configs = [(row, build_config(row_config(base, row, run_dir, row_params, row_overrides)))
+    configs = [(row, _row_build(row, row_config(base, row, run_dir, row_params, row_overrides)))
                for row in rows]  # validate first
     results = []
     for row, config in configs:

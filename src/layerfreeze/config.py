@@ -36,12 +36,16 @@ class _Section(BaseModel):
 
 
 class LoraConfig(_Section):
-    """LoRA adapters through the ``peft`` library (Hu et al. 2021): rank, scaling and the modules they wrap."""
+    """LoRA adapters through the ``peft`` library (Hu et al. 2021): rank, scaling and the modules they wrap.
+
+    ``targets``: module names (peft's ``target_modules``); None picks per model (:func:`layerfreeze.tasks.
+    default_lora_targets`): the attention query/value projections of a transformer, else every dense convolution.
+    """
 
     r: int = Field(8, ge=1)
     alpha: int = Field(16, ge=1)
     dropout: float = Field(0.1, ge=0, lt=1)
-    targets: list[str] = Field(default_factory=lambda: ["query", "value"])
+    targets: list[str] | None = None
 
 
 class ModelConfig(_Section):

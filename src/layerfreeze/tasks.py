@@ -121,6 +121,16 @@ def load_vision_model(name: str, num_classes: int, pretrained: bool) -> nn.Modul
     raise ConfigError(f"Unknown vision model {name!r}; use mobilenet_v2 or resnet18")
 
 
+def default_lora_targets(model: nn.Module) -> list[str]:
+    """LoRA's modules when the config names none: ``["query", "value"]`` when the model has attention projections of
+    those names (BERT-like, as in Hu et al. 2021, sec. 4.2), else every ``Conv2d`` with ``groups == 1`` (a
+    depthwise convolution has no low-rank form): MobileNetV2's stem, 1x1 expand/project and last convs."""
+    names = [n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if "query" in names and "value" in names:
+        return ["query", "value"]
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d) and m.groups == 1]
+
+
 def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
     """Wrap ``model`` with LoRA adapters (``peft``): base weights frozen, adapters and the task head trained.
 
@@ -132,12 +142,13 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
     except ImportError:
         raise ConfigError("model.lora needs the peft library: pip install layerfreeze[lora]") from None
     lora = cfg.model.lora
+    targets = lora.targets if lora.targets is not None else default_lora_targets(model)
     head = [n for n, m in model.named_children() if n in ("classifier", "fc", "head", "score")]
     try:
         peft_model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                      target_modules=lora.targets, modules_to_save=head))
+                                                      target_modules=targets, modules_to_save=head))
     except ValueError as exc:
-        raise ConfigError(f"model.lora.targets {lora.targets}: {exc}") from None
+        raise ConfigError(f"model.lora.targets {targets}: {exc}") from None
     return peft_model.base_model.model  # the original model class, now holding LoRA layers
 
 

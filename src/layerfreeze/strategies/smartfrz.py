@@ -61,6 +61,9 @@ class SmartFRZ(Strategy):
             raise ValueError(f"smartfrz: sample_size must be an integer >= 8, got {sample_size!r}")
         if not isinstance(prefix, bool):
             raise ValueError(f"smartfrz: prefix must be true or false, got {prefix!r}")
+        if predictor is not None and not Path(predictor).is_file():  # fail at config time, before anything runs
+            raise ValueError(f"smartfrz: predictor file {predictor} does not exist; train one with `layerfreeze "
+                             "predictor train` or leave predictor unset for the shipped one")
         self.predictor_path = predictor
         self.threshold = None if threshold is None else float(threshold)
         self.snapshot_every, self.sample_size = snapshot_every, sample_size

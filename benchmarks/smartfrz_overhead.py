@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from torch.utils.data import DataLoader
 from rich.table import Table
+from torch.utils.data import DataLoader
 
 from layerfreeze.config import build_config
 from layerfreeze.trainer import Trainer, epoch_batches
@@ -40,11 +40,8 @@ TASKS = {
 
 def time_stage(strategy, blocks, repeats: int, predict: int | None = None) -> float:
     """Median seconds of one stage with every block active: snapshot every block, then predict the first
-    ``predict`` non-head blocks (None: all of them)."""
-    from layerfreeze.smartfrz.features import window_features
-
-    rec, last = strategy.recorder, max(len(blocks) - 1, 1)
-    total = 1000.0
+    ``predict`` non-head blocks (None: all of them), as :meth:`SmartFRZ.decide` does."""
+    rec = strategy.recorder
     for step in range(rec.window):  # fill the windows
         rec.snapshot([True] * len(blocks), step)
     asked = [b for b in blocks if not b.is_head][:predict]
@@ -53,10 +50,7 @@ def time_stage(strategy, blocks, repeats: int, predict: int | None = None) -> fl
         t0 = time.perf_counter()
         rec.snapshot([True] * len(blocks), rec.window + r)
         for b in asked:
-            feats = window_features(rec.window_of(b.index), rec.mask_of(b.index), depth=b.index / last,
-                                    progress=rec.steps_of(b.index) / total)
-            with torch.no_grad():
-                torch.sigmoid(strategy.model(feats[None]))
+            strategy.predict(b.index, len(blocks), total_steps=1000)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

@@ -7,8 +7,8 @@ through the ``peft`` library) shows the parameter-efficient alternative on the s
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console

@@ -99,20 +99,20 @@ class WeightRecorder:
                 self.steps[i, slot] = step
                 self.counts[i] += 1
 
-    def window_of(self, index: int) -> torch.Tensor:
-        """The recorded snapshots of block ``index``, oldest first: ``(min(count, window), sample_size)``."""
+    def _oldest_first(self, ring: torch.Tensor, index: int) -> torch.Tensor:
+        """Block ``index``'s row of ``ring`` (``buffers`` or ``steps``), oldest snapshot first, copied."""
         n = min(self.counts[index], self.window)
         if n < self.window:
-            return self.buffers[index, :n].clone()
-        start = self.counts[index] % self.window
-        return torch.roll(self.buffers[index], shifts=-start, dims=0).clone()
+            return ring[index, :n].clone()
+        return torch.roll(ring[index], shifts=-(self.counts[index] % self.window), dims=0).clone()
+
+    def window_of(self, index: int) -> torch.Tensor:
+        """The recorded snapshots of block ``index``, oldest first: ``(min(count, window), sample_size)``."""
+        return self._oldest_first(self.buffers, index)
 
     def steps_of(self, index: int) -> torch.Tensor:
         """``(min(count, window),)`` int64: the optimizer step of each snapshot of :meth:`window_of`."""
-        n = min(self.counts[index], self.window)
-        if n < self.window:
-            return self.steps[index, :n].clone()
-        return torch.roll(self.steps[index], shifts=-(self.counts[index] % self.window), dims=0).clone()
+        return self._oldest_first(self.steps, index)
 
     def mask_of(self, index: int) -> torch.Tensor:
         """``(sample_size,)`` bool: which positions of block ``index`` are real weights (not padding)."""

@@ -92,11 +92,8 @@ class SmartFRZ(Strategy):
             return Decision(signals={"snapshot_every": self.stage_every})
         if ctx.event != "step":
             return Decision()
-        from ..smartfrz.features import window_features
-
         active = [not b.frozen for b in ctx.blocks]
         self.recorder.snapshot(active, ctx.step)
-        total, last = float(ctx.total_steps), max(len(ctx.blocks) - 1, 1)
         probs = [math.nan] * len(ctx.blocks)
         nonfinite = 0
         freeze: list[int] = []
@@ -108,15 +105,12 @@ class SmartFRZ(Strategy):
                     break
                 continue
             try:
-                feats = window_features(self.recorder.window_of(b.index), self.recorder.mask_of(b.index),
-                                        depth=b.index / last, progress=self.recorder.steps_of(b.index) / total)
+                probs[b.index] = self.predict(b.index, len(ctx.blocks), ctx.total_steps)
             except ValueError:
                 nonfinite += 1
                 if self.prefix:
                     break
                 continue
-            with torch.no_grad():
-                probs[b.index] = float(torch.sigmoid(self.model(feats[None]))[0])
             prefix_ok = all(ctx.blocks[j].frozen or j in freeze for j in range(b.index))
             if probs[b.index] >= self.threshold and (prefix_ok or not self.prefix):
                 freeze.append(b.index)
@@ -127,6 +121,21 @@ class SmartFRZ(Strategy):
                    "window_fill": min(self.recorder.counts[front], self.window)}
         reason = "smartfrz: p>=%.2f for %s" % (self.threshold, [round(probs[i], 3) for i in freeze]) if freeze else ""
         return Decision(freeze=freeze, reason=reason, signals=signals)
+
+    def predict(self, index: int, num_blocks: int, total_steps: int) -> float:
+        """``p(freeze now)`` of block ``index`` from its recorded window, its depth ``index / (num_blocks - 1)`` and
+        the training progress of each snapshot (step / ``total_steps``).
+
+        Raises:
+            ValueError: the window holds NaN/Inf weights (no decision).
+        """
+        from ..smartfrz.features import window_features
+
+        feats = window_features(self.recorder.window_of(index), self.recorder.mask_of(index),
+                                depth=index / max(num_blocks - 1, 1),
+                                progress=self.recorder.steps_of(index) / float(total_steps))
+        with torch.no_grad():
+            return float(torch.sigmoid(self.model(feats[None]))[0])
 
     def state_dict(self) -> dict[str, Any]:
         return {"stage_every": self.stage_every, "recorder": self.recorder.state_dict() if self.recorder else None}

@@ -34,13 +34,15 @@ def test_oracle_step_is_the_first_converged_record_with_every_earlier_block_conv
         [0.99, 0.995, 0.999, 0.999, 0.999, 1.0],  # converged from record 2, but block 1 only from record 4
         [0.10, 0.200, 0.300, 0.400, 0.500, 1.0],  # head: never
     ]
-    assert oracle_freeze_steps(cka, steps, head=3) == [30, 40, 40, None]
+    assert oracle_freeze_steps(cka, steps, head=3, tau=0.99) == [30, 40, 40, None]
+    # the default tau (labels.DEFAULT_TAU = 0.998): block 0 from record 4, block 1 only at the last record
+    assert oracle_freeze_steps(cka, steps, head=3) == [40, 50, 50, None]
     # a block that never converges keeps every later block unfrozen
-    cka[1] = [0.90, 0.95, 0.96, 0.97, 0.98, 1.0]
-    assert oracle_freeze_steps(cka, steps, head=3) == [30, None, None, None]
+    cka[1] = [0.90, 0.95, 0.96, 0.97, 0.98, 0.985]
+    assert oracle_freeze_steps(cka, steps, head=3, tau=0.99) == [30, None, None, None]
     # a dip below tau at record 4 does not undo the freeze at record 3: the first freezable record counts
     cka[0] = [0.50, 0.995, 0.996, 0.997, 0.985, 1.0]
-    assert oracle_freeze_steps(cka, steps, head=3)[0] == 30
+    assert oracle_freeze_steps(cka, steps, head=3, tau=0.99)[0] == 30
     # NaN (a diverged record) is never freezable
     assert oracle_freeze_steps([[math.nan, 1.0, 1.0, 1.0]], [0, 1, 2, 3]) == [3]
     with pytest.raises(ValueError, match="one value per recorded step"):

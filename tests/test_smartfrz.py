@@ -140,7 +140,7 @@ def _biased_predictor(bias: float, hidden: int = 8) -> FreezePredictor:
 def test_predictor_file_roundtrip_and_errors(tmp_path):
     path = save_predictor(tmp_path / "p.safetensors", _biased_predictor(2.0), window=3, card={"note": "x"})
     model, meta = load_predictor(path)
-    assert meta["window"] == 3 and meta["card"] == {"note": "x"}
+    assert meta["window"] == 3 and meta["min_window"] == 3 and meta["card"] == {"note": "x"}
     with torch.no_grad():
         p = float(torch.sigmoid(model(torch.randn(1, 2, NUM_FEATURES)))[0])
     assert p == pytest.approx(1 / (1 + math.exp(-2)))
@@ -164,6 +164,14 @@ def test_predictor_file_roundtrip_and_errors(tmp_path):
     with pytest.raises(PredictorError, match="old.safetensors.*format_version"):
         load_predictor(old)
 
+    no_min = tmp_path / "no_min.safetensors"  # written before min_window existed: full windows only
+    save_file(tensors, str(no_min), metadata={k: v for k, v in meta_raw.items() if k != "min_window"})
+    assert load_predictor(no_min)[1]["min_window"] == 3
+    bad_min = tmp_path / "bad_min.safetensors"
+    save_file(tensors, str(bad_min), metadata={**meta_raw, "min_window": "4"})
+    with pytest.raises(PredictorError, match="bad_min.safetensors.*min_window 4"):
+        load_predictor(bad_min)
+
     no_hidden = tmp_path / "no_hidden.safetensors"
     save_file(tensors, str(no_hidden), metadata={k: v for k, v in meta_raw.items() if k != "hidden"})
     with pytest.raises(PredictorError, match="no_hidden.safetensors.*metadata"):
@@ -174,6 +182,22 @@ def test_predictor_file_roundtrip_and_errors(tmp_path):
     save_file(tensors, str(tampered), metadata=meta_raw)
     with pytest.raises(PredictorError, match="tampered.safetensors.*checksum"):
         load_predictor(tampered)
+
+
+def test_padded_window_gives_the_same_probability():
+    from layerfreeze.smartfrz.fit import pad_windows
+
+    torch.manual_seed(0)
+    model = FreezePredictor(hidden=8).eval()
+    short, full = torch.randn(4, NUM_FEATURES), torch.randn(9, NUM_FEATURES)
+    x, mask = pad_windows([short, full], history=10)
+    assert x.shape == (2, 9, NUM_FEATURES) and mask.sum(dim=1).tolist() == [4, 9] and bool(mask[0, -1])
+    with torch.no_grad():
+        batched = model(x, mask)
+        alone = torch.stack([model(short[None])[0], model(full[None])[0]])
+        unmasked = model(x)[0]
+    assert torch.allclose(batched, alone, atol=1e-6)
+    assert not torch.allclose(unmasked, alone[0], atol=1e-4)  # the mask matters: zeros would be attended
 
 
 # ---------------------------------------------------------------------------------------------------- online strategy
@@ -208,6 +232,28 @@ def test_strategy_with_constant_predictor(tmp_path, bias, expected):
     # snapshots at steps 0, 2, 4: the window of 3 is full at step 4, where every non-head block freezes at once
     assert _freeze_steps(freezer) == expected
     assert not freezer.frozen[-1]
+
+
+@pytest.mark.parametrize("min_window, expected", [(None, 8), (3, 4), (5, 8)])
+def test_strategy_decides_from_min_window_snapshots(tmp_path, min_window, expected):
+    path = save_predictor(tmp_path / "p.safetensors", _biased_predictor(10.0), window=5, min_window=min_window)
+    model = stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    strategy = SmartFRZ(predictor=str(path), snapshot_every=2)
+    freezer = Freezer(model, opt, strategy=strategy, total_steps=12)
+    lengths: list[int] = []
+    inner = strategy.model
+
+    def spy(feats: torch.Tensor) -> torch.Tensor:
+        lengths.append(feats.shape[1])
+        return inner(feats)
+
+    strategy.model = spy
+    _train(model, freezer, 12)
+    # snapshots after steps 0, 2, 4, 6, 8: a window of 5 is full at step 8; with min_window 3 the first decision
+    # is at step 4, on the 3 snapshots there are (2 deltas)
+    assert _freeze_steps(freezer) == {0: expected, 1: expected, 2: expected}
+    assert lengths[0] == (min_window or 5) - 1
 
 
 @pytest.mark.parametrize("prefix, expected", [(True, {0: 4, 1: 8, 2: 8}), (False, {0: 4, 2: 4, 1: 8})])
@@ -408,10 +454,10 @@ def test_pipeline_train_evaluate_and_reproducible(quick_runs, tmp_path):
 
     out = tmp_path / "predictor.safetensors"
     assert _cli(["predictor", "train", str(quick_runs), "--out", str(out), "--holdout", "cnn-digits",
-                 "--history", "6", "--epochs", "3"]) == 0
+                 "--history", "6", "--min-history", "4", "--epochs", "3"]) == 0
     model, meta = load_predictor(out)
     card = meta["card"]
-    assert meta["window"] == 6 and card["train_recipes"] == ["mlp-digits"] and card["heldout_recipes"] == [
+    assert meta["window"] == 6 and meta["min_window"] == 4 and card["train_recipes"] == ["mlp-digits"] and card["heldout_recipes"] == [
         "cnn-digits"]
     assert {r["recipe"] for r in card["heldout_runs"]} == {"cnn-digits"} and len(card["train_runs"]) == 2
     overall = card["heldout_metrics"]["overall"]
@@ -419,20 +465,22 @@ def test_pipeline_train_evaluate_and_reproducible(quick_runs, tmp_path):
         assert overall[key] is not None and math.isfinite(overall[key])
     assert "layerfreeze predictor train" in card["command"] and "--seed 0" in card["command"]
     text = (tmp_path / "PREDICTOR_CARD.md").read_text()
-    assert "## Held-out metrics" in text and "cnn-digits_s0_lr0.1" in text and "--history 6" in text
+    assert "## Held-out metrics" in text and "cnn-digits_s0_lr0.1" in text and "--history 6 --min-history 4" in text
     assert _cli(["predictor", "evaluate", str(quick_runs), "--predictor", str(out)]) == 0
 
     runs = [read_run(d, need_labels=True) for d in list_runs(quick_runs)]
     train = [r for r in runs if r.recipe == "mlp-digits"]
-    cfg = TrainConfig(seed=0, history=6, epochs=3)
+    cfg = TrainConfig(seed=0, history=6, min_history=4, epochs=3)
     m1, info1 = train_predictor(train, cfg)
     m2, info2 = train_predictor(train, cfg)
     assert info1 == info2
     assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
     assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), model.state_dict().values()))
     assert not torch.are_deterministic_algorithms_enabled()  # restored
-    held = evaluate(m1, [r for r in runs if r.recipe == "cnn-digits"], history=6)
+    held = evaluate(m1, [r for r in runs if r.recipe == "cnn-digits"], history=6, min_history=4)
     assert held["overall"]["windows"] == overall["windows"] and held["overall"]["blocks"] == 2 * 5
+    full_only = evaluate(m1, [r for r in runs if r.recipe == "cnn-digits"], history=6)
+    assert full_only["overall"]["windows"] < held["overall"]["windows"]  # short windows are evaluated too
 
     # the trained file drives the online strategy
     model = stack()
@@ -447,6 +495,8 @@ def test_pipeline_errors(tmp_path, quick_runs):
     assert _cli(["predictor", "collect", "--out", str(tmp_path), "--recipes", "nope", "--quick"]) == 2
     assert _cli(["predictor", "train", str(quick_runs), "--out", str(tmp_path / "p.safetensors"),
                  "--holdout", "mlp-digits,cnn-digits", "--history", "6"]) == 2
+    assert _cli(["predictor", "train", str(quick_runs), "--out", str(tmp_path / "p.safetensors"),
+                 "--history", "6", "--min-history", "7"]) == 2
     assert _cli(["predictor", "evaluate", str(quick_runs), "--predictor", str(tmp_path / "none.safetensors")]) == 2
 
 

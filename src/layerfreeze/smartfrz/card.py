@@ -42,13 +42,14 @@ def render_card(card: dict[str, Any]) -> str:
     lines = [f"# {card.get('name', 'SmartFRZ freeze predictor')}", ""]
     lines += [
         "A learned freezing policy for `layerfreeze`'s `smartfrz` strategy: given the last "
-        f"{card.get('window')} weight snapshots of a block (1,024 sampled weights, scale-free features, with the "
+        f"{card.get('min_window', card.get('window'))} to {card.get('window')} weight snapshots of a block (1,024 sampled weights, scale-free features, with the "
         "block's depth and the training progress), it gives the probability that the block can be frozen now. "
         "Trained offline on CKA labels (SmartFRZ, Li et al., ICLR 2023); all metrics below are on held-out recipes "
         "(network, dataset and training-mode combinations it was never trained on).",
         "",
         f"- layerfreeze {card.get('layerfreeze_version')}, torch {card.get('torch_version')}",
-        f"- window: {card.get('window')} snapshots; decision threshold: {card.get('threshold')}",
+        f"- window: {card.get('min_window', card.get('window'))}-{card.get('window')} snapshots (a decision needs at "
+        f"least {card.get('min_window', card.get('window'))}); decision threshold: {card.get('threshold')}",
         f"- training recipes: {', '.join(card.get('train_recipes', [])) or '-'}",
         f"- held-out recipes: {', '.join(card.get('heldout_recipes', [])) or '-'}",
         "",

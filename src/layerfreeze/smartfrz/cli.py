@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .collect import DEFAULT_HOLDOUT, RECIPES
-from .fit import DEFAULT_HISTORY, DEFAULT_THRESHOLD, TrainConfig
+from .fit import DEFAULT_HISTORY, DEFAULT_MIN_HISTORY, DEFAULT_THRESHOLD, TrainConfig
 from .labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_WINDOW
 from .predictor import PredictorError
 from .runs import PipelineError
@@ -73,6 +73,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"recipes never trained on (default {','.join(DEFAULT_HOLDOUT)}; '' for none)")
     t.add_argument("--history", type=int, default=DEFAULT_HISTORY,
                    help=f"weight snapshots in the predictor's window (default {DEFAULT_HISTORY})")
+    t.add_argument("--min-history", type=int, default=DEFAULT_MIN_HISTORY,
+                   help=f"fewest weight snapshots a decision is made on (default {DEFAULT_MIN_HISTORY})")
     t.add_argument("--epochs", type=int, default=TrainConfig.epochs)
     t.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="decision threshold for the metrics")
 
@@ -173,7 +175,7 @@ def _reproduce_command(runs: list[Any], runs_dir: str, args: argparse.Namespace)
     label = (f"layerfreeze predictor label {q(runs_dir)} --tau {lab['tau']} --delta {lab['delta']} "
              f"--window {lab['window']}")
     train = (f"layerfreeze predictor train {q(runs_dir)} --seed {args.seed} --history {args.history} "
-             f"--epochs {args.epochs} --threshold {args.threshold} --holdout {q(','.join(args.holdout))} "
+             f"--min-history {args.min_history} --epochs {args.epochs} --threshold {args.threshold} --holdout {q(','.join(args.holdout))} "
              f"--out {q(str(args.out))}")
     return f"{collect}\n{label}\n{train}"
 
@@ -206,7 +208,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     runs = [read_run(d, need_labels=True) for d in list_runs(args.runs_dir)]
     if not runs:
         raise PipelineError(f"no complete runs in {args.runs_dir}")
-    cfg = TrainConfig(seed=args.seed, history=args.history, epochs=args.epochs)
+    cfg = TrainConfig(seed=args.seed, history=args.history, min_history=args.min_history, epochs=args.epochs)
     command = _reproduce_command(runs, str(args.runs_dir), args)
     path, card = train_and_save(runs, args.out, args.holdout, cfg, args.threshold, command=command)
     info = card["training"]
@@ -249,7 +251,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
                 console.print(f"[yellow]note:[/] {r.name} is labelled with {got}; the predictor was trained on "
                               f"labels {trained_labels}")
                 break
-    metrics = evaluate(model, runs, meta["window"], threshold)
+    metrics = evaluate(model, runs, meta["window"], threshold, meta["min_window"])
     console.print(_metrics_table(f"{args.predictor or 'shipped predictor'} on {len(runs)} unseen runs "
                                  f"(threshold {threshold})", metrics))
     return 0

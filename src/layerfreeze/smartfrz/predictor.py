@@ -6,8 +6,14 @@ encoder (MLP F -> H -> H); the newest snapshot's encoding is the query, all snap
 values (scaled dot-product attention, one head); the query concatenated with the attended value goes through a
 classifier (MLP 2H -> H -> 1) giving the logit of "this block can be frozen now".
 
-Files are safetensors with metadata: format and feature versions, window, hidden size, and the SHA-256 of the
-tensor bytes, so a truncated, corrupt or other-version file is refused by name, never used.
+Windows may be shorter than the full ``window``: early in training a block has only a few snapshots, and a
+block that is done early (a fine-tuned network's embeddings, the first convolutions) should not wait for 30 of them.
+A predictor is trained on windows of ``min_window`` to ``window`` snapshots; in a batch, shorter windows are
+left-padded and masked out of the attention (``mask``), so a padded window gives the same ``p`` as the unpadded one.
+
+Files are safetensors with metadata: format and feature versions, window, min_window, hidden size, and the SHA-256
+of the tensor bytes, so a truncated, corrupt or other-version file is refused by name, never used. A file without
+``min_window`` (written before it existed) decides on full windows only.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ class FreezePredictor(nn.Module):
     Args:
         hidden: Encoder width H.
 
-    Forward: ``features`` ``(B, W - 1, F)`` -> logits ``(B,)``.
+    Forward: ``features`` ``(B, T, F)`` and optional ``mask`` ``(B, T)`` bool (True: a real snapshot; padding is
+    on the left, so the newest snapshot ``[:, -1]`` is always real) -> logits ``(B,)``.
     """
 
     def __init__(self, hidden: int = 32) -> None:
@@ -49,10 +56,13 @@ class FreezePredictor(nn.Module):
         self.value = nn.Linear(hidden, hidden, bias=False)
         self.classifier = nn.Sequential(nn.Linear(2 * hidden, hidden), nn.GELU(), nn.Linear(hidden, 1))
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         h = self.encoder(features)                              # (B, T, H)
         q = self.query(h[:, -1:])                               # (B, 1, H): newest snapshot
-        att = torch.softmax(q @ self.key(h).transpose(1, 2) / self.hidden ** 0.5, dim=-1)  # (B, 1, T)
+        scores = q @ self.key(h).transpose(1, 2) / self.hidden ** 0.5  # (B, 1, T)
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+        att = torch.softmax(scores, dim=-1)
         ctx = (att @ self.value(h))[:, 0]                       # (B, H)
         return self.classifier(torch.cat([h[:, -1], ctx], dim=-1))[:, 0]
 
@@ -65,14 +75,18 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def save_predictor(path: str | Path, model: FreezePredictor, window: int, card: dict[str, Any] | None = None) -> Path:
-    """Write ``model`` as safetensors with versioned, checksummed metadata (``card`` is stored as JSON)."""
+def save_predictor(path: str | Path, model: FreezePredictor, window: int, card: dict[str, Any] | None = None,
+                   min_window: int | None = None) -> Path:
+    """Write ``model`` as safetensors with versioned, checksummed metadata (``card`` is stored as JSON).
+
+    ``window``: the most snapshots it reads; ``min_window``: the fewest it decides on (default ``window``)."""
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     meta = {
         "format": FORMAT, "format_version": str(FORMAT_VERSION), "feature_version": str(FEATURE_VERSION),
-        "window": str(window), "hidden": str(model.hidden), "sha256": _digest(tensors),
+        "window": str(window), "min_window": str(window if min_window is None else min_window),
+        "hidden": str(model.hidden), "sha256": _digest(tensors),
         "card": json.dumps(card or {}),
     }
     path = Path(path)
@@ -85,7 +99,8 @@ def load_predictor(path: str | Path | None = None) -> tuple[FreezePredictor, dic
     """Load a predictor file (default: the one shipped in the package).
 
     Returns:
-        ``(model in eval mode, metadata)`` with ``metadata["window"]`` an int and ``metadata["card"]`` a dict.
+        ``(model in eval mode, metadata)`` with ``metadata["window"]`` and ``metadata["min_window"]`` ints
+        (``min_window`` = ``window`` for a file written without it) and ``metadata["card"]`` a dict.
 
     Raises:
         PredictorError: the file is missing, not a safetensors predictor, truncated/corrupt (checksum), or written
@@ -115,11 +130,13 @@ def load_predictor(path: str | Path | None = None) -> tuple[FreezePredictor, dic
         raise PredictorError(f"SmartFRZ predictor file {path} fails its checksum: it is corrupt")
     try:
         hidden, window = int(meta["hidden"]), int(meta["window"])
+        min_window = int(meta.get("min_window", window))
         card = json.loads(meta.get("card") or "{}")
     except (KeyError, ValueError) as exc:
         raise PredictorError(f"SmartFRZ predictor file {path} has bad metadata ({exc!r})") from None
-    if window < 3 or hidden < 1:
-        raise PredictorError(f"SmartFRZ predictor file {path} has window {window} (needs >= 3) / hidden {hidden}")
+    if window < 3 or hidden < 1 or not 3 <= min_window <= window:
+        raise PredictorError(f"SmartFRZ predictor file {path} has window {window}, min_window {min_window} (needs "
+                             f"3 <= min_window <= window) / hidden {hidden}")
     model = FreezePredictor(hidden=hidden)
     try:
         model.load_state_dict(tensors)
@@ -127,6 +144,6 @@ def load_predictor(path: str | Path | None = None) -> tuple[FreezePredictor, dic
         raise PredictorError(f"SmartFRZ predictor file {path} does not match the predictor architecture: {exc}")
     model.eval()
     out: dict[str, Any] = dict(meta)
-    out["window"] = window
+    out["window"], out["min_window"] = window, min_window
     out["card"] = card
     return model, out

@@ -118,9 +118,9 @@ class WeightRecorder:
         """``(sample_size,)`` bool: which positions of block ``index`` are real weights (not padding)."""
         return self.samples[index].mask
 
-    def ready(self, index: int) -> bool:
-        """True once block ``index`` has a full window of snapshots."""
-        return self.counts[index] >= self.window
+    def ready(self, index: int, min_count: int | None = None) -> bool:
+        """True once block ``index`` has ``min_count`` snapshots (default: a full window)."""
+        return self.counts[index] >= (self.window if min_count is None else min_count)
 
     def state_dict(self) -> dict[str, Any]:
         return {"buffers": self.buffers.clone(), "steps": self.steps.clone(), "counts": list(self.counts)}

@@ -22,7 +22,8 @@ class SmartFRZ(Strategy):
     """Freezes a block when the learned predictor says it has converged, front to back.
 
     Rule: every ``snapshot_every`` optimizer steps the weight sample of every active block is recorded (ring buffer
-    of the last ``window`` snapshots); at the same stage, once a block has a full window, the predictor gives
+    of the last ``window`` snapshots); at the same stage, once a block has the predictor's ``min_window`` snapshots
+    (its card; 8 for the shipped one, ~5% of a run), the predictor gives
     ``p`` = probability that it can be frozen now, from the window's features, the block's depth (index / (number
     of blocks - 1)) and the training progress of each snapshot (step / total steps; see
     :mod:`layerfreeze.smartfrz.features`). Blocks are visited front to back; a block is frozen when
@@ -69,7 +70,7 @@ class SmartFRZ(Strategy):
         self.snapshot_every, self.sample_size = snapshot_every, sample_size
         self.prefix, self.seed = prefix, seed
         self.model = None
-        self.window = 0
+        self.window = self.min_window = 0
         self.recorder = None
         self.stage_every = snapshot_every
 
@@ -78,7 +79,7 @@ class SmartFRZ(Strategy):
         from ..smartfrz.recorder import WeightRecorder
 
         self.model, meta = load_predictor(Path(self.predictor_path) if self.predictor_path else None)
-        self.window = meta["window"]
+        self.window, self.min_window = meta["window"], meta["min_window"]
         if self.threshold is None:
             self.threshold = float(meta["card"].get("threshold", 0.5))
         self.recorder = WeightRecorder(blocks, self.sample_size, self.window, self.seed)
@@ -100,7 +101,7 @@ class SmartFRZ(Strategy):
         for b in ctx.blocks:
             if b.frozen or b.is_head:
                 continue
-            if not self.recorder.ready(b.index):
+            if not self.recorder.ready(b.index, self.min_window):
                 if self.prefix:
                     break
                 continue

@@ -359,11 +359,19 @@ How the numbers are made:
   of the run; (k/n): frozen in k of n seeds.
 - Oracle: from a second, untimed `none` run of each seed (same seed: the same trajectory; the timed row is not
   instrumented), each block's output on 64 fixed training samples recorded ~33 times; a block
-  freezes at the first record where its linear CKA to its final output is >= 0.99 and stable within 0.01 over 3
+  freezes at the first record where its linear CKA to its final output is >= TAU and stable within DELTA over WINDOW
   records, with every earlier block frozen too (the SmartFRZ labelling rule). Its FLOPs sum per-prefix step FLOPs
   measured once. Gap to oracle: mean |freeze step - oracle step| over the non-head blocks as a fraction of the run
   (never frozen = the end), and the row's FLOPs ratio minus the oracle's.
 """
+
+
+def how_to_read() -> str:
+    """:data:`HOW_TO_READ` with the oracle's labelling thresholds (``layerfreeze.smartfrz.labels``) filled in."""
+    from layerfreeze.smartfrz.labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_WINDOW
+
+    text = HOW_TO_READ.strip().replace("WINDOW", str(DEFAULT_WINDOW))
+    return text.replace("TAU", str(DEFAULT_TAU)).replace("DELTA", str(DEFAULT_DELTA))
 
 
 def markdown_section(results: dict[str, Any]) -> str:
@@ -388,7 +396,7 @@ def markdown_section(results: dict[str, Any]) -> str:
         f"device {m['machine']['device']}",
         f"- Versions: {versions}; commit {commit}",
         "",
-        HOW_TO_READ.strip(),
+        how_to_read(),
     ]
     for t in results["tasks"].values():
         if not t.get("aggregate"):

@@ -42,8 +42,9 @@ def render_card(card: dict[str, Any]) -> str:
     lines = [f"# {card.get('name', 'SmartFRZ freeze predictor')}", ""]
     lines += [
         "A learned freezing policy for `layerfreeze`'s `smartfrz` strategy: given the last "
-        f"{card.get('min_window', card.get('window'))} to {card.get('window')} weight snapshots of a block (1,024 sampled weights, scale-free features, with the "
-        "block's depth and the training progress), it gives the probability that the block can be frozen now. "
+        f"{card.get('min_window', card.get('window'))} to {card.get('window')} weight snapshots of a block (1,024 "
+        "sampled weights, scale-free features, with the block's depth and the training progress), it gives the "
+        "probability that the block can be frozen now. "
         "Trained offline on CKA labels (SmartFRZ, Li et al., ICLR 2023); all metrics below are on held-out recipes "
         "(network, dataset and training-mode combinations it was never trained on).",
         "",

@@ -175,8 +175,8 @@ def _reproduce_command(runs: list[Any], runs_dir: str, args: argparse.Namespace)
     label = (f"layerfreeze predictor label {q(runs_dir)} --tau {lab['tau']} --delta {lab['delta']} "
              f"--window {lab['window']}")
     train = (f"layerfreeze predictor train {q(runs_dir)} --seed {args.seed} --history {args.history} "
-             f"--min-history {args.min_history} --epochs {args.epochs} --threshold {args.threshold} --holdout {q(','.join(args.holdout))} "
-             f"--out {q(str(args.out))}")
+             f"--min-history {args.min_history} --epochs {args.epochs} --threshold {args.threshold} "
+             f"--holdout {q(','.join(args.holdout))} --out {q(str(args.out))}")
     return f"{collect}\n{label}\n{train}"
 
 

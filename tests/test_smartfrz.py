@@ -180,8 +180,15 @@ def test_predictor_file_roundtrip_and_errors(tmp_path):
     tampered = tmp_path / "tampered.safetensors"
     tensors["classifier.2.bias"] = tensors["classifier.2.bias"] + 1
     save_file(tensors, str(tampered), metadata=meta_raw)
-    with pytest.raises(PredictorError, match="tampered.safetensors.*checksum"):
+    with pytest.raises(PredictorError, match="tampered.safetensors.*checksum.*predictor train"):
         load_predictor(tampered)
+
+    bad_card = save_predictor(tmp_path / "bad_card.safetensors", _biased_predictor(2.0), window=3,
+                              card={"threshold": 1.5})  # the strategy would never freeze: refused
+    with pytest.raises(PredictorError, match="bad_card.safetensors.*threshold 1.5"):
+        load_predictor(bad_card)
+    with pytest.raises(PredictorError, match="is a folder"):
+        load_predictor(tmp_path)
 
 
 def test_padded_window_gives_the_same_probability():
@@ -497,6 +504,15 @@ def test_pipeline_errors(tmp_path, quick_runs):
                  "--holdout", "mlp-digits,cnn-digits", "--history", "6"]) == 2
     assert _cli(["predictor", "train", str(quick_runs), "--out", str(tmp_path / "p.safetensors"),
                  "--history", "6", "--min-history", "7"]) == 2
+    assert _cli(["predictor", "train", str(quick_runs), "--out", str(tmp_path / "p.safetensors"),
+                 "--history", "6", "--min-history", "4", "--holdout", "cnn-digitz"]) == 2  # a typo, not "no hold-out"
+    assert not (tmp_path / "p.safetensors").exists()
+    for bad in (["train", str(quick_runs), "--threshold", "1.5"], ["train", str(quick_runs), "--history", "2"],
+                ["evaluate", str(quick_runs), "--threshold", "-3"], ["label", str(quick_runs), "--tau", "5"],
+                ["label", str(quick_runs), "--window", "0"], ["label", str(quick_runs), "--delta", "-1"]):
+        with pytest.raises(SystemExit) as exc:  # argparse usage errors, before anything runs
+            _cli(["predictor", *bad])
+        assert exc.value.code == 2
     assert _cli(["predictor", "evaluate", str(quick_runs), "--predictor", str(tmp_path / "none.safetensors")]) == 2
 
 
@@ -508,3 +524,7 @@ def test_missing_predictor_file_fails_at_config_time(tmp_path):
         SmartFRZ(predictor=str(missing))
     with pytest.raises(ConfigError, match="nope.safetensors"):
         build_config({"freeze": {"strategy": "smartfrz", "params": {"predictor": str(missing)}}})
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(b"not a predictor")
+    with pytest.raises(ConfigError, match="corrupt.safetensors is corrupt"):
+        build_config({"freeze": {"strategy": "smartfrz", "params": {"predictor": str(corrupt)}}})

@@ -40,6 +40,27 @@ def _csv(kind: type) -> Any:
     return parse
 
 
+def _number(kind: type, low: float, high: float | None = None, low_open: bool = False, high_open: bool = False
+            ) -> Any:
+    """argparse type: a ``kind`` in [low, high] (open ends where asked); a bad value is a usage error (exit 2)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        ok = (value > low if low_open else value >= low) and (
+            high is None or (value < high if high_open else value <= high))
+        if not ok:
+            end = "inf)" if high is None else f"{high:g}{')' if high_open else ']'}"
+            span = f"{'(' if low_open else '['}{low:g}, {end}"
+            raise argparse.ArgumentTypeError(f"must be in {span}, got {text}")
+        return value
+    return parse
+
+
+_PROBABILITY = _number(float, 0, 1, low_open=True, high_open=True)
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``predictor`` and its sub-commands to the main CLI's sub-parsers."""
     p = subparsers.add_parser(
@@ -59,29 +80,34 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     lab = sub.add_parser("label", help="CKA labels: when each block of each run became freezable")
     lab.add_argument("runs_dir", metavar="RUNS_DIR")
-    lab.add_argument("--tau", type=float, default=DEFAULT_TAU, help=f"CKA to the final state (default {DEFAULT_TAU})")
-    lab.add_argument("--delta", type=float, default=DEFAULT_DELTA,
+    lab.add_argument("--tau", type=_number(float, 0, 1, low_open=True), default=DEFAULT_TAU,
+                     help=f"CKA to the final state, in (0, 1] (default {DEFAULT_TAU})")
+    lab.add_argument("--delta", type=_number(float, 0), default=DEFAULT_DELTA,
                      help=f"max CKA change over the window (default {DEFAULT_DELTA})")
-    lab.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+    lab.add_argument("--window", type=_number(int, 1), default=DEFAULT_WINDOW,
                      help=f"activation snapshots in the stability window (default {DEFAULT_WINDOW})")
 
     t = sub.add_parser("train", help="fit the predictor on the non-held-out runs; evaluate on the held-out ones")
     t.add_argument("runs_dir", metavar="RUNS_DIR")
     t.add_argument("--out", default="predictor.safetensors", help="predictor file (PREDICTOR_CARD.md goes beside it)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="seed of initialisation and batches (default 0)")
     t.add_argument("--holdout", type=_csv(str), default=list(DEFAULT_HOLDOUT),
                    help=f"recipes never trained on (default {','.join(DEFAULT_HOLDOUT)}; '' for none)")
-    t.add_argument("--history", type=int, default=DEFAULT_HISTORY,
-                   help=f"weight snapshots in the predictor's window (default {DEFAULT_HISTORY})")
-    t.add_argument("--min-history", type=int, default=DEFAULT_MIN_HISTORY,
-                   help=f"fewest weight snapshots a decision is made on (default {DEFAULT_MIN_HISTORY})")
-    t.add_argument("--epochs", type=int, default=TrainConfig.epochs)
-    t.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="decision threshold for the metrics")
+    t.add_argument("--history", type=_number(int, 3), default=DEFAULT_HISTORY,
+                   help=f"weight snapshots in the predictor's window, >= 3 (default {DEFAULT_HISTORY})")
+    t.add_argument("--min-history", type=_number(int, 3), default=DEFAULT_MIN_HISTORY,
+                   help=f"fewest weight snapshots a decision is made on, 3..--history (default {DEFAULT_MIN_HISTORY})")
+    t.add_argument("--epochs", type=_number(int, 1), default=TrainConfig.epochs,
+                   help=f"training epochs (default {TrainConfig.epochs})")
+    t.add_argument("--threshold", type=_PROBABILITY, default=DEFAULT_THRESHOLD,
+                   help=f"decision threshold in (0, 1) for the held-out metrics; stored in the card, it is the "
+                   f"strategy's default threshold (default {DEFAULT_THRESHOLD})")
 
     e = sub.add_parser("evaluate", help="precision/recall/F1 and freeze-step error on runs the predictor never saw")
     e.add_argument("runs_dir", metavar="RUNS_DIR")
     e.add_argument("--predictor", help="predictor file (default: the one shipped with layerfreeze)")
-    e.add_argument("--threshold", type=float, help="decision threshold (default: the card's, else 0.5)")
+    e.add_argument("--threshold", type=_PROBABILITY, help="decision threshold in (0, 1) (default: the card's, "
+                   "else 0.5)")
     e.add_argument("--recipes", type=_csv(str), help="only these recipes (default: every recipe the predictor was "
                    "not trained on)")
     return p
@@ -208,6 +234,13 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     runs = [read_run(d, need_labels=True) for d in list_runs(args.runs_dir)]
     if not runs:
         raise PipelineError(f"no complete runs in {args.runs_dir}")
+    if args.min_history > args.history:
+        raise PipelineError(f"--min-history {args.min_history} is larger than --history {args.history}: a decision "
+                            "cannot need more snapshots than the window holds")
+    unknown = sorted(set(args.holdout) - {r.recipe for r in runs})
+    if unknown:
+        raise PipelineError(f"--holdout names recipes with no runs in {args.runs_dir}: {', '.join(unknown)} (its "
+                            f"recipes: {', '.join(sorted({r.recipe for r in runs}))})")
     cfg = TrainConfig(seed=args.seed, history=args.history, min_history=args.min_history, epochs=args.epochs)
     command = _reproduce_command(runs, str(args.runs_dir), args)
     path, card = train_and_save(runs, args.out, args.holdout, cfg, args.threshold, command=command)

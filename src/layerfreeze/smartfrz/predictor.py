@@ -33,6 +33,9 @@ FORMAT_VERSION = 1
 DEFAULT_PREDICTOR = Path(__file__).with_name("predictor.safetensors")
 
 
+_REMEDY = " Retrain it with `layerfreeze predictor train`, or leave the predictor unset to use the shipped one."
+
+
 class PredictorError(RuntimeError):
     """A predictor file is missing, corrupt, or from an incompatible version."""
 
@@ -111,15 +114,17 @@ def load_predictor(path: str | Path | None = None) -> tuple[FreezePredictor, dic
     path = Path(path) if path is not None else DEFAULT_PREDICTOR
     if not path.is_file():
         raise PredictorError(
-            f"SmartFRZ predictor file {path} does not exist. Train one with `layerfreeze predictor train` or "
-            "point freeze.params.predictor at an existing file."
+            f"SmartFRZ predictor file {path} " + ("is a folder, not a file" if path.is_dir() else "does not exist")
+            + ". Train one with `layerfreeze predictor train`, or point freeze.params.predictor (`predictor "
+            "evaluate --predictor`) at an existing file."
         )
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as exc:  # noqa: BLE001 - any parse failure means the file is unusable
-        raise PredictorError(f"SmartFRZ predictor file {path} is corrupt or not a safetensors file: {exc}") from None
+        raise PredictorError(f"SmartFRZ predictor file {path} is corrupt or not a safetensors file: {exc}.{_REMEDY}"
+                             ) from None
     if meta.get("format") != FORMAT:
         raise PredictorError(f"{path} is not a layerfreeze SmartFRZ predictor (format {meta.get('format')!r})")
     for key, want in (("format_version", FORMAT_VERSION), ("feature_version", FEATURE_VERSION)):
@@ -127,13 +132,17 @@ def load_predictor(path: str | Path | None = None) -> tuple[FreezePredictor, dic
             raise PredictorError(f"{path} was written with {key} {meta.get(key)!r}; this layerfreeze needs {want}. "
                                  "Retrain it with `layerfreeze predictor train`.")
     if _digest(tensors) != meta.get("sha256"):
-        raise PredictorError(f"SmartFRZ predictor file {path} fails its checksum: it is corrupt")
+        raise PredictorError(f"SmartFRZ predictor file {path} fails its checksum: it is corrupt.{_REMEDY}")
     try:
         hidden, window = int(meta["hidden"]), int(meta["window"])
         min_window = int(meta.get("min_window", window))
         card = json.loads(meta.get("card") or "{}")
     except (KeyError, ValueError) as exc:
         raise PredictorError(f"SmartFRZ predictor file {path} has bad metadata ({exc!r})") from None
+    threshold = card.get("threshold")
+    if threshold is not None and not (isinstance(threshold, (int, float)) and 0 < threshold < 1):
+        raise PredictorError(f"SmartFRZ predictor file {path} has decision threshold {threshold!r} in its card; it "
+                             f"must be in (0, 1).{_REMEDY}")
     if window < 3 or hidden < 1 or not 3 <= min_window <= window:
         raise PredictorError(f"SmartFRZ predictor file {path} has window {window}, min_window {min_window} (needs "
                              f"3 <= min_window <= window) / hidden {hidden}")

@@ -42,7 +42,8 @@ class SmartFRZ(Strategy):
         seed: Seed of the sampled positions.
 
     Raises:
-        ValueError: a parameter outside its range. PredictorError (at attach): missing/corrupt/other-version file.
+        ValueError: a parameter outside its range, or a ``predictor`` file that is missing, corrupt or of another
+            version (checked here, at config time). PredictorError (at attach): the same for the shipped file.
         RuntimeError (at the first stage): the run length is unknown (``Freezer(total_steps=...)`` not given).
 
     Signals: ``p_freeze`` (per block, NaN where no prediction), ``nonfinite`` (count of blocks skipped for NaN/Inf
@@ -62,9 +63,16 @@ class SmartFRZ(Strategy):
             raise ValueError(f"smartfrz: sample_size must be an integer >= 8, got {sample_size!r}")
         if not isinstance(prefix, bool):
             raise ValueError(f"smartfrz: prefix must be true or false, got {prefix!r}")
-        if predictor is not None and not Path(predictor).is_file():  # fail at config time, before anything runs
-            raise ValueError(f"smartfrz: predictor file {predictor} does not exist; train one with `layerfreeze "
-                             "predictor train` or leave predictor unset for the shipped one")
+        if predictor is not None:  # a missing/corrupt/other-version file fails at config time, before anything runs
+            from ..smartfrz.predictor import PredictorError, load_predictor
+
+            if not Path(predictor).is_file():
+                raise ValueError(f"smartfrz: predictor file {predictor} does not exist; train one with `layerfreeze "
+                                 "predictor train` or leave predictor unset for the shipped one")
+            try:
+                load_predictor(Path(predictor))
+            except PredictorError as exc:
+                raise ValueError(f"smartfrz: {exc}") from None
         self.predictor_path = predictor
         self.threshold = None if threshold is None else float(threshold)
         self.snapshot_every, self.sample_size = snapshot_every, sample_size

@@ -42,8 +42,8 @@ class SmartFRZ(Strategy):
         seed: Seed of the sampled positions.
 
     Raises:
-        ValueError: a parameter outside its range, or a ``predictor`` file that is missing, corrupt or of another
-            version (checked here, at config time). PredictorError (at attach): the same for the shipped file.
+        ValueError: a parameter outside its range, or a predictor file (given or shipped) that is missing, corrupt
+            or of another version (checked here, at config time).
         RuntimeError (at the first stage): the run length is unknown (``Freezer(total_steps=...)`` not given).
 
     Signals: ``p_freeze`` (per block, NaN where no prediction), ``nonfinite`` (count of blocks skipped for NaN/Inf
@@ -63,16 +63,12 @@ class SmartFRZ(Strategy):
             raise ValueError(f"smartfrz: sample_size must be an integer >= 8, got {sample_size!r}")
         if not isinstance(prefix, bool):
             raise ValueError(f"smartfrz: prefix must be true or false, got {prefix!r}")
-        if predictor is not None:  # a missing/corrupt/other-version file fails at config time, before anything runs
-            from ..smartfrz.predictor import PredictorError, load_predictor
+        from ..smartfrz.predictor import PredictorError, load_predictor
 
-            if not Path(predictor).is_file():
-                raise ValueError(f"smartfrz: predictor file {predictor} does not exist; train one with `layerfreeze "
-                                 "predictor train` or leave predictor unset for the shipped one")
-            try:
-                load_predictor(Path(predictor))
-            except PredictorError as exc:
-                raise ValueError(f"smartfrz: {exc}") from None
+        try:  # a missing/corrupt/other-version file fails here, at config time, before anything runs
+            self._loaded = load_predictor(Path(predictor) if predictor is not None else None)
+        except PredictorError as exc:
+            raise ValueError(f"smartfrz: {exc}") from None
         self.predictor_path = predictor
         self.threshold = None if threshold is None else float(threshold)
         self.snapshot_every, self.sample_size = snapshot_every, sample_size
@@ -83,10 +79,9 @@ class SmartFRZ(Strategy):
         self.stage_every = snapshot_every
 
     def attach(self, model: Any, blocks: list[Any]) -> None:
-        from ..smartfrz.predictor import load_predictor
         from ..smartfrz.recorder import WeightRecorder
 
-        self.model, meta = load_predictor(Path(self.predictor_path) if self.predictor_path else None)
+        self.model, meta = self._loaded
         self.window, self.min_window = meta["window"], meta["min_window"]
         if self.threshold is None:
             self.threshold = float(meta["card"].get("threshold", 0.5))

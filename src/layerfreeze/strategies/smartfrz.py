@@ -69,7 +69,6 @@ class SmartFRZ(Strategy):
             self._loaded = load_predictor(Path(predictor) if predictor is not None else None)
         except PredictorError as exc:
             raise ValueError(f"smartfrz: {exc}") from None
-        self.predictor_path = predictor
         self.threshold = None if threshold is None else float(threshold)
         self.snapshot_every, self.sample_size = snapshot_every, sample_size
         self.prefix, self.seed = prefix, seed

@@ -354,6 +354,12 @@ How the numbers are made:
 - Time is training time: forward, backward, optimizer step and the strategy's own work; data loading and evaluation
   excluded. FLOPs are measured training FLOPs (`FlopCounterMode` on real steps, re-measured when the frozen set
   changes). Peak memory is the process's peak RSS during the row (CPU) or CUDA's peak allocation.
+- Wall time on this 2-core VM drifts in phases of tens of seconds that no row causes: a loop copying 256 MiB
+  alternates between ~0.11 and ~0.16 s per 10 copies, and memory-bound MobileNetV2 steps follow it (the same
+  full-training step takes 0.27 s in one phase and 0.53 s in the next). Two rows that compute the same thing
+  (`none` and `linear`, which freezes only at the last step) measured 0.53x to 1.40x of each other over six runs,
+  so MobileNetV2's time ratios carry about +-40% noise per seed: read its speed from the FLOPs ratio. MiniLM-L6
+  (matmul-bound) is steady.
 - Ratios and Δ pts are taken against the same seed's `none` run, then averaged over seeds; [min, max] over seeds.
 - `frozen block@step`: the median step (over the seeds where it froze) at which each block was frozen for the rest
   of the run; (k/n): frozen in k of n seeds.

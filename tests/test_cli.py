@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from layerfreeze.cli import main
-from layerfreeze.config import ConfigError, load_config
+from layerfreeze.config import ConfigError, load_config, parse_override
 from layerfreeze.telemetry import read_metrics
 
 
@@ -46,6 +46,17 @@ def test_bad_config_key_names_the_key(tmp_path, capsys):
     assert cfg.task == "fashion-mnist" and cfg.train.lr == 1e-3 and cfg.freeze.params == {}
     with pytest.raises(ConfigError, match="text-csv' needs data.path"):
         load_config(None, [{"task": "text-csv"}])
+
+
+def test_cache_mode_on_off_unquoted_in_yaml_and_set(tmp_path):
+    # YAML 1.1 reads unquoted on/off as booleans; the README writes `freeze.cache: {mode: on}`
+    path = tmp_path / "run.yaml"
+    path.write_text("freeze:\n  cache: {mode: on}\n")
+    assert load_config(path).freeze.cache.mode == "on"
+    assert load_config(path, [parse_override("freeze.cache.mode=off")]).freeze.cache.mode == "off"
+    assert load_config(None, [parse_override("freeze.cache.mode=auto")]).freeze.cache.mode == "auto"
+    with pytest.raises(ConfigError, match="freeze.cache.mode"):
+        load_config(None, [parse_override("freeze.cache.mode=yes please")])
 
 
 @pytest.mark.assets

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .strategies import DEFAULT_STRATEGY, UnknownStrategyError, create_strategy
 
@@ -120,6 +120,12 @@ class CacheConfig(_Section):
     mode: Literal["off", "on", "auto"] = "off"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     budget_mb: float = Field(1024, ge=0)
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        """YAML 1.1 (PyYAML, so config files and ``--set``) reads an unquoted ``on``/``off`` as True/False."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 class FreezeConfig(_Section):

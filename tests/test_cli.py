@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from layerfreeze.cli import main
-from layerfreeze.config import ConfigError, load_config, parse_override
+from layerfreeze.config import ConfigError, build_config, load_config, parse_override
 from layerfreeze.telemetry import read_metrics
 
 
@@ -48,6 +48,16 @@ def test_bad_config_key_names_the_key(tmp_path, capsys):
         load_config(None, [{"task": "text-csv"}])
 
 
+def test_default_strategy_is_smartfrz_and_task_presets_follow_the_strategy():
+    default = build_config({})
+    assert default.freeze.strategy == "smartfrz" and default.freeze.params == {}
+    assert build_config({"freeze": {"strategy": "static"}}).freeze.params == {"k": 5}
+    image = build_config({"task": "fashion-mnist", "freeze": {"strategy": "static"}})
+    assert image.freeze.params == {"k": 10} and image.train.lr == 1e-3 and image.model.name_or_path == "mobilenet_v2"
+    assert build_config({"freeze": {"strategy": "static", "params": {"k": 2}}}).freeze.params == {"k": 2}
+    assert build_config({"task": "fashion-mnist", "freeze": {"strategy": "none"}}).freeze.params == {}
+
+
 def test_cache_mode_on_off_unquoted_in_yaml_and_set(tmp_path):
     # YAML 1.1 reads unquoted on/off as booleans; the README writes `freeze.cache: {mode: on}`
     path = tmp_path / "run.yaml"
@@ -70,7 +80,7 @@ def test_missing_asset_names_the_install_command(tmp_path, monkeypatch, capsys):
 def test_static_k_reaching_the_head_and_bad_block_pattern_fail_before_training(tmp_path, tiny_bert_dir, tiny_csv,
                                                                                 capsys):
     base = ["train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir), "--no-progress"]
-    assert main([*base, "-p", "k=5", "--run-dir", str(tmp_path / "a")]) == 2
+    assert main([*base, "-s", "static", "-p", "k=5", "--run-dir", str(tmp_path / "a")]) == 2
     assert "would freeze the head" in capsys.readouterr().err
     assert main([*base, "--set", "model.blocks=[nothing.here]", "--run-dir", str(tmp_path / "b")]) == 2
     assert "'nothing.here' matches no module" in capsys.readouterr().err
@@ -79,13 +89,17 @@ def test_static_k_reaching_the_head_and_bad_block_pattern_fail_before_training(t
 
 @pytest.mark.assets
 def test_bbc_news_minilm_short_real_run(tmp_path, capsys):
-    """Two real optimizer steps of MiniLM-L6 on BBC News with the default strategy, end to end."""
+    """Two real optimizer steps of MiniLM-L6 on BBC News with the default strategy (SmartFRZ), end to end: its
+    recorder snapshots every block, and with fewer than ``min_window`` snapshots nothing is frozen."""
     run = tmp_path / "bbc"
     assert main(["train", "--max-steps", "2", "--limit-test", "32", "--run-dir", str(run), "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "test accuracy" in out and "bert.encoder.layer.3" in out
+    assert "test accuracy" in out and "smartfrz" in out
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["frozen_blocks"] == ["bert.embeddings"] + [f"bert.encoder.layer.{i}" for i in range(4)]
+    assert json.loads((run / "config.json").read_text())["freeze"] == {
+        "strategy": "smartfrz", "params": {}, "train_bn": False, "guard": None,
+        "cache": {"mode": "off", "dtype": "float32", "budget_mb": 1024.0}}
+    assert summary["frozen_blocks"] == []
     assert summary["steps"] == 2 and summary["flops_per_step_first"] > 1e10
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
@@ -93,8 +107,8 @@ def test_bbc_news_minilm_short_real_run(tmp_path, capsys):
 @pytest.mark.assets
 def test_fashion_mnist_mobilenet_v2_short_real_run(tmp_path, capsys):
     run = tmp_path / "fm"
-    args = ["train", "--task", "fashion-mnist", "--epochs", "1", "--limit-train", "256", "--limit-test", "128",
-            "--run-dir", str(run), "--no-progress"]
+    args = ["train", "--task", "fashion-mnist", "--strategy", "static", "--epochs", "1", "--limit-train", "256",
+            "--limit-test", "128", "--run-dir", str(run), "--no-progress"]  # static: the task's preset k=10
     assert main(args) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["blocks"][-1] == "classifier" and len(summary["blocks"]) == 20
@@ -110,8 +124,8 @@ def _cli(*args, **kw):
 @pytest.mark.assets
 def test_ctrl_c_in_a_real_process_then_resume_equals_the_uninterrupted_run(tmp_path, tiny_bert_dir, tiny_csv):
     common = ["train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir),
-              "--epochs", "2", "--batch-size", "4", "--lr", "1e-3", "-p", "k=1", "--no-progress",
-              "--set", "model.max_length=32", "--set", "run.threads=1"]
+              "--epochs", "2", "--batch-size", "4", "--lr", "1e-3", "-s", "static", "-p", "k=1",
+              "--no-progress", "--set", "model.max_length=32", "--set", "run.threads=1"]
     ref = _cli(*common, "--run-dir", str(tmp_path / "ref"))
     cut_dir = tmp_path / "cut"
     cut = _cli(*common, "--run-dir", str(cut_dir))
@@ -146,7 +160,7 @@ def test_help_and_strategies_list(capsys):
     assert "--resume" in capsys.readouterr().out
     assert main(["strategies"]) == 0
     out = capsys.readouterr().out
-    assert "static  (default)" in out and "k=1" in out
+    assert "smartfrz  (default)" in out and "k=1" in out
 
 
 @pytest.mark.assets

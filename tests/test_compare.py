@@ -15,7 +15,7 @@ def test_compare_rows_share_budget_and_report_ratios(tmp_path, tiny_bert_dir, ti
     run = tmp_path / "cmp"
     args = ["compare", "--rows", "none,static,lora", "--task", "text-csv", "--data", str(tiny_csv),
             "--model", str(tiny_bert_dir), "--epochs", "1", "--batch-size", "8", "--lr", "1e-3",
-            "--set", "model.max_length=32", "--set", "freeze.params.k=2", "--run-dir", str(run), "--no-progress",
+            "--set", "model.max_length=32", "--row-param", "static.k=2", "--run-dir", str(run), "--no-progress",
             "--row-set", "lora.train.lr=2e-3"]
     assert main(args) == 0
     rows = {r["row"]: r for r in json.loads((run / "compare.json").read_text())}

@@ -179,20 +179,24 @@ class Config(_Section):
 
 #: What each task changes from the defaults above, unless the user sets it.
 TASK_PRESETS: dict[str, dict[str, Any]] = {
-    # MiniLM-L6 on BBC News: embeddings + the first 4 of 6 encoder layers frozen.
-    "bbc-news": {"freeze": {"params": {"k": 5}}},
-    "text-csv": {"freeze": {"params": {"k": 5}}},
-    # MobileNetV2 (ImageNet weights) on Fashion-MNIST at 32x32: stem + first 9 inverted-residual stages frozen.
     "fashion-mnist": {
         "model": {"name_or_path": "mobilenet_v2"},
         "train": {"lr": 1e-3, "epochs": 2, "batch_size": 128, "eval_batch_size": 256, "weight_decay": 1e-4},
-        "freeze": {"params": {"k": 10}},
     },
     "image-folder": {
         "model": {"name_or_path": "mobilenet_v2"},
         "train": {"lr": 1e-3, "batch_size": 64, "eval_batch_size": 128, "weight_decay": 1e-4},
-        "freeze": {"params": {"k": 10}},
     },
+}
+
+#: Per task, the parameters a strategy gets unless the user sets them: the ``k`` a practitioner would pick for
+#: ``static`` on the task's model (MiniLM-L6: embeddings + the first 4 of 6 encoder layers; MobileNetV2 at 32x32:
+#: stem + the first 9 inverted-residual stages).
+STRATEGY_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "bbc-news": {"static": {"k": 5}},
+    "text-csv": {"static": {"k": 5}},
+    "fashion-mnist": {"static": {"k": 10}},
+    "image-folder": {"static": {"k": 10}},
 }
 
 
@@ -273,8 +277,12 @@ def build_config(user: dict[str, Any] | None = None) -> Config:
     user = user or {}
     task = user.get("task", "bbc-news")
     preset = TASK_PRESETS.get(task, {}) if isinstance(task, str) else {}
-    if user.get("freeze", {}).get("strategy", DEFAULT_STRATEGY) != DEFAULT_STRATEGY:
-        preset = {k: v for k, v in preset.items() if k != "freeze"}  # preset params belong to the default strategy
+    freeze = user.get("freeze")
+    strategy = freeze.get("strategy", DEFAULT_STRATEGY) if isinstance(freeze, dict) else DEFAULT_STRATEGY
+    params = STRATEGY_PRESETS.get(task, {}).get(strategy) if isinstance(task, str) and isinstance(strategy, str) \
+        else None
+    if params:
+        preset = deep_merge(preset, {"freeze": {"params": params}})
     try:
         return Config.model_validate(deep_merge(preset, user))
     except ValidationError as exc:

@@ -25,8 +25,8 @@ STRATEGIES: dict[str, type[Strategy]] = {
                 AutoFreeze, Egeria, SmartFRZ)
 }
 
-#: The strategy used when none is named (the learned SmartFRZ policy will take this place when it lands).
-DEFAULT_STRATEGY = "static"
+#: The strategy used when none is named: the learned SmartFRZ policy (no per-network tuning; see BENCHMARKS.md).
+DEFAULT_STRATEGY = "smartfrz"
 
 
 class UnknownStrategyError(ValueError):

@@ -62,7 +62,11 @@ def create_strategy(name: str, **params: Any) -> Strategy:
     unknown = sorted(set(params) - set(allowed))
     if unknown:
         valid = ", ".join(f"{k}={v!r}" for k, v in allowed.items()) or "none"
-        raise UnknownStrategyError(f"Strategy {name!r} has no parameter(s) {', '.join(unknown)}; valid: {valid}.")
+        owners = sorted(o for o in STRATEGIES if o != name and set(unknown) <= set(strategy_parameters(o)))
+        what = "Those are parameters" if len(unknown) > 1 else "That is a parameter"
+        hint = f" {what} of {' and '.join(owners)}: name the strategy (--strategy {owners[0]})." if owners else ""
+        raise UnknownStrategyError(
+            f"Strategy {name!r} has no parameter(s) {', '.join(unknown)}; valid: {valid}.{hint}")
     return cls(**params)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", help="a results.json written by benchmarks/suite.py (with its oracle records)")
-    parser.add_argument("--task", required=True, help=f"one of {', '.join(suite.TASKS)}")
+    parser.add_argument("--task", required=True, choices=list(suite.TASKS))
     parser.add_argument("--seeds", help="comma-separated seeds (default: every seed in the results)")
     parser.add_argument("--taus", default="0.9,0.95,0.98,0.99,0.995,0.998",
                         help="CKA thresholds for the computed FLOPs table")
@@ -95,14 +96,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         results = json.loads(Path(args.results).read_text())
+    except (OSError, ValueError) as exc:
+        parser.error(f"{args.results}: cannot read it as JSON ({exc})")
+    try:
         task = results["tasks"][args.task]
         sizes = results["meta"]["sizes"][args.task]
-    except (OSError, ValueError, KeyError) as exc:
-        parser.error(f"{args.results}: no task {args.task!r} with oracle records from benchmarks/suite.py ({exc})")
+        for s in task["seeds"]:
+            s["oracle"]["cka"], s["oracle"]["freeze_steps"], s["seed"]  # noqa: B018 (checked, not used here)
+        task["title"], task["blocks"], task["head"], task["total_steps"]  # noqa: B018
+    except (KeyError, TypeError, IndexError) as exc:
+        parser.error(f"{args.results}: not a results.json of benchmarks/suite.py with task {args.task!r} and its "
+                     f"oracle records (missing {exc})")
     try:
         taus = [float(t) for t in args.taus.split(",")]
     except ValueError:
         parser.error(f"--taus must be comma-separated numbers, got {args.taus!r}")
+    if not all(0 < t <= 1 for t in taus):
+        parser.error(f"--taus are CKA thresholds in (0, 1], got {args.taus!r}")
     seeds = [s for s in task["seeds"] if args.seeds is None or str(s["seed"]) in args.seeds.split(",")]
     if not seeds:
         parser.error(f"--seeds {args.seeds}: the results hold seeds {[s['seed'] for s in task['seeds']]}")
@@ -129,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cache:
             base["freeze"] = {"cache": {"mode": "auto"}}
         steps = [s["oracle"]["freeze_steps"].get(b) for b in task["blocks"]]
-        none, oracle = compare(base, ["none", "oracle"], Path(args.out) / args.task / f"seed{s['seed']}",
+        run_dir = Path(args.out) / args.task / f"seed{s['seed']}"
+        shutil.rmtree(run_dir, ignore_errors=True)  # this script's own run folders from an earlier replay
+        none, oracle = compare(base, ["none", "oracle"], run_dir,
                                console=console, row_params={"oracle": {"steps": steps}})
         rows.add_row(str(s["seed"]), f"{100 * none['test_accuracy']:.2f}", f"{100 * oracle['test_accuracy']:.2f}",
                      f"{100 * oracle['accuracy_delta']:+.2f}", f"{oracle['time_ratio']:.3f}",

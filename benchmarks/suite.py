@@ -29,6 +29,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -531,6 +532,7 @@ def run_task(key: str, spec: TaskSpec, rows: list[str], seeds: list[int], out: P
     result.update({"title": spec.title, "spec": asdict(spec), "n_train": n_train, "n_test": n_test,
                    "total_steps": steps, "rows": task_rows, "row_params": row_params,
                    "row_overrides": row_overrides, "notes": notes, "seeds": []})
+    shutil.rmtree(out / key, ignore_errors=True)  # this task's run folders from an earlier suite run
     console.rule(f"[bold]{key}[/]: warm-up (3 steps, discarded)")
     warm_up(base_config(spec, seeds[0], threads), out / key / "warmup")
     for seed in seeds:

@@ -174,3 +174,31 @@ def test_csv_without_the_label_column_is_exit_2_naming_the_setting(tmp_path, tin
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "no column 'label'" in err and "data.label_column" in err
+
+
+def test_resume_refuses_finished_corrupt_and_restrategized_runs(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{not json")
+    assert main(["train", "--resume", str(run)]) == 2
+    assert "is not a saved layerfreeze config" in capsys.readouterr().err
+    (run / "config.json").write_text(json.dumps(load_config(None, [{"freeze": {"strategy": "static"}}])
+                                                .model_dump(mode="json")))
+    assert main(["train", "--resume", str(run), "-s", "none"]) == 2
+    assert "the run's strategy is 'static'; a resumed run keeps it" in capsys.readouterr().err
+    (run / "summary.json").write_text("{}")
+    assert main(["train", "--resume", str(run)]) == 2
+    assert "this run already finished" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "summary.json"]  # nothing written
+
+
+@pytest.mark.assets
+def test_too_small_or_one_class_data_is_a_config_error(tmp_path, tiny_bert_dir, capsys):
+    one, two = tmp_path / "one.csv", tmp_path / "two.csv"
+    one.write_text("text,label\n" + "".join(f"goal match {i},sport\n" for i in range(6)))
+    two.write_text("text,label\ngoal match,sport\nbank profit,money\n")
+    base = ["train", "--task", "text-csv", "--model", str(tiny_bert_dir), "--no-progress"]
+    assert main([*base, "--data", str(one), "--run-dir", str(tmp_path / "a")]) == 2
+    assert "has 1 class(es) (sport); a classifier needs at least 2" in capsys.readouterr().err
+    assert main([*base, "--data", str(two), "--run-dir", str(tmp_path / "b")]) == 2
+    assert "cannot split the data into train and test: class 0 has 1 sample(s)" in capsys.readouterr().err

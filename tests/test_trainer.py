@@ -198,3 +198,14 @@ def test_step_callbacks_run_before_the_first_step_and_after_every_step_without_c
     hooked = Trainer(config(tmp_path, "hooked", none), task=blob_task(), step_callbacks=[probe]).run()
     assert seen == list(range(0, 13))  # start, then after each of the 12 steps
     assert hooked["test_loss"] == plain["test_loss"] and hooked["test_accuracy"] == plain["test_accuracy"]
+
+
+def test_a_run_folder_holding_a_run_is_refused_unless_resumed(tmp_path):
+    Trainer(config(tmp_path, "r", max_steps=1), task=blob_task()).run()
+    before = (tmp_path / "r" / "summary.json").read_bytes()
+    with pytest.raises(ConfigError, match="already holds a run; continue it with `layerfreeze train --resume"):
+        Trainer(config(tmp_path, "r"), task=blob_task())
+    assert (tmp_path / "r" / "summary.json").read_bytes() == before  # nothing overwritten
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        Trainer(config(tmp_path, "file"), task=blob_task())

@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--task", help="bbc-news (default), fashion-mnist, text-csv, image-folder")
     train.add_argument("--model", help="local Hugging Face model folder, or mobilenet_v2 / resnet18")
     train.add_argument("--data", help="CSV file (text-csv) or image folder (image-folder)")
-    train.add_argument("--strategy", "-s", help=f"freezing strategy: {', '.join(sorted(STRATEGIES))}")
+    train.add_argument("--strategy", "-s",
+                       help=f"freezing strategy (default {DEFAULT_STRATEGY}): {', '.join(sorted(STRATEGIES))}")
     train.add_argument("--param", "-p", action="append", default=[], metavar="NAME=VALUE",
                        help="strategy parameter, e.g. -p k=5 (repeatable)")
     train.add_argument("--epochs", type=int)
@@ -153,11 +154,21 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         run_dir = Path(args.resume)
         if not (run_dir / CONFIG_FILE).is_file():
             raise ConfigError(f"--resume {run_dir}: not a layerfreeze run folder (no {CONFIG_FILE})")
-        saved = json.loads((run_dir / CONFIG_FILE).read_text())
-        saved["run"].update(dir=str(run_dir), resume=str(run_dir))
-        overrides = [saved, *overrides]
+        if (run_dir / "summary.json").is_file():
+            raise ConfigError(f"--resume {run_dir}: this run already finished (it has a summary.json); nothing to "
+                              "resume. Start a new run with another --run-dir")
+        try:
+            saved = json.loads((run_dir / CONFIG_FILE).read_text())
+            saved["run"].update(dir=str(run_dir), resume=str(run_dir))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"--resume {run_dir}: its {CONFIG_FILE} is not a saved layerfreeze config ({exc}); "
+                              "it cannot be resumed") from None
         if config_path:
             raise ConfigError("--resume takes the run's saved config; drop --config (use --set to change a key)")
+        if args.strategy is not None and args.strategy != saved.get("freeze", {}).get("strategy"):
+            raise ConfigError(f"--resume {run_dir}: the run's strategy is {saved['freeze'].get('strategy')!r}; a "
+                              "resumed run keeps it (drop --strategy, or start a new run)")
+        overrides = [saved, *overrides]
     config = load_config(config_path, overrides)
     trainer = Trainer(config)
     console.print(f"[bold]layerfreeze[/] {config.task} | strategy {config.freeze.strategy} "

@@ -81,12 +81,17 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
     Raises:
         ConfigError: a row's config is invalid (checked for every row before the first run starts).
     """
-    from .trainer import Trainer
+    from .trainer import Trainer, check_run_dir
 
     console = console or Console()
     run_dir = Path(run_dir)
     configs = [(row, _row_build(row, row_config(base, row, run_dir, row_params, row_overrides)))
                for row in rows]  # validate first
+    for row, _ in configs:
+        try:
+            check_run_dir(run_dir / row)
+        except ConfigError as exc:
+            raise ConfigError(f"row {row}: {exc}") from None
     results = []
     for row, config in configs:
         console.print(f"[bold]compare[/]: {row} ({len(results) + 1}/{len(configs)})")

@@ -153,8 +153,19 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
 
 
 def _split(dataset: Dataset, labels: list[int], cfg: Config) -> tuple[Dataset, Dataset]:
-    train_idx, test_idx = data.stratified_split(labels, cfg.data.test_fraction, cfg.data.split_seed)
+    try:
+        train_idx, test_idx = data.stratified_split(labels, cfg.data.test_fraction, cfg.data.split_seed)
+    except ValueError as exc:
+        raise ConfigError(f"cannot split the data into train and test: {exc}; add samples, or give a separate test "
+                          "set with --set data.test_path=...") from None
     return Subset(dataset, train_idx), Subset(dataset, test_idx)
+
+
+def _check_classes(classes: list[str], path: str | None) -> None:
+    """A classifier needs two classes; one means a wrong label column or folder (before a model is built for it)."""
+    if len(classes) < 2:
+        raise ConfigError(f"data.path {path} has {len(classes)} class(es) ({', '.join(map(str, classes))}); a "
+                          "classifier needs at least 2 (check the label column or the class sub-folders)")
 
 
 def _read_csv(path: str, cfg: Config) -> tuple[list[str], list[int], list[str]]:
@@ -179,6 +190,7 @@ def build_task(cfg: Config) -> Task:
             if not Path(cfg.data.path).is_file():
                 raise ConfigError(f"data.path {cfg.data.path} is not a CSV file")
             texts, labels, classes = _read_csv(cfg.data.path, cfg)
+            _check_classes(classes, cfg.data.path)
         model_path = cfg.model.name_or_path or str(assets.minilm_dir())
         model, tokenizer = load_text_model(model_path, num_labels=len(classes))
         full = data.TokenizedTextDataset(texts, labels, tokenizer, cfg.model.max_length)
@@ -199,6 +211,7 @@ def build_task(cfg: Config) -> Task:
                 raise ConfigError(f"data.path {cfg.data.path} is not a folder of class sub-folders")
             full = data.load_image_folder(cfg.data.path, size=cfg.data.image_size)
             classes = list(full.classes)
+            _check_classes(classes, cfg.data.path)
             if cfg.data.test_path:
                 train_set, test_set = full, data.load_image_folder(cfg.data.test_path, size=cfg.data.image_size)
             else:

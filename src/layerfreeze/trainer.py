@@ -138,6 +138,20 @@ def holdout(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Data
     return Subset(dataset, sorted(perm[n_val:])), Subset(dataset, sorted(perm[:n_val]))
 
 
+def check_run_dir(run_dir: Path, resuming: bool = False) -> None:
+    """Refuse a run folder that would mix two runs: one that already holds a run (its ``config.json``) when not
+    resuming it, or a path that is a file.
+
+    Raises:
+        ConfigError: with what to do instead.
+    """
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run dir {run_dir} is a file, not a folder; pick another --run-dir")
+    if not resuming and (run_dir / CONFIG_FILE).is_file():
+        raise ConfigError(f"run dir {run_dir} already holds a run; continue it with `layerfreeze train --resume "
+                          f"{run_dir}` or pick another --run-dir")
+
+
 class Trainer:
     """Runs one configured training with freezing.
 
@@ -164,6 +178,7 @@ class Trainer:
         self.step_callbacks = list(step_callbacks or [])
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(run_dir or config.run.dir or f"runs/{config.task}-{config.freeze.strategy}-{stamp}")
+        check_run_dir(self.run_dir, resuming=bool(config.run.resume))
 
     # ------------------------------------------------------------------------------------------------------
 

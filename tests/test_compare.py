@@ -37,6 +37,19 @@ def test_compare_rows_share_budget_and_report_ratios(tmp_path, tiny_bert_dir, ti
     assert "FLOPs ratio" in capsys.readouterr().out
 
 
+@pytest.mark.assets
+def test_compare_checks_every_rows_blocks_and_folder_before_the_first_row(tmp_path, tiny_bert_dir, tiny_csv, capsys):
+    base = ["compare", "--rows", "none,static", "--task", "text-csv", "--data", str(tiny_csv), "--model",
+            str(tiny_bert_dir), "--max-steps", "1", "--no-progress", "--no-report", "--run-dir", str(tmp_path / "c")]
+    assert main([*base, "--row-param", "static.k=99"]) == 2
+    assert "row static: freeze.params: static: k=99 would freeze the head" in capsys.readouterr().err
+    assert not (tmp_path / "c" / "none").exists()  # `none` did not train first
+    (tmp_path / "c" / "static").mkdir(parents=True)
+    (tmp_path / "c" / "static" / "config.json").write_text("{}")
+    assert main(base) == 2
+    assert "row static: run dir" in capsys.readouterr().err and not (tmp_path / "c" / "none").exists()
+
+
 def test_compare_rejects_unknown_rows_before_running(tmp_path, capsys):
     assert main(["compare", "--rows", "none,nope", "--run-dir", str(tmp_path / "x")]) == 2
     assert "Unknown row(s) nope" in capsys.readouterr().err

@@ -54,6 +54,31 @@ def _row_build(row: str, cfg: dict[str, Any]) -> Any:
         raise ConfigError(f"row {row}: {exc}") from None
 
 
+def _check_block_params(configs: list[tuple[str, Any]]) -> None:
+    """Check the strategy parameters that depend on the model's blocks (``static``'s k) for every row before the
+    first row trains: the model is built once per distinct task/model/data config to count its blocks.
+
+    Raises:
+        ConfigError: naming the row and what to change.
+    """
+    from .blocks import discover_blocks
+    from .strategies import create_strategy
+    from .tasks import build_task
+
+    counts: dict[str, int] = {}
+    for row, cfg in configs:
+        if row == "lora":
+            continue
+        key = json.dumps([cfg.task, cfg.model.model_dump(mode="json"), cfg.data.model_dump(mode="json")],
+                         sort_keys=True)
+        if key not in counts:
+            counts[key] = len(discover_blocks(build_task(cfg).model, cfg.model.blocks))
+        try:
+            create_strategy(cfg.freeze.strategy, **cfg.freeze.params).validate(counts[key])
+        except ValueError as exc:
+            raise ConfigError(f"row {row}: freeze.params: {exc}") from None
+
+
 def freeze_steps(summary: dict[str, Any]) -> dict[str, int]:
     """Block name -> the step it was (last) frozen at, for blocks frozen at the end of the run."""
     steps: dict[str, int] = {}
@@ -92,6 +117,7 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
             check_run_dir(run_dir / row)
         except ConfigError as exc:
             raise ConfigError(f"row {row}: {exc}") from None
+    _check_block_params(configs)
     results = []
     for row, config in configs:
         console.print(f"[bold]compare[/]: {row} ({len(results) + 1}/{len(configs)})")

@@ -203,7 +203,10 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     from .compare import compare
     from .config import deep_merge, read_config_file
 
-    rows = args.rows.split(",") if args.rows else [r for r in DEFAULT_ROWS if r in STRATEGIES or r == "lora"]
+    if args.rows is not None and not args.rows.strip(", "):
+        raise ConfigError("--rows is empty; name the rows, e.g. --rows none,static,smartfrz (omit it for all)")
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else \
+        [r for r in DEFAULT_ROWS if r in STRATEGIES or r == "lora"]
     unknown = [r for r in rows if r not in STRATEGIES and r != "lora"]
     if unknown:
         raise UnknownStrategyError(f"Unknown row(s) {', '.join(unknown)}; available: "

@@ -171,8 +171,13 @@ def _check_classes(classes: list[str], path: str | None) -> None:
 def _read_csv(path: str, cfg: Config) -> tuple[list[str], list[int], list[str]]:
     try:
         return data.load_text_csv(path, cfg.data.text_column, cfg.data.label_column)
-    except ValueError as exc:  # a missing column: say which setting names it
-        raise ConfigError(f"{exc}. Name the columns with --set data.text_column=... / data.label_column=...") from None
+    except ValueError as exc:  # a missing column: say which setting names it; undecodable text: the encoding
+        msg = str(exc) if str(exc).startswith(str(path)) else f"{path}: {exc}"
+        if "no column" in msg:
+            msg += ". Name the columns with --set data.text_column=... / data.label_column=..."
+        elif isinstance(exc, UnicodeDecodeError):
+            msg += ". Save the file as UTF-8"
+        raise ConfigError(f"data file {msg}") from None
 
 
 def build_task(cfg: Config) -> Task:

@@ -115,8 +115,9 @@ def load_predictor(path: str | Path | None = None) -> tuple[FreezePredictor, dic
     if not path.is_file():
         raise PredictorError(
             f"SmartFRZ predictor file {path} " + ("is a folder, not a file" if path.is_dir() else "does not exist")
-            + ". Train one with `layerfreeze predictor train`, or point freeze.params.predictor (`predictor "
-            "evaluate --predictor`) at an existing file."
+            + ". Point it at an existing predictor file (strategy parameter `predictor`, e.g. -p predictor=PATH; "
+            "`predictor evaluate --predictor PATH`), or omit it to use the one shipped with layerfreeze; train your "
+            "own with `layerfreeze predictor train`."
         )
     try:
         with safe_open(str(path), framework="pt") as f:

@@ -167,8 +167,11 @@ class Trainer:
             modes), the optimizer and the global RNG as they found them, so the run is the same with or without
             them. Example: recording each block's output on a probe batch every few steps (the benchmark oracle).
 
-    Raises (from :meth:`run`, before training starts):
-        ConfigError, AssetMissingError, BlockDiscoveryError: bad config, missing asset, undiscoverable blocks.
+    Raises:
+        ConfigError: at construction, when the run folder already holds a run and the config does not resume it,
+            or is a file (:func:`check_run_dir`).
+        ConfigError, AssetMissingError, BlockDiscoveryError: from :meth:`run`, before training starts: bad config,
+            missing asset, undiscoverable blocks.
     """
 
     def __init__(self, config: Config, task: Task | None = None, run_dir: str | Path | None = None,

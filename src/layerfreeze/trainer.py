@@ -37,7 +37,7 @@ from .config import Config, ConfigError
 from .engine import Freezer, block_param_groups
 from .guard import StabilityGuard
 from .split import split_for
-from .strategies import create_strategy
+from .strategies import Strategy, create_strategy
 from .tasks import Task, build_task
 
 CHECKPOINT_DIR = "checkpoint"
@@ -138,6 +138,21 @@ def holdout(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Data
     return Subset(dataset, sorted(perm[n_val:])), Subset(dataset, sorted(perm[:n_val]))
 
 
+def build_strategy(config: Config, num_blocks: int) -> Strategy:
+    """The config's strategy, its parameters checked against a model of ``num_blocks`` blocks (``static``'s k
+    must leave the head trainable, ...).
+
+    Raises:
+        ConfigError: a parameter does not fit the model (the message says what to change).
+    """
+    strategy = create_strategy(config.freeze.strategy, **config.freeze.params)
+    try:
+        strategy.validate(num_blocks)
+    except ValueError as exc:
+        raise ConfigError(f"freeze.params: {exc}") from None
+    return strategy
+
+
 def check_run_dir(run_dir: Path, resuming: bool = False) -> None:
     """Refuse a run folder that would mix two runs: one that already holds a run (its ``config.json``) when not
     resuming it, or a path that is a file.
@@ -196,11 +211,7 @@ class Trainer:
         seed_everything(cfg.train.seed)
         model = self.task.model.to(self.device)
         blocks = discover_blocks(model, cfg.model.blocks)
-        strategy = create_strategy(cfg.freeze.strategy, **cfg.freeze.params)
-        try:
-            strategy.validate(len(blocks))
-        except ValueError as exc:
-            raise ConfigError(f"freeze.params: {exc}") from None
+        strategy = build_strategy(cfg, len(blocks))
         groups = block_param_groups(model, blocks, cfg.train.lr, cfg.train.weight_decay, cfg.train.lr_decay,
                                     no_decay=no_weight_decay)
         for group in groups:  # weights frozen before training (LoRA's base model) never enter the optimizer

@@ -165,9 +165,10 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
                               "it cannot be resumed") from None
         if config_path:
             raise ConfigError("--resume takes the run's saved config; drop --config (use --set to change a key)")
-        if args.strategy is not None and args.strategy != saved.get("freeze", {}).get("strategy"):
-            raise ConfigError(f"--resume {run_dir}: the run's strategy is {saved['freeze'].get('strategy')!r}; a "
-                              "resumed run keeps it (drop --strategy, or start a new run)")
+        saved_strategy = (saved.get("freeze") or {}).get("strategy")
+        if args.strategy is not None and args.strategy != saved_strategy:
+            raise ConfigError(f"--resume {run_dir}: the run's strategy is {saved_strategy!r}; a resumed run keeps it "
+                              "(drop --strategy, or start a new run)")
         overrides = [saved, *overrides]
     config = load_config(config_path, overrides)
     trainer = Trainer(config)

@@ -58,8 +58,8 @@ class OracleSchedule(Strategy):
     def decide(self, ctx: StageContext) -> Decision:
         if len(self.steps) != len(ctx.blocks):
             raise ValueError(f"oracle: {len(self.steps)} freeze steps for {len(ctx.blocks)} blocks")
-        due = [b.index for b in ctx.blocks
-               if not b.frozen and not b.is_head and self.steps[b.index] is not None and ctx.step >= self.steps[b.index]]
+        due = [b.index for b in ctx.blocks if not b.frozen and not b.is_head
+               and self.steps[b.index] is not None and ctx.step >= self.steps[b.index]]
         return Decision(freeze=due, reason="oracle schedule" if due else "")
 
 

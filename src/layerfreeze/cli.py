@@ -154,9 +154,6 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         run_dir = Path(args.resume)
         if not (run_dir / CONFIG_FILE).is_file():
             raise ConfigError(f"--resume {run_dir}: not a layerfreeze run folder (no {CONFIG_FILE})")
-        if (run_dir / "summary.json").is_file():
-            raise ConfigError(f"--resume {run_dir}: this run already finished (it has a summary.json); nothing to "
-                              "resume. Start a new run with another --run-dir")
         try:
             saved = json.loads((run_dir / CONFIG_FILE).read_text())
             saved["run"].update(dir=str(run_dir), resume=str(run_dir))

@@ -42,6 +42,7 @@ from .tasks import Task, build_task
 
 CHECKPOINT_DIR = "checkpoint"
 CONFIG_FILE = "config.json"
+SUMMARY_FILE = "summary.json"
 
 
 def seed_everything(seed: int) -> None:
@@ -155,13 +156,16 @@ def build_strategy(config: Config, num_blocks: int) -> Strategy:
 
 def check_run_dir(run_dir: Path, resuming: bool = False) -> None:
     """Refuse a run folder that would mix two runs: one that already holds a run (its ``config.json``) when not
-    resuming it, or a path that is a file.
+    resuming it, a finished run (its ``summary.json``) when resuming it, or a path that is a file.
 
     Raises:
         ConfigError: with what to do instead.
     """
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run dir {run_dir} is a file, not a folder; pick another --run-dir")
+    if resuming and (run_dir / SUMMARY_FILE).is_file():
+        raise ConfigError(f"run dir {run_dir}: this run already finished (it has a summary.json); nothing to resume. "
+                          "Start a new run with another --run-dir")
     if not resuming and (run_dir / CONFIG_FILE).is_file():
         raise ConfigError(f"run dir {run_dir} already holds a run; continue it with `layerfreeze train --resume "
                           f"{run_dir}` or pick another --run-dir")
@@ -491,5 +495,5 @@ class Trainer:
             "eval_history": p["history_eval"],
             "run_dir": str(self.run_dir),
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
         return summary

@@ -7,6 +7,7 @@ weight after every step, its frozen set and its freeze history (``tests/distribu
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -136,3 +137,44 @@ def test_a_killed_rank_stops_the_other_with_its_name_and_the_last_checkpoint_res
     s["config"]["run"]["resume"] = str(tmp_path / "run")
     resumed = assert_ranks_agree(launch(s, tmp_path / "resumed"))
     assert resumed["steps"][0]["step"] == 6 and resumed["summary"]["steps"] == 18
+
+
+def test_the_readme_own_loop_example_runs_on_two_ranks(tmp_path):
+    # the example as a user runs it (DistributedSampler, FreezeDDP); autofreeze every 8 steps freezes mid-run
+    ranks = launch({}, tmp_path, module="examples.ddp_own_loop",
+                   args=["--strategy", "autofreeze", "-p", "interval=8", "--save", str(tmp_path)])
+    assert ranks.returncodes == [0, 0], "\n".join(o[-2000:] for o in ranks.outputs)
+    assert "freeze block 0" in ranks.outputs[0], ranks.outputs[0]
+    a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    counts = ranks.outputs[0].split("per step: first ")[1].split(" DDP")[0]
+    first, last = (int(part.replace("last ", "").replace(",", "")) for part in counts.split(";")[0].split(", "))
+    assert last < first
+
+
+def test_torchrun_runs_the_cli_with_the_default_strategy_and_the_cache(tmp_path, tiny_bert_dir, tiny_csv):
+    # the user's command: torchrun ... -m layerfreeze train (standalone rendezvous on a free local port)
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "layerfreeze", "train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir),
+           "--epochs", "2", "--batch-size", "8", "--no-progress", "--no-report", "--run-dir", str(run_dir),
+           "--set", "freeze.cache.mode=auto", "--set", "run.dist_timeout_s=60", "--set", "model.max_length=32"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("layerfreeze run") == 1  # the summary table, from rank 0 only
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["strategy"] == "smartfrz" and summary["steps"] == 10
+    records = read_metrics(run_dir)
+    steps = [r for r in records if r["type"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 11))
+    freezes = [r for r in records if r.get("kind") == "freeze"]
+    assert freezes and all(r["step"] > 0 for r in freezes)  # smartfrz froze mid-run (rank 0 decided)
+    rebuilds = [r for r in records if r.get("kind") == "ddp_rebuild"]
+    assert len(rebuilds) == 1 + len({r["step"] for r in freezes})
+    assert rebuilds[-1]["trainable_parameters"] < rebuilds[0]["trainable_parameters"]
+    last_epoch = [r for r in records if r["type"] == "epoch"][-1]
+    assert last_epoch["cache_prefix_samples"] > 0  # the frozen prefix ran outside autograd, into rank 0's cache

@@ -85,17 +85,42 @@ def test_thaws_mid_run_keep_ranks_identical_and_follow_the_single_process_run(tm
     assert not (tmp_path / "ranks" / "store").exists() or True  # the store file may stay; nothing reads it
 
 
-@pytest.mark.parametrize("strategy,params", [("autofreeze", {"interval": 2}), ("smartfrz", {})])
-def test_signal_strategies_freeze_the_same_blocks_at_the_same_step_on_every_rank(tmp_path, strategy, params):
-    # autofreeze reads gradient norms, smartfrz its weight history: rank 0 decides and broadcasts
+@pytest.mark.parametrize("strategy,params,guard", [
+    ("autofreeze", {"interval": 2}, True),   # gradient norms, and the stability guard's validation loss
+    ("smartfrz", {}, False),                 # its weight history and attention predictor
+    ("egeria", {"interval": 2, "patience": 1, "probe_size": 8}, False),  # a background thread: lands at any step
+    ("freezeout", {}, False),                # per-block LR factors every step, then freezes
+])
+def test_every_strategy_freezes_the_same_blocks_at_the_same_step_on_every_rank(tmp_path, strategy, params, guard):
+    # rank 0 decides and broadcasts: whatever the strategy reads, the frozen sets and the weights stay identical
     s = spec(tmp_path, "ddp", strategy, params, epochs=4)
+    if guard:
+        s["config"]["freeze"]["guard"] = {"tolerance": 0.01, "every_steps": 4}
     a = assert_ranks_agree(launch(s, tmp_path / "ranks"))
     frozen_at_end = a["steps"][-1]["frozen"]
-    if strategy == "autofreeze":
-        assert any(frozen_at_end), "autofreeze froze nothing: the test would not exercise a mid-run freeze"
+    if strategy in ("autofreeze", "freezeout", "egeria"):
+        assert any(frozen_at_end), f"{strategy} froze nothing: the test would not exercise a mid-run freeze"
         assert all(h["step"] > 0 for h in a["history"])
     changes = sum(1 for x, y in zip(a["steps"], a["steps"][1:]) if x["frozen"] != y["frozen"])
     assert a["summary"]["ddp_rebuilds"] == 1 + changes
+    if guard:
+        vals = [r for r in read_metrics(tmp_path / "ddp") if "val_loss" in r]
+        assert len(vals) >= 4  # the guard evaluated (sharded, all-reduced) at every_steps and each epoch end
+
+
+def test_the_prefix_cache_on_each_rank_hits_every_sample_after_epoch_one_and_keeps_the_trajectory(tmp_path):
+    # static k=2: blocks 0-1 frozen from the start; with the cache each sample stays on one rank (index % 2), so
+    # every rank finds all of its samples in its own cache from epoch 2 on
+    off = assert_ranks_agree(launch(spec(tmp_path, "off", "static", {"k": 2}), tmp_path / "off-ranks"))
+    on_spec = spec(tmp_path, "on", "static", {"k": 2})
+    on_spec["config"]["freeze"]["cache"] = {"mode": "on"}
+    on = assert_ranks_agree(launch(on_spec, tmp_path / "on-ranks"))
+    epochs = [r for r in read_metrics(tmp_path / "on") if r["type"] == "epoch"]
+    assert [e["cache_hits"] for e in epochs] == [0, 45, 90]  # rank 0 holds its 45 of 90 samples, read back
+    assert epochs[-1]["cache_full_forwards"] == 0
+    # another assignment of samples to ranks than without the cache: the same run up to float rounding
+    for key, value in off["weights"].items():
+        torch.testing.assert_close(torch.tensor(on["weights"][key]), torch.tensor(value), rtol=1e-5, atol=1e-6)
 
 
 def test_resume_on_two_ranks_equals_the_uninterrupted_two_rank_run(tmp_path):

@@ -376,22 +376,22 @@ class Trainer:
                 batches = epoch_batches(len(self.train_set), cfg.train.batch_size, cfg.train.seed, epoch)
                 done_in_epoch = skip if epoch == start_epoch else 0
                 global_sizes = [len(b) for b in batches[done_in_epoch:]]
+                local_batches, local_counts = self._local_batches(batches[done_in_epoch:])
                 # An iterator over a DataLoader draws a base seed from its generator; without one it would draw
                 # from the global RNG, and a resumed run (one more iterator) would get other dropout masks.
-                loader = DataLoader(self.train_set, batch_sampler=self._local_batches(batches[done_in_epoch:]),
-                                    generator=torch.Generator())
+                loader = DataLoader(self.train_set, batch_sampler=local_batches, generator=torch.Generator())
                 epoch_time, epoch_loss, epoch_n = 0.0, 0.0, 0
                 self.model.train()
                 bar = tqdm(loader, total=len(batches), initial=done_in_epoch,
                            disable=not (cfg.run.progress and self.is_main),
                            desc=f"epoch {epoch + 1}/{cfg.train.epochs}", unit="step", leave=False)
-                for batch, n in zip(bar, global_sizes):
+                for batch, n, local in zip(bar, global_sizes, local_counts):
                     # with the cache, whether the prefix runs depends on the epoch (cold, then warm): measure per epoch
                     key = (tuple(self.freezer.frozen), epoch if self.runner is not None else None)
                     remeasure = key != measured_for
                     t0 = time.perf_counter()
                     if remeasure:
-                        loss, flops = tm.measure_flops(lambda: self._train_step(batch, n))
+                        loss, flops = tm.measure_flops(lambda: self._train_step(batch, n, local))
                         self.progress["flops_per_step"] = flops
                         if self.progress["flops_first"] is None:
                             self.progress["flops_first"] = flops
@@ -399,7 +399,7 @@ class Trainer:
                         self.telemetry.log_event("flops_remeasured", self.progress["step"] + 1, flops_per_step=flops,
                                                  frozen_blocks=self.freezer.frozen_blocks)
                     else:
-                        loss = self._train_step(batch, n)
+                        loss = self._train_step(batch, n, local)
                     decision = self.freezer.step()  # timed: a strategy's own cost counts against it
                     step_time = time.perf_counter() - t0
                     comm = {}
@@ -481,24 +481,32 @@ class Trainer:
         previous = signal.signal(signal.SIGINT, handler)
         return lambda: signal.signal(signal.SIGINT, previous)
 
-    def _local_batches(self, batches: list[list[int]]) -> list[list[int]]:
-        """This rank's share of each global batch (all of it in one process).
+    def _local_batches(self, batches: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        """This rank's share of each global batch and how many of its samples count (all of it in one process).
 
-        A rank whose share would be empty (a last batch smaller than the world) gets the batch's first sample with
-        zero loss weight: every rank must run the step, and the weight keeps the gradient exact.
+        Without the cache a rank takes every world-th position of the batch (DistributedSampler's interleaving).
+        With the cache a sample always goes to the same rank (``index % world``): each rank caches the prefix output
+        of its own samples, so from the second epoch on every sample is a hit (interleaving would move a sample to
+        another rank's cache about half the time on 2 ranks); the shares then vary a little from step to step,
+        which the loss weighting keeps exact. A rank whose share would be empty gets the batch's first sample with
+        zero loss weight: every rank must run the step.
         """
         if not self.distributed:
-            return batches
-        return [dist_.shard(b) or b[:1] for b in batches]
+            return batches, [len(b) for b in batches]
+        if self.runner is not None:
+            shares = [[i for i in b if i % self.world == self.rank] for b in batches]
+        else:
+            shares = [dist_.shard(b) for b in batches]
+        return [s or b[:1] for s, b in zip(shares, batches)], [len(s) for s in shares]
 
-    def _train_step(self, batch: dict[str, torch.Tensor], global_count: int) -> float:
+    def _train_step(self, batch: dict[str, torch.Tensor], global_count: int, local_count: int) -> float:
         """One optimizer step; returns this rank's loss: the batch mean in one process, the *sum* over this
-        rank's samples when distributed (the caller all-reduces it into the global mean)."""
+        rank's ``local_count`` counted samples when distributed (the caller all-reduces it into the global mean)."""
         batch = _to(batch, self.device)
         if self.ddp is not None:
             logits = self.ddp(batch)
             losses = nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
-            local = len(dist_.shard(range(global_count)))  # 0 for a padded rank (see _local_batches)
+            local = local_count  # 0 for a padded rank (see _local_batches)
             losses = losses[:local]
             loss_sum = losses.sum()
             (loss_sum * dist_.loss_scale(local, global_count)).backward()

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,7 @@ from . import distributed as dist_
 from . import telemetry as tm
 from .blocks import discover_blocks
 from .cache import ActivationCache, CachedPrefix, check_deterministic
-from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import CheckpointStore, load_checkpoint, rng_state, set_rng_state
 from .config import Config, ConfigError
 from .engine import Freezer, block_param_groups
 from .guard import StabilityGuard
@@ -263,6 +265,7 @@ class Trainer:
             total_steps=self.total_steps, steps_per_epoch=self.batches_per_epoch, guard=self.guard,
         )
         self.model = model
+        self.store = CheckpointStore(self.run_dir, cfg.run.keep_checkpoints)
         self.runner = self._make_cache_runner(blocks)
         self.ddp = None
         if self.distributed:
@@ -304,28 +307,67 @@ class Trainer:
         self.progress.setdefault("ddp_rebuild_s", []).append(record["seconds"])
         self.telemetry.log_event("ddp_rebuild", record["step"], **{k: v for k, v in record.items() if k != "step"})
 
+    def _checkpoint_due(self) -> bool:
+        """A periodic checkpoint is due after this step: every ``run.checkpoint_every_steps`` steps, or when
+        ``run.checkpoint_every_minutes`` have passed since the last one (distributed: rank 0's clock decides)."""
+        run = self.config.run
+        if not run.checkpoint:
+            return False
+        every = run.checkpoint_every_steps
+        if every and (self.progress["step"] + 1) % every == 0:
+            return True
+        minutes = run.checkpoint_every_minutes
+        return bool(minutes) and time.monotonic() - self._last_checkpoint_time >= 60 * minutes
+
     def _checkpoint(self, epoch: int, batch_in_epoch: int, reason: str) -> Path | None:
-        """Write the checkpoint (rank 0; collective when distributed: every rank's RNG state goes into it)."""
+        """Write a checkpoint into the run's store (rank 0; collective when distributed: every rank's RNG state
+        goes into it). Its time is reported (``checkpoint_s`` in the event, ``checkpoint_time_s`` in the summary)."""
         if not self.config.run.checkpoint:
             return None
+        t0 = time.perf_counter()
         extra = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "progress": dict(self.progress),
                  "config": self.config.model_dump(mode="json"), "world_size": self.world}
         if self.distributed:
             extra["rng_ranks"] = dist_.all_gather_object(rng_state())
-        path = self.run_dir / CHECKPOINT_DIR
+        path = None
         if self.is_main:
-            save_checkpoint(path, self.model, self.optimizer, self.freezer, self.scheduler, extra=extra)
-            self.telemetry.log_event("checkpoint", self.progress["step"], epoch=epoch, batch_in_epoch=batch_in_epoch,
-                                     reason=reason, path=str(path))
+            path = self.store.save(self.progress["step"], self.model, self.optimizer, self.freezer, self.scheduler,
+                                   extra=extra)
         if self.distributed:
             torch.distributed.barrier()  # nobody goes on (or exits) before the checkpoint is complete
+        seconds = time.perf_counter() - t0
+        self.progress["checkpoints"] = self.progress.get("checkpoints", 0) + 1
+        self.progress["checkpoint_time_s"] = self.progress.get("checkpoint_time_s", 0.0) + seconds
+        self._last_checkpoint_time = time.monotonic()
+        self.telemetry.log_event("checkpoint", self.progress["step"], epoch=epoch, batch_in_epoch=batch_in_epoch,
+                                 reason=reason, path=str(path), checkpoint_s=seconds)
         return path
 
     def _resume(self, path: Path) -> tuple[int, int]:
-        ckpt = path / CHECKPOINT_DIR if (path / CHECKPOINT_DIR).is_dir() else path
-        if not (ckpt / "state.pt").is_file():
-            raise ConfigError(f"run.resume: no checkpoint found at {path} (expected {ckpt}/state.pt)")
-        extra = load_checkpoint(ckpt, self.model, self.optimizer, self.freezer, self.scheduler)
+        """Load the newest complete checkpoint of run folder ``path`` (or the checkpoint folder ``path``); a run
+        stopped before its first checkpoint starts again from the beginning, with a message.
+
+        Returns:
+            ``(epoch, batch_in_epoch)`` to continue from.
+        """
+        try:
+            if (path / "state.pt").is_file() and not (path / CHECKPOINT_DIR).exists():
+                ckpt, extra = path, load_checkpoint(path, self.model, self.optimizer, self.freezer, self.scheduler)
+            else:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    ckpt, extra = CheckpointStore(path, self.config.run.keep_checkpoints).load_latest(
+                        self.model, self.optimizer, self.freezer, self.scheduler)
+                for w in caught:
+                    if self.is_main:
+                        tqdm.write(f"resume: {w.message}")
+                    self.telemetry.log_event("checkpoint_skipped", 0, reason=str(w.message))
+        except FileNotFoundError:
+            if self.is_main:
+                tqdm.write(f"resume: {path} has no checkpoint yet (the run stopped before its first one): "
+                           "starting it again from the beginning")
+            self.telemetry.log_event("resumed", 0, epoch=0, path=None, from_start=True)
+            return 0, 0
         rngs = extra.get("rng_ranks")
         if self.distributed and rngs is not None and len(rngs) == self.world:
             set_rng_state(rngs[self.rank])  # each rank continues its own dropout stream
@@ -356,7 +398,7 @@ class Trainer:
         start_epoch, skip = 0, 0
         if cfg.run.resume:
             start_epoch, skip = self._resume(Path(cfg.run.resume))
-        else:
+        if not cfg.run.resume or self.progress["step"] == 0:
             for record in self.freezer.history:  # blocks frozen at the start stage
                 self._on_freeze_event(record)
         self.freezer.on_event = self._on_freeze_event
@@ -368,19 +410,27 @@ class Trainer:
         wall_start = time.perf_counter()
         measured_for: tuple[Any, ...] | None = None
         epoch, done_in_epoch = start_epoch, skip
+        self._last_checkpoint_time = time.monotonic()
         restore_sigint = self._install_sigint()
         try:
             for epoch in range(start_epoch, cfg.train.epochs):
-                if self.progress["step"] >= self.total_steps:
+                # a checkpoint taken after an epoch's last step but before its end (evaluation, epoch-end stage)
+                # resumes into that epoch's end
+                finishing = epoch == start_epoch and skip > 0
+                if self.progress["step"] >= self.total_steps and not finishing:
                     break
                 batches = epoch_batches(len(self.train_set), cfg.train.batch_size, cfg.train.seed, epoch)
                 done_in_epoch = skip if epoch == start_epoch else 0
-                global_sizes = [len(b) for b in batches[done_in_epoch:]]
-                local_batches, local_counts = self._local_batches(batches[done_in_epoch:])
+                todo = batches[done_in_epoch:][: max(0, self.total_steps - self.progress["step"])]
+                global_sizes = [len(b) for b in todo]
+                local_batches, local_counts = self._local_batches(todo)
                 # An iterator over a DataLoader draws a base seed from its generator; without one it would draw
                 # from the global RNG, and a resumed run (one more iterator) would get other dropout masks.
                 loader = DataLoader(self.train_set, batch_sampler=local_batches, generator=torch.Generator())
                 epoch_time, epoch_loss, epoch_n = 0.0, 0.0, 0
+                partial = self.progress.get("epoch_partial")
+                if finishing and partial and partial["epoch"] == epoch:  # the epoch's sums up to the checkpoint
+                    epoch_time, epoch_loss, epoch_n = partial["time"], partial["loss"], partial["n"]
                 self.model.train()
                 bar = tqdm(loader, total=len(batches), initial=done_in_epoch,
                            disable=not (cfg.run.progress and self.is_main),
@@ -403,10 +453,13 @@ class Trainer:
                     decision = self.freezer.step()  # timed: a strategy's own cost counts against it
                     step_time = time.perf_counter() - t0
                     comm = {}
-                    if self.distributed:  # global loss; every rank stops at the same step after a Ctrl-C
-                        loss, stops = dist_.all_reduce_sum([loss, float(self._stop_requested)])
+                    due = self._checkpoint_due()
+                    if self.distributed:  # global loss; every rank stops (or checkpoints) at the same step
+                        loss, stops, due = dist_.all_reduce_sum(
+                            [loss, float(self._stop_requested), float(due and self.is_main)])
                         loss /= n
                         self._stop_agreed = stops > 0
+                        due = due > 0
                         comm = {"grad_bytes_allreduced": self.ddp.bytes_per_step(), "world_size": self.world}
                     done_in_epoch += 1
                     self.progress["step"] += 1
@@ -434,8 +487,10 @@ class Trainer:
                     # distributed: only a stop every rank has agreed on (all-reduced above) ends the loop here
                     if self._stop_agreed if self.distributed else self._stop_requested:
                         raise KeyboardInterrupt("stopped by Ctrl-C after a complete step")
-                    if self.progress["step"] >= self.total_steps:
-                        break
+                    if due:
+                        self.progress["epoch_partial"] = {"epoch": epoch, "time": epoch_time, "loss": epoch_loss,
+                                                          "n": epoch_n}
+                        self._checkpoint(epoch, done_in_epoch, reason="periodic")
                 bar.close()
                 self._end_epoch(epoch, epoch_time, epoch_loss / max(1, epoch_n))
                 done_in_epoch = 0
@@ -609,13 +664,25 @@ class Trainer:
             "eval_history": p["history_eval"],
             "run_dir": str(self.run_dir),
             "world_size": self.world,
+            "checkpoints": p.get("checkpoints", 0),
+            "checkpoint_time_s": p.get("checkpoint_time_s", 0.0),
         }
         if self.distributed:
             summary.update(grad_bytes_phases=p.get("comm_phases", []), ddp_rebuilds=self.ddp.rebuilds,
                            ddp_rebuild_s=list(self.ddp.rebuild_seconds))
         if self.is_main:
-            (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+            _write_atomically(self.run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
         return summary
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so a kill leaves the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class _NoTelemetry:

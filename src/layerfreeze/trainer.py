@@ -36,7 +36,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, ConfigError
 from .engine import Freezer, block_param_groups
 from .guard import StabilityGuard
-from .split import split_for
+from .forward_split import split_for
 from .strategies import Strategy, create_strategy
 from .tasks import Task, build_task
 

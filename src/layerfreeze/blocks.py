@@ -243,6 +243,19 @@ def resolve_ties(blocks: list[Block]) -> list[str]:
     return notes
 
 
+def _merge_empty_head(blocks: list[Block]) -> bool:
+    """A head that owns nothing once ties are resolved (BART's ``lm_head``, tied to the shared embedding, with no
+    final norm) joins the block before it, which becomes the head (named ``head``), so the head has weights to train.
+    Returns whether it merged."""
+    if len(blocks) < 2 or not blocks[-1].is_head or any(True for _ in blocks[-1].parameters()):
+        return False
+    last = blocks.pop()
+    prev = blocks[-1]
+    prev.name, prev.is_head = "head", True
+    prev.modules, prev.params = prev.modules + last.modules, prev.params + last.params
+    return True
+
+
 def find_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> Discovery:
     """The model's blocks in forward order, with the rule that found them and the tied parameters.
 
@@ -262,7 +275,10 @@ def find_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> Disc
         found = discover(model)
         if found:
             blocks, rule = found if isinstance(found, tuple) else (found, name)
-            return Discovery(blocks, rule, resolve_ties(blocks))
+            notes = resolve_ties(blocks)
+            if _merge_empty_head(blocks):
+                notes = resolve_ties(blocks)
+            return Discovery(blocks, rule, notes)
     raise BlockDiscoveryError(
         f"Cannot discover the blocks of {type(model).__name__}: it is none of the known model families "
         f"({', '.join(n for n, _ in discoverers())}) and has no stack of same-type layers (an nn.ModuleList or "

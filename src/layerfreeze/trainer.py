@@ -98,21 +98,20 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
 @torch.no_grad()
 def evaluate(task: Task, model: nn.Module, device: torch.device, batch_size: int,
              dataset: Dataset | None = None) -> tuple[float, float]:
-    """Mean cross-entropy loss and accuracy (fraction in [0, 1]) on ``dataset`` (default: the task's test set).
+    """Mean loss and the task's metric on ``dataset`` (default: the task's test set): accuracy (fraction in [0, 1])
+    for a classifier, perplexity for a language model (``task.objective.metric`` names it).
 
     Leaves the model in eval mode; the training loop switches it back.
     """
     model.eval()
     loader = DataLoader(task.test_set if dataset is None else dataset, batch_size=batch_size, shuffle=False,
                         generator=torch.Generator())  # own generator: keep the global RNG untouched
-    total_loss, correct, count = 0.0, 0, 0
+    total_loss, total_metric, count = 0.0, 0.0, 0
     for batch in loader:
         batch = _to(batch, device)
-        logits = task.forward(model, batch)
-        total_loss += float(nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"))
-        correct += int((logits.argmax(-1) == batch["labels"]).sum())
-        count += len(batch["labels"])
-    return total_loss / max(1, count), correct / max(1, count)
+        loss_sum, metric_sum, n = task.objective.sums(task.forward(model, batch), batch)
+        total_loss, total_metric, count = total_loss + loss_sum, total_metric + metric_sum, count + n
+    return task.objective.finish(total_loss, total_metric, count)
 
 
 def signals_of(decision: Any) -> dict[str, Any]:
@@ -418,7 +417,7 @@ class Trainer:
     def _train_step(self, batch: dict[str, torch.Tensor]) -> float:
         batch = _to(batch, self.device)
         logits = self.runner(batch) if self.runner is not None else self.task.forward(self.model, batch)
-        loss = nn.functional.cross_entropy(logits, batch["labels"])
+        loss = self.task.loss(logits, batch)
         loss.backward()
         self.freezer.after_backward()
         if self.config.train.grad_clip:
@@ -433,15 +432,16 @@ class Trainer:
         eval_start = time.perf_counter()
         eval_loss, eval_acc = evaluate(self.task, self.model, self.device, self.config.train.eval_batch_size)
         eval_time = time.perf_counter() - eval_start
+        metric = self.task.objective.metric  # accuracy, or perplexity for a language model
         self.progress["epoch_times_s"].append(epoch_time)
-        self.progress["history_eval"].append({"epoch": epoch, "loss": eval_loss, "accuracy": eval_acc})
+        self.progress["history_eval"].append({"epoch": epoch, "loss": eval_loss, metric: eval_acc})
         self.telemetry.log_epoch(
-            epoch, self.progress["step"], train_loss=train_loss, eval_loss=eval_loss, eval_accuracy=eval_acc,
+            epoch, self.progress["step"], train_loss=train_loss, eval_loss=eval_loss, **{f"eval_{metric}": eval_acc},
             epoch_time_s=epoch_time, eval_time_s=eval_time, frozen_blocks=self.freezer.frozen_blocks,
             peak_memory_bytes=tm.peak_memory_bytes(self.device), **self._cache_stats(),
         )
         # one line per epoch, also without the progress bar
-        tqdm.write(f"epoch {epoch + 1}: train loss {train_loss:.4f}  eval loss {eval_loss:.4f}  accuracy "
+        tqdm.write(f"epoch {epoch + 1}: train loss {train_loss:.4f}  eval loss {eval_loss:.4f}  {metric} "
                    f"{eval_acc:.4f}  train time {epoch_time:.1f} s  frozen {sum(self.freezer.frozen)}"
                    f"/{len(self.freezer.blocks)}")
         if self.guard is not None:
@@ -462,7 +462,8 @@ class Trainer:
     def _guard_check(self) -> None:
         val_loss, val_acc = evaluate(self.task, self.model, self.device, self.config.train.eval_batch_size,
                                      self.val_set)
-        self.telemetry.log_step(self.progress["step"], val_loss=val_loss, val_accuracy=val_acc)
+        metric = self.task.objective.metric
+        self.telemetry.log_step(self.progress["step"], val_loss=val_loss, **{f"val_{metric}": val_acc})
         self.freezer.report_metric(val_loss)
 
     def _summary(self, wall_time: float) -> dict[str, Any]:
@@ -479,6 +480,7 @@ class Trainer:
             "strategy_params": dict(cfg.freeze.params),
             "test_accuracy": last_eval.get("accuracy"),
             "test_loss": last_eval.get("loss"),
+            **({"test_perplexity": last_eval.get("perplexity")} if self.task.objective.metric == "perplexity" else {}),
             "epochs": len(p["epoch_times_s"]),
             "steps": p["step"],
             "wall_time_s": wall_time,

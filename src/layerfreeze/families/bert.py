@@ -5,8 +5,9 @@ Blocks: ``<base>.embeddings``, one per encoder layer (``<base>.encoder.layer.<i>
 ``distilbert.transformer.layer.<i>``), the ``pooler`` if it has parameters, then the task head (every other
 top-level child with parameters: ``classifier``; several are one block named ``head``). Modules of the encoder
 that every layer uses (DeBERTa's relative position embeddings ``encoder.rel_embeddings`` and their
-``encoder.LayerNorm``) join the embeddings block: they run before the first layer, and a frozen layer must not
-read a relative embedding that still trains.
+``encoder.LayerNorm``) join the embeddings block, as do other parametrised children of the base model (ELECTRA's
+``embeddings_project``): they run before the first layer, and a frozen layer must not read a relative embedding
+that still trains.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ def discover_hf_encoder(model: nn.Module) -> list[Block] | None:
         return None
     encoder, layers = stack
     names = qualified_names(model)
-    shared = [(names[id(m)], m) for n, m in encoder.named_children() if m is not layers and has_params(m)]
+    skip = (layers, embeddings, encoder, getattr(base, "pooler", None))
+    shared = [(names[id(m)], m) for part in (base, encoder) for m in part.children()
+              if all(m is not s for s in skip) and has_params(m)]
     first = one(names, embeddings)
     entries = [(first[0], first[1] + shared)]
     entries += [one(names, layer) for layer in layers]

@@ -10,12 +10,14 @@ Freezing order is forward order, encoder before decoder:
 3. the encoder's final norm, if it has one (T5's ``encoder.final_layer_norm``);
 4. the decoder's own embedding modules, if any (BART's ``model.decoder.embeddings``: positions and their norm);
 5. the decoder layers;
-6. the head: the decoder's final norm and ``lm_head`` (``head``).
+6. the head: the decoder's final norm and ``lm_head`` (``head``). BART's decoder has no final norm and its
+   ``lm_head`` is tied to the shared embedding, so the head would own nothing: the last decoder layer joins it
+   (the ``head`` block is then ``model.decoder.layers.<n-1>`` + ``lm_head``).
 
 So a frozen prefix that reaches the decoder has the whole encoder frozen: backward then stops at the first
 trainable decoder layer (cross-attention reads the frozen encoder output). The LM head is tied to the shared
-embedding: the embeddings block owns that matrix (:func:`~layerfreeze.blocks.resolve_ties`), so freezing the embeddings also
-freezes the LM head's matrix. The activation cache does not split these models (the decoder reads the encoder's
+embedding: the embeddings block owns that matrix (:func:`~layerfreeze.blocks.resolve_ties`), so freezing the
+embeddings also freezes the LM head's matrix. The activation cache does not split these models (the decoder reads the encoder's
 output and its own inputs; ``split_for`` refuses them).
 """
 

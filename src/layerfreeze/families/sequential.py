@@ -15,7 +15,7 @@ from .registry import register_blocks, register_split
 
 @register_blocks("nn.Sequential", order=40)
 def discover_sequential(model: nn.Module) -> list[Block] | None:
-    """``[child_0, ..., child_n]`` (parametrised children, by their names ``"0"``, ``"1"``, ...); the last is the head."""
+    """One block per parametrised child (named ``"0"``, ``"1"``, ...); the last is the head."""
     if not isinstance(model, nn.Sequential):
         return None
     return make_blocks([(n, [(n, m)]) for n, m in model.named_children()], head=True)

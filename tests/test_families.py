@@ -120,8 +120,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
 def make_batch(kind: str, seed: int = 1) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     if kind == "image":
-        return {"pixel_values": torch.randn(4, 3, 16, 16, generator=g), "labels": torch.randint(0, 3, (4,), generator=g),
-                "index": torch.arange(4)}
+        return {"pixel_values": torch.randn(4, 3, 16, 16, generator=g),
+                "labels": torch.randint(0, 3, (4,), generator=g), "index": torch.arange(4)}
     ids = torch.randint(3, VOCAB, (4, 10), generator=g)
     mask = torch.ones_like(ids)
     mask[1, 7:] = 0  # one padded sample
@@ -219,7 +219,7 @@ def test_a_tied_lm_head_belongs_to_the_embeddings_and_freezes_with_them():
     model = build("llama")
     assert model.lm_head.weight is model.model.embed_tokens.weight
     found = find_blocks(model)
-    embed, head = found.blocks[0], found.blocks[-1]
+    head = found.blocks[-1]
     assert head.tied == {"lm_head.weight": "model.embed_tokens"}
     assert [n for n, _ in head.named_parameters()] == ["model.norm.weight"]  # the head owns its norm only
     assert found.ties and "owned by block 'model.embed_tokens'" in found.ties[0]

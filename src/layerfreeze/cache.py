@@ -18,8 +18,8 @@ The pieces:
 Correctness rules (each one guards against reusing a stale value silently):
 
 * A hit is used only after its sample's inputs are checked against the fingerprint taken when it was cached
-  (:meth:`~layerfreeze.forward_split.ModelSplit.fingerprint`); a change means random augmentation -> :class:`CacheRefused`
-  (or, with ``fallback=True``, the cache turns itself off and the full forward runs).
+  (:meth:`~layerfreeze.forward_split.ModelSplit.fingerprint`); a change means random augmentation ->
+  :class:`CacheRefused` (or, with ``fallback=True``, the cache turns itself off and the full forward runs).
 * A prefix module that is stochastic in its current mode -> :class:`CacheRefused` (or fallback).
 * A prefix block whose parameters or buffers were modified in place since they were cached (``Tensor._version``
   changed: an optimizer step after a thaw, ``load_state_dict``) invalidates every entry that went through it.
@@ -665,12 +665,10 @@ def _select(batch: dict[str, Any], positions: list[int], size: int) -> dict[str,
 
 
 def _signature(block: Block) -> tuple[tuple[int, int], ...]:
-    """``(id, version)`` of the block's parameters and buffers: changes when any is modified in place or replaced."""
-    return tuple(
-        (id(t), t._version)
-        for _, module in block.modules
-        for t in (*module.parameters(), *module.buffers())
-    )
+    """``(id, version)`` of the block's parameters and buffers (those held outside its modules, such as a class
+    token, included): changes when any is modified in place or replaced."""
+    tensors = [t for _, module in block.modules for t in (*module.parameters(), *module.buffers())]
+    return tuple((id(t), t._version) for t in (*tensors, *(p for _, p in block.params)))
 
 
 class CachedPrefix:

@@ -17,8 +17,8 @@ Freezing order is forward order, encoder before decoder:
 So a frozen prefix that reaches the decoder has the whole encoder frozen: backward then stops at the first
 trainable decoder layer (cross-attention reads the frozen encoder output). The LM head is tied to the shared
 embedding: the embeddings block owns that matrix (:func:`~layerfreeze.blocks.resolve_ties`), so freezing the
-embeddings also freezes the LM head's matrix. The activation cache does not split these models (the decoder reads the encoder's
-output and its own inputs; ``split_for`` refuses them).
+embeddings also freezes the LM head's matrix. The activation cache does not split these models (the decoder
+reads the encoder's output and its own inputs; ``split_for`` refuses them).
 """
 
 from __future__ import annotations

@@ -20,24 +20,43 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 WORDS = "the cat dog sat ran on a mat log and then slept ate fish bone".split()
 
 
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory):
-    """A 2-layer Llama (hidden 16, tied embeddings) and a word-level tokenizer, saved as a local HF folder."""
+VOCAB = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[EOS]", *WORDS])}
+
+
+def save_tokenizer(path):
+    """A word-level tokenizer built offline (``tokenizers``), saved as a ``PreTrainedTokenizerFast``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    path = tmp_path_factory.mktemp("tiny-llama")
-    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[EOS]", *WORDS])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
                                                 eos_token="[EOS]")
     fast.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    """A 2-layer Llama (hidden 16, tied embeddings) and a word-level tokenizer, saved as a local HF folder."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_tokenizer(path)
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32,
+    config = transformers.LlamaConfig(vocab_size=len(VOCAB), hidden_size=16, intermediate_size=32,
                                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                       max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0,
                                       eos_token_id=2, bos_token_id=None)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2_dir(tmp_path_factory):
+    """A 2-layer GPT-2 (hidden 16, tied embeddings, dropout 0.1) with the same tokenizer."""
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    save_tokenizer(path)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=len(VOCAB), n_embd=16, n_layer=2, n_head=2, n_positions=64,
+                                     pad_token_id=0, eos_token_id=2, bos_token_id=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
     return path
 
 
@@ -73,13 +92,17 @@ def test_text_lm_trains_a_local_llama_with_the_default_strategy_and_prints_perpl
     assert summary["steps"] > 0 and summary["flops_total"] > 0
 
 
-def test_text_lm_with_the_cache_gives_the_same_run_as_without(tmp_path, tiny_llama_dir, story):
+@pytest.mark.parametrize("folder, frozen", [("tiny_llama_dir", ["model.embed_tokens", "model.layers.0"]),
+                                            ("tiny_gpt2_dir", ["transformer.embeddings", "transformer.h.0"])])
+def test_text_lm_with_the_cache_gives_the_same_run_as_without(tmp_path, folder, frozen, story, request):
     """static k=2 (embeddings + layer 0 frozen): with ``freeze.cache.mode=on`` the second epoch reads the frozen
-    prefix's output back, and the run is the same as without the cache, loss for loss."""
-    plain, plain_dir = _train(tmp_path, tiny_llama_dir, story, "plain", "-s", "static", "-p", "k=2")
-    cached, cached_dir = _train(tmp_path, tiny_llama_dir, story, "cached", "-s", "static", "-p", "k=2",
+    prefix's output back, and the run is the same as without the cache, loss for loss (GPT-2: with dropout in
+    the trainable layers, the same masks drawn)."""
+    model_dir = request.getfixturevalue(folder)
+    plain, plain_dir = _train(tmp_path, model_dir, story, "plain", "-s", "static", "-p", "k=2")
+    cached, cached_dir = _train(tmp_path, model_dir, story, "cached", "-s", "static", "-p", "k=2",
                                 "--set", "freeze.cache.mode=on")
-    assert cached["frozen_blocks"] == ["model.embed_tokens", "model.layers.0"]
+    assert cached["frozen_blocks"] == frozen
     epochs = [r for r in read_metrics(cached_dir / "metrics.jsonl") if r["type"] == "epoch"]
     assert epochs[-1]["cache_hits"] > 0
     losses = lambda d: [r["loss"] for r in read_metrics(d / "metrics.jsonl") if r["type"] == "step"]  # noqa: E731

@@ -1,7 +1,7 @@
 """Hugging Face decoder-only language models: Llama, Mistral, Qwen2/3, Gemma, Phi, GPT-2, GPT-NeoX, Falcon, ...
 
-Blocks, front to back: the token embeddings (``model.embed_tokens``; GPT-2's ``wte`` + ``wpe`` are one block,
-``transformer.embeddings``), one block per decoder layer (``model.layers.<i>``, ``transformer.h.<i>``,
+Blocks, front to back: the token embeddings (``model.embed_tokens``; GPT-2's ``wte`` + ``wpe`` + ``drop`` are one
+block, ``transformer.embeddings``), one block per decoder layer (``model.layers.<i>``, ``transformer.h.<i>``,
 ``gpt_neox.layers.<i>``), then the head: the final norm with the LM head (``model.norm`` + ``lm_head``, named
 ``head``; a sequence classifier's ``score`` likewise). With ``tie_word_embeddings`` the LM head's matrix is the
 embedding matrix: it belongs to the embeddings block (:func:`~layerfreeze.blocks.resolve_ties`), so freezing the
@@ -43,7 +43,9 @@ def discover_decoder_lm(model: nn.Module) -> list[Block] | None:
 
     Recognised by: ``model.base_model`` holds a token embedding (an ``nn.Embedding`` child) registered before a
     ``ModuleList`` of layers named ``layers`` / ``h`` / ``blocks``. Base children registered before the layers
-    form the embeddings block; those after (the final norm), with the model's other children (``lm_head``), the head.
+    form the embeddings block (a dropout there included, so a frozen embeddings block runs it in eval mode, as
+    BERT's embeddings do theirs); those after (the final norm), with the model's other children (``lm_head``), the
+    head.
     """
     base = getattr(model, "base_model", None)
     if not isinstance(base, nn.Module) or getattr(model, "main_input_name", "input_ids") != "input_ids":
@@ -54,13 +56,14 @@ def discover_decoder_lm(model: nn.Module) -> list[Block] | None:
     stack_name, layers = found
     children = list(base.named_children())
     cut = [n for n, _ in children].index(stack_name)
-    before = [m for _, m in children[:cut] if has_params(m)]
+    before = [m for _, m in children[:cut]]
     if not any(isinstance(m, nn.Embedding) for m in before):
         return None
     names = qualified_names(model)
     base_name = names[id(base)]
-    embed = [(names[id(m)], m) for m in before]
-    embed_name = embed[0][0] if len(embed) == 1 else (f"{base_name}.embeddings" if base_name else "embeddings")
+    embed = [(names[id(m)], m) for m in before]  # with the embedding dropout: frozen with them, in eval mode
+    weighted = [n for n, m in embed if has_params(m)]
+    embed_name = weighted[0] if len(weighted) == 1 else (f"{base_name}.embeddings" if base_name else "embeddings")
     entries = [(embed_name, embed)] + [(names[id(layer)], [(names[id(layer)], layer)]) for layer in layers]
     after = [(names[id(m)], m) for _, m in children[cut + 1:]]
     if base is model:

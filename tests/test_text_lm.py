@@ -145,3 +145,16 @@ def test_chunks_and_the_shifted_loss():
     assert next_token_loss(logits, last["labels"][None]).item() == pytest.approx(0.0)
     with pytest.raises(ValueError, match="no tokens"):
         TokenChunks([], 4, 0)
+
+
+def test_lora_targets_of_decoder_lms_and_a_compare_row_of_an_lm(tiny_llama_dir, tiny_gpt2_dir):
+    from layerfreeze.compare import markdown_table
+    from layerfreeze.tasks import default_lora_targets
+
+    llama = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, local_files_only=True)
+    gpt2 = transformers.AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir, local_files_only=True)
+    assert default_lora_targets(llama) == ["q_proj", "v_proj"] and default_lora_targets(gpt2) == ["c_attn"]
+    row = {"row": "none", "test_accuracy": None, "test_perplexity": 17.79, "accuracy_delta": None,
+           "train_time_s": 1.0, "time_ratio": 1.0, "flops_total": 1e6, "flops_ratio": 1.0,
+           "peak_memory_bytes": 2**20, "freeze_steps": {}}
+    assert "| none | ppl 17.79 | - |" in markdown_table([row])

@@ -154,12 +154,18 @@ def load_vision_model(name: str, num_classes: int, pretrained: bool) -> nn.Modul
 
 
 def default_lora_targets(model: nn.Module) -> list[str]:
-    """LoRA's modules when the config names none: ``["query", "value"]`` when the model has attention projections of
-    those names (BERT-like, as in Hu et al. 2021, sec. 4.2), else every ``Conv2d`` with ``groups == 1`` (a
-    depthwise convolution has no low-rank form): MobileNetV2's stem, 1x1 expand/project and last convs."""
-    names = [n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if "query" in names and "value" in names:
-        return ["query", "value"]
+    """LoRA's modules when the config names none: the attention query and value projections of a transformer, as in
+    Hu et al. 2021, sec. 4.2 (``query``/``value`` in BERT-like models, ``q_proj``/``v_proj`` in Llama-like decoders
+    and BART, ``q``/``v`` in T5; the fused ``c_attn`` of GPT-2 and ``query_key_value`` of GPT-NeoX), else every
+    ``Conv2d`` with ``groups == 1`` (a depthwise convolution has no low-rank form): MobileNetV2's stem, 1x1
+    expand/project and last convs."""
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for pair in (["query", "value"], ["q_proj", "v_proj"], ["q", "v"]):
+        if names.issuperset(pair):
+            return pair
+    fused = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()} & {"c_attn", "query_key_value"}
+    if fused:
+        return sorted(fused)
     return [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d) and m.groups == 1]
 
 

@@ -149,7 +149,7 @@ def qualified_names(model: nn.Module) -> dict[int, str]:
     return names
 
 
-def one(names: dict[int, str], module: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
+def module_entry(names: dict[int, str], module: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
     """The entry of a block made of one module, named by its qualified name."""
     return names[id(module)], [(names[id(module)], module)]
 
@@ -217,7 +217,7 @@ def resolve_ties(blocks: list[Block]) -> list[str]:
 
     Returns:
         One line per tie, e.g. ``"lm_head.weight is tied to model.embed_tokens.weight: owned by block
-        'model.embed_tokens'; freezing it also freezes it in 'head'"``.
+        'model.embed_tokens'; freezing that block also freezes it in 'head'"``.
 
     Raises:
         BlockDiscoveryError: a block would own no parameter at all (everything it holds is tied to earlier

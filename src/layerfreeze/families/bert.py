@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..blocks import Block, has_params, head_entry, make_blocks, one, qualified_names
+from ..blocks import Block, has_params, head_entry, make_blocks, module_entry, qualified_names
 from ..forward_split import Batch, ModelSplit, Stage, call, exact_forward, position_weights
 from .registry import register_blocks, register_split
 
@@ -48,12 +48,12 @@ def discover_hf_encoder(model: nn.Module) -> list[Block] | None:
     skip = (layers, embeddings, encoder, getattr(base, "pooler", None))
     shared = [(names[id(m)], m) for part in (base, encoder) for m in part.children()
               if all(m is not s for s in skip) and has_params(m)]
-    first = one(names, embeddings)
+    first = module_entry(names, embeddings)
     entries = [(first[0], first[1] + shared)]
-    entries += [one(names, layer) for layer in layers]
+    entries += [module_entry(names, layer) for layer in layers]
     pooler = getattr(base, "pooler", None)
     if has_params(pooler):
-        entries.append(one(names, pooler))
+        entries.append(module_entry(names, pooler))
     if base is model:
         return make_blocks(entries, head=False)
     head = head_entry([(n, m) for n, m in model.named_children() if m is not base])

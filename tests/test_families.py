@@ -94,6 +94,21 @@ MODELS = {
     "tv_swin": (lambda: torchvision.models.SwinTransformer(patch_size=[4, 4], embed_dim=8, depths=[1, 1],
                                                            num_heads=[1, 2], window_size=[2, 2], num_classes=3),
                 "image", ["features.0", "features.1", "features.2", "features.3", "head"], None),
+    # torchvision CNNs: the classes of ResNet-50, EfficientNet-B0, ConvNeXt-T and DenseNet-121, small settings
+    "tv_resnet": (lambda: torchvision.models.ResNet(torchvision.models.resnet.Bottleneck, [1, 1, 1, 1], num_classes=3,
+                                                    width_per_group=8), "image",
+                  ["stem", "layer1", "layer2", "layer3", "layer4", "fc"], "ResNet-like (conv1 bn1 layer1..4 fc)"),
+    "tv_efficientnet": (lambda: torchvision.models.EfficientNet(
+        torchvision.models.efficientnet._efficientnet_conf("efficientnet_b0", width_mult=0.25, depth_mult=0.25)[0],
+        dropout=0.2, num_classes=3), "image", [f"features.{i}" for i in range(9)] + ["classifier"], None),
+    "tv_convnext": (lambda: torchvision.models.ConvNeXt(
+        [torchvision.models.convnext.CNBlockConfig(8, 16, 1), torchvision.models.convnext.CNBlockConfig(16, None, 1)],
+        num_classes=3), "image", [f"features.{i}" for i in range(4)] + ["classifier"], None),
+    "tv_densenet": (lambda: torchvision.models.DenseNet(growth_rate=4, block_config=(1, 1), num_init_features=8,
+                                                        num_classes=3), "image",
+                    ["features.conv0", "features.norm0", "features.denseblock1", "features.transition1",
+                     "features.denseblock2", "features.norm5", "classifier"],
+                    "torchvision features+classifier (MobileNetV2, EfficientNet, ConvNeXt, DenseNet, VGG)"),
 }
 
 # The full-size torchvision models of the issue: discovery only (building is cheap, training them is not).

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 
 from .engine import Freezer
@@ -76,11 +76,16 @@ def save_checkpoint(
     freezer: Freezer | None = None,
     scheduler: Any = None,
     extra: dict[str, Any] | None = None,
+    *,
+    model_state: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint folder at ``path`` (replacing an older one atomically).
 
     Args:
         extra: Caller fields to keep (plain Python values / tensors), e.g. ``{"step": 120, "epoch": 2}``.
+        model_state / optimizer_state: Full state dicts to write instead of ``model`` / ``optimizer``'s own (a
+            sharded model's gathered state: :func:`layerfreeze.fsdp.save_full_checkpoint`).
 
     Returns:
         The checkpoint folder.
@@ -89,11 +94,16 @@ def save_checkpoint(
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_model(model, str(tmp / "model.safetensors"))
+    if model_state is not None:
+        save_file({k: v.detach().contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+    else:
+        save_model(model, str(tmp / "model.safetensors"))
+    if optimizer_state is None and optimizer is not None:
+        optimizer_state = optimizer.state_dict()
     state = {
         "format_version": FORMAT_VERSION,
         "model_sha256": _sha256(tmp / "model.safetensors"),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "optimizer": optimizer_state,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "freezer": freezer.state_dict() if freezer is not None else None,
         "rng": rng_state(),
@@ -107,6 +117,27 @@ def save_checkpoint(
     tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """The verified ``state.pt`` of checkpoint folder ``path`` (its weights file checked against its SHA-256).
+
+    Raises:
+        CheckpointError: a missing file, an unreadable state file, another format version, corrupt weights.
+    """
+    weights, state_file = path / "model.safetensors", path / "state.pt"
+    for f in (weights, state_file):
+        if not f.is_file():
+            raise CheckpointError(f"Checkpoint {path} is incomplete: {f.name} is missing")
+    try:
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a corrupt file
+        raise CheckpointError(f"Checkpoint state file {state_file} is unreadable ({exc}); it is corrupt") from exc
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"Checkpoint {path} has format {state.get('format_version')!r}, need {FORMAT_VERSION}")
+    if _sha256(weights) != state["model_sha256"]:
+        raise CheckpointError(f"Checkpoint weights {weights} do not match their recorded SHA-256: corrupt/truncated")
+    return state
 
 
 def load_checkpoint(
@@ -127,18 +158,8 @@ def load_checkpoint(
             unknown format version, or state that does not fit the given objects.
     """
     path = Path(path)
-    weights, state_file = path / "model.safetensors", path / "state.pt"
-    for f in (weights, state_file):
-        if not f.is_file():
-            raise CheckpointError(f"Checkpoint {path} is incomplete: {f.name} is missing")
-    try:
-        state = torch.load(state_file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a corrupt file
-        raise CheckpointError(f"Checkpoint state file {state_file} is unreadable ({exc}); it is corrupt") from exc
-    if state.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"Checkpoint {path} has format {state.get('format_version')!r}, need {FORMAT_VERSION}")
-    if _sha256(weights) != state["model_sha256"]:
-        raise CheckpointError(f"Checkpoint weights {weights} do not match their recorded SHA-256: corrupt/truncated")
+    state = read_state(path)
+    weights = path / "model.safetensors"
     try:
         load_model(model, str(weights))
         if freezer is not None and state["freezer"] is not None:

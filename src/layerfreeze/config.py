@@ -158,6 +158,7 @@ class RunConfig(_Section):
     tensorboard: bool = True
     checkpoint: bool = True
     resume: str | None = None
+    dist_timeout_s: float = Field(300, gt=0, description="seconds a collective waits for a peer rank (torchrun runs)")
 
 
 class Config(_Section):

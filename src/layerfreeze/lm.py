@@ -7,7 +7,9 @@ as ``model.name_or_path``; no decoder LM's weights install offline here, so brin
 Data: the texts are tokenized (no special tokens; the end-of-text token, when the tokenizer has one, between
 texts), concatenated and cut into chunks of ``model.max_length`` tokens, as GPT-style pre-training does. The last
 chunk is padded (``attention_mask`` 0, label -100). Loss: mean cross-entropy of each position's prediction of the
-next token over real tokens; eval metric: perplexity, ``exp`` of the mean token loss on the test chunks.
+next token over a chunk's real tokens, averaged over the chunks of a batch (so a data-parallel run, which sums
+per-chunk losses across ranks, follows the single-process one); eval metric: perplexity, ``exp`` of the mean
+token loss over all the test chunks' tokens.
 """
 
 from __future__ import annotations
@@ -45,7 +47,15 @@ class NextTokenPrediction:
     metric = "perplexity"
 
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return next_token_loss(logits, batch["labels"])
+        """The mean of :meth:`sample_losses` (a scalar with grad)."""
+        return self.sample_losses(logits, batch).mean()
+
+    def sample_losses(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``(B,)`` mean next-token loss of each chunk over its predicted tokens (0 for a chunk with none)."""
+        labels = batch["labels"]
+        per_token = next_token_loss(logits, labels, reduction="none").view(labels.shape[0], -1)
+        count = (labels[:, 1:] != IGNORE).sum(1).clamp(min=1)
+        return per_token.sum(1) / count
 
     def sums(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[float, float, int]:
         """``(summed token loss, 0, predicted tokens)`` of a batch."""

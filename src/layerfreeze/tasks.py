@@ -38,7 +38,12 @@ class Classification:
     metric = "accuracy"
 
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean cross-entropy over the batch (a scalar with grad)."""
         return nn.functional.cross_entropy(logits, batch["labels"])
+
+    def sample_losses(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``(B,)`` cross-entropy per sample (their mean is :meth:`loss`; data-parallel training sums shares)."""
+        return nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
 
     def sums(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[float, float, int]:
         """``(summed loss, correct predictions, samples)`` of a batch."""

@@ -325,7 +325,7 @@ def test_a_model_without_a_stack_still_gets_the_clear_error():
 # ---- the forward split through the real cache: cached logits == the model's own -------------------------------
 
 @pytest.mark.parametrize("name, depth", [("llama", 2), ("qwen2", 3), ("mistral", 1), ("gemma", 2), ("gpt2", 2),
-                                         ("hf_vit", 2), ("hf_deit", 3)])
+                                         ("hf_vit", 2), ("hf_deit", 3), ("tv_vit", 2)])
 def test_cached_and_uncached_forwards_give_the_same_logits(name, depth):
     model = build(name)
     kind = MODELS[name][1]
@@ -336,7 +336,11 @@ def test_cached_and_uncached_forwards_give_the_same_logits(name, depth):
     runner = CachedPrefix(model, blocks, split, ActivationCache(), freezer=freezer)
     model.eval()
     batch = {k: v for k, v in make_batch(kind).items() if k != "labels"}
-    own = lm_forward(model, batch) if kind == "lm" else model(pixel_values=batch["pixel_values"]).logits
+    if kind == "lm":
+        own = lm_forward(model, batch)  # the text-lm task's forward
+    else:
+        out = model(batch["pixel_values"])
+        own = getattr(out, "logits", out)
     cold = runner(batch)  # misses: the prefix runs and is stored
     warm = runner(batch)  # hits: the prefix is read back
     assert runner.cache.hits == 4 and runner.prefix_samples == 4
@@ -347,7 +351,7 @@ def test_cached_and_uncached_forwards_give_the_same_logits(name, depth):
                        split.prefix(model, batch, split.max_depth))
 
 
-@pytest.mark.parametrize("name", ["t5", "phi", "tv_vit"])
+@pytest.mark.parametrize("name", ["t5", "phi", "tv_swin", "hf_swin"])
 def test_families_without_an_exact_split_are_refused(name):
     model = build(name)
     with pytest.raises(ValueError, match="Cannot split the forward"):

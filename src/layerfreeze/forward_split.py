@@ -7,8 +7,8 @@ family gets a small, explicit :class:`ModelSplit` subclass written from its libr
 monkeypatching, no hooks), in its file under :mod:`layerfreeze.families`, registered with
 :func:`~layerfreeze.families.register_split`; :func:`split_for` picks the first whose ``check_model`` accepts the
 model. Built in: ``nn.Sequential``; Hugging Face ``BertForSequenceClassification``; torchvision ``MobileNetV2``
-and ``ResNet``; Hugging Face Llama-style decoder LMs (Llama, Mistral, Qwen2, Qwen3) and GPT-2; Hugging Face
-``ViTForImageClassification`` / ``DeiTForImageClassification``.
+and ``ResNet``; Hugging Face Llama-style decoder LMs (Llama, Gemma, Mistral, Qwen2, Qwen3) and GPT-2; Hugging Face
+``ViTForImageClassification`` / ``DeiTForImageClassification``; torchvision ``VisionTransformer``.
 
 Words. A split runs a list of *stages* (the steps of the model's forward, in order; a stage may hold no
 parameters, e.g. ``relu``). Each :class:`~layerfreeze.blocks.Block` lines up with one or more stages. The

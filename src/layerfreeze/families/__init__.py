@@ -10,7 +10,7 @@ file                        models                                              
 ``encoder_decoder.py``      T5, BART (and their kin)                                  --
 ``torchvision_cnn.py``      MobileNetV2, EfficientNet, ConvNeXt, DenseNet, VGG,        MobileNetV2, ResNet
                             ResNet
-``torchvision_vit.py``      torchvision ViT, Swin                                     --
+``torchvision_vit.py``      torchvision ViT, Swin                                     ViT
 ``timm_models.py``          timm models (when timm is installed)                      --
 ``sequential.py``           ``nn.Sequential``                                         yes
 ``generic.py``              fallback: the longest stack of same-type layers           --

@@ -356,3 +356,16 @@ def test_families_without_an_exact_split_are_refused(name):
     model = build(name)
     with pytest.raises(ValueError, match="Cannot split the forward"):
         split_for(model, discover_blocks(model))
+
+
+def test_a_trainable_class_token_in_the_prefix_is_refused_by_the_cache():
+    from layerfreeze.cache import CacheRefused
+
+    model = build("tv_vit")
+    blocks = discover_blocks(model)
+    for p in blocks[0].parameters():
+        p.requires_grad_(p is model.class_token)  # conv_proj frozen by hand, the class token still training
+    model.eval()
+    runner = CachedPrefix(model, blocks, split_for(model, blocks), ActivationCache())
+    with pytest.raises(CacheRefused, match="'class_token' in the cached prefix"):
+        runner({"pixel_values": torch.randn(4, 3, 16, 16), "index": torch.arange(4)}, depth=1)

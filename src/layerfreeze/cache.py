@@ -779,13 +779,14 @@ class CachedPrefix:
                 " (if a Freezer froze these blocks, pass freezer= to CachedPrefix: it puts them in eval mode)"
             )
             raise CacheRefused(f"{exc}{hint}") from None
-        for name, module in modules:
-            for pname, p in module.named_parameters():
-                if p.requires_grad:
-                    raise CacheRefused(
-                        f"parameter '{name}.{pname}' in the cached prefix (depth {depth}) requires grad: it trains, "
-                        "so its block's output changes every step. Cache only a frozen prefix"
-                    )
+        named = [(f"{name}.{pname}", p) for name, module in modules for pname, p in module.named_parameters()]
+        named += [item for block in self.blocks[:depth] for item in block.params]  # a class token, ...
+        for name, p in named:
+            if p.requires_grad:
+                raise CacheRefused(
+                    f"parameter '{name}' in the cached prefix (depth {depth}) requires grad: it trains, "
+                    "so its block's output changes every step. Cache only a frozen prefix"
+                )
 
     def _check_weights(self, depth: int) -> None:
         """Drop entries computed through a prefix block whose parameters or buffers changed since."""

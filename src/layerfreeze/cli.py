@@ -65,9 +65,10 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", "-c", help="YAML or TOML config file")
-    train.add_argument("--task", help="bbc-news (default), fashion-mnist, text-csv, image-folder")
-    train.add_argument("--model", help="local Hugging Face model folder, or mobilenet_v2 / resnet18")
-    train.add_argument("--data", help="CSV file (text-csv) or image folder (image-folder)")
+    train.add_argument("--task", help="bbc-news (default), fashion-mnist, text-csv, image-folder, text-lm")
+    train.add_argument("--model", help="local Hugging Face model folder (text-lm: a causal LM), or mobilenet_v2 / "
+                       "resnet18")
+    train.add_argument("--data", help="CSV file (text-csv), image folder (image-folder), text or CSV file (text-lm)")
     train.add_argument("--strategy", "-s",
                        help=f"freezing strategy (default {DEFAULT_STRATEGY}): {', '.join(sorted(STRATEGIES))}")
     train.add_argument("--param", "-p", action="append", default=[], metavar="NAME=VALUE",
@@ -114,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     blocks.add_argument("--config", "-c")
     blocks.add_argument("--task")
     blocks.add_argument("--model")
+    blocks.add_argument("--data")
     blocks.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
     rep = sub.add_parser("report", help="write an HTML report with PNG plots for a run or compare folder")
@@ -252,14 +254,18 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_blocks(args: argparse.Namespace, console: Console) -> int:
-    from .blocks import describe_blocks, discover_blocks
+    from .blocks import describe_blocks, find_blocks
     from .tasks import build_task
 
-    config = load_config(args.config, _overrides(args, {"task": "task", "model": "model.name_or_path"}))
+    config = load_config(args.config, _overrides(args, {"task": "task", "model": "model.name_or_path",
+                                                        "data": "data.path"}))
     task = build_task(config)
-    blocks = discover_blocks(task.model, config.model.blocks)
-    console.print(f"{task.model_name}: {len(blocks)} blocks (front to back; the last is the head)")
-    console.print(describe_blocks(blocks), highlight=False)
+    found = find_blocks(task.model, config.model.blocks)
+    console.print(f"{task.model_name}: {len(found.blocks)} blocks (front to back; the last is the head)")
+    console.print(f"rule: {found.rule}", highlight=False)
+    console.print(describe_blocks(found.blocks), highlight=False)
+    for line in found.ties:
+        console.print(f"tied: {line}", highlight=False)
     return 0
 
 

@@ -48,7 +48,7 @@ from .checkpoint import CheckpointStore, load_checkpoint, rng_state, set_rng_sta
 from .config import Config, ConfigError
 from .engine import Freezer, block_param_groups
 from .guard import StabilityGuard
-from .split import split_for
+from .forward_split import split_for
 from .strategies import Strategy, create_strategy
 from .tasks import Task, build_task
 
@@ -108,23 +108,32 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
 
 
 @torch.no_grad()
-def evaluate(task: Task, model: nn.Module, device: torch.device, batch_size: int,
-             dataset: Dataset | None = None) -> tuple[float, float]:
-    """Mean cross-entropy loss and accuracy (fraction in [0, 1]) on ``dataset`` (default: the task's test set).
+def evaluate_sums(task: Task, model: nn.Module, device: torch.device, batch_size: int,
+                  dataset: Dataset | None = None) -> tuple[float, float, int]:
+    """``(summed loss, summed metric, count)`` on ``dataset`` (default: the task's test set), from
+    ``task.objective.sums`` (classification: correct predictions over samples; LM: token losses over tokens).
 
     Leaves the model in eval mode; the training loop switches it back.
     """
     model.eval()
     loader = DataLoader(task.test_set if dataset is None else dataset, batch_size=batch_size, shuffle=False,
                         generator=torch.Generator())  # own generator: keep the global RNG untouched
-    total_loss, correct, count = 0.0, 0, 0
+    total_loss, total_metric, count = 0.0, 0.0, 0
     for batch in loader:
         batch = _to(batch, device)
-        logits = task.forward(model, batch)
-        total_loss += float(nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"))
-        correct += int((logits.argmax(-1) == batch["labels"]).sum())
-        count += len(batch["labels"])
-    return total_loss / max(1, count), correct / max(1, count)
+        loss_sum, metric_sum, n = task.objective.sums(task.forward(model, batch), batch)
+        total_loss, total_metric, count = total_loss + loss_sum, total_metric + metric_sum, count + n
+    return total_loss, total_metric, count
+
+
+def evaluate(task: Task, model: nn.Module, device: torch.device, batch_size: int,
+             dataset: Dataset | None = None) -> tuple[float, float]:
+    """Mean loss and the task's metric on ``dataset`` (default: the task's test set): accuracy (fraction in [0, 1])
+    for a classifier, perplexity for a language model (``task.objective.metric`` names it).
+
+    Leaves the model in eval mode; the training loop switches it back.
+    """
+    return task.objective.finish(*evaluate_sums(task, model, device, batch_size, dataset))
 
 
 def signals_of(decision: Any) -> dict[str, Any]:
@@ -560,7 +569,7 @@ class Trainer:
         batch = _to(batch, self.device)
         if self.ddp is not None:
             logits = self.ddp(batch)
-            losses = nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
+            losses = self.task.objective.sample_losses(logits, batch)
             local = local_count  # 0 for a padded rank (see _local_batches)
             losses = losses[:local]
             loss_sum = losses.sum()
@@ -568,7 +577,7 @@ class Trainer:
             loss = loss_sum
         else:
             logits = self.runner(batch) if self.runner is not None else self.task.forward(self.model, batch)
-            loss = nn.functional.cross_entropy(logits, batch["labels"])
+            loss = self.task.loss(logits, batch)
             loss.backward()
         self.freezer.after_backward()
         if self.config.train.grad_clip:
@@ -588,30 +597,30 @@ class Trainer:
 
     def _evaluate(self, dataset: Dataset | None = None) -> tuple[float, float]:
         """:func:`evaluate` on ``dataset`` (default: the test set); distributed, each rank takes every world-th
-        sample and the sums are all-reduced, so every rank gets the whole set's loss and accuracy."""
+        sample and the sums are all-reduced, so every rank gets the whole set's loss and metric."""
         bs = self.config.train.eval_batch_size
         if not self.distributed:
             return evaluate(self.task, self.model, self.device, bs, dataset)
         dataset = self.task.test_set if dataset is None else dataset
         part = Subset(dataset, range(self.rank, len(dataset), self.world))
-        loss, acc = evaluate(self.task, self.model, self.device, bs, part) if len(part) else (0.0, 0.0)
-        loss_sum, correct, count = dist_.all_reduce_sum([loss * len(part), acc * len(part), len(part)])
-        return loss_sum / max(1, count), correct / max(1, count)
+        sums = evaluate_sums(self.task, self.model, self.device, bs, part) if len(part) else (0.0, 0.0, 0)
+        return self.task.objective.finish(*dist_.all_reduce_sum(list(sums)))
 
     def _end_epoch(self, epoch: int, epoch_time: float, train_loss: float) -> None:
         eval_start = time.perf_counter()
         eval_loss, eval_acc = self._evaluate()
         eval_time = time.perf_counter() - eval_start
+        metric = self.task.objective.metric  # accuracy, or perplexity for a language model
         self.progress["epoch_times_s"].append(epoch_time)
-        self.progress["history_eval"].append({"epoch": epoch, "loss": eval_loss, "accuracy": eval_acc})
+        self.progress["history_eval"].append({"epoch": epoch, "loss": eval_loss, metric: eval_acc})
         self.telemetry.log_epoch(
-            epoch, self.progress["step"], train_loss=train_loss, eval_loss=eval_loss, eval_accuracy=eval_acc,
+            epoch, self.progress["step"], train_loss=train_loss, eval_loss=eval_loss, **{f"eval_{metric}": eval_acc},
             epoch_time_s=epoch_time, eval_time_s=eval_time, frozen_blocks=self.freezer.frozen_blocks,
             peak_memory_bytes=tm.peak_memory_bytes(self.device), **self._cache_stats(),
         )
         # one line per epoch, also without the progress bar
         if self.is_main:
-            tqdm.write(f"epoch {epoch + 1}: train loss {train_loss:.4f}  eval loss {eval_loss:.4f}  accuracy "
+            tqdm.write(f"epoch {epoch + 1}: train loss {train_loss:.4f}  eval loss {eval_loss:.4f}  {metric} "
                        f"{eval_acc:.4f}  train time {epoch_time:.1f} s  frozen {sum(self.freezer.frozen)}"
                        f"/{len(self.freezer.blocks)}")
         if self.guard is not None:
@@ -631,7 +640,8 @@ class Trainer:
 
     def _guard_check(self) -> None:
         val_loss, val_acc = self._evaluate(self.val_set)
-        self.telemetry.log_step(self.progress["step"], val_loss=val_loss, val_accuracy=val_acc)
+        metric = self.task.objective.metric
+        self.telemetry.log_step(self.progress["step"], val_loss=val_loss, **{f"val_{metric}": val_acc})
         self.freezer.report_metric(val_loss)
 
     def _summary(self, wall_time: float) -> dict[str, Any]:
@@ -648,6 +658,7 @@ class Trainer:
             "strategy_params": dict(cfg.freeze.params),
             "test_accuracy": last_eval.get("accuracy"),
             "test_loss": last_eval.get("loss"),
+            **({"test_perplexity": last_eval.get("perplexity")} if self.task.objective.metric == "perplexity" else {}),
             "epochs": len(p["epoch_times_s"]),
             "steps": p["step"],
             "wall_time_s": wall_time,

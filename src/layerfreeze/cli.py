@@ -1,8 +1,8 @@
 """``layerfreeze`` command line: ``train``, ``blocks``, ``strategies``, ``assets``.
 
 Exit codes: 0 success; 2 bad input (config, strategy, missing asset, undiscoverable blocks, bad checkpoint) found
-before training starts; 130 interrupted (a resumable checkpoint was written); 1 a peer rank was lost (torchrun runs;
-the last checkpoint is resumable).
+before training starts; 130 interrupted (a resumable checkpoint was written); 1 the run was stopped (a peer rank was
+lost, the loss diverged or sat at chance level, a frozen weight moved; the last checkpoint is resumable).
 """
 
 from __future__ import annotations
@@ -150,8 +150,9 @@ def _overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[dict[str
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
+    from .integrity import FrozenWeightsChangedError, UnfrozenParameterError
     from .telemetry import print_summary
-    from .trainer import CONFIG_FILE, Trainer
+    from .trainer import CONFIG_FILE, DivergenceError, Trainer
 
     overrides = _overrides(args, TRAIN_FLAGS)
     config_path = args.config
@@ -188,6 +189,11 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
             console.print(f"\nInterrupted. A checkpoint is in {trainer.run_dir}/checkpoint; continue with:\n"
                           f"  {again} train --resume {trainer.run_dir}")
         return 130
+    except (DivergenceError, FrozenWeightsChangedError, UnfrozenParameterError) as exc:
+        Console(stderr=True, soft_wrap=True).print(
+            f"[bold red]layerfreeze: run stopped:[/] {exc}\nThe last checkpoint is in {trainer.run_dir}/checkpoint "
+            f"(continue with: {again} train --resume {trainer.run_dir})", highlight=False)
+        return 1
     except RankLostError as exc:
         Console(stderr=True, soft_wrap=True).print(
             f"[bold red]layerfreeze: error:[/] {exc}\nThe last complete checkpoint in {trainer.run_dir}/checkpoint "

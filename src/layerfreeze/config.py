@@ -165,6 +165,8 @@ class RunConfig(_Section):
     checkpoint_every_steps: int | None = Field(None, ge=1, description="also checkpoint every N optimizer steps")
     checkpoint_every_minutes: float | None = Field(10.0, gt=0, description="also checkpoint every M minutes")
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept (older ones deleted)")
+    divergence_window_steps: int | None = Field(
+        100, ge=1, description="stop when the loss sits at chance level for this many steps (null: never)")
     resume: str | None = None
     dist_timeout_s: float = Field(300, gt=0, description="seconds a collective waits for a peer rank (torchrun runs)")
 

@@ -48,6 +48,7 @@ from .checkpoint import CheckpointStore, load_checkpoint, rng_state, set_rng_sta
 from .config import Config, ConfigError
 from .engine import Freezer, block_param_groups
 from .guard import StabilityGuard
+from .integrity import FrozenWeightsChangedError, UnfrozenParameterError
 from .forward_split import split_for
 from .strategies import Strategy, create_strategy
 from .tasks import Task, build_task
@@ -334,6 +335,7 @@ class Trainer:
         if not self.config.run.checkpoint:
             return None
         t0 = time.perf_counter()
+        self.freezer.verify_frozen_weights()  # never checkpoint weights that moved while frozen
         extra = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "progress": dict(self.progress),
                  "config": self.config.model_dump(mode="json"), "world_size": self.world}
         if self.distributed:
@@ -462,13 +464,8 @@ class Trainer:
                     decision = self.freezer.step()  # timed: a strategy's own cost counts against it
                     step_time = time.perf_counter() - t0
                     comm = {}
-                    due = self._checkpoint_due()
-                    if self.distributed:  # global loss; every rank stops (or checkpoints) at the same step
-                        loss, stops, due = dist_.all_reduce_sum(
-                            [loss, float(self._stop_requested), float(due and self.is_main)])
-                        loss /= n
-                        self._stop_agreed = stops > 0
-                        due = due > 0
+                    due = self._due
+                    if self.distributed:
                         comm = {"grad_bytes_allreduced": self.ddp.bytes_per_step(), "world_size": self.world}
                     done_in_epoch += 1
                     self.progress["step"] += 1
@@ -486,6 +483,7 @@ class Trainer:
                     )
                     if comm:
                         self._track_comm(comm["grad_bytes_allreduced"])
+                    self._check_stuck(loss)
                     bar.set_postfix(loss=f"{loss:.4f}", frozen=f"{sum(self.freezer.frozen)}/{len(self.freezer.blocks)}")
                     for callback in self.step_callbacks:
                         callback(self)
@@ -504,7 +502,9 @@ class Trainer:
                 self._end_epoch(epoch, epoch_time, epoch_loss / max(1, epoch_n))
                 done_in_epoch = 0
         except BaseException as exc:
-            coordinated = not self.distributed or (isinstance(exc, KeyboardInterrupt) and self._stop_agreed)
+            coordinated = not self.distributed or isinstance(exc, DivergenceError) or (
+                isinstance(exc, KeyboardInterrupt) and self._stop_agreed)
+            coordinated = coordinated and not isinstance(exc, (FrozenWeightsChangedError, UnfrozenParameterError))
             # A failure on one rank leaves the others inside a collective: no collective checkpoint then; the last
             # complete one stays, and a lost peer is named.
             path = self._checkpoint(epoch, done_in_epoch, reason=type(exc).__name__) if coordinated else None
@@ -522,6 +522,7 @@ class Trainer:
                 self.watchdog.close()
             if self.runner is not None:
                 self.runner.cache.close()
+        self.freezer.verify_frozen_weights()
         summary = self._summary(time.perf_counter() - wall_start)
         self.telemetry.close()
         return summary
@@ -532,7 +533,8 @@ class Trainer:
         Stopping between steps keeps model, optimizer and data position consistent, so the resumed run is exact.
         """
         self._stop_requested = False  # this process got a Ctrl-C
-        self._stop_agreed = False  # distributed: some rank got one (all-reduced after every step)
+        self._stop_agreed = False  # distributed: some rank got one (all-reduced in every step)
+        self._due = False  # a periodic checkpoint is due after this step (agreed across ranks)
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
 
@@ -573,11 +575,20 @@ class Trainer:
             local = local_count  # 0 for a padded rank (see _local_batches)
             losses = losses[:local]
             loss_sum = losses.sum()
+            # one all-reduce per step, before backward: the global loss (checked below), a Ctrl-C on any rank, a
+            # periodic checkpoint due by rank 0's clock, so every rank stops or checkpoints at the same step
+            total, stops, due = dist_.all_reduce_sum(
+                [float(loss_sum.detach()), float(self._stop_requested), float(self._checkpoint_due() and self.is_main)])
+            self._stop_agreed, self._due = stops > 0, due > 0
+            value = total / global_count
+            self._check_finite(value)
             (loss_sum * dist_.loss_scale(local, global_count)).backward()
-            loss = loss_sum
         else:
             logits = self.runner(batch) if self.runner is not None else self.task.forward(self.model, batch)
             loss = self.task.loss(logits, batch)
+            value = float(loss.detach())
+            self._due = self._checkpoint_due()
+            self._check_finite(value)
             loss.backward()
         self.freezer.after_backward()
         if self.config.train.grad_clip:
@@ -586,7 +597,45 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return value
+
+    def _check_finite(self, loss: float) -> None:
+        """Stop before a non-finite loss reaches the weights (the run's checkpoint then holds the last good ones).
+
+        Raises:
+            DivergenceError: the (global) loss is NaN or infinite.
+        """
+        if not math.isfinite(loss):
+            raise DivergenceError(f"the training loss is {loss} at step {self.progress['step'] + 1}: the run "
+                                  "diverged. Lower train.lr or set train.grad_clip, then resume from the checkpoint")
+
+    def _check_stuck(self, loss: float) -> None:
+        """Stop a run whose loss sits at chance level (``ln`` of the number of classes, per token for a language
+        model) for ``run.divergence_window_steps`` steps: it learns nothing. With the stability guard the most
+        recently frozen block is thawed first and the window starts again.
+
+        Raises:
+            DivergenceError: the mean loss of the last window is at least 98% of the chance level.
+        """
+        window = self.config.run.divergence_window_steps
+        if not window or self.task.num_classes < 2:
+            return
+        recent = self.progress.setdefault("recent_losses", [])
+        recent.append(loss)
+        del recent[:-window]
+        chance = math.log(self.task.num_classes)
+        if len(recent) < window or sum(recent) / window < 0.98 * chance:
+            return
+        mean = sum(recent) / window
+        latest = [h for h in self.freezer.history if h["kind"] == "freeze" and self.freezer.frozen[h["index"]]]
+        if self.guard is not None and latest:
+            recent.clear()
+            self.freezer.thaw(latest[-1]["index"], reason=f"divergence: loss {mean:.4g} at chance level "
+                                                           f"({chance:.4g}) for {window} steps")
+            return
+        raise DivergenceError(f"the training loss has been at chance level for {window} steps (mean {mean:.4g}, "
+                              f"chance ln({self.task.num_classes}) = {chance:.4g}): the run learns nothing. Check "
+                              "the labels and train.lr (or raise run.divergence_window_steps, or set it to null)")
 
     def _track_comm(self, nbytes: int) -> None:
         """Phases of gradient bytes all-reduced per step: a new phase whenever the per-step count changes."""
@@ -694,6 +743,10 @@ def _write_atomically(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class DivergenceError(RuntimeError):
+    """The training loss became non-finite, or sat at chance level for ``run.divergence_window_steps`` steps."""
 
 
 class _NoTelemetry:

@@ -1,0 +1,220 @@
+"""Crash-anywhere resume: SIGKILL a training run at N seeded random instants, resume it each time, and compare the
+end with the uninterrupted run (weights, optimizer state, freeze history, per-step losses, evaluations), bitwise.
+
+The run: a 5-block MLP on synthetic 4-class data, smartfrz deciding every step, dropout on, a checkpoint after every
+step (so most kills land inside a checkpoint write or just around one). Each kill comes a random 0..``--max-delay``
+seconds after the restarted process reports that training began; a kill that finds a half-written checkpoint
+(``checkpoints/*.tmp``) is counted as "inside a write". Prints a table: kills, kills inside a write, resumes,
+mismatches (must be 0).
+
+    python benchmarks/crash_resume.py [--kills 100] [--seed 0] [--steps 640] [--max-delay 0.3]
+    python benchmarks/crash_resume.py --worker RUN_DIR STEPS      # one process of the run (what gets killed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve()
+
+
+# ---- the run that gets killed ------------------------------------------------------------------------------------
+
+
+def _task() -> Any:
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    from layerfreeze.tasks import Task, image_forward
+
+    class Points(Dataset):
+        def __init__(self, n: int, seed: int) -> None:
+            g = torch.Generator().manual_seed(seed)
+            self.labels = torch.randint(0, 4, (n,), generator=g)
+            centers = torch.randn(4, 16, generator=torch.Generator().manual_seed(0)) * 2
+            self.x = centers[self.labels] + torch.randn(n, 16, generator=g)
+
+        def __len__(self) -> int:
+            return len(self.labels)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"pixel_values": self.x[i], "labels": self.labels[i], "index": torch.tensor(i)}
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16 if i == 0 else 24, 24), nn.ReLU(), nn.Dropout(0.1))
+                            for i in range(4)], nn.Linear(24, 4))
+    return Task("points", model, Points(64, seed=1), Points(16, seed=2), 4, "mlp", image_forward)
+
+
+def worker(run_dir: Path, steps: int) -> None:
+    """Start the run, or resume it when the folder holds one (as ``layerfreeze train --resume`` does)."""
+    from layerfreeze.config import build_config
+    from layerfreeze.trainer import CONFIG_FILE, SUMMARY_FILE, Trainer
+
+    if (run_dir / SUMMARY_FILE).is_file():
+        print("done", flush=True)
+        return
+    cfg = build_config({
+        "train": {"epochs": steps // 8, "batch_size": 8, "lr": 0.01, "eval_batch_size": 16},
+        "freeze": {"strategy": "smartfrz"},
+        "run": {"dir": str(run_dir), "progress": False, "tensorboard": False, "checkpoint_every_steps": 1,
+                "threads": 1},
+    })
+    if (run_dir / CONFIG_FILE).is_file():
+        cfg.run.resume = str(run_dir)
+    announced = []
+
+    def started(trainer: Any) -> None:
+        if not announced:
+            announced.append(True)
+            print("started", flush=True)
+
+    Trainer(cfg, task=_task(), step_callbacks=[started]).run()
+    print("done", flush=True)
+
+
+# ---- the harness -----------------------------------------------------------------------------------------------
+
+
+def start(run_dir: Path, steps: int) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, str(HERE), "--worker", str(run_dir), str(steps)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(run_dir: Path, steps: int) -> None:
+    proc = start(run_dir, steps)
+    out, err = proc.communicate(timeout=600)
+    if proc.returncode != 0 or "done" not in out:
+        raise RuntimeError(f"the run did not finish: {err[-3000:]}")
+
+
+def kill_and_resume(run_dir: Path, steps: int, kills: int, seed: int, max_delay_s: float) -> dict[str, int]:
+    """Start the run, SIGKILL it ``kills`` times at random instants after training begins, then let it finish."""
+    rng = random.Random(seed)
+    stats = {"kills": 0, "in_checkpoint_write": 0, "finished_early": 0}
+    for _ in range(kills):
+        proc = start(run_dir, steps)
+        line = proc.stdout.readline().strip()
+        if line != "started":
+            proc.wait(timeout=60)
+            if line == "done":
+                stats["finished_early"] += 1
+                break
+            raise RuntimeError(f"the run failed to start: {proc.stderr.read()[-3000:]}")
+        try:
+            proc.wait(timeout=rng.uniform(0.0, max_delay_s))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            stats["kills"] += 1
+            stats["in_checkpoint_write"] += any((run_dir / "checkpoints").glob("*.tmp"))
+            continue
+        if proc.returncode != 0:
+            raise RuntimeError(f"the run failed: {proc.stderr.read()[-3000:]}")
+        stats["finished_early"] += 1
+        break
+    finish(run_dir, steps)
+    return stats
+
+
+def _same(a: Any, b: Any, where: str, out: list[str]) -> None:
+    if isinstance(a, torch.Tensor):
+        if not (isinstance(b, torch.Tensor) and torch.equal(a, b)):
+            out.append(where)
+    elif isinstance(a, dict):
+        if not isinstance(b, dict) or a.keys() != b.keys():
+            out.append(where)
+            return
+        for k in a:
+            _same(a[k], b[k], f"{where}/{k}", out)
+    elif isinstance(a, (list, tuple)):
+        if not isinstance(b, (list, tuple)) or len(a) != len(b):
+            out.append(where)
+            return
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]", out)
+    elif a != b:
+        out.append(where)
+
+
+def mismatches(ref_dir: Path, cut_dir: Path) -> list[str]:
+    """Where the killed-and-resumed run differs from the reference (empty when bitwise the same)."""
+    from safetensors.torch import load_file
+
+    from layerfreeze.report import _load_run
+
+    out: list[str] = []
+    states = []
+    for d in (ref_dir, cut_dir):
+        states.append((load_file(d / "checkpoint" / "model.safetensors"),
+                       torch.load(d / "checkpoint" / "state.pt", weights_only=True)))
+    (ref_w, ref_s), (cut_w, cut_s) = states
+    _same(ref_w, cut_w, "weights", out)
+    _same(ref_s["optimizer"], cut_s["optimizer"], "optimizer", out)
+    for key in ("frozen", "history", "strategy"):
+        _same(ref_s["freezer"][key], cut_s["freezer"][key], f"freezer/{key}", out)
+    a, b = _load_run(ref_dir), _load_run(cut_dir)
+    if not (np.array_equal(a.step, b.step) and np.array_equal(a.loss, b.loss)):
+        out.append("per-step losses")
+    fields = ("epoch", "eval_loss", "eval_accuracy", "train_loss")
+    if [[e[k] for k in fields] for e in a.epochs] != [[e[k] for k in fields] for e in b.epochs]:
+        out.append("epoch evaluations")
+    for key in ("test_accuracy", "test_loss", "steps", "frozen_blocks", "freeze_timeline", "eval_history",
+                "flops_total"):
+        if a.summary[key] != b.summary[key]:
+            out.append(f"summary/{key}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", nargs=2, metavar=("RUN_DIR", "STEPS"), help=argparse.SUPPRESS)
+    parser.add_argument("--kills", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=640)
+    parser.add_argument("--max-delay", type=float, default=0.3, help="seconds after training begins (max)")
+    parser.add_argument("--out", default="runs/bench-crash-resume")
+    args = parser.parse_args()
+    if args.worker:
+        worker(Path(args.worker[0]), int(args.worker[1]))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Path(args.out)
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    finish(out / "reference", args.steps)
+    stats = kill_and_resume(out / "killed", args.steps, args.kills, args.seed, args.max_delay)
+    diff = mismatches(out / "reference", out / "killed")
+    from layerfreeze.report import _load_run
+
+    resumes = len(_load_run(out / "killed").resumes)
+    table = Table(title=f"SIGKILL at {args.kills} random instants (seed {args.seed}), {args.steps} steps, "
+                        "a checkpoint after every step")
+    for col in ("kills", "inside a checkpoint write", "resumes", "mismatches", "finished before all kills",
+                "wall s"):
+        table.add_column(col, justify="right")
+    table.add_row(str(stats["kills"]), str(stats["in_checkpoint_write"]), str(resumes), str(len(diff)),
+                  str(stats["finished_early"]), f"{time.perf_counter() - t0:.0f}")
+    Console(width=140).print(table)
+    if diff:
+        print("differs in:", ", ".join(diff[:20]))
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -33,27 +33,14 @@ HERE = Path(__file__).resolve()
 
 def _task() -> Any:
     from torch import nn
-    from torch.utils.data import Dataset
 
+    from layerfreeze.data import GaussianBlobs
     from layerfreeze.tasks import Task, image_forward
-
-    class Points(Dataset):
-        def __init__(self, n: int, seed: int) -> None:
-            g = torch.Generator().manual_seed(seed)
-            self.labels = torch.randint(0, 4, (n,), generator=g)
-            centers = torch.randn(4, 16, generator=torch.Generator().manual_seed(0)) * 2
-            self.x = centers[self.labels] + torch.randn(n, 16, generator=g)
-
-        def __len__(self) -> int:
-            return len(self.labels)
-
-        def __getitem__(self, i: int) -> dict:
-            return {"pixel_values": self.x[i], "labels": self.labels[i], "index": torch.tensor(i)}
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16 if i == 0 else 24, 24), nn.ReLU(), nn.Dropout(0.1))
                             for i in range(4)], nn.Linear(24, 4))
-    return Task("points", model, Points(64, seed=1), Points(16, seed=2), 4, "mlp", image_forward)
+    return Task("points", model, GaussianBlobs(64, seed=1), GaussianBlobs(16, seed=2), 4, "mlp", image_forward)
 
 
 def worker(run_dir: Path, steps: int) -> None:

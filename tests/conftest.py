@@ -9,30 +9,24 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
+from layerfreeze.data import GaussianBlobs
 from layerfreeze.tasks import Task, image_forward
 
 
-class BlobDataset(Dataset):
-    """Gaussian blobs, 4 classes, 16 features: items ``{"pixel_values": (16,), "labels", "index"}``."""
+class BlobDataset(GaussianBlobs):
+    """Gaussian blobs, 4 classes, 16 features, counting fetches (``on_fetch(count)`` runs before each one)."""
 
     def __init__(self, n: int, seed: int, on_fetch=None):
-        g = torch.Generator().manual_seed(seed)
-        self.labels = torch.randint(0, 4, (n,), generator=g)
-        centers = torch.randn(4, 16, generator=torch.Generator().manual_seed(0)) * 2
-        self.x = centers[self.labels] + torch.randn(n, 16, generator=g)
+        super().__init__(n, seed)
         self.on_fetch = on_fetch
         self.fetches = 0
-
-    def __len__(self):
-        return len(self.labels)
 
     def __getitem__(self, i):
         self.fetches += 1
         if self.on_fetch is not None:
             self.on_fetch(self.fetches)
-        return {"pixel_values": self.x[i], "labels": self.labels[i], "index": torch.tensor(i)}
+        return super().__getitem__(i)
 
 
 def blob_task(on_fetch=None) -> Task:

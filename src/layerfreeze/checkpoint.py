@@ -166,8 +166,16 @@ def load_checkpoint(
     freezer: Freezer | None = None,
     scheduler: Any = None,
     restore_rng: bool = True,
+    *,
+    load_weights: Any = None,
+    load_optimizer: Any = None,
 ) -> dict[str, Any]:
     """Restore a checkpoint written by :func:`save_checkpoint` into live objects built the same way.
+
+    Args:
+        load_weights: ``(model, weights_file)`` to load the weights another way (a sharded model); default
+            safetensors' ``load_model``.
+        load_optimizer: ``(optimizer, saved_state)`` likewise; default ``optimizer.load_state_dict``.
 
     Returns:
         The ``extra`` dict given at save time.
@@ -180,11 +188,11 @@ def load_checkpoint(
     state = read_state(path)
     weights = path / "model.safetensors"
     try:
-        load_model(model, str(weights))
+        (load_weights or (lambda m, f: load_model(m, str(f))))(model, weights)
         if freezer is not None and state["freezer"] is not None:
             freezer.load_state_dict(state["freezer"])
         if optimizer is not None and state["optimizer"] is not None:
-            optimizer.load_state_dict(state["optimizer"])
+            (load_optimizer or (lambda o, saved: o.load_state_dict(saved)))(optimizer, state["optimizer"])
         if scheduler is not None and state["scheduler"] is not None:
             scheduler.load_state_dict(state["scheduler"])
     except (ValueError, KeyError, RuntimeError) as exc:

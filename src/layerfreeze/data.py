@@ -414,3 +414,24 @@ def load_image_folder(root: str | Path, size: int = 32) -> ImageFolderDictDatase
         ]
     )
     return ImageFolderDictDataset(datasets.ImageFolder(str(root), transform=transform))
+
+
+class GaussianBlobs(Dataset):
+    """Synthetic classification data for smoke tests, examples and benchmarks: ``classes`` Gaussian clusters.
+
+    Centers ``(classes, dim)`` are drawn once (seed 0, scale 2); each sample is its class center plus unit noise,
+    both from ``seed``. Items: ``{"pixel_values": (dim,) float32, "labels": int64, "index": int64}``, so the
+    trainer's image forward and the activation cache (keyed by ``index``) take them as they are.
+    """
+
+    def __init__(self, n: int, seed: int, classes: int = 4, dim: int = 16) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(0, classes, (n,), generator=g)
+        centers = torch.randn(classes, dim, generator=torch.Generator().manual_seed(0)) * 2
+        self.x = centers[self.labels] + torch.randn(n, dim, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"pixel_values": self.x[i], "labels": self.labels[i], "index": torch.tensor(i)}

@@ -218,12 +218,15 @@ class _Forward(nn.Module):
 
 
 def _frozen_names(wrapper: nn.Module, freezer: Any) -> list[str]:
-    """Names (in ``wrapper``) of parameters that do not require grad and of the buffers inside frozen blocks.
+    """Names (in ``wrapper``) of parameters that do not require grad and of the buffers inside frozen blocks (kept
+    with ``train_bn``, where those blocks' BatchNorm statistics still change).
 
     Why: DDP broadcasts every registered parameter and buffer from rank 0 when it is built and every buffer before
     each forward (``broadcast_buffers``); frozen state is the same on every rank already, so sending it is waste.
     """
     names = [n for n, p in wrapper.named_parameters() if not p.requires_grad]
+    if freezer.train_bn:  # frozen blocks' BatchNorm layers keep training: their statistics must stay in sync
+        return names
     frozen_buffers = {id(b) for block, f in zip(freezer.blocks, freezer.frozen) if f
                       for _, m in block.modules for b in m.buffers()}
     names += [n for n, b in wrapper.named_buffers() if id(b) in frozen_buffers]

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .blocks import Block
-from .checkpoint import CheckpointError, read_state, save_checkpoint, set_rng_state
+from .checkpoint import load_checkpoint, save_checkpoint
 
 
 def shard_blocks(model: nn.Module, blocks: Sequence[Block], **fully_shard_kwargs: Any) -> nn.Module:
@@ -133,21 +133,10 @@ def load_full_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.op
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    path = Path(path)
-    state = read_state(path)
-    try:
-        set_model_state_dict(model, load_file(str(path / "model.safetensors")), options=_full_options())
-        if freezer is not None and state["freezer"] is not None:
-            freezer.load_state_dict(state["freezer"])
-        if state["optimizer"] is not None:
-            _load_optimizer_state(model, optimizer, state["optimizer"])
-        if scheduler is not None and state["scheduler"] is not None:
-            scheduler.load_state_dict(state["scheduler"])
-    except (ValueError, KeyError, RuntimeError) as exc:
-        raise CheckpointError(f"Checkpoint {path} does not fit this run: {exc}") from exc
-    if restore_rng:
-        set_rng_state(state["rng"])
-    return state["extra"]
+    return load_checkpoint(
+        path, model, optimizer, freezer, scheduler, restore_rng,
+        load_weights=lambda m, f: set_model_state_dict(m, load_file(str(f)), options=_full_options()),
+        load_optimizer=lambda o, saved: _load_optimizer_state(model, o, saved))
 
 
 def _full(value: Any) -> Any:

@@ -17,25 +17,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
+from layerfreeze.data import GaussianBlobs
 from layerfreeze.tasks import Task, image_forward
-
-
-class Points(Dataset):
-    """Four Gaussian classes in 16 dimensions: items ``{"pixel_values", "labels", "index"}``."""
-
-    def __init__(self, n: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.labels = torch.randint(0, 4, (n,), generator=g)
-        centers = torch.randn(4, 16, generator=torch.Generator().manual_seed(0)) * 2
-        self.x = centers[self.labels] + torch.randn(n, 16, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"pixel_values": self.x[i], "labels": self.labels[i], "index": torch.tensor(i)}
 
 
 def mlp_task(dropout: float = 0.0) -> Task:
@@ -47,7 +31,7 @@ def mlp_task(dropout: float = 0.0) -> Task:
         layers.append(nn.Sequential(nn.Linear(width, 24), nn.ReLU(), nn.Dropout(dropout)))
         width = 24
     layers.append(nn.Linear(width, 4))
-    return Task("points", nn.Sequential(*layers), Points(90, seed=1), Points(30, seed=2), 4, "mlp", image_forward)
+    return Task("points", nn.Sequential(*layers), GaussianBlobs(90, seed=1), GaussianBlobs(30, seed=2), 4, "mlp", image_forward)
 
 
 def weight_hashes(model: nn.Module) -> dict[str, str]:

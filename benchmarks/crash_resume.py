@@ -7,7 +7,7 @@ seconds after the restarted process reports that training began; a kill that fin
 (``checkpoints/*.tmp``) is counted as "inside a write". Prints a table: kills, kills inside a write, resumes,
 mismatches (must be 0).
 
-    python benchmarks/crash_resume.py [--kills 100] [--seed 0] [--steps 640] [--max-delay 0.3]
+    python benchmarks/crash_resume.py [--kills 100] [--seed 0] [--steps 2400] [--max-delay 0.3]
     python benchmarks/crash_resume.py --worker RUN_DIR STEPS      # one process of the run (what gets killed)
 """
 
@@ -169,7 +169,7 @@ def main() -> None:
     parser.add_argument("--worker", nargs=2, metavar=("RUN_DIR", "STEPS"), help=argparse.SUPPRESS)
     parser.add_argument("--kills", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=640)
+    parser.add_argument("--steps", type=int, default=2400)
     parser.add_argument("--max-delay", type=float, default=0.3, help="seconds after training begins (max)")
     parser.add_argument("--out", default="runs/bench-crash-resume")
     args = parser.parse_args()

@@ -12,21 +12,27 @@ groups so they match the saved ones), optimizer state, scheduler state, RNG stat
 public faults "loaded state dict has a different number of parameter groups", a ``KeyError`` packing state of
 removed parameters, and resumed runs whose frozen blocks silently train again (or thawed ones never do).
 
-A folder is written next to the destination and renamed into place, so an interrupted save never leaves a
-half-written checkpoint under the final name.
+Every file is fsynced, then the folder, then it is renamed into place and its parent fsynced, so a kill or a power
+loss at any instant leaves either the old or the new checkpoint complete, never a half-written one under a final
+name. :class:`CheckpointStore` keeps the last K of them in a run folder (``checkpoints/NNNNNN-stepSSSSSSSSS/``,
+with ``checkpoint`` a symbolic link to the newest), and resumes from the newest complete one, falling back past a
+corrupt one with a message.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import random
+import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 
 from .engine import Freezer
@@ -44,6 +50,15 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a folder's data and metadata to disk (the folder: so a rename in it survives power loss)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def rng_state() -> dict[str, Any]:
@@ -76,11 +91,16 @@ def save_checkpoint(
     freezer: Freezer | None = None,
     scheduler: Any = None,
     extra: dict[str, Any] | None = None,
+    *,
+    model_state: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint folder at ``path`` (replacing an older one atomically).
 
     Args:
         extra: Caller fields to keep (plain Python values / tensors), e.g. ``{"step": 120, "epoch": 2}``.
+        model_state / optimizer_state: Full state dicts to write instead of ``model`` / ``optimizer``'s own (a
+            sharded model's gathered state: :func:`layerfreeze.fsdp.save_full_checkpoint`).
 
     Returns:
         The checkpoint folder.
@@ -89,24 +109,54 @@ def save_checkpoint(
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_model(model, str(tmp / "model.safetensors"))
+    if model_state is not None:
+        save_file({k: v.detach().contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+    else:
+        save_model(model, str(tmp / "model.safetensors"))
+    if optimizer_state is None and optimizer is not None:
+        optimizer_state = optimizer.state_dict()
     state = {
         "format_version": FORMAT_VERSION,
         "model_sha256": _sha256(tmp / "model.safetensors"),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "optimizer": optimizer_state,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "freezer": freezer.state_dict() if freezer is not None else None,
         "rng": rng_state(),
         "extra": extra or {},
     }
     torch.save(state, tmp / "state.pt")
+    for name in ("model.safetensors", "state.pt"):
+        _fsync(tmp / name)
+    _fsync(tmp)
     old = path.with_name(path.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if path.exists():
         path.rename(old)
     tmp.rename(path)
+    _fsync(path.parent)
     shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """The verified ``state.pt`` of checkpoint folder ``path`` (its weights file checked against its SHA-256).
+
+    Raises:
+        CheckpointError: a missing file, an unreadable state file, another format version, corrupt weights.
+    """
+    weights, state_file = path / "model.safetensors", path / "state.pt"
+    for f in (weights, state_file):
+        if not f.is_file():
+            raise CheckpointError(f"Checkpoint {path} is incomplete: {f.name} is missing")
+    try:
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a corrupt file
+        raise CheckpointError(f"Checkpoint state file {state_file} is unreadable ({exc}); it is corrupt") from exc
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"Checkpoint {path} has format {state.get('format_version')!r}, need {FORMAT_VERSION}")
+    if _sha256(weights) != state["model_sha256"]:
+        raise CheckpointError(f"Checkpoint weights {weights} do not match their recorded SHA-256: corrupt/truncated")
+    return state
 
 
 def load_checkpoint(
@@ -127,18 +177,8 @@ def load_checkpoint(
             unknown format version, or state that does not fit the given objects.
     """
     path = Path(path)
-    weights, state_file = path / "model.safetensors", path / "state.pt"
-    for f in (weights, state_file):
-        if not f.is_file():
-            raise CheckpointError(f"Checkpoint {path} is incomplete: {f.name} is missing")
-    try:
-        state = torch.load(state_file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a corrupt file
-        raise CheckpointError(f"Checkpoint state file {state_file} is unreadable ({exc}); it is corrupt") from exc
-    if state.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"Checkpoint {path} has format {state.get('format_version')!r}, need {FORMAT_VERSION}")
-    if _sha256(weights) != state["model_sha256"]:
-        raise CheckpointError(f"Checkpoint weights {weights} do not match their recorded SHA-256: corrupt/truncated")
+    state = read_state(path)
+    weights = path / "model.safetensors"
     try:
         load_model(model, str(weights))
         if freezer is not None and state["freezer"] is not None:
@@ -152,3 +192,111 @@ def load_checkpoint(
     if restore_rng:
         set_rng_state(state["rng"])
     return state["extra"]
+
+
+_ENTRY = re.compile(r"^(\d{6})-step(\d{9})$")
+
+
+class CheckpointStore:
+    """The last ``keep`` checkpoints of a run, written so that a kill at any instant loses at most the one being
+    written, and read back newest-complete-first.
+
+    Layout under ``root`` (a run folder): ``checkpoints/NNNNNN-stepSSSSSSSSS/`` (``N`` counts saves, ``S`` is the
+    optimizer step), each a :func:`save_checkpoint` folder, and ``checkpoint``, a symbolic link to the newest,
+    replaced atomically after each save (where the filesystem has no links, there is none; the folders suffice).
+    A folder still named ``*.tmp`` is an interrupted save: ignored and removed. A run folder written before this
+    layout (a plain ``checkpoint/`` folder) is still read.
+
+    Args:
+        root: The run folder.
+        keep: Complete checkpoints to keep, ``>= 1`` (older ones are deleted after each save).
+
+    Raises:
+        ValueError: ``keep < 1``.
+    """
+
+    def __init__(self, root: str | Path, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 checkpoints, got {keep}")
+        self.root = Path(root)
+        self.dir = self.root / "checkpoints"
+        self.link = self.root / "checkpoint"
+        self.keep = keep
+
+    def entries(self) -> list[Path]:
+        """Finished checkpoint folders, newest first (by save count)."""
+        if not self.dir.is_dir():
+            return []
+        found = [p for p in self.dir.iterdir() if p.is_dir() and _ENTRY.match(p.name)]
+        return sorted(found, key=lambda p: p.name, reverse=True)
+
+    def candidates(self) -> list[Path]:
+        """Where a resume may start, newest first: the store's folders, else a legacy ``checkpoint/`` folder."""
+        entries = self.entries()
+        if entries:
+            return entries
+        legacy = self.link
+        return [legacy] if legacy.is_dir() and not legacy.is_symlink() and (legacy / "state.pt").exists() else []
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+             freezer: Freezer | None = None, scheduler: Any = None, extra: dict[str, Any] | None = None,
+             **kwargs: Any) -> Path:
+        """Write a new checkpoint (see :func:`save_checkpoint` for ``kwargs``), point ``checkpoint`` at it, and
+        delete the ones beyond ``keep``. Returns its folder."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob("*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        entries = self.entries()
+        count = int(_ENTRY.match(entries[0].name).group(1)) + 1 if entries else 1
+        path = self.dir / f"{count:06d}-step{step:09d}"
+        save_checkpoint(path, model, optimizer, freezer, scheduler, extra, **kwargs)
+        self._point_link(path)
+        for old in self.entries()[self.keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def _point_link(self, path: Path) -> None:
+        if self.link.exists() and not self.link.is_symlink():
+            return  # a legacy checkpoint/ folder: leave it
+        tmp = self.root / ".checkpoint.link.tmp"
+        try:
+            if tmp.is_symlink() or tmp.exists():
+                tmp.unlink()
+            os.symlink(os.path.relpath(path, self.root), tmp)
+            os.replace(tmp, self.link)
+            _fsync(self.root)
+        except OSError:
+            pass  # no symbolic links here: resume reads checkpoints/ itself
+
+    def load_latest(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    freezer: Freezer | None = None, scheduler: Any = None,
+                    loader: Any = None) -> tuple[Path, dict[str, Any]]:
+        """Load the newest checkpoint that verifies, falling back (with a warning naming it and why) past corrupt
+        or incomplete ones.
+
+        Args:
+            loader: ``loader(path, model, optimizer, freezer, scheduler) -> extra``; default :func:`load_checkpoint`
+                (:func:`layerfreeze.fsdp.load_full_checkpoint` for a sharded model).
+
+        Returns:
+            ``(folder, extra)`` of the checkpoint loaded.
+
+        Raises:
+            FileNotFoundError: the run has no checkpoint at all.
+            CheckpointError: every checkpoint is corrupt (the message lists them and why).
+        """
+        loader = loader or load_checkpoint
+        candidates = self.candidates()
+        if not candidates:
+            raise FileNotFoundError(f"no checkpoint in {self.root} (expected {self.dir}/NNNNNN-stepSSSSSSSSS/)")
+        problems = []
+        for path in candidates:
+            try:
+                read_state(path)  # verify before touching the live objects
+                return path, loader(path, model, optimizer, freezer, scheduler)
+            except CheckpointError as exc:
+                problems.append(f"{path.name}: {exc}")
+                if path is not candidates[-1]:
+                    warnings.warn(f"checkpoint {path} is unusable ({exc}); falling back to an older one",
+                                  stacklevel=2)
+        raise CheckpointError(f"no usable checkpoint in {self.dir}: " + "; ".join(problems))

@@ -1,7 +1,8 @@
 """``layerfreeze`` command line: ``train``, ``blocks``, ``strategies``, ``assets``.
 
 Exit codes: 0 success; 2 bad input (config, strategy, missing asset, undiscoverable blocks, bad checkpoint) found
-before training starts; 130 interrupted (a resumable checkpoint was written).
+before training starts; 130 interrupted (a resumable checkpoint was written); 1 a peer rank was lost (torchrun runs;
+the last checkpoint is resumable).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from .blocks import BlockDiscoveryError
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config, parse_override
 from .compare import DEFAULT_ROWS
+from .distributed import RankLostError, launched_world_size
 from .smartfrz.predictor import PredictorError
 from .strategies import DEFAULT_STRATEGY, STRATEGIES, UnknownStrategyError, strategy_parameters
 
@@ -169,14 +172,27 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         overrides = [saved, *overrides]
     config = load_config(config_path, overrides)
     trainer = Trainer(config)
-    console.print(f"[bold]layerfreeze[/] {config.task} | strategy {config.freeze.strategy} "
-                  f"{config.freeze.params or ''} | run dir {trainer.run_dir}")
+    world = launched_world_size()
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 alone speaks
+    again = "torchrun --nproc_per_node N -m layerfreeze" if world > 1 else "layerfreeze"
+    if main_rank:
+        console.print(f"[bold]layerfreeze[/] {config.task} | strategy {config.freeze.strategy} "
+                      f"{config.freeze.params or ''} | run dir {trainer.run_dir}"
+                      + (f" | {world} ranks" if world > 1 else ""))
     try:
         summary = trainer.run()
     except KeyboardInterrupt:
-        console.print(f"\nInterrupted. A checkpoint is in {trainer.run_dir}/checkpoint; continue with:\n"
-                      f"  layerfreeze train --resume {trainer.run_dir}")
+        if main_rank:
+            console.print(f"\nInterrupted. A checkpoint is in {trainer.run_dir}/checkpoint; continue with:\n"
+                          f"  {again} train --resume {trainer.run_dir}")
         return 130
+    except RankLostError as exc:
+        Console(stderr=True, soft_wrap=True).print(
+            f"[bold red]layerfreeze: error:[/] {exc}\nThe last complete checkpoint in {trainer.run_dir}/checkpoint "
+            f"is resumable: {again} train --resume {trainer.run_dir}", highlight=False)
+        return 1
+    if not main_rank:
+        return 0
     print_summary(summary, console=console)
     console.print(f"metrics: {trainer.run_dir}/metrics.jsonl   TensorBoard: tensorboard --logdir {trainer.run_dir}")
     _report(trainer.run_dir, args, console)

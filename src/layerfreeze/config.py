@@ -147,7 +147,12 @@ class FreezeConfig(_Section):
 
 
 class RunConfig(_Section):
-    """Where results go and how the run behaves."""
+    """Where results go and how the run behaves.
+
+    Checkpoints (:class:`~layerfreeze.checkpoint.CheckpointStore`) are written at every epoch end, every
+    ``checkpoint_every_steps`` steps and every ``checkpoint_every_minutes`` minutes (after the step that passes it),
+    and on Ctrl-C or an exception; the last ``keep_checkpoints`` complete ones are kept.
+    """
 
     dir: str | None = None
     device: str = "auto"
@@ -155,7 +160,11 @@ class RunConfig(_Section):
     progress: bool = True
     tensorboard: bool = True
     checkpoint: bool = True
+    checkpoint_every_steps: int | None = Field(None, ge=1, description="also checkpoint every N optimizer steps")
+    checkpoint_every_minutes: float | None = Field(10.0, gt=0, description="also checkpoint every M minutes")
+    keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept (older ones deleted)")
     resume: str | None = None
+    dist_timeout_s: float = Field(300, gt=0, description="seconds a collective waits for a peer rank (torchrun runs)")
 
 
 class Config(_Section):

@@ -172,6 +172,12 @@ class Freezer:
         steps_per_epoch: Optimizer steps per epoch, if known.
         on_event: Called with each freeze/thaw record (a dict), e.g. to log it to telemetry.
         guard: An optional :class:`~layerfreeze.guard.StabilityGuard`; feed it with :meth:`report_metric`.
+        distributed: Decide on rank 0 and broadcast each decision to every rank (``torch.distributed``), so all
+            ranks freeze and thaw the same blocks at the same step whatever the strategy looks at. Default: on when
+            a process group of more than one rank is initialized. Only rank 0 runs the strategy (its hooks,
+            threads and signals); the other ranks apply what it decided. Every rank must create the Freezer and
+            call :meth:`step`, :meth:`epoch_end` and :meth:`report_metric` at the same points (they are
+            collectives then).
 
     The strategy's start stage runs in the constructor, so blocks a strategy freezes from the start are frozen
     before the first forward pass, and learning-rate factors it sets apply to the first step (create the LR
@@ -196,7 +202,10 @@ class Freezer:
         steps_per_epoch: int | None = None,
         on_event: Callable[[dict[str, Any]], None] | None = None,
         guard: StabilityGuard | None = None,
+        distributed: bool | None = None,
     ) -> None:
+        from . import distributed as dist_
+
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -228,8 +237,15 @@ class Freezer:
         self._backward_calls = 0
         self._lr_scale: dict[int, float] = {}
         self._lr_written: dict[int, tuple[float, float]] = {}  # group -> (unscaled lr, lr we wrote)
+        self.distributed = dist_.is_distributed() if distributed is None else bool(distributed)
+        if self.distributed and not dist_.is_distributed():
+            raise RuntimeError("Freezer(distributed=True) needs an initialized torch.distributed process group of "
+                               "more than one rank")
+        #: Whether this process runs the strategy: always in one process, on rank 0 only when distributed.
+        self.decides = not self.distributed or dist_.rank() == 0
         self.strategy.validate(len(self.blocks))
-        self.strategy.attach(model, self.blocks)
+        if self.decides:
+            self.strategy.attach(model, self.blocks)
         self._stage(event="start")
         self._apply_lr_scales()  # LR factors from the start stage already apply to the first step
 
@@ -396,8 +412,15 @@ class Freezer:
         self._apply_lr_scales()
 
     def close(self) -> None:
-        """Release what the strategy attached (hooks, background threads)."""
-        self.strategy.detach()
+        """Release what the strategy attached (hooks, background threads). Idempotent."""
+        if self.decides:
+            self.strategy.detach()
+
+    def __enter__(self) -> Freezer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # ---- training-loop hooks -------------------------------------------------------------------------------
 
@@ -407,8 +430,8 @@ class Freezer:
         Only needed when the strategy lists ``"grad_l1"`` in its ``signals``; cheap otherwise (returns at once).
         """
         self._backward_calls += 1
-        if "grad_l1" not in self.strategy.signals:
-            return
+        if "grad_l1" not in self.strategy.signals or not self.decides:
+            return  # off rank 0 no strategy reads it (gradients are all-reduced, so rank 0's sums are global)
         with torch.no_grad():
             for block in self.blocks:
                 if self.frozen[block.index]:
@@ -439,9 +462,16 @@ class Freezer:
         """
         if self.guard is None:
             return None
-        index = self.guard.observe(float(value), list(self.frozen))
+        index, reference = None, float("nan")
+        if self.decides:
+            index = self.guard.observe(float(value), list(self.frozen))
+            if self.guard.reference is not None:
+                reference = self.guard.reference
+        if self.distributed:
+            from .distributed import broadcast_object
+
+            index, reference, value = broadcast_object((index, reference, value))
         if index is not None:
-            reference = self.guard.reference if self.guard.reference is not None else float("nan")
             self.thaw(index, reason=f"guard: metric {value:.4g} worse than {reference:.4g} before the freeze")
         return index
 
@@ -514,9 +544,15 @@ class Freezer:
         self._backward_calls = state["backward_calls"]
         self._lr_scale = {int(k): v for k, v in state["lr_scale"].items()}
         self._lr_written = {int(k): tuple(v) for k, v in state["lr_written"].items()}
-        self.strategy.load_state_dict(state["strategy"]["state"])
+        if self.decides:
+            self.strategy.load_state_dict(state["strategy"]["state"])
         if self.guard is not None and state.get("guard") is not None:
             self.guard.load_state_dict(state["guard"])
+        if self.distributed:  # the stage cadence may come from the strategy's state (smartfrz): take rank 0's
+            from .distributed import broadcast_object
+
+            self.strategy.stage_every, self.strategy.at_epoch_end = broadcast_object(
+                (self.strategy.stage_every, self.strategy.at_epoch_end))
 
     # ---- internals -----------------------------------------------------------------------------------------
 
@@ -574,15 +610,23 @@ class Freezer:
         )
 
     def _stage(self, event: str) -> Decision:
-        decision = self.strategy.decide(self._context(event))
+        decision = Decision()
+        error: str | None = None
+        if self.decides:
+            try:
+                decision = self._admissible(self.strategy.decide(self._context(event)))
+            except Exception as exc:
+                if not self.distributed:
+                    raise
+                error = f"{type(exc).__name__}: {exc}"
+                self._share(decision, error)  # the other ranks raise too instead of waiting for a decision
+                raise
+            self.last_signals = dict(decision.signals)
+        if self.distributed:
+            decision = self._share(decision, error)
         self._grad_l1 = [0.0] * len(self.blocks)
         self._backward_calls = 0
-        self.last_signals = dict(decision.signals)
         for i in decision.freeze:
-            if self.blocks[i].is_head:
-                raise RuntimeError(f"Strategy {self.strategy.name!r} tried to freeze the head ({self.blocks[i].name})")
-            if self.guard is not None and self.guard.blocks_freeze(i):
-                continue  # cooling down after a guard thaw
             if self.freeze(i, reason=decision.reason or self.strategy.name) and self.guard is not None:
                 self.guard.on_freeze(i)
         for i in decision.thaw:
@@ -595,3 +639,42 @@ class Freezer:
             else:
                 self._lr_scale[i] = float(scale)
         return decision
+
+    def _admissible(self, decision: Decision) -> Decision:
+        """``decision`` without freezes the stability guard holds back (cooling down after a guard thaw).
+
+        Raises:
+            RuntimeError: the strategy tried to freeze the head.
+        """
+        for i in decision.freeze:
+            if self.blocks[i].is_head:
+                raise RuntimeError(f"Strategy {self.strategy.name!r} tried to freeze the head ({self.blocks[i].name})")
+        if self.guard is not None:
+            decision.freeze = [i for i in decision.freeze if not self.guard.blocks_freeze(i)]
+        return decision
+
+    def _share(self, decision: Decision, error: str | None) -> Decision:
+        """Rank 0's decision (and stage cadence) on every rank; signals stay on rank 0, which logs them.
+
+        Why: strategies read signals that can differ across ranks (a background thread finishing at another step,
+        float noise in a local statistic); applying rank 0's decision everywhere keeps the frozen sets, and so the
+        DDP wrappers and the weights, identical.
+        """
+        from .distributed import broadcast_object
+
+        payload = None
+        if self.decides:
+            payload = {"error": error, "freeze": list(decision.freeze), "thaw": list(decision.thaw),
+                       "reason": decision.reason, "thaw_lr": dict(decision.thaw_lr),
+                       "lr_scale": dict(decision.lr_scale), "stage_every": self.strategy.stage_every,
+                       "at_epoch_end": self.strategy.at_epoch_end}
+        payload = broadcast_object(payload)
+        if payload["error"] is not None:
+            if self.decides:
+                return decision
+            raise RuntimeError(f"the freezing strategy failed on rank 0: {payload['error']}")
+        self.strategy.stage_every, self.strategy.at_epoch_end = payload["stage_every"], payload["at_epoch_end"]
+        if self.decides:
+            return decision
+        return Decision(freeze=payload["freeze"], thaw=payload["thaw"], reason=payload["reason"],
+                        thaw_lr=payload["thaw_lr"], lr_scale=payload["lr_scale"])

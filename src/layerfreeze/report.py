@@ -18,7 +18,8 @@ Single run (``metrics.jsonl``):
 
 A run without ``summary.json`` (interrupted, or still running) gets what its ``metrics.jsonl`` allows and a banner
 saying so. A resumed run's records are read the way the trainer replays them: whatever was logged after the
-checkpoint it resumed from is dropped (those steps were redone).
+checkpoint it resumed from is dropped (those steps were redone); a run that restarted from the beginning (stopped
+before its first checkpoint) keeps only what it logged after the restart.
 
 Comparison (``compare.json``): a table with the columns of ``compare.md`` plus a link to each row's own report
 (generated too), ``accuracy_vs_time.png`` (test accuracy vs training time, ``none`` highlighted, rows named in a
@@ -324,7 +325,7 @@ def _load_run(run_dir: Path) -> _Run:
                     steps = {s: r for s, r in steps.items() if s <= cut}
                     vals = {s: r for s, r in vals.items() if s <= cut}
                     epochs = {e: r for e, r in epochs.items() if _num(r.get("step")) <= cut}
-                    events = [e for e in events if _num(e.get("step")) <= cut]
+                    events = [e for e in events if _num(e.get("step")) <= cut and not rec.get("from_start")]
             else:
                 events.append(rec)
 

@@ -9,16 +9,27 @@ freezing stage; data loading and evaluation excluded), samples/s, training FLOPs
 ``FlopCounterMode`` on a real step (re-measured whenever the frozen set changes), cumulative FLOPs, peak memory
 (bytes). A checkpoint is written at every epoch end and when the run is interrupted (Ctrl-C or an exception), so
 ``layerfreeze train --resume RUN_DIR`` continues exactly where it stopped (same batches, same RNG).
+
+Launched by ``torchrun`` (``WORLD_SIZE`` > 1) the same loop is data-parallel (:mod:`layerfreeze.distributed`):
+``train.batch_size`` stays the *global* batch, each rank takes its interleaved share of every batch
+(``batch[rank::world]``) and weights its summed loss so the all-reduced gradient is the global batch's mean (the
+run follows the single-process trajectory up to float rounding); the model trains inside
+:class:`~layerfreeze.distributed.FreezeDDP` (rebuilt around the trainable parameters on every freeze/thaw), rank 0
+decides every freeze, loss and evaluation are all-reduced, and rank 0 alone writes telemetry, checkpoints (with
+every rank's RNG state) and the summary. A rank that dies makes the others stop with
+:class:`~layerfreeze.distributed.RankLostError` naming it; the last checkpoint stays resumable.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,10 +40,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm.auto import tqdm
 
+from . import distributed as dist_
 from . import telemetry as tm
 from .blocks import discover_blocks
 from .cache import ActivationCache, CachedPrefix, check_deterministic
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointStore, load_checkpoint, rng_state, set_rng_state
 from .config import Config, ConfigError
 from .engine import Freezer, block_param_groups
 from .guard import StabilityGuard
@@ -208,7 +220,13 @@ class Trainer:
         cfg = self.config
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        self.device = resolve_device(cfg.run.device)
+        self.distributed = dist_.init_distributed(cfg.run.dist_timeout_s)
+        self.rank, self.world = dist_.rank(), dist_.world_size()
+        self.is_main = self.rank == 0
+        self.device = dist_.local_device(resolve_device(cfg.run.device))
+        self.watchdog = dist_.RankWatchdog() if self.distributed else None
+        if self.distributed:
+            torch.distributed.barrier()  # every rank has checked the run folder before rank 0 writes into it
         seed_everything(cfg.train.seed)
         if self.task is None:
             self.task = build_task(cfg)
@@ -237,15 +255,26 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(self.total_steps, warmup, cfg.train.schedule)
         )
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.telemetry = tm.Telemetry(self.run_dir, tensorboard=cfg.run.tensorboard)
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.telemetry: tm.Telemetry | _NoTelemetry = tm.Telemetry(self.run_dir, tensorboard=cfg.run.tensorboard)
+        else:
+            self.telemetry = _NoTelemetry()
         self.freezer = Freezer(
             model, self.optimizer, strategy, blocks=blocks, train_bn=cfg.freeze.train_bn, scheduler=self.scheduler,
             total_steps=self.total_steps, steps_per_epoch=self.batches_per_epoch, guard=self.guard,
         )
         self.model = model
+        self.store = CheckpointStore(self.run_dir, cfg.run.keep_checkpoints)
         self.runner = self._make_cache_runner(blocks)
-        (self.run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
+        self.ddp = None
+        if self.distributed:
+            forward = self.runner if self.runner is not None else (lambda batch: self.task.forward(model, batch))
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp = dist_.FreezeDDP(model, self.freezer, forward, device_ids=device_ids,
+                                       on_rebuild=self._on_rebuild)
+        if self.is_main:
+            (self.run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
 
     def _make_cache_runner(self, blocks: list) -> CachedPrefix | None:
         """The cached forward (``freeze.cache``), or None to use the task's plain forward.
@@ -265,32 +294,90 @@ class Trainer:
             self.telemetry.log_event("cache_off", 0, reason=str(exc))
             return None
         dtype = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[cfg.dtype]
-        cache = ActivationCache(int(cfg.budget_mb * 2**20), dtype, directory=self.run_dir / "cache")
+        directory = self.run_dir / "cache" / (f"rank{self.rank}" if self.distributed else "")
+        cache = ActivationCache(int(cfg.budget_mb * 2**20), dtype, directory=directory)
         return CachedPrefix(self.model, blocks, split, cache, freezer=self.freezer, fallback=cfg.mode == "auto")
 
     def _on_freeze_event(self, record: dict[str, Any]) -> None:
         fields = {k: v for k, v in record.items() if k not in ("kind", "step")}
         self.telemetry.log_event(record["kind"], record["step"], **fields)
 
+    def _on_rebuild(self, record: dict[str, Any]) -> None:
+        """Telemetry of a DDP rebuild (its time counts in the step that triggered it)."""
+        self.progress.setdefault("ddp_rebuild_s", []).append(record["seconds"])
+        self.telemetry.log_event("ddp_rebuild", record["step"], **{k: v for k, v in record.items() if k != "step"})
+
+    def _checkpoint_due(self) -> bool:
+        """A periodic checkpoint is due after this step: every ``run.checkpoint_every_steps`` steps, or when
+        ``run.checkpoint_every_minutes`` have passed since the last one (distributed: rank 0's clock decides)."""
+        run = self.config.run
+        if not run.checkpoint:
+            return False
+        every = run.checkpoint_every_steps
+        if every and (self.progress["step"] + 1) % every == 0:
+            return True
+        minutes = run.checkpoint_every_minutes
+        return bool(minutes) and time.monotonic() - self._last_checkpoint_time >= 60 * minutes
+
     def _checkpoint(self, epoch: int, batch_in_epoch: int, reason: str) -> Path | None:
+        """Write a checkpoint into the run's store (rank 0; collective when distributed: every rank's RNG state
+        goes into it). Its time is reported (``checkpoint_s`` in the event, ``checkpoint_time_s`` in the summary)."""
         if not self.config.run.checkpoint:
             return None
-        path = save_checkpoint(
-            self.run_dir / CHECKPOINT_DIR, self.model, self.optimizer, self.freezer, self.scheduler,
-            extra={"epoch": epoch, "batch_in_epoch": batch_in_epoch, "progress": dict(self.progress),
-                   "config": self.config.model_dump(mode="json")},
-        )
+        t0 = time.perf_counter()
+        extra = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "progress": dict(self.progress),
+                 "config": self.config.model_dump(mode="json"), "world_size": self.world}
+        if self.distributed:
+            extra["rng_ranks"] = dist_.all_gather_object(rng_state())
+        path = None
+        if self.is_main:
+            path = self.store.save(self.progress["step"], self.model, self.optimizer, self.freezer, self.scheduler,
+                                   extra=extra)
+        if self.distributed:
+            torch.distributed.barrier()  # nobody goes on (or exits) before the checkpoint is complete
+        seconds = time.perf_counter() - t0
+        self.progress["checkpoints"] = self.progress.get("checkpoints", 0) + 1
+        self.progress["checkpoint_time_s"] = self.progress.get("checkpoint_time_s", 0.0) + seconds
+        self._last_checkpoint_time = time.monotonic()
         self.telemetry.log_event("checkpoint", self.progress["step"], epoch=epoch, batch_in_epoch=batch_in_epoch,
-                                 reason=reason, path=str(path))
+                                 reason=reason, path=str(path), checkpoint_s=seconds)
         return path
 
     def _resume(self, path: Path) -> tuple[int, int]:
-        ckpt = path / CHECKPOINT_DIR if (path / CHECKPOINT_DIR).is_dir() else path
-        if not (ckpt / "state.pt").is_file():
-            raise ConfigError(f"run.resume: no checkpoint found at {path} (expected {ckpt}/state.pt)")
-        extra = load_checkpoint(ckpt, self.model, self.optimizer, self.freezer, self.scheduler)
+        """Load the newest complete checkpoint of run folder ``path`` (or the checkpoint folder ``path``); a run
+        stopped before its first checkpoint starts again from the beginning, with a message.
+
+        Returns:
+            ``(epoch, batch_in_epoch)`` to continue from.
+        """
+        try:
+            if (path / "state.pt").is_file() and not (path / CHECKPOINT_DIR).exists():
+                ckpt, extra = path, load_checkpoint(path, self.model, self.optimizer, self.freezer, self.scheduler)
+            else:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    ckpt, extra = CheckpointStore(path, self.config.run.keep_checkpoints).load_latest(
+                        self.model, self.optimizer, self.freezer, self.scheduler)
+                for w in caught:
+                    if self.is_main:
+                        tqdm.write(f"resume: {w.message}")
+                    self.telemetry.log_event("checkpoint_skipped", 0, reason=str(w.message))
+        except FileNotFoundError:
+            if self.is_main:
+                tqdm.write(f"resume: {path} has no checkpoint yet (the run stopped before its first one): "
+                           "starting it again from the beginning")
+            self.telemetry.log_event("resumed", 0, epoch=0, path=None, from_start=True)
+            return 0, 0
+        rngs = extra.get("rng_ranks")
+        if self.distributed and rngs is not None and len(rngs) == self.world:
+            set_rng_state(rngs[self.rank])  # each rank continues its own dropout stream
+        saved_world = extra.get("world_size", 1)
         self.progress.update(extra["progress"])
-        self.telemetry.log_event("resumed", self.progress["step"], epoch=extra["epoch"], path=str(ckpt))
+        self.telemetry.log_event("resumed", self.progress["step"], epoch=extra["epoch"], path=str(ckpt),
+                                 world_size=self.world, saved_world_size=saved_world)
+        if saved_world != self.world:
+            tqdm.write(f"resuming a run saved on {saved_world} rank(s) on {self.world}: same global batches and "
+                       "frozen set, but the per-rank random streams (dropout) differ from the interrupted run")
         return extra["epoch"], extra["batch_in_epoch"]
 
     # ------------------------------------------------------------------------------------------------------
@@ -311,38 +398,50 @@ class Trainer:
         start_epoch, skip = 0, 0
         if cfg.run.resume:
             start_epoch, skip = self._resume(Path(cfg.run.resume))
-        else:
+        if not cfg.run.resume or self.progress["step"] == 0:
             for record in self.freezer.history:  # blocks frozen at the start stage
                 self._on_freeze_event(record)
         self.freezer.on_event = self._on_freeze_event
         for callback in self.step_callbacks:
             callback(self)
+        if self.ddp is not None:
+            self.ddp.sync()  # the first build's bytes/time are logged before step 1, a resume's rebuild too
         tm.reset_peak_memory(self.device)
         wall_start = time.perf_counter()
         measured_for: tuple[Any, ...] | None = None
         epoch, done_in_epoch = start_epoch, skip
+        self._last_checkpoint_time = time.monotonic()
         restore_sigint = self._install_sigint()
         try:
             for epoch in range(start_epoch, cfg.train.epochs):
-                if self.progress["step"] >= self.total_steps:
+                # a checkpoint taken after an epoch's last step but before its end (evaluation, epoch-end stage)
+                # resumes into that epoch's end
+                finishing = epoch == start_epoch and skip > 0
+                if self.progress["step"] >= self.total_steps and not finishing:
                     break
                 batches = epoch_batches(len(self.train_set), cfg.train.batch_size, cfg.train.seed, epoch)
                 done_in_epoch = skip if epoch == start_epoch else 0
+                todo = batches[done_in_epoch:][: max(0, self.total_steps - self.progress["step"])]
+                global_sizes = [len(b) for b in todo]
+                local_batches, local_counts = self._local_batches(todo)
                 # An iterator over a DataLoader draws a base seed from its generator; without one it would draw
                 # from the global RNG, and a resumed run (one more iterator) would get other dropout masks.
-                loader = DataLoader(self.train_set, batch_sampler=batches[done_in_epoch:],
-                                    generator=torch.Generator())
+                loader = DataLoader(self.train_set, batch_sampler=local_batches, generator=torch.Generator())
                 epoch_time, epoch_loss, epoch_n = 0.0, 0.0, 0
+                partial = self.progress.get("epoch_partial")
+                if finishing and partial and partial["epoch"] == epoch:  # the epoch's sums up to the checkpoint
+                    epoch_time, epoch_loss, epoch_n = partial["time"], partial["loss"], partial["n"]
                 self.model.train()
-                bar = tqdm(loader, total=len(batches), initial=done_in_epoch, disable=not cfg.run.progress,
+                bar = tqdm(loader, total=len(batches), initial=done_in_epoch,
+                           disable=not (cfg.run.progress and self.is_main),
                            desc=f"epoch {epoch + 1}/{cfg.train.epochs}", unit="step", leave=False)
-                for batch in bar:
+                for batch, n, local in zip(bar, global_sizes, local_counts):
                     # with the cache, whether the prefix runs depends on the epoch (cold, then warm): measure per epoch
                     key = (tuple(self.freezer.frozen), epoch if self.runner is not None else None)
                     remeasure = key != measured_for
                     t0 = time.perf_counter()
                     if remeasure:
-                        loss, flops = tm.measure_flops(lambda: self._train_step(batch))
+                        loss, flops = tm.measure_flops(lambda: self._train_step(batch, n, local))
                         self.progress["flops_per_step"] = flops
                         if self.progress["flops_first"] is None:
                             self.progress["flops_first"] = flops
@@ -350,15 +449,23 @@ class Trainer:
                         self.telemetry.log_event("flops_remeasured", self.progress["step"] + 1, flops_per_step=flops,
                                                  frozen_blocks=self.freezer.frozen_blocks)
                     else:
-                        loss = self._train_step(batch)
+                        loss = self._train_step(batch, n, local)
                     decision = self.freezer.step()  # timed: a strategy's own cost counts against it
                     step_time = time.perf_counter() - t0
+                    comm = {}
+                    due = self._checkpoint_due()
+                    if self.distributed:  # global loss; every rank stops (or checkpoints) at the same step
+                        loss, stops, due = dist_.all_reduce_sum(
+                            [loss, float(self._stop_requested), float(due and self.is_main)])
+                        loss /= n
+                        self._stop_agreed = stops > 0
+                        due = due > 0
+                        comm = {"grad_bytes_allreduced": self.ddp.bytes_per_step(), "world_size": self.world}
                     done_in_epoch += 1
                     self.progress["step"] += 1
                     self.progress["flops_total"] += self.progress["flops_per_step"]
                     self.progress["train_time_s"] += step_time
                     epoch_time += step_time
-                    n = len(batch["labels"])
                     epoch_loss += loss * n
                     epoch_n += n
                     self.telemetry.log_step(
@@ -366,8 +473,10 @@ class Trainer:
                         step_time_s=step_time, samples_per_s=n / step_time,
                         flops_per_step=self.progress["flops_per_step"], flops_total=self.progress["flops_total"],
                         frozen_count=sum(self.freezer.frozen), frozen_prefix=self.freezer.frozen_prefix,
-                        peak_memory_bytes=tm.peak_memory_bytes(self.device), **signals_of(decision),
+                        peak_memory_bytes=tm.peak_memory_bytes(self.device), **signals_of(decision), **comm,
                     )
+                    if comm:
+                        self._track_comm(comm["grad_bytes_allreduced"])
                     bar.set_postfix(loss=f"{loss:.4f}", frozen=f"{sum(self.freezer.frozen)}/{len(self.freezer.blocks)}")
                     for callback in self.step_callbacks:
                         callback(self)
@@ -375,22 +484,33 @@ class Trainer:
                     if every and self.progress["step"] % every == 0:
                         self._guard_check()
                         self.model.train()
-                    if self._stop_requested:
+                    # distributed: only a stop every rank has agreed on (all-reduced above) ends the loop here
+                    if self._stop_agreed if self.distributed else self._stop_requested:
                         raise KeyboardInterrupt("stopped by Ctrl-C after a complete step")
-                    if self.progress["step"] >= self.total_steps:
-                        break
+                    if due:
+                        self.progress["epoch_partial"] = {"epoch": epoch, "time": epoch_time, "loss": epoch_loss,
+                                                          "n": epoch_n}
+                        self._checkpoint(epoch, done_in_epoch, reason="periodic")
                 bar.close()
                 self._end_epoch(epoch, epoch_time, epoch_loss / max(1, epoch_n))
                 done_in_epoch = 0
         except BaseException as exc:
-            path = self._checkpoint(epoch, done_in_epoch, reason=type(exc).__name__)
+            coordinated = not self.distributed or (isinstance(exc, KeyboardInterrupt) and self._stop_agreed)
+            # A failure on one rank leaves the others inside a collective: no collective checkpoint then; the last
+            # complete one stays, and a lost peer is named.
+            path = self._checkpoint(epoch, done_in_epoch, reason=type(exc).__name__) if coordinated else None
             self.telemetry.log_event("interrupted", self.progress["step"], epoch=epoch, error=repr(exc),
                                      checkpoint=str(path) if path else None)
             self.telemetry.close()
+            lost = None if coordinated or self.watchdog is None else self.watchdog.explain(exc)
+            if lost is not None:
+                raise lost from exc
             raise
         finally:
             restore_sigint()
             self.freezer.close()
+            if self.watchdog is not None:
+                self.watchdog.close()
             if self.runner is not None:
                 self.runner.cache.close()
         summary = self._summary(time.perf_counter() - wall_start)
@@ -402,7 +522,8 @@ class Trainer:
 
         Stopping between steps keeps model, optimizer and data position consistent, so the resumed run is exact.
         """
-        self._stop_requested = False
+        self._stop_requested = False  # this process got a Ctrl-C
+        self._stop_agreed = False  # distributed: some rank got one (all-reduced after every step)
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
 
@@ -415,11 +536,40 @@ class Trainer:
         previous = signal.signal(signal.SIGINT, handler)
         return lambda: signal.signal(signal.SIGINT, previous)
 
-    def _train_step(self, batch: dict[str, torch.Tensor]) -> float:
+    def _local_batches(self, batches: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        """This rank's share of each global batch and how many of its samples count (all of it in one process).
+
+        Without the cache a rank takes every world-th position of the batch (DistributedSampler's interleaving).
+        With the cache a sample always goes to the same rank (``index % world``): each rank caches the prefix output
+        of its own samples, so from the second epoch on every sample is a hit (interleaving would move a sample to
+        another rank's cache about half the time on 2 ranks); the shares then vary a little from step to step,
+        which the loss weighting keeps exact. A rank whose share would be empty gets the batch's first sample with
+        zero loss weight: every rank must run the step.
+        """
+        if not self.distributed:
+            return batches, [len(b) for b in batches]
+        if self.runner is not None:
+            shares = [[i for i in b if i % self.world == self.rank] for b in batches]
+        else:
+            shares = [dist_.shard(b) for b in batches]
+        return [s or b[:1] for s, b in zip(shares, batches)], [len(s) for s in shares]
+
+    def _train_step(self, batch: dict[str, torch.Tensor], global_count: int, local_count: int) -> float:
+        """One optimizer step; returns this rank's loss: the batch mean in one process, the *sum* over this
+        rank's ``local_count`` counted samples when distributed (the caller all-reduces it into the global mean)."""
         batch = _to(batch, self.device)
-        logits = self.runner(batch) if self.runner is not None else self.task.forward(self.model, batch)
-        loss = nn.functional.cross_entropy(logits, batch["labels"])
-        loss.backward()
+        if self.ddp is not None:
+            logits = self.ddp(batch)
+            losses = nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
+            local = local_count  # 0 for a padded rank (see _local_batches)
+            losses = losses[:local]
+            loss_sum = losses.sum()
+            (loss_sum * dist_.loss_scale(local, global_count)).backward()
+            loss = loss_sum
+        else:
+            logits = self.runner(batch) if self.runner is not None else self.task.forward(self.model, batch)
+            loss = nn.functional.cross_entropy(logits, batch["labels"])
+            loss.backward()
         self.freezer.after_backward()
         if self.config.train.grad_clip:
             params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -429,9 +579,28 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 
+    def _track_comm(self, nbytes: int) -> None:
+        """Phases of gradient bytes all-reduced per step: a new phase whenever the per-step count changes."""
+        phases = self.progress.setdefault("comm_phases", [])
+        if not phases or phases[-1]["grad_bytes_per_step"] != nbytes:
+            phases.append({"from_step": self.progress["step"], "grad_bytes_per_step": nbytes,
+                           "frozen_blocks": len(self.freezer.frozen_blocks)})
+
+    def _evaluate(self, dataset: Dataset | None = None) -> tuple[float, float]:
+        """:func:`evaluate` on ``dataset`` (default: the test set); distributed, each rank takes every world-th
+        sample and the sums are all-reduced, so every rank gets the whole set's loss and accuracy."""
+        bs = self.config.train.eval_batch_size
+        if not self.distributed:
+            return evaluate(self.task, self.model, self.device, bs, dataset)
+        dataset = self.task.test_set if dataset is None else dataset
+        part = Subset(dataset, range(self.rank, len(dataset), self.world))
+        loss, acc = evaluate(self.task, self.model, self.device, bs, part) if len(part) else (0.0, 0.0)
+        loss_sum, correct, count = dist_.all_reduce_sum([loss * len(part), acc * len(part), len(part)])
+        return loss_sum / max(1, count), correct / max(1, count)
+
     def _end_epoch(self, epoch: int, epoch_time: float, train_loss: float) -> None:
         eval_start = time.perf_counter()
-        eval_loss, eval_acc = evaluate(self.task, self.model, self.device, self.config.train.eval_batch_size)
+        eval_loss, eval_acc = self._evaluate()
         eval_time = time.perf_counter() - eval_start
         self.progress["epoch_times_s"].append(epoch_time)
         self.progress["history_eval"].append({"epoch": epoch, "loss": eval_loss, "accuracy": eval_acc})
@@ -441,9 +610,10 @@ class Trainer:
             peak_memory_bytes=tm.peak_memory_bytes(self.device), **self._cache_stats(),
         )
         # one line per epoch, also without the progress bar
-        tqdm.write(f"epoch {epoch + 1}: train loss {train_loss:.4f}  eval loss {eval_loss:.4f}  accuracy "
-                   f"{eval_acc:.4f}  train time {epoch_time:.1f} s  frozen {sum(self.freezer.frozen)}"
-                   f"/{len(self.freezer.blocks)}")
+        if self.is_main:
+            tqdm.write(f"epoch {epoch + 1}: train loss {train_loss:.4f}  eval loss {eval_loss:.4f}  accuracy "
+                       f"{eval_acc:.4f}  train time {epoch_time:.1f} s  frozen {sum(self.freezer.frozen)}"
+                       f"/{len(self.freezer.blocks)}")
         if self.guard is not None:
             self._guard_check()
         decision = self.freezer.epoch_end()
@@ -460,8 +630,7 @@ class Trainer:
         return stats
 
     def _guard_check(self) -> None:
-        val_loss, val_acc = evaluate(self.task, self.model, self.device, self.config.train.eval_batch_size,
-                                     self.val_set)
+        val_loss, val_acc = self._evaluate(self.val_set)
         self.telemetry.log_step(self.progress["step"], val_loss=val_loss, val_accuracy=val_acc)
         self.freezer.report_metric(val_loss)
 
@@ -494,6 +663,32 @@ class Trainer:
             "freeze_timeline": timeline,
             "eval_history": p["history_eval"],
             "run_dir": str(self.run_dir),
+            "world_size": self.world,
+            "checkpoints": p.get("checkpoints", 0),
+            "checkpoint_time_s": p.get("checkpoint_time_s", 0.0),
         }
-        (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        if self.distributed:
+            summary.update(grad_bytes_phases=p.get("comm_phases", []), ddp_rebuilds=self.ddp.rebuilds,
+                           ddp_rebuild_s=list(self.ddp.rebuild_seconds))
+        if self.is_main:
+            _write_atomically(self.run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
         return summary
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so a kill leaves the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class _NoTelemetry:
+    """What ranks other than 0 log to: nothing (rank 0 writes the run's metrics, TensorBoard and summary)."""
+
+    def _ignore(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    log_step = log_epoch = log_event = log_config = flush = close = _ignore

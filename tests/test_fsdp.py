@@ -1,0 +1,72 @@
+"""FSDP2 (per-parameter sharding) with a thaw every 3 steps and a freeze mid-run, on 2 CPU ranks with gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.distributed.launch import ROOT, launch
+
+pytestmark = pytest.mark.timeout(300)
+
+# fp32 gradient bytes per block of the MLP: 16->24, three 24->24, head 24->4
+BLOCK_BYTES = [4 * (16 * 24 + 24)] + [4 * (24 * 24 + 24)] * 3 + [4 * (24 * 4 + 4)]
+
+
+def single_process(tmp_path, spec):
+    spec = {**spec, "out": str(tmp_path)}
+    tmp_path.mkdir()
+    (tmp_path / "single.json").write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "1"}
+    subprocess.run([sys.executable, "-m", "tests.distributed.fsdp_worker", str(tmp_path / "single.json")], cwd=ROOT,
+                   env=env, check=True, timeout=120)
+    return json.loads((tmp_path / "rank0.json").read_text())
+
+
+def test_fsdp2_freeze_and_thaw_mid_run_ranks_identical_equal_to_one_process_and_resume(tmp_path):
+    spec = {"steps": 12, "save_at": 8, "checkpoint": str(tmp_path / "ckpt")}
+    ranks = launch(spec, tmp_path / "ranks", module="tests.distributed.fsdp_worker")
+    assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
+    a, b = ranks.results
+    for x, y in zip(a["records"], b["records"]):
+        assert x["hashes"] == y["hashes"] and x["frozen"] == y["frozen"], x["step"]
+    records = a["records"]
+    # reduce-scatter carries exactly the trainable blocks' gradients: nothing for a frozen one
+    for r in records:
+        before = next(p for p in records if p["step"] == r["step"] - 1)["frozen"] if r["step"] > 1 else \
+            [True] * 4  # gradual starts with blocks 0-3 frozen; the step's backward ran with the frozen set before
+        assert r["reduce_scatter_bytes"] == sum(n for n, f in zip(BLOCK_BYTES, before + [False]) if not f), r["step"]
+    # gradual thaws the top frozen block every 3 steps; the manual freeze of block 3 at 7 is undone at 9
+    events = [(h["kind"], h["block"], h["step"]) for h in a["history"] if h["step"] > 0]
+    assert events == [("thaw", "3", 3), ("thaw", "2", 6), ("freeze", "3", 7), ("thaw", "3", 9), ("thaw", "1", 12)]
+    w = {r["step"]: r["weights"] for r in records}
+    assert w[7]["3.0.weight"] == w[8]["3.0.weight"] == w[9]["3.0.weight"]  # frozen at 7: bitwise unchanged
+    assert w[10]["3.0.weight"] != w[9]["3.0.weight"]  # thawed at 9: it trains again on every rank
+    assert all(w[s]["0.0.weight"] == w[1]["0.0.weight"] for s in range(2, 13))  # block 0: frozen throughout
+    # no optimizer state for frozen parameters: 2 tensors (weight, bias) per block that trained
+    assert records[0]["optimizer_states"] == 2 and records[-1]["optimizer_states"] == 2 * 3
+
+    ref = single_process(tmp_path / "single", {"steps": 12})
+    for mine, theirs in zip(records, ref["records"]):
+        assert mine["frozen"] == theirs["frozen"]
+        for key, value in theirs["weights"].items():
+            torch.testing.assert_close(torch.tensor(mine["weights"][key]), torch.tensor(value), rtol=1e-5, atol=1e-6)
+
+    # the full checkpoint holds every weight (frozen ones too) and resumes to the same trajectory, bitwise
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "ckpt" / "model.safetensors")
+    assert sorted(saved) == sorted(w[8])
+    assert saved["0.0.weight"].tolist() == w[8]["0.0.weight"]  # block 0: frozen all along
+    resumed = launch({"steps": 12, "resume": str(tmp_path / "ckpt"), "suffix": "-resumed"}, tmp_path / "ranks",
+                     module="tests.distributed.fsdp_worker")
+    assert resumed.returncodes == [0, 0], "\n".join(o[-3000:] for o in resumed.outputs)
+    again = json.loads((tmp_path / "ranks" / "rank0-resumed.json").read_text())["records"]
+    assert [r["step"] for r in again] == [9, 10, 11, 12]
+    for r in again:
+        assert r["hashes"] == next(x for x in records if x["step"] == r["step"])["hashes"], r["step"]

@@ -157,3 +157,29 @@ def test_torchrun_two_processes_identical_weights(tmp_path, checkpointing):
     assert ranks[0]["rebuilds"] == 4
     assert ranks[0]["find_unused"] is (not checkpointing)
     assert ranks[0]["frozen_unchanged"] and ranks[0]["thawed_changed"]
+
+
+@pytest.mark.assets
+def test_minilm_bbc_news_a_few_steps_with_a_frozen_prefix(tmp_path):
+    from layerfreeze import assets, data
+    from layerfreeze.tasks import load_text_model
+
+    try:
+        path = assets.minilm_dir()
+        texts, labels, classes = data.load_bbc_news()
+    except assets.AssetMissingError as exc:
+        pytest.skip(str(exc))
+    model, tokenizer = load_text_model(path, num_labels=len(classes))
+    picks = list(range(0, len(texts), len(texts) // 16))[:16]
+    dataset = data.TokenizedTextDataset([texts[i] for i in picks], [labels[i] for i in picks], tokenizer, 64)
+    before = model.bert.encoder.layer[2].output.dense.weight.detach().clone()
+    trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=3, per_device_train_batch_size=8,
+                                                  learning_rate=5e-5),
+                      train_dataset=dataset, data_collator=lambda items: {
+                          k: torch.stack([it[k] for it in items]) for k in items[0] if k != "index"})
+    callback = LayerFreezeCallback("static", {"k": 4}).attach(trainer)
+    trainer.train()
+    assert callback.freezer.frozen_blocks == ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1",
+                                              "bert.encoder.layer.2"]
+    assert torch.equal(before, model.bert.encoder.layer[2].output.dense.weight)
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in losses(trainer))

@@ -183,3 +183,19 @@ def test_minilm_bbc_news_a_few_steps_with_a_frozen_prefix(tmp_path):
                                               "bert.encoder.layer.2"]
     assert torch.equal(before, model.bert.encoder.layer[2].output.dense.weight)
     assert all(torch.isfinite(torch.tensor(loss)) for _, loss in losses(trainer))
+
+
+def test_gradual_discriminative_lr_with_one_param_group_per_block(tmp_path):
+    from layerfreeze import block_param_groups, discover_blocks
+
+    model = tiny_bert()
+    optimizer = torch.optim.AdamW(block_param_groups(model, discover_blocks(model), lr=5e-3, weight_decay=0.01))
+    trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=6), train_dataset=TokenDataset(),
+                      optimizers=(optimizer, None))
+    callback = LayerFreezeCallback("gradual", {"every_steps": 2}).attach(trainer)
+    trainer.train()
+    assert [(h["index"], h["step"]) for h in callback.freezer.history if h["kind"] == "thaw"] == [(4, 2), (3, 4),
+                                                                                                  (2, 6)]
+    assert trainer.lr_scheduler.base_lrs[4] == pytest.approx(5e-3 / 2.6)
+    assert trainer.lr_scheduler.base_lrs[3] == pytest.approx(5e-3 / 2.6 ** 2)
+    assert len(optimizer.param_groups) == 6 and len(optimizer.param_groups[0]["params"]) == 0  # embeddings frozen

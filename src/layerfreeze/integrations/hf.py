@@ -34,6 +34,11 @@ it avoids:
   its own parameter. ``on_train_begin`` of the resumed run then restores the frozen set and ``requires_grad``
   and takes the frozen parameters out again, keeping the loaded optimizer state.
 
+Strategies that set a block's own learning rate (``gradual``'s discriminative LRs, ``freezeout``'s per-block
+annealing) need one param group per block, which the Trainer's decay / no-decay groups are not (the Freezer raises
+a ValueError naming :func:`layerfreeze.block_param_groups`): pass ``optimizers=(torch.optim.AdamW(
+block_param_groups(model, discover_blocks(model), lr=...)), None)`` to the Trainer; its scheduler is built on top.
+
 Why not the Trainer's stateful callbacks (``ExportableState``): they are JSON in ``trainer_state.json`` (the
 SmartFRZ weight history is tensors), restored only with ``restore_callback_states_from_checkpoint=True``, and by
 a *new* instance of the callback, without the trainer it was attached to. The documented mechanism is the

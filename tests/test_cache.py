@@ -22,7 +22,10 @@ from layerfreeze.cache import (
     check_deterministic,
     check_prefix_deterministic,
 )
-from layerfreeze.split import BertSplit, MobileNetV2Split, ResNetSplit, SequentialSplit, split_for
+from layerfreeze.families.bert import BertSplit
+from layerfreeze.families.sequential import SequentialSplit
+from layerfreeze.families.torchvision_cnn import MobileNetV2Split, ResNetSplit
+from layerfreeze.forward_split import split_for
 from layerfreeze.trainer import epoch_batches
 
 

@@ -2,7 +2,9 @@
 
 The pieces, one module per concern:
 
-* :mod:`layerfreeze.blocks` — a model as an ordered list of blocks (discovery, patterns);
+* :mod:`layerfreeze.blocks` — a model as an ordered list of blocks (discovery, patterns, tied weights);
+* :mod:`layerfreeze.families` — one file per model family: how to find its blocks and split its forward;
+* :mod:`layerfreeze.forward_split` and :mod:`layerfreeze.cache` — the frozen prefix's forward cut off and cached;
 * :mod:`layerfreeze.engine` — the mechanics (freeze, thaw, optimizer surgery) and :class:`Freezer`;
 * :mod:`layerfreeze.strategies` — the policies, one file each, registered by name;
 * :mod:`layerfreeze.checkpoint` — resumable checkpoints carrying the freeze state;
@@ -11,9 +13,11 @@ The pieces, one module per concern:
 * :mod:`layerfreeze.trainer`, :mod:`layerfreeze.config`, :mod:`layerfreeze.cli` — the ``layerfreeze train`` CLI.
 """
 
-from .blocks import Block, BlockDiscoveryError, describe_blocks, discover_blocks
+from .blocks import Block, BlockDiscoveryError, describe_blocks, discover_blocks, find_blocks
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .engine import Freezer, block_param_groups
+from .families import register_blocks, register_split
+from .forward_split import ModelSplit, split_for
 from .strategies import Decision, StageContext, Strategy, UnknownStrategyError, create_strategy
 
 __version__ = "0.1.0"
@@ -24,6 +28,7 @@ __all__ = [
     "CheckpointError",
     "Decision",
     "Freezer",
+    "ModelSplit",
     "StageContext",
     "Strategy",
     "UnknownStrategyError",
@@ -31,6 +36,10 @@ __all__ = [
     "create_strategy",
     "describe_blocks",
     "discover_blocks",
+    "find_blocks",
     "load_checkpoint",
+    "register_blocks",
+    "register_split",
     "save_checkpoint",
+    "split_for",
 ]

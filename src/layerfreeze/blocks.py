@@ -3,17 +3,19 @@
 A *block* is one freezable unit (embeddings, ``encoder.layer.3``, ``features.7``, the classifier). Freezing a
 *frozen prefix* (blocks ``0..k-1``) is what saves backward compute, so the order of blocks is forward order.
 
-Discovery knows three families and the plain ``nn.Sequential``:
+Discovery is done by the model families in :mod:`layerfreeze.families` (one file per family: Hugging Face
+encoders, decoder LMs, encoder-decoders, vision models; torchvision CNNs, ViT and Swin; timm; ``nn.Sequential``),
+tried in their registered order, then by a generic fallback (the longest stack of same-type layers). Anything else
+needs module-name patterns (:func:`blocks_from_patterns`). Parameter-free modules (ReLU, pooling, dropout) are
+never blocks: there is nothing in them to freeze, and a frozen prefix around them stays graph-free.
 
-* Hugging Face BERT-like encoders (``model.base_model`` with ``embeddings``, ``encoder.layer[i]`` and an optional
-  ``pooler``), followed by the task head (every other top-level child that holds parameters, e.g. ``classifier``).
-* torchvision MobileNetV2-like models (``features`` as an ``nn.Sequential`` and a ``classifier``): one block per
-  feature stage, then the classifier.
-* torchvision ResNet-like models: ``stem`` (``conv1`` + ``bn1``), ``layer1`` .. ``layer4``, ``fc``.
-* ``nn.Sequential``: one block per child that holds parameters.
-
-Anything else needs module-name patterns (:func:`blocks_from_patterns`). Parameter-free modules (ReLU, pooling,
-dropout) are never blocks: there is nothing in them to freeze, and a frozen prefix around them stays graph-free.
+Tied weights. A parameter used by modules of two blocks (an LM head tied to the token embeddings, T5's shared
+embedding) belongs to exactly one block: the *earliest* that holds it (:func:`resolve_ties`). The later block
+still runs the module but does not own the parameter: freezing the earliest block freezes the tied matrix
+everywhere, and a later block's training never changes it. Why the earliest: a frozen prefix must give the same
+output step after step (that is what saves backward, and what makes the activation cache exact); if the head
+trained a matrix the frozen embeddings read, the "frozen" prefix would change under it. The cost: with the
+embeddings frozen, the tied LM head's matrix is frozen too (untie it, ``tie_word_embeddings=False``, to train it).
 """
 
 from __future__ import annotations
@@ -37,42 +39,69 @@ class Block:
 
     Attributes:
         name: Stable name used in configs, checkpoints and telemetry (a module path such as ``bert.encoder.layer.3``,
-            or ``stem`` for a block made of several modules).
+            or a name such as ``stem`` or ``head`` for a block made of several modules).
         index: Position in forward order, 0-based.
         modules: ``(qualified_name, module)`` pairs the block is made of (usually one).
         is_head: True for the task head (the last block); strategies never freeze the head.
+        params: ``(qualified_name, parameter)`` pairs held directly by a module outside ``modules`` (a ViT's class
+            token and position embedding); they belong to the block like its modules' parameters.
+        tied: ``{qualified name in this block: owning block's name}`` for parameters the block's modules use but
+            an earlier block owns (tied weights; see the module docstring). :meth:`parameters` leaves them out.
     """
 
     name: str
     index: int
     modules: list[tuple[str, nn.Module]] = field(default_factory=list)
     is_head: bool = False
+    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)
 
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """The block's parameters, each once."""
-        seen: set[int] = set()
-        for _, module in self.modules:
-            for p in module.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield p
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """``(qualified name in the model, parameter)`` pairs, each parameter once."""
+    def _all_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Every parameter the block's modules and ``params`` hold, each once, tied ones included."""
         seen: set[int] = set()
         for prefix, module in self.modules:
             for name, p in module.named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield (f"{prefix}.{name}" if prefix else name), p
+        for name, p in self.params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(qualified name in the model, parameter)`` pairs the block owns, each once (tied ones left out)."""
+        for name, p in self._all_named_parameters():
+            if name not in self.tied:
+                yield name, p
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The block's own parameters, each once (what freezing it sets ``requires_grad=False`` on)."""
+        for _, p in self.named_parameters():
+            yield p
 
     def num_parameters(self) -> int:
-        """Number of scalar parameters (elements) in the block."""
+        """Number of scalar parameters (elements) the block owns."""
         return sum(p.numel() for p in self.parameters())
 
     def __repr__(self) -> str:
         head = ", head" if self.is_head else ""
         return f"Block({self.index}: {self.name}, {self.num_parameters():,} params{head})"
+
+
+@dataclass
+class Discovery:
+    """What :func:`find_blocks` found.
+
+    Attributes:
+        blocks: The blocks, front to back (the last one is the head).
+        rule: The family (or ``"patterns"``, ``"generic stack ..."``) that gave them; ``layerfreeze blocks`` shows it.
+        ties: One line per tied parameter: which blocks use it and which one owns it.
+    """
+
+    blocks: list[Block]
+    rule: str
+    ties: list[str] = field(default_factory=list)
 
 
 def output_tensor(output: Any) -> torch.Tensor:
@@ -85,73 +114,52 @@ def output_tensor(output: Any) -> torch.Tensor:
     return output
 
 
-def _has_params(module: nn.Module | None) -> bool:
+def has_params(module: nn.Module | None) -> bool:
+    """True when ``module`` holds at least one parameter (itself or its children)."""
     return module is not None and any(True for _ in module.parameters())
 
 
-def _finish(model: nn.Module, entries: list[tuple[str, list[tuple[str, nn.Module]]]], head: bool) -> list[Block]:
-    entries = [(n, mods) for n, mods in entries if any(_has_params(m) for _, m in mods)]
-    blocks = [Block(name=n, index=i, modules=mods) for i, (n, mods) in enumerate(entries)]
+Entry = tuple[str, list[tuple[str, nn.Module]]]
+"""A block before it is numbered: ``(name, [(qualified module name, module), ...])``."""
+
+
+def make_blocks(entries: Sequence[Entry], head: bool, params: Sequence[tuple[str, nn.Parameter]] = ()) -> list[Block]:
+    """Number ``entries`` into blocks, dropping those without parameters; the last one is the head if ``head``.
+
+    Args:
+        entries: ``(name, [(qualified name, module), ...])`` front to back.
+        head: Mark the last block as the task head.
+        params: Parameters held directly by a module outside the entries' modules (a class token), given to the
+            first block.
+    """
+    entries = [(n, mods) for n, mods in entries if any(has_params(m) for _, m in mods)]
+    blocks = [Block(name=n, index=i, modules=list(mods)) for i, (n, mods) in enumerate(entries)]
+    if params and blocks:
+        blocks[0].params = list(params)
     if head and blocks:
         blocks[-1].is_head = True
     return blocks
 
 
-def _discover_hf_encoder(model: nn.Module) -> list[Block] | None:
-    base = getattr(model, "base_model", None)
-    if not isinstance(base, nn.Module):
-        return None
-    encoder = getattr(base, "encoder", None)
-    layers = getattr(encoder, "layer", None) or getattr(encoder, "layers", None)
-    embeddings = getattr(base, "embeddings", None)
-    if not isinstance(layers, (nn.ModuleList, nn.Sequential)) or embeddings is None:
-        return None
-    names = {id(m): n for n, m in model.named_modules()}
-    base_name = names[id(base)]
-
-    def qual(m: nn.Module) -> str:
-        return names[id(m)]
-
-    entries = [(qual(embeddings), [(qual(embeddings), embeddings)])]
-    entries += [(qual(layer), [(qual(layer), layer)]) for layer in layers]
-    pooler = getattr(base, "pooler", None)
-    if _has_params(pooler):
-        entries.append((qual(pooler), [(qual(pooler), pooler)]))
-    if base is model:
-        return _finish(model, entries, head=False)
-    head_mods = [(n, m) for n, m in model.named_children() if n != base_name and _has_params(m)]
-    if head_mods:
-        name = head_mods[0][0] if len(head_mods) == 1 else "head"
-        entries.append((name, head_mods))
-    return _finish(model, entries, head=bool(head_mods))
+def qualified_names(model: nn.Module) -> dict[int, str]:
+    """``{id(module): qualified name}`` for every module of ``model`` (the first name of a shared module)."""
+    names: dict[int, str] = {}
+    for name, module in model.named_modules():
+        names.setdefault(id(module), name)
+    return names
 
 
-def _discover_features_classifier(model: nn.Module) -> list[Block] | None:
-    features, classifier = getattr(model, "features", None), getattr(model, "classifier", None)
-    if not isinstance(features, nn.Sequential) or not _has_params(classifier):
-        return None
-    entries = [(f"features.{n}", [(f"features.{n}", m)]) for n, m in features.named_children()]
-    entries.append(("classifier", [("classifier", classifier)]))
-    return _finish(model, entries, head=True)
+def module_entry(names: dict[int, str], module: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
+    """The entry of a block made of one module, named by its qualified name."""
+    return names[id(module)], [(names[id(module)], module)]
 
 
-def _discover_resnet(model: nn.Module) -> list[Block] | None:
-    needed = ("conv1", "bn1", "layer1", "layer2", "layer3", "layer4", "fc")
-    if not all(isinstance(getattr(model, n, None), nn.Module) for n in needed):
-        return None
-    entries = [("stem", [("conv1", model.conv1), ("bn1", model.bn1)])]
-    entries += [(n, [(n, getattr(model, n))]) for n in ("layer1", "layer2", "layer3", "layer4")]
-    entries.append(("fc", [("fc", model.fc)]))
-    return _finish(model, entries, head=True)
-
-
-def _discover_sequential(model: nn.Module) -> list[Block] | None:
-    if not isinstance(model, nn.Sequential):
-        return None
-    return _finish(model, [(n, [(n, m)]) for n, m in model.named_children()], head=True)
-
-
-_DISCOVERERS = (_discover_hf_encoder, _discover_features_classifier, _discover_resnet, _discover_sequential)
+def head_entry(parts: Sequence[tuple[str, nn.Module]]) -> list[Entry]:
+    """The head's entry from its modules (those with parameters): one module keeps its name, several are ``head``."""
+    parts = [(n, m) for n, m in parts if has_params(m)]
+    if not parts:
+        return []
+    return [(parts[0][0] if len(parts) == 1 else "head", list(parts))]
 
 
 def _children_summary(model: nn.Module) -> str:
@@ -167,7 +175,8 @@ def blocks_from_patterns(model: nn.Module, patterns: Sequence[str], head: bool =
 
     Each pattern contributes, in ``named_modules`` order, every matching module that holds parameters and is not
     inside a module already matched (so ``encoder.layer.*`` gives one block per layer, not one per sub-module).
-    Blocks are ordered by pattern, so list the patterns front to back.
+    Blocks are ordered by pattern, so list the patterns front to back. Tied parameters are resolved as in
+    :func:`resolve_ties` (the earliest block owns them).
 
     Args:
         model: The model.
@@ -182,7 +191,7 @@ def blocks_from_patterns(model: nn.Module, patterns: Sequence[str], head: bool =
     for pattern in patterns:
         hits = 0
         for name, module in model.named_modules():
-            if not name or not fnmatch.fnmatchcase(name, pattern) or not _has_params(module):
+            if not name or not fnmatch.fnmatchcase(name, pattern) or not has_params(module):
                 continue
             if any(name == t or name.startswith(t + ".") or t.startswith(name + ".") for t in taken):
                 continue
@@ -195,55 +204,109 @@ def blocks_from_patterns(model: nn.Module, patterns: Sequence[str], head: bool =
                 f"Its top-level children are:\n{_children_summary(model)}\n"
                 "Patterns use fnmatch syntax on module names from model.named_modules(), e.g. 'encoder.layer.*'."
             )
-    return _finish(model, [(n, [(n, m)]) for n, m in matched], head=head)
+    blocks = make_blocks([(n, [(n, m)]) for n, m in matched], head=head)
+    resolve_ties(blocks)
+    return blocks
+
+
+def resolve_ties(blocks: list[Block]) -> list[str]:
+    """Give every parameter used by several blocks to the earliest of them; record it in the others' ``tied``.
+
+    Detects ties generally: the same ``Parameter`` object reached from modules of two blocks (an LM head tied to
+    the token embeddings, an encoder-decoder's shared embedding). See the module docstring for why the earliest.
+
+    Returns:
+        One line per tie, e.g. ``"lm_head.weight is tied to model.embed_tokens.weight: owned by block
+        'model.embed_tokens'; freezing that block also freezes it in 'head'"``.
+
+    Raises:
+        BlockDiscoveryError: a block would own no parameter at all (everything it holds is tied to earlier
+            blocks) and it is not the head; name the blocks with patterns that keep tied modules together.
+    """
+    owner: dict[int, tuple[Block, str]] = {}
+    notes: list[str] = []
+    for block in blocks:
+        block.tied = {}
+        for name, p in block._all_named_parameters():
+            if id(p) in owner:
+                first, first_name = owner[id(p)]
+                block.tied[name] = first.name
+                notes.append(f"{name} is tied to {first_name}: owned by block {first.name!r}; freezing that block "
+                             f"also freezes it in {block.name!r}")
+            else:
+                owner[id(p)] = (block, name)
+        if not block.is_head and not any(True for _ in block.parameters()):
+            raise BlockDiscoveryError(
+                f"Block {block.name!r} holds only parameters tied to earlier blocks ({', '.join(block.tied)}), so "
+                "it has nothing of its own to freeze; pass patterns that put the tied modules in one block."
+            )
+    return notes
+
+
+def _merge_empty_head(blocks: list[Block]) -> bool:
+    """A head that owns nothing once ties are resolved (BART's ``lm_head``, tied to the shared embedding, with no
+    final norm) joins the block before it, which becomes the head (named ``head``), so the head has weights to train.
+    Returns whether it merged."""
+    if len(blocks) < 2 or not blocks[-1].is_head or any(True for _ in blocks[-1].parameters()):
+        return False
+    last = blocks.pop()
+    prev = blocks[-1]
+    prev.name, prev.is_head = "head", True
+    prev.modules, prev.params = prev.modules + last.modules, prev.params + last.params
+    return True
+
+
+def find_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> Discovery:
+    """The model's blocks in forward order, with the rule that found them and the tied parameters.
+
+    Tries every registered family (:mod:`layerfreeze.families`, in their ``order``), then the generic fallback
+    (the longest ``nn.ModuleList``/``nn.Sequential`` of same-type layers). ``patterns`` skip discovery.
+
+    Raises:
+        BlockDiscoveryError: nothing could be discovered (the message names the top-level children and shows how
+            to pass patterns), or a pattern matches nothing.
+    """
+    if patterns:
+        blocks = blocks_from_patterns(model, patterns)
+        return Discovery(blocks, "patterns", resolve_ties(blocks))
+    from .families import discoverers
+
+    for name, discover in discoverers():
+        found = discover(model)
+        if found:
+            blocks, rule = found if isinstance(found, tuple) else (found, name)
+            notes = resolve_ties(blocks)
+            if _merge_empty_head(blocks):
+                notes = resolve_ties(blocks)
+            return Discovery(blocks, rule, notes)
+    raise BlockDiscoveryError(
+        f"Cannot discover the blocks of {type(model).__name__}: it is none of the known model families "
+        f"({', '.join(n for n, _ in discoverers())}) and has no stack of same-type layers (an nn.ModuleList or "
+        f"nn.Sequential of repeated layers). Its top-level children are:\n{_children_summary(model)}\n"
+        "Name the blocks front to back with module-name patterns, for example\n"
+        "  Freezer(model, optimizer, blocks=['stem', 'layers.*', 'head'])\n"
+        "or in a config file:\n  model:\n    blocks: ['stem', 'layers.*', 'head']"
+    )
 
 
 def discover_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> list[Block]:
     """The model's blocks in forward order; the last one is the task head.
 
     Args:
-        model: A Hugging Face BERT-like model, a torchvision MobileNetV2/ResNet-like model, an ``nn.Sequential``,
-            or any model when ``patterns`` are given.
+        model: A model of a known family (see :mod:`layerfreeze.families` and the README's list: Hugging Face
+            encoders, decoder LMs, T5/BART, ViT/DeiT/Swin/ConvNeXt; torchvision CNNs, ViT, Swin; timm;
+            ``nn.Sequential``), any model with a stack of same-type layers, or any model when ``patterns`` are given.
         patterns: Optional module-name patterns that override discovery (see :func:`blocks_from_patterns`).
 
     Returns:
-        The blocks, ``len >= 2`` unless the model has a single parametrised module.
+        The blocks, ``len >= 2`` unless the model has a single parametrised module. A parameter tied across
+        blocks belongs to the earliest (:func:`resolve_ties`).
 
     Raises:
         BlockDiscoveryError: nothing could be discovered; the message names the top-level children and shows how
             to pass patterns.
     """
-    if patterns:
-        blocks = blocks_from_patterns(model, patterns)
-    else:
-        blocks = None
-        for discover in _DISCOVERERS:
-            blocks = discover(model)
-            if blocks:
-                break
-        if not blocks:
-            raise BlockDiscoveryError(
-                f"Cannot discover the blocks of {type(model).__name__}: it is not a Hugging Face BERT-like encoder, "
-                f"a torchvision MobileNetV2/ResNet-like model or an nn.Sequential. Its top-level children are:\n"
-                f"{_children_summary(model)}\n"
-                "Name the blocks front to back with module-name patterns, for example\n"
-                "  Freezer(model, optimizer, blocks=['stem', 'layers.*', 'head'])\n"
-                "or in a config file:\n  model:\n    blocks: ['stem', 'layers.*', 'head']"
-            )
-    _check_disjoint(blocks)
-    return blocks
-
-
-def _check_disjoint(blocks: list[Block]) -> None:
-    owner: dict[int, str] = {}
-    for block in blocks:
-        for p in block.parameters():
-            if id(p) in owner:
-                raise BlockDiscoveryError(
-                    f"Blocks {owner[id(p)]!r} and {block.name!r} share parameters (tied weights?). A parameter must "
-                    "belong to one block; pass patterns that keep tied modules in the same block."
-                )
-            owner[id(p)] = block.name
+    return find_blocks(model, patterns).blocks
 
 
 def unassigned_parameters(model: nn.Module, blocks: Sequence[Block]) -> list[str]:

@@ -11,15 +11,15 @@ The pieces:
   budget, then written to disk as safetensors shards with a JSON index of sizes and SHA-256 checksums; optionally
   stored in float16/bfloat16; variable-length states stored trimmed to their true length.
 * :class:`CachedPrefix` -- the forward: cached states for hits, ``prefix`` (or ``extend`` from an older boundary)
-  for misses, then the split's ``suffix`` with gradients (:mod:`layerfreeze.split`).
+  for misses, then the split's ``suffix`` with gradients (:mod:`layerfreeze.forward_split`).
 * :func:`check_deterministic` and :func:`check_prefix_deterministic` -- refuse, with a clear message, what would
   make a cache wrong: random augmentation in the dataset; dropout or BatchNorm in training mode in the prefix.
 
 Correctness rules (each one guards against reusing a stale value silently):
 
 * A hit is used only after its sample's inputs are checked against the fingerprint taken when it was cached
-  (:meth:`~layerfreeze.split.ModelSplit.fingerprint`); a change means random augmentation -> :class:`CacheRefused`
-  (or, with ``fallback=True``, the cache turns itself off and the full forward runs).
+  (:meth:`~layerfreeze.forward_split.ModelSplit.fingerprint`); a change means random augmentation ->
+  :class:`CacheRefused` (or, with ``fallback=True``, the cache turns itself off and the full forward runs).
 * A prefix module that is stochastic in its current mode -> :class:`CacheRefused` (or fallback).
 * A prefix block whose parameters or buffers were modified in place since they were cached (``Tensor._version``
   changed: an optimizer step after a thaw, ``load_state_dict``) invalidates every entry that went through it.
@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from .blocks import Block
-from .split import ModelSplit, split_for
+from .forward_split import ModelSplit, split_for
 
 __all__ = [
     "ActivationCache",
@@ -179,7 +179,7 @@ def check_prefix_deterministic(
         blocks: The model's blocks; ``blocks[:depth]`` is the prefix.
         depth: Number of frozen leading blocks.
         modules: ``(name, module)`` pairs the prefix actually runs, if known
-            (:meth:`~layerfreeze.split.ModelSplit.prefix_modules`); they include parameter-free modules between
+            (:meth:`~layerfreeze.forward_split.ModelSplit.prefix_modules`); they include parameter-free modules between
             blocks, which the blocks alone do not. Defaults to the modules of ``blocks[:depth]``.
 
     Raises:
@@ -665,12 +665,10 @@ def _select(batch: dict[str, Any], positions: list[int], size: int) -> dict[str,
 
 
 def _signature(block: Block) -> tuple[tuple[int, int], ...]:
-    """``(id, version)`` of the block's parameters and buffers: changes when any is modified in place or replaced."""
-    return tuple(
-        (id(t), t._version)
-        for _, module in block.modules
-        for t in (*module.parameters(), *module.buffers())
-    )
+    """``(id, version)`` of the block's parameters and buffers (those held outside its modules, such as a class
+    token, included): changes when any is modified in place or replaced."""
+    tensors = [t for _, module in block.modules for t in (*module.parameters(), *module.buffers())]
+    return tuple((id(t), t._version) for t in (*tensors, *(p for _, p in block.params)))
 
 
 class CachedPrefix:
@@ -679,7 +677,7 @@ class CachedPrefix:
     Args:
         model: The model being trained.
         blocks: Its blocks (the Freezer's ``blocks``).
-        split: How its forward splits (default :func:`~layerfreeze.split.split_for`).
+        split: How its forward splits (default :func:`~layerfreeze.forward_split.split_for`).
         cache: The storage (default: an :class:`ActivationCache` with its defaults).
         freezer: The :class:`~layerfreeze.engine.Freezer`, if any: its ``frozen_prefix`` is the default depth, a
             depth beyond it is refused, and frozen prefix blocks are put in eval mode before the check exactly as
@@ -781,13 +779,14 @@ class CachedPrefix:
                 " (if a Freezer froze these blocks, pass freezer= to CachedPrefix: it puts them in eval mode)"
             )
             raise CacheRefused(f"{exc}{hint}") from None
-        for name, module in modules:
-            for pname, p in module.named_parameters():
-                if p.requires_grad:
-                    raise CacheRefused(
-                        f"parameter '{name}.{pname}' in the cached prefix (depth {depth}) requires grad: it trains, "
-                        "so its block's output changes every step. Cache only a frozen prefix"
-                    )
+        named = [(f"{name}.{pname}", p) for name, module in modules for pname, p in module.named_parameters()]
+        named += [item for block in self.blocks[:depth] for item in block.params]  # a class token, ...
+        for name, p in named:
+            if p.requires_grad:
+                raise CacheRefused(
+                    f"parameter '{name}' in the cached prefix (depth {depth}) requires grad: it trains, "
+                    "so its block's output changes every step. Cache only a frozen prefix"
+                )
 
     def _check_weights(self, depth: int) -> None:
         """Drop entries computed through a prefix block whose parameters or buffers changed since."""

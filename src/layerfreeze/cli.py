@@ -1,8 +1,8 @@
 """``layerfreeze`` command line: ``train``, ``blocks``, ``strategies``, ``assets``.
 
 Exit codes: 0 success; 2 bad input (config, strategy, missing asset, undiscoverable blocks, bad checkpoint) found
-before training starts; 130 interrupted (a resumable checkpoint was written); 1 a peer rank was lost (torchrun runs;
-the last checkpoint is resumable).
+before training starts; 130 interrupted (a resumable checkpoint was written); 1 the run was stopped (a peer rank was
+lost, the loss diverged or sat at chance level, a frozen weight moved; the last checkpoint is resumable).
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", "-c", help="YAML or TOML config file")
-    train.add_argument("--task", help="bbc-news (default), fashion-mnist, text-csv, image-folder")
-    train.add_argument("--model", help="local Hugging Face model folder, or mobilenet_v2 / resnet18")
-    train.add_argument("--data", help="CSV file (text-csv) or image folder (image-folder)")
+    train.add_argument("--task", help="bbc-news (default), fashion-mnist, text-csv, image-folder, text-lm")
+    train.add_argument("--model", help="local Hugging Face model folder (text-lm: a causal LM), or mobilenet_v2 / "
+                       "resnet18")
+    train.add_argument("--data", help="CSV file (text-csv), image folder (image-folder), text or CSV file (text-lm)")
     train.add_argument("--strategy", "-s",
                        help=f"freezing strategy (default {DEFAULT_STRATEGY}): {', '.join(sorted(STRATEGIES))}")
     train.add_argument("--param", "-p", action="append", default=[], metavar="NAME=VALUE",
@@ -114,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     blocks.add_argument("--config", "-c")
     blocks.add_argument("--task")
     blocks.add_argument("--model")
+    blocks.add_argument("--data")
     blocks.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
     rep = sub.add_parser("report", help="write an HTML report with PNG plots for a run or compare folder")
@@ -148,8 +150,9 @@ def _overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[dict[str
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
+    from .integrity import FrozenWeightsChangedError, UnfrozenParameterError
     from .telemetry import print_summary
-    from .trainer import CONFIG_FILE, Trainer
+    from .trainer import CONFIG_FILE, DivergenceError, Trainer
 
     overrides = _overrides(args, TRAIN_FLAGS)
     config_path = args.config
@@ -186,6 +189,11 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
             console.print(f"\nInterrupted. A checkpoint is in {trainer.run_dir}/checkpoint; continue with:\n"
                           f"  {again} train --resume {trainer.run_dir}")
         return 130
+    except (DivergenceError, FrozenWeightsChangedError, UnfrozenParameterError) as exc:
+        Console(stderr=True, soft_wrap=True).print(
+            f"[bold red]layerfreeze: run stopped:[/] {exc}\nThe last checkpoint is in {trainer.run_dir}/checkpoint "
+            f"(continue with: {again} train --resume {trainer.run_dir})", highlight=False)
+        return 1
     except RankLostError as exc:
         Console(stderr=True, soft_wrap=True).print(
             f"[bold red]layerfreeze: error:[/] {exc}\nThe last complete checkpoint in {trainer.run_dir}/checkpoint "
@@ -252,14 +260,18 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_blocks(args: argparse.Namespace, console: Console) -> int:
-    from .blocks import describe_blocks, discover_blocks
+    from .blocks import describe_blocks, find_blocks
     from .tasks import build_task
 
-    config = load_config(args.config, _overrides(args, {"task": "task", "model": "model.name_or_path"}))
+    config = load_config(args.config, _overrides(args, {"task": "task", "model": "model.name_or_path",
+                                                        "data": "data.path"}))
     task = build_task(config)
-    blocks = discover_blocks(task.model, config.model.blocks)
-    console.print(f"{task.model_name}: {len(blocks)} blocks (front to back; the last is the head)")
-    console.print(describe_blocks(blocks), highlight=False)
+    found = find_blocks(task.model, config.model.blocks)
+    console.print(f"{task.model_name}: {len(found.blocks)} blocks (front to back; the last is the head)")
+    console.print(f"rule: {found.rule}", highlight=False)
+    console.print(describe_blocks(found.blocks), highlight=False)
+    for line in found.ties:
+        console.print(f"tied: {line}", highlight=False)
     return 0
 
 

@@ -129,7 +129,8 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
     for r in results:
         r["time_ratio"] = r["train_time_s"] / base_row["train_time_s"] if base_row else None
         r["flops_ratio"] = r["flops_total"] / base_row["flops_total"] if base_row else None
-        r["accuracy_delta"] = (r["test_accuracy"] - base_row["test_accuracy"]) if base_row else None
+        known = base_row is not None and None not in (r["test_accuracy"], base_row["test_accuracy"])
+        r["accuracy_delta"] = (r["test_accuracy"] - base_row["test_accuracy"]) if known else None  # None: an LM
     (run_dir / "compare.json").write_text(json.dumps(results, indent=2))
     (run_dir / "compare.md").write_text(markdown_table(results))
     console.print(rich_table(results))
@@ -143,9 +144,16 @@ def _cells(r: dict[str, Any]) -> list[str]:
     delta = "-" if r["accuracy_delta"] is None else f"{100 * r['accuracy_delta']:+.2f}"
     frozen = ", ".join(f"{b}@{s}" for b, s in r["freeze_steps"].items()) or "-"
     return [
-        r["row"], f"{100 * r['test_accuracy']:.2f}", delta, f"{r['train_time_s']:.1f}", ratio(r["time_ratio"]),
+        r["row"], _metric(r), delta, f"{r['train_time_s']:.1f}", ratio(r["time_ratio"]),
         format_flops(r["flops_total"]), ratio(r["flops_ratio"]), format_bytes(r["peak_memory_bytes"]), frozen,
     ]
+
+
+def _metric(r: dict[str, Any]) -> str:
+    """Test accuracy in percent; a language model (text-lm) has none and shows its perplexity."""
+    if r.get("test_accuracy") is None:
+        return "-" if r.get("test_perplexity") is None else f"ppl {r['test_perplexity']:.2f}"
+    return f"{100 * r['test_accuracy']:.2f}"
 
 
 HEADERS = ["strategy", "test acc %", "Δ acc pts", "train s", "time ratio", "train FLOPs", "FLOPs ratio",

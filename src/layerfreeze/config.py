@@ -28,7 +28,7 @@ class ConfigError(ValueError):
     """A configuration problem found before training starts (the CLI exits with code 2)."""
 
 
-TASKS = ("bbc-news", "fashion-mnist", "text-csv", "image-folder")
+TASKS = ("bbc-news", "fashion-mnist", "text-csv", "image-folder", "text-lm")
 
 
 class _Section(BaseModel):
@@ -51,7 +51,8 @@ class LoraConfig(_Section):
 class ModelConfig(_Section):
     """Which network to train.
 
-    ``name_or_path``: a local Hugging Face model folder for text tasks (default: the installed MiniLM-L6), or a
+    ``name_or_path``: a local Hugging Face model folder for text tasks (default: the installed MiniLM-L6; text-lm:
+    a causal LM folder, required), or a
     torchvision architecture name for image tasks (``mobilenet_v2`` with the installed ImageNet weights,
     ``resnet18`` from scratch). ``blocks``: module-name patterns overriding block discovery.
     """
@@ -64,7 +65,8 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Where the data comes from; ``path`` is a CSV file (text-csv) or a folder of class sub-folders (image-folder)."""
+    """Where the data comes from; ``path`` is a CSV file (text-csv), a folder of class sub-folders (image-folder), or
+    a text file or CSV file whose ``text_column`` is read (text-lm)."""
 
     path: str | None = None
     test_path: str | None = None
@@ -163,6 +165,8 @@ class RunConfig(_Section):
     checkpoint_every_steps: int | None = Field(None, ge=1, description="also checkpoint every N optimizer steps")
     checkpoint_every_minutes: float | None = Field(10.0, gt=0, description="also checkpoint every M minutes")
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept (older ones deleted)")
+    divergence_window_steps: int | None = Field(
+        100, ge=1, description="stop when the loss sits at chance level for this many steps (null: never)")
     resume: str | None = None
     dist_timeout_s: float = Field(300, gt=0, description="seconds a collective waits for a peer rank (torchrun runs)")
 
@@ -170,7 +174,7 @@ class RunConfig(_Section):
 class Config(_Section):
     """A whole run. See the module docstring for an example."""
 
-    task: Literal["bbc-news", "fashion-mnist", "text-csv", "image-folder"] = "bbc-news"
+    task: Literal["bbc-news", "fashion-mnist", "text-csv", "image-folder", "text-lm"] = "bbc-news"
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -179,8 +183,11 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_task(self) -> Config:
-        if self.task in ("text-csv", "image-folder") and not self.data.path:
-            raise ValueError(f"task {self.task!r} needs data.path (a CSV file or an image folder)")
+        if self.task in ("text-csv", "image-folder", "text-lm") and not self.data.path:
+            raise ValueError(f"task {self.task!r} needs data.path (a CSV file, an image folder or a text file)")
+        if self.task == "text-lm" and not self.model.name_or_path:
+            raise ValueError("task 'text-lm' needs model.name_or_path (--model): a local Hugging Face causal LM folder "
+                             "(no decoder LM weights install offline)")
         if self.run.device not in ("auto", "cpu") and not self.run.device.startswith("cuda"):
             raise ValueError(f"run.device must be auto, cpu or cuda[:N], got {self.run.device!r}")
         return self

@@ -33,6 +33,7 @@ hold only that block's parameters, which :func:`block_param_groups` builds.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ from torch import nn
 
 from .blocks import Block, discover_blocks
 from .guard import StabilityGuard
+from .integrity import FrozenSet
 from .strategies import Decision, StageContext, Strategy, create_strategy
 from .strategies.base import BlockView
 
@@ -172,6 +174,10 @@ class Freezer:
         steps_per_epoch: Optimizer steps per epoch, if known.
         on_event: Called with each freeze/thaw record (a dict), e.g. to log it to telemetry.
         guard: An optional :class:`~layerfreeze.guard.StabilityGuard`; feed it with :meth:`report_metric`.
+        on_unfrozen: What to do when a frozen block's parameter was replaced (``module.weight = nn.Parameter(...)``),
+            requires grad again or is back in the optimizer (checked after every step,
+            :class:`~layerfreeze.integrity.FrozenSet`): ``"warn"`` re-freezes it and warns naming it, ``"error"``
+            raises :class:`~layerfreeze.integrity.UnfrozenParameterError`.
         distributed: Decide on rank 0 and broadcast each decision to every rank (``torch.distributed``), so all
             ranks freeze and thaw the same blocks at the same step whatever the strategy looks at. Default: on when
             a process group of more than one rank is initialized. Only rank 0 runs the strategy (its hooks,
@@ -203,6 +209,7 @@ class Freezer:
         on_event: Callable[[dict[str, Any]], None] | None = None,
         guard: StabilityGuard | None = None,
         distributed: bool | None = None,
+        on_unfrozen: str = "warn",
     ) -> None:
         from . import distributed as dist_
 
@@ -233,6 +240,7 @@ class Freezer:
         if optimizer is not None:
             self._origin = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._hooks: dict[int, list[Any]] = {}
+        self.integrity = FrozenSet(on_unfrozen, warn=self._integrity_warning)
         self._grad_l1 = [0.0] * len(self.blocks)
         self._backward_calls = 0
         self._lr_scale: dict[int, float] = {}
@@ -298,6 +306,7 @@ class Freezer:
             set_eval_mode(module, self.train_bn)
             self._hooks.setdefault(block.index, []).append(module.register_forward_pre_hook(self._eval_hook))
         self.frozen[block.index] = True
+        self.integrity.on_freeze(block.index, self.named_frozen_parameters(block))
         self._record("freeze", block, reason)
         return True
 
@@ -329,6 +338,7 @@ class Freezer:
                 for p in params:
                     add_to_optimizer(self.optimizer, [p], self._origin.get(id(p), 0))
             self.frozen[block.index] = False
+            self.integrity.on_thaw(block.index)
         if lr is not None:
             self.set_block_lr(block, lr)
         if was_frozen:
@@ -352,6 +362,37 @@ class Freezer:
             if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
                 self.scheduler.base_lrs[gi] = lr
             self._lr_written.pop(gi, None)
+
+    def named_frozen_parameters(self, block: Block) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` pairs that freezing ``block`` stops training (see :func:`frozen_parameters`)."""
+        keep = {id(p) for p in frozen_parameters(block, self.train_bn)}
+        return [(n, p) for n, p in block.named_parameters() if id(p) in keep]
+
+    def refreeze_parameter(self, param: nn.Parameter, old: nn.Parameter | None = None) -> None:
+        """Freeze ``param`` again (it replaced ``old`` in a frozen block, or was made trainable by someone else):
+        no grad, out of the optimizer, and it takes over ``old``'s param-group origin and name."""
+        param.requires_grad_(False)
+        param.grad = None
+        if self.optimizer is not None:
+            remove_from_optimizer(self.optimizer, [param])
+        if old is not None and old is not param:
+            if id(old) in self._origin:
+                self._origin[id(param)] = self._origin.pop(id(old))
+            if id(old) in self._names:
+                self._names[id(param)] = self._names.pop(id(old))
+
+    def verify_frozen_weights(self) -> None:
+        """Check every frozen block's weights against their checksum from freeze time (bitwise).
+
+        Raises:
+            FrozenWeightsChangedError: a frozen weight moved (the message names the block and parameter).
+        """
+        self.integrity.verify_checksums(self)
+
+    def _integrity_warning(self, message: str, record: dict[str, Any]) -> None:
+        warnings.warn(message, stacklevel=4)
+        if self.on_event is not None:
+            self.on_event({**record, "step": self.step_count, "message": message})
 
     def _block_group_indices(self, block: Block) -> list[int]:
         return sorted({self._origin[id(p)] for p in block.parameters() if id(p) in self._origin})
@@ -430,6 +471,7 @@ class Freezer:
         Only needed when the strategy lists ``"grad_l1"`` in its ``signals``; cheap otherwise (returns at once).
         """
         self._backward_calls += 1
+        self.integrity.check_gradients(self)
         if "grad_l1" not in self.strategy.signals or not self.decides:
             return  # off rank 0 no strategy reads it (gradients are all-reduced, so rank 0's sums are global)
         with torch.no_grad():
@@ -443,6 +485,7 @@ class Freezer:
     def step(self) -> Decision | None:
         """Call once after each ``optimizer.step()``; runs a freezing stage every ``strategy.stage_every`` steps."""
         self.step_count += 1
+        self.integrity.check(self)
         every = self.strategy.stage_every
         decision = self._stage(event="step") if every and self.step_count % every == 0 else None
         self._apply_lr_scales()
@@ -497,6 +540,7 @@ class Freezer:
             "lr_scale": dict(self._lr_scale),
             "lr_written": dict(self._lr_written),
             "guard": self.guard.state_dict() if self.guard is not None else None,
+            "frozen_checksums": self.integrity.state_dict(),
         }
         if self.optimizer is not None:
             state["param_groups"] = [[self._names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
@@ -537,6 +581,7 @@ class Freezer:
                 group["params"] = [by_name[n] for n in saved]
             self._origin = {id(by_name[n]): gi for n, gi in state["origin"].items()}
             self.optimizer.state.clear()
+        self.integrity.load_state_dict(state.get("frozen_checksums", {}))
         self.step_count = state["step"]
         self.epoch = state["epoch"]
         self.history = list(state["history"])

@@ -7,13 +7,18 @@ Built-in tasks use only the offline assets (:mod:`layerfreeze.assets`); nothing 
 * ``text-csv``: the same on the user's CSV (``data.path``, optional ``data.test_path``).
 * ``fashion-mnist``: MobileNetV2 with ImageNet weights fine-tuned on Fashion-MNIST at 32x32, 3 channels.
 * ``image-folder``: the same on the user's folder of class sub-folders.
+* ``text-lm``: a local causal LM folder (GPT-2, Llama, ...) trained on next-token prediction over a text file or a
+  CSV column (:mod:`layerfreeze.lm`); perplexity is its eval metric.
+
+A task's *objective* says how logits become a loss and an eval metric (:class:`Classification`: cross-entropy and
+accuracy; :class:`~layerfreeze.lm.NextTokenPrediction`: shifted cross-entropy and perplexity).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,32 @@ from torch.utils.data import Dataset, Subset
 
 from . import assets, data
 from .config import Config, ConfigError
+from .lm import NextTokenPrediction, lm_datasets, lm_forward, load_causal_lm
+
+
+class Classification:
+    """The objective of a classifier: cross-entropy on ``batch["labels"]`` ``(B,)`` against logits ``(B, C)``;
+    accuracy as the eval metric."""
+
+    metric = "accuracy"
+
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean cross-entropy over the batch (a scalar with grad)."""
+        return nn.functional.cross_entropy(logits, batch["labels"])
+
+    def sample_losses(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``(B,)`` cross-entropy per sample (their mean is :meth:`loss`; data-parallel training sums shares)."""
+        return nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
+
+    def sums(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[float, float, int]:
+        """``(summed loss, correct predictions, samples)`` of a batch."""
+        labels = batch["labels"]
+        total = float(nn.functional.cross_entropy(logits, labels, reduction="sum"))
+        return total, float((logits.argmax(-1) == labels).sum()), len(labels)
+
+    def finish(self, loss_sum: float, metric_sum: float, count: int) -> tuple[float, float]:
+        """``(mean loss, accuracy in [0, 1])``."""
+        return loss_sum / max(1, count), metric_sum / max(1, count)
 
 
 @dataclass
@@ -33,9 +64,10 @@ class Task:
         name: Task name for reports.
         model: The network; ``forward(model, batch)`` turns a batch dict into logits ``(batch, num_classes)``.
         train_set / test_set: Datasets whose items are dicts of tensors with a ``"labels"`` key.
-        num_classes: Number of classes.
+        num_classes: Number of classes (the vocabulary size for a language model).
         model_name: For reports (a path or an architecture name).
         forward: ``(model, batch) -> logits``.
+        objective: Loss and eval metric (:class:`Classification` unless set).
     """
 
     name: str
@@ -45,6 +77,11 @@ class Task:
     num_classes: int
     model_name: str
     forward: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+    objective: Any = field(default_factory=Classification)
+
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The training loss (a scalar with grad) of a batch's logits."""
+        return self.objective.loss(logits, batch)
 
 
 def text_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -122,12 +159,18 @@ def load_vision_model(name: str, num_classes: int, pretrained: bool) -> nn.Modul
 
 
 def default_lora_targets(model: nn.Module) -> list[str]:
-    """LoRA's modules when the config names none: ``["query", "value"]`` when the model has attention projections of
-    those names (BERT-like, as in Hu et al. 2021, sec. 4.2), else every ``Conv2d`` with ``groups == 1`` (a
-    depthwise convolution has no low-rank form): MobileNetV2's stem, 1x1 expand/project and last convs."""
-    names = [n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if "query" in names and "value" in names:
-        return ["query", "value"]
+    """LoRA's modules when the config names none: the attention query and value projections of a transformer, as in
+    Hu et al. 2021, sec. 4.2 (``query``/``value`` in BERT-like models, ``q_proj``/``v_proj`` in Llama-like decoders
+    and BART, ``q``/``v`` in T5; the fused ``c_attn`` of GPT-2 and ``query_key_value`` of GPT-NeoX), else every
+    ``Conv2d`` with ``groups == 1`` (a depthwise convolution has no low-rank form): MobileNetV2's stem, 1x1
+    expand/project and last convs."""
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for pair in (["query", "value"], ["q_proj", "v_proj"], ["q", "v"]):
+        if names.issuperset(pair):
+            return pair
+    fused = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()} & {"c_attn", "query_key_value"}
+    if fused:
+        return sorted(fused)
     return [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d) and m.groups == 1]
 
 
@@ -188,7 +231,13 @@ def build_task(cfg: Config) -> Task:
         ConfigError: a user path that does not exist or does not fit the task.
     """
     torch.manual_seed(cfg.train.seed)  # new heads are initialised from the run's seed
-    if cfg.task in ("bbc-news", "text-csv"):
+    objective: Any = Classification()
+    if cfg.task == "text-lm":
+        model, tokenizer = load_causal_lm(cfg.model.name_or_path)
+        train_set, test_set = lm_datasets(cfg, tokenizer)
+        classes = [None] * int(model.config.get_text_config().vocab_size)
+        forward, model_name, objective = lm_forward, str(cfg.model.name_or_path), NextTokenPrediction()
+    elif cfg.task in ("bbc-news", "text-csv"):
         if cfg.task == "bbc-news":
             texts, labels, classes = data.load_bbc_news()
         else:
@@ -234,4 +283,5 @@ def build_task(cfg: Config) -> Task:
         num_classes=len(classes),
         model_name=model_name,
         forward=forward,
+        objective=objective,
     )

@@ -668,7 +668,7 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
     Recognised keys of ``summary`` (all optional; absent or None keys are
     left out, unknown keys are ignored): ``strategy``, ``model``, ``task``,
     ``test_accuracy`` (fraction in 0..1, shown as a percentage with 2
-    decimals), ``test_loss``, ``epochs``, ``steps``, ``wall_time_s``,
+    decimals), ``test_perplexity`` (language models), ``test_loss``, ``epochs``, ``steps``, ``wall_time_s``,
     ``train_time_s`` (seconds), ``time_per_epoch_s`` (list of seconds),
     ``flops_total``, ``flops_per_step_first``, ``flops_per_step_last``
     (FLOPs), ``peak_memory_bytes`` (bytes) and ``freeze_timeline`` (list of
@@ -688,6 +688,8 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
             table.add_row(key, str(get(key)))
     if get("test_accuracy") is not None:
         table.add_row("test accuracy", f"{100.0 * float(get('test_accuracy')):.2f}%")
+    if get("test_perplexity") is not None:
+        table.add_row("test perplexity", f"{float(get('test_perplexity')):.2f}")
     if get("test_loss") is not None:
         table.add_row("test loss", f"{float(get('test_loss')):.4f}")
     for key in ("epochs", "steps"):

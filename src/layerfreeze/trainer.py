@@ -48,7 +48,8 @@ from .checkpoint import CheckpointStore, load_checkpoint, rng_state, set_rng_sta
 from .config import Config, ConfigError
 from .engine import Freezer, block_param_groups
 from .guard import StabilityGuard
-from .split import split_for
+from .integrity import FrozenWeightsChangedError, UnfrozenParameterError
+from .forward_split import split_for
 from .strategies import Strategy, create_strategy
 from .tasks import Task, build_task
 
@@ -108,23 +109,32 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
 
 
 @torch.no_grad()
-def evaluate(task: Task, model: nn.Module, device: torch.device, batch_size: int,
-             dataset: Dataset | None = None) -> tuple[float, float]:
-    """Mean cross-entropy loss and accuracy (fraction in [0, 1]) on ``dataset`` (default: the task's test set).
+def evaluate_sums(task: Task, model: nn.Module, device: torch.device, batch_size: int,
+                  dataset: Dataset | None = None) -> tuple[float, float, int]:
+    """``(summed loss, summed metric, count)`` on ``dataset`` (default: the task's test set), from
+    ``task.objective.sums`` (classification: correct predictions over samples; LM: token losses over tokens).
 
     Leaves the model in eval mode; the training loop switches it back.
     """
     model.eval()
     loader = DataLoader(task.test_set if dataset is None else dataset, batch_size=batch_size, shuffle=False,
                         generator=torch.Generator())  # own generator: keep the global RNG untouched
-    total_loss, correct, count = 0.0, 0, 0
+    total_loss, total_metric, count = 0.0, 0.0, 0
     for batch in loader:
         batch = _to(batch, device)
-        logits = task.forward(model, batch)
-        total_loss += float(nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"))
-        correct += int((logits.argmax(-1) == batch["labels"]).sum())
-        count += len(batch["labels"])
-    return total_loss / max(1, count), correct / max(1, count)
+        loss_sum, metric_sum, n = task.objective.sums(task.forward(model, batch), batch)
+        total_loss, total_metric, count = total_loss + loss_sum, total_metric + metric_sum, count + n
+    return total_loss, total_metric, count
+
+
+def evaluate(task: Task, model: nn.Module, device: torch.device, batch_size: int,
+             dataset: Dataset | None = None) -> tuple[float, float]:
+    """Mean loss and the task's metric on ``dataset`` (default: the task's test set): accuracy (fraction in [0, 1])
+    for a classifier, perplexity for a language model (``task.objective.metric`` names it).
+
+    Leaves the model in eval mode; the training loop switches it back.
+    """
+    return task.objective.finish(*evaluate_sums(task, model, device, batch_size, dataset))
 
 
 def signals_of(decision: Any) -> dict[str, Any]:
@@ -325,6 +335,7 @@ class Trainer:
         if not self.config.run.checkpoint:
             return None
         t0 = time.perf_counter()
+        self.freezer.verify_frozen_weights()  # never checkpoint weights that moved while frozen
         extra = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "progress": dict(self.progress),
                  "config": self.config.model_dump(mode="json"), "world_size": self.world}
         if self.distributed:
@@ -453,13 +464,8 @@ class Trainer:
                     decision = self.freezer.step()  # timed: a strategy's own cost counts against it
                     step_time = time.perf_counter() - t0
                     comm = {}
-                    due = self._checkpoint_due()
-                    if self.distributed:  # global loss; every rank stops (or checkpoints) at the same step
-                        loss, stops, due = dist_.all_reduce_sum(
-                            [loss, float(self._stop_requested), float(due and self.is_main)])
-                        loss /= n
-                        self._stop_agreed = stops > 0
-                        due = due > 0
+                    due = self._due
+                    if self.distributed:
                         comm = {"grad_bytes_allreduced": self.ddp.bytes_per_step(), "world_size": self.world}
                     done_in_epoch += 1
                     self.progress["step"] += 1
@@ -477,6 +483,7 @@ class Trainer:
                     )
                     if comm:
                         self._track_comm(comm["grad_bytes_allreduced"])
+                    self._check_stuck(loss)
                     bar.set_postfix(loss=f"{loss:.4f}", frozen=f"{sum(self.freezer.frozen)}/{len(self.freezer.blocks)}")
                     for callback in self.step_callbacks:
                         callback(self)
@@ -495,7 +502,9 @@ class Trainer:
                 self._end_epoch(epoch, epoch_time, epoch_loss / max(1, epoch_n))
                 done_in_epoch = 0
         except BaseException as exc:
-            coordinated = not self.distributed or (isinstance(exc, KeyboardInterrupt) and self._stop_agreed)
+            coordinated = not self.distributed or isinstance(exc, DivergenceError) or (
+                isinstance(exc, KeyboardInterrupt) and self._stop_agreed)
+            coordinated = coordinated and not isinstance(exc, (FrozenWeightsChangedError, UnfrozenParameterError))
             # A failure on one rank leaves the others inside a collective: no collective checkpoint then; the last
             # complete one stays, and a lost peer is named.
             path = self._checkpoint(epoch, done_in_epoch, reason=type(exc).__name__) if coordinated else None
@@ -513,6 +522,7 @@ class Trainer:
                 self.watchdog.close()
             if self.runner is not None:
                 self.runner.cache.close()
+        self.freezer.verify_frozen_weights()
         summary = self._summary(time.perf_counter() - wall_start)
         self.telemetry.close()
         return summary
@@ -523,7 +533,8 @@ class Trainer:
         Stopping between steps keeps model, optimizer and data position consistent, so the resumed run is exact.
         """
         self._stop_requested = False  # this process got a Ctrl-C
-        self._stop_agreed = False  # distributed: some rank got one (all-reduced after every step)
+        self._stop_agreed = False  # distributed: some rank got one (all-reduced in every step)
+        self._due = False  # a periodic checkpoint is due after this step (agreed across ranks)
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
 
@@ -560,15 +571,24 @@ class Trainer:
         batch = _to(batch, self.device)
         if self.ddp is not None:
             logits = self.ddp(batch)
-            losses = nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
+            losses = self.task.objective.sample_losses(logits, batch)
             local = local_count  # 0 for a padded rank (see _local_batches)
             losses = losses[:local]
             loss_sum = losses.sum()
+            # one all-reduce per step, before backward: the global loss (checked below), a Ctrl-C on any rank, a
+            # periodic checkpoint due by rank 0's clock, so every rank stops or checkpoints at the same step
+            total, stops, due = dist_.all_reduce_sum(
+                [float(loss_sum.detach()), float(self._stop_requested), float(self._checkpoint_due() and self.is_main)])
+            self._stop_agreed, self._due = stops > 0, due > 0
+            value = total / global_count
+            self._check_finite(value)
             (loss_sum * dist_.loss_scale(local, global_count)).backward()
-            loss = loss_sum
         else:
             logits = self.runner(batch) if self.runner is not None else self.task.forward(self.model, batch)
-            loss = nn.functional.cross_entropy(logits, batch["labels"])
+            loss = self.task.loss(logits, batch)
+            value = float(loss.detach())
+            self._due = self._checkpoint_due()
+            self._check_finite(value)
             loss.backward()
         self.freezer.after_backward()
         if self.config.train.grad_clip:
@@ -577,7 +597,45 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return value
+
+    def _check_finite(self, loss: float) -> None:
+        """Stop before a non-finite loss reaches the weights (the run's checkpoint then holds the last good ones).
+
+        Raises:
+            DivergenceError: the (global) loss is NaN or infinite.
+        """
+        if not math.isfinite(loss):
+            raise DivergenceError(f"the training loss is {loss} at step {self.progress['step'] + 1}: the run "
+                                  "diverged. Lower train.lr or set train.grad_clip, then resume from the checkpoint")
+
+    def _check_stuck(self, loss: float) -> None:
+        """Stop a run whose loss sits at chance level (``ln`` of the number of classes, per token for a language
+        model) for ``run.divergence_window_steps`` steps: it learns nothing. With the stability guard the most
+        recently frozen block is thawed first and the window starts again.
+
+        Raises:
+            DivergenceError: the mean loss of the last window is at least 98% of the chance level.
+        """
+        window = self.config.run.divergence_window_steps
+        if not window or self.task.num_classes < 2:
+            return
+        recent = self.progress.setdefault("recent_losses", [])
+        recent.append(loss)
+        del recent[:-window]
+        chance = math.log(self.task.num_classes)
+        if len(recent) < window or sum(recent) / window < 0.98 * chance:
+            return
+        mean = sum(recent) / window
+        latest = [h for h in self.freezer.history if h["kind"] == "freeze" and self.freezer.frozen[h["index"]]]
+        if self.guard is not None and latest:
+            recent.clear()
+            self.freezer.thaw(latest[-1]["index"], reason=f"divergence: loss {mean:.4g} at chance level "
+                                                           f"({chance:.4g}) for {window} steps")
+            return
+        raise DivergenceError(f"the training loss has been at chance level for {window} steps (mean {mean:.4g}, "
+                              f"chance ln({self.task.num_classes}) = {chance:.4g}): the run learns nothing. Check "
+                              "the labels and train.lr (or raise run.divergence_window_steps, or set it to null)")
 
     def _track_comm(self, nbytes: int) -> None:
         """Phases of gradient bytes all-reduced per step: a new phase whenever the per-step count changes."""
@@ -588,30 +646,30 @@ class Trainer:
 
     def _evaluate(self, dataset: Dataset | None = None) -> tuple[float, float]:
         """:func:`evaluate` on ``dataset`` (default: the test set); distributed, each rank takes every world-th
-        sample and the sums are all-reduced, so every rank gets the whole set's loss and accuracy."""
+        sample and the sums are all-reduced, so every rank gets the whole set's loss and metric."""
         bs = self.config.train.eval_batch_size
         if not self.distributed:
             return evaluate(self.task, self.model, self.device, bs, dataset)
         dataset = self.task.test_set if dataset is None else dataset
         part = Subset(dataset, range(self.rank, len(dataset), self.world))
-        loss, acc = evaluate(self.task, self.model, self.device, bs, part) if len(part) else (0.0, 0.0)
-        loss_sum, correct, count = dist_.all_reduce_sum([loss * len(part), acc * len(part), len(part)])
-        return loss_sum / max(1, count), correct / max(1, count)
+        sums = evaluate_sums(self.task, self.model, self.device, bs, part) if len(part) else (0.0, 0.0, 0)
+        return self.task.objective.finish(*dist_.all_reduce_sum(list(sums)))
 
     def _end_epoch(self, epoch: int, epoch_time: float, train_loss: float) -> None:
         eval_start = time.perf_counter()
         eval_loss, eval_acc = self._evaluate()
         eval_time = time.perf_counter() - eval_start
+        metric = self.task.objective.metric  # accuracy, or perplexity for a language model
         self.progress["epoch_times_s"].append(epoch_time)
-        self.progress["history_eval"].append({"epoch": epoch, "loss": eval_loss, "accuracy": eval_acc})
+        self.progress["history_eval"].append({"epoch": epoch, "loss": eval_loss, metric: eval_acc})
         self.telemetry.log_epoch(
-            epoch, self.progress["step"], train_loss=train_loss, eval_loss=eval_loss, eval_accuracy=eval_acc,
+            epoch, self.progress["step"], train_loss=train_loss, eval_loss=eval_loss, **{f"eval_{metric}": eval_acc},
             epoch_time_s=epoch_time, eval_time_s=eval_time, frozen_blocks=self.freezer.frozen_blocks,
             peak_memory_bytes=tm.peak_memory_bytes(self.device), **self._cache_stats(),
         )
         # one line per epoch, also without the progress bar
         if self.is_main:
-            tqdm.write(f"epoch {epoch + 1}: train loss {train_loss:.4f}  eval loss {eval_loss:.4f}  accuracy "
+            tqdm.write(f"epoch {epoch + 1}: train loss {train_loss:.4f}  eval loss {eval_loss:.4f}  {metric} "
                        f"{eval_acc:.4f}  train time {epoch_time:.1f} s  frozen {sum(self.freezer.frozen)}"
                        f"/{len(self.freezer.blocks)}")
         if self.guard is not None:
@@ -631,7 +689,8 @@ class Trainer:
 
     def _guard_check(self) -> None:
         val_loss, val_acc = self._evaluate(self.val_set)
-        self.telemetry.log_step(self.progress["step"], val_loss=val_loss, val_accuracy=val_acc)
+        metric = self.task.objective.metric
+        self.telemetry.log_step(self.progress["step"], val_loss=val_loss, **{f"val_{metric}": val_acc})
         self.freezer.report_metric(val_loss)
 
     def _summary(self, wall_time: float) -> dict[str, Any]:
@@ -648,6 +707,7 @@ class Trainer:
             "strategy_params": dict(cfg.freeze.params),
             "test_accuracy": last_eval.get("accuracy"),
             "test_loss": last_eval.get("loss"),
+            **({"test_perplexity": last_eval.get("perplexity")} if self.task.objective.metric == "perplexity" else {}),
             "epochs": len(p["epoch_times_s"]),
             "steps": p["step"],
             "wall_time_s": wall_time,
@@ -683,6 +743,10 @@ def _write_atomically(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class DivergenceError(RuntimeError):
+    """The training loss became non-finite, or sat at chance level for ``run.divergence_window_steps`` steps."""
 
 
 class _NoTelemetry:

@@ -1,0 +1,160 @@
+"""``layerfreeze train --task text-lm`` end to end on a tiny random Llama folder written here with save_pretrained
+(with an offline word-level tokenizer): the default strategy, the cache, perplexity in the summary; and the data
+pieces (chunks, shifted loss)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from layerfreeze.cli import main
+from layerfreeze.lm import TokenChunks, next_token_loss
+from layerfreeze.telemetry import read_metrics
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WORDS = "the cat dog sat ran on a mat log and then slept ate fish bone".split()
+
+
+VOCAB = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[EOS]", *WORDS])}
+
+
+def save_tokenizer(path):
+    """A word-level tokenizer built offline (``tokenizers``), saved as a ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                                eos_token="[EOS]")
+    fast.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    """A 2-layer Llama (hidden 16, tied embeddings) and a word-level tokenizer, saved as a local HF folder."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_tokenizer(path)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(VOCAB), hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0,
+                                      eos_token_id=2, bos_token_id=None)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2_dir(tmp_path_factory):
+    """A 2-layer GPT-2 (hidden 16, tied embeddings, dropout 0.1) with the same tokenizer."""
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    save_tokenizer(path)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=len(VOCAB), n_embd=16, n_layer=2, n_head=2, n_positions=64,
+                                     pad_token_id=0, eos_token_id=2, bos_token_id=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def story(tmp_path_factory):
+    g = torch.Generator().manual_seed(0)
+    lines = [" ".join(WORDS[j] for j in torch.randint(0, len(WORDS), (9,), generator=g).tolist()) for _ in range(40)]
+    path = tmp_path_factory.mktemp("text") / "story.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _train(tmp_path, model_dir, data, name, *extra):
+    run = tmp_path / name
+    args = ["train", "--task", "text-lm", "--model", str(model_dir), "--data", str(data), "--epochs", "2",
+            "--batch-size", "8", "--lr", "3e-3", "--run-dir", str(run), "--no-progress", "--no-tensorboard",
+            "--no-report", "--set", "model.max_length=16", "--set", "run.device=cpu", *extra]
+    assert main(args) == 0
+    return json.loads((run / "summary.json").read_text()), run
+
+
+def test_text_lm_trains_a_local_llama_with_the_default_strategy_and_prints_perplexity(tmp_path, tiny_llama_dir,
+                                                                                      story, capsys):
+    summary, run = _train(tmp_path, tiny_llama_dir, story, "default")
+    out = capsys.readouterr().out
+    assert "test perplexity" in out and "smartfrz" in out
+    assert summary["strategy"] == "smartfrz" and summary["task"] == "text-lm"
+    assert summary["blocks"] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "head"]
+    assert summary["test_accuracy"] is None and math.isfinite(summary["test_perplexity"])
+    assert summary["test_perplexity"] == pytest.approx(math.exp(summary["test_loss"]))
+    first, last = summary["eval_history"][0], summary["eval_history"][-1]
+    assert last["perplexity"] < first["perplexity"]  # it learns (uniform would be ~18)
+    assert summary["steps"] > 0 and summary["flops_total"] > 0
+
+
+@pytest.mark.parametrize("folder, frozen", [("tiny_llama_dir", ["model.embed_tokens", "model.layers.0"]),
+                                            ("tiny_gpt2_dir", ["transformer.embeddings", "transformer.h.0"])])
+def test_text_lm_with_the_cache_gives_the_same_run_as_without(tmp_path, folder, frozen, story, request):
+    """static k=2 (embeddings + layer 0 frozen): with ``freeze.cache.mode=on`` the second epoch reads the frozen
+    prefix's output back, and the run is the same as without the cache, loss for loss (GPT-2: with dropout in
+    the trainable layers, the same masks drawn)."""
+    model_dir = request.getfixturevalue(folder)
+    plain, plain_dir = _train(tmp_path, model_dir, story, "plain", "-s", "static", "-p", "k=2")
+    cached, cached_dir = _train(tmp_path, model_dir, story, "cached", "-s", "static", "-p", "k=2",
+                                "--set", "freeze.cache.mode=on")
+    assert cached["frozen_blocks"] == frozen
+    epochs = [r for r in read_metrics(cached_dir / "metrics.jsonl") if r["type"] == "epoch"]
+    assert epochs[-1]["cache_hits"] > 0
+    losses = lambda d: [r["loss"] for r in read_metrics(d / "metrics.jsonl") if r["type"] == "step"]  # noqa: E731
+    assert losses(cached_dir) == losses(plain_dir)
+    assert cached["test_perplexity"] == plain["test_perplexity"]
+
+
+def test_text_lm_with_the_default_strategy_and_the_cache(tmp_path, tiny_llama_dir, story):
+    summary, _ = _train(tmp_path, tiny_llama_dir, story, "both", "--set", "freeze.cache.mode=on")
+    assert summary["strategy"] == "smartfrz" and math.isfinite(summary["test_perplexity"])
+
+
+def test_blocks_command_shows_the_rule_and_the_tie(tiny_llama_dir, story, capsys):
+    assert main(["blocks", "--task", "text-lm", "--model", str(tiny_llama_dir), "--data", str(story)]) == 0
+    out = capsys.readouterr().out
+    assert "rule: Hugging Face decoder LM" in out and "model.layers.1" in out
+    assert "tied: lm_head.weight is tied to model.embed_tokens.weight" in out
+
+
+def test_text_lm_bad_input_is_exit_2(tmp_path, tiny_llama_dir, story, capsys):
+    assert main(["train", "--task", "text-lm", "--data", str(story)]) == 2
+    assert "needs model.name_or_path" in capsys.readouterr().err
+    assert main(["train", "--task", "text-lm", "--model", str(tmp_path), "--data", str(story)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    csv = tmp_path / "t.csv"
+    csv.write_text("body\nthe cat sat\n", encoding="utf-8")
+    assert main(["train", "--task", "text-lm", "--model", str(tiny_llama_dir), "--data", str(csv)]) == 2
+    assert "no column 'text'" in capsys.readouterr().err
+
+
+def test_chunks_and_the_shifted_loss():
+    chunks = TokenChunks(list(range(3, 13)), length=4, pad_id=0)  # 10 tokens -> 3 chunks, the last padded
+    assert len(chunks) == 3
+    last = chunks[2]
+    assert last["input_ids"].tolist() == [11, 12, 0, 0] and last["attention_mask"].tolist() == [1, 1, 0, 0]
+    assert last["labels"].tolist() == [11, 12, -100, -100]
+    logits = torch.full((1, 4, 16), -1e4)
+    for t, nxt in enumerate([12, 0, 0]):
+        logits[0, t, nxt] = 0.0  # position t predicts token t + 1 exactly
+    assert next_token_loss(logits, last["labels"][None]).item() == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="no tokens"):
+        TokenChunks([], 4, 0)
+
+
+def test_lora_targets_of_decoder_lms_and_a_compare_row_of_an_lm(tiny_llama_dir, tiny_gpt2_dir):
+    from layerfreeze.compare import markdown_table
+    from layerfreeze.tasks import default_lora_targets
+
+    llama = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, local_files_only=True)
+    gpt2 = transformers.AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir, local_files_only=True)
+    assert default_lora_targets(llama) == ["q_proj", "v_proj"] and default_lora_targets(gpt2) == ["c_attn"]
+    row = {"row": "none", "test_accuracy": None, "test_perplexity": 17.79, "accuracy_delta": None,
+           "train_time_s": 1.0, "time_ratio": 1.0, "flops_total": 1e6, "flops_ratio": 1.0,
+           "peak_memory_bytes": 2**20, "freeze_steps": {}}
+    assert "| none | ppl 17.79 | - |" in markdown_table([row])

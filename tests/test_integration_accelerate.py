@@ -21,7 +21,18 @@ def loader():
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=False)
 
 
-def test_freezer_inside_an_accelerator_loop_with_bf16_autocast():
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate's state is a process-wide singleton (an HF Trainer test before this one set it up without
+    mixed precision): start from a clean one, leave a clean one."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_freezer_inside_an_accelerator_loop_with_bf16_autocast(fresh_accelerate_state):
     accelerator = Accelerator(mixed_precision="bf16", cpu=True)
     model = mlp()
     optimizer = torch.optim.AdamW(block_param_groups(model, discover_blocks(model), lr=0.05))

@@ -9,6 +9,7 @@ The pieces, one module per concern:
 * :mod:`layerfreeze.strategies` — the policies, one file each, registered by name;
 * :mod:`layerfreeze.checkpoint` — resumable checkpoints carrying the freeze state;
 * :mod:`layerfreeze.telemetry` — metrics.jsonl, TensorBoard, measured FLOPs, memory, the summary table;
+* :mod:`layerfreeze.integrations` — Lightning and Hugging Face Trainer callbacks (extras ``lightning``, ``hf``);
 * :mod:`layerfreeze.trainer`, :mod:`layerfreeze.config`, :mod:`layerfreeze.cli` — the ``layerfreeze train`` CLI.
 """
 

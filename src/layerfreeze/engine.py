@@ -163,7 +163,8 @@ class Freezer:
     Args:
         model: The model being trained.
         optimizer: Its optimizer (may be None for pure inference-style freezing; then only ``requires_grad``,
-            gradients and BatchNorm modes are handled).
+            gradients and BatchNorm modes are handled, and learning-rate factors wait for
+            :meth:`attach_optimizer`).
         strategy: A :class:`~layerfreeze.strategies.Strategy` or a registered name (``"none"``, ``"static"``...).
         strategy_params: Parameters for a strategy given by name.
         blocks: Module-name patterns, or ready :class:`~layerfreeze.blocks.Block` objects; default: discovered.
@@ -427,6 +428,30 @@ class Freezer:
                 group["lr"] = unscaled * scale
                 self._lr_written[gi] = (unscaled, group["lr"])
 
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:
+        """Give a Freezer built with ``optimizer=None`` the optimizer a framework creates after the initial freeze.
+
+        Why: Lightning calls ``configure_optimizers`` after the ``setup`` hook, and the blocks a strategy freezes
+        from the start must be frozen before that (and before DDP registers the trainable parameters). Parameters
+        of frozen blocks that are in ``optimizer`` leave it now, before any step (no state, no update); each
+        parameter's group is remembered so a thaw puts it back there (a parameter ``optimizer`` never held goes
+        back to group 0). Learning-rate factors the strategy set without an optimizer are applied now.
+
+        Raises:
+            ValueError: a strategy's learning-rate factor on a block whose param group holds other blocks too.
+        """
+        self.optimizer = optimizer
+        if scheduler is not None:
+            self.scheduler = scheduler
+        self._origin = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        for block in self.blocks:
+            if self.frozen[block.index]:
+                remove_from_optimizer(optimizer, frozen_parameters(block, self.train_bn))
+        for i in self._lr_scale:
+            self._exclusive_groups(self.blocks[i], "a learning-rate factor")
+        self._lr_written = {}
+        self._apply_lr_scales()
+
     def close(self) -> None:
         """Release what the strategy attached (hooks, background threads). Idempotent."""
         if self.decides:
@@ -652,9 +677,8 @@ class Freezer:
         for i in decision.thaw:
             self.thaw(i, lr=decision.thaw_lr.get(i), reason=decision.reason or self.strategy.name)
         for i, scale in decision.lr_scale.items():
-            if self.optimizer is None:
-                raise ValueError(f"Strategy {self.strategy.name!r} scales learning rates: it needs an optimizer")
-            self._exclusive_groups(self.blocks[i], "a learning-rate factor")
+            if self.optimizer is not None:  # without one yet, attach_optimizer checks and applies the factors
+                self._exclusive_groups(self.blocks[i], "a learning-rate factor")
             if scale == 1.0:
                 self._lr_scale.pop(i, None)
             else:

@@ -1,0 +1,289 @@
+"""What the Lightning and Hugging Face callbacks share: the mechanics around a :class:`~layerfreeze.engine.Freezer`
+that a framework's own loop needs and a hand-written loop does not.
+
+* :class:`OptimizerSnapshot` — keep an optimizer's loaded state across a freezer restore, for frameworks that load
+  the optimizer state *before* a callback can restore the frozen set (the HF Trainer).
+* :func:`full_optimizer_state_dict` — the optimizer's ``state_dict`` with every parameter it was built with back
+  in its param group, in the model's order: what the framework's own ``create_optimizer`` builds on resume, so its
+  own ``optimizer.load_state_dict`` never meets "a parameter group that doesn't match the size of optimizer's
+  group".
+* :func:`rebuild_ddp` — re-initialize the framework's own ``DistributedDataParallel`` object in place around the
+  trainable parameters after a freeze or thaw (no "Expected to have finished reduction in the prior iteration",
+  no silent desync after a thaw, Lightning #20340, no ``find_unused_parameters=True``).
+* :class:`CheckpointBoundary` — the frozen prefix's output requires grad under reentrant activation checkpointing,
+  so the trainable layers after it still get gradients (transformers #21381, #23170).
+* :class:`FreezeSession` — one freezer in a framework's loop: its events, the DDP wrapper and the boundary kept in
+  step with the frozen set, and the values to log.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..blocks import output_tensor
+from ..engine import Freezer
+from ..trainer import signals_of
+
+#: The file each framework checkpoint folder gets for the freezer's state (HF Trainer checkpoints).
+STATE_FILE = "layerfreeze.pt"
+#: Prefix of every value the callbacks log.
+LOG_PREFIX = "layerfreeze/"
+
+
+def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer behind a framework's wrapper (accelerate's ``AcceleratedOptimizer``,
+    Lightning's ``LightningOptimizer``), or ``optimizer`` itself."""
+    while hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    while hasattr(optimizer, "_optimizer") and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer._optimizer
+    return optimizer
+
+
+def inner_scheduler(scheduler: Any) -> Any:
+    """The LR scheduler behind accelerate's ``AcceleratedScheduler``, or ``scheduler`` itself (None stays None)."""
+    while scheduler is not None and hasattr(scheduler, "scheduler") and not hasattr(scheduler, "base_lrs"):
+        scheduler = scheduler.scheduler
+    return scheduler
+
+
+def is_checkpointing(model: nn.Module) -> bool:
+    """True when a module of ``model`` runs with activation (gradient) checkpointing, Hugging Face style (a
+    ``gradient_checkpointing`` attribute set to True, what ``gradient_checkpointing_enable()`` sets)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The optimizer across a restore, and in a framework's checkpoint
+# --------------------------------------------------------------------------------------------------------------
+
+
+class OptimizerSnapshot:
+    """The per-parameter state and the group settings (lr, initial_lr, ...) of an optimizer, kept by reference.
+
+    Why: a framework that loads the optimizer state before a callback can act (the HF Trainer loads it in
+    ``_prepare_for_training``, before ``on_train_begin``) would lose it to the freezer's restore, which frees the
+    state of the blocks its start stage freezes and clears the rest (:meth:`Freezer.load_state_dict`), and to the
+    start stage's LR factors applied on top of the loaded, already scaled LRs. Take the snapshot before building the
+    Freezer, :meth:`restore` it after ``freezer.load_state_dict``: every parameter the restored groups hold gets its
+    loaded state back, and each group its loaded settings.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.state = dict(optimizer.state)
+        self.settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+    def restore(self) -> None:
+        """Put the snapshot's state and group settings back (parameters no group holds now get no state)."""
+        for group, settings in zip(self.optimizer.param_groups, self.settings):
+            group.update(settings)
+            for p in group["params"]:
+                if p in self.state:
+                    self.optimizer.state[p] = self.state[p]
+
+
+def full_optimizer_state_dict(freezer: Freezer) -> dict[str, Any]:
+    """``freezer.optimizer.state_dict()`` as if nothing were frozen: every parameter the optimizer was built with
+    back in its param group, each group in the model's parameter order, frozen parameters without state.
+
+    Why: a framework that rebuilds the optimizer on resume from the parameters that require grad *before* any
+    callback can restore the frozen set (the HF Trainer's ``create_optimizer``) builds these full groups; loading
+    the freezer's shrunken groups into them fails ("loaded state dict contains a parameter group that doesn't match
+    the size of optimizer's group"), and a thawed parameter appended at the end of its group would take another
+    parameter's Adam moments. The full form loads into the rebuilt optimizer exactly; the freezer's restore then
+    takes the frozen parameters out again (:class:`OptimizerSnapshot` keeps the loaded state meanwhile).
+    """
+    optimizer = freezer.optimizer
+    by_name = dict(freezer.model.named_parameters())
+    order = {id(p): i for i, p in enumerate(by_name.values())}
+    members = [list(g["params"]) for g in optimizer.param_groups]
+    present = {id(p) for group in members for p in group}
+    for name, gi in freezer.state_dict()["origin"].items():
+        p = by_name[name]
+        if id(p) not in present:
+            members[gi].append(p)
+            present.add(id(p))
+    saved = [g["params"] for g in optimizer.param_groups]
+    try:
+        for group, params in zip(optimizer.param_groups, members):
+            group["params"] = sorted(params, key=lambda p: order.get(id(p), len(order)))
+        return optimizer.state_dict()
+    finally:
+        for group, params in zip(optimizer.param_groups, saved):
+            group["params"] = params
+
+
+# --------------------------------------------------------------------------------------------------------------
+# DDP rebuilt in place
+# --------------------------------------------------------------------------------------------------------------
+
+
+def frozen_state_names(module: nn.Module, freezer: Freezer) -> list[str]:
+    """Names (in ``module``) of the parameters that do not require grad and of the buffers of frozen blocks (not
+    with ``train_bn``: then frozen blocks' BatchNorm statistics keep changing and must stay in DDP's broadcasts).
+
+    Why: DDP broadcasts every parameter and buffer it is not told to ignore from rank 0 when it is built, and every
+    buffer before each forward; frozen state is the same on every rank already.
+    """
+    names = [n for n, p in module.named_parameters() if not p.requires_grad]
+    if not freezer.train_bn:
+        frozen = {id(b) for block, f in zip(freezer.blocks, freezer.frozen) if f
+                  for _, m in block.modules for b in m.buffers()}
+        names += [n for n, b in module.named_buffers() if id(b) in frozen]
+    return names
+
+
+def rebuild_ddp(ddp: nn.parallel.DistributedDataParallel, freezer: Freezer) -> None:
+    """Re-initialize ``ddp`` in place so its reducer holds exactly the parameters that require grad now.
+
+    Why in place: the framework keeps references to its wrapper where no callback can replace them (the HF
+    Trainer's ``_inner_training_loop`` passes it as a local variable to every epoch; accelerate keeps it in its
+    list of prepared models), so the same object must get the new reducer. DDP registers for all-reduce only the
+    parameters that require grad when it is built (``_build_params_for_reducer``): a freeze after that leaves the
+    reducer waiting ("Expected to have finished reduction in the prior iteration"; hidden by
+    ``find_unused_parameters=True`` at the price of a graph traversal every step, and raised anyway when the
+    Trainer turns it off for gradient checkpointing), a thaw leaves the thawed gradients never averaged, so the
+    ranks drift apart silently (Lightning #20340). The old reducer (and its autograd hooks) goes with the
+    re-initialization; the wrapper's settings (buckets, ``find_unused_parameters``, ``static_graph``, process group)
+    are kept; the module's state is broadcast from rank 0 again (frozen parameters and buffers excluded); the
+    optimizer is untouched (the same ``Parameter`` objects). A communication hook registered on the old wrapper is
+    not carried over.
+
+    Collective: every rank must call it at the same point (decisions are rank 0's on every rank, see the Freezer).
+    """
+    cls = nn.parallel.DistributedDataParallel
+    kwargs = dict(device_ids=ddp.device_ids, output_device=ddp.output_device, dim=ddp.dim,
+                  process_group=ddp.process_group, bucket_cap_mb=ddp.bucket_bytes_cap / 2**20,
+                  find_unused_parameters=ddp.find_unused_parameters,
+                  gradient_as_bucket_view=ddp.gradient_as_bucket_view, static_graph=ddp.static_graph)
+    if hasattr(ddp, "forward_sync_buffers"):  # torch >= 2.13 renamed broadcast_buffers
+        kwargs["forward_sync_buffers"] = ddp.forward_sync_buffers
+    else:
+        kwargs["broadcast_buffers"] = ddp.broadcast_buffers
+    module = ddp.module
+    cls._set_params_and_buffers_to_ignore_for_model(module, frozen_state_names(module, freezer))
+    ddp.reducer = None  # drop the old reducer (its autograd hooks) before the new one registers its own
+    ddp.logger = None
+    cls.__init__(ddp, module, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reentrant activation checkpointing after a frozen prefix
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _mark_requires_grad(module: nn.Module, args: Any, output: Any) -> None:
+    tensor = output_tensor(output)
+    if (torch.is_grad_enabled() and isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
+            and not tensor.requires_grad and tensor.grad_fn is None):
+        tensor.requires_grad_(True)
+
+
+class CheckpointBoundary:
+    """A forward hook on the frozen prefix's last block that makes its output require grad.
+
+    Why: ``torch.utils.checkpoint`` with ``use_reentrant=True`` returns outputs that require grad only when one of
+    its tensor inputs does. After a frozen prefix none does (the prefix builds no graph), so every checkpointed
+    trainable layer after it gets no gradient and the loss trains only the head, with a mere warning
+    (transformers #21381, #23170: frozen embeddings + gradient checkpointing). Transformers' own fix,
+    ``enable_input_require_grads()``, marks the *embeddings'* output, which makes backward run through every frozen
+    layer after them; marking the prefix's own output keeps backward stopping at the first trainable block (one
+    extra gradient, of the boundary activation). :meth:`update` moves the hook when the prefix changes.
+    """
+
+    def __init__(self) -> None:
+        self.handle: Any = None
+        self.index: int | None = None
+
+    def update(self, freezer: Freezer) -> None:
+        """Hook block ``frozen_prefix - 1`` (nothing when no block, or every block but the head, is frozen)."""
+        k = freezer.frozen_prefix
+        index = k - 1 if 0 < k < len(freezer.blocks) else None
+        if index == self.index:
+            return
+        self.close()
+        if index is not None:
+            module = freezer.blocks[index].modules[-1][1]
+            self.handle = module.register_forward_hook(_mark_requires_grad)
+        self.index = index
+
+    def close(self) -> None:
+        """Remove the hook."""
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle, self.index = None, None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One freezer in a framework's loop
+# --------------------------------------------------------------------------------------------------------------
+
+
+class FreezeSession:
+    """A Freezer inside a framework's loop: its freeze/thaw records, the DDP wrapper and the checkpointing boundary
+    kept in step with its frozen set, and the values to log after a stage.
+
+    Args:
+        freezer: The freezer.
+        checkpointing: Keep a :class:`CheckpointBoundary` (the model runs with activation checkpointing).
+        ddp_built_for: The frozen set (one bool per block) the framework's DDP wrapper was built for; default: the
+            freezer's current one.
+    """
+
+    def __init__(self, freezer: Freezer, checkpointing: bool = False,
+                 ddp_built_for: tuple[bool, ...] | None = None) -> None:
+        self.freezer = freezer
+        self.events: list[dict[str, Any]] = []
+        freezer.on_event = lambda record: self.events.append(record)
+        self.boundary = CheckpointBoundary() if checkpointing else None
+        self.ddp_built_for = tuple(freezer.frozen) if ddp_built_for is None else tuple(ddp_built_for)
+        self.ddp_rebuilds = 0
+        self.sync(None)
+
+    def sync(self, ddp: Any) -> bool:
+        """Bring the boundary hook and ``ddp`` (a ``DistributedDataParallel``, or anything else: ignored) up to the
+        freezer's frozen set; True when the DDP wrapper was rebuilt. Collective under DDP (see :func:`rebuild_ddp`).
+        """
+        if self.boundary is not None:
+            self.boundary.update(self.freezer)
+        frozen = tuple(self.freezer.frozen)
+        if not isinstance(ddp, nn.parallel.DistributedDataParallel) or frozen == self.ddp_built_for:
+            return False
+        rebuild_ddp(ddp, self.freezer)
+        self.ddp_built_for = frozen
+        self.ddp_rebuilds += 1
+        return True
+
+    def metrics(self, decision: Any) -> dict[str, float]:
+        """Values to log after a stage, all floats, named ``layerfreeze/...``: the frozen count and prefix, each
+        numeric strategy signal (a per-block one as ``layerfreeze/<signal>/<block>``, NaN entries left out), and for
+        each freeze/thaw since the last call ``layerfreeze/frozen/<block>`` (1.0 frozen, 0.0 thawed: the timeline).
+        Empty when neither a stage nor an event happened."""
+        events, self.events = self.events, []
+        signals = signals_of(decision)
+        if not events and not signals:
+            return {}
+        out = {f"{LOG_PREFIX}frozen_count": float(sum(self.freezer.frozen)),
+               f"{LOG_PREFIX}frozen_prefix": float(self.freezer.frozen_prefix)}
+        for key, value in signals.items():
+            name = LOG_PREFIX + key.removeprefix("signal_")
+            if isinstance(value, list):
+                for block, v in zip(self.freezer.blocks, value):
+                    if v is not None and math.isfinite(v):
+                        out[f"{name}/{block.name}"] = float(v)
+            elif math.isfinite(value):
+                out[name] = float(value)
+        for event in events:
+            out[f"{LOG_PREFIX}frozen/{event['block']}"] = 1.0 if event["kind"] == "freeze" else 0.0
+        return out
+
+    def close(self) -> None:
+        """Remove the boundary hook and release the strategy's hooks and threads."""
+        if self.boundary is not None:
+            self.boundary.close()
+        self.freezer.close()

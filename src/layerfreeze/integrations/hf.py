@@ -1,0 +1,191 @@
+"""Freezing inside ``transformers.Trainer``: the :class:`LayerFreezeCallback` (``pip install layerfreeze[hf]``).
+
+::
+
+    from layerfreeze.integrations.hf import LayerFreezeCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=train_set)
+    LayerFreezeCallback("smartfrz").attach(trainer)
+    trainer.train()                              # later: trainer.train(resume_from_checkpoint=True)
+
+Every registered strategy runs at its own cadence (steps or epoch ends). What each hook does, and the public fault
+it avoids:
+
+* ``on_train_begin`` (the Trainer has built its optimizer from the parameters that require grad, and its
+  scheduler, and has not stepped): the strategy's start stage freezes its blocks; their parameters leave the
+  optimizer before the first step (no state, no update, ever), and each one's param group is remembered (weight
+  decay or not, as ``create_optimizer`` chose), so a thaw puts it back there: the group count and the LR
+  scheduler stay right. Freezing here rather than before ``create_optimizer`` is what makes a thaw exact: a
+  parameter the Trainer never saw has no group to go back to.
+* ``on_pre_optimizer_step``: gradient signals (``autofreeze``); ``on_step_end`` / ``on_epoch_end``: the freezing
+  stages. After a change the Trainer's own ``DistributedDataParallel`` (``trainer.model_wrapped``) is rebuilt in
+  place around the trainable parameters, so mid-run freezing under ``torchrun`` needs no
+  ``find_unused_parameters`` and works with gradient checkpointing (where the Trainer turns it off and a freeze
+  raises "Expected to have finished reduction"), and a thaw cannot leave the ranks drifting apart (Lightning
+  #20340, the same DDP fault). Signals and the freeze timeline go through ``trainer.log`` into
+  ``trainer.state.log_history`` and every ``report_to`` integration (``layerfreeze/...``).
+* Gradient checkpointing with a frozen prefix: the prefix's output is made to require grad, so reentrant
+  checkpointing still gives the trainable layers gradients (transformers #21381, #23170).
+* ``on_save``: the freezer's state (frozen set, strategy state, param-group membership) goes into the checkpoint
+  folder as ``layerfreeze.pt``, and ``optimizer.pt`` is rewritten in its full form (every parameter in the group
+  the Trainer built it in, in the model's order): on resume the Trainer rebuilds the optimizer and loads its state
+  *before* any callback runs, from parameters that all require grad, and the full form is what loads into it
+  without "a parameter group that doesn't match the size of optimizer's group" and with every Adam moment on
+  its own parameter. ``on_train_begin`` of the resumed run then restores the frozen set and ``requires_grad``
+  and takes the frozen parameters out again, keeping the loaded optimizer state.
+
+Strategies that set a block's own learning rate (``gradual``'s discriminative LRs, ``freezeout``'s per-block
+annealing) need one param group per block, which the Trainer's decay / no-decay groups are not (the Freezer raises
+a ValueError naming :func:`layerfreeze.block_param_groups`): pass ``optimizers=(torch.optim.AdamW(
+block_param_groups(model, discover_blocks(model), lr=...)), None)`` to the Trainer; its scheduler is built on top.
+
+Why not the Trainer's stateful callbacks (``ExportableState``): they are JSON in ``trainer_state.json`` (the
+SmartFRZ weight history is tensors), restored only with ``restore_callback_states_from_checkpoint=True``, and by
+a *new* instance of the callback, without the trainer it was attached to. The documented mechanism is the
+checkpoint folder's ``layerfreeze.pt``, found as ``<output_dir>/checkpoint-<global_step>`` (the Trainer's own
+naming) or given as ``LayerFreezeCallback(resume_from=...)`` for a checkpoint that was moved.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import require
+from .common import (STATE_FILE, FreezeSession, OptimizerSnapshot, full_optimizer_state_dict, inner_optimizer,
+                     inner_scheduler, is_checkpointing)
+from ..engine import Freezer
+from ..strategies import DEFAULT_STRATEGY, Strategy
+
+transformers = require("transformers", "hf")
+
+#: The Trainer's optimizer file in a checkpoint folder (``transformers.trainer.OPTIMIZER_NAME``).
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+class LayerFreezeCallback(transformers.TrainerCallback):
+    """Runs a freezing strategy inside ``transformers.Trainer.train`` (see the module docstring for what each
+    hook does and why). Attach it with :meth:`attach`, which keeps the trainer (its DDP wrapper and its log).
+
+    Args:
+        strategy: A registered strategy name (default ``"smartfrz"``) or a :class:`~layerfreeze.strategies.Strategy`.
+        params: The strategy's parameters (with a name only).
+        blocks: Module-name patterns naming the blocks front to back; default: discovered (BERT-like models).
+        train_bn: Keep BatchNorm layers of frozen blocks training.
+        resume_from: Checkpoint folder to restore the freezer from when the Trainer resumes; default: the
+            Trainer's ``<output_dir>/checkpoint-<global_step>``.
+
+    Attributes:
+        freezer: The :class:`~layerfreeze.engine.Freezer` (from ``on_train_begin`` on); ``freezer.history`` is the
+            freeze timeline.
+        session: The :class:`~layerfreeze.integrations.common.FreezeSession`.
+
+    Raises (at ``on_train_begin``):
+        RuntimeError: the callback was not attached with :meth:`attach` (passed in ``callbacks=[...]``).
+        FileNotFoundError: the Trainer resumes but the checkpoint folder has no ``layerfreeze.pt`` (give
+            ``resume_from``, or resume from a checkpoint written with this callback).
+        BlockDiscoveryError, UnknownStrategyError, ValueError: as :class:`~layerfreeze.engine.Freezer`.
+    """
+
+    def __init__(self, strategy: str | Strategy = DEFAULT_STRATEGY, params: dict[str, Any] | None = None,
+                 blocks: Sequence[str] | None = None, train_bn: bool = False,
+                 resume_from: str | os.PathLike | None = None) -> None:
+        self.strategy = strategy
+        self.params = dict(params or {})
+        self.blocks = list(blocks) if blocks is not None else None
+        self.train_bn = train_bn
+        self.resume_from = resume_from
+        self.trainer: Any = None
+        self.freezer: Freezer | None = None
+        self.session: FreezeSession | None = None
+
+    def attach(self, trainer: Any) -> LayerFreezeCallback:
+        """Add the callback to ``trainer`` and keep a reference to it; returns the callback."""
+        self.trainer = trainer
+        trainer.add_callback(self)
+        return self
+
+    # ---- hooks ---------------------------------------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       lr_scheduler: Any = None, train_dataloader: Any = None, **kwargs: Any) -> None:
+        """Build the Freezer (its start stage freezes now, before the first step); on resume, restore it."""
+        if self.trainer is None:
+            raise RuntimeError("LayerFreezeCallback needs its trainer (it rebuilds the trainer's DDP wrapper and "
+                               "logs through trainer.log): use LayerFreezeCallback(...).attach(trainer) instead of "
+                               "Trainer(callbacks=[...])")
+        optimizer = inner_optimizer(optimizer)
+        saved = self._saved_state(args, state)
+        snapshot = OptimizerSnapshot(optimizer) if saved is not None else None
+        steps_per_epoch = None
+        if train_dataloader is not None and hasattr(train_dataloader, "__len__"):
+            steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+        self.freezer = Freezer(model, optimizer, self.strategy, self.params or None, blocks=self.blocks,
+                               train_bn=self.train_bn, scheduler=inner_scheduler(lr_scheduler),
+                               total_steps=state.max_steps, steps_per_epoch=steps_per_epoch)
+        if saved is not None:
+            self.freezer.load_state_dict(saved["freezer"])
+            snapshot.restore()
+        self.session = FreezeSession(self.freezer, checkpointing=is_checkpointing(model),
+                                     ddp_built_for=(False,) * len(self.freezer.blocks))
+        if saved is not None:
+            self.session.events.clear()  # the restore's own freezes are not news
+        self._after_stage(None, control)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Collect gradient signals for strategies that read them (after backward and clipping, before the step)."""
+        self.freezer.after_backward()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The strategy's step stage, after the optimizer and scheduler steps."""
+        self._after_stage(self.freezer.step(), control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The strategy's epoch-end stage."""
+        self._after_stage(self.freezer.epoch_end(), control)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Write ``layerfreeze.pt`` and the full-form ``optimizer.pt`` into the checkpoint just saved (rank 0)."""
+        if not args.should_save:
+            return
+        folder = Path(args.output_dir) / f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        torch.save({"global_step": state.global_step, "freezer": self.freezer.state_dict()}, folder / STATE_FILE)
+        if (folder / OPTIMIZER_FILE).is_file():
+            torch.save(full_optimizer_state_dict(self.freezer), folder / OPTIMIZER_FILE)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Release the strategy's hooks and threads and the checkpointing hook."""
+        if self.session is not None:
+            self.session.close()
+
+    # ---- internals -----------------------------------------------------------------------------------------
+
+    def _saved_state(self, args: Any, state: Any) -> dict[str, Any] | None:
+        """The freezer state of the checkpoint the Trainer resumes from (None on a fresh run)."""
+        if state.global_step == 0:
+            return None
+        folder = Path(self.resume_from) if self.resume_from is not None else (
+            Path(args.output_dir) / f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        path = folder / STATE_FILE
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"The Trainer resumes at step {state.global_step}, but {path} does not exist: resume from a checkpoint "
+                "written with LayerFreezeCallback, or name its folder with LayerFreezeCallback(resume_from=...)")
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if saved["global_step"] != state.global_step:
+            raise ValueError(f"{path} is from step {saved['global_step']}, the Trainer resumes at step "
+                             f"{state.global_step}: give the matching checkpoint folder as resume_from")
+        return saved
+
+    def _after_stage(self, decision: Any, control: Any) -> None:
+        self.session.sync(self.trainer.model_wrapped)
+        metrics = self.session.metrics(decision)
+        if metrics:
+            should_log = control.should_log  # trainer.log resets it: the Trainer's own log of this step must stay
+            self.trainer.log(metrics)
+            control.should_log = should_log

@@ -1,0 +1,173 @@
+"""Freezing inside Lightning's ``Trainer.fit``: the :class:`LayerFreeze` callback (``pip install
+layerfreeze[lightning]``).
+
+::
+
+    from layerfreeze.integrations.lightning import LayerFreeze
+
+    trainer = lightning.Trainer(max_epochs=3, callbacks=[LayerFreeze("smartfrz")])
+    trainer.fit(module)                          # later: trainer.fit(module, ckpt_path="last.ckpt")
+
+Every registered strategy runs at its own cadence (steps or epoch ends). What each hook does, and the public fault
+of Lightning's own ``BaseFinetuning`` it avoids:
+
+* ``setup``: the strategy's start stage freezes its blocks before ``configure_optimizers`` and before the DDP
+  wrapper registers the trainable parameters.
+* ``load_state_dict`` (on ``fit(ckpt_path=...)``, after ``setup``, still before the optimizer and the DDP wrapper
+  exist): the saved frozen set, strategy state and ``requires_grad`` come back, so a run resumed after a thaw keeps
+  training the thawed blocks (Lightning #21901: ``BackboneFinetuning`` leaves the backbone frozen for good after a
+  resume).
+* ``on_fit_start`` (optimizer built, its state not loaded yet): frozen parameters leave the optimizer before any
+  step; on resume the param groups are rebuilt by parameter name as they were saved, so Lightning's own optimizer
+  restore matches them (no "loaded state dict has a different number of parameter groups", #6891, #8502). A thaw
+  puts each parameter back into the param group it came from: the number of groups never changes, an LR
+  scheduler keeps working, discriminative LRs (``gradual``) set the thawed block's own group.
+* ``on_before_optimizer_step``: gradient signals (``autofreeze``). ``on_train_batch_end`` / ``on_train_epoch_end``:
+  the freezing stages; after a change, ``strategy="ddp"``'s wrapper is rebuilt in place around the trainable
+  parameters (no "Expected to have finished reduction", no silent desync after a thaw, #20340, no
+  ``find_unused_parameters=True``), and the signals and the freeze timeline go to every Lightning logger
+  (``layerfreeze/...``).
+
+Build the optimizer in ``configure_optimizers`` over *all* parameters (``self.parameters()``, or
+:func:`layerfreeze.block_param_groups` for one group per block): the callback takes the frozen ones out before the
+first step and knows where each goes back. A parameter the optimizer never held goes back to group 0 on a thaw.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from . import require
+from .common import FreezeSession, is_checkpointing
+from ..engine import Freezer
+from ..strategies import DEFAULT_STRATEGY, Strategy
+
+L = require("lightning.pytorch", "lightning")
+
+
+class LayerFreeze(L.Callback):
+    """Runs a freezing strategy inside ``Trainer.fit`` (see the module docstring for what each hook does and why).
+
+    Args:
+        strategy: A registered strategy name (default ``"smartfrz"``) or a :class:`~layerfreeze.strategies.Strategy`.
+        params: The strategy's parameters (with a name only).
+        blocks: Module-name patterns naming the blocks front to back (in ``submodule``); default: discovered.
+        train_bn: Keep BatchNorm layers of frozen blocks training.
+        submodule: Attribute of the LightningModule holding the network to freeze (e.g. ``"model"`` for a module
+            that wraps a Hugging Face model as ``self.model``); default: the LightningModule itself.
+
+    Attributes:
+        freezer: The :class:`~layerfreeze.engine.Freezer` (from ``setup`` on); ``freezer.history`` is the timeline.
+        session: The :class:`~layerfreeze.integrations.common.FreezeSession` (from ``on_fit_start`` on).
+
+    Raises (at ``setup`` / ``on_fit_start``):
+        BlockDiscoveryError, UnknownStrategyError, ValueError: as :class:`~layerfreeze.engine.Freezer`.
+        ValueError: ``configure_optimizers`` returned more than one optimizer (one is supported).
+        RuntimeError: the strategy needs the run length and the Trainer cannot estimate it (``max_epochs=-1``
+            without ``max_steps``).
+    """
+
+    def __init__(self, strategy: str | Strategy = DEFAULT_STRATEGY, params: dict[str, Any] | None = None,
+                 blocks: Sequence[str] | None = None, train_bn: bool = False, submodule: str | None = None) -> None:
+        self.strategy = strategy
+        self.params = dict(params or {})
+        self.blocks = list(blocks) if blocks is not None else None
+        self.train_bn = train_bn
+        self.submodule = submodule
+        self.freezer: Freezer | None = None
+        self.session: FreezeSession | None = None
+        self._restored: dict[str, Any] | None = None
+        self._steps_seen = 0
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(strategy=getattr(self.strategy, "name", self.strategy), blocks=self.blocks,
+                                        submodule=self.submodule)
+
+    def _network(self, pl_module: Any) -> nn.Module:
+        return getattr(pl_module, self.submodule) if self.submodule else pl_module
+
+    # ---- before the optimizer exists -----------------------------------------------------------------------
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Build the Freezer (its start stage freezes now, before ``configure_optimizers`` and the DDP wrapper)."""
+        if stage != "fit" or self.freezer is not None:
+            return
+        total = trainer.estimated_stepping_batches
+        total_steps = int(total) if math.isfinite(total) else None
+        steps_per_epoch = None
+        if math.isfinite(trainer.num_training_batches):
+            steps_per_epoch = math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)
+        self.freezer = Freezer(self._network(pl_module), None, self.strategy, self.params or None,
+                               blocks=self.blocks, train_bn=self.train_bn, total_steps=total_steps,
+                               steps_per_epoch=steps_per_epoch)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the frozen set, strategy state and ``requires_grad`` (before the optimizer and DDP exist)."""
+        if not state_dict:
+            return
+        self._restored = state_dict["freezer"]
+        if self.freezer is not None:
+            self.freezer.load_state_dict(self._restored)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The freezer's state (frozen set, param-group membership by name, strategy state) for the checkpoint."""
+        return {"freezer": self.freezer.state_dict()} if self.freezer is not None else {}
+
+    # ---- the optimizer exists, its state is not loaded yet -------------------------------------------------
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Hand the freezer the optimizer and scheduler; on resume, rebuild the param groups as they were saved."""
+        if len(trainer.optimizers) != 1:
+            raise ValueError(f"LayerFreeze supports one optimizer; configure_optimizers returned "
+                             f"{len(trainer.optimizers)}")
+        configs = trainer.lr_scheduler_configs
+        self.freezer.attach_optimizer(trainer.optimizers[0], configs[0].scheduler if configs else None)
+        if self._restored is not None:
+            self.freezer.load_state_dict(self._restored)
+        self.session = FreezeSession(self.freezer, checkpointing=is_checkpointing(self._network(pl_module)))
+        if self._restored is not None:
+            self.session.events.clear()  # the restore's own freezes are not news
+        self._log(trainer, None)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Count optimizer steps from here (on resume Lightning restores ``global_step`` after ``on_fit_start``)."""
+        self._steps_seen = trainer.global_step
+
+    # ---- training ------------------------------------------------------------------------------------------
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """Collect gradient signals for strategies that read them (after backward, before the step)."""
+        self.freezer.after_backward()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After each optimizer step (not each accumulated micro-batch): the strategy's step stage."""
+        while self._steps_seen < trainer.global_step:
+            self._steps_seen += 1
+            decision = self.freezer.step()
+            self._after_stage(trainer, decision)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        """The strategy's epoch-end stage (before ``ModelCheckpoint`` saves: Lightning runs it last)."""
+        self._after_stage(trainer, self.freezer.epoch_end())
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Release the strategy's hooks and threads and the checkpointing hook."""
+        if stage == "fit" and self.session is not None:
+            self.session.close()
+
+    # ---- internals -----------------------------------------------------------------------------------------
+
+    def _after_stage(self, trainer: Any, decision: Any) -> None:
+        self.session.sync(trainer.strategy.model)
+        self._log(trainer, decision)
+
+    def _log(self, trainer: Any, decision: Any) -> None:
+        metrics = self.session.metrics(decision)
+        if metrics and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)

@@ -1,0 +1,82 @@
+"""The library API inside an ``accelerate.Accelerator`` loop (the README example), bf16 autocast on CPU, and fp16
+autocast with a GradScaler over a frozen prefix held in half precision ("Attempting to unscale FP16 gradients"
+must not happen)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("accelerate")
+from accelerate import Accelerator  # noqa: E402
+
+from layerfreeze import Freezer, block_param_groups, discover_blocks  # noqa: E402
+
+from .integration_models import Scripted, blobs, mlp  # noqa: E402
+
+
+def loader():
+    x, y = blobs(64)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=False)
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate's state is a process-wide singleton (an HF Trainer test before this one set it up without
+    mixed precision): start from a clean one, leave a clean one."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_freezer_inside_an_accelerator_loop_with_bf16_autocast(fresh_accelerate_state):
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    model = mlp()
+    optimizer = torch.optim.AdamW(block_param_groups(model, discover_blocks(model), lr=0.05))
+    freezer = Freezer(model, optimizer, Scripted({0: [("freeze", 0)], 3: [("freeze", 1)]}))
+    model, optimizer, data = accelerator.prepare(model, optimizer, loader())
+    first = model[0].weight.detach().clone()
+    dtypes = set()
+    model[4].register_forward_hook(lambda m, args, out: dtypes.add(out.dtype))
+    seen = {}
+    for x, y in data:
+        loss = nn.functional.cross_entropy(model(x), y)  # prepare() runs the forward under bf16 autocast
+        accelerator.backward(loss)
+        freezer.after_backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        freezer.step()
+        seen[freezer.step_count] = model[2].weight.detach().clone()
+    assert torch.equal(first, model[0].weight)  # frozen from the start: bitwise unchanged
+    assert not torch.equal(seen[1], seen[3]) and torch.equal(seen[3], seen[8])  # frozen after step 3
+    assert [(h["index"], h["step"]) for h in freezer.history] == [(0, 0), (1, 3)]
+    assert dtypes == {torch.bfloat16} and torch.isfinite(loss)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 autocast with a GradScaler needs CUDA")
+def test_fp16_grad_scaler_with_a_half_precision_frozen_prefix():
+    device = torch.device("cuda")
+    model = mlp().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    freezer = Freezer(model, optimizer, "static", {"k": 2})
+    for block in freezer.blocks[:2]:  # frozen weights kept in half precision (memory), trainable ones in fp32
+        for _, module in block.modules:
+            module.half()
+    frozen = model[0].weight.detach().clone()
+    scaler = torch.amp.GradScaler("cuda")
+    for x, y in loader():
+        x, y = x.to(device), y.to(device)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # raises "Attempting to unscale FP16 gradients" if a frozen fp16 weight had one
+        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        freezer.step()
+    assert torch.equal(frozen, model[0].weight) and model[0].weight.dtype == torch.float16
+    assert model[6].weight.dtype == torch.float32 and torch.isfinite(loss)

@@ -1,0 +1,201 @@
+"""The Hugging Face callback in real ``transformers.Trainer.train`` runs on a tiny BERT built from a config: frozen
+weights bitwise unchanged, freezes at the steps the strategy chose, thawed parameters back in their own param
+group, the timeline in the Trainer's log, a resumed run equal to the uninterrupted one, gradient checkpointing
+with a frozen prefix (#21381), bf16 autocast, and 2-process torchrun with and without gradient checkpointing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from layerfreeze.integrations.hf import LayerFreezeCallback  # noqa: E402
+
+from .integration_models import Scripted, TokenDataset, free_port, run_ranks, tiny_bert  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+hf_logging.set_verbosity_error()
+#: tiny BERT blocks: 0 embeddings, 1-3 encoder layers, 4 pooler, 5 classifier
+PLAN = {2: [("freeze", 0)], 3: [("freeze", 1)], 6: [("thaw", 1)], 10: [("freeze", 2)]}
+
+
+def arguments(tmp_path, **kwargs):
+    defaults = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, learning_rate=5e-3, max_steps=12,
+                    logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+                    dataloader_num_workers=0, weight_decay=0.01)
+    defaults.update(kwargs)
+    return TrainingArguments(**defaults)
+
+
+def train(tmp_path, strategy, params=None, model=None, resume=None, callbacks=(), **kwargs):
+    model = model or tiny_bert()
+    trainer = Trainer(model=model, args=arguments(tmp_path, **kwargs), train_dataset=TokenDataset(),
+                      callbacks=list(callbacks))
+    callback = LayerFreezeCallback(strategy, params).attach(trainer)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, callback
+
+
+def losses(trainer):
+    return [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def test_static_frozen_weights_bitwise_and_out_of_the_optimizer(tmp_path):
+    model = tiny_bert()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer, callback = train(tmp_path, "static", {"k": 2}, model=model, max_steps=4)
+    for name, p in model.named_parameters():
+        frozen = name.startswith(("bert.embeddings.", "bert.encoder.layer.0."))
+        assert torch.equal(before[name], p) == frozen, name
+    optimizer = callback.freezer.optimizer
+    assert len(optimizer.param_groups) == 2  # the Trainer's decay / no-decay groups, unchanged
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert not any(id(p) in held for p in model.bert.embeddings.parameters())
+    assert [(h["kind"], h["index"], h["step"]) for h in callback.freezer.history] == [("freeze", 0, 0),
+                                                                                       ("freeze", 1, 0)]
+
+
+def test_freeze_thaw_steps_groups_and_the_log(tmp_path):
+    model = tiny_bert()
+    trainer, callback = train(tmp_path, Scripted(PLAN), model=model)
+    assert [(h["kind"], h["index"], h["step"]) for h in callback.freezer.history] == [
+        ("freeze", 0, 2), ("freeze", 1, 3), ("thaw", 1, 6), ("freeze", 2, 10)]
+    groups = callback.freezer.optimizer.param_groups
+    layer0 = model.bert.encoder.layer[0]
+    # the thawed block is back in the groups the Trainer built: LayerNorm weights without weight decay
+    assert any(p is layer0.output.LayerNorm.weight for p in groups[1]["params"])
+    assert any(p is layer0.output.dense.weight for p in groups[0]["params"])
+    assert groups[0]["weight_decay"] == 0.01 and groups[1]["weight_decay"] == 0.0
+    timeline = [(h["step"], k, v) for h in trainer.state.log_history for k, v in h.items()
+                if k.startswith("layerfreeze/frozen/")]
+    assert timeline == [(2, "layerfreeze/frozen/bert.embeddings", 1.0), (3, "layerfreeze/frozen/bert.encoder.layer.0", 1.0),
+                        (6, "layerfreeze/frozen/bert.encoder.layer.0", 0.0),
+                        (10, "layerfreeze/frozen/bert.encoder.layer.1", 1.0)]
+
+
+def test_resume_after_a_thaw_equals_the_uninterrupted_run(tmp_path):
+    full, full_cb = train(tmp_path / "full", Scripted(PLAN), save_strategy="steps", save_steps=4)
+    model = tiny_bert()
+    resumed, resumed_cb = train(tmp_path / "full", Scripted(PLAN), model=model,
+                                resume=str(tmp_path / "full" / "checkpoint-8"), save_strategy="no")
+    assert losses(resumed) == losses(full)  # log_history: steps 1-8 from the checkpoint, 9-12 trained again
+    assert resumed_cb.freezer.frozen == full_cb.freezer.frozen
+    assert resumed_cb.freezer.history == full_cb.freezer.history
+    for (name, a), b in zip(full.model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+    # a checkpoint moved elsewhere: named with resume_from; without it, a clear error
+    moved = tmp_path / "moved"
+    (tmp_path / "full" / "checkpoint-8").rename(moved)
+    with pytest.raises(FileNotFoundError, match="resume_from"):
+        train(tmp_path / "other", Scripted(PLAN), resume=str(moved))
+    trainer = Trainer(model=tiny_bert(), args=arguments(tmp_path / "other"), train_dataset=TokenDataset())
+    callback = LayerFreezeCallback(Scripted(PLAN), resume_from=moved).attach(trainer)
+    trainer.train(resume_from_checkpoint=str(moved))
+    assert losses(trainer) == losses(resumed) and callback.freezer.history == full_cb.freezer.history
+
+
+def reentrant_checkpointing_bert():
+    """A tiny BERT with reentrant gradient checkpointing and without transformers' own input-grad hook (which
+    transformers >= 5 adds for ``input_ids`` models; older versions, other models and other wrappers do not)."""
+    model = tiny_bert()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.disable_input_require_grads()
+    return model
+
+
+def test_gradient_checkpointing_with_a_frozen_prefix_still_trains_the_layers(tmp_path):
+    # the fault itself (transformers #21381): reentrant checkpointing after frozen embeddings gives no gradients
+    model = reentrant_checkpointing_bert()
+    model.train()
+    model.bert.embeddings.requires_grad_(False)
+    batch = TokenDataset()[0]
+    model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+    assert model.bert.encoder.layer[0].output.dense.weight.grad is None
+
+    grads = []
+
+    class Grads(transformers_callback()):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads.append([model.bert.encoder.layer[i].output.dense.weight.grad for i in (1, 2)])
+
+    model = reentrant_checkpointing_bert()
+    trainer, callback = train(tmp_path, "static", {"k": 2}, model=model, max_steps=3, callbacks=[Grads()])
+    assert callback.session.boundary is not None
+    assert len(grads) == 3 and all(g is not None and float(g.abs().sum()) > 0 for step in grads for g in step)
+
+
+def transformers_callback():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+def test_bf16_autocast(tmp_path):
+    model = tiny_bert()
+    before = model.bert.embeddings.word_embeddings.weight.detach().clone()
+    trainer, callback = train(tmp_path, "static", {"k": 1}, model=model, max_steps=4, bf16=True)
+    assert torch.equal(before, model.bert.embeddings.word_embeddings.weight)
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in losses(trainer))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_torchrun_two_processes_identical_weights(tmp_path, checkpointing):
+    cmd = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(ROOT / "tests" / "scripts" / "hf_ddp.py"), str(tmp_path), str(int(checkpointing))]
+    result = run_ranks(cmd, tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["hash"] == ranks[1]["hash"]
+    expected = [["freeze", 0, 2], ["freeze", 1, 3], ["thaw", 1, 6], ["freeze", 2, 10]]
+    assert ranks[0]["history"] == ranks[1]["history"] == expected
+    assert ranks[0]["rebuilds"] == 4
+    assert ranks[0]["find_unused"] is (not checkpointing)
+    assert ranks[0]["frozen_unchanged"] and ranks[0]["thawed_changed"]
+
+
+@pytest.mark.assets
+def test_minilm_bbc_news_a_few_steps_with_a_frozen_prefix(tmp_path):
+    from layerfreeze import assets, data
+    from layerfreeze.tasks import load_text_model
+
+    try:
+        path = assets.minilm_dir()
+        texts, labels, classes = data.load_bbc_news()
+    except assets.AssetMissingError as exc:
+        pytest.skip(str(exc))
+    model, tokenizer = load_text_model(path, num_labels=len(classes))
+    picks = list(range(0, len(texts), len(texts) // 16))[:16]
+    dataset = data.TokenizedTextDataset([texts[i] for i in picks], [labels[i] for i in picks], tokenizer, 64)
+    before = model.bert.encoder.layer[2].output.dense.weight.detach().clone()
+    trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=3, per_device_train_batch_size=8,
+                                                  learning_rate=5e-5),
+                      train_dataset=dataset, data_collator=lambda items: {
+                          k: torch.stack([it[k] for it in items]) for k in items[0] if k != "index"})
+    callback = LayerFreezeCallback("static", {"k": 4}).attach(trainer)
+    trainer.train()
+    assert callback.freezer.frozen_blocks == ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1",
+                                              "bert.encoder.layer.2"]
+    assert torch.equal(before, model.bert.encoder.layer[2].output.dense.weight)
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in losses(trainer))
+
+
+def test_gradual_discriminative_lr_with_one_param_group_per_block(tmp_path):
+    from layerfreeze import block_param_groups, discover_blocks
+
+    model = tiny_bert()
+    optimizer = torch.optim.AdamW(block_param_groups(model, discover_blocks(model), lr=5e-3, weight_decay=0.01))
+    trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=6), train_dataset=TokenDataset(),
+                      optimizers=(optimizer, None))
+    callback = LayerFreezeCallback("gradual", {"every_steps": 2}).attach(trainer)
+    trainer.train()
+    assert [(h["index"], h["step"]) for h in callback.freezer.history if h["kind"] == "thaw"] == [(4, 2), (3, 4),
+                                                                                                  (2, 6)]
+    assert trainer.lr_scheduler.base_lrs[4] == pytest.approx(5e-3 / 2.6)
+    assert trainer.lr_scheduler.base_lrs[3] == pytest.approx(5e-3 / 2.6 ** 2)
+    assert len(optimizer.param_groups) == 6 and len(optimizer.param_groups[0]["params"]) == 0  # embeddings frozen

@@ -1,0 +1,158 @@
+"""The Lightning callback in real ``Trainer.fit`` runs: frozen weights bitwise unchanged, freezes at the steps the
+strategy chose, discriminative LR on thaw, a resumed run equal to the uninterrupted one (#21901, #6891), the
+freeze timeline in the logger, bf16 autocast, and 2-process DDP on CPU with identical weights after a thaw
+(#20340)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("lightning")
+import lightning.pytorch as L  # noqa: E402
+
+from layerfreeze import block_param_groups, discover_blocks  # noqa: E402
+from layerfreeze.integrations.lightning import LayerFreeze  # noqa: E402
+
+from .integration_models import Scripted, run_ranks, blobs, mlp  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Module(L.LightningModule):
+    """The tiny MLP; one param group per block (discriminative LRs possible), LambdaLR decay per step."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__()
+        self.net = mlp()
+        self.lr = lr
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        groups = block_param_groups(self.net, discover_blocks(self.net), lr=self.lr)
+        optimizer = torch.optim.AdamW(groups, lr=self.lr, weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.01 * s))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def loader():
+    x, y = blobs(64)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=False)
+
+
+def fit(tmp_path, callback, max_epochs=1, ckpt_path=None, module=None, **kwargs):
+    module = module or Module()
+    trainer = L.Trainer(max_epochs=max_epochs, callbacks=[callback, *kwargs.pop("callbacks", [])],
+                        default_root_dir=tmp_path, accelerator="cpu", devices=1, enable_progress_bar=False,
+                        enable_model_summary=False, logger=kwargs.pop("logger", False), **kwargs)
+    trainer.fit(module, loader(), ckpt_path=ckpt_path)
+    return module, trainer
+
+
+def snapshot(module):
+    return {n: p.detach().clone() for n, p in module.net.named_parameters()}
+
+
+def test_static_freezes_before_the_optimizer_and_frozen_weights_stay_bitwise(tmp_path):
+    module = Module()
+    before = snapshot(module)
+    callback = LayerFreeze("static", {"k": 2}, submodule="net")
+    fit(tmp_path, callback, module=module)
+    after = snapshot(module)
+    for name in before:
+        frozen = name.startswith(("0.", "2."))
+        assert torch.equal(before[name], after[name]) == frozen, name
+    in_optimizer = {id(p) for g in callback.freezer.optimizer.param_groups for p in g["params"]}
+    assert not any(id(p) in in_optimizer for p in list(module.net[0].parameters()) + list(module.net[2].parameters()))
+    assert not any(p in callback.freezer.optimizer.state for p in module.net[0].parameters())
+    assert [(h["kind"], h["block"], h["step"]) for h in callback.freezer.history] == [("freeze", "0", 0),
+                                                                                       ("freeze", "2", 0)]
+
+
+def test_freeze_and_thaw_at_the_strategy_steps_with_the_timeline_in_the_logger(tmp_path):
+    plan = {2: [("freeze", 0)], 3: [("freeze", 1)], 5: [("thaw", 1)]}
+    module = Module()
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    class Watch(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            seen[trainer.global_step] = snapshot(pl_module)
+
+    logger = L.loggers.CSVLogger(tmp_path, name="log")
+    callback = LayerFreeze(Scripted(plan), submodule="net")
+    fit(tmp_path, callback, module=module, logger=logger, callbacks=[Watch()], log_every_n_steps=1)
+    assert [(h["kind"], h["index"], h["step"]) for h in callback.freezer.history] == [
+        ("freeze", 0, 2), ("freeze", 1, 3), ("thaw", 1, 5)]
+    # block 0 (net.0) frozen after step 2: unchanged from then on; block 1 (net.2) frozen in steps 4-5 only
+    assert all(torch.equal(seen[2]["0.weight"], seen[s]["0.weight"]) for s in range(3, 9))
+    assert torch.equal(seen[3]["2.weight"], seen[5]["2.weight"])
+    assert not torch.equal(seen[5]["2.weight"], seen[6]["2.weight"])  # thawed: trains again
+    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    timeline = [(int(r["step"]), k, float(v)) for r in rows for k, v in r.items() if k.startswith("layerfreeze/frozen/")
+                and v != ""]
+    assert timeline == [(2, "layerfreeze/frozen/0", 1.0), (3, "layerfreeze/frozen/2", 1.0),
+                        (5, "layerfreeze/frozen/2", 0.0)]
+
+
+def test_gradual_thaw_gets_its_discriminative_lr_and_the_group_count_never_changes(tmp_path):
+    callback = LayerFreeze("gradual", {"every_steps": 3}, submodule="net")
+    module, trainer = fit(tmp_path, callback)
+    groups = trainer.optimizers[0].param_groups
+    assert len(groups) == 4
+    assert [h["step"] for h in callback.freezer.history if h["kind"] == "thaw"] == [3, 6]
+    assert groups[2]["initial_lr"] == pytest.approx(0.05 / 2.6)
+    assert groups[1]["initial_lr"] == pytest.approx(0.05 / 2.6 ** 2)
+    assert len(groups[0]["params"]) == 0  # block 0 still frozen after 8 steps
+
+
+def test_resume_after_a_thaw_equals_the_uninterrupted_run(tmp_path):
+    def run(folder, ckpt_path=None, max_epochs=3):
+        torch.manual_seed(0)
+        checkpoint = L.callbacks.ModelCheckpoint(dirpath=folder, save_top_k=-1, every_n_epochs=1,
+                                                 filename="{epoch}")
+        return fit(folder, LayerFreeze("gradual", submodule="net"), max_epochs=max_epochs, ckpt_path=ckpt_path,
+                   callbacks=[checkpoint])
+
+    full, full_trainer = run(tmp_path / "full")
+    part, _ = run(tmp_path / "part", max_epochs=2)  # interrupted after epoch 2 (block 2 thawed after epoch 1)
+    resumed, resumed_trainer = run(tmp_path / "resumed", ckpt_path=tmp_path / "part" / "epoch=1.ckpt")
+    assert resumed.losses == full.losses[16:]
+    full_freezer, resumed_freezer = full_trainer.callbacks[0].freezer, resumed_trainer.callbacks[0].freezer
+    assert resumed_freezer.frozen == full_freezer.frozen == [False, False, False, False]
+    assert resumed_freezer.history == full_freezer.history
+    for (name, a), b in zip(full.net.state_dict().items(), resumed.net.state_dict().values()):
+        assert torch.equal(a, b), name
+    # the block thawed before the interruption trained on after the resume (Lightning #21901)
+    assert not torch.equal(part.net[4].weight, resumed.net[4].weight)
+
+
+def test_bf16_autocast(tmp_path):
+    module = Module()
+    before = snapshot(module)
+    callback = LayerFreeze("static", {"k": 1}, submodule="net")
+    fit(tmp_path, callback, module=module, precision="bf16-mixed")
+    after = snapshot(module)
+    assert torch.equal(before["0.weight"], after["0.weight"])
+    assert not torch.equal(before["6.weight"], after["6.weight"])
+    assert all(torch.isfinite(torch.tensor(module.losses)))
+
+
+def test_ddp_two_processes_identical_weights_after_freeze_and_thaw(tmp_path):
+    result = run_ranks([str(ROOT / "tests" / "scripts" / "lightning_ddp.py"), str(tmp_path)], tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["hash"] == ranks[1]["hash"]
+    assert ranks[0]["history"] == ranks[1]["history"] == [["freeze", 0, 2], ["freeze", 1, 3], ["thaw", 1, 5]]
+    assert ranks[0]["rebuilds"] == 3
+    assert ranks[0]["frozen_unchanged"] and ranks[0]["thawed_changed"]

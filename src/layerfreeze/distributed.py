@@ -217,7 +217,7 @@ class _Forward(nn.Module):
         return self._fn(*args, **kwargs) if self._fn is not None else self.model(*args, **kwargs)
 
 
-def _frozen_names(wrapper: nn.Module, freezer: Any) -> list[str]:
+def frozen_state_names(wrapper: nn.Module, freezer: Any) -> list[str]:
     """Names (in ``wrapper``) of parameters that do not require grad and of the buffers inside frozen blocks (kept
     with ``train_bn``, where those blocks' BatchNorm statistics still change).
 
@@ -307,7 +307,7 @@ class FreezeDDP:
         t0 = time.perf_counter()
         self.ddp = None  # drop the old reducer first: its autograd hooks go with it
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            self.wrapper, _frozen_names(self.wrapper, self.freezer))
+            self.wrapper, frozen_state_names(self.wrapper, self.freezer))
         self.ddp = nn.parallel.DistributedDataParallel(self.wrapper, **self.ddp_kwargs)
         if self.bytes is not None:
             self.ddp.register_comm_hook(None, self.bytes.hook)

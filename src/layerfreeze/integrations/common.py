@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..blocks import output_tensor
+from ..distributed import frozen_state_names
 from ..engine import Freezer
 from ..trainer import signals_of
 
@@ -121,21 +122,6 @@ def full_optimizer_state_dict(freezer: Freezer) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------
 # DDP rebuilt in place
 # --------------------------------------------------------------------------------------------------------------
-
-
-def frozen_state_names(module: nn.Module, freezer: Freezer) -> list[str]:
-    """Names (in ``module``) of the parameters that do not require grad and of the buffers of frozen blocks (not
-    with ``train_bn``: then frozen blocks' BatchNorm statistics keep changing and must stay in DDP's broadcasts).
-
-    Why: DDP broadcasts every parameter and buffer it is not told to ignore from rank 0 when it is built, and every
-    buffer before each forward; frozen state is the same on every rank already.
-    """
-    names = [n for n, p in module.named_parameters() if not p.requires_grad]
-    if not freezer.train_bn:
-        frozen = {id(b) for block, f in zip(freezer.blocks, freezer.frozen) if f
-                  for _, m in block.modules for b in m.buffers()}
-        names += [n for n, b in module.named_buffers() if id(b) in frozen]
-    return names
 
 
 def rebuild_ddp(ddp: nn.parallel.DistributedDataParallel, freezer: Freezer) -> None:

@@ -49,15 +49,16 @@ def run_row(name: str, args: argparse.Namespace) -> tuple[dict, list[dict], floa
 
 
 def phases(records: list[dict]) -> list[dict]:
-    """Consecutive steps with the same frozen prefix: bytes/step, trainable bytes, mean step time."""
+    """Consecutive steps trained under the same DDP build (the frozen set their backward ran with): bytes
+    all-reduced per step, the fp32 bytes of the parameters trainable then, mean step time."""
     rebuilds = [r for r in records if r.get("kind") == "ddp_rebuild"]
     steps = [r for r in records if r["type"] == "step" and "grad_bytes_allreduced" in r]
     out: list[dict] = []
     for r in steps:
-        trainable = [b for b in rebuilds if b["step"] < r["step"]][-1]["trainable_parameters"] * 4
-        if not out or out[-1]["frozen"] != r["frozen_count"]:
-            out.append({"frozen": r["frozen_count"], "from": r["step"], "to": r["step"], "bytes": set(),
-                        "trainable_bytes": trainable, "times": []})
+        build = [b for b in rebuilds if b["step"] < r["step"]][-1]  # a rebuild after step s serves step s + 1
+        if not out or out[-1]["build"] is not build:
+            out.append({"build": build, "frozen": len(build["frozen_blocks"]), "from": r["step"], "to": r["step"],
+                        "bytes": set(), "trainable_bytes": build["trainable_parameters"] * 4, "times": []})
         out[-1]["to"] = r["step"]
         out[-1]["bytes"].add(r["grad_bytes_allreduced"])
         out[-1]["times"].append(r["step_time_s"])
@@ -91,7 +92,8 @@ def main() -> None:
                           f"{wall:.0f}" if first else "")
         print(json.dumps({"row": name, "accuracy": summary["test_accuracy"], "train_time_s": summary["train_time_s"],
                           "rebuild_s": summary.get("ddp_rebuild_s"), "phases": [
-                              {k: (sorted(v) if isinstance(v, set) else v) for k, v in ph.items() if k != "times"}
+                              {k: (sorted(v) if isinstance(v, set) else v) for k, v in ph.items()
+                               if k not in ("times", "build")}
                               for ph in phases(records)]}), flush=True)
     Console(width=160).print(table)
 

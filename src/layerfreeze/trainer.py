@@ -474,6 +474,9 @@ class Trainer:
                     epoch_time += step_time
                     epoch_loss += loss * n
                     epoch_n += n
+                    # the epoch's sums so far go into every checkpoint (periodic, Ctrl-C, exception)
+                    self.progress["epoch_partial"] = {"epoch": epoch, "time": epoch_time, "loss": epoch_loss,
+                                                      "n": epoch_n}
                     self.telemetry.log_step(
                         self.progress["step"], loss=loss, lr=self.optimizer.param_groups[-1]["lr"],
                         step_time_s=step_time, samples_per_s=n / step_time,
@@ -495,8 +498,6 @@ class Trainer:
                     if self._stop_agreed if self.distributed else self._stop_requested:
                         raise KeyboardInterrupt("stopped by Ctrl-C after a complete step")
                     if due:
-                        self.progress["epoch_partial"] = {"epoch": epoch, "time": epoch_time, "loss": epoch_loss,
-                                                          "n": epoch_n}
                         self._checkpoint(epoch, done_in_epoch, reason="periodic")
                 bar.close()
                 self._end_epoch(epoch, epoch_time, epoch_loss / max(1, epoch_n))

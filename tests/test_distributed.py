@@ -15,7 +15,7 @@ import torch
 
 from layerfreeze.telemetry import read_metrics
 from tests.distributed.launch import launch
-from tests.distributed.worker import mlp_task, run_trainer
+from tests.distributed.worker import run_trainer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,7 +82,6 @@ def test_thaws_mid_run_keep_ranks_identical_and_follow_the_single_process_run(tm
     assert sum(r.get("kind") == "ddp_rebuild" for r in records) == 5
     steps = [r for r in records if r["type"] == "step"]
     assert all(r["world_size"] == 2 and r["grad_bytes_allreduced"] > 0 for r in steps)
-    assert not (tmp_path / "ranks" / "store").exists() or True  # the store file may stay; nothing reads it
 
 
 @pytest.mark.parametrize("strategy,params,guard", [

@@ -15,7 +15,6 @@ from torch.utils.checkpoint import checkpoint as grad_checkpoint
 
 from layerfreeze import CheckpointError, Freezer
 from layerfreeze.checkpoint import CheckpointStore
-from layerfreeze.config import build_config
 from layerfreeze.integrity import FrozenWeightsChangedError, UnfrozenParameterError
 from layerfreeze.telemetry import read_metrics
 from layerfreeze.trainer import DivergenceError, Trainer

@@ -177,7 +177,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     trainer = Trainer(config)
     world = launched_world_size()
     main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 alone speaks
-    again = "torchrun --nproc_per_node N -m layerfreeze" if world > 1 else "layerfreeze"
+    again = f"torchrun --nproc_per_node {world} -m layerfreeze" if world > 1 else "layerfreeze"
     if main_rank:
         console.print(f"[bold]layerfreeze[/] {config.task} | strategy {config.freeze.strategy} "
                       f"{config.freeze.params or ''} | run dir {trainer.run_dir}"

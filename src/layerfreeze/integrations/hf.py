@@ -185,7 +185,9 @@ class LayerFreezeCallback(transformers.TrainerCallback):
     def _after_stage(self, decision: Any, control: Any) -> None:
         self.session.sync(self.trainer.model_wrapped)
         metrics = self.session.metrics(decision)
-        if metrics:
+        changed = decision is not None and bool(decision.freeze or decision.thaw)
+        # at the Trainer's logging cadence (logging_steps), and whenever the frozen set changes
+        if metrics and (changed or control.should_log):
             should_log = control.should_log  # trainer.log resets it: the Trainer's own log of this step must stay
             self.trainer.log(metrics)
             control.should_log = should_log

@@ -84,8 +84,14 @@ def test_smartfrz_default_through_the_hf_trainer(tmp_path):
     callback = LayerFreezeCallback().attach(trainer)
     trainer.train()
     assert callback.freezer.strategy.name == "smartfrz" and callback.freezer.strategy.stage_every == 1
-    fills = [h["layerfreeze/window_fill"] for h in trainer.state.log_history if "layerfreeze/window_fill" in h]
-    assert len(fills) == 10 and fills[0] == 2  # a stage every step (10 steps / 150 rounds up to 1), start included
+    # a stage every step (10 steps / 150 rounds up to 1): the head's recorder has the start snapshot + one per step
+    assert callback.freezer.strategy.recorder.counts[-1] == 11
+    # logged at the Trainer's logging_steps (5, 10) and at every freeze: the window as it was then
+    logged = [(h["step"], h["layerfreeze/window_fill"]) for h in trainer.state.log_history
+              if "layerfreeze/window_fill" in h]
+    freezes = {h["step"] for h in callback.freezer.history if h["kind"] == "freeze" and h["step"] > 0}
+    assert {s for s, _ in logged} == {5, 10} | freezes
+    assert dict(logged)[5] == 6 and dict(logged)[10] == 11  # start + one per step
 
 
 def test_smartfrz_default_through_lightning(tmp_path):

@@ -314,7 +314,6 @@ class Trainer:
 
     def _on_rebuild(self, record: dict[str, Any]) -> None:
         """Telemetry of a DDP rebuild (its time counts in the step that triggered it)."""
-        self.progress.setdefault("ddp_rebuild_s", []).append(record["seconds"])
         self.telemetry.log_event("ddp_rebuild", record["step"], **{k: v for k, v in record.items() if k != "step"})
 
     def _checkpoint_due(self) -> bool:

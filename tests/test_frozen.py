@@ -4,6 +4,7 @@ non-finite frozen outputs and worker errors surface with names and tracebacks.""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -114,7 +115,8 @@ def test_pipeline_runs_in_another_thread_keeps_order_and_surfaces_worker_errors(
 
     pipe = FrozenPipeline(range(5), prepare, queue_size=1)
     assert list(pipe) == [0, 10, 20, 30, 40]
-    assert set(names) == {"layerfreeze-frozen"}
+    assert names[0] == threading.current_thread().name  # the first batch runs here, with the global RNG checked
+    assert set(names[1:]) == {"layerfreeze-frozen"}
     assert pipe._thread is None  # joined
 
     with pytest.raises(FrozenWorkerError, match=r"(?s)ValueError.*bad sample 5.*worker traceback.*prepare"):
@@ -126,3 +128,205 @@ def test_pipeline_runs_in_another_thread_keeps_order_and_surfaces_worker_errors(
             break
     pipe.close()
     assert pipe._thread is None
+
+
+# --- frozen models in the gradient path, RNG safety, threads ----------------------------------------------------
+
+from layerfreeze.frozen import (  # noqa: E402
+    FrozenDifferentiable, GlobalRNGUsedError, PrecomputeRefused, per_sample_generators,
+)
+
+
+def _trainable_and_frozen(dtype=None):
+    torch.manual_seed(0)
+    trainable = nn.Linear(6, 8)
+    frozen_net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    return trainable, frozen_net, FrozenDifferentiable(frozen_net, dtype=dtype, name="base denoiser")
+
+
+def test_frozen_differentiable_keeps_the_graph_and_returns_float32_gradients():
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    trainable, net, frozen = _trainable_and_frozen()
+    reference = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    reference.load_state_dict(net.state_dict())
+    trainable_ref = nn.Linear(6, 8)
+    trainable_ref.load_state_dict(trainable.state_dict())
+    frozen(trainable(x)).square().mean().backward()
+    reference(trainable_ref(x)).square().mean().backward()
+    assert torch.equal(trainable.weight.grad, trainable_ref.weight.grad)  # float32: the same gradient, bit for bit
+    assert all(p.grad is None and not p.requires_grad for p in net.parameters()) and not net.training
+
+    trainable_bf, net_bf, frozen_bf = _trainable_and_frozen(torch.bfloat16)
+    out = frozen_bf(trainable_bf(x))
+    assert out.dtype == torch.float32 and out.requires_grad
+    assert next(net_bf.parameters()).dtype == torch.bfloat16
+    out.square().mean().backward()
+    grad = trainable_bf.weight.grad
+    assert grad.dtype == torch.float32 and torch.isfinite(grad).all()  # the trainable model stays float32
+    assert torch.allclose(grad, trainable_ref.weight.grad, rtol=0.05, atol=1e-3)
+    with torch.no_grad():
+        assert not frozen_bf(trainable_bf(x)).requires_grad  # evaluation: no graph
+
+
+def test_half_precision_frozen_model_never_gives_the_scaler_half_gradients():
+    """A bfloat16 frozen model beside a float32 trainable one, through GradScaler (CPU): every gradient the
+    scaler unscales is float32, so "Attempting to unscale FP16 gradients" cannot happen."""
+    trainable, _, frozen = _trainable_and_frozen(torch.bfloat16)
+    opt = torch.optim.SGD(trainable.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x = torch.randn(5, 6)
+    scaler.scale(frozen(trainable(x)).square().mean()).backward()
+    assert {p.grad.dtype for p in trainable.parameters()} == {torch.float32}
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_float16_frozen_model_beside_float32_trainable_under_cuda_grad_scaler():
+    torch.manual_seed(0)
+    trainable = nn.Linear(6, 8).cuda()
+    frozen = FrozenDifferentiable(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)), device="cuda",
+                                  dtype=torch.float16, output_device="cuda")
+    opt = torch.optim.AdamW(trainable.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cuda")
+    for _ in range(3):
+        scaler.scale(frozen(trainable(torch.randn(5, 6, device="cuda"))).square().mean()).backward()
+        scaler.unscale_(opt)  # raises "Attempting to unscale FP16 gradients." if a float16 gradient got here
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert {p.dtype for p in trainable.parameters()} == {torch.float32}
+
+
+def test_precompute_refuses_a_model_in_the_gradient_path():
+    data = Tokens(8)
+    _, _, frozen = _trainable_and_frozen()
+    with pytest.raises(PrecomputeRefused, match="base denoiser is in the gradient path"):
+        precompute(data, lambda b: frozen(torch.randn(len(b["index"]), 8, generator=torch.Generator())),
+                   batch_size=4)
+    trainable = nn.Linear(12, 3)
+    with pytest.raises(PrecomputeRefused, match="requires grad"):
+        precompute(data, lambda b: trainable(b["input_ids"].float()), batch_size=4)
+
+
+def test_frozen_functions_that_draw_from_the_global_rng_are_refused():
+    data = Tokens(8)
+    with pytest.raises(GlobalRNGUsedError, match="latent_dist.parameters"):
+        precompute(data, lambda b: torch.randn(len(b["index"]), 3), batch_size=4)
+    with pytest.raises(GlobalRNGUsedError, match="FrozenPipeline"):
+        list(FrozenPipeline(range(4), lambda x: torch.rand(1) + x))
+    assert len(list(FrozenPipeline(range(4), lambda x: torch.rand(1) + x, check_rng=False))) == 4
+
+
+class Encoder(nn.Module):
+    """A stand-in VAE encoder: returns the latent distribution's mean and log-variance ``(B, 2, 4)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(12, 8)
+
+    def forward(self, x):
+        return self.net(x).view(-1, 2, 4)
+
+
+def _train_vae_style(mode: str, sample_in: str, slow_trainer_s: float = 0.0) -> list[float]:
+    """A trainer beside a frozen encoder whose latents are *sampled*: in the trainer with its own generator
+    (``sample_in="trainer"``) or in the frozen function with per-sample generators (``"frozen"``)."""
+    torch.manual_seed(0)
+    frozen = FrozenModule(Encoder(), name="vae encoder")
+    torch.manual_seed(1)
+    head = nn.Linear(4, 3)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    data = Tokens(32)
+    g = torch.Generator().manual_seed(2)
+    losses = []
+
+    def prepare(batch, epoch):
+        params = frozen(batch["input_ids"].float() / 100)
+        if sample_in == "frozen":
+            gens = per_sample_generators(batch["index"].tolist(), seed=3, epoch=epoch)
+            eps = torch.stack([torch.randn(4, generator=gen) for gen in gens])
+            return {"latents": params[:, 0] + params[:, 1].mul(0.5).exp() * eps, "labels": batch["labels"]}
+        return {"params": params, "labels": batch["labels"]}
+
+    store = precompute(data, lambda b: frozen(b["input_ids"].float() / 100), batch_size=8) \
+        if mode == "precompute" else None
+    for epoch in range(2):
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch)).tolist()
+        loader = torch.utils.data.DataLoader(PrecomputedDataset(data, store, feature_key="params") if store else data,
+                                             batch_sampler=[order[i:i + 8] for i in range(0, len(order), 8)])
+        if mode == "sequential":
+            batches = (prepare(b, epoch) for b in loader)
+        elif mode == "async":
+            batches = FrozenPipeline(loader, lambda b, e=epoch: prepare(b, e), queue_size=3)
+        else:
+            batches = ({"params": b["params"], "labels": b["labels"]} for b in loader)
+        for batch in batches:
+            if "latents" in batch:
+                latents = batch["latents"]
+            else:
+                params = batch["params"]
+                latents = params[:, 0] + params[:, 1].mul(0.5).exp() * torch.randn(params[:, 0].shape, generator=g)
+            noise = torch.randn(latents.shape)  # the trainer's own draws from the global RNG
+            loss = nn.functional.cross_entropy(head(latents + 0.1 * noise), batch["labels"])
+            time.sleep(slow_trainer_s)  # a trainer slower than the worker: the worker runs ahead
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses
+
+
+def test_sampling_frozen_functions_give_the_sequential_losses_whatever_the_timing():
+    torch.manual_seed(5)
+    sequential = _train_vae_style("sequential", "trainer")
+    assert len(sequential) == 8
+    torch.manual_seed(5)
+    assert _train_vae_style("async", "trainer", slow_trainer_s=0.02) == sequential
+    torch.manual_seed(5)
+    assert _train_vae_style("precompute", "trainer") == sequential
+    torch.manual_seed(5)
+    per_sample = _train_vae_style("sequential", "frozen")
+    torch.manual_seed(5)
+    assert _train_vae_style("async", "frozen", slow_trainer_s=0.02) == per_sample
+
+
+def test_per_sample_generators_depend_on_seed_epoch_and_index_only():
+    a = [torch.randn(3, generator=g) for g in per_sample_generators([4, 7], seed=1, epoch=0)]
+    b = [torch.randn(3, generator=g) for g in per_sample_generators([7, 4], seed=1, epoch=0)]
+    c = [torch.randn(3, generator=g) for g in per_sample_generators([4], seed=1, epoch=1)]
+    assert torch.equal(a[0], b[1]) and torch.equal(a[1], b[0]) and not torch.equal(a[0], c[0])
+
+
+def test_pipeline_splits_threads_and_reports_overlap():
+    seen = []
+    before = torch.get_num_threads()
+    pipe = FrozenPipeline(range(6), lambda x: seen.append((threading.current_thread().name,
+                                                           torch.get_num_threads())) or x, threads=(1, 1))
+    trainer_threads = []
+    for _ in pipe:
+        trainer_threads.append(torch.get_num_threads())
+        time.sleep(0.01)
+    assert {n for _, n in seen} == {1} and set(trainer_threads) == {1}
+    assert torch.get_num_threads() == before  # restored
+    stats = pipe.stats()
+    assert stats["batches"] == 6 and 0.0 <= stats["overlap"] <= 1.0 and stats["threads"] == (1, 1)
+    worker, trainer = FrozenPipeline.auto_threads()
+    assert worker >= 1 and trainer >= 1
+    with pytest.raises(ValueError, match="threads"):
+        FrozenPipeline(range(2), lambda x: x, threads=(0, 1))
+
+
+def test_float16_vae_overflow_is_detected_and_named():
+    diffusers = pytest.importorskip("diffusers")
+    from layerfreeze.controlnet import LatentParameters, _vae_config
+
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(**_vae_config(tiny=True))
+    x = torch.full((1, 1, 32, 32), 1.0)
+    assert torch.isfinite(FrozenModule(LatentParameters(vae))(x)).all()
+    with torch.no_grad():
+        vae.encoder.conv_in.weight.mul_(1e6)  # activations beyond float16's 65504, as an fp16 SD VAE's do
+    with pytest.raises(NonFiniteOutputError, match="VAE encoder produced NaN/Inf"):
+        FrozenModule(LatentParameters(vae), dtype=torch.float16, name="VAE encoder")(x)

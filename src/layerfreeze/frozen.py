@@ -1,6 +1,6 @@
 """Frozen models beside the trained one: a VAE or text encoder feeding an adapter, a teacher, a reference model.
 
-Three ways to run them, one result:
+Four ways to run them, one result:
 
 * :class:`FrozenModule` — the frozen model on its own device and dtype, under ``torch.no_grad()`` (not
   ``inference_mode``: its outputs may be saved for the trainer's backward), outputs moved back to the trainer's
@@ -13,15 +13,35 @@ Three ways to run them, one result:
 * :func:`precompute` — run the frozen models once over a dataset and store their outputs per sample (in the
   :class:`~layerfreeze.cache.ActivationCache`, memory then checksummed safetensors shards); training then reads
   them (:class:`PrecomputedDataset`).
+* :class:`FrozenDifferentiable` — a frozen model *in the gradient path*: the base denoiser a ControlNet feeds
+  (Zhang, Rao, Agrawala, "Adding Conditional Control to Text-to-Image Diffusion Models", ICCV 2023; diffusers
+  ``examples/controlnet/train_controlnet.py``), where the loss backpropagates through the frozen UNet into the
+  ControlNet's residuals. Its parameters are frozen, autograd is kept, it runs on its own device and dtype and the
+  gradients come back to the trainer's device and dtype. It can be neither precomputed nor run ahead (its inputs
+  come from the trained model): :func:`precompute` refuses it with :class:`PrecomputeRefused`.
 
 Running a frozen model elsewhere does not change the result: the same inputs give the same outputs bit for bit in
-float32 on CPU (a test trains in all three modes and compares every loss).
+float32 on CPU (a test trains in all modes and compares every loss). Two things would break that, and are guarded:
+
+* **The global RNG.** A frozen function that samples (a VAE's ``latent_dist.sample()``, as diffusers' scripts do)
+  and runs ahead in a worker draws from the global generator in an order that depends on timing, so the trainer's
+  noise changes. :class:`FrozenPipeline` runs the first batch in the caller's thread and :func:`precompute` runs
+  every batch with the global RNG state compared before and after: a function that drew from it is refused with
+  :class:`GlobalRNGUsedError`. Return the distribution's parameters instead (``latent_dist.parameters``) and
+  sample in the trainer with its own ``torch.Generator``, or sample with :func:`per_sample_generators` (one
+  seeded generator per sample and epoch: the draw no longer depends on who draws first).
+* **Threads.** On few cores a worker thread and the trainer both using every core oversubscribe them (a VAE step
+  measured 0.8 s with one intra-op thread, 6-7 s with two, on 2 cores beside another job). The pipeline splits the
+  cores between the two (``threads="auto"``) and reports the overlap it achieved (:meth:`FrozenPipeline.stats`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -39,6 +59,72 @@ class NonFiniteOutputError(FloatingPointError):
 
 class FrozenWorkerError(RuntimeError):
     """An exception raised inside the :class:`FrozenPipeline` worker; the message holds its traceback."""
+
+
+class PrecomputeRefused(ValueError):
+    """:func:`precompute` was asked for something that cannot be stored once: an output that needs autograd (a
+    :class:`FrozenDifferentiable` model, whose inputs come from the trained model)."""
+
+
+class GlobalRNGUsedError(RuntimeError):
+    """A frozen function drew from the global RNG (e.g. ``latent_dist.sample()``); run ahead or precomputed, that
+    would change the trainer's random numbers depending on timing."""
+
+
+_STATE = threading.local()  # .precomputing: inside precompute() in this thread
+
+
+def _global_rng_states() -> list[torch.Tensor]:
+    """The CPU generator's state and, once CUDA is initialized, every CUDA device's (not initializing CUDA)."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += list(torch.cuda.get_rng_state_all())
+    return states
+
+
+def _call_without_global_rng(fn: Callable[[Any], Any], batch: Any, where: str) -> Any:
+    """``fn(batch)``, raising :class:`GlobalRNGUsedError` when it changed the global RNG state.
+
+    Only meaningful in a thread where nothing else draws meanwhile (the caller's thread before the worker starts;
+    precompute's loop).
+    """
+    before = _global_rng_states()
+    out = fn(batch)
+    after = _global_rng_states()
+    if len(before) != len(after) or any(not torch.equal(a, b) for a, b in zip(before, after)):
+        raise GlobalRNGUsedError(
+            f"the frozen function given to {where} drew from the global RNG (torch.randn/rand without a generator, "
+            "a VAE's latent_dist.sample(), dropout in train mode). Run ahead or precomputed, that changes the "
+            "trainer's random numbers depending on timing. Return the distribution's parameters instead "
+            "(vae.encode(x).latent_dist.parameters) and sample in the trainer with its own torch.Generator "
+            "(DiagonalGaussianDistribution(parameters).sample(generator=g)), or sample with "
+            "layerfreeze.frozen.per_sample_generators(...)")
+    return out
+
+
+def per_sample_generators(indices: Iterable[int], seed: int, epoch: int = 0,
+                          device: str | torch.device = "cpu") -> list[torch.Generator]:
+    """One ``torch.Generator`` per sample, seeded from ``(seed, epoch, sample index)`` only.
+
+    Random draws made with them (diffusers' ``randn_tensor`` and ``DiagonalGaussianDistribution.sample`` take a
+    list of generators, one per batch row) do not depend on which thread draws first, on the batch composition or
+    on the placement: a frozen function may sample in a worker or in :func:`precompute` (for one epoch) and give
+    the sequential run's numbers.
+
+    Args:
+        indices: The samples' dataset indices, in batch order.
+        seed: The run's seed.
+        epoch: Changes the draws from epoch to epoch (a fresh sample each time the sample is seen).
+        device: The generators' device.
+
+    Returns:
+        ``len(indices)`` generators.
+    """
+    gens = []
+    for index in indices:
+        digest = hashlib.blake2b(f"{seed}:{epoch}:{int(index)}".encode(), digest_size=8).digest()
+        gens.append(torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1))
+    return gens
 
 
 def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -74,13 +160,21 @@ class FrozenModule:
             are cast to it.
         output_device: Where outputs go (the trainer's device; default CPU).
         output_dtype: Floating outputs are cast to it (default float32), so the trainer never sees half precision
-            by accident.
+            by accident. Outputs are made contiguous (a CPU convolution returns channels-last tensors; the trained
+            model's results depend on the memory format, which must not depend on where the output came from).
         name: Used in error messages (default: the class name).
         check_finite: Raise :class:`NonFiniteOutputError` naming the module and output when an output holds NaN/Inf.
 
     Calling it: ``frozen(*args, **kwargs)`` takes what the module takes (tensors moved to ``device``) and returns
-    its outputs (tensors, tuples, dicts, Hugging Face ``ModelOutput``) on ``output_device``.
+    its outputs (tensors, tuples, dicts, Hugging Face ``ModelOutput``) on ``output_device``. Other objects in the
+    output (a diffusers ``DiagonalGaussianDistribution``) pass through unmoved and unchecked: return their tensors
+    (``latent_dist.parameters``) instead.
+
+    Raises:
+        NonFiniteOutputError: an output holds NaN/Inf (with ``check_finite``), naming the module and the output.
     """
+
+    differentiable = False  # FrozenDifferentiable: autograd kept through the module
 
     def __init__(self, module: nn.Module, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  output_device: str | torch.device = "cpu", output_dtype: torch.dtype = torch.float32,
@@ -102,11 +196,18 @@ class FrozenModule:
         return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
 
     def _out(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.to(self.output_device, non_blocking=True)
+        # Contiguous: a CPU convolution returns channels-last tensors, and the trained model's kernels (so the last
+        # bits of the loss) depend on the memory format: it must be the same computed here, in a worker or stored.
+        t = t.to(self.output_device, non_blocking=True).contiguous()
         return t.to(self.output_dtype) if t.is_floating_point() else t
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.no_grad():
+        if self.differentiable and getattr(_STATE, "precomputing", False):
+            raise PrecomputeRefused(
+                f"frozen model {self.name} is in the gradient path (FrozenDifferentiable): its inputs come from the "
+                "trained model and the loss backpropagates through it, so its outputs cannot be precomputed. "
+                "Precompute only the frozen models that feed the trained one (a VAE encoder, a text encoder)")
+        with torch.set_grad_enabled(self.differentiable and torch.is_grad_enabled()):
             out = self.module(*_map(args, self._in), **_map(kwargs, self._in))
             if self.check_finite:
                 for where, t in _named_tensors(out):
@@ -118,6 +219,29 @@ class FrozenModule:
             return _map(out, self._out)
 
 
+class FrozenDifferentiable(FrozenModule):
+    """A frozen model in the gradient path: parameters frozen, autograd kept, own device and dtype.
+
+    The base denoiser a ControlNet feeds (Zhang, Rao, Agrawala, ICCV 2023; diffusers
+    ``examples/controlnet/train_controlnet.py``: the UNet is ``requires_grad_(False)`` but the loss backpropagates
+    through it into the ControlNet's residuals). Inputs are moved to ``device`` and floating ones cast to ``dtype``
+    with differentiable copies, so the gradients reaching the trainer's tensors come back on the trainer's device in
+    the trainer's dtype (float32 for a float32 ControlNet beside a bfloat16/float16 UNet: no half-precision
+    gradient ever reaches the trained parameters, so ``GradScaler.unscale_`` never sees one). Outputs come back on
+    ``output_device`` in ``output_dtype`` (float32), still attached to the graph. The module's own parameters get no
+    gradient (only the input gradients are computed through it). Autograd follows the caller: under
+    ``torch.no_grad()`` (evaluation) no graph is built.
+
+    Same arguments as :class:`FrozenModule`.
+
+    Raises:
+        NonFiniteOutputError: an output holds NaN/Inf (with ``check_finite``).
+        PrecomputeRefused: called inside :func:`precompute` (its outputs depend on the trained model).
+    """
+
+    differentiable = True
+
+
 class FrozenPipeline:
     """Runs ``fn`` on the next batches in a background thread while the caller works on the current one.
 
@@ -126,22 +250,63 @@ class FrozenPipeline:
         fn: ``batch -> prepared batch`` (typically calls one or more :class:`FrozenModule`).
         queue_size: Batches prepared ahead, ``>= 1`` (memory bound: that many prepared batches at most).
         stream: On CUDA, run ``fn`` on this side stream (the consumer waits for it per batch); None on CPU.
+        threads: Intra-op CPU threads ``(worker, trainer)`` while the pipeline runs (PyTorch's thread count is per
+            thread; the trainer's is restored when the iteration ends). ``"auto"`` (default): on CPU split the
+            usable cores, the worker gets ``max(1, cores // 2)`` and the trainer the rest (at least 1), so the two
+            never oversubscribe the cores; with a CUDA ``stream`` the trainer's count is kept and the worker gets
+            1. ``None``: leave both unchanged.
+        check_rng: Run the first batch in the caller's thread with the global RNG state compared before and after,
+            and raise :class:`GlobalRNGUsedError` when ``fn`` drew from it (its draws would then depend on timing).
 
     Iterate over it to get ``fn(batch)`` for every batch, in order. An exception in the worker is raised in the
     consumer as :class:`FrozenWorkerError` with the worker's traceback. ``close()`` (or leaving a ``with`` block,
-    or finishing the iteration) stops and joins the worker.
+    or finishing the iteration) stops and joins the worker. :meth:`stats` reports the overlap achieved.
+
+    Raises:
+        ValueError: ``queue_size < 1`` or bad ``threads``.
+        GlobalRNGUsedError: see ``check_rng``.
+        FrozenWorkerError: ``fn`` raised in the worker.
     """
 
     _DONE = object()
 
     def __init__(self, batches: Iterable[Any], fn: Callable[[Any], Any], queue_size: int = 2,
-                 stream: Any = None) -> None:
+                 stream: Any = None, threads: str | tuple[int, int] | None = "auto", check_rng: bool = True) -> None:
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
-        self.batches, self.fn, self.stream = batches, fn, stream
+        if threads == "auto":
+            threads = self.auto_threads(cuda=stream is not None)
+        elif threads is not None and (not isinstance(threads, tuple) or len(threads) != 2
+                                      or not all(isinstance(n, int) and n >= 1 for n in threads)):
+            raise ValueError(f"threads must be 'auto', None or (worker, trainer) counts >= 1, got {threads!r}")
+        self.batches, self.fn, self.stream, self.threads, self.check_rng = batches, fn, stream, threads, check_rng
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._worker_s = self._wait_s = 0.0
+        self._batches = 0
+
+    @staticmethod
+    def auto_threads(cuda: bool = False) -> tuple[int, int]:
+        """The ``threads="auto"`` split ``(worker, trainer)`` for this process's usable cores."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if cuda:
+            return 1, torch.get_num_threads()
+        worker = max(1, cores // 2)
+        return worker, max(1, cores - worker)
+
+    def stats(self) -> dict[str, Any]:
+        """What the pipeline achieved so far.
+
+        Returns:
+            ``batches``; ``worker_s`` (seconds spent in ``fn``, worker and first batch); ``wait_s`` (seconds the
+            consumer waited for a batch); ``overlap`` = ``1 - wait_s / worker_s`` clipped to [0, 1], the share of
+            the frozen models' time hidden behind the trainer's (1: fully hidden; 0: none, as if sequential);
+            ``threads`` (worker, trainer) or None.
+        """
+        overlap = max(0.0, min(1.0, 1.0 - self._wait_s / self._worker_s)) if self._worker_s > 0 else 0.0
+        return {"batches": self._batches, "worker_s": self._worker_s, "wait_s": self._wait_s, "overlap": overlap,
+                "threads": self.threads}
 
     def _put(self, item: Any) -> bool:
         while not self._stop.is_set():
@@ -152,20 +317,28 @@ class FrozenPipeline:
                 continue
         return False
 
-    def _work(self) -> None:
+    def _prepare(self, batch: Any, check_rng: bool = False) -> tuple[Any, Any]:
+        start = time.perf_counter()
+        fn = (lambda b: _call_without_global_rng(self.fn, b, "FrozenPipeline")) if check_rng else self.fn
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                out = fn(batch)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            item = (out, event)
+        else:
+            item = (fn(batch), None)
+        self._worker_s += time.perf_counter() - start
+        return item
+
+    def _work(self, batches: Iterator[Any]) -> None:
         try:
-            for batch in self.batches:
+            if self.threads is not None:
+                torch.set_num_threads(self.threads[0])
+            for batch in batches:
                 if self._stop.is_set():
                     return
-                if self.stream is not None:
-                    with torch.cuda.stream(self.stream):
-                        out = self.fn(batch)
-                    event = torch.cuda.Event()
-                    event.record(self.stream)
-                    item = (out, event)
-                else:
-                    item = (self.fn(batch), None)
-                if not self._put(item):
+                if not self._put(self._prepare(batch)):
                     return
             self._put(self._DONE)
         except BaseException as exc:  # noqa: BLE001 - every worker failure goes to the consumer
@@ -174,11 +347,22 @@ class FrozenPipeline:
 
     def __iter__(self) -> Iterator[Any]:
         self._stop.clear()
-        self._thread = threading.Thread(target=self._work, name="layerfreeze-frozen", daemon=True)
-        self._thread.start()
+        trainer_threads = torch.get_num_threads()
+        batches = iter(self.batches)
         try:
+            first = next(batches, self._DONE)
+            if first is self._DONE:
+                return
+            if self.threads is not None:
+                torch.set_num_threads(self.threads[0])  # the first batch runs here, on the worker's share
+            first_item = self._prepare(first, check_rng=self.check_rng)
+            if self.threads is not None:
+                torch.set_num_threads(self.threads[1])
+            self._thread = threading.Thread(target=self._work, args=(batches,), name="layerfreeze-frozen",
+                                            daemon=True)
+            self._thread.start()
+            item = first_item
             while True:
-                item = self._queue.get()
                 if item is self._DONE:
                     return
                 if isinstance(item, FrozenWorkerError):
@@ -186,9 +370,14 @@ class FrozenPipeline:
                 out, event = item
                 if event is not None:
                     torch.cuda.current_stream().wait_event(event)
+                self._batches += 1
                 yield out
+                start = time.perf_counter()
+                item = self._queue.get()
+                self._wait_s += time.perf_counter() - start
         finally:
             self.close()
+            torch.set_num_threads(trainer_threads)
 
     def close(self) -> None:
         """Stop the worker and wait for it (idempotent)."""
@@ -224,13 +413,31 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
 
     Returns:
         The store, holding ``(index, key)`` entries.
+
+    Raises:
+        PrecomputeRefused: ``fn`` calls a :class:`FrozenDifferentiable` model or returns a tensor that requires
+            grad (a model in the gradient path cannot be precomputed: its inputs come from the trained model).
+        GlobalRNGUsedError: ``fn`` drew from the global RNG (a stored sample would be reused every epoch and the
+            trainer's random numbers would shift): store the distribution's parameters and sample in the trainer.
     """
     from torch.utils.data import DataLoader
 
     store = store if store is not None else ActivationCache()
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, generator=torch.Generator())
-    for batch in loader:
-        store.put_batch(batch["index"].tolist(), key, fn(batch))
+    _STATE.precomputing = True
+    try:
+        for batch in loader:
+            out = _call_without_global_rng(fn, batch, "precompute")
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"precompute's fn must return one (B, ...) tensor, got {type(out).__name__}")
+            if out.requires_grad:
+                raise PrecomputeRefused(
+                    "precompute's fn returned a tensor that requires grad: something trainable or in the gradient "
+                    "path is part of it, and its outputs change as training goes; precompute only frozen models "
+                    "that feed the trained one")
+            store.put_batch(batch["index"].tolist(), key, out)
+    finally:
+        _STATE.precomputing = False
     store.flush()
     return store
 

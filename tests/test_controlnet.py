@@ -1,0 +1,66 @@
+"""The ControlNet demo at CI size (untrained tiny diffusers models, random images, a few steps per placement):
+every placement's losses equal the first's where they must, the trainable model stays float32, the table and the
+report are written."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("diffusers")
+
+from layerfreeze.controlnet import PLACEMENTS, DemoConfig, edge_maps, run_demo  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("controlnet")
+    cfg = DemoConfig(tiny=True, steps=4, batch_size=8, train_size=24, heldout_size=16, window=3)
+    return run_demo(cfg, out=out, log=lambda message: None), out
+
+
+def test_placements_give_the_same_losses(result):
+    res, _ = result
+    rows = {r["placement"]: r for r in res["placements"]}
+    assert list(rows) == list(PLACEMENTS)
+    assert all(r["steps"] == 4 and len(r["losses"]) == 4 for r in rows.values())
+    for placement in ("worker", "precompute"):  # float32 frozen models elsewhere / stored: bit for bit
+        assert rows[placement]["losses"] == rows["device"]["losses"], placement
+        assert rows[placement]["heldout_control"] == rows["device"]["heldout_control"]
+    assert 0 < rows["bf16"]["max_abs_loss_diff"] < 1e-2  # bfloat16 frozen models: close, not equal
+    for r in rows.values():
+        assert r["nonfinite"] is None and all(math.isfinite(x) for x in r["losses"] + r["grad_norms"])
+        assert r["controlnet_grad_dtypes"] == ["torch.float32"]
+        # the ControlNet's zero convolutions: before training, control changes nothing
+        assert r["heldout_control_step0"] == pytest.approx(res["heldout_no_control"], abs=1e-6)
+    assert rows["precompute"]["precompute_s"] > 0 and rows["precompute"]["store_bytes"] > 0
+    assert rows["worker"]["pipeline"]["batches"] == 4 and 0 <= rows["worker"]["pipeline"]["overlap"] <= 1
+    assert sum(rows["bf16"]["frozen_param_bytes"].values()) < sum(rows["device"]["frozen_param_bytes"].values())
+
+
+def test_table_results_and_report_are_written(result):
+    res, out = result
+    table = (out / "table.md").read_text()
+    assert table.count("\n") == 2 + len(PLACEMENTS) and "0 (identical)" in table
+    saved = json.loads((out / "results.json").read_text())
+    assert [r["placement"] for r in saved["placements"]] == list(PLACEMENTS)
+    page = (out / "report" / "index.html").read_text()
+    assert "loss_curves.png" in page and "precompute" in page
+    assert (out / "report" / "loss_curves.png").stat().st_size > 1000
+
+
+def test_bad_config_and_edges():
+    with pytest.raises(ValueError, match="unknown placement"):
+        DemoConfig(placements=("gpu",))
+    with pytest.raises(ValueError, match="train_size"):
+        DemoConfig(train_size=4, batch_size=8)
+    import torch
+
+    x = -torch.ones(1, 1, 8, 8)
+    x[..., 2:6, 2:6] = 1.0
+    edges = edge_maps(x)
+    assert edges.sum() > 0 and edges[..., 0, 0] == 0 and set(edges.unique().tolist()) <= {0.0, 1.0}
+    with pytest.raises(ValueError, match=r"\(N, 1, H, W\)"):
+        edge_maps(torch.zeros(2, 3, 8, 8))

@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--placements", default=",".join(PLACEMENTS),
                         help=f"comma-separated, from {','.join(PLACEMENTS)}; the first is the reference")
     parser.add_argument("--threads", type=int, help="intra-op threads of the trainer (default: PyTorch's)")
+    parser.add_argument("--pipeline-threads", default="auto",
+                        help="worker,trainer intra-op threads of the worker placement (default auto: split the cores)")
     parser.add_argument("--tiny", action="store_true", help="CI size: untrained tiny models, random data")
     parser.add_argument("--cache-dir", default=defaults.cache_dir, help="stage-1 model cache")
     parser.add_argument("--out", default="runs/controlnet-demo")
@@ -45,7 +47,9 @@ def main(argv: list[str] | None = None) -> dict:
                      heldout_size=args.heldout_size, vae_steps=args.vae_steps, unet_steps=args.unet_steps,
                      lr=args.lr, seed=args.seed, device=args.device, frozen_device=args.frozen_device,
                      placements=tuple(p.strip() for p in args.placements.split(",") if p.strip()),
-                     threads=args.threads, tiny=args.tiny, cache_dir=args.cache_dir)
+                     threads=args.threads, tiny=args.tiny, cache_dir=args.cache_dir,
+                     pipeline_threads=args.pipeline_threads if args.pipeline_threads == "auto"
+                     else tuple(int(n) for n in args.pipeline_threads.split(",")))
     start = time.perf_counter()
     result = run_demo(cfg, out=args.out, log=lambda m: print(m, flush=True))
     print(result["table"])

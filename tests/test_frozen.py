@@ -12,7 +12,16 @@ from torch import nn
 from transformers import BertConfig, BertModel
 
 from layerfreeze.frozen import (
-    FrozenModule, FrozenPipeline, FrozenWorkerError, NonFiniteOutputError, PrecomputedDataset, precompute,
+    FrozenDifferentiable,
+    FrozenModule,
+    FrozenPipeline,
+    FrozenWorkerError,
+    GlobalRNGUsedError,
+    NonFiniteOutputError,
+    PrecomputedDataset,
+    PrecomputeRefused,
+    per_sample_generators,
+    precompute,
 )
 
 
@@ -131,10 +140,6 @@ def test_pipeline_runs_in_another_thread_keeps_order_and_surfaces_worker_errors(
 
 
 # --- frozen models in the gradient path, RNG safety, threads ----------------------------------------------------
-
-from layerfreeze.frozen import (  # noqa: E402
-    FrozenDifferentiable, GlobalRNGUsedError, PrecomputeRefused, per_sample_generators,
-)
 
 
 def _trainable_and_frozen(dtype=None):

@@ -14,7 +14,9 @@ does training change, and what happens to memory, speed and stability? This modu
   (Sobel) of the image, with the VAE, text encoder and UNet frozen. The loss backpropagates through the frozen
   UNet (:class:`~layerfreeze.frozen.FrozenDifferentiable`) into the ControlNet's residuals.
 
-Placements (:data:`PLACEMENTS`), same seed, same batches, same random numbers:
+Placements (:data:`PLACEMENTS`), same seed, same batches, same random numbers (float32 losses are then equal bit for
+bit when the trainer runs with the same number of intra-op threads in every placement; the worker placement splits
+the cores, and a CPU reduction over 1 thread rounds differently from one over 2, by about 1e-7):
 
 ``device``      frozen models on the trainer's device, called in the training loop (diffusers' script);
 ``worker``      VAE and text encoder in a :class:`~layerfreeze.frozen.FrozenPipeline` worker (on CPU the stand-in
@@ -58,12 +60,27 @@ from torch.utils.data import DataLoader, Dataset
 from . import telemetry
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .frozen import (
-    FrozenDifferentiable, FrozenModule, FrozenPipeline, NonFiniteOutputError, PrecomputedDataset, precompute,
+    FrozenDifferentiable,
+    FrozenModule,
+    FrozenPipeline,
+    NonFiniteOutputError,
+    PrecomputedDataset,
+    precompute,
 )
 
 __all__ = [
-    "CLASS_NAMES", "PLACEMENTS", "DemoConfig", "EdgeDataset", "LatentParameters", "TextEncoder", "load_images",
-    "edge_maps", "run_demo", "stage1_models", "format_table", "write_report",
+    "CLASS_NAMES",
+    "PLACEMENTS",
+    "DemoConfig",
+    "EdgeDataset",
+    "LatentParameters",
+    "TextEncoder",
+    "edge_maps",
+    "format_table",
+    "load_images",
+    "run_demo",
+    "stage1_models",
+    "write_report",
 ]
 
 CLASS_NAMES = ("T-shirt/top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
@@ -95,6 +112,7 @@ class DemoConfig:
     tiny: bool = False
     cache_dir: str = "runs/controlnet-stage1"
     threads: int | None = None        # intra-op threads of the trainer (None: leave)
+    pipeline_threads: str | tuple[int, int] = "auto"  # FrozenPipeline(threads=...) of the worker placement
 
     def __post_init__(self) -> None:
         bad = [p for p in self.placements if p not in PLACEMENTS]
@@ -299,6 +317,22 @@ def _batches(n: int, batch_size: int, steps: int, seed: int) -> Iterator[list[in
         epoch += 1
 
 
+def _fit(model: nn.Module, loss_of: Callable[[list[int]], torch.Tensor], n: int, steps: int, lr: float, seed: int,
+         name: str, log: Callable[[str], None]) -> float:
+    """Train ``model`` with AdamW on ``steps`` seeded batches of 64 of ``n`` indices; eval mode after; last loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for step, idx in enumerate(_batches(n, 64, steps, seed)):
+        loss = loss_of(idx)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 100 == 0 or step == steps - 1:
+            log(f"  {name} step {step}: loss {loss.item():.4f}")
+    model.eval()
+    return loss.item()
+
+
 def _denoising_loss(latents: torch.Tensor, text: torch.Tensor, g: torch.Generator, scheduler: Any,
                     predict: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Epsilon-prediction DDPM loss: noise and timesteps drawn from ``g`` (CPU), ``predict(noisy, t, text)``."""
@@ -345,28 +379,25 @@ def stage1_models(cfg: DemoConfig, log: Callable[[str], None] = print) -> Stage1
         return Stage1(vae.eval().requires_grad_(False), unet.eval().requires_grad_(False), text, ids, mask, 1.0,
                       {"trained": False})
     images, labels = load_images("train", cfg.stage1_size)
+    dev = torch.device(cfg.device)  # stage 1 trains on the trainer's device; the cache holds CPU weights
     vae_key = {"vae": _vae_config(False), "steps": cfg.vae_steps, "n": len(labels), "seed": cfg.seed, "v": 1}
     cache = Path(cfg.cache_dir)
 
     def train_vae() -> dict[str, Any]:
         log(f"stage 1: training the VAE ({cfg.vae_steps} steps of 64 images)")
         start, g = time.perf_counter(), torch.Generator().manual_seed(cfg.seed)
-        opt = torch.optim.AdamW(vae.parameters(), lr=1e-3)
-        vae.train()
-        for step, idx in enumerate(_batches(len(labels), 64, cfg.vae_steps, cfg.seed + 1)):
-            x = images[idx]
+
+        def loss_of(idx: list[int]) -> torch.Tensor:
+            x = images[idx].to(dev)
             posterior = vae.encode(x).latent_dist
             recon = vae.decode(posterior.sample(generator=g)).sample
-            loss = F.mse_loss(recon, x) + 1e-4 * posterior.kl().mean() / x[0].numel()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if step % 200 == 0:
-                log(f"  vae step {step}: loss {loss.item():.4f}")
-        vae.eval()
+            return F.mse_loss(recon, x) + 1e-4 * posterior.kl().mean() / x[0].numel()
+
+        loss = _fit(vae.to(dev), loss_of, len(labels), cfg.vae_steps, 1e-3, cfg.seed + 1, "vae", log)
         with torch.no_grad():
-            means = torch.cat([vae.encode(images[i:i + 256]).latent_dist.mean for i in range(0, 4096, 256)])
-        return {"key": vae_key, "scaling": float(1 / means.std()), "loss": loss.item(),
+            means = torch.cat([vae.encode(images[i:i + 256].to(dev)).latent_dist.mean for i in range(0, 4096, 256)])
+        vae.cpu()
+        return {"key": vae_key, "scaling": float(1 / means.std()), "loss": loss,
                 "seconds": time.perf_counter() - start}
 
     vae_info = _cached(cache / f"vae-{_fingerprint(vae_key)}", vae, train_vae, log)
@@ -378,22 +409,21 @@ def stage1_models(cfg: DemoConfig, log: Callable[[str], None] = print) -> Stage1
         log(f"stage 1: training the UNet ({cfg.unet_steps} steps of 64 latents)")
         start = time.perf_counter()
         with torch.no_grad():
-            params = torch.cat([vae.encode(images[i:i + 256]).latent_dist.parameters
+            vae.to(dev)
+            params = torch.cat([vae.encode(images[i:i + 256].to(dev)).latent_dist.parameters
                                 for i in range(0, len(labels), 256)])
-            prompts = text(ids, mask)
+            prompts = text.to(dev)(ids.to(dev), mask.to(dev))
+            vae.cpu(), text.cpu()
         g, scheduler = torch.Generator().manual_seed(cfg.seed + 2), _scheduler()
-        opt = torch.optim.AdamW(unet.parameters(), lr=3e-4)
-        unet.train()
-        for step, idx in enumerate(_batches(len(labels), 64, cfg.unet_steps, cfg.seed + 3)):
+
+        def loss_of(idx: list[int]) -> torch.Tensor:
             latents = DiagonalGaussianDistribution(params[idx]).sample(generator=g) * scaling
-            loss = _denoising_loss(latents, prompts[labels[idx]], g, scheduler,
+            return _denoising_loss(latents, prompts[labels[idx].to(dev)], g, scheduler,
                                    lambda z, t, c: unet(z, t, encoder_hidden_states=c).sample)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if step % 250 == 0:
-                log(f"  unet step {step}: loss {loss.item():.4f}")
-        return {"key": unet_key, "loss": loss.item(), "seconds": time.perf_counter() - start}
+
+        loss = _fit(unet.to(dev), loss_of, len(labels), cfg.unet_steps, 3e-4, cfg.seed + 3, "unet", log)
+        unet.cpu()
+        return {"key": unet_key, "loss": loss, "seconds": time.perf_counter() - start}
 
     unet_info = _cached(cache / f"unet-{_fingerprint(unet_key)}", unet, train_unet, log)
     unet.eval().requires_grad_(False)
@@ -467,6 +497,7 @@ def _train_placement(placement: str, cfg: DemoConfig, stage1: Stage1, data: Edge
     dtype = torch.bfloat16 if placement == "bf16" else None
     for d in _devices(cfg):
         telemetry.reset_peak_memory(d)
+    memory_at_start = {d: telemetry.current_memory_bytes(d) for d in _devices(cfg)}
     # Each placement gets its own copies (a bfloat16 cast in place would round the float32 weights for good).
     vae = FrozenModule(LatentParameters(copy.deepcopy(stage1.vae)), device=frozen_dev, dtype=dtype,
                        output_device=dev, name=f"VAE encoder ({placement})")
@@ -500,23 +531,26 @@ def _train_placement(placement: str, cfg: DemoConfig, stage1: Stage1, data: Edge
                 "edges": batch["edges"].to(dev)}
 
     loader = DataLoader(source, batch_sampler=list(_batches(len(data), cfg.batch_size, cfg.steps, cfg.seed)))
-    pipe = FrozenPipeline(loader, prepare, queue_size=2) if placement == "worker" else None
+    pipe = FrozenPipeline(loader, prepare, queue_size=2, threads=cfg.pipeline_threads) if placement == "worker" \
+        else None
     batches = pipe if pipe is not None else (prepare(b) for b in loader)
     scheduler = _scheduler()
-    losses, grad_norms, step_s, nonfinite = [], [], [], None
+    losses, grad_norms, step_s, nonfinite, trainer_threads = [], [], [], None, torch.get_num_threads()
     before = heldout.loss(controlnet)
     start = last = time.perf_counter()
     try:
         for batch in batches:
             latents = DiagonalGaussianDistribution(batch["latent_params"]).sample(generator=g) * stage1.scaling
 
-            def predict(noisy: torch.Tensor, t: torch.Tensor, text_states: torch.Tensor) -> torch.Tensor:
-                down, mid = controlnet(noisy, t, encoder_hidden_states=text_states, controlnet_cond=batch["edges"],
+            def predict(noisy: torch.Tensor, t: torch.Tensor, text_states: torch.Tensor,
+                        edges: torch.Tensor = batch["edges"]) -> torch.Tensor:
+                down, mid = controlnet(noisy, t, encoder_hidden_states=text_states, controlnet_cond=edges,
                                        return_dict=False)
                 return unet(noisy, t, encoder_hidden_states=text_states, down_block_additional_residuals=down,
                             mid_block_additional_residual=mid).sample
 
             loss = _denoising_loss(latents, batch["text"], g, scheduler, predict)
+            trainer_threads = torch.get_num_threads()  # the pipeline's share while it runs
             loss.backward()
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(controlnet.parameters(), 1.0)))
             opt.step()
@@ -550,7 +584,8 @@ def _train_placement(placement: str, cfg: DemoConfig, stage1: Stage1, data: Edge
         "param_bytes": _param_bytes(modules),
         "frozen_param_bytes": _param_bytes({k: v for k, v in modules.items() if k != "controlnet"}),
         "peak_memory": {d: telemetry.peak_memory_bytes(d) for d in _devices(cfg)},
-        "pipeline": stats, "nonfinite": nonfinite,
+        "memory_at_start": memory_at_start,
+        "pipeline": stats, "nonfinite": nonfinite, "trainer_threads": trainer_threads,
         "loss_std_window": statistics.pstdev(losses[-cfg.window:]) if len(losses) > 1 else float("nan"),
         "grad_norm_mean": statistics.fmean(grad_norms) if grad_norms else float("nan"),
         "grad_norm_max": max(grad_norms) if grad_norms else float("nan"),
@@ -580,8 +615,16 @@ def run_demo(cfg: DemoConfig, out: str | Path | None = None, log: Callable[[str]
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.set_verbosity_error()  # "modules ... should be kept in float32: []" on every bf16 cast
+    threads_before = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
+    try:
+        return _run_demo(cfg, out, log)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run_demo(cfg: DemoConfig, out: str | Path | None, log: Callable[[str], None]) -> dict[str, Any]:
     total = time.perf_counter()
     stage1 = stage1_models(cfg, log)
     if cfg.tiny:
@@ -618,21 +661,29 @@ def run_demo(cfg: DemoConfig, out: str | Path | None = None, log: Callable[[str]
 # ---------------------------------------------------------------------------------------------------------------
 # Table and report
 # ---------------------------------------------------------------------------------------------------------------
-def _per_device(values: dict[str, int]) -> str:
-    return ", ".join(f"{d} {telemetry.format_bytes(v)}" for d, v in values.items())
+def _per_device(values: dict[str, int], start: dict[str, int] | None = None) -> str:
+    """``cpu 1.2 GiB`` per device; with ``start``, the growth over it too: ``cpu 1.2 GiB (+80 MiB)``."""
+    def cell(d: str, v: int) -> str:
+        grown = f" (+{telemetry.format_bytes(max(0, v - start[d]))})" if start and d in start else ""
+        return f"{d} {telemetry.format_bytes(v)}{grown}"
+
+    return ", ".join(cell(d, v) for d, v in values.items())
 
 
-TABLE_HEADERS = ("placement", "max abs loss diff", "held-out loss ctrl / no ctrl", "step ms", "img/s",
-                 "precompute s", "frozen params", "peak memory", "overlap", "non-finite", "loss std (last)",
+TABLE_HEADERS = ("placement", "trainer threads", "max abs loss diff", "held-out loss ctrl / no ctrl", "step ms", "img/s",
+                 "precompute s", "frozen params", "peak memory (+ over start)", "overlap", "non-finite", "loss std (last)",
                  "grad norm mean / max")
 
 
 def _row_cells(r: dict[str, Any], no_control: float, window: int) -> list[str]:
     overlap = f"{r['pipeline']['overlap']:.0%}" if r.get("pipeline") else "-"
-    return [r["placement"], "0 (identical)" if r["losses_identical"] else f"{r['max_abs_loss_diff']:.2e}",
+    threads = str(r["trainer_threads"])
+    if r.get("pipeline") and r["pipeline"]["threads"]:
+        threads += f" + worker {r['pipeline']['threads'][0]}"
+    return [r["placement"], threads, "0 (identical)" if r["losses_identical"] else f"{r['max_abs_loss_diff']:.2e}",
             f"{r['heldout_control']:.4f} / {no_control:.4f}", f"{1000 * r['step_s_median']:.0f}",
             f"{r['throughput']:.0f}", f"{r['precompute_s']:.1f}" if r["placement"] == "precompute" else "-",
-            _per_device(r["frozen_param_bytes"]), _per_device(r["peak_memory"]), overlap, r["nonfinite"] or "none",
+            _per_device(r["frozen_param_bytes"]), _per_device(r["peak_memory"], r.get("memory_at_start")), overlap, r["nonfinite"] or "none",
             f"{r['loss_std_window']:.4f}", f"{r['grad_norm_mean']:.3f} / {r['grad_norm_max']:.3f}"]
 
 
@@ -688,14 +739,14 @@ def write_report(result: dict[str, Any], folder: str | Path) -> Path:
         "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
         "<title>ControlNet beside frozen models</title>", f"<style>{_CSS}</style>", "</head>", "<body>",
         "<h1>ControlNet beside a frozen VAE, text encoder and UNet</h1>",
-        f"<p>{cfg['steps']} steps of {cfg['batch_size']} per placement; trainer on {html.escape(cfg['device'])}, "
-        f"frozen models on {html.escape(cfg['frozen_device'] or cfg['device'])}; seed {cfg['seed']}. Loss "
-        "differences are to the first placement over every step; held-out loss is the denoising MSE on "
-        f"{cfg['heldout_size']} test images with fixed noise, with the trained ControlNet's residuals and "
-        "without them (the UNet alone).</p>",
+        (f"<p>{cfg['steps']} steps of {cfg['batch_size']} per placement; trainer on {html.escape(cfg['device'])}, "
+         f"frozen models on {html.escape(cfg['frozen_device'] or cfg['device'])}; seed {cfg['seed']}. Loss "
+         "differences are to the first placement over every step; held-out loss is the denoising MSE on "
+         f"{cfg['heldout_size']} test images with fixed noise, with the trained ControlNet's residuals and "
+         "without them (the UNet alone).</p>"),
         f"<table><tr>{head}</tr>{body}</table>",
-        '<figure><img src="loss_curves.png" alt="training loss and ControlNet gradient norm per step">'
-        "<figcaption>Training loss and ControlNet gradient norm per step, every placement.</figcaption></figure>",
+        ('<figure><img src="loss_curves.png" alt="training loss and ControlNet gradient norm per step">'
+         "<figcaption>Training loss and ControlNet gradient norm per step, every placement.</figcaption></figure>"),
         f'<p class="muted"><small>Generated by layerfreeze.controlnet in {result["total_s"]:.0f} s.</small></p>',
         "</body>", "</html>", ""])
     path = folder / "index.html"

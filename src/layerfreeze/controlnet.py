@@ -521,14 +521,15 @@ def _train_placement(placement: str, cfg: DemoConfig, stage1: Stage1, data: Edge
                                         stage1.prompt_mask[[c] * cfg.batch_size])[0] for c in range(10)])
         precompute_s = time.perf_counter() - start
         source = PrecomputedDataset(data, store, feature_key="latent_params", drop=("pixels",))
+        vae = text = None  # not needed any more: training holds only the UNet, the ControlNet and the store
 
     def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         labels = batch["labels"]
         if prompts is not None:
             return {"latent_params": batch["latent_params"].to(dev), "text": prompts[labels.to(dev)],
                     "edges": batch["edges"].to(dev)}
-        return {"latent_params": vae(batch["pixels"]), "text": text(stage1.prompt_ids[labels], stage1.prompt_mask[labels]),
-                "edges": batch["edges"].to(dev)}
+        return {"latent_params": vae(batch["pixels"]),
+                "text": text(stage1.prompt_ids[labels], stage1.prompt_mask[labels]), "edges": batch["edges"].to(dev)}
 
     loader = DataLoader(source, batch_sampler=list(_batches(len(data), cfg.batch_size, cfg.steps, cfg.seed)))
     pipe = FrozenPipeline(loader, prepare, queue_size=2, threads=cfg.pipeline_threads) if placement == "worker" \
@@ -572,7 +573,9 @@ def _train_placement(placement: str, cfg: DemoConfig, stage1: Stage1, data: Edge
     train_s = time.perf_counter() - start
     stats = pipe.stats() if pipe is not None else None
     controlnet.eval()
-    modules = {"vae": vae.module, "text": text.module, "unet": unet.module, "controlnet": controlnet}
+    modules = {"unet": unet.module, "controlnet": controlnet}
+    if vae is not None:
+        modules.update(vae=vae.module, text=text.module)
     warm = step_s[2:] or step_s
     result = {
         "placement": placement, "losses": losses, "grad_norms": grad_norms, "steps": len(losses),
@@ -580,7 +583,8 @@ def _train_placement(placement: str, cfg: DemoConfig, stage1: Stage1, data: Edge
         "step_s_median": statistics.median(warm) if warm else float("nan"),
         "step_s_mean": statistics.fmean(warm) if warm else float("nan"), "train_s": train_s,
         "throughput": cfg.batch_size / statistics.fmean(warm) if warm else float("nan"),
-        "precompute_s": precompute_s, "store_bytes": store.size_bytes if store is not None else 0,
+        "precompute_s": precompute_s,
+        "store_bytes": store.size_bytes + prompts.numel() * prompts.element_size() if store is not None else 0,
         "param_bytes": _param_bytes(modules),
         "frozen_param_bytes": _param_bytes({k: v for k, v in modules.items() if k != "controlnet"}),
         "peak_memory": {d: telemetry.peak_memory_bytes(d) for d in _devices(cfg)},
@@ -670,29 +674,34 @@ def _per_device(values: dict[str, int], start: dict[str, int] | None = None) -> 
     return ", ".join(cell(d, v) for d, v in values.items())
 
 
-TABLE_HEADERS = ("placement", "trainer threads", "max abs loss diff", "held-out loss ctrl / no ctrl", "step ms", "img/s",
-                 "precompute s", "frozen params", "peak memory (+ over start)", "overlap", "non-finite", "loss std (last)",
-                 "grad norm mean / max")
+TABLE_HEADERS = ("placement", "trainer threads", "max abs loss diff", "held-out loss ctrl / no ctrl", "step ms",
+                 "img/s", "precompute s", "frozen params held in training", "peak memory (+ over start)", "overlap",
+                 "non-finite", "loss std (last)", "grad norm mean / max")
 
 
-def _row_cells(r: dict[str, Any], no_control: float, window: int) -> list[str]:
+def _headers(window: int) -> list[str]:
+    return [f"loss std (last {window})" if h == "loss std (last)" else h for h in TABLE_HEADERS]
+
+
+def _row_cells(r: dict[str, Any], no_control: float) -> list[str]:
     overlap = f"{r['pipeline']['overlap']:.0%}" if r.get("pipeline") else "-"
     threads = str(r["trainer_threads"])
     if r.get("pipeline") and r["pipeline"]["threads"]:
         threads += f" + worker {r['pipeline']['threads'][0]}"
     return [r["placement"], threads, "0 (identical)" if r["losses_identical"] else f"{r['max_abs_loss_diff']:.2e}",
             f"{r['heldout_control']:.4f} / {no_control:.4f}", f"{1000 * r['step_s_median']:.0f}",
-            f"{r['throughput']:.0f}", f"{r['precompute_s']:.1f}" if r["placement"] == "precompute" else "-",
-            _per_device(r["frozen_param_bytes"]), _per_device(r["peak_memory"], r.get("memory_at_start")), overlap, r["nonfinite"] or "none",
+            f"{r['throughput']:.0f}",
+            f"{r['precompute_s']:.1f} (stored {telemetry.format_bytes(r['store_bytes'])})" if r["store_bytes"] else "-",
+            _per_device(r["frozen_param_bytes"]), _per_device(r["peak_memory"], r.get("memory_at_start")), overlap,
+            r["nonfinite"] or "none",
             f"{r['loss_std_window']:.4f}", f"{r['grad_norm_mean']:.3f} / {r['grad_norm_max']:.3f}"]
 
 
 def format_table(result: dict[str, Any]) -> str:
     """The placement table as Markdown (one row per placement; ``window`` from the config)."""
-    window = result["config"]["window"]
-    lines = ["| " + " | ".join(TABLE_HEADERS) + " |", "|" + "---|" * len(TABLE_HEADERS)]
+    lines = ["| " + " | ".join(_headers(result["config"]["window"])) + " |", "|" + "---|" * len(TABLE_HEADERS)]
     for r in result["placements"]:
-        lines.append("| " + " | ".join(_row_cells(r, result["heldout_no_control"], window)) + " |")
+        lines.append("| " + " | ".join(_row_cells(r, result["heldout_no_control"])) + " |")
     return "\n".join(lines)
 
 
@@ -731,9 +740,9 @@ def write_report(result: dict[str, Any], folder: str | Path) -> Path:
     ax_loss.legend(fontsize=8, frameon=False)
     fig.savefig(folder / "loss_curves.png", format="png", metadata={"Software": None})
     cfg = result["config"]
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in TABLE_HEADERS)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in _headers(cfg["window"]))
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in
-                                    _row_cells(r, result["heldout_no_control"], cfg["window"])) + "</tr>"
+                                    _row_cells(r, result["heldout_no_control"])) + "</tr>"
                    for r in result["placements"])
     page = "\n".join([
         "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',

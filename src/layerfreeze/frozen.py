@@ -394,7 +394,7 @@ class FrozenPipeline:
     def __enter__(self) -> FrozenPipeline:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
 

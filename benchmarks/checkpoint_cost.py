@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from layerfreeze.checkpoint import CheckpointStore
 from layerfreeze.config import build_config
-from layerfreeze.engine import Freezer, block_param_groups
+from layerfreeze import Freezer, block_param_groups
 from layerfreeze.tasks import build_task
 from layerfreeze.telemetry import format_bytes
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from layerfreeze import Freezer, block_param_groups, find_blocks, split_for
-from layerfreeze.cache import ActivationCache, CachedPrefix
+from layerfreeze import ActivationCache, CachedPrefix
 from layerfreeze.families import discoverers, splits, unregister
 
 README = Path(__file__).resolve().parents[1] / "README.md"

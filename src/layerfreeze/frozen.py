@@ -11,7 +11,7 @@ Three ways to run them, one result:
   their traceback. On a CPU the "other device" is another thread (PyTorch releases the GIL inside ops); on GPUs,
   another card or a side CUDA stream.
 * :func:`precompute` — run the frozen models once over a dataset and store their outputs per sample (in the
-  :class:`~layerfreeze.cache.ActivationCache`, memory then checksummed safetensors shards); training then reads
+  :class:`~layerfreeze.store.ActivationCache`, memory then checksummed safetensors shards); training then reads
   them (:class:`PrecomputedDataset`).
 
 Running a frozen model elsewhere does not change the result: the same inputs give the same outputs bit for bit in
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from .cache import ActivationCache
+from .store import ActivationCache
 
 
 class NonFiniteOutputError(FloatingPointError):

@@ -43,10 +43,12 @@ from tqdm.auto import tqdm
 from . import distributed as dist_
 from . import telemetry as tm
 from .blocks import discover_blocks
-from .cache import ActivationCache, CachedPrefix, check_deterministic
+from .cache import CachedPrefix, check_deterministic
+from .store import ActivationCache
 from .checkpoint import CheckpointStore, load_checkpoint, rng_state, set_rng_state
 from .config import Config, ConfigError
-from .engine import Freezer, block_param_groups
+from .engine import Freezer
+from .optim import block_param_groups
 from .guard import StabilityGuard
 from .integrity import FrozenWeightsChangedError, UnfrozenParameterError
 from .forward_split import split_for

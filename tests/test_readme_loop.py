@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,25 @@ def test_a_strategy_that_needs_the_run_length_says_to_pass_total_steps(strategy)
     args = () if strategy == DEFAULT_STRATEGY else (strategy,)
     with pytest.raises(RuntimeError, match=r"pass total_steps=<planned optimizer steps> to Freezer"):
         Freezer(model, optimizer, *args)
+
+
+def test_leaving_the_with_block_stops_egerias_worker_thread():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(0)
+
+    def workers():
+        return [t for t in threading.enumerate() if t.name.startswith("layerfreeze-egeria")]
+
+    with Freezer(model, optimizer, "egeria", {"interval": 2, "probe_size": 4}) as freezer:  # asynchronous
+        for _ in range(6):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            freezer.step()
+        assert workers()  # the reference model's evaluations run in a background thread
+    assert not workers()  # close() shut the worker down
 
 
 def test_the_loop_api_is_exported_at_the_top_level():

@@ -30,6 +30,7 @@ Thawing reverses all of it and puts each parameter back into the param group it 
 groups never changes). A learning rate for the thawed block may be given (discriminative LR); that needs param
 groups that hold only that block's parameters, which :func:`~layerfreeze.optim.block_param_groups` builds.
 """
+
 from __future__ import annotations
 
 import warnings

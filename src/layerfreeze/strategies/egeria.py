@@ -89,6 +89,7 @@ from torch.nn import functional as F
 from ..probe import probe_outputs
 from .base import Decision, StageContext, Strategy, is_int
 from .egeria_reference import QUANTIZATIONS, build_reference, cpu_copy
+from .registry import register_strategy
 
 STATE_VERSION = 1
 
@@ -241,6 +242,7 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
+@register_strategy("egeria")
 class Egeria(Strategy):
     """Freezes the front block when its plasticity against an int8 reference model stops changing (Egeria).
 
@@ -259,8 +261,6 @@ class Egeria(Strategy):
     Raises:
         ValueError: a parameter outside its range (the message names it and the range).
     """
-
-    name = "egeria"
 
     def __init__(
         self,

@@ -5,8 +5,6 @@ strategies``, and unregistering it leaves the built-in strategies as they were."
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,17 +18,11 @@ from layerfreeze.strategies import (BUILTIN_STRATEGIES, STRATEGIES, Strategy, Un
                                     register_strategy, unregister_strategy)
 from layerfreeze.trainer import Trainer
 
-from .conftest import blob_task
-
-README = Path(__file__).resolve().parents[1] / "README.md"
+from tests.conftest import blob_task, readme_example
 
 
 def example_code() -> str:
-    text = README.read_text(encoding="utf-8")
-    section = text.split("### Register your own strategy", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 1
-    return blocks[0]
+    return readme_example("### Register your own strategy")
 
 
 @pytest.fixture

@@ -4,12 +4,12 @@ A *recipe* (:mod:`.recipes`) builds a :class:`Setup` (model, train data, fixed p
 settings) from a seed; a *run* is one recipe trained with one seed and one learning rate, with the plain loop
 :func:`~layerfreeze.loop.train_steps` (no freezing) and the shared LR schedule (:func:`~layerfreeze.loop.lr_lambda`;
 warm-up rounded the collector's way, ``warmup_steps(..., rounding="round")``, which the shipped predictor's runs were
-recorded with). While it trains we
-record, every ``snapshot_every`` optimizer steps (and before the first step), each block's weight sample exactly as
-the online :class:`~layerfreeze.smartfrz.recorder.WeightRecorder` does (1,024 weights per block at fixed positions
-drawn with seed 0, spread over the block's tensors in proportion to their sizes; smaller blocks padded), over the
-*whole* trajectory, not only a last window. Every ``act_every``-th snapshot, and at the final one, each block's
-output on the fixed probe batch is recorded too; :mod:`.labels` turns those into CKA labels.
+recorded with). While it trains we record, every ``snapshot_every`` optimizer steps (and before the first step),
+each block's weight sample exactly as the online :class:`~layerfreeze.smartfrz.recorder.WeightRecorder` does (1,024
+weights per block at fixed positions drawn with seed 0, spread over the block's tensors in proportion to their
+sizes; smaller blocks padded), over the *whole* trajectory, not only a last window. Every ``act_every``-th
+snapshot, and at the final one, each block's output on the fixed probe batch is recorded too; :mod:`.labels` turns
+those into CKA labels.
 
 On-disk format (``RUN_FORMAT_VERSION`` 1), one folder per run, ``<out>/<recipe>_s<seed>_lr<lr>/``:
 
@@ -31,16 +31,17 @@ On-disk format (``RUN_FORMAT_VERSION`` 1), one folder per run, ``<out>/<recipe>_
     padding; ``steps`` ``(N_snap,)`` int64 = ``0, snapshot_every, 2 * snapshot_every, ..., steps``.
 ``activations.safetensors``
     ``act.<i>`` ``(N_act, P, D_i)`` float16: block ``i``'s output on the ``P`` probe samples (model in eval mode,
-    no grad; :func:`~layerfreeze.probe.probe_outputs`: the first tensor of a tuple output), flattened per sample and subsampled to ``D_i <= act_features``
-    features at fixed positions ``pos.<i>`` ``(D_i,)`` int64 (seeded per block; all features when the output is
-    small enough), clamped to the float16 range; ``act_steps`` ``(N_act,)`` int64, the steps of snapshots ``0,
-    act_every, 2 * act_every, ...`` and always the final one.
+    no grad; :func:`~layerfreeze.probe.probe_outputs`: the first tensor of a tuple output), flattened per sample
+    and subsampled to ``D_i <= act_features`` features at fixed positions ``pos.<i>`` ``(D_i,)`` int64 (seeded per
+    block; all features when the output is small enough), clamped to the float16 range; ``act_steps`` ``(N_act,)``
+    int64, the steps of snapshots ``0, act_every, 2 * act_every, ...`` and always the final one.
 
 Files are written through temporary names and renamed; ``meta.json`` is written last, so a folder without it is an
 unfinished run and is redone, and a finished one is skipped (collection resumes where it stopped).
 
 Your own runs: build a :class:`Setup` for your model and data and call :func:`record_run`, or register a recipe with
-:func:`~layerfreeze.smartfrz.recipes.register_recipe`; then ``layerfreeze predictor label`` / ``train`` work on the folder as on ours.
+:func:`~layerfreeze.smartfrz.recipes.register_recipe`; then ``layerfreeze predictor label`` / ``train`` work on the
+folder as on ours.
 """
 
 from __future__ import annotations

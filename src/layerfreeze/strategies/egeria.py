@@ -185,14 +185,10 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj
 
 
-def _for_cpu_forward(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.is_floating_point() else t
-
-
 def _block_outputs(model: nn.Module, names: dict[int, str], probe: tuple[Any, Any]) -> dict[int, torch.Tensor]:
     """Run ``model`` on the probe batch and return the output of each named module, by block index
     (:func:`~layerfreeze.probe.probe_outputs`)."""
-    args, kwargs = _map_tensors(probe, _for_cpu_forward)
+    args, kwargs = _map_tensors(probe, lambda t: t.float() if t.is_floating_point() else t)  # the CPU copies are fp32
     modules = {index: model.get_submodule(name) for index, name in names.items()}
     return probe_outputs(model, modules, lambda m: m(*args, **kwargs))
 
@@ -215,20 +211,22 @@ def _evaluate(step: int, shadow: nn.Module, reference: nn.Module, probe: tuple[A
     """
     with torch.no_grad():
         trained = _block_outputs(shadow, names, probe)
-        ref_out = _block_outputs(reference, names, probe)
-        plasticity: list[float | None] = [None] * num_blocks
-        for i in names:
-            if i in trained and i in ref_out:
-                plasticity[i] = sp_loss(trained[i], ref_out[i])
-        result = _Result(step=step, plasticity=plasticity)
+        result = _Result(step, _plasticity(trained, _block_outputs(reference, names, probe), num_blocks))
         if refresh:
             result.reference, result.report = build_reference(shadow, quantization)
-            new_out = _block_outputs(result.reference, names, probe)
-            result.baseline = [None] * num_blocks
-            for i in names:
-                if i in trained and i in new_out:
-                    result.baseline[i] = sp_loss(trained[i], new_out[i])
+            result.baseline = _plasticity(trained, _block_outputs(result.reference, names, probe), num_blocks)
     return result
+
+
+def _plasticity(trained: dict[int, torch.Tensor], reference: dict[int, torch.Tensor],
+                num_blocks: int) -> list[float | None]:
+    """Per block index, :func:`sp_loss` between its output in the training weights and in a reference (None for
+    a block missing from either)."""
+    values: list[float | None] = [None] * num_blocks
+    for i, out in trained.items():
+        if i in reference:
+            values[i] = sp_loss(out, reference[i])
+    return values
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -262,16 +260,8 @@ class Egeria(Strategy):
         ValueError: a parameter outside its range (the message names it and the range).
     """
 
-    def __init__(
-        self,
-        interval: int = 50,
-        refresh_every: int = 10,
-        tolerance: float = 0.1,
-        patience: int = 3,
-        probe_size: int = 32,
-        synchronous: bool = False,
-        reference_quantization: str = "dynamic",
-    ) -> None:
+    def __init__(self, interval: int = 50, refresh_every: int = 10, tolerance: float = 0.1, patience: int = 3,
+                 probe_size: int = 32, synchronous: bool = False, reference_quantization: str = "dynamic") -> None:
         super().__init__()
         self.interval = _check_int("interval", interval, 1)
         self.refresh_every = _check_int("refresh_every", refresh_every, 1)
@@ -509,12 +499,9 @@ class Egeria(Strategy):
             self._reference, self.reference_report = build_reference(self._shadow, self.reference_quantization)
             self.previous = [None] * self._num_blocks
             if self._probe is not None:
-                with torch.no_grad():
-                    trained = _block_outputs(self._shadow, self._names, self._probe)
-                    ref_out = _block_outputs(self._reference, self._names, self._probe)
-                for i in self._names:
-                    if i in trained and i in ref_out:
-                        self.previous[i] = sp_loss(trained[i], ref_out[i])
+                trained = _block_outputs(self._shadow, self._names, self._probe)
+                self.previous = _plasticity(trained, _block_outputs(self._reference, self._names, self._probe),
+                                            self._num_blocks)
 
     def __repr__(self) -> str:
         return (f"Egeria(interval={self.interval}, refresh_every={self.refresh_every}, tolerance={self.tolerance:g}, "

@@ -10,16 +10,18 @@ from .registry import (STRATEGIES, UnknownStrategyError, create_strategy, regist
                        unregister_strategy)
 
 # Importing each file registers its strategy (@register_strategy); this order is the registry's and the default
-# rows of ``layerfreeze compare``.
-from .none import NoFreezing  # noqa: E402
-from .static import StaticFreezing  # noqa: E402
-from .gradual import GradualUnfreezing  # noqa: E402
-from .linear import LinearFreezing  # noqa: E402
-from .geometric import GeometricFreezing  # noqa: E402
-from .freezeout import FreezeOut  # noqa: E402
-from .autofreeze import AutoFreeze  # noqa: E402
-from .egeria import Egeria  # noqa: E402
-from .smartfrz import SmartFRZ  # noqa: E402
+# rows of ``layerfreeze compare`` (tests/test_strategies_register.py checks it), so no import sorter may change it.
+# isort: off
+from .none import NoFreezing
+from .static import StaticFreezing
+from .gradual import GradualUnfreezing
+from .linear import LinearFreezing
+from .geometric import GeometricFreezing
+from .freezeout import FreezeOut
+from .autofreeze import AutoFreeze
+from .egeria import Egeria
+from .smartfrz import SmartFRZ
+# isort: on
 
 #: The built-in strategies, in registration order (what ``layerfreeze compare`` runs by default).
 BUILTIN_STRATEGIES: tuple[str, ...] = tuple(STRATEGIES)

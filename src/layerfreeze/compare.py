@@ -15,12 +15,12 @@ from rich.console import Console
 from rich.table import Table
 
 from .config import ConfigError, build_config, deep_merge
-from .strategies import DEFAULT_STRATEGY
+from .strategies import BUILTIN_STRATEGIES, DEFAULT_STRATEGY
 from .telemetry import format_bytes, format_flops
 
-#: Rows of a default comparison, in order; ``lora`` is not a freezing strategy but a row of its own.
-DEFAULT_ROWS = ("none", "static", "gradual", "linear", "geometric", "freezeout", "autofreeze", "egeria", "smartfrz",
-                "lora")
+#: Rows of a default comparison, in order: the built-in strategies in registration order (``none`` first), then
+#: ``lora``, not a freezing strategy but a row of its own. A registered strategy of your own can be named as a row.
+DEFAULT_ROWS = (*BUILTIN_STRATEGIES, "lora")
 
 
 def row_config(base: dict[str, Any], row: str, run_dir: Path,

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .blocks import output_tensor
+from .probe import block_modules, probe_outputs
 from .smartfrz.labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_WINDOW, freezable_from_cka, linear_cka
 
 #: Probe samples (the smartfrz collector's probe batches are of this order too).
@@ -75,9 +75,7 @@ class ProbeRecorder:
         self.total_steps = 0
         self._every = 1
         self._probe: dict[str, torch.Tensor] | None = None
-        self._outputs: list[torch.Tensor | None] = []
-        self._handles: list[Any] = []
-        self._enabled = False
+        self._modules: dict[int, nn.Module] = {}
 
     def _setup(self, trainer: Any) -> None:
         blocks = trainer.freezer.blocks
@@ -91,15 +89,7 @@ class ProbeRecorder:
         loader = DataLoader(trainer.train_set, batch_sampler=[idx], generator=torch.Generator())
         self._probe = {k: v.to(trainer.device) for k, v in next(iter(loader)).items()}
         self.factors = [[] for _ in blocks]
-        self._outputs = [None] * len(blocks)
-        self._handles = [b.modules[-1][1].register_forward_hook(self._hook(b.index)) for b in blocks]
-
-    def _hook(self, i: int) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self._enabled:
-                return
-            self._outputs[i] = output_tensor(output).detach()
-        return hook
+        self._modules = block_modules(blocks)
 
     def __call__(self, trainer: Any) -> None:
         if self._probe is None:
@@ -111,32 +101,19 @@ class ProbeRecorder:
             return
         self.record(trainer.model, trainer.task.forward)
         self.steps.append(step)
-        if step >= self.total_steps:
-            self.close()
 
-    @torch.no_grad()
     def record(self, model: nn.Module, forward: Any) -> None:
-        """One record: the probe batch through ``model`` in eval mode; every module's mode is restored after."""
-        modes = [(m, m.training) for m in model.modules()]
-        model.eval()
-        self._enabled = True
-        try:
-            forward(model, self._probe)
-        finally:
-            self._enabled = False
-            for m, mode in modes:
-                m.training = mode
-        for i, out in enumerate(self._outputs):
-            if out is None:
-                raise RuntimeError(f"block {self.blocks[i]} produced no output on the probe batch")
-            self.factors[i].append(gram_factor(out.cpu()))
-            self._outputs[i] = None
+        """One record: the probe batch through ``model`` in eval mode, no grad, every module's mode restored after
+        (:func:`~layerfreeze.probe.probe_outputs`).
 
-    def close(self) -> None:
-        """Remove the forward hooks (done at the last step)."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        Raises:
+            RuntimeError: a block produced no tensor output on the probe batch.
+        """
+        outputs = probe_outputs(model, self._modules, lambda m: forward(m, self._probe))
+        for i, name in enumerate(self.blocks):
+            if i not in outputs:
+                raise RuntimeError(f"block {name} produced no output on the probe batch")
+            self.factors[i].append(gram_factor(outputs[i].cpu()))
 
     def cka(self) -> list[list[float]]:
         """Per block, the linear CKA of every record to the last one (see :func:`cka_to_final`)."""

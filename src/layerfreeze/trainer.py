@@ -52,6 +52,7 @@ from .optim import block_param_groups
 from .guard import StabilityGuard
 from .integrity import FrozenWeightsChangedError, UnfrozenParameterError
 from .forward_split import split_for
+from .loop import lr_lambda, warmup_steps
 from .strategies import Strategy, create_strategy
 from .tasks import Task, build_task
 
@@ -79,21 +80,6 @@ def resolve_device(name: str) -> torch.device:
 def no_weight_decay(name: str, param: nn.Parameter) -> bool:
     """Biases and normalisation weights (1-D tensors) get no weight decay (the usual BERT/ResNet practice)."""
     return param.ndim <= 1
-
-
-def lr_lambda(total_steps: int, warmup_steps: int, schedule: str) -> Callable[[int], float]:
-    """Multiplier of the base LR at a step: linear warm-up to 1, then linear/cosine decay to 0 (or constant)."""
-
-    def factor(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        progress = min(1.0, progress)
-        return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
 
 
 def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
@@ -263,7 +249,7 @@ class Trainer:
         self.batches_per_epoch = math.ceil(len(self.train_set) / cfg.train.batch_size)
         planned = self.batches_per_epoch * cfg.train.epochs
         self.total_steps = min(planned, cfg.train.max_steps) if cfg.train.max_steps else planned
-        warmup = int(cfg.train.warmup_fraction * self.total_steps)
+        warmup = warmup_steps(self.total_steps, cfg.train.warmup_fraction, "floor")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(self.total_steps, warmup, cfg.train.schedule)
         )

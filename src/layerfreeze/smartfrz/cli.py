@@ -22,7 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .collect import DEFAULT_HOLDOUT, RECIPES
+from .recipes import DEFAULT_HOLDOUT, RECIPES
 from .fit import DEFAULT_HISTORY, DEFAULT_MIN_HISTORY, DEFAULT_THRESHOLD, TrainConfig
 from .labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_WINDOW
 from .predictor import PredictorError
@@ -125,7 +125,8 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
 
 
 def _collect(args: argparse.Namespace, console: Console) -> int:
-    from .collect import collect, get_recipes
+    from .collect import collect
+    from .recipes import get_recipes
 
     recipes = get_recipes(args.recipes)
     if args.list:

@@ -16,8 +16,10 @@ from typing import Any
 import torch
 
 from .base import Decision, StageContext, Strategy, is_int, is_number
+from .registry import register_strategy
 
 
+@register_strategy("smartfrz")
 class SmartFRZ(Strategy):
     """Freezes a block when the learned predictor says it has converged, front to back.
 
@@ -49,8 +51,6 @@ class SmartFRZ(Strategy):
     Signals: ``p_freeze`` (per block, NaN where no prediction), ``nonfinite`` (count of blocks skipped for NaN/Inf
     weights), ``window_fill`` (snapshots recorded for the front active block).
     """
-
-    name = "smartfrz"
 
     def __init__(self, predictor: str | None = None, threshold: float | None = None, snapshot_every: int | None = None,
                  sample_size: int = 1024, prefix: bool = True, seed: int = 0) -> None:

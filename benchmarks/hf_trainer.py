@@ -24,7 +24,8 @@ from rich.table import Table
 
 from layerfreeze.config import build_config
 from layerfreeze.tasks import build_task
-from layerfreeze.trainer import evaluate, resolve_device, seed_everything
+from layerfreeze.evaluation import evaluate
+from layerfreeze.train_setup import resolve_device, seed_everything
 
 
 def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

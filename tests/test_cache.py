@@ -21,7 +21,7 @@ from layerfreeze.families.bert import BertSplit
 from layerfreeze.families.sequential import SequentialSplit
 from layerfreeze.families.torchvision_cnn import MobileNetV2Split, ResNetSplit
 from layerfreeze.forward_split import split_for
-from layerfreeze.trainer import epoch_batches
+from layerfreeze.train_setup import epoch_batches
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

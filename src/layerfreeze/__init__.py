@@ -13,7 +13,9 @@ The pieces, one module per concern:
 * :mod:`layerfreeze.guard` — :class:`StabilityGuard`, thawing a freeze that hurt validation;
 * :mod:`layerfreeze.strategies` — the policies, one file each, registered by name;
 * :mod:`layerfreeze.checkpoint` — resumable checkpoints carrying the freeze state;
-* :mod:`layerfreeze.telemetry` — metrics.jsonl, TensorBoard, measured FLOPs, memory, the summary table;
+* :mod:`layerfreeze.rundir` — the run folder's layout and records; :mod:`layerfreeze.telemetry` — metrics.jsonl,
+  TensorBoard, the summary table; :mod:`layerfreeze.measure` — measured FLOPs, memory;
+  :mod:`layerfreeze.report` — the HTML report;
 * :mod:`layerfreeze.integrations` — Lightning and Hugging Face Trainer callbacks (extras ``lightning``, ``hf``);
 * :mod:`layerfreeze.trainer`, :mod:`layerfreeze.config`, :mod:`layerfreeze.cli` — the ``layerfreeze train`` CLI.
 """

@@ -17,7 +17,7 @@ only after a full run) -- the best any policy could do on that run". Here, from 
    ``s`` is.
 4. :func:`prefix_step_flops` measures, once per frozen-prefix length ``k``, the training FLOPs of one step with
    blocks ``0..k-1`` frozen by the engine (:class:`~layerfreeze.engine.Freezer`) on a full training batch, the
-   way the trainer measures them (:func:`~layerfreeze.telemetry.measure_flops` on forward + backward);
+   way the trainer measures them (:func:`~layerfreeze.measure.measure_flops` on forward + backward);
    :func:`oracle_flops` sums the schedule's per-step FLOPs over the run.
 5. :func:`schedule_gap`: how far a strategy's freeze steps are from the oracle's, as a fraction of the run.
 """
@@ -197,14 +197,14 @@ def prefix_step_flops(config: Any, prefixes: Iterable[int]) -> dict[int, int]:
     Builds the config's task afresh (same model, data and blocks as its run), takes the first batch of the first
     epoch (a full batch of ``train.batch_size``, as the trainer measures on), freezes the prefix with the engine's
     :class:`~layerfreeze.engine.Freezer` (no optimizer: only ``requires_grad`` and modes matter for the count) and
-    counts with :func:`~layerfreeze.telemetry.measure_flops`. The optimizer step is left out: FlopCounterMode counts
+    counts with :func:`~layerfreeze.measure.measure_flops`. The optimizer step is left out: FlopCounterMode counts
     none of its element-wise work, so the trainer's per-step number is the same.
     """
-    from . import telemetry as tm
     from .blocks import discover_blocks
     from .engine import Freezer
+    from .measure import measure_flops
     from .tasks import build_task
-    from .trainer import epoch_batches, resolve_device, seed_everything
+    from .train_setup import epoch_batches, resolve_device, seed_everything
 
     seed_everything(config.train.seed)
     task = build_task(config)
@@ -229,7 +229,7 @@ def prefix_step_flops(config: Any, prefixes: Iterable[int]) -> dict[int, int]:
                 raise ValueError(f"prefix length {k} out of range 0..{len(blocks) - 1} (the head is never frozen)")
             for i in range(k):
                 freezer.freeze(i, reason="oracle")
-            out[k] = tm.measure_flops(step)[1]
+            out[k] = measure_flops(step)[1]
     finally:
         freezer.close()
     return out

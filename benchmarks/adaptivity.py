@@ -11,8 +11,8 @@ x3) and the run length (1, 2 and 4 epochs) and, per variant, in one process one 
 
 It prints, per variant and block, both freeze steps as a fraction of the run (never frozen = 1.0), and two
 correlations over every (variant, non-head block) pair: of the fractions themselves, and of their *moves* against
-the reference variant (``lr1-ep2``: lr x1, 2 epochs), which is the question: when the oracle's step moves, does SmartFRZ's move
-the same way? A policy that reads only training progress has moves near 0 whatever the oracle does.
+the reference variant (``lr1-ep2``: lr x1, 2 epochs), which is the question: when the oracle's step moves, does
+SmartFRZ's move the same way? A policy that reads only training progress has moves near 0 whatever the oracle does.
 
     python benchmarks/adaptivity.py                    # 5 variants x 2 runs (about 15 minutes alone on 2 cores)
     python benchmarks/adaptivity.py --seed 1 --out runs/bench-adaptivity

@@ -15,7 +15,6 @@ from torch import nn
 from layerfreeze.data import GaussianBlobs
 from layerfreeze.tasks import Task, image_forward
 
-
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 

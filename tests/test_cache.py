@@ -16,13 +16,12 @@ from torch.utils.data import Dataset, default_collate
 
 from layerfreeze import Freezer, discover_blocks
 from layerfreeze.cache import CachedPrefix, CacheRefused, check_deterministic, check_prefix_deterministic
-from layerfreeze.store import ActivationCache
 from layerfreeze.families.bert import BertSplit
 from layerfreeze.families.sequential import SequentialSplit
 from layerfreeze.families.torchvision_cnn import MobileNetV2Split, ResNetSplit
 from layerfreeze.forward_split import split_for
+from layerfreeze.store import ActivationCache
 from layerfreeze.train_setup import epoch_batches
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,10 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layerfreeze import Freezer, block_param_groups, find_blocks, split_for
-from layerfreeze import ActivationCache, CachedPrefix
+from layerfreeze import ActivationCache, CachedPrefix, Freezer, block_param_groups, find_blocks, split_for
 from layerfreeze.families import discoverers, splits, unregister
-
 from tests.conftest import readme_example
 
 

@@ -11,7 +11,12 @@ from torch import nn
 from transformers import BertConfig, BertModel
 
 from layerfreeze.frozen import (
-    FrozenModule, FrozenPipeline, FrozenWorkerError, NonFiniteOutputError, PrecomputedDataset, precompute,
+    FrozenModule,
+    FrozenPipeline,
+    FrozenWorkerError,
+    NonFiniteOutputError,
+    PrecomputedDataset,
+    precompute,
 )
 
 

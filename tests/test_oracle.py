@@ -8,8 +8,16 @@ import pytest
 import torch
 
 from layerfreeze.config import build_config
-from layerfreeze.oracle import (ProbeRecorder, gram_factor, oracle_flops, oracle_freeze_steps, prefix_at,
-                                prefix_step_flops, prefixes_used, schedule_gap)
+from layerfreeze.oracle import (
+    ProbeRecorder,
+    gram_factor,
+    oracle_flops,
+    oracle_freeze_steps,
+    prefix_at,
+    prefix_step_flops,
+    prefixes_used,
+    schedule_gap,
+)
 from layerfreeze.smartfrz.labels import linear_cka
 from layerfreeze.trainer import Trainer
 from tests.conftest import blob_task

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from layerfreeze.config import ConfigError
-from layerfreeze.rundir import (CONFIG_FILE, SUMMARY_FILE, Event, Record, check_run_dir, read_metrics, replay,
-                                row_dir)
+from layerfreeze.rundir import CONFIG_FILE, SUMMARY_FILE, Event, Record, check_run_dir, read_metrics, replay, row_dir
 from layerfreeze.telemetry import Telemetry
 
 

@@ -14,10 +14,16 @@ from layerfreeze import Freezer
 from layerfreeze.cli import main
 from layerfreeze.compare import DEFAULT_ROWS
 from layerfreeze.config import ConfigError, build_config
-from layerfreeze.strategies import (BUILTIN_STRATEGIES, STRATEGIES, Strategy, UnknownStrategyError, create_strategy,
-                                    register_strategy, unregister_strategy)
+from layerfreeze.strategies import (
+    BUILTIN_STRATEGIES,
+    STRATEGIES,
+    Strategy,
+    UnknownStrategyError,
+    create_strategy,
+    register_strategy,
+    unregister_strategy,
+)
 from layerfreeze.trainer import Trainer
-
 from tests.conftest import blob_task, readme_example
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from layerfreeze import Freezer
-from layerfreeze.strategies import StageContext
+from layerfreeze.strategies import StageContext, egeria_reference
 from layerfreeze.strategies.base import BlockView
 from layerfreeze.strategies.egeria import (
     THREAD_PREFIX,
@@ -21,9 +21,8 @@ from layerfreeze.strategies.egeria import (
     plasticity_decision,
     sp_loss,
 )
-from layerfreeze.strategies import egeria_reference
-from layerfreeze.strategies.egeria_reference import build_reference, cpu_copy as _cpu_copy
-
+from layerfreeze.strategies.egeria_reference import build_reference
+from layerfreeze.strategies.egeria_reference import cpu_copy as _cpu_copy
 
 # ---- sp_loss ---------------------------------------------------------------------------------------------------
 

@@ -21,8 +21,8 @@ from . import rundir
 from .assets import AssetMissingError, check_assets
 from .blocks import BlockDiscoveryError
 from .checkpoint import CheckpointError
-from .config import ConfigError, load_config, parse_override
 from .compare import DEFAULT_ROWS
+from .config import ConfigError, load_config, parse_override
 from .distributed import RankLostError, launched_world_size
 from .smartfrz.predictor import PredictorError
 from .strategies import DEFAULT_STRATEGY, STRATEGIES, UnknownStrategyError, strategy_parameters

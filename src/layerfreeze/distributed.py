@@ -275,8 +275,8 @@ class FreezeDDP:
     """``DistributedDataParallel`` over a model's trainable parameters, rebuilt when the frozen set changes.
 
     Call it like the model (or like ``forward``); before each call it checks the freezer's frozen set and, if it
-    changed since the wrapper was built (or on the first call), builds a new DDP around the trainable parameters (see the module docstring
-    for why). Use it in place of ``DistributedDataParallel(model)``::
+    changed since the wrapper was built (or on the first call), builds a new DDP around the trainable parameters
+    (see the module docstring for why). Use it in place of ``DistributedDataParallel(model)``::
 
         freezer = Freezer(model, optimizer, "smartfrz", total_steps=steps)   # decisions come from rank 0
         ddp = FreezeDDP(model, freezer)

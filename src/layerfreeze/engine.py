@@ -44,8 +44,15 @@ from .blocks import Block, discover_blocks
 from .guard import StabilityGuard
 from .integrity import FrozenSet
 from .optim import (
-    add_to_optimizer, base_lr, block_groups, exclusive_groups, group_origin, load_param_groups, remove_from_optimizer,
-    scale_group_lrs, set_group_lr,
+    add_to_optimizer,
+    base_lr,
+    block_groups,
+    exclusive_groups,
+    group_origin,
+    load_param_groups,
+    remove_from_optimizer,
+    scale_group_lrs,
+    set_group_lr,
 )
 from .strategies import DEFAULT_STRATEGY, Decision, StageContext, Strategy, create_strategy
 from .strategies.base import BlockView

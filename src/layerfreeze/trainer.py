@@ -22,6 +22,7 @@ every rank's RNG state) and the summary. A rank that dies makes the others stop 
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 import threading
@@ -40,18 +41,25 @@ from . import measure, rundir
 from . import telemetry as tm
 from .blocks import discover_blocks
 from .cache import CachedPrefix, check_deterministic
-from .store import ActivationCache
 from .checkpoint import CheckpointStore, load_checkpoint, rng_state, set_rng_state
 from .config import Config, ConfigError
 from .engine import Freezer
 from .evaluation import evaluate, evaluate_sharded
+from .forward_split import split_for
 from .guard import StabilityGuard
 from .integrity import FrozenWeightsChangedError, UnfrozenParameterError
-from .forward_split import split_for
 from .rundir import Event
+from .store import ActivationCache
 from .tasks import Task, build_task
-from .train_setup import (build_optimizer, build_scheduler, build_strategy, epoch_batches, holdout, resolve_device,
-                          seed_everything)
+from .train_setup import (
+    build_optimizer,
+    build_scheduler,
+    build_strategy,
+    epoch_batches,
+    holdout,
+    resolve_device,
+    seed_everything,
+)
 
 
 def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -306,7 +314,8 @@ class Trainer:
                     remeasure = key != measured_for
                     t0 = time.perf_counter()
                     if remeasure:
-                        loss, flops = measure.measure_flops(lambda: self._train_step(batch, n, local))
+                        loss, flops = measure.measure_flops(
+                            functools.partial(self._train_step, batch, n, local))
                         self.progress["flops_per_step"] = flops
                         if self.progress["flops_first"] is None:
                             self.progress["flops_first"] = flops

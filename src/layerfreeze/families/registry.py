@@ -2,9 +2,10 @@
 
 timm-style, like strategies and SmartFRZ recipes (:mod:`layerfreeze.registry`): a family file decorates its
 discovery function with :func:`register_blocks` and its :class:`~layerfreeze.forward_split.ModelSplit` subclass
-with :func:`register_split`; importing the file registers them. :func:`~layerfreeze.blocks.discover_blocks` tries discoverers by ascending ``order`` (then registration
-order) and takes the first that returns blocks; :func:`~layerfreeze.forward_split.split_for` does the same with
-splits. A discoverer must return None for a model that is not of its family, never raise.
+with :func:`register_split`; importing the file registers them. :func:`~layerfreeze.blocks.discover_blocks` tries
+discoverers by ascending ``order`` (then registration order) and takes the first that returns blocks;
+:func:`~layerfreeze.forward_split.split_for` does the same with splits. A discoverer must return None for a model
+that is not of its family, never raise.
 """
 
 from __future__ import annotations

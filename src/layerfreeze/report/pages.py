@@ -17,8 +17,18 @@ from .. import rundir
 from ..compare import BASELINE, HEADERS, table_cells
 from ..rundir import Event, finite
 from ..telemetry import format_bytes, format_flops, format_seconds
-from .plots import (ACCURACY, ACCURACY_VS_TIME, COMPARE_LOSS, FLOPS_RATIO, FREEZE_TIMELINE, LOSS_VS_FLOPS, LOSS_VS_TIME,
-                    STEP_TIME_MEMORY, plot_compare, plot_run)
+from .plots import (
+    ACCURACY,
+    ACCURACY_VS_TIME,
+    COMPARE_LOSS,
+    FLOPS_RATIO,
+    FREEZE_TIMELINE,
+    LOSS_VS_FLOPS,
+    LOSS_VS_TIME,
+    STEP_TIME_MEMORY,
+    plot_compare,
+    plot_run,
+)
 from .read import Run, find_row_dir, load_compare, load_run, num
 
 

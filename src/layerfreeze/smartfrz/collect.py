@@ -62,8 +62,16 @@ from ..blocks import Block, discover_blocks
 from ..loop import lr_lambda, train_steps, warmup_steps
 from ..probe import block_modules, probe_outputs
 from .recorder import WeightRecorder
-from .runs import (ACTIVATIONS_FILE, META_FILE, RUN_FORMAT, RUN_FORMAT_VERSION, WEIGHTS_FILE, PipelineError,
-                   is_finished, write_json_atomic)
+from .runs import (
+    ACTIVATIONS_FILE,
+    META_FILE,
+    RUN_FORMAT,
+    RUN_FORMAT_VERSION,
+    WEIGHTS_FILE,
+    PipelineError,
+    is_finished,
+    write_json_atomic,
+)
 
 SAMPLE_SIZE = 1024
 SAMPLE_SEED = 0          # the online strategy's default seed: runs sample the positions it would sample

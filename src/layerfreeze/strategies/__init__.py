@@ -6,8 +6,14 @@ One file per strategy; each cites its source in its docstring. The registry is :
 from __future__ import annotations
 
 from .base import BlockView, Decision, StageContext, Strategy
-from .registry import (STRATEGIES, UnknownStrategyError, create_strategy, register_strategy, strategy_parameters,
-                       unregister_strategy)
+from .registry import (
+                       STRATEGIES,
+                       UnknownStrategyError,
+                       create_strategy,
+                       register_strategy,
+                       strategy_parameters,
+                       unregister_strategy,
+)
 
 # Importing each file registers its strategy (@register_strategy); this order is the registry's and the default
 # rows of ``layerfreeze compare`` (tests/test_strategies_register.py checks it), so no import sorter may change it.

@@ -122,7 +122,7 @@ class SmartFRZ(Strategy):
         front = next((b.index for b in ctx.blocks if not b.frozen), 0)
         signals = {"p_freeze": probs, "nonfinite": nonfinite,
                    "window_fill": min(self.recorder.counts[front], self.window)}
-        reason = "smartfrz: p>=%.2f for %s" % (self.threshold, [round(probs[i], 3) for i in freeze]) if freeze else ""
+        reason = f"smartfrz: p>={self.threshold:.2f} for {[round(probs[i], 3) for i in freeze]}" if freeze else ""
         return Decision(freeze=freeze, reason=reason, signals=signals)
 
     def predict(self, index: int, num_blocks: int, total_steps: int) -> float:

@@ -8,4 +8,5 @@ demo: setup
 	.venv/bin/layerfreeze train
 
 test: setup
+	.venv/bin/ruff check src tests benchmarks examples
 	.venv/bin/python -m pytest -q

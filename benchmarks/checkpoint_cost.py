@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils.data import DataLoader
 
+from layerfreeze import Freezer, block_param_groups
 from layerfreeze.checkpoint import CheckpointStore
 from layerfreeze.config import build_config
-from layerfreeze.engine import Freezer, block_param_groups
 from layerfreeze.tasks import build_task
 from layerfreeze.telemetry import format_bytes
 
@@ -51,7 +51,7 @@ def main() -> None:
         size = sum(f.stat().st_size for f in path.iterdir())
     step, save = min(steps), min(saves)
     table = Table(title="Checkpoint cost, MiniLM-L6 + AdamW state (default job)")
-    for col in ("checkpoint size", "write s (best of %d)" % args.repeats, "training step s", "write / step",
+    for col in ("checkpoint size", f"write s (best of {args.repeats})", "training step s", "write / step",
                 "every 10 min costs"):
         table.add_column(col, justify="right")
     table.add_row(format_bytes(size), f"{save:.2f}", f"{step:.2f}", f"{save / step:.2f}",

@@ -46,7 +46,8 @@ def _task() -> Any:
 def worker(run_dir: Path, steps: int) -> None:
     """Start the run, or resume it when the folder holds one (as ``layerfreeze train --resume`` does)."""
     from layerfreeze.config import build_config
-    from layerfreeze.trainer import CONFIG_FILE, SUMMARY_FILE, Trainer
+    from layerfreeze.rundir import CONFIG_FILE, SUMMARY_FILE
+    from layerfreeze.trainer import Trainer
 
     if (run_dir / SUMMARY_FILE).is_file():
         print("done", flush=True)
@@ -88,6 +89,8 @@ def finish(run_dir: Path, steps: int) -> None:
 
 def kill_and_resume(run_dir: Path, steps: int, kills: int, seed: int, max_delay_s: float) -> dict[str, int]:
     """Start the run, SIGKILL it ``kills`` times at random instants after training begins, then let it finish."""
+    from layerfreeze.rundir import CHECKPOINTS_DIR
+
     rng = random.Random(seed)
     stats = {"kills": 0, "in_checkpoint_write": 0, "finished_early": 0}
     for _ in range(kills):
@@ -105,7 +108,7 @@ def kill_and_resume(run_dir: Path, steps: int, kills: int, seed: int, max_delay_
             proc.kill()
             proc.wait()
             stats["kills"] += 1
-            stats["in_checkpoint_write"] += any((run_dir / "checkpoints").glob("*.tmp"))
+            stats["in_checkpoint_write"] += any((run_dir / CHECKPOINTS_DIR).glob("*.tmp"))
             continue
         if proc.returncode != 0:
             raise RuntimeError(f"the run failed: {proc.stderr.read()[-3000:]}")
@@ -139,19 +142,20 @@ def mismatches(ref_dir: Path, cut_dir: Path) -> list[str]:
     """Where the killed-and-resumed run differs from the reference (empty when bitwise the same)."""
     from safetensors.torch import load_file
 
-    from layerfreeze.report import _load_run
+    from layerfreeze.report import load_run
+    from layerfreeze.rundir import CHECKPOINT_LINK
 
     out: list[str] = []
     states = []
     for d in (ref_dir, cut_dir):
-        states.append((load_file(d / "checkpoint" / "model.safetensors"),
-                       torch.load(d / "checkpoint" / "state.pt", weights_only=True)))
+        states.append((load_file(d / CHECKPOINT_LINK / "model.safetensors"),
+                       torch.load(d / CHECKPOINT_LINK / "state.pt", weights_only=True)))
     (ref_w, ref_s), (cut_w, cut_s) = states
     _same(ref_w, cut_w, "weights", out)
     _same(ref_s["optimizer"], cut_s["optimizer"], "optimizer", out)
     for key in ("frozen", "history", "strategy"):
         _same(ref_s["freezer"][key], cut_s["freezer"][key], f"freezer/{key}", out)
-    a, b = _load_run(ref_dir), _load_run(cut_dir)
+    a, b = load_run(ref_dir), load_run(cut_dir)
     if not (np.array_equal(a.step, b.step) and np.array_equal(a.loss, b.loss)):
         out.append("per-step losses")
     fields = ("epoch", "eval_loss", "eval_accuracy", "train_loss")
@@ -187,9 +191,9 @@ def main() -> None:
     finish(out / "reference", args.steps)
     stats = kill_and_resume(out / "killed", args.steps, args.kills, args.seed, args.max_delay)
     diff = mismatches(out / "reference", out / "killed")
-    from layerfreeze.report import _load_run
+    from layerfreeze.report import load_run
 
-    resumes = len(_load_run(out / "killed").resumes)
+    resumes = len(load_run(out / "killed").resumes)
     table = Table(title=f"SIGKILL at {args.kills} random instants (seed {args.seed}), {args.steps} steps, "
                         "a checkpoint after every step")
     for col in ("kills", "inside a checkpoint write", "resumes", "mismatches", "finished before all kills",

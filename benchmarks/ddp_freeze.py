@@ -24,7 +24,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from layerfreeze.telemetry import format_bytes, read_metrics
+from layerfreeze.rundir import SUMMARY_FILE, read_metrics
+from layerfreeze.telemetry import format_bytes
 
 #: Row name -> CLI arguments. linear with freeze_start 0 freezes a growing prefix at every epoch end.
 ROWS = {
@@ -45,7 +46,7 @@ def run_row(name: str, args: argparse.Namespace) -> tuple[dict, list[dict], floa
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
-    return json.loads((run_dir / "summary.json").read_text()), read_metrics(run_dir), wall
+    return json.loads((run_dir / SUMMARY_FILE).read_text()), read_metrics(run_dir), wall
 
 
 def phases(records: list[dict]) -> list[dict]:

@@ -103,7 +103,8 @@ def main() -> None:
         table.add_column(col, justify="right")
     later = lambda r: sum(r["epoch_s"][1:]) / max(1, len(r["epoch_s"]) - 1)  # noqa: E731
     for mode, r in results.items():
-        table.add_row(mode, f"{r['epoch_s'][0]:.1f}", f"{later(r):.1f}", f"{sum(r['epoch_s']) / sum(seq['epoch_s']):.3f}",
+        table.add_row(mode, f"{r['epoch_s'][0]:.1f}", f"{later(r):.1f}",
+                      f"{sum(r['epoch_s']) / sum(seq['epoch_s']):.3f}",
                       f"{later(r) / later(seq):.3f}", f"{r['accuracy']:.4f}", str(r["losses"] == seq["losses"]))
     Console(width=140).print(table)
     Path(args.out).mkdir(parents=True, exist_ok=True)

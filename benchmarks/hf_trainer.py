@@ -23,8 +23,9 @@ from rich.console import Console
 from rich.table import Table
 
 from layerfreeze.config import build_config
+from layerfreeze.evaluation import evaluate
 from layerfreeze.tasks import build_task
-from layerfreeze.trainer import evaluate, resolve_device, seed_everything
+from layerfreeze.train_setup import resolve_device, seed_everything
 
 
 def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -85,7 +86,8 @@ def main() -> None:
 
     base = rows[0]
     table = Table(title=f"MiniLM-L6 / BBC News through transformers.Trainer ({base['steps']} steps, seed {args.seed})")
-    for col in ("strategy", "test acc", "vs first row", "train s", "time ratio", "frozen blocks", "first / last freeze"):
+    for col in ("strategy", "test acc", "vs first row", "train s", "time ratio", "frozen blocks",
+                "first / last freeze"):
         table.add_column(col, justify="right")
     for r in rows:
         timeline = r["freeze_timeline"]

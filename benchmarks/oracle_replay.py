@@ -34,7 +34,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import suite  # noqa: E402  (the suite's task specs and configs: the replay must run the same job)
 
-from layerfreeze.strategies import STRATEGIES  # noqa: E402
+from layerfreeze.strategies import register_strategy  # noqa: E402
 from layerfreeze.strategies.base import Decision, StageContext, Strategy  # noqa: E402
 
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_train:
         return 0
 
-    STRATEGIES["oracle"] = OracleSchedule
+    register_strategy("oracle")(OracleSchedule)
     spec = replace(suite.TASKS[args.task], **sizes)
     rows = Table(title=f"{task['title']}: the oracle's schedule trained ({'with' if args.cache else 'without'} "
                        "the activation cache)")

@@ -18,7 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from layerfreeze.config import build_config
-from layerfreeze.telemetry import format_bytes, format_flops, read_metrics
+from layerfreeze.rundir import read_metrics
+from layerfreeze.telemetry import format_bytes, format_flops
 from layerfreeze.trainer import Trainer
 
 

@@ -30,7 +30,8 @@ from rich.table import Table
 from torch.utils.data import DataLoader
 
 from layerfreeze.config import build_config
-from layerfreeze.trainer import Trainer, epoch_batches
+from layerfreeze.train_setup import epoch_batches
+from layerfreeze.trainer import Trainer
 
 TASKS = {
     "bbc-news": {"task": "bbc-news", "model": {"max_length": 128}, "train": {"batch_size": 32}},

@@ -174,17 +174,16 @@ def pair_rows(rows: list[dict[str, Any]], oracle: dict[str, Any] | None, steps: 
               head: str | None) -> list[dict[str, Any]]:
     """One seed's compare rows against that seed's ``none`` row (and oracle): accuracy difference, time and FLOPs
     ratios, and the gap to the oracle (None for LoRA, which freezes no blocks, or without an oracle)."""
+    from layerfreeze.compare import BASELINE, ratios
     from layerfreeze.oracle import schedule_gap
 
-    base = next(r for r in rows if r["row"] == "none")
+    base = next(r for r in rows if r["row"] == BASELINE)
     out = []
     for r in rows:
         p = {
             "row": r["row"],
             "test_accuracy": r["test_accuracy"],
-            "accuracy_delta": r["test_accuracy"] - base["test_accuracy"],
-            "time_ratio": r["train_time_s"] / base["train_time_s"],
-            "flops_ratio": r["flops_total"] / base["flops_total"],
+            **ratios(r, base),
             "peak_memory_bytes": r["peak_memory_bytes"],
             "freeze_steps": dict(r["freeze_steps"]),
             "step_gap": None,

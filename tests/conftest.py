@@ -1,8 +1,10 @@
-"""Shared fixtures: a tiny synthetic task for trainer tests and a tiny local Hugging Face model for CLI tests."""
+"""Shared fixtures: a tiny synthetic task for trainer tests and a tiny local Hugging Face model for CLI tests;
+the README's examples, to run as written."""
 
 from __future__ import annotations
 
 import csv
+import re
 import shutil
 from pathlib import Path
 
@@ -12,6 +14,16 @@ from torch import nn
 
 from layerfreeze.data import GaussianBlobs
 from layerfreeze.tasks import Task, image_forward
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_example(heading: str) -> str:
+    """The one Python code block of the README section under ``heading`` (up to the next ``## `` heading)."""
+    section = README.read_text(encoding="utf-8").split(heading, 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 1
+    return blocks[0]
 
 
 class BlobDataset(GaussianBlobs):

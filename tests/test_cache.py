@@ -15,19 +15,13 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset, default_collate
 
 from layerfreeze import Freezer, discover_blocks
-from layerfreeze.cache import (
-    ActivationCache,
-    CachedPrefix,
-    CacheRefused,
-    check_deterministic,
-    check_prefix_deterministic,
-)
+from layerfreeze.cache import CachedPrefix, CacheRefused, check_deterministic, check_prefix_deterministic
 from layerfreeze.families.bert import BertSplit
 from layerfreeze.families.sequential import SequentialSplit
 from layerfreeze.families.torchvision_cnn import MobileNetV2Split, ResNetSplit
 from layerfreeze.forward_split import split_for
-from layerfreeze.trainer import epoch_batches
-
+from layerfreeze.store import ActivationCache
+from layerfreeze.train_setup import epoch_batches
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -94,7 +88,7 @@ def collate(dataset, indices):
 
 
 def frozen(model, depth, train_bn=False):
-    freezer = Freezer(model, train_bn=train_bn)
+    freezer = Freezer(model, None, "none", train_bn=train_bn)
     for i in range(depth):
         freezer.freeze(i)
     return freezer
@@ -173,7 +167,7 @@ def train(model, dataset, cached, depth0, deeper_at, epochs=4, batch_size=8, lr=
     Returns (per-step losses, CachedPrefix or None, per-epoch stats).
     """
     optimizer = torch.optim.SGD([p for p in model.parameters()], lr=lr, momentum=0.9)
-    freezer = Freezer(model, optimizer)
+    freezer = Freezer(model, optimizer, "none")
     for i in range(depth0):
         freezer.freeze(i)
     runner = None

@@ -83,6 +83,6 @@ def test_checkpoint_from_other_blocks_is_refused(tmp_path):
     model, optimizer, scheduler, freezer = build("sgd")
     path = save_checkpoint(tmp_path / "ckpt", model, optimizer, freezer, scheduler)
     other = make_net()
-    other_freezer = Freezer(other, torch.optim.SGD(other.parameters(), lr=0.1), blocks=["0", "1", "6"])
+    other_freezer = Freezer(other, torch.optim.SGD(other.parameters(), lr=0.1), "none", blocks=["0", "1", "6"])
     with pytest.raises(CheckpointError, match="blocks"):
         load_checkpoint(path, other, other_freezer.optimizer, freezer=other_freezer)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from layerfreeze.cli import main
 from layerfreeze.config import ConfigError, build_config, load_config, parse_override
-from layerfreeze.telemetry import read_metrics
+from layerfreeze.rundir import read_metrics
 
 
 def test_unknown_strategy_is_exit_2_listing_the_available_ones(tmp_path, capsys):

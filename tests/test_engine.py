@@ -54,7 +54,7 @@ def test_discovery_of_sequential_skips_parameter_free_layers():
 def test_frozen_block_is_bitwise_unchanged_and_thaw_trains_again(opt_name):
     model = make_net()
     optimizer = OPTIMIZERS[opt_name](model.parameters())
-    freezer = Freezer(model, optimizer)
+    freezer = Freezer(model, optimizer, "none")
     train_steps(model, optimizer, 3, freezer)  # build momentum / Adam moments for every weight
     assert all(len(optimizer.state[p]) > 0 for p in model[0].parameters())
 
@@ -103,7 +103,7 @@ def test_zeroed_grads_left_in_optimizer_drift_which_is_why_we_remove_them(opt_na
 def test_frozen_prefix_builds_no_graph_and_backward_stops_at_first_trainable_block():
     model = make_net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    freezer = Freezer(model, optimizer)
+    freezer = Freezer(model, optimizer, "none")
     freezer.freeze(0)
     freezer.freeze(1)
     assert freezer.frozen_prefix == 2
@@ -118,7 +118,7 @@ def test_frozen_prefix_builds_no_graph_and_backward_stops_at_first_trainable_blo
 
 def test_bn_stays_in_eval_after_model_train_and_train_bn_keeps_it_training():
     model = make_net()
-    freezer = Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    freezer = Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "none")
     freezer.freeze(1)
     model.train()
     model(torch.randn(4, 8))
@@ -126,7 +126,7 @@ def test_bn_stays_in_eval_after_model_train_and_train_bn_keeps_it_training():
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.2)), nn.Linear(16, 3))
-    freezer = Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), train_bn=True)
+    freezer = Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "none", train_bn=True)
     freezer.freeze(0)  # Linear frozen; BatchNorm keeps training (statistics and affine); Dropout goes to eval
     assert not model[0][0].weight.requires_grad
     assert model[0][1].weight.requires_grad and model[0][1].bias.requires_grad
@@ -144,7 +144,7 @@ def test_thaw_with_discriminative_lr_needs_one_group_per_block():
     assert [round(g["lr"], 6) for g in groups] == [round(2.6 ** -k, 6) for k in (4, 3, 2, 1, 0)]
     optimizer = torch.optim.SGD(groups, lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
-    freezer = Freezer(model, optimizer, blocks=blocks, scheduler=scheduler)
+    freezer = Freezer(model, optimizer, "none", blocks=blocks, scheduler=scheduler)
     freezer.freeze(0)
     assert optimizer.param_groups[0]["params"] == []
     freezer.thaw(0, lr=0.25)
@@ -153,7 +153,7 @@ def test_thaw_with_discriminative_lr_needs_one_group_per_block():
     assert optimizer.param_groups[0]["lr"] == 0.125 and len(optimizer.param_groups[0]["params"]) == 2
 
     shared = make_net()
-    freezer = Freezer(shared, torch.optim.SGD(shared.parameters(), lr=1.0))
+    freezer = Freezer(shared, torch.optim.SGD(shared.parameters(), lr=1.0), "none")
     freezer.freeze(0)
     with pytest.raises(ValueError, match="block_param_groups"):
         freezer.thaw(0, lr=0.5)

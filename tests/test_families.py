@@ -13,9 +13,8 @@ import torchvision
 from torch import nn
 from torch.nn import functional as F
 
-from layerfreeze import Freezer, block_param_groups, discover_blocks, find_blocks
+from layerfreeze import ActivationCache, CachedPrefix, Freezer, block_param_groups, discover_blocks, find_blocks
 from layerfreeze.blocks import BlockDiscoveryError, unassigned_parameters
-from layerfreeze.cache import ActivationCache, CachedPrefix
 from layerfreeze.forward_split import split_for
 from layerfreeze.lm import lm_forward, next_token_loss
 

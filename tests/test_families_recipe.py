@@ -3,25 +3,16 @@ gives the model's logits through the real cache, and unregistering it leaves the
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 import torch
 
-from layerfreeze import Freezer, block_param_groups, find_blocks, split_for
-from layerfreeze.cache import ActivationCache, CachedPrefix
+from layerfreeze import ActivationCache, CachedPrefix, Freezer, block_param_groups, find_blocks, split_for
 from layerfreeze.families import discoverers, splits, unregister
-
-README = Path(__file__).resolve().parents[1] / "README.md"
+from tests.conftest import readme_example
 
 
 def recipe_code() -> str:
-    text = README.read_text(encoding="utf-8")
-    section = text.split("### Add your own model family", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 1
-    return blocks[0]
+    return readme_example("### Add your own model family")
 
 
 @pytest.fixture

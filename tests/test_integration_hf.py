@@ -74,7 +74,8 @@ def test_freeze_thaw_steps_groups_and_the_log(tmp_path):
     assert groups[0]["weight_decay"] == 0.01 and groups[1]["weight_decay"] == 0.0
     timeline = [(h["step"], k, v) for h in trainer.state.log_history for k, v in h.items()
                 if k.startswith("layerfreeze/frozen/")]
-    assert timeline == [(2, "layerfreeze/frozen/bert.embeddings", 1.0), (3, "layerfreeze/frozen/bert.encoder.layer.0", 1.0),
+    assert timeline == [(2, "layerfreeze/frozen/bert.embeddings", 1.0),
+                        (3, "layerfreeze/frozen/bert.encoder.layer.0", 1.0),
                         (6, "layerfreeze/frozen/bert.encoder.layer.0", 0.0),
                         (10, "layerfreeze/frozen/bert.encoder.layer.1", 1.0)]
 

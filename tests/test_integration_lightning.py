@@ -19,7 +19,7 @@ import lightning.pytorch as L  # noqa: E402
 from layerfreeze import block_param_groups, discover_blocks  # noqa: E402
 from layerfreeze.integrations.lightning import LayerFreeze  # noqa: E402
 
-from .integration_models import Scripted, run_ranks, blobs, mlp  # noqa: E402
+from .integration_models import Scripted, blobs, mlp, run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint as grad_checkpoint
 from layerfreeze import CheckpointError, Freezer
 from layerfreeze.checkpoint import CheckpointStore
 from layerfreeze.integrity import FrozenWeightsChangedError, UnfrozenParameterError
-from layerfreeze.telemetry import read_metrics
+from layerfreeze.rundir import read_metrics
 from layerfreeze.trainer import DivergenceError, Trainer
 from tests.conftest import BlobDataset, blob_task
 from tests.test_trainer import config
@@ -212,9 +212,9 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again_from_the_beginnin
     assert "has no checkpoint yet" in said.out + said.err
     assert summary["test_accuracy"] == reference["test_accuracy"] and summary["steps"] == reference["steps"]
     assert summary["freeze_timeline"] == reference["freeze_timeline"]
-    from layerfreeze.report import _load_run
+    from layerfreeze.report import load_run
 
-    run = _load_run(run_dir)  # the report keeps only the restarted run's records
+    run = load_run(run_dir)  # the report keeps only the restarted run's records
     assert list(run.step) == list(range(1, 13))
     assert [e["kind"] for e in run.events if e["kind"] == "freeze"] == ["freeze", "freeze"]
 

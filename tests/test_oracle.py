@@ -8,8 +8,16 @@ import pytest
 import torch
 
 from layerfreeze.config import build_config
-from layerfreeze.oracle import (ProbeRecorder, gram_factor, oracle_flops, oracle_freeze_steps, prefix_at,
-                                prefix_step_flops, prefixes_used, schedule_gap)
+from layerfreeze.oracle import (
+    ProbeRecorder,
+    gram_factor,
+    oracle_flops,
+    oracle_freeze_steps,
+    prefix_at,
+    prefix_step_flops,
+    prefixes_used,
+    schedule_gap,
+)
 from layerfreeze.smartfrz.labels import linear_cka
 from layerfreeze.trainer import Trainer
 from tests.conftest import blob_task
@@ -73,13 +81,14 @@ def test_probe_recorder_records_at_start_every_few_steps_and_at_the_end(tmp_path
                         "run": {"dir": str(tmp_path / "r"), "progress": False, "tensorboard": False,
                                 "checkpoint": False}})
     recorder = ProbeRecorder(probe_size=8, records=4)
-    Trainer(cfg, task=blob_task(), step_callbacks=[recorder]).run()
+    trainer = Trainer(cfg, task=blob_task(), step_callbacks=[recorder])
+    trainer.run()
     assert recorder.steps == [0, 3, 6, 9, 12] and recorder.total_steps == 12
     assert recorder.blocks == ["0", "1", "4", "6"] and recorder.head == 3
     assert [len(f) for f in recorder.factors] == [5] * 4 and recorder.factors[0][0].shape == (8, 8)
     cka = recorder.cka()
     assert all(row[-1] == pytest.approx(1.0) for row in cka) and all(0 <= v <= 1 for row in cka for v in row)
-    assert recorder._handles == []  # hooks removed at the last step
+    assert not any(m._forward_hooks for m in trainer.model.modules())  # the probe's hooks live only in a record
 
 
 @pytest.mark.assets

@@ -21,7 +21,6 @@ from layerfreeze.smartfrz.predictor import FreezePredictor, PredictorError, load
 from layerfreeze.smartfrz.recorder import BlockSample, WeightRecorder
 from layerfreeze.strategies.smartfrz import SmartFRZ
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

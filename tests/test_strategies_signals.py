@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from layerfreeze import Freezer, block_param_groups
 from layerfreeze.blocks import discover_blocks
-from layerfreeze.engine import Freezer, block_param_groups
 from layerfreeze.strategies.autofreeze import AutoFreeze, percentile_linear
 from layerfreeze.strategies.base import BlockView, StageContext
 from layerfreeze.strategies.freezeout import FreezeOut

@@ -13,18 +13,16 @@ import torch
 from torch import nn
 
 from layerfreeze import Freezer
-from layerfreeze.strategies import StageContext
+from layerfreeze.strategies import StageContext, egeria_reference
 from layerfreeze.strategies.base import BlockView
 from layerfreeze.strategies.egeria import (
     THREAD_PREFIX,
     Egeria,
-    _cpu_copy,
-    build_reference,
     plasticity_decision,
     sp_loss,
 )
-from layerfreeze.strategies import egeria as egeria_module
-
+from layerfreeze.strategies.egeria_reference import build_reference
+from layerfreeze.strategies.egeria_reference import cpu_copy as _cpu_copy
 
 # ---- sp_loss ---------------------------------------------------------------------------------------------------
 
@@ -194,7 +192,7 @@ def test_weight_only_int8_for_other_layers_and_fallback_without_engine(monkeypat
     assert all(torch.equal(v, before[k]) for k, v in source.state_dict().items())  # source untouched
     assert reference(torch.randn(2, 2, 6, 6)).shape == (2, 8)
 
-    monkeypatch.setattr(egeria_module, "_dynamic_quantization_unavailable", lambda: "no engine (test)")
+    monkeypatch.setattr(egeria_reference, "_dynamic_quantization_unavailable", lambda: "no engine (test)")
     reference, report = build_reference(source, "dynamic")
     assert report["scheme"] == "weight_only" and "no engine (test)" in report["note"]
     assert report["dynamic_int8"] == [] and "3.weight" in report["weight_only_int8"]

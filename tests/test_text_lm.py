@@ -12,7 +12,7 @@ import torch
 
 from layerfreeze.cli import main
 from layerfreeze.lm import TokenChunks, next_token_loss
-from layerfreeze.telemetry import read_metrics
+from layerfreeze.rundir import read_metrics
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from layerfreeze import BlockDiscoveryError
 from layerfreeze.config import ConfigError, build_config
-from layerfreeze.telemetry import read_metrics
+from layerfreeze.rundir import read_metrics
 from layerfreeze.trainer import Trainer
 from tests.conftest import blob_task
 

@@ -36,8 +36,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 __all__ = [
     "ASSETS",

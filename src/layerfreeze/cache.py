@@ -1,4 +1,4 @@
-"""A per-sample cache of the frozen prefix's output, so the prefix's forward can be skipped.
+"""The frozen prefix's forward skipped: its per-sample output read from a store, and the checks that keep it right.
 
 Why: once blocks ``0..depth-1`` are frozen (eval mode, no gradients), their output for a sample is a fixed function
 of that sample's inputs. When the inputs are deterministic (no random augmentation), computing it once and reading
@@ -7,13 +7,14 @@ blocks freeze, the cache is carried forward from the cached boundary (``extend``
 
 The pieces:
 
-* :class:`ActivationCache` -- storage. Entries are keyed by ``(sample index, depth)``; held in memory up to a
-  budget, then written to disk as safetensors shards with a JSON index of sizes and SHA-256 checksums; optionally
-  stored in float16/bfloat16; variable-length states stored trimmed to their true length.
 * :class:`CachedPrefix` -- the forward: cached states for hits, ``prefix`` (or ``extend`` from an older boundary)
-  for misses, then the split's ``suffix`` with gradients (:mod:`layerfreeze.forward_split`).
+  for misses, then the split's ``suffix`` with gradients (:mod:`layerfreeze.forward_split`). It asks the Freezer
+  only through :class:`FrozenPrefixSource` (its blocks, its frozen prefix length, putting frozen blocks in eval
+  mode).
 * :func:`check_deterministic` and :func:`check_prefix_deterministic` -- refuse, with a clear message, what would
   make a cache wrong: random augmentation in the dataset; dropout or BatchNorm in training mode in the prefix.
+* The storage, entries keyed by ``(sample index, depth)`` in memory then checksummed safetensors shards, is
+  :class:`~layerfreeze.store.ActivationCache` (:mod:`layerfreeze.store`).
 
 Correctness rules (each one guards against reusing a stale value silently):
 
@@ -25,7 +26,7 @@ Correctness rules (each one guards against reusing a stale value silently):
   changed: an optimizer step after a thaw, ``load_state_dict``) invalidates every entry that went through it.
 * A thaw (shallower depth) drops entries deeper than the new boundary.
 * A shard file whose size, SHA-256 or per-entry CRC-32 does not match the index is dropped with a warning
-  (``corrupt_shards``) and its entries are recomputed, never returned.
+  (``corrupt_shards``) and its entries are recomputed, never returned (:mod:`layerfreeze.store`).
 
 Equality. In float32 the cached path gives the same logits as the full forward bit for bit whenever the prefix's
 kernels give a sample the same bits whatever else is in its batch. On CPU they do for batches of 4 or more rows
@@ -34,25 +35,15 @@ another GEMM kernel and differ in the last bits, as any change of batch size wou
 float16/bfloat16 rounds the state (about 1e-3 relative).
 
 A cache holds the outputs of one model for one dataset: ``index`` must identify a sample of that dataset (never
-mix train and test batches), and entries are valid only for the weights they were computed with (the disk files
-are scratch, deleted by :meth:`ActivationCache.close` or when the cache is garbage collected).
+mix train and test batches), and entries are valid only for the weights they were computed with.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import random
-import shutil
-import tempfile
 import warnings
-import weakref
-import zlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -60,17 +51,16 @@ from torch import nn
 
 from .blocks import Block
 from .forward_split import ModelSplit, split_for
+from .store import ActivationCache, pad_dim0
 
 __all__ = [
-    "ActivationCache",
     "CacheRefused",
     "CachedPrefix",
+    "FrozenPrefixSource",
     "check_deterministic",
     "check_prefix_deterministic",
 ]
 
-INDEX_FILE = "index.json"
-INDEX_VERSION = 1
 _AUGMENTATION = (
     "random augmentation in the dataset: the frozen prefix's outputs cannot be cached; "
     "set cache: off or make the transform deterministic"
@@ -200,453 +190,6 @@ def check_prefix_deterministic(
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Storage
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Entry:
-    """One cached state: in memory (``tensor``) or on disk (``shard``), stored trimmed, in the storage dtype."""
-
-    tensor: torch.Tensor | None
-    shard: str | None
-    compute_dtype: torch.dtype
-    nbytes: int
-    pending: bool = False
-
-
-def _key_str(key: tuple[int, int]) -> str:
-    return f"{key[0]}:{key[1]}"
-
-
-def _crc32(t: torch.Tensor) -> int:
-    return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _pad_dim0(t: torch.Tensor, length: int) -> torch.Tensor:
-    if t.shape[0] == length:
-        return t
-    if t.shape[0] > length:
-        raise ValueError(f"a cached state of length {t.shape[0]} does not fit the batch's padded length {length}")
-    pad = t.new_zeros((length - t.shape[0], *t.shape[1:]))
-    return torch.cat([t, pad], 0)
-
-
-class ActivationCache:
-    """Per-sample boundary states of a frozen prefix, keyed by ``(sample index, depth)``.
-
-    Args:
-        budget_bytes: Bytes of state kept in memory (host RAM). Entries that do not fit go to a write buffer that
-            is written to disk as one safetensors shard once it holds ``shard_bytes`` (so memory use can exceed the
-            budget by up to ``shard_bytes``). Sizes count tensor payload only (not the few hundred bytes of Python
-            objects per entry).
-        dtype: Storage dtype: None keeps the computed dtype; ``torch.float16`` or ``torch.bfloat16`` halves a
-            float32 cache (values are rounded; :meth:`get_batch` casts back to the dtype they were computed in).
-            Non-floating states are never cast.
-        directory: Where shards go: a fresh sub-directory is created in it (in the system temp directory when
-            None) at the first spill, and deleted by :meth:`close` or when the cache is garbage collected.
-        shard_bytes: Write-buffer size that triggers a shard write (0: one shard per :meth:`put_batch` that
-            spills).
-
-    Attributes:
-        depth: The boundary depth currently cached (0: none yet); see :meth:`advance`.
-        hits / misses: Per-sample lookups at a depth that found / did not find an entry.
-        corrupt_shards: Shard files found corrupt (size, SHA-256 or CRC-32 mismatch, unreadable) and dropped.
-
-    Disk format: ``shard-000001.safetensors`` ... (tensor names ``"<index>:<depth>"``) and ``index.json``::
-
-        {"version": 1, "shards": {"shard-000001.safetensors": {"size": 1234, "sha256": "...",
-            "entries": {"12:3": {"crc32": 305419896, "shape": [7, 32], "dtype": "torch.float32"}}}}}
-
-    Reading an entry checks the file size (every read), the shard's SHA-256 (the first read of a shard and after
-    its size or modification time changes) and the entry's CRC-32 (every read). Not thread-safe.
-
-    Raises (constructor):
-        ValueError: negative sizes, or a dtype other than None, float16, bfloat16.
-    """
-
-    def __init__(
-        self,
-        budget_bytes: int = 2**30,
-        dtype: torch.dtype | None = None,
-        directory: str | os.PathLike[str] | None = None,
-        *,
-        shard_bytes: int = 64 * 2**20,
-    ) -> None:
-        if budget_bytes < 0 or shard_bytes < 0:
-            raise ValueError(f"budget_bytes and shard_bytes must be >= 0, got {budget_bytes} and {shard_bytes}")
-        if dtype not in (None, torch.float16, torch.bfloat16):
-            raise ValueError(f"dtype must be None (keep), torch.float16 or torch.bfloat16, got {dtype}")
-        self.budget_bytes = int(budget_bytes)
-        self.dtype = dtype
-        self.directory = None if directory is None else Path(directory)
-        self.shard_bytes = int(shard_bytes)
-        self.depth = 0
-        self.hits = 0
-        self.misses = 0
-        self.corrupt_shards = 0
-        self._entries: dict[tuple[int, int], _Entry] = {}
-        self._depths: dict[int, set[int]] = {}
-        self._resident_bytes = 0
-        self._pending: list[tuple[int, int]] = []
-        self._pending_bytes = 0
-        self._shards: dict[str, dict[str, Any]] = {}
-        self._live: dict[str, set[tuple[int, int]]] = {}
-        self._verified: dict[str, tuple[int, int, int]] = {}
-        self._shard_counter = 0
-        self._root: Path | None = None
-        self._finalizer: weakref.finalize | None = None
-
-    # ---- sizes ---------------------------------------------------------------------------------------------
-
-    @property
-    def memory_bytes(self) -> int:
-        """Bytes of state held in memory (within the budget, plus the write buffer)."""
-        return self._resident_bytes + self._pending_bytes
-
-    @property
-    def disk_bytes(self) -> int:
-        """Bytes of the shard files on disk (a shard is deleted when its last entry is dropped)."""
-        return sum(info["size"] for info in self._shards.values())
-
-    @property
-    def size_bytes(self) -> int:
-        """Total bytes of the cache: :attr:`memory_bytes` + :attr:`disk_bytes`."""
-        return self.memory_bytes + self.disk_bytes
-
-    @property
-    def path(self) -> Path | None:
-        """The directory holding the shards and ``index.json`` (None until the first spill)."""
-        return self._root
-
-    def shard_paths(self) -> list[Path]:
-        """The shard files on disk, oldest first."""
-        return [self._root / name for name in self._shards] if self._root is not None else []
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: tuple[int, int]) -> bool:
-        return (int(key[0]), int(key[1])) in self._entries
-
-    def depths(self, index: int) -> list[int]:
-        """The depths cached for sample ``index``, shallowest first."""
-        return sorted(self._depths.get(int(index), ()))
-
-    def stats(self) -> dict[str, int]:
-        """Counters and sizes (bytes) for logs."""
-        return {
-            "depth": self.depth, "entries": len(self), "hits": self.hits, "misses": self.misses,
-            "corrupt_shards": self.corrupt_shards, "memory_bytes": self.memory_bytes,
-            "disk_bytes": self.disk_bytes, "size_bytes": self.size_bytes, "shards": len(self._shards),
-        }
-
-    # ---- writing -------------------------------------------------------------------------------------------
-
-    def put(self, index: int, depth: int, state: torch.Tensor, length: int | None = None) -> None:
-        """Store one sample's state (no batch dimension), cut to ``state[:length]`` when ``length`` is given.
-
-        Entries of the same sample at shallower depths are dropped: a deeper entry supersedes them (this is how an
-        upgraded entry replaces the old-depth one).
-        """
-        self._put(int(index), int(depth), state, length)
-        self._maybe_flush()
-
-    def put_batch(
-        self, indices: Sequence[int] | torch.Tensor, depth: int, states: torch.Tensor,
-        lengths: Sequence[int] | torch.Tensor | None = None,
-    ) -> None:
-        """Store ``states[i]`` (``(B, ...)``) for each sample ``indices[i]``; ``lengths[i]`` cuts dimension 1.
-
-        Raises:
-            ValueError: ``indices``/``lengths`` and ``states`` disagree on the batch size.
-        """
-        indices = [int(i) for i in (indices.tolist() if isinstance(indices, torch.Tensor) else indices)]
-        if len(indices) != states.shape[0]:
-            raise ValueError(f"{len(indices)} indices for states of batch {states.shape[0]}")
-        if lengths is not None:
-            lengths = [int(n) for n in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
-            if len(lengths) != len(indices):
-                raise ValueError(f"{len(lengths)} lengths for {len(indices)} samples")
-        states = states.detach()
-        for i, index in enumerate(indices):
-            self._put(index, int(depth), states[i], None if lengths is None else lengths[i])
-        self._maybe_flush()
-
-    def _put(self, index: int, depth: int, state: torch.Tensor, length: int | None) -> None:
-        if length is not None:
-            state = state[:length]
-        compute_dtype = state.dtype
-        store_dtype = self.dtype if self.dtype is not None and state.is_floating_point() else state.dtype
-        tensor = state.detach().to(device="cpu", dtype=store_dtype, copy=True).contiguous()
-        for d in list(self._depths.get(index, ())):
-            if d <= depth:
-                self.drop(index, d)
-        nbytes = _nbytes(tensor)
-        entry = _Entry(tensor, None, compute_dtype, nbytes)
-        if self._resident_bytes + nbytes <= self.budget_bytes:
-            self._resident_bytes += nbytes
-        else:
-            entry.pending = True
-            self._pending.append((index, depth))
-            self._pending_bytes += nbytes
-        self._entries[(index, depth)] = entry
-        self._depths.setdefault(index, set()).add(depth)
-
-    def _maybe_flush(self) -> None:
-        if self._pending and self._pending_bytes >= self.shard_bytes:
-            self.flush()
-
-    def _ensure_root(self) -> Path:
-        if self._root is None:
-            if self.directory is not None:
-                self.directory.mkdir(parents=True, exist_ok=True)
-            self._root = Path(tempfile.mkdtemp(prefix="layerfreeze-cache-", dir=self.directory))
-            self._finalizer = weakref.finalize(self, shutil.rmtree, str(self._root), True)
-        return self._root
-
-    def flush(self) -> Path | None:
-        """Write the write buffer to disk as one shard (and update ``index.json``).
-
-        Returns:
-            The shard's path, or None when the buffer was empty.
-        """
-        keys = [k for k in dict.fromkeys(self._pending) if k in self._entries and self._entries[k].pending]
-        self._pending, self._pending_bytes = [], 0
-        if not keys:
-            return None
-        from safetensors.torch import save
-
-        root = self._ensure_root()
-        self._shard_counter += 1
-        name = f"shard-{self._shard_counter:06d}.safetensors"
-        tensors = {_key_str(k): self._entries[k].tensor for k in keys}
-        data = save(tensors, metadata={"format": "layerfreeze-activation-cache", "version": str(INDEX_VERSION)})
-        tmp = root / f".{name}.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, root / name)
-        entries = {}
-        for key, t in tensors.items():
-            entries[key] = {"crc32": _crc32(t), "shape": list(t.shape), "dtype": str(t.dtype)}
-        self._shards[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "entries": entries}
-        self._live[name] = set(keys)
-        for k in keys:
-            entry = self._entries[k]
-            entry.tensor, entry.shard, entry.pending = None, name, False
-        self._write_index()
-        return root / name
-
-    def _write_index(self) -> None:
-        if self._root is None:
-            return
-        index = {"version": INDEX_VERSION, "dtype": str(self.dtype), "shards": self._shards}
-        tmp = self._root / f".{INDEX_FILE}.tmp"
-        tmp.write_text(json.dumps(index, indent=1))
-        os.replace(tmp, self._root / INDEX_FILE)
-
-    # ---- dropping ------------------------------------------------------------------------------------------
-
-    def drop(self, index: int, depth: int) -> bool:
-        """Forget one entry (deleting its shard file once no live entry is left in it). True if it existed."""
-        key = (int(index), int(depth))
-        entry = self._entries.pop(key, None)
-        if entry is None:
-            return False
-        depths = self._depths.get(key[0])
-        if depths is not None:
-            depths.discard(key[1])
-            if not depths:
-                del self._depths[key[0]]
-        if entry.shard is not None:
-            live = self._live.get(entry.shard)
-            if live is not None:
-                live.discard(key)
-                if not live:
-                    self._remove_shard(entry.shard)
-                    self._write_index()
-        elif entry.pending:
-            self._pending_bytes -= entry.nbytes
-        else:
-            self._resident_bytes -= entry.nbytes
-        return True
-
-    def drop_deeper_than(self, depth: int) -> int:
-        """Forget every entry at a depth greater than ``depth``; returns how many."""
-        stale = [k for k in self._entries if k[1] > depth]
-        for k in stale:
-            self.drop(*k)
-        return len(stale)
-
-    def _remove_shard(self, name: str) -> None:
-        self._shards.pop(name, None)
-        self._live.pop(name, None)
-        self._verified.pop(name, None)
-        if self._root is not None:
-            try:
-                (self._root / name).unlink()
-            except FileNotFoundError:
-                pass
-
-    def advance(self, new_depth: int) -> None:
-        """Move the cached boundary to ``new_depth``.
-
-        Deeper (more blocks frozen): entries at older depths stay and are upgraded lazily -- a later request at the
-        new depth for a sample cached at an old depth extends the old state through the newly frozen blocks
-        (:class:`CachedPrefix`), and the old entry is dropped once the new one is stored.
-        Shallower (a block was thawed): entries deeper than ``new_depth`` went through a block that trains again,
-        so they are dropped.
-        """
-        if new_depth < 0:
-            raise ValueError(f"depth must be >= 0, got {new_depth}")
-        if new_depth < self.depth:
-            self.drop_deeper_than(new_depth)
-        self.depth = int(new_depth)
-
-    def clear(self) -> None:
-        """Forget every entry and delete the shard files (counters are kept)."""
-        for name in list(self._shards):
-            self._remove_shard(name)
-        self._entries.clear()
-        self._depths.clear()
-        self._pending, self._pending_bytes, self._resident_bytes = [], 0, 0
-        self._write_index()
-
-    def close(self) -> None:
-        """Forget everything and delete the cache's directory."""
-        self.clear()
-        if self._finalizer is not None:
-            self._finalizer()
-        self._root = None
-
-    # ---- reading -------------------------------------------------------------------------------------------
-
-    def lookup(
-        self, indices: Sequence[int] | torch.Tensor, depth: int, count: bool = True
-    ) -> list[torch.Tensor | None]:
-        """Per sample: its state at ``depth`` (CPU, trimmed, in the dtype it was computed in), or None.
-
-        Disk entries are verified (see the class docstring); a corrupt shard's entries come back as None.
-
-        Args:
-            count: Count the lookups in :attr:`hits` / :attr:`misses`.
-        """
-        indices = [int(i) for i in (indices.tolist() if isinstance(indices, torch.Tensor) else indices)]
-        out: list[torch.Tensor | None] = [None] * len(indices)
-        on_disk: dict[str, list[int]] = {}
-        for pos, index in enumerate(indices):
-            entry = self._entries.get((index, depth))
-            if entry is None:
-                continue
-            if entry.tensor is not None:
-                out[pos] = entry.tensor
-            else:
-                on_disk.setdefault(entry.shard, []).append(pos)
-        for name, positions in on_disk.items():
-            read = self._read_shard(name, [(indices[p], depth) for p in positions])
-            if read is not None:
-                for p, t in zip(positions, read):
-                    out[p] = t
-        for pos, index in enumerate(indices):
-            t = out[pos]
-            if t is not None:
-                compute_dtype = self._entries[(index, depth)].compute_dtype
-                out[pos] = t.to(compute_dtype) if t.dtype != compute_dtype else t
-        if count:
-            found = sum(t is not None for t in out)
-            self.hits += found
-            self.misses += len(out) - found
-        return out
-
-    def get_batch(
-        self, indices: Sequence[int] | torch.Tensor, depth: int, *, pad_to: int | None = None,
-        device: torch.device | str | None = None, count: bool = True,
-    ) -> torch.Tensor | None:
-        """The states of ``indices`` at ``depth`` as one ``(B, ...)`` tensor, or None unless all are cached.
-
-        Trimmed states are padded back with zeros along their first dimension (the batch's dimension 1) to
-        ``pad_to``, or to the longest one when their lengths differ. Cast back to the dtype they were computed in.
-        """
-        states = self.lookup(indices, depth, count=count)
-        if any(t is None for t in states):
-            return None
-        if not states:
-            return None
-        if pad_to is None and len({t.shape for t in states}) > 1:
-            pad_to = max(t.shape[0] for t in states)
-        if pad_to is not None:
-            states = [_pad_dim0(t, pad_to) for t in states]
-        batch = torch.stack(states)  # type: ignore[arg-type]
-        return batch if device is None else batch.to(device)
-
-    def _read_shard(self, name: str, keys: list[tuple[int, int]]) -> list[torch.Tensor] | None:
-        """The entries ``keys`` of shard ``name``, verified; None (and the shard dropped) if it is corrupt."""
-        from safetensors import safe_open
-
-        path = self._root / name  # type: ignore[operator]
-        info = self._shards[name]
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            return self._corrupt(name, "the file is missing")
-        if st.st_size != info["size"]:
-            return self._corrupt(name, f"size {st.st_size} bytes, the index says {info['size']}")
-        stamp = (st.st_size, st.st_mtime_ns, st.st_ino)
-        if self._verified.get(name) != stamp:
-            digest = hashlib.sha256()
-            with open(path, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    digest.update(chunk)
-            if digest.hexdigest() != info["sha256"]:
-                return self._corrupt(name, "SHA-256 mismatch")
-            self._verified[name] = stamp
-        out: list[torch.Tensor] = []
-        problem = None
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for key in keys:
-                    meta = info["entries"][_key_str(key)]
-                    t = f.get_tensor(_key_str(key))
-                    if list(t.shape) != meta["shape"] or str(t.dtype) != meta["dtype"] or _crc32(t) != meta["crc32"]:
-                        problem = f"entry {_key_str(key)} does not match its CRC-32, shape or dtype"
-                        break
-                    out.append(t)
-        except Exception as exc:  # a damaged header or data: safetensors raises its own error types
-            problem = f"unreadable ({type(exc).__name__}: {exc})"
-        return out if problem is None else self._corrupt(name, problem)
-
-    def _corrupt(self, name: str, reason: str) -> None:
-        keys = list(self._live.get(name, ()))
-        for key in keys:
-            self._entries.pop(key, None)
-            depths = self._depths.get(key[0])
-            if depths is not None:
-                depths.discard(key[1])
-                if not depths:
-                    del self._depths[key[0]]
-        path = self._root / name if self._root is not None else name
-        self._remove_shard(name)
-        self._write_index()
-        self.corrupt_shards += 1
-        warnings.warn(
-            f"activation cache shard {path} is corrupt ({reason}); its {len(keys)} entries were dropped and will "
-            "be recomputed",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        return None
-
-    def __repr__(self) -> str:
-        return (
-            f"ActivationCache(depth={self.depth}, entries={len(self)}, size={self.size_bytes:,} bytes, "
-            f"hits={self.hits}, misses={self.misses})"
-        )
-
-
-# --------------------------------------------------------------------------------------------------------------
 # The cached forward
 # --------------------------------------------------------------------------------------------------------------
 
@@ -671,17 +214,48 @@ def _signature(block: Block) -> tuple[tuple[int, int], ...]:
     return tuple((id(t), t._version) for t in (*tensors, *(p for _, p in block.params)))
 
 
+class FrozenPrefixSource(Protocol):
+    """What :class:`CachedPrefix` asks of whoever freezes the blocks; :class:`~layerfreeze.engine.Freezer` is one.
+
+    The cache needs three things: the blocks (to split the forward and watch their weights), how many leading
+    blocks are frozen (the default depth and the deepest one it may cache), and a way to put frozen blocks in eval
+    mode when their forward is skipped (on a hit the blocks do not run, so a forward pre-hook that re-applies eval
+    mode after ``model.train()`` would not run either, and the determinism check would see training mode).
+    """
+
+    @property
+    def blocks(self) -> Sequence[Block]:
+        """The model's blocks, front to back."""
+        ...
+
+    @property
+    def frozen_prefix(self) -> int:
+        """Number of leading blocks that are frozen."""
+        ...
+
+    def eval_frozen(self, depth: int | None = None) -> None:
+        """Put the frozen blocks among blocks ``0..depth-1`` (all blocks when None) in eval mode now."""
+        ...
+
+
 class CachedPrefix:
-    """The model's forward with the frozen prefix's output read from an :class:`ActivationCache`.
+    """The model's forward with the frozen prefix's output read from an :class:`~layerfreeze.store.ActivationCache`.
+
+    In a loop with a Freezer, two lines::
+
+        runner = CachedPrefix(model, freezer=freezer)   # before the loop
+        logits = runner(batch)                          # instead of the model's forward; batch has "index"
 
     Args:
         model: The model being trained.
-        blocks: Its blocks (the Freezer's ``blocks``).
+        blocks: Its blocks; default the freezer's ``blocks``.
         split: How its forward splits (default :func:`~layerfreeze.forward_split.split_for`).
-        cache: The storage (default: an :class:`ActivationCache` with its defaults).
-        freezer: The :class:`~layerfreeze.engine.Freezer`, if any: its ``frozen_prefix`` is the default depth, a
-            depth beyond it is refused, and frozen prefix blocks are put in eval mode before the check exactly as
-            the Freezer's forward pre-hook does (on a hit the prefix does not run, so the hook would not).
+        cache: The storage (default: an :class:`~layerfreeze.store.ActivationCache` with its defaults: 1 GiB of
+            host memory, then shards in the system temp directory).
+        freezer: The :class:`~layerfreeze.engine.Freezer` (any :class:`FrozenPrefixSource`), if any: its
+            ``frozen_prefix`` is the default depth, a depth beyond it is refused, and it puts the frozen prefix's
+            blocks in eval mode before the check (:meth:`~layerfreeze.engine.Freezer.eval_frozen`), as its forward
+            pre-hook would if the prefix ran.
         fallback: On a refusal (stochastic prefix, changed inputs), warn once, turn the cache off for good and run
             the full forward, instead of raising :class:`CacheRefused`.
 
@@ -689,18 +263,26 @@ class CachedPrefix:
     an older boundary), ``full_forwards`` (calls that ran the model's own forward: depth 0 or cache off),
     ``invalidations`` (entries dropped because a prefix block's weights changed); the cache has ``hits`` /
     ``misses``.
+
+    Raises (constructor):
+        ValueError: neither ``blocks`` nor ``freezer``; the model's family has no split
+            (:func:`~layerfreeze.forward_split.split_for`).
     """
 
     def __init__(
         self,
         model: nn.Module,
-        blocks: Sequence[Block],
+        blocks: Sequence[Block] | None = None,
         split: ModelSplit | None = None,
         cache: ActivationCache | None = None,
         *,
-        freezer: Any = None,
+        freezer: FrozenPrefixSource | None = None,
         fallback: bool = False,
     ) -> None:
+        if blocks is None:
+            if freezer is None:
+                raise ValueError("CachedPrefix needs the model's blocks or the freezer= that holds them")
+            blocks = freezer.blocks
         self.model = model
         self.blocks = list(blocks)
         self.split = split if split is not None else split_for(model, self.blocks)
@@ -760,17 +342,12 @@ class CachedPrefix:
 
     def _check_prefix(self, depth: int) -> None:
         if self.freezer is not None:
-            from .engine import set_eval_mode
-
             if self.freezer.frozen_prefix < depth:
                 raise ValueError(
                     f"depth {depth} is beyond the frozen prefix ({self.freezer.frozen_prefix} blocks): a trainable "
                     "block's output cannot be cached"
                 )
-            for block in self.blocks[:depth]:
-                for _, module in block.modules:
-                    if module.training:  # what Freezer's forward pre-hook does before the block runs
-                        set_eval_mode(module, self.freezer.train_bn)
+            self.freezer.eval_frozen(depth)  # the prefix may not run, so its eval-mode pre-hooks may not either
         modules = self.split.prefix_modules(self.model, depth)
         try:
             check_prefix_deterministic(self.blocks, depth, modules)
@@ -828,7 +405,7 @@ class CachedPrefix:
         if hit:
             rows = [found[p] for p in hit]
             if pad_to is not None:
-                rows = [_pad_dim0(t, pad_to) for t in rows]  # type: ignore[arg-type]
+                rows = [pad_dim0(t, pad_to) for t in rows]  # type: ignore[arg-type]
             hit_states = torch.stack(rows).to(device)  # type: ignore[arg-type]
             if not miss:
                 return hit_states

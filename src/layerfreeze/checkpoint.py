@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 
+from . import rundir
 from .engine import Freezer
 
 FORMAT_VERSION = 1
@@ -227,8 +228,8 @@ class CheckpointStore:
         if keep < 1:
             raise ValueError(f"keep must be >= 1 checkpoints, got {keep}")
         self.root = Path(root)
-        self.dir = self.root / "checkpoints"
-        self.link = self.root / "checkpoint"
+        self.dir = self.root / rundir.CHECKPOINTS_DIR
+        self.link = self.root / rundir.CHECKPOINT_LINK
         self.keep = keep
 
     def entries(self) -> list[Path]:

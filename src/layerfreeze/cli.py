@@ -17,11 +17,12 @@ from typing import Any
 
 from rich.console import Console
 
+from . import rundir
 from .assets import AssetMissingError, check_assets
 from .blocks import BlockDiscoveryError
 from .checkpoint import CheckpointError
-from .config import ConfigError, load_config, parse_override
 from .compare import DEFAULT_ROWS
+from .config import ConfigError, load_config, parse_override
 from .distributed import RankLostError, launched_world_size
 from .smartfrz.predictor import PredictorError
 from .strategies import DEFAULT_STRATEGY, STRATEGIES, UnknownStrategyError, strategy_parameters
@@ -152,20 +153,20 @@ def _overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[dict[str
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from .integrity import FrozenWeightsChangedError, UnfrozenParameterError
     from .telemetry import print_summary
-    from .trainer import CONFIG_FILE, DivergenceError, Trainer
+    from .trainer import DivergenceError, Trainer
 
     overrides = _overrides(args, TRAIN_FLAGS)
     config_path = args.config
     if args.resume:
         run_dir = Path(args.resume)
-        if not (run_dir / CONFIG_FILE).is_file():
-            raise ConfigError(f"--resume {run_dir}: not a layerfreeze run folder (no {CONFIG_FILE})")
+        if not (run_dir / rundir.CONFIG_FILE).is_file():
+            raise ConfigError(f"--resume {run_dir}: not a layerfreeze run folder (no {rundir.CONFIG_FILE})")
         try:
-            saved = json.loads((run_dir / CONFIG_FILE).read_text())
+            saved = json.loads((run_dir / rundir.CONFIG_FILE).read_text())
             saved["run"].update(dir=str(run_dir), resume=str(run_dir))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ConfigError(f"--resume {run_dir}: its {CONFIG_FILE} is not a saved layerfreeze config ({exc}); "
-                              "it cannot be resumed") from None
+            raise ConfigError(f"--resume {run_dir}: its {rundir.CONFIG_FILE} is not a saved layerfreeze config "
+                              f"({exc}); it cannot be resumed") from None
         if config_path:
             raise ConfigError("--resume takes the run's saved config; drop --config (use --set to change a key)")
         saved_strategy = (saved.get("freeze") or {}).get("strategy")
@@ -177,6 +178,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     trainer = Trainer(config)
     world = launched_world_size()
     main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 alone speaks
+    checkpoint = trainer.run_dir / rundir.CHECKPOINT_LINK
     again = f"torchrun --nproc_per_node {world} -m layerfreeze" if world > 1 else "layerfreeze"
     if main_rank:
         console.print(f"[bold]layerfreeze[/] {config.task} | strategy {config.freeze.strategy} "
@@ -186,23 +188,24 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         summary = trainer.run()
     except KeyboardInterrupt:
         if main_rank:
-            console.print(f"\nInterrupted. A checkpoint is in {trainer.run_dir}/checkpoint; continue with:\n"
+            console.print(f"\nInterrupted. A checkpoint is in {checkpoint}; continue with:\n"
                           f"  {again} train --resume {trainer.run_dir}")
         return 130
     except (DivergenceError, FrozenWeightsChangedError, UnfrozenParameterError) as exc:
         Console(stderr=True, soft_wrap=True).print(
-            f"[bold red]layerfreeze: run stopped:[/] {exc}\nThe last checkpoint is in {trainer.run_dir}/checkpoint "
+            f"[bold red]layerfreeze: run stopped:[/] {exc}\nThe last checkpoint is in {checkpoint} "
             f"(continue with: {again} train --resume {trainer.run_dir})", highlight=False)
         return 1
     except RankLostError as exc:
         Console(stderr=True, soft_wrap=True).print(
-            f"[bold red]layerfreeze: error:[/] {exc}\nThe last complete checkpoint in {trainer.run_dir}/checkpoint "
+            f"[bold red]layerfreeze: error:[/] {exc}\nThe last complete checkpoint in {checkpoint} "
             f"is resumable: {again} train --resume {trainer.run_dir}", highlight=False)
         return 1
     if not main_rank:
         return 0
     print_summary(summary, console=console)
-    console.print(f"metrics: {trainer.run_dir}/metrics.jsonl   TensorBoard: tensorboard --logdir {trainer.run_dir}")
+    metrics = trainer.run_dir / rundir.METRICS_FILE
+    console.print(f"metrics: {metrics}   TensorBoard: tensorboard --logdir {trainer.run_dir}")
     _report(trainer.run_dir, args, console)
     return 0
 
@@ -254,7 +257,8 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
                               f"{', '.join(rows)}")
         row_overrides = deep_merge(row_overrides, parse_override(item))
     results = compare(base, rows, run_dir, console=console, row_params=row_params, row_overrides=row_overrides)
-    console.print(f"table: {run_dir}/compare.md   rows: {run_dir}/compare.json   ({len(results)} runs)")
+    console.print(f"table: {Path(run_dir) / rundir.COMPARE_MD}   rows: {Path(run_dir) / rundir.COMPARE_JSON}   "
+                  f"({len(results)} runs)")
     _report(run_dir, args, console)
     return 0
 

@@ -14,13 +14,18 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from . import rundir
 from .config import ConfigError, build_config, deep_merge
-from .strategies import DEFAULT_STRATEGY
+from .rundir import finite
+from .strategies import BUILTIN_STRATEGIES, DEFAULT_STRATEGY
 from .telemetry import format_bytes, format_flops
 
-#: Rows of a default comparison, in order; ``lora`` is not a freezing strategy but a row of its own.
-DEFAULT_ROWS = ("none", "static", "gradual", "linear", "geometric", "freezeout", "autofreeze", "egeria", "smartfrz",
-                "lora")
+#: The row every ratio is to: nothing frozen.
+BASELINE = "none"
+
+#: Rows of a default comparison, in order: the built-in strategies in registration order (``none`` first), then
+#: ``lora``, not a freezing strategy but a row of its own. A registered strategy of your own can be named as a row.
+DEFAULT_ROWS = (*BUILTIN_STRATEGIES, "lora")
 
 
 def row_config(base: dict[str, Any], row: str, run_dir: Path,
@@ -34,7 +39,7 @@ def row_config(base: dict[str, Any], row: str, run_dir: Path,
     to config keys of its own, merged over everything else (``{"lora": {"train": {"lr": 1e-3}}}``: LoRA wants a
     larger learning rate than full fine-tuning).
     """
-    cfg = deep_merge(base, {"run": {"dir": str(run_dir / row), "resume": None}})
+    cfg = deep_merge(base, {"run": {"dir": str(rundir.row_dir(run_dir, row)), "resume": None}})
     freeze = cfg.setdefault("freeze", {})
     base_strategy = freeze.get("strategy", DEFAULT_STRATEGY)
     params = freeze.get("params", {}) if base_strategy == row else {}
@@ -64,7 +69,7 @@ def _check_block_params(configs: list[tuple[str, Any]]) -> None:
     from .blocks import discover_blocks
     from .strategies import STRATEGIES, Strategy
     from .tasks import build_task
-    from .trainer import build_strategy
+    from .train_setup import build_strategy
 
     counts: dict[str, int] = {}
     for row, cfg in configs:
@@ -107,7 +112,7 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
     Raises:
         ConfigError: a row's config is invalid (checked for every row before the first run starts).
     """
-    from .trainer import Trainer, check_run_dir
+    from .trainer import Trainer
 
     console = console or Console()
     run_dir = Path(run_dir)
@@ -115,7 +120,7 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
                for row in rows]  # validate first
     for row, _ in configs:
         try:
-            check_run_dir(run_dir / row)
+            rundir.check_run_dir(rundir.row_dir(run_dir, row))
         except ConfigError as exc:
             raise ConfigError(f"row {row}: {exc}") from None
     _check_block_params(configs)
@@ -124,35 +129,62 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
         console.print(f"[bold]compare[/]: {row} ({len(results) + 1}/{len(configs)})")
         summary = Trainer(config, step_callbacks=(row_callbacks or {}).get(row)).run()
         results.append({"row": row, **summary, "freeze_steps": freeze_steps(summary)})
-        (run_dir / "compare.json").write_text(json.dumps(results, indent=2))
-    base_row = next((r for r in results if r["row"] == "none"), None)
-    for r in results:
-        r["time_ratio"] = r["train_time_s"] / base_row["train_time_s"] if base_row else None
-        r["flops_ratio"] = r["flops_total"] / base_row["flops_total"] if base_row else None
-        known = base_row is not None and None not in (r["test_accuracy"], base_row["test_accuracy"])
-        r["accuracy_delta"] = (r["test_accuracy"] - base_row["test_accuracy"]) if known else None  # None: an LM
-    (run_dir / "compare.json").write_text(json.dumps(results, indent=2))
-    (run_dir / "compare.md").write_text(markdown_table(results))
+        rundir.write_compare(run_dir, results)
+    add_ratios(results)
+    rundir.write_compare(run_dir, results, markdown_table(results))
     console.print(rich_table(results))
     return results
 
 
-def _cells(r: dict[str, Any]) -> list[str]:
-    def ratio(x: float | None) -> str:
-        return "-" if x is None else f"{x:.3f}"
+def ratios(row: dict[str, Any], base: dict[str, Any] | None) -> dict[str, float | None]:
+    """A row's ``time_ratio`` and ``flops_ratio`` to the baseline row and its ``accuracy_delta`` (a fraction);
+    None where a side has no value (no baseline row, a language model's accuracy, a row that has not run)."""
+    base = base or {}
 
-    delta = "-" if r["accuracy_delta"] is None else f"{100 * r['accuracy_delta']:+.2f}"
-    frozen = ", ".join(f"{b}@{s}" for b, s in r["freeze_steps"].items()) or "-"
+    def ratio(key: str) -> float | None:
+        value, to = row.get(key), base.get(key)
+        return value / to if finite(value) and finite(to) and to > 0 else None
+
+    acc, base_acc = row.get("test_accuracy"), base.get("test_accuracy")
+    return {"time_ratio": ratio("train_time_s"), "flops_ratio": ratio("flops_total"),
+            "accuracy_delta": acc - base_acc if finite(acc) and finite(base_acc) else None}
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Give every row its :func:`ratios` to the :data:`BASELINE` row, keeping those it already has; returns
+    ``rows`` (changed in place)."""
+    base = next((r for r in rows if r.get("row") == BASELINE), None)
+    for r in rows:
+        for key, value in ratios(r, base).items():
+            if r.get(key) is None:
+                r[key] = value
+    return rows
+
+
+def table_cells(r: dict[str, Any], missing: str = "-") -> list[str]:
+    """One row's cells under :data:`HEADERS` (the terminal, ``compare.md`` and the HTML report all show these),
+    ``missing`` where a value is absent (a row that has not run, no baseline row)."""
+    def ratio(x: Any) -> str:
+        return f"{x:.3f}" if finite(x) else missing
+
+    def amount(x: Any, fmt: Callable[[Any], str]) -> str:
+        return fmt(x) if finite(x) and x >= 0 else missing
+
+    delta = f"{100 * r['accuracy_delta']:+.2f}" if finite(r.get("accuracy_delta")) else missing
+    steps = r.get("freeze_steps") or {}
+    frozen = ", ".join(f"{b}@{s}" for b, s in steps.items()) if isinstance(steps, dict) else str(steps)
     return [
-        r["row"], _metric(r), delta, f"{r['train_time_s']:.1f}", ratio(r["time_ratio"]),
-        format_flops(r["flops_total"]), ratio(r["flops_ratio"]), format_bytes(r["peak_memory_bytes"]), frozen,
+        str(r.get("row")), _metric(r, missing), delta,
+        f"{r['train_time_s']:.1f}" if finite(r.get("train_time_s")) else missing, ratio(r.get("time_ratio")),
+        amount(r.get("flops_total"), format_flops), ratio(r.get("flops_ratio")),
+        amount(r.get("peak_memory_bytes"), format_bytes), frozen or missing,
     ]
 
 
-def _metric(r: dict[str, Any]) -> str:
+def _metric(r: dict[str, Any], missing: str) -> str:
     """Test accuracy in percent; a language model (text-lm) has none and shows its perplexity."""
-    if r.get("test_accuracy") is None:
-        return "-" if r.get("test_perplexity") is None else f"ppl {r['test_perplexity']:.2f}"
+    if not finite(r.get("test_accuracy")):
+        return f"ppl {r['test_perplexity']:.2f}" if finite(r.get("test_perplexity")) else missing
     return f"{100 * r['test_accuracy']:.2f}"
 
 
@@ -167,12 +199,12 @@ def rich_table(results: list[dict[str, Any]]) -> Table:
         table.add_column(h, justify="left" if h in ("strategy", "frozen block@step") else "right",
                          overflow="fold")
     for r in results:
-        table.add_row(*_cells(r))
+        table.add_row(*table_cells(r))
     return table
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """The comparison as a Markdown table."""
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in results]
+    lines += ["| " + " | ".join(table_cells(r)) + " |" for r in results]
     return "\n".join(lines) + "\n"

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from . import telemetry
+from . import measure, telemetry
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .frozen import (
     FrozenDifferentiable,
@@ -496,8 +496,8 @@ def _train_placement(placement: str, cfg: DemoConfig, stage1: Stage1, data: Edge
     frozen_dev = torch.device(cfg.frozen_device or cfg.device)
     dtype = torch.bfloat16 if placement == "bf16" else None
     for d in _devices(cfg):
-        telemetry.reset_peak_memory(d)
-    memory_at_start = {d: telemetry.current_memory_bytes(d) for d in _devices(cfg)}
+        measure.reset_peak_memory(d)
+    memory_at_start = {d: measure.current_memory_bytes(d) for d in _devices(cfg)}
     # Each placement gets its own copies (a bfloat16 cast in place would round the float32 weights for good).
     vae = FrozenModule(LatentParameters(copy.deepcopy(stage1.vae)), device=frozen_dev, dtype=dtype,
                        output_device=dev, name=f"VAE encoder ({placement})")
@@ -587,7 +587,7 @@ def _train_placement(placement: str, cfg: DemoConfig, stage1: Stage1, data: Edge
         "store_bytes": store.size_bytes + prompts.numel() * prompts.element_size() if store is not None else 0,
         "param_bytes": _param_bytes(modules),
         "frozen_param_bytes": _param_bytes({k: v for k, v in modules.items() if k != "controlnet"}),
-        "peak_memory": {d: telemetry.peak_memory_bytes(d) for d in _devices(cfg)},
+        "peak_memory": {d: measure.peak_memory_bytes(d) for d in _devices(cfg)},
         "memory_at_start": memory_at_start,
         "pipeline": stats, "nonfinite": nonfinite, "trainer_threads": trainer_threads,
         "loss_std_window": statistics.pstdev(losses[-cfg.window:]) if len(losses) > 1 else float("nan"),

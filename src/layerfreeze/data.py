@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import csv
 import gzip
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch

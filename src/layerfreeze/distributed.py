@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .strategies import Decision, Strategy
+
 #: Environment variable naming a FileStore path for the rendezvous (tests, no ports); else torchrun's ``env://``.
 FILE_STORE_ENV = "LAYERFREEZE_FILE_STORE"
 _HEARTBEAT_KEY = "layerfreeze/heartbeat/{}"
@@ -128,6 +130,42 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     holder = [obj if rank() == src else None]
     dist.broadcast_object_list(holder, src=src)
     return holder[0]
+
+
+def share_decision(strategy: Strategy, decision: Decision, error: str | None = None) -> Decision:
+    """Rank 0's freeze decision (and the strategy's stage cadence) on every rank; a collective.
+
+    Why: strategies read signals that can differ across ranks (a background thread finishing at another step,
+    float noise in a local statistic); applying rank 0's decision everywhere keeps the frozen sets, and so the
+    DDP wrappers and the weights, identical. Only rank 0 runs the strategy; its ``decision`` and ``error``
+    (the strategy's exception as text, or None) are what count, the other ranks' arguments are ignored. The
+    decision's signals stay on rank 0, which logs them; ``strategy.stage_every`` / ``at_epoch_end`` take rank 0's
+    values on every rank (smartfrz sets its cadence at the start stage).
+
+    Returns:
+        ``decision`` on rank 0; on the other ranks a :class:`~layerfreeze.strategies.Decision` with rank 0's
+        freezes, thaws, reason, thaw LRs and LR factors (no signals).
+
+    Raises:
+        RuntimeError: on the other ranks, when the strategy failed on rank 0 (the message carries its error);
+            rank 0 gets ``decision`` back and re-raises its own exception.
+    """
+    payload = None
+    if rank() == 0:
+        payload = {"error": error, "freeze": list(decision.freeze), "thaw": list(decision.thaw),
+                   "reason": decision.reason, "thaw_lr": dict(decision.thaw_lr),
+                   "lr_scale": dict(decision.lr_scale), "stage_every": strategy.stage_every,
+                   "at_epoch_end": strategy.at_epoch_end}
+    payload = broadcast_object(payload)
+    if payload["error"] is not None:
+        if rank() == 0:
+            return decision
+        raise RuntimeError(f"the freezing strategy failed on rank 0: {payload['error']}")
+    strategy.stage_every, strategy.at_epoch_end = payload["stage_every"], payload["at_epoch_end"]
+    if rank() == 0:
+        return decision
+    return Decision(freeze=payload["freeze"], thaw=payload["thaw"], reason=payload["reason"],
+                    thaw_lr=payload["thaw_lr"], lr_scale=payload["lr_scale"])
 
 
 def all_gather_object(obj: Any) -> list[Any]:
@@ -237,8 +275,8 @@ class FreezeDDP:
     """``DistributedDataParallel`` over a model's trainable parameters, rebuilt when the frozen set changes.
 
     Call it like the model (or like ``forward``); before each call it checks the freezer's frozen set and, if it
-    changed since the wrapper was built (or on the first call), builds a new DDP around the trainable parameters (see the module docstring
-    for why). Use it in place of ``DistributedDataParallel(model)``::
+    changed since the wrapper was built (or on the first call), builds a new DDP around the trainable parameters
+    (see the module docstring for why). Use it in place of ``DistributedDataParallel(model)``::
 
         freezer = Freezer(model, optimizer, "smartfrz", total_steps=steps)   # decisions come from rank 0
         ddp = FreezeDDP(model, freezer)

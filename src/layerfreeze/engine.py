@@ -1,40 +1,40 @@
-"""The freezing engine: the mechanics every strategy uses (freeze, thaw, optimizer surgery, checkpointable state).
+"""The freezing engine: freeze and thaw blocks of a model as a strategy decides, in any training loop (Freezer).
 
-Strategies decide, the engine applies. The mechanics are small module-level helpers (in the spirit of Lightning's
-``BaseFinetuning.freeze`` / ``make_trainable``) and :class:`Freezer` wires them to a model, an optimizer and a
-strategy for use in any training loop::
+Strategies decide, the engine applies. The mechanics are small helpers (in the spirit of Lightning's
+``BaseFinetuning.freeze`` / ``make_trainable``; the optimizer's part is :mod:`layerfreeze.optim`) and
+:class:`Freezer` wires them to a model, an optimizer, its LR scheduler and a strategy::
 
-    freezer = Freezer(model, optimizer, strategy="static", strategy_params={"k": 5})
-    for batch in loader:
-        loss = model(**batch).loss
-        loss.backward()
-        freezer.after_backward()      # only needed by gradient-based strategies
-        optimizer.step(); optimizer.zero_grad(set_to_none=True)
-        freezer.step()
-    freezer.epoch_end()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, ...)      # before the Freezer
+    with Freezer(model, optimizer, scheduler=scheduler, total_steps=steps) as freezer:   # strategy: smartfrz
+        for epoch in range(epochs):
+            for batch in loader:
+                model(**batch).loss.backward()
+                freezer.after_backward()      # only needed by gradient-based strategies
+                optimizer.step(); scheduler.step(); optimizer.zero_grad(set_to_none=True)
+                freezer.step()                # after the scheduler: LR factors apply to this step's LR
+            freezer.epoch_end()
 
 What freezing a block does, and why each part matters (each is a public fault seen in other tools):
 
 * ``requires_grad_(False)``: autograd builds no graph for a frozen prefix (its output does not require grad, so no
   activations are kept for backward and backward stops at the first trainable block).
-* The parameters leave the optimizer's param groups and their optimizer state is freed. A parameter left in an
-  optimizer keeps receiving momentum and (decoupled) weight decay updates when its gradient is zero instead of
-  None, so "frozen" weights drift; its state also keeps costing memory (two fp32 copies for Adam).
+* The parameters leave the optimizer's param groups and their optimizer state is freed
+  (:func:`~layerfreeze.optim.remove_from_optimizer`: "frozen" weights would otherwise drift under momentum and
+  weight decay, and their state keep its memory).
 * ``.grad`` is set to None so no stale gradient is applied or clipped later.
 * BatchNorm running statistics and dropout go to eval mode (a forward pre-hook re-applies it after every
   ``model.train()``), unless ``train_bn=True`` (fastai / Lightning ``train_bn``): then BatchNorm layers keep
   training, affine parameters included.
 
-Thawing reverses all of it and puts each parameter back into the param group it came from, so the number of param
-groups never changes (LR schedulers keep working) and checkpoints load without "different number of parameter
-groups" errors. A learning rate for the thawed block may be given (discriminative LR); that needs param groups that
-hold only that block's parameters, which :func:`block_param_groups` builds.
+Thawing reverses all of it and puts each parameter back into the param group it came from (the number of param
+groups never changes). A learning rate for the thawed block may be given (discriminative LR); that needs param
+groups that hold only that block's parameters, which :func:`~layerfreeze.optim.block_param_groups` builds.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,7 +43,18 @@ from torch import nn
 from .blocks import Block, discover_blocks
 from .guard import StabilityGuard
 from .integrity import FrozenSet
-from .strategies import Decision, StageContext, Strategy, create_strategy
+from .optim import (
+    add_to_optimizer,
+    base_lr,
+    block_groups,
+    exclusive_groups,
+    group_origin,
+    load_param_groups,
+    remove_from_optimizer,
+    scale_group_lrs,
+    set_group_lr,
+)
+from .strategies import DEFAULT_STRATEGY, Decision, StageContext, Strategy, create_strategy
 from .strategies.base import BlockView
 
 STATE_VERSION = 1
@@ -71,87 +82,6 @@ def set_eval_mode(module: nn.Module, train_bn: bool = False) -> None:
         sub.training = bool(train_bn and isinstance(sub, _NORM_TYPES) and sub.training)
 
 
-def remove_from_optimizer(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> dict[int, int]:
-    """Take ``params`` out of the optimizer's param groups and free their optimizer state.
-
-    Why: a parameter left in a param group keeps getting momentum and weight-decay updates, and its state (Adam's
-    two moments) keeps its memory.
-
-    Returns:
-        ``{id(param): index of the param group it was in}`` for the parameters that were in the optimizer.
-    """
-    ids = {id(p) for p in params}
-    origin: dict[int, int] = {}
-    for gi, group in enumerate(optimizer.param_groups):
-        kept = []
-        for p in group["params"]:
-            if id(p) in ids:
-                origin[id(p)] = gi
-                optimizer.state.pop(p, None)
-            else:
-                kept.append(p)
-        group["params"] = kept
-    return origin
-
-
-def add_to_optimizer(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter], group_index: int) -> None:
-    """Append ``params`` to param group ``group_index`` (no-op for parameters already in the optimizer)."""
-    present = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    group = optimizer.param_groups[group_index]
-    group["params"].extend(p for p in params if id(p) not in present)
-
-
-def block_param_groups(
-    model: nn.Module,
-    blocks: Sequence[Block],
-    lr: float,
-    weight_decay: float = 0.0,
-    lr_decay: float = 1.0,
-    no_decay: Callable[[str, nn.Parameter], bool] | None = None,
-) -> list[dict[str, Any]]:
-    """Optimizer param groups with one group per block (two if ``no_decay`` splits it), for discriminative LRs.
-
-    Discriminative learning rates (Howard & Ruder, "Universal Language Model Fine-tuning for Text
-    Classification", ACL 2018, sec. 3.2): block ``l`` of ``L`` gets ``lr / lr_decay ** (L - 1 - l)``, so the head
-    gets ``lr`` and each earlier block ``lr_decay`` times less (ULMFiT uses 2.6). Parameters in no block go to a
-    last group with ``lr``.
-
-    Args:
-        model: The model the blocks belong to.
-        blocks: Its blocks, front to back.
-        lr: Learning rate of the head.
-        weight_decay: Weight decay of the groups (0 for parameters selected by ``no_decay``).
-        lr_decay: Factor between consecutive blocks' learning rates, ``>= 1``.
-        no_decay: ``(name, param) -> bool`` selecting parameters without weight decay (e.g. biases, LayerNorm).
-
-    Returns:
-        A list for ``torch.optim.*(groups, ...)``; each group has a ``"block"`` key naming its block.
-
-    Raises:
-        ValueError: ``lr <= 0`` or ``lr_decay < 1``.
-    """
-    if lr <= 0:
-        raise ValueError(f"lr must be > 0, got {lr}")
-    if lr_decay < 1:
-        raise ValueError(f"lr_decay must be >= 1 (ULMFiT uses 2.6), got {lr_decay}")
-    groups: list[dict[str, Any]] = []
-    num = len(blocks)
-
-    def add(name: str, named: list[tuple[str, nn.Parameter]], block_lr: float) -> None:
-        decay = [p for n, p in named if not (no_decay and no_decay(n, p))]
-        plain = [p for n, p in named if no_decay and no_decay(n, p)]
-        if decay:
-            groups.append({"params": decay, "lr": block_lr, "weight_decay": weight_decay, "block": name})
-        if plain:
-            groups.append({"params": plain, "lr": block_lr, "weight_decay": 0.0, "block": name})
-
-    for block in blocks:
-        add(block.name, list(block.named_parameters()), lr / lr_decay ** (num - 1 - block.index))
-    owned = {id(p) for b in blocks for p in b.parameters()}
-    add("(unassigned)", [(n, p) for n, p in model.named_parameters() if id(p) not in owned], lr)
-    return groups
-
-
 # --------------------------------------------------------------------------------------------------------------
 # The Freezer
 # --------------------------------------------------------------------------------------------------------------
@@ -165,12 +95,14 @@ class Freezer:
         optimizer: Its optimizer (may be None for pure inference-style freezing; then only ``requires_grad``,
             gradients and BatchNorm modes are handled, and learning-rate factors wait for
             :meth:`attach_optimizer`).
-        strategy: A :class:`~layerfreeze.strategies.Strategy` or a registered name (``"none"``, ``"static"``...).
+        strategy: A :class:`~layerfreeze.strategies.Strategy` or a registered name (``"none"``, ``"static"``...);
+            default the package's default, :data:`~layerfreeze.strategies.DEFAULT_STRATEGY` (``"smartfrz"``).
         strategy_params: Parameters for a strategy given by name.
         blocks: Module-name patterns, or ready :class:`~layerfreeze.blocks.Block` objects; default: discovered.
         train_bn: Keep BatchNorm layers of frozen blocks training (statistics and affine parameters).
         scheduler: The LR scheduler, if any; its ``base_lrs`` are updated when a thaw sets a learning rate.
-        total_steps: Planned optimizer steps (needed by schedule-based strategies).
+        total_steps: Planned optimizer steps of the run; needed by ``smartfrz`` (the default), ``linear`` and
+            ``freezeout``, which place their stages by the fraction of training done.
         steps_per_epoch: Optimizer steps per epoch, if known.
         on_event: Called with each freeze/thaw record (a dict), e.g. to log it to telemetry.
         guard: An optional :class:`~layerfreeze.guard.StabilityGuard`; feed it with :meth:`report_metric`.
@@ -192,13 +124,17 @@ class Freezer:
     Raises:
         BlockDiscoveryError: blocks cannot be discovered (see :func:`~layerfreeze.blocks.discover_blocks`).
         UnknownStrategyError / ValueError: bad strategy name or parameters.
+        RuntimeError: the strategy needs ``total_steps`` and none was given (the message says to pass it).
+
+    Use it as a context manager (``with Freezer(...) as freezer:``) or call :meth:`close` when training ends:
+    some strategies hold hooks and a background thread (Egeria's reference model).
     """
 
     def __init__(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
-        strategy: str | Strategy = "none",
+        strategy: str | Strategy = DEFAULT_STRATEGY,
         strategy_params: dict[str, Any] | None = None,
         *,
         blocks: Sequence[str] | Sequence[Block] | None = None,
@@ -238,7 +174,7 @@ class Freezer:
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._origin: dict[int, int] = {}
         if optimizer is not None:
-            self._origin = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+            self._origin = group_origin(optimizer)
         self._hooks: dict[int, list[Any]] = {}
         self.integrity = FrozenSet(on_unfrozen, warn=self._integrity_warning)
         self._grad_l1 = [0.0] * len(self.blocks)
@@ -281,6 +217,18 @@ class Freezer:
                 return b
         raise KeyError(f"No block named {key!r}; blocks: {', '.join(b.name for b in self.blocks)}")
 
+    def eval_frozen(self, depth: int | None = None) -> None:
+        """Put the frozen blocks among blocks ``0..depth-1`` (all blocks when None) in eval mode now.
+
+        The same as their forward pre-hook does before they run (``model.train()`` flips frozen blocks back to
+        training mode; BatchNorm layers stay training with ``train_bn``). For code that uses a frozen block's
+        output without running it: the activation cache (:class:`~layerfreeze.cache.CachedPrefix`) on a hit.
+        """
+        for block in self.blocks[:depth]:
+            if self.frozen[block.index]:
+                for _, module in block.modules:
+                    self._eval_hook(module, ())
+
     def trainable_parameters(self) -> int:
         """Number of scalar parameters that currently require grad."""
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
@@ -322,7 +270,7 @@ class Freezer:
 
         Raises:
             ValueError: ``lr`` given but a target param group also holds other blocks' parameters (build the
-                optimizer with :func:`block_param_groups`).
+                optimizer with :func:`~layerfreeze.optim.block_param_groups`).
         """
         block = self.block(key)
         was_frozen = self.frozen[block.index]
@@ -354,13 +302,8 @@ class Freezer:
         block = key if isinstance(key, Block) else self.block(key)
         if self.optimizer is None or lr <= 0:
             raise ValueError(f"set_block_lr needs an optimizer and lr > 0 (got lr={lr})")
-        for gi in self._exclusive_groups(block, "its own learning rate"):
-            group = self.optimizer.param_groups[gi]
-            group["lr"] = lr
-            if "initial_lr" in group:
-                group["initial_lr"] = lr
-            if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
-                self.scheduler.base_lrs[gi] = lr
+        for gi in exclusive_groups(self.optimizer, self._origin, block, "its own learning rate"):
+            set_group_lr(self.optimizer, gi, lr, self.scheduler)
             self._lr_written.pop(gi, None)
 
     def named_frozen_parameters(self, block: Block) -> list[tuple[str, nn.Parameter]]:
@@ -394,39 +337,12 @@ class Freezer:
         if self.on_event is not None:
             self.on_event({**record, "step": self.step_count, "message": message})
 
-    def _block_group_indices(self, block: Block) -> list[int]:
-        return sorted({self._origin[id(p)] for p in block.parameters() if id(p) in self._origin})
-
-    def _exclusive_groups(self, block: Block, purpose: str) -> list[int]:
-        """The param groups of ``block``; ValueError if one also holds other blocks' parameters."""
-        own = {id(p) for p in block.parameters()}
-        indices = self._block_group_indices(block)
-        for gi in indices:
-            if any(id(p) not in own for p in self.optimizer.param_groups[gi]["params"]):
-                raise ValueError(
-                    f"Cannot give block {block.name!r} {purpose}: param group {gi} also holds other blocks' "
-                    "parameters. Build the optimizer from layerfreeze.block_param_groups(...) (one group per block)."
-                )
-        return indices
-
     def _apply_lr_scales(self) -> None:
-        """Multiply each scaled block's scheduled LR by its factor (after the scheduler has set this step's LR).
-
-        A group whose LR is still the value we wrote last time has not been rescheduled (no scheduler, or the
-        scheduler only runs per epoch), so the factor is applied to the remembered unscaled LR, not compounded.
-        Schedulers that derive the next LR from the current one (StepLR, ExponentialLR) would compound the factor:
-        use LambdaLR-style schedulers (as the CLI trainer does) with strategies that scale LRs.
-        """
-        if self.optimizer is None:
-            return
-        for index, scale in self._lr_scale.items():
-            for gi in self._block_group_indices(self.blocks[index]):
-                group = self.optimizer.param_groups[gi]
-                unscaled, written = self._lr_written.get(gi, (None, None))
-                if written is None or group["lr"] != written:
-                    unscaled = group["lr"]
-                group["lr"] = unscaled * scale
-                self._lr_written[gi] = (unscaled, group["lr"])
+        """Multiply each scaled block's scheduled LR by its factor (:func:`~layerfreeze.optim.scale_group_lrs`)."""
+        if self.optimizer is not None:
+            scales = {gi: scale for index, scale in self._lr_scale.items()
+                      for gi in block_groups(self._origin, self.blocks[index])}
+            scale_group_lrs(self.optimizer, scales, self._lr_written)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:
         """Give a Freezer built with ``optimizer=None`` the optimizer a framework creates after the initial freeze.
@@ -443,12 +359,12 @@ class Freezer:
         self.optimizer = optimizer
         if scheduler is not None:
             self.scheduler = scheduler
-        self._origin = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self._origin = group_origin(optimizer)
         for block in self.blocks:
             if self.frozen[block.index]:
                 remove_from_optimizer(optimizer, frozen_parameters(block, self.train_bn))
         for i in self._lr_scale:
-            self._exclusive_groups(self.blocks[i], "a learning-rate factor")
+            exclusive_groups(optimizer, self._origin, self.blocks[i], "a learning-rate factor")
         self._lr_written = {}
         self._apply_lr_scales()
 
@@ -572,15 +488,8 @@ class Freezer:
                 self.thaw(block.index, reason="resume")
         if self.optimizer is not None and "param_groups" in state:
             by_name = dict(self.model.named_parameters())
-            if len(state["param_groups"]) != len(self.optimizer.param_groups):
-                raise ValueError(
-                    f"Checkpoint optimizer has {len(state['param_groups'])} param groups, this one has "
-                    f"{len(self.optimizer.param_groups)}; build the optimizer the same way as the saved run"
-                )
-            for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
-                group["params"] = [by_name[n] for n in saved]
+            load_param_groups(self.optimizer, state["param_groups"], by_name)
             self._origin = {id(by_name[n]): gi for n, gi in state["origin"].items()}
-            self.optimizer.state.clear()
         self.integrity.load_state_dict(state.get("frozen_checksums", {}))
         self.step_count = state["step"]
         self.epoch = state["epoch"]
@@ -637,12 +546,7 @@ class Freezer:
             signals["grad_l1"] = list(self._grad_l1)
         block_lrs = None
         if self.optimizer is not None:
-            block_lrs = []
-            for b in self.blocks:
-                groups = self._block_group_indices(b)
-                g = self.optimizer.param_groups[groups[0]] if groups else None
-                unscaled = self._lr_written.get(groups[0], (None,))[0] if groups else None
-                block_lrs.append(None if g is None else g.get("initial_lr", unscaled or g["lr"]))
+            block_lrs = [base_lr(self.optimizer, block_groups(self._origin, b), self._lr_written) for b in self.blocks]
         return StageContext(
             step=self.step_count,
             epoch=self.epoch,
@@ -655,6 +559,8 @@ class Freezer:
         )
 
     def _stage(self, event: str) -> Decision:
+        from .distributed import share_decision
+
         decision = Decision()
         error: str | None = None
         if self.decides:
@@ -664,11 +570,11 @@ class Freezer:
                 if not self.distributed:
                     raise
                 error = f"{type(exc).__name__}: {exc}"
-                self._share(decision, error)  # the other ranks raise too instead of waiting for a decision
+                share_decision(self.strategy, decision, error)  # the other ranks raise too instead of waiting
                 raise
             self.last_signals = dict(decision.signals)
         if self.distributed:
-            decision = self._share(decision, error)
+            decision = share_decision(self.strategy, decision, error)
         self._grad_l1 = [0.0] * len(self.blocks)
         self._backward_calls = 0
         for i in decision.freeze:
@@ -678,7 +584,7 @@ class Freezer:
             self.thaw(i, lr=decision.thaw_lr.get(i), reason=decision.reason or self.strategy.name)
         for i, scale in decision.lr_scale.items():
             if self.optimizer is not None:  # without one yet, attach_optimizer checks and applies the factors
-                self._exclusive_groups(self.blocks[i], "a learning-rate factor")
+                exclusive_groups(self.optimizer, self._origin, self.blocks[i], "a learning-rate factor")
             if scale == 1.0:
                 self._lr_scale.pop(i, None)
             else:
@@ -697,29 +603,3 @@ class Freezer:
         if self.guard is not None:
             decision.freeze = [i for i in decision.freeze if not self.guard.blocks_freeze(i)]
         return decision
-
-    def _share(self, decision: Decision, error: str | None) -> Decision:
-        """Rank 0's decision (and stage cadence) on every rank; signals stay on rank 0, which logs them.
-
-        Why: strategies read signals that can differ across ranks (a background thread finishing at another step,
-        float noise in a local statistic); applying rank 0's decision everywhere keeps the frozen sets, and so the
-        DDP wrappers and the weights, identical.
-        """
-        from .distributed import broadcast_object
-
-        payload = None
-        if self.decides:
-            payload = {"error": error, "freeze": list(decision.freeze), "thaw": list(decision.thaw),
-                       "reason": decision.reason, "thaw_lr": dict(decision.thaw_lr),
-                       "lr_scale": dict(decision.lr_scale), "stage_every": self.strategy.stage_every,
-                       "at_epoch_end": self.strategy.at_epoch_end}
-        payload = broadcast_object(payload)
-        if payload["error"] is not None:
-            if self.decides:
-                return decision
-            raise RuntimeError(f"the freezing strategy failed on rank 0: {payload['error']}")
-        self.strategy.stage_every, self.strategy.at_epoch_end = payload["stage_every"], payload["at_epoch_end"]
-        if self.decides:
-            return decision
-        return Decision(freeze=payload["freeze"], thaw=payload["thaw"], reason=payload["reason"],
-                        thaw_lr=payload["thaw_lr"], lr_scale=payload["lr_scale"])

@@ -11,7 +11,7 @@ Four ways to run them, one result:
   their traceback. On a CPU the "other device" is another thread (PyTorch releases the GIL inside ops); on GPUs,
   another card or a side CUDA stream.
 * :func:`precompute` — run the frozen models once over a dataset and store their outputs per sample (in the
-  :class:`~layerfreeze.cache.ActivationCache`, memory then checksummed safetensors shards); training then reads
+  :class:`~layerfreeze.store.ActivationCache`, memory then checksummed safetensors shards); training then reads
   them (:class:`PrecomputedDataset`).
 * :class:`FrozenDifferentiable` — a frozen model *in the gradient path*: the base denoiser a ControlNet feeds
   (Zhang, Rao, Agrawala, "Adding Conditional Control to Text-to-Image Diffusion Models", ICCV 2023; diffusers
@@ -50,7 +50,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from .cache import ActivationCache
+from .store import ActivationCache
 
 
 class NonFiniteOutputError(FloatingPointError):

@@ -17,7 +17,7 @@ only after a full run) -- the best any policy could do on that run". Here, from 
    ``s`` is.
 4. :func:`prefix_step_flops` measures, once per frozen-prefix length ``k``, the training FLOPs of one step with
    blocks ``0..k-1`` frozen by the engine (:class:`~layerfreeze.engine.Freezer`) on a full training batch, the
-   way the trainer measures them (:func:`~layerfreeze.telemetry.measure_flops` on forward + backward);
+   way the trainer measures them (:func:`~layerfreeze.measure.measure_flops` on forward + backward);
    :func:`oracle_flops` sums the schedule's per-step FLOPs over the run.
 5. :func:`schedule_gap`: how far a strategy's freeze steps are from the oracle's, as a fraction of the run.
 """
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .blocks import output_tensor
+from .probe import block_modules, probe_outputs
 from .smartfrz.labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_WINDOW, freezable_from_cka, linear_cka
 
 #: Probe samples (the smartfrz collector's probe batches are of this order too).
@@ -75,9 +75,7 @@ class ProbeRecorder:
         self.total_steps = 0
         self._every = 1
         self._probe: dict[str, torch.Tensor] | None = None
-        self._outputs: list[torch.Tensor | None] = []
-        self._handles: list[Any] = []
-        self._enabled = False
+        self._modules: dict[int, nn.Module] = {}
 
     def _setup(self, trainer: Any) -> None:
         blocks = trainer.freezer.blocks
@@ -91,15 +89,7 @@ class ProbeRecorder:
         loader = DataLoader(trainer.train_set, batch_sampler=[idx], generator=torch.Generator())
         self._probe = {k: v.to(trainer.device) for k, v in next(iter(loader)).items()}
         self.factors = [[] for _ in blocks]
-        self._outputs = [None] * len(blocks)
-        self._handles = [b.modules[-1][1].register_forward_hook(self._hook(b.index)) for b in blocks]
-
-    def _hook(self, i: int) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self._enabled:
-                return
-            self._outputs[i] = output_tensor(output).detach()
-        return hook
+        self._modules = block_modules(blocks)
 
     def __call__(self, trainer: Any) -> None:
         if self._probe is None:
@@ -111,32 +101,19 @@ class ProbeRecorder:
             return
         self.record(trainer.model, trainer.task.forward)
         self.steps.append(step)
-        if step >= self.total_steps:
-            self.close()
 
-    @torch.no_grad()
     def record(self, model: nn.Module, forward: Any) -> None:
-        """One record: the probe batch through ``model`` in eval mode; every module's mode is restored after."""
-        modes = [(m, m.training) for m in model.modules()]
-        model.eval()
-        self._enabled = True
-        try:
-            forward(model, self._probe)
-        finally:
-            self._enabled = False
-            for m, mode in modes:
-                m.training = mode
-        for i, out in enumerate(self._outputs):
-            if out is None:
-                raise RuntimeError(f"block {self.blocks[i]} produced no output on the probe batch")
-            self.factors[i].append(gram_factor(out.cpu()))
-            self._outputs[i] = None
+        """One record: the probe batch through ``model`` in eval mode, no grad, every module's mode restored after
+        (:func:`~layerfreeze.probe.probe_outputs`).
 
-    def close(self) -> None:
-        """Remove the forward hooks (done at the last step)."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        Raises:
+            RuntimeError: a block produced no tensor output on the probe batch.
+        """
+        outputs = probe_outputs(model, self._modules, lambda m: forward(m, self._probe))
+        for i, name in enumerate(self.blocks):
+            if i not in outputs:
+                raise RuntimeError(f"block {name} produced no output on the probe batch")
+            self.factors[i].append(gram_factor(outputs[i].cpu()))
 
     def cka(self) -> list[list[float]]:
         """Per block, the linear CKA of every record to the last one (see :func:`cka_to_final`)."""
@@ -220,14 +197,14 @@ def prefix_step_flops(config: Any, prefixes: Iterable[int]) -> dict[int, int]:
     Builds the config's task afresh (same model, data and blocks as its run), takes the first batch of the first
     epoch (a full batch of ``train.batch_size``, as the trainer measures on), freezes the prefix with the engine's
     :class:`~layerfreeze.engine.Freezer` (no optimizer: only ``requires_grad`` and modes matter for the count) and
-    counts with :func:`~layerfreeze.telemetry.measure_flops`. The optimizer step is left out: FlopCounterMode counts
+    counts with :func:`~layerfreeze.measure.measure_flops`. The optimizer step is left out: FlopCounterMode counts
     none of its element-wise work, so the trainer's per-step number is the same.
     """
-    from . import telemetry as tm
     from .blocks import discover_blocks
     from .engine import Freezer
+    from .measure import measure_flops
     from .tasks import build_task
-    from .trainer import epoch_batches, resolve_device, seed_everything
+    from .train_setup import epoch_batches, resolve_device, seed_everything
 
     seed_everything(config.train.seed)
     task = build_task(config)
@@ -252,7 +229,7 @@ def prefix_step_flops(config: Any, prefixes: Iterable[int]) -> dict[int, int]:
                 raise ValueError(f"prefix length {k} out of range 0..{len(blocks) - 1} (the head is never frozen)")
             for i in range(k):
                 freezer.freeze(i, reason="oracle")
-            out[k] = tm.measure_flops(step)[1]
+            out[k] = measure_flops(step)[1]
     finally:
         freezer.close()
     return out

@@ -1,22 +1,22 @@
-"""Telemetry for a training run.
+"""A training run's logging: metrics.jsonl records, TensorBoard, and the formatted end-of-run summary.
 
-What is recorded, and where:
+What is recorded, and where (names and record kinds: :mod:`layerfreeze.rundir`):
 
 * ``<run_dir>/metrics.jsonl``: one JSON object per line, appended and flushed
   as it is written, so a crash keeps every complete record.  Each record has a
   ``"type"`` (``"step"``, ``"epoch"``, ``"event"`` or ``"config"``) and a
-  ``"time"`` (Unix time, seconds).  Read it back with :func:`read_metrics`.
+  ``"time"`` (Unix time, seconds).  Read it back with
+  :func:`layerfreeze.rundir.read_metrics`.
 * ``<run_dir>/tensorboard/``: TensorBoard event files written by
   :class:`torch.utils.tensorboard.SummaryWriter` (scalars ``train/<name>``,
   ``epoch/<name>``, ``blocks/frozen_count``; text ``events`` and ``config``).
-* Training FLOPs measured with :func:`measure_flops`
-  (:class:`torch.utils.flop_counter.FlopCounterMode`).
-* Peak memory: :func:`reset_peak_memory` / :func:`peak_memory_bytes`
-  (CUDA allocator statistics on CUDA, process peak RSS otherwise).
+* A strategy's signals as telemetry fields (:func:`signals_of`).
 * An end-of-run summary table (:func:`summary_table`, :func:`print_summary`)
-  rendered with ``rich``.
+  rendered with ``rich``; FLOPs, bytes and durations formatted for people
+  (:func:`format_flops`, :func:`format_bytes`, :func:`format_seconds`).
 
-Progress bars are not handled here; the trainer owns them.
+What is measured (FLOPs, memory) is :mod:`layerfreeze.measure`. Progress bars are not handled here; the trainer
+owns them.
 """
 
 from __future__ import annotations
@@ -27,199 +27,29 @@ import json
 import math
 import numbers
 import os
-import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
-import psutil
 import torch
 from rich.console import Console
 from rich.table import Table
-from torch.utils.flop_counter import FlopCounterMode
+
+from . import rundir
+from .rundir import Event, Record
 
 __all__ = [
-    "METRICS_FILENAME",
-    "TENSORBOARD_DIRNAME",
+    "NullTelemetry",
     "Telemetry",
-    "current_memory_bytes",
     "format_bytes",
     "format_flops",
-    "measure_flops",
-    "peak_memory_bytes",
+    "format_seconds",
     "print_summary",
-    "read_metrics",
-    "reset_peak_memory",
+    "signals_of",
     "summary_table",
 ]
-
-T = TypeVar("T")
-
-METRICS_FILENAME = "metrics.jsonl"
-TENSORBOARD_DIRNAME = "tensorboard"
-
-_PROC_STATUS = "/proc/self/status"
-_PROC_CLEAR_REFS = "/proc/self/clear_refs"
-
-
-# --------------------------------------------------------------------------- #
-# FLOPs
-# --------------------------------------------------------------------------- #
-def _conv_backward_flops(grad_out_shape: Any, x_shape: Any, w_shape: Any, _bias: Any, _stride: Any,
-                         _padding: Any, _dilation: Any, transposed: bool, _output_padding: Any, groups: int,
-                         output_mask: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    """FLOPs of ``aten.convolution_backward``: torch's formula with the weight gradient of a grouped convolution
-    divided by ``groups``.
-
-    Why: torch's ``conv_backward_flop`` (2.x) computes the weight gradient's count as a convolution of all input
-    channels with all output channels, ignoring groups, while each output channel only sees ``C_in / groups``
-    input channels. A depthwise convolution (``groups = channels``) had its weight gradient counted ``channels``
-    times too large: MobileNetV2's backward came out at 19x its forward, and freezing its depthwise convs looked
-    like a far larger saving than it is. The input gradient's count already uses the grouped weight shape.
-    """
-    from torch.utils.flop_counter import conv_flop_count
-
-    def t(shape: Any) -> list[int]:
-        return [shape[1], shape[0], *shape[2:]]
-
-    flops = 0
-    if output_mask[0]:  # grad_input as a transposed convolution of grad_output with the weight
-        flops += conv_flop_count(list(grad_out_shape), list(w_shape), list(out_shape[0]), not transposed)
-    if output_mask[1]:  # grad_weight as a convolution of the input with grad_output, per group
-        a, b = (grad_out_shape, x_shape) if transposed else (x_shape, grad_out_shape)
-        flops += conv_flop_count(t(a), t(b), t(out_shape[1]), transposed=False) // max(1, groups)
-    return flops
-
-
-def measure_flops(fn: Callable[[], T]) -> tuple[T, int]:
-    """Run ``fn()`` once and count the floating-point operations it executes.
-
-    ``fn`` should be a real training step (forward + backward, optionally the
-    optimizer step).  It runs inside
-    ``torch.utils.flop_counter.FlopCounterMode(display=False)``, which counts
-    the FLOPs of the matmul / convolution / attention ops that are *actually
-    dispatched* (one multiply-add = 2 FLOPs).  Consequently backward work that
-    autograd skips for frozen blocks is not counted: a frozen block computes no
-    weight gradients, and blocks before the first trainable block compute no
-    input gradients either, so freezing a prefix of the network lowers the
-    count.  Elementwise ops (activations, norms, bias-gradient reductions,
-    optimizer updates) are not counted, so the number is a lower bound on the
-    true arithmetic, dominated in practice by the matmuls/convs.
-
-    Convolution backward is counted with :func:`_conv_backward_flops`
-    (torch's formula, except that the weight gradient of a grouped convolution
-    is divided by ``groups``: torch counts it as a dense convolution).
-
-    Args:
-        fn: zero-argument callable to run.
-
-    Returns:
-        ``(result, flops)``: whatever ``fn`` returned and the total FLOPs
-        counted (an ``int``).
-
-    Raises:
-        Whatever ``fn`` raises; it is not caught.
-    """
-    counter = FlopCounterMode(display=False,
-                              custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flops})
-    with counter:
-        result = fn()
-    return result, int(counter.get_total_flops())
-
-
-# --------------------------------------------------------------------------- #
-# Memory
-# --------------------------------------------------------------------------- #
-def _as_device(device: torch.device | str) -> torch.device:
-    return device if isinstance(device, torch.device) else torch.device(device)
-
-
-def _read_vm_hwm() -> int | None:
-    """Peak resident set size of this process from /proc (bytes), or None."""
-    try:
-        with open(_PROC_STATUS, encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    # "VmHWM:     1764 kB"
-                    parts = line.split()
-                    return int(parts[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _ru_maxrss_bytes() -> int:
-    import resource
-
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux/BSD report kilobytes; macOS reports bytes.
-    return int(maxrss) if sys.platform == "darwin" else int(maxrss) * 1024
-
-
-def reset_peak_memory(device: torch.device | str) -> None:
-    """Reset the peak-memory counter read by :func:`peak_memory_bytes`.
-
-    * CUDA devices: ``torch.cuda.reset_peak_memory_stats(device)``.
-    * Any other device (CPU, ...): best effort reset of the process's peak
-      RSS by writing ``"5"`` to ``/proc/self/clear_refs`` (Linux resets
-      ``VmHWM`` to the current RSS that way).  If the file is absent or not
-      writable (non-Linux, restricted containers) the ``OSError`` is ignored
-      and the peak keeps covering the whole process lifetime.
-
-    Raises:
-        RuntimeError: from ``torch.cuda`` if a CUDA device is given but CUDA
-            is not available.
-    """
-    dev = _as_device(device)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-        return
-    try:
-        with open(_PROC_CLEAR_REFS, "w", encoding="ascii") as fh:
-            fh.write("5")
-    except OSError:
-        pass
-
-
-def peak_memory_bytes(device: torch.device | str) -> int:
-    """Peak memory in bytes since the last :func:`reset_peak_memory`.
-
-    * CUDA devices: ``torch.cuda.max_memory_allocated(device)`` (tensor
-      memory held by PyTorch's caching allocator, not the reserved pool).
-    * Any other device: the process's peak resident set size, ``VmHWM`` from
-      ``/proc/self/status``; where /proc is not available,
-      ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (peak over the whole
-      process lifetime, never reset).
-
-    Raises:
-        RuntimeError: from ``torch.cuda`` if a CUDA device is given but CUDA
-            is not available.
-    """
-    dev = _as_device(device)
-    if dev.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(dev))
-    hwm = _read_vm_hwm()
-    if hwm is not None:
-        return hwm
-    return _ru_maxrss_bytes()
-
-
-def current_memory_bytes(device: torch.device | str) -> int:
-    """Memory in use now, in bytes.
-
-    CUDA devices: ``torch.cuda.memory_allocated(device)``; any other device:
-    the process's resident set size (``psutil.Process().memory_info().rss``).
-
-    Raises:
-        RuntimeError: from ``torch.cuda`` if a CUDA device is given but CUDA
-            is not available.
-    """
-    dev = _as_device(device)
-    if dev.type == "cuda":
-        return int(torch.cuda.memory_allocated(dev))
-    return int(psutil.Process(os.getpid()).memory_info().rss)
 
 
 # --------------------------------------------------------------------------- #
@@ -314,7 +144,7 @@ class Telemetry:
     def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.run_dir / METRICS_FILENAME
+        self.metrics_path = self.run_dir / rundir.METRICS_FILE
         _drop_partial_last_line(self.metrics_path)
         self._fh = open(self.metrics_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
         self._writer = None
@@ -322,7 +152,7 @@ class Telemetry:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard_dir = self.run_dir / TENSORBOARD_DIRNAME
+            self.tensorboard_dir = self.run_dir / rundir.TENSORBOARD_DIR
             try:
                 self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir))
             except BaseException:
@@ -374,7 +204,7 @@ class Telemetry:
         """
         self._check_open()
         self._check_names(metrics, "log_step")
-        self._write({"type": "step", "step": int(step), "time": time.time(), **metrics})
+        self._write({"type": Record.STEP, "step": int(step), "time": time.time(), **metrics})
         self._scalars("train", int(step), metrics)
 
     def log_epoch(self, epoch: int, step: int, **metrics: Any) -> None:
@@ -391,7 +221,7 @@ class Telemetry:
         self._check_open()
         self._check_names(metrics, "log_epoch")
         self._write(
-            {"type": "epoch", "epoch": int(epoch), "step": int(step), "time": time.time(), **metrics}
+            {"type": Record.EPOCH, "epoch": int(epoch), "step": int(step), "time": time.time(), **metrics}
         )
         self._scalars("epoch", int(step), metrics)
         if self._writer is not None:
@@ -417,10 +247,10 @@ class Telemetry:
         clash = (_RESERVED - {"epoch"}).intersection(fields)
         if clash:
             raise ValueError(f"log_event: reserved field name(s) {sorted(clash)}")
-        self._write({"type": "event", "kind": kind, "step": int(step), "time": time.time(), **fields})
+        self._write({"type": Record.EVENT, "kind": kind, "step": int(step), "time": time.time(), **fields})
         if self._writer is None:
             return
-        if kind in ("freeze", "thaw"):
+        if kind in (Event.FREEZE, Event.THAW):
             details = ", ".join(f"{k}={_dumps_value(v)}" for k, v in fields.items())
             text = f"step {int(step)}: **{kind}**" + (f" ({details})" if details else "")
             self._writer.add_text("events", text, global_step=int(step))
@@ -444,7 +274,7 @@ class Telemetry:
         self._check_open()
         if not isinstance(config, Mapping):
             raise TypeError(f"log_config: config must be a mapping, got {type(config).__qualname__}")
-        self._write({"type": "config", "time": time.time(), "config": dict(config)})
+        self._write({"type": Record.CONFIG, "time": time.time(), "config": dict(config)})
         if self._writer is not None:
             pretty = json.dumps(dict(config), default=_json_default, indent=2, ensure_ascii=False)
             # Indented lines render as a code block in TensorBoard's markdown.
@@ -528,38 +358,26 @@ def _drop_partial_last_line(path: Path) -> None:
         fh.truncate(keep)
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Parse ``metrics.jsonl`` into a list of records, in file order.
+class NullTelemetry:
+    """What ranks other than 0 log to: nothing (rank 0 writes the run's metrics, TensorBoard and summary)."""
 
-    Args:
-        run_dir: the run directory (or the path of the ``.jsonl`` file itself).
+    def _ignore(self, *args: Any, **kwargs: Any) -> None:
+        return None
 
-    Blank lines are skipped.  A final line that is not valid JSON is taken to
-    be a record truncated by a crash and is skipped silently.
+    log_step = log_epoch = log_event = log_config = flush = close = _ignore
 
-    Raises:
-        FileNotFoundError: no metrics file.
-        ValueError: a line other than the last is not valid JSON, or a line
-            is not a JSON object; the message names the file and line number.
-    """
-    path = Path(run_dir)
-    if path.is_dir():
-        path = path / METRICS_FILENAME
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        lines = fh.read().split("\n")
-    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
-    records: list[dict[str, Any]] = []
-    for pos, (lineno, line) in enumerate(numbered):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            if pos == len(numbered) - 1:
-                break  # truncated final record
-            raise ValueError(f"{path}: line {lineno} is not valid JSON: {err.msg}") from err
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}: line {lineno} is not a JSON object")
-        records.append(record)
-    return records
+
+def signals_of(decision: Any) -> dict[str, Any]:
+    """A stage's strategy signals for telemetry, as ``signal_<name>``: numbers, and lists of numbers per block
+    (NaN where a block has no value); None when no stage ran."""
+    if decision is None:
+        return {}
+    out = {}
+    for name, value in decision.signals.items():
+        if isinstance(value, (int, float)) or (isinstance(value, list) and all(
+                isinstance(v, (int, float)) or v is None for v in value)):
+            out[f"signal_{name}"] = value
+    return out
 
 
 # --------------------------------------------------------------------------- #

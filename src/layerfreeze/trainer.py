@@ -22,10 +22,8 @@ every rank's RNG state) and the summary. A rank that dies makes the others stop 
 
 from __future__ import annotations
 
-import json
+import functools
 import math
-import os
-import random
 import signal
 import threading
 import time
@@ -34,163 +32,38 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from . import distributed as dist_
+from . import measure, rundir
 from . import telemetry as tm
 from .blocks import discover_blocks
-from .cache import ActivationCache, CachedPrefix, check_deterministic
+from .cache import CachedPrefix, check_deterministic
 from .checkpoint import CheckpointStore, load_checkpoint, rng_state, set_rng_state
 from .config import Config, ConfigError
-from .engine import Freezer, block_param_groups
+from .engine import Freezer
+from .evaluation import evaluate, evaluate_sharded
+from .forward_split import split_for
 from .guard import StabilityGuard
 from .integrity import FrozenWeightsChangedError, UnfrozenParameterError
-from .forward_split import split_for
-from .strategies import Strategy, create_strategy
+from .rundir import Event
+from .store import ActivationCache
 from .tasks import Task, build_task
-
-CHECKPOINT_DIR = "checkpoint"
-CONFIG_FILE = "config.json"
-SUMMARY_FILE = "summary.json"
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (CPU and CUDA)."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> CUDA when available, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"run.device is {name!r} but CUDA is not available on this machine; use cpu or auto")
-    return torch.device(name)
-
-
-def no_weight_decay(name: str, param: nn.Parameter) -> bool:
-    """Biases and normalisation weights (1-D tensors) get no weight decay (the usual BERT/ResNet practice)."""
-    return param.ndim <= 1
-
-
-def lr_lambda(total_steps: int, warmup_steps: int, schedule: str) -> Callable[[int], float]:
-    """Multiplier of the base LR at a step: linear warm-up to 1, then linear/cosine decay to 0 (or constant)."""
-
-    def factor(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        progress = min(1.0, progress)
-        return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """The batches of one epoch: a permutation of ``range(n)`` from ``seed + epoch``, cut into batches.
-
-    Deterministic, so a resumed run replays exactly the batches the interrupted one had left.
-    """
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    perm = torch.randperm(n, generator=g).tolist()
-    return [perm[i : i + batch_size] for i in range(0, n, batch_size)]
+from .train_setup import (
+    build_optimizer,
+    build_scheduler,
+    build_strategy,
+    epoch_batches,
+    holdout,
+    resolve_device,
+    seed_everything,
+)
 
 
 def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-@torch.no_grad()
-def evaluate_sums(task: Task, model: nn.Module, device: torch.device, batch_size: int,
-                  dataset: Dataset | None = None) -> tuple[float, float, int]:
-    """``(summed loss, summed metric, count)`` on ``dataset`` (default: the task's test set), from
-    ``task.objective.sums`` (classification: correct predictions over samples; LM: token losses over tokens).
-
-    Leaves the model in eval mode; the training loop switches it back.
-    """
-    model.eval()
-    loader = DataLoader(task.test_set if dataset is None else dataset, batch_size=batch_size, shuffle=False,
-                        generator=torch.Generator())  # own generator: keep the global RNG untouched
-    total_loss, total_metric, count = 0.0, 0.0, 0
-    for batch in loader:
-        batch = _to(batch, device)
-        loss_sum, metric_sum, n = task.objective.sums(task.forward(model, batch), batch)
-        total_loss, total_metric, count = total_loss + loss_sum, total_metric + metric_sum, count + n
-    return total_loss, total_metric, count
-
-
-def evaluate(task: Task, model: nn.Module, device: torch.device, batch_size: int,
-             dataset: Dataset | None = None) -> tuple[float, float]:
-    """Mean loss and the task's metric on ``dataset`` (default: the task's test set): accuracy (fraction in [0, 1])
-    for a classifier, perplexity for a language model (``task.objective.metric`` names it).
-
-    Leaves the model in eval mode; the training loop switches it back.
-    """
-    return task.objective.finish(*evaluate_sums(task, model, device, batch_size, dataset))
-
-
-def signals_of(decision: Any) -> dict[str, Any]:
-    """A stage's strategy signals for telemetry, as ``signal_<name>``: numbers, and lists of numbers per block
-    (NaN where a block has no value); None when no stage ran."""
-    if decision is None:
-        return {}
-    out = {}
-    for name, value in decision.signals.items():
-        if isinstance(value, (int, float)) or (isinstance(value, list) and all(
-                isinstance(v, (int, float)) or v is None for v in value)):
-            out[f"signal_{name}"] = value
-    return out
-
-
-def holdout(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
-    """Split ``dataset`` into (train, validation) with a fixed permutation from ``seed``; validation gets
-    ``ceil(fraction * n)`` samples (at least 1). Raises ValueError when nothing would be left to train on."""
-    n = len(dataset)
-    n_val = max(1, math.ceil(fraction * n))
-    if n_val >= n:
-        raise ConfigError(f"freeze.guard.val_fraction {fraction} leaves no training data ({n} samples)")
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return Subset(dataset, sorted(perm[n_val:])), Subset(dataset, sorted(perm[:n_val]))
-
-
-def build_strategy(config: Config, num_blocks: int) -> Strategy:
-    """The config's strategy, its parameters checked against a model of ``num_blocks`` blocks (``static``'s k
-    must leave the head trainable, ...).
-
-    Raises:
-        ConfigError: a parameter does not fit the model (the message says what to change).
-    """
-    strategy = create_strategy(config.freeze.strategy, **config.freeze.params)
-    try:
-        strategy.validate(num_blocks)
-    except ValueError as exc:
-        raise ConfigError(f"freeze.params: {exc}") from None
-    return strategy
-
-
-def check_run_dir(run_dir: Path, resuming: bool = False) -> None:
-    """Refuse a run folder that would mix two runs: one that already holds a run (its ``config.json``) when not
-    resuming it, a finished run (its ``summary.json``) when resuming it, or a path that is a file.
-
-    Raises:
-        ConfigError: with what to do instead.
-    """
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"run dir {run_dir} is a file, not a folder; pick another --run-dir")
-    if resuming and (run_dir / SUMMARY_FILE).is_file():
-        raise ConfigError(f"run dir {run_dir}: this run already finished (it has a summary.json); nothing to resume. "
-                          "Start a new run with another --run-dir")
-    if not resuming and (run_dir / CONFIG_FILE).is_file():
-        raise ConfigError(f"run dir {run_dir} already holds a run; continue it with `layerfreeze train --resume "
-                          f"{run_dir}` or pick another --run-dir")
 
 
 class Trainer:
@@ -210,7 +83,7 @@ class Trainer:
 
     Raises:
         ConfigError: at construction, when the run folder already holds a run and the config does not resume it,
-            or is a file (:func:`check_run_dir`).
+            or is a file (:func:`~layerfreeze.rundir.check_run_dir`).
         ConfigError, AssetMissingError, BlockDiscoveryError: from :meth:`run`, before training starts: bad config,
             missing asset, undiscoverable blocks.
     """
@@ -222,7 +95,7 @@ class Trainer:
         self.step_callbacks = list(step_callbacks or [])
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(run_dir or config.run.dir or f"runs/{config.task}-{config.freeze.strategy}-{stamp}")
-        check_run_dir(self.run_dir, resuming=bool(config.run.resume))
+        rundir.check_run_dir(self.run_dir, resuming=bool(config.run.resume))
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -244,15 +117,7 @@ class Trainer:
         model = self.task.model.to(self.device)
         blocks = discover_blocks(model, cfg.model.blocks)
         strategy = build_strategy(cfg, len(blocks))
-        groups = block_param_groups(model, blocks, cfg.train.lr, cfg.train.weight_decay, cfg.train.lr_decay,
-                                    no_decay=no_weight_decay)
-        for group in groups:  # weights frozen before training (LoRA's base model) never enter the optimizer
-            group["params"] = [p for p in group["params"] if p.requires_grad]
-        if cfg.train.optimizer == "adamw":
-            self.optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-        else:
-            self.optimizer = torch.optim.SGD(groups, lr=cfg.train.lr, momentum=cfg.train.momentum,
-                                             weight_decay=cfg.train.weight_decay)
+        self.optimizer = build_optimizer(cfg, model, blocks)
         self.train_set, self.val_set, self.guard = self.task.train_set, None, None
         if cfg.freeze.guard is not None:
             g = cfg.freeze.guard
@@ -261,15 +126,13 @@ class Trainer:
         self.batches_per_epoch = math.ceil(len(self.train_set) / cfg.train.batch_size)
         planned = self.batches_per_epoch * cfg.train.epochs
         self.total_steps = min(planned, cfg.train.max_steps) if cfg.train.max_steps else planned
-        warmup = int(cfg.train.warmup_fraction * self.total_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(self.total_steps, warmup, cfg.train.schedule)
-        )
+        self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.telemetry: tm.Telemetry | _NoTelemetry = tm.Telemetry(self.run_dir, tensorboard=cfg.run.tensorboard)
+            self.telemetry: tm.Telemetry | tm.NullTelemetry = tm.Telemetry(self.run_dir,
+                                                                            tensorboard=cfg.run.tensorboard)
         else:
-            self.telemetry = _NoTelemetry()
+            self.telemetry = tm.NullTelemetry()
         self.freezer = Freezer(
             model, self.optimizer, strategy, blocks=blocks, train_bn=cfg.freeze.train_bn, scheduler=self.scheduler,
             total_steps=self.total_steps, steps_per_epoch=self.batches_per_epoch, guard=self.guard,
@@ -284,7 +147,7 @@ class Trainer:
             self.ddp = dist_.FreezeDDP(model, self.freezer, forward, device_ids=device_ids,
                                        on_rebuild=self._on_rebuild)
         if self.is_main:
-            (self.run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
+            rundir.write_config(self.run_dir, cfg.model_dump(mode="json"))
 
     def _make_cache_runner(self, blocks: list) -> CachedPrefix | None:
         """The cached forward (``freeze.cache``), or None to use the task's plain forward.
@@ -301,10 +164,10 @@ class Trainer:
         except ValueError as exc:  # CacheRefused is a ValueError
             if cfg.mode == "on":
                 raise ConfigError(f"freeze.cache.mode is on but the frozen prefix cannot be cached: {exc}") from None
-            self.telemetry.log_event("cache_off", 0, reason=str(exc))
+            self.telemetry.log_event(Event.CACHE_OFF, 0, reason=str(exc))
             return None
         dtype = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[cfg.dtype]
-        directory = self.run_dir / "cache" / (f"rank{self.rank}" if self.distributed else "")
+        directory = rundir.cache_dir(self.run_dir, self.rank if self.distributed else None)
         cache = ActivationCache(int(cfg.budget_mb * 2**20), dtype, directory=directory)
         return CachedPrefix(self.model, blocks, split, cache, freezer=self.freezer, fallback=cfg.mode == "auto")
 
@@ -314,7 +177,7 @@ class Trainer:
 
     def _on_rebuild(self, record: dict[str, Any]) -> None:
         """Telemetry of a DDP rebuild (its time counts in the step that triggered it)."""
-        self.telemetry.log_event("ddp_rebuild", record["step"], **{k: v for k, v in record.items() if k != "step"})
+        self.telemetry.log_event(Event.DDP_REBUILD, record["step"], **{k: v for k, v in record.items() if k != "step"})
 
     def _checkpoint_due(self) -> bool:
         """A periodic checkpoint is due after this step: every ``run.checkpoint_every_steps`` steps, or when
@@ -349,7 +212,7 @@ class Trainer:
         self.progress["checkpoints"] = self.progress.get("checkpoints", 0) + 1
         self.progress["checkpoint_time_s"] = self.progress.get("checkpoint_time_s", 0.0) + seconds
         self._last_checkpoint_time = time.monotonic()
-        self.telemetry.log_event("checkpoint", self.progress["step"], epoch=epoch, batch_in_epoch=batch_in_epoch,
+        self.telemetry.log_event(Event.CHECKPOINT, self.progress["step"], epoch=epoch, batch_in_epoch=batch_in_epoch,
                                  reason=reason, path=str(path), checkpoint_s=seconds)
         return path
 
@@ -361,7 +224,7 @@ class Trainer:
             ``(epoch, batch_in_epoch)`` to continue from.
         """
         try:
-            if (path / "state.pt").is_file() and not (path / CHECKPOINT_DIR).exists():
+            if (path / "state.pt").is_file() and not (path / rundir.CHECKPOINT_LINK).exists():
                 ckpt, extra = path, load_checkpoint(path, self.model, self.optimizer, self.freezer, self.scheduler)
             else:
                 with warnings.catch_warnings(record=True) as caught:
@@ -371,19 +234,19 @@ class Trainer:
                 for w in caught:
                     if self.is_main:
                         tqdm.write(f"resume: {w.message}")
-                    self.telemetry.log_event("checkpoint_skipped", 0, reason=str(w.message))
+                    self.telemetry.log_event(Event.CHECKPOINT_SKIPPED, 0, reason=str(w.message))
         except FileNotFoundError:
             if self.is_main:
                 tqdm.write(f"resume: {path} has no checkpoint yet (the run stopped before its first one): "
                            "starting it again from the beginning")
-            self.telemetry.log_event("resumed", 0, epoch=0, path=None, from_start=True)
+            self.telemetry.log_event(Event.RESUMED, 0, epoch=0, path=None, from_start=True)
             return 0, 0
         rngs = extra.get("rng_ranks")
         if self.distributed and rngs is not None and len(rngs) == self.world:
             set_rng_state(rngs[self.rank])  # each rank continues its own dropout stream
         saved_world = extra.get("world_size", 1)
         self.progress.update(extra["progress"])
-        self.telemetry.log_event("resumed", self.progress["step"], epoch=extra["epoch"], path=str(ckpt),
+        self.telemetry.log_event(Event.RESUMED, self.progress["step"], epoch=extra["epoch"], path=str(ckpt),
                                  world_size=self.world, saved_world_size=saved_world)
         if saved_world != self.world:
             tqdm.write(f"resuming a run saved on {saved_world} rank(s) on {self.world}: same global batches and "
@@ -416,7 +279,7 @@ class Trainer:
             callback(self)
         if self.ddp is not None:
             self.ddp.sync()  # the first build's bytes/time are logged before step 1, a resume's rebuild too
-        tm.reset_peak_memory(self.device)
+        measure.reset_peak_memory(self.device)
         wall_start = time.perf_counter()
         measured_for: tuple[Any, ...] | None = None
         epoch, done_in_epoch = start_epoch, skip
@@ -451,13 +314,14 @@ class Trainer:
                     remeasure = key != measured_for
                     t0 = time.perf_counter()
                     if remeasure:
-                        loss, flops = tm.measure_flops(lambda: self._train_step(batch, n, local))
+                        loss, flops = measure.measure_flops(
+                            functools.partial(self._train_step, batch, n, local))
                         self.progress["flops_per_step"] = flops
                         if self.progress["flops_first"] is None:
                             self.progress["flops_first"] = flops
                         measured_for = key
-                        self.telemetry.log_event("flops_remeasured", self.progress["step"] + 1, flops_per_step=flops,
-                                                 frozen_blocks=self.freezer.frozen_blocks)
+                        self.telemetry.log_event(Event.FLOPS_REMEASURED, self.progress["step"] + 1,
+                                                 flops_per_step=flops, frozen_blocks=self.freezer.frozen_blocks)
                     else:
                         loss = self._train_step(batch, n, local)
                     decision = self.freezer.step()  # timed: a strategy's own cost counts against it
@@ -481,7 +345,7 @@ class Trainer:
                         step_time_s=step_time, samples_per_s=n / step_time,
                         flops_per_step=self.progress["flops_per_step"], flops_total=self.progress["flops_total"],
                         frozen_count=sum(self.freezer.frozen), frozen_prefix=self.freezer.frozen_prefix,
-                        peak_memory_bytes=tm.peak_memory_bytes(self.device), **signals_of(decision), **comm,
+                        peak_memory_bytes=measure.peak_memory_bytes(self.device), **tm.signals_of(decision), **comm,
                     )
                     if comm:
                         self._track_comm(comm["grad_bytes_allreduced"])
@@ -508,7 +372,7 @@ class Trainer:
             # A failure on one rank leaves the others inside a collective: no collective checkpoint then; the last
             # complete one stays, and a lost peer is named.
             path = self._checkpoint(epoch, done_in_epoch, reason=type(exc).__name__) if coordinated else None
-            self.telemetry.log_event("interrupted", self.progress["step"], epoch=epoch, error=repr(exc),
+            self.telemetry.log_event(Event.INTERRUPTED, self.progress["step"], epoch=epoch, error=repr(exc),
                                      checkpoint=str(path) if path else None)
             self.telemetry.close()
             lost = None if coordinated or self.watchdog is None else self.watchdog.explain(exc)
@@ -645,15 +509,12 @@ class Trainer:
                            "frozen_blocks": len(self.freezer.frozen_blocks)})
 
     def _evaluate(self, dataset: Dataset | None = None) -> tuple[float, float]:
-        """:func:`evaluate` on ``dataset`` (default: the test set); distributed, each rank takes every world-th
-        sample and the sums are all-reduced, so every rank gets the whole set's loss and metric."""
+        """:func:`~layerfreeze.evaluation.evaluate` on ``dataset`` (default: the test set); distributed, sharded
+        over the ranks (:func:`~layerfreeze.evaluation.evaluate_sharded`)."""
         bs = self.config.train.eval_batch_size
         if not self.distributed:
             return evaluate(self.task, self.model, self.device, bs, dataset)
-        dataset = self.task.test_set if dataset is None else dataset
-        part = Subset(dataset, range(self.rank, len(dataset), self.world))
-        sums = evaluate_sums(self.task, self.model, self.device, bs, part) if len(part) else (0.0, 0.0, 0)
-        return self.task.objective.finish(*dist_.all_reduce_sum(list(sums)))
+        return evaluate_sharded(self.task, self.model, self.device, bs, dataset, self.rank, self.world)
 
     def _end_epoch(self, epoch: int, epoch_time: float, train_loss: float) -> None:
         eval_start = time.perf_counter()
@@ -665,7 +526,7 @@ class Trainer:
         self.telemetry.log_epoch(
             epoch, self.progress["step"], train_loss=train_loss, eval_loss=eval_loss, **{f"eval_{metric}": eval_acc},
             epoch_time_s=epoch_time, eval_time_s=eval_time, frozen_blocks=self.freezer.frozen_blocks,
-            peak_memory_bytes=tm.peak_memory_bytes(self.device), **self._cache_stats(),
+            peak_memory_bytes=measure.peak_memory_bytes(self.device), **self._cache_stats(),
         )
         # one line per epoch, also without the progress bar
         if self.is_main:
@@ -676,7 +537,7 @@ class Trainer:
             self._guard_check()
         decision = self.freezer.epoch_end()
         if decision is not None and decision.signals:
-            self.telemetry.log_event("stage", self.progress["step"], epoch=epoch, **signals_of(decision))
+            self.telemetry.log_event(Event.STAGE, self.progress["step"], epoch=epoch, **tm.signals_of(decision))
         self._checkpoint(epoch + 1, 0, reason="epoch_end")
 
     def _cache_stats(self) -> dict[str, Any]:
@@ -716,7 +577,7 @@ class Trainer:
             "flops_total": p["flops_total"],
             "flops_per_step_first": p["flops_first"],
             "flops_per_step_last": p["flops_per_step"],
-            "peak_memory_bytes": tm.peak_memory_bytes(self.device),
+            "peak_memory_bytes": measure.peak_memory_bytes(self.device),
             "blocks": [b.name for b in self.freezer.blocks],
             "frozen_blocks": self.freezer.frozen_blocks,
             "trainable_parameters": self.freezer.trainable_parameters(),
@@ -731,28 +592,9 @@ class Trainer:
             summary.update(grad_bytes_phases=p.get("comm_phases", []), ddp_rebuilds=self.ddp.rebuilds,
                            ddp_rebuild_s=list(self.ddp.rebuild_seconds))
         if self.is_main:
-            _write_atomically(self.run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
+            rundir.write_summary(self.run_dir, summary)
         return summary
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so a kill leaves the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class DivergenceError(RuntimeError):
     """The training loss became non-finite, or sat at chance level for ``run.divergence_window_steps`` steps."""
-
-
-class _NoTelemetry:
-    """What ranks other than 0 log to: nothing (rank 0 writes the run's metrics, TensorBoard and summary)."""
-
-    def _ignore(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    log_step = log_epoch = log_event = log_config = flush = close = _ignore

@@ -31,7 +31,8 @@ def mlp_task(dropout: float = 0.0) -> Task:
         layers.append(nn.Sequential(nn.Linear(width, 24), nn.ReLU(), nn.Dropout(dropout)))
         width = 24
     layers.append(nn.Linear(width, 4))
-    return Task("points", nn.Sequential(*layers), GaussianBlobs(90, seed=1), GaussianBlobs(30, seed=2), 4, "mlp", image_forward)
+    return Task("points", nn.Sequential(*layers), GaussianBlobs(90, seed=1), GaussianBlobs(30, seed=2), 4, "mlp",
+                image_forward)
 
 
 def weight_hashes(model: nn.Module) -> dict[str, str]:

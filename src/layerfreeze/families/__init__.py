@@ -21,9 +21,17 @@ Add a family: write a file with a discoverer decorated by :func:`register_blocks
 before discovery runs; the README's "Add your own model family" shows one.
 """
 
+from . import (  # noqa: E402,F401  (registration order)  # noqa: E402,F401
+    bert,
+    decoder_lm,
+    encoder_decoder,
+    generic,
+    hf_vision,
+    sequential,
+    timm_models,
+    torchvision_cnn,
+    torchvision_vit,
+)
 from .registry import discoverers, register_blocks, register_split, splits, unregister
-
-from . import hf_vision, bert, decoder_lm, encoder_decoder  # noqa: E402,F401  (registration order)
-from . import torchvision_cnn, torchvision_vit, timm_models, sequential, generic  # noqa: E402,F401
 
 __all__ = ["discoverers", "register_blocks", "register_split", "splits", "unregister"]

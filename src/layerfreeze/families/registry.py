@@ -1,10 +1,11 @@
 """The registry of model families: who discovers a model's blocks, who splits its forward for the cache.
 
-timm-style: a family file decorates its discovery function with :func:`register_blocks` and its
-:class:`~layerfreeze.forward_split.ModelSplit` subclass with :func:`register_split`; importing the file registers
-them. :func:`~layerfreeze.blocks.discover_blocks` tries discoverers by ascending ``order`` (then registration
-order) and takes the first that returns blocks; :func:`~layerfreeze.forward_split.split_for` does the same with
-splits. A discoverer must return None for a model that is not of its family, never raise.
+timm-style, like strategies and SmartFRZ recipes (:mod:`layerfreeze.registry`): a family file decorates its
+discovery function with :func:`register_blocks` and its :class:`~layerfreeze.forward_split.ModelSplit` subclass
+with :func:`register_split`; importing the file registers them. :func:`~layerfreeze.blocks.discover_blocks` tries
+discoverers by ascending ``order`` (then registration order) and takes the first that returns blocks;
+:func:`~layerfreeze.forward_split.split_for` does the same with splits. A discoverer must return None for a model
+that is not of its family, never raise.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from ..registry import Registry
+
 Discoverer = Callable[[nn.Module], Any]
 """``(model) -> list[Block] | (list[Block], rule) | None``."""
 
-_DISCOVERERS: list[tuple[int, int, str, Discoverer]] = []
-_SPLITS: list[tuple[int, int, type]] = []
+DISCOVERERS: Registry[Discoverer] = Registry("block discoverer")
+SPLITS: Registry[type] = Registry("forward split")
 T = TypeVar("T")
 
 
@@ -33,17 +36,14 @@ def register_blocks(name: str, order: int = 500) -> Callable[[T], T]:
             precedence over it.
 
     Raises:
-        ValueError: ``name`` is already registered (a family file imported twice under two names, or a clash).
+        ValueError: ``name`` is already registered to another discoverer (a family file imported twice under two
+            names, or a clash).
     """
+    return DISCOVERERS.register(name, order)  # type: ignore[return-value]
 
-    def wrap(fn: T) -> T:
-        if any(n == name for _, _, n, _ in _DISCOVERERS):
-            raise ValueError(f"a block discoverer named {name!r} is already registered")
-        _DISCOVERERS.append((order, len(_DISCOVERERS), name, fn))  # type: ignore[arg-type]
-        _DISCOVERERS.sort(key=lambda t: (t[0], t[1]))
-        return fn
 
-    return wrap
+def _split_key(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def register_split(order: int = 500) -> Callable[[T], T]:
@@ -54,9 +54,8 @@ def register_split(order: int = 500) -> Callable[[T], T]:
     """
 
     def wrap(cls: T) -> T:
-        if not any(c is cls for _, _, c in _SPLITS):
-            _SPLITS.append((order, len(_SPLITS), cls))  # type: ignore[arg-type]
-            _SPLITS.sort(key=lambda t: (t[0], t[1]))
+        if SPLITS.name_of(cls) is None:
+            SPLITS.add(_split_key(cls), cls, order)  # type: ignore[arg-type]
         return cls
 
     return wrap
@@ -64,15 +63,19 @@ def register_split(order: int = 500) -> Callable[[T], T]:
 
 def unregister(name_or_split: str | type) -> None:
     """Remove a discoverer (by family name) or a split class (tests and experiments)."""
-    _DISCOVERERS[:] = [t for t in _DISCOVERERS if t[2] != name_or_split]
-    _SPLITS[:] = [t for t in _SPLITS if t[2] is not name_or_split]
+    if isinstance(name_or_split, str):
+        DISCOVERERS.unregister(name_or_split)
+    else:
+        name = SPLITS.name_of(name_or_split)
+        if name is not None:
+            SPLITS.unregister(name)
 
 
 def discoverers() -> list[tuple[str, Discoverer]]:
     """``(family name, discoverer)`` in the order they are tried."""
-    return [(name, fn) for _, _, name, fn in _DISCOVERERS]
+    return list(DISCOVERERS.items())
 
 
 def splits() -> list[type]:
     """Registered split classes in the order :func:`~layerfreeze.forward_split.split_for` tries them."""
-    return [cls for _, _, cls in _SPLITS]
+    return list(SPLITS.values())

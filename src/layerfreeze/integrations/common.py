@@ -27,7 +27,7 @@ from torch import nn
 from ..blocks import output_tensor
 from ..distributed import frozen_state_names
 from ..engine import Freezer
-from ..trainer import signals_of
+from ..telemetry import signals_of
 
 #: The file each framework checkpoint folder gets for the freezer's state (HF Trainer checkpoints).
 STATE_FILE = "layerfreeze.pt"

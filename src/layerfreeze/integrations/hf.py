@@ -56,11 +56,18 @@ from typing import Any
 
 import torch
 
-from . import require
-from .common import (STATE_FILE, FreezeSession, OptimizerSnapshot, full_optimizer_state_dict, inner_optimizer,
-                     inner_scheduler, is_checkpointing)
 from ..engine import Freezer
 from ..strategies import DEFAULT_STRATEGY, Strategy
+from . import require
+from .common import (
+    STATE_FILE,
+    FreezeSession,
+    OptimizerSnapshot,
+    full_optimizer_state_dict,
+    inner_optimizer,
+    inner_scheduler,
+    is_checkpointing,
+)
 
 transformers = require("transformers", "hf")
 

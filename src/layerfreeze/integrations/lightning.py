@@ -41,10 +41,10 @@ from typing import Any
 
 from torch import nn
 
-from . import require
-from .common import FreezeSession, is_checkpointing
 from ..engine import Freezer
 from ..strategies import DEFAULT_STRATEGY, Strategy
+from . import require
+from .common import FreezeSession, is_checkpointing
 
 L = require("lightning.pytorch", "lightning")
 

@@ -22,10 +22,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .collect import DEFAULT_HOLDOUT, RECIPES
 from .fit import DEFAULT_HISTORY, DEFAULT_MIN_HISTORY, DEFAULT_THRESHOLD, TrainConfig
 from .labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_WINDOW
 from .predictor import PredictorError
+from .recipes import DEFAULT_HOLDOUT, RECIPES
 from .runs import PipelineError
 
 DEFAULT_RUNS_DIR = "runs/smartfrz"
@@ -36,7 +36,8 @@ def _csv(kind: type) -> Any:
         try:
             return [kind(x) for x in text.split(",") if x.strip()]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list of {kind.__name__}, got {text!r}") from None
     return parse
 
 
@@ -47,7 +48,8 @@ def _number(kind: type, low: float, high: float | None = None, low_open: bool = 
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
         ok = (value > low if low_open else value >= low) and (
             high is None or (value < high if high_open else value <= high))
         if not ok:
@@ -125,7 +127,8 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
 
 
 def _collect(args: argparse.Namespace, console: Console) -> int:
-    from .collect import collect, get_recipes
+    from .collect import collect
+    from .recipes import get_recipes
 
     recipes = get_recipes(args.recipes)
     if args.list:

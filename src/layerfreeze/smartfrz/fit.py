@@ -12,7 +12,7 @@ parameters initialised and mini-batches drawn from seeded generators, a fixed nu
 thread count and determinism flag are restored afterwards). The card records a SHA-256 of the training tensors, so
 a reproduction can check it started from the same data.
 
-Split by *recipe*: the held-out recipes (:data:`~layerfreeze.smartfrz.collect.DEFAULT_HOLDOUT`: an unseen
+Split by *recipe*: the held-out recipes (:data:`~layerfreeze.smartfrz.recipes.DEFAULT_HOLDOUT`: an unseen
 architectures and an unseen dataset) are never used for training; every metric in the card is measured on them.
 
 Evaluation (:func:`evaluate`):

@@ -151,7 +151,8 @@ def load_predictor(path: str | Path | None = None) -> tuple[FreezePredictor, dic
     try:
         model.load_state_dict(tensors)
     except RuntimeError as exc:
-        raise PredictorError(f"SmartFRZ predictor file {path} does not match the predictor architecture: {exc}")
+        raise PredictorError(
+            f"SmartFRZ predictor file {path} does not match the predictor architecture: {exc}") from None
     model.eval()
     out: dict[str, Any] = dict(meta)
     out["window"], out["min_window"] = window, min_window

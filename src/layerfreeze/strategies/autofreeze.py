@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from .base import Decision, StageContext, Strategy, is_int, is_number
+from .registry import register_strategy
 
 
 def percentile_linear(values: list[float], q: float) -> float:
@@ -31,6 +32,7 @@ def percentile_linear(values: list[float], q: float) -> float:
     return a[lo] + (a[lo + 1] - a[lo]) * frac
 
 
+@register_strategy("autofreeze")
 class AutoFreeze(Strategy):
     """AutoFreeze's gradient-norm test: every ``interval`` steps, freeze the front blocks that changed least.
 
@@ -79,7 +81,6 @@ class AutoFreeze(Strategy):
     ``grad_l1`` (the ``cur`` values; NaN for frozen blocks and the head).
     """
 
-    name = "autofreeze"
     signals = ("grad_l1",)
 
     def __init__(self, interval: int = 50, percentile: float = 50.0) -> None:

@@ -106,7 +106,8 @@ class Decision:
 class Strategy:
     """Base class of freezing strategies.
 
-    Subclasses set :attr:`name`, optionally :attr:`signals`, and implement :meth:`decide`. They are asked at the
+    Subclasses are registered with :func:`~layerfreeze.strategies.register_strategy` (which sets :attr:`name`),
+    optionally set :attr:`signals`, and implement :meth:`decide`. They are asked at the
     start of training (``event="start"``), every ``stage_every`` optimizer steps if :attr:`stage_every` is set, and
     at each epoch end if :attr:`at_epoch_end` is true. Strategies keep their own state in plain attributes and
     expose it through :meth:`state_dict` / :meth:`load_state_dict` so runs resume exactly.

@@ -17,24 +17,20 @@ relative change), the patience (3 evaluations) and the probe size (32 samples). 
 
 How it works
 ------------
-* **Reference model.** At :meth:`Egeria.attach` the model is copied to the CPU in fp32 (the *shadow*, see below)
-  and a reference is built from it: a deep copy in eval mode, no grad, int8. Every ``nn.Linear`` goes through
-  PyTorch's own dynamic quantization (``torch.ao.quantization.quantize_dynamic``: per-tensor symmetric int8
-  weights, activations quantized per batch at run time). Every other weight (Conv, Embedding, norms, attention
-  ``in_proj_weight``, Linear subclasses that dynamic quantization skips) gets *weight-only* int8: per-tensor
-  symmetric quantize-then-dequantize into the fp32 weight (at most 255 distinct values per tensor, the same
-  scheme as PyTorch's default dynamic weight observer); biases and buffers stay fp32. If the torch build has no
-  quantization engine or ``quantize_dynamic`` fails (it is deprecated in favour of torchao), every weight gets the
-  weight-only scheme; :attr:`Egeria.reference_report` says which was used and why, and the signals
-  ``reference_dynamic_int8_modules`` / ``reference_weight_only_int8_tensors`` count them.
-  ``reference_quantization="weight_only"`` asks for the weight-only scheme everywhere.
-  The reference is rebuilt from the current training weights every ``refresh_every`` evaluations.
+* **Reference model** (:mod:`~layerfreeze.strategies.egeria_reference`, which describes the int8 schemes). At
+  :meth:`Egeria.attach` the model is copied to the CPU in fp32 (the *shadow*, see below) and a reference is built
+  from it: a deep copy in eval mode, no grad, int8 (``nn.Linear`` by PyTorch's dynamic quantization, every other
+  weight weight-only int8; weight-only everywhere when the build cannot, or with
+  ``reference_quantization="weight_only"``). :attr:`Egeria.reference_report` says which scheme each tensor got
+  and why, and the signals ``reference_dynamic_int8_modules`` / ``reference_weight_only_int8_tensors`` count
+  them. The reference is rebuilt from the current training weights every ``refresh_every`` evaluations.
 * **Probe batch.** A fixed batch captured once, from the first forward of the model in training mode (a forward
   pre-hook with kwargs, removed after the capture): detached CPU copies of the positional and keyword inputs,
   every tensor with at least one dimension cut to its first ``probe_size`` rows (dim 0 is taken to be the batch).
 * **Plasticity** of each active (not frozen, not head) block = :func:`sp_loss` between the block's output on the
-  probe batch in the training weights and in the reference. A block's output is the output of its last module
-  (its first tensor when the output is a tuple, a list or a mapping such as a Hugging Face ``ModelOutput``).
+  probe batch in the training weights and in the reference. A block's output is the output of its last module,
+  captured by the probe the oracle and the SmartFRZ collector use too (:func:`~layerfreeze.probe.probe_outputs`:
+  the main tensor of a tuple, a list or a Hugging Face ``ModelOutput``, else its first tensor).
 * **Off the critical path.** At an evaluation stage (every ``interval`` optimizer steps) the training thread only
   copies the current weights into the shadow (``copy_`` of every parameter and buffer: one device-to-host
   transfer of the model's size, e.g. ~90 MB for MiniLM-L6, and a synchronisation point on a GPU) and submits the
@@ -80,9 +76,7 @@ evaluation still in flight when the state is saved is not saved.
 
 from __future__ import annotations
 
-import copy
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -92,7 +86,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..probe import probe_outputs
 from .base import Decision, StageContext, Strategy, is_int
+from .egeria_reference import QUANTIZATIONS, build_reference, cpu_copy
+from .registry import register_strategy
 
 STATE_VERSION = 1
 
@@ -101,18 +98,6 @@ EPS = 1e-12
 
 #: Name prefix of the worker thread (lets users and tests find it).
 THREAD_PREFIX = "layerfreeze-egeria"
-
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-)
-
-_QUANTIZATIONS = ("dynamic", "weight_only")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -184,99 +169,6 @@ def plasticity_decision(history: Sequence[float], tolerance: float, patience: in
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Model copies and int8 reference
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _cpu_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` on the CPU in fp32, eval mode, no grad, without the model's hooks.
-
-    The tensors are copied straight to the CPU (the deep-copy memo is pre-filled), so a GPU model is never
-    duplicated on the GPU; hook dictionaries are replaced by empty ones, so objects that own hooks (a Freezer,
-    telemetry) are not deep-copied along with their bound methods.
-    """
-    memo: dict[int, Any] = {}
-    for t in list(model.parameters()) + list(model.buffers()):
-        dtype = torch.float32 if t.is_floating_point() else t.dtype
-        data = t.detach().to("cpu", dtype, copy=True)
-        memo[id(t)] = nn.Parameter(data, requires_grad=False) if isinstance(t, nn.Parameter) else data
-    for m in model.modules():
-        for attr in _HOOK_DICTS:
-            hooks = getattr(m, attr, None)
-            if hooks is not None:
-                memo[id(hooks)] = type(hooks)()
-    clone = copy.deepcopy(model, memo)
-    clone.eval()
-    clone.requires_grad_(False)
-    return clone
-
-
-def _dynamic_quantization_unavailable() -> str | None:
-    """Why PyTorch's dynamic int8 quantization cannot be used in this build, or None if it can."""
-    engines = [e for e in getattr(torch.backends.quantized, "supported_engines", []) if e != "none"]
-    engine = getattr(torch.backends.quantized, "engine", "none")
-    if not engines or engine in (None, "none"):
-        return f"no quantization engine in this torch build (engine={engine!r}, supported={engines})"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from torch.ao.quantization import quantize_dynamic  # noqa: F401
-    except Exception as exc:  # removed in a future torch: fall back, say why
-        return f"torch.ao.quantization.quantize_dynamic is not importable ({exc})"
-    return None
-
-
-def _fake_quantize_int8(w: torch.Tensor) -> torch.Tensor:
-    """Per-tensor symmetric int8 quantize-then-dequantize: at most 255 distinct values (-127..127 times scale)."""
-    scale = w.abs().max() / 127.0
-    if not torch.isfinite(scale) or scale == 0:
-        return w
-    return torch.clamp(torch.round(w / scale), -127, 127) * scale
-
-
-def build_reference(source: nn.Module, quantization: str = "dynamic") -> tuple[nn.Module, dict[str, Any]]:
-    """The int8 reference model of Egeria, built from a CPU fp32 model (not changed).
-
-    Args:
-        source: A CPU fp32 model without hooks (the strategy's shadow copy).
-        quantization: ``"dynamic"``: ``nn.Linear`` via ``torch.ao.quantization.quantize_dynamic`` (int8), the
-            remaining weights weight-only int8; ``"weight_only"``: weight-only int8 everywhere.
-
-    Returns:
-        ``(reference, report)``: the reference (eval mode, no grad) and ``{"scheme", "dynamic_int8": [module
-        names], "weight_only_int8": [parameter names], "note": fallback reason or None}``.
-    """
-    reference = copy.deepcopy(source)
-    report: dict[str, Any] = {"scheme": quantization, "dynamic_int8": [], "weight_only_int8": [], "note": None}
-    if quantization == "dynamic":
-        reason = _dynamic_quantization_unavailable()
-        if reason is None:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    from torch.ao.quantization import quantize_dynamic
-
-                    quantize_dynamic(reference, {nn.Linear}, dtype=torch.qint8, inplace=True)
-            except Exception as exc:
-                reason = f"quantize_dynamic failed ({type(exc).__name__}: {exc})"
-                reference = copy.deepcopy(source)
-        if reason is not None:
-            report["scheme"] = "weight_only"
-            report["note"] = f"weight-only int8 everywhere: {reason}"
-    for name, module in reference.named_modules():
-        if type(module).__module__.startswith("torch.ao.nn.quantized.dynamic"):
-            report["dynamic_int8"].append(name)
-        for pname, p in module.named_parameters(recurse=False):
-            if "weight" in pname and p.is_floating_point():
-                with torch.no_grad():
-                    p.copy_(_fake_quantize_int8(p))
-                report["weight_only_int8"].append(f"{name}.{pname}" if name else pname)
-    reference.eval()
-    reference.requires_grad_(False)
-    return reference, report
-
-
-# --------------------------------------------------------------------------------------------------------------
 # Probe batch and block outputs
 # --------------------------------------------------------------------------------------------------------------
 
@@ -293,42 +185,12 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj
 
 
-def _first_tensor(out: Any) -> torch.Tensor | None:
-    if isinstance(out, torch.Tensor):
-        return out
-    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
-    for v in values:
-        t = _first_tensor(v)
-        if t is not None:
-            return t
-    return None
-
-
-def _for_cpu_forward(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.is_floating_point() else t
-
-
 def _block_outputs(model: nn.Module, names: dict[int, str], probe: tuple[Any, Any]) -> dict[int, torch.Tensor]:
-    """Run ``model`` on the probe batch and return the output of each named module, by block index."""
-    outputs: dict[int, torch.Tensor] = {}
-    handles = []
-
-    def capture(index: int):
-        def hook(_module: nn.Module, _args: Any, out: Any) -> None:
-            t = _first_tensor(out)
-            if t is not None:
-                outputs[index] = t.detach()
-        return hook
-
-    try:
-        for index, name in names.items():
-            handles.append(model.get_submodule(name).register_forward_hook(capture(index)))
-        args, kwargs = _map_tensors(probe, _for_cpu_forward)
-        model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    return outputs
+    """Run ``model`` on the probe batch and return the output of each named module, by block index
+    (:func:`~layerfreeze.probe.probe_outputs`)."""
+    args, kwargs = _map_tensors(probe, lambda t: t.float() if t.is_floating_point() else t)  # the CPU copies are fp32
+    modules = {index: model.get_submodule(name) for index, name in names.items()}
+    return probe_outputs(model, modules, lambda m: m(*args, **kwargs))
 
 
 @dataclass
@@ -349,20 +211,22 @@ def _evaluate(step: int, shadow: nn.Module, reference: nn.Module, probe: tuple[A
     """
     with torch.no_grad():
         trained = _block_outputs(shadow, names, probe)
-        ref_out = _block_outputs(reference, names, probe)
-        plasticity: list[float | None] = [None] * num_blocks
-        for i in names:
-            if i in trained and i in ref_out:
-                plasticity[i] = sp_loss(trained[i], ref_out[i])
-        result = _Result(step=step, plasticity=plasticity)
+        result = _Result(step, _plasticity(trained, _block_outputs(reference, names, probe), num_blocks))
         if refresh:
             result.reference, result.report = build_reference(shadow, quantization)
-            new_out = _block_outputs(result.reference, names, probe)
-            result.baseline = [None] * num_blocks
-            for i in names:
-                if i in trained and i in new_out:
-                    result.baseline[i] = sp_loss(trained[i], new_out[i])
+            result.baseline = _plasticity(trained, _block_outputs(result.reference, names, probe), num_blocks)
     return result
+
+
+def _plasticity(trained: dict[int, torch.Tensor], reference: dict[int, torch.Tensor],
+                num_blocks: int) -> list[float | None]:
+    """Per block index, :func:`sp_loss` between its output in the training weights and in a reference (None for
+    a block missing from either)."""
+    values: list[float | None] = [None] * num_blocks
+    for i, out in trained.items():
+        if i in reference:
+            values[i] = sp_loss(out, reference[i])
+    return values
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -376,6 +240,7 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
+@register_strategy("egeria")
 class Egeria(Strategy):
     """Freezes the front block when its plasticity against an int8 reference model stops changing (Egeria).
 
@@ -395,18 +260,8 @@ class Egeria(Strategy):
         ValueError: a parameter outside its range (the message names it and the range).
     """
 
-    name = "egeria"
-
-    def __init__(
-        self,
-        interval: int = 50,
-        refresh_every: int = 10,
-        tolerance: float = 0.1,
-        patience: int = 3,
-        probe_size: int = 32,
-        synchronous: bool = False,
-        reference_quantization: str = "dynamic",
-    ) -> None:
+    def __init__(self, interval: int = 50, refresh_every: int = 10, tolerance: float = 0.1, patience: int = 3,
+                 probe_size: int = 32, synchronous: bool = False, reference_quantization: str = "dynamic") -> None:
         super().__init__()
         self.interval = _check_int("interval", interval, 1)
         self.refresh_every = _check_int("refresh_every", refresh_every, 1)
@@ -418,8 +273,8 @@ class Egeria(Strategy):
         if not isinstance(synchronous, bool):
             raise ValueError(f"egeria: synchronous must be True or False, got {synchronous!r}")
         self.synchronous = synchronous
-        if reference_quantization not in _QUANTIZATIONS:
-            raise ValueError(f"egeria: reference_quantization must be one of {_QUANTIZATIONS}, "
+        if reference_quantization not in QUANTIZATIONS:
+            raise ValueError(f"egeria: reference_quantization must be one of {QUANTIZATIONS}, "
                              f"got {reference_quantization!r}")
         self.reference_quantization = reference_quantization
         self.stage_every = self.interval
@@ -500,7 +355,7 @@ class Egeria(Strategy):
         self._names = names
         self._num_blocks = len(blocks)
         self._resize(len(blocks))
-        self._shadow = _cpu_copy(model)
+        self._shadow = cpu_copy(model)
         self._shadow_state = self._shadow.state_dict()
         self._reference, self.reference_report = build_reference(self._shadow, self.reference_quantization)
         if self._probe is None:
@@ -644,12 +499,9 @@ class Egeria(Strategy):
             self._reference, self.reference_report = build_reference(self._shadow, self.reference_quantization)
             self.previous = [None] * self._num_blocks
             if self._probe is not None:
-                with torch.no_grad():
-                    trained = _block_outputs(self._shadow, self._names, self._probe)
-                    ref_out = _block_outputs(self._reference, self._names, self._probe)
-                for i in self._names:
-                    if i in trained and i in ref_out:
-                        self.previous[i] = sp_loss(trained[i], ref_out[i])
+                trained = _block_outputs(self._shadow, self._names, self._probe)
+                self.previous = _plasticity(trained, _block_outputs(self._reference, self._names, self._probe),
+                                            self._num_blocks)
 
     def __repr__(self) -> str:
         return (f"Egeria(interval={self.interval}, refresh_every={self.refresh_every}, tolerance={self.tolerance:g}, "

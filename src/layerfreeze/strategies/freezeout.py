@@ -11,11 +11,13 @@ import math
 from typing import Any
 
 from .base import Decision, StageContext, Strategy, is_number
+from .registry import register_strategy
 
 #: How ``t_i`` is scaled after the linear spacing (``scale_fn`` in the public code).
 SCALINGS: dict[str, int] = {"linear": 1, "squared": 2, "cubic": 3}
 
 
+@register_strategy("freezeout")
 class FreezeOut(Strategy):
     """FreezeOut: per-block cosine learning-rate annealing to zero at ``t_i``, then the block is frozen.
 
@@ -69,8 +71,6 @@ class FreezeOut(Strategy):
     Signals: ``progress`` (t), ``t_i`` (list per block), ``factors`` (the factor of each block at this stage; 0.0
     for frozen blocks), ``active`` (number of trainable blocks).
     """
-
-    name = "freezeout"
 
     def __init__(self, t0: float = 0.8, scaling: str = "cubic", scale_lr: bool = True) -> None:
         super().__init__()

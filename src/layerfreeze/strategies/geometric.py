@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from .base import Decision, StageContext, Strategy, is_number
+from .registry import register_strategy
 
 #: Added before flooring, so float rounding does not drop a block whose exact count is an integer
 #: (9 * (1 - (1 - 1/3)) is 2.9999999999999996 in floats, but exactly 3).
@@ -24,6 +25,7 @@ def geometric_frozen(count: int, alpha: float, epochs_done: int) -> float:
     return count * (1.0 - (1.0 - alpha) ** epochs_done)
 
 
+@register_strategy("geometric")
 class GeometricFreezing(Strategy):
     """Freezes a prefix of blocks that grows geometrically towards every non-head block, once per epoch.
 
@@ -47,8 +49,6 @@ class GeometricFreezing(Strategy):
     Raises:
         ValueError: ``alpha`` outside ``(0, 1]``.
     """
-
-    name = "geometric"
 
     def __init__(self, alpha: float = 1 / 3) -> None:
         super().__init__()

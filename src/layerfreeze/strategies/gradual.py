@@ -12,8 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Decision, StageContext, Strategy, is_int, is_number
+from .registry import register_strategy
 
 
+@register_strategy("gradual")
 class GradualUnfreezing(Strategy):
     """Starts with only the head trainable, then thaws one block per stage, top-down, with a discriminative LR.
 
@@ -44,8 +46,6 @@ class GradualUnfreezing(Strategy):
     Raises:
         ValueError: a parameter outside its range, or both schedules given.
     """
-
-    name = "gradual"
 
     def __init__(self, every_epochs: int = 1, every_steps: int | None = None, lr_decay: float = 2.6) -> None:
         super().__init__()

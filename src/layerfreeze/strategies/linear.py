@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from .base import Decision, StageContext, Strategy, is_number
+from .registry import register_strategy
 
 #: Added before truncating to an int, so float rounding does not drop a block whose exact count is an integer
 #: (e.g. 0.6 - 0.5 = 0.09999999999999998 in floats, which would give int(1.9999999999999996) = 1 instead of 2).
@@ -27,6 +28,7 @@ def linear_freeze_fraction(t: float, freeze_start: float, freeze_level: float) -
     return freeze_level * ((t - freeze_start) / (1.0 - freeze_start))
 
 
+@register_strategy("linear")
 class LinearFreezing(Strategy):
     """Freezes a growing prefix of blocks at each epoch end, its length rising linearly with training progress.
 
@@ -55,8 +57,6 @@ class LinearFreezing(Strategy):
         ValueError: a parameter outside its range.
         RuntimeError: (at the start stage) the Freezer was built without ``total_steps``, so ``t`` is unknown.
     """
-
-    name = "linear"
 
     def __init__(self, freeze_start: float = 0.5, freeze_level: float = 1.0) -> None:
         super().__init__()

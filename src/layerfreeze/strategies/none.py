@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from .base import Decision, StageContext, Strategy
+from .registry import register_strategy
 
 
+@register_strategy("none")
 class NoFreezing(Strategy):
     """Never freezes anything: plain full training (the baseline of every benchmark)."""
-
-    name = "none"
 
     def decide(self, ctx: StageContext) -> Decision:
         return Decision()

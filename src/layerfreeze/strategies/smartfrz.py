@@ -16,8 +16,10 @@ from typing import Any
 import torch
 
 from .base import Decision, StageContext, Strategy, is_int, is_number
+from .registry import register_strategy
 
 
+@register_strategy("smartfrz")
 class SmartFRZ(Strategy):
     """Freezes a block when the learned predictor says it has converged, front to back.
 
@@ -49,8 +51,6 @@ class SmartFRZ(Strategy):
     Signals: ``p_freeze`` (per block, NaN where no prediction), ``nonfinite`` (count of blocks skipped for NaN/Inf
     weights), ``window_fill`` (snapshots recorded for the front active block).
     """
-
-    name = "smartfrz"
 
     def __init__(self, predictor: str | None = None, threshold: float | None = None, snapshot_every: int | None = None,
                  sample_size: int = 1024, prefix: bool = True, seed: int = 0) -> None:
@@ -122,7 +122,7 @@ class SmartFRZ(Strategy):
         front = next((b.index for b in ctx.blocks if not b.frozen), 0)
         signals = {"p_freeze": probs, "nonfinite": nonfinite,
                    "window_fill": min(self.recorder.counts[front], self.window)}
-        reason = "smartfrz: p>=%.2f for %s" % (self.threshold, [round(probs[i], 3) for i in freeze]) if freeze else ""
+        reason = f"smartfrz: p>={self.threshold:.2f} for {[round(probs[i], 3) for i in freeze]}" if freeze else ""
         return Decision(freeze=freeze, reason=reason, signals=signals)
 
     def predict(self, index: int, num_blocks: int, total_steps: int) -> float:

@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Decision, StageContext, Strategy, is_int
+from .registry import register_strategy
 
 
+@register_strategy("static")
 class StaticFreezing(Strategy):
     """Freezes blocks ``0..k-1`` before the first step and never changes them.
 
@@ -21,8 +23,6 @@ class StaticFreezing(Strategy):
     Raises:
         ValueError: ``k`` is negative or not an int; at the start stage, ``k`` would reach the head.
     """
-
-    name = "static"
 
     def __init__(self, k: int = 1) -> None:
         super().__init__()

@@ -1,0 +1,183 @@
+"""Measurement of a training step: its FLOPs (``FlopCounterMode``) and the memory it takes.
+
+* Training FLOPs measured with :func:`measure_flops`
+  (:class:`torch.utils.flop_counter.FlopCounterMode`).
+* Peak memory: :func:`reset_peak_memory` / :func:`peak_memory_bytes`
+  (CUDA allocator statistics on CUDA, process peak RSS otherwise); memory in use: :func:`current_memory_bytes`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import psutil
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = ["current_memory_bytes", "measure_flops", "peak_memory_bytes", "reset_peak_memory"]
+
+T = TypeVar("T")
+
+_PROC_STATUS = "/proc/self/status"
+_PROC_CLEAR_REFS = "/proc/self/clear_refs"
+
+
+# --------------------------------------------------------------------------- #
+# FLOPs
+# --------------------------------------------------------------------------- #
+def _conv_backward_flops(grad_out_shape: Any, x_shape: Any, w_shape: Any, _bias: Any, _stride: Any,
+                         _padding: Any, _dilation: Any, transposed: bool, _output_padding: Any, groups: int,
+                         output_mask: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """FLOPs of ``aten.convolution_backward``: torch's formula with the weight gradient of a grouped convolution
+    divided by ``groups``.
+
+    Why: torch's ``conv_backward_flop`` (2.x) computes the weight gradient's count as a convolution of all input
+    channels with all output channels, ignoring groups, while each output channel only sees ``C_in / groups``
+    input channels. A depthwise convolution (``groups = channels``) had its weight gradient counted ``channels``
+    times too large: MobileNetV2's backward came out at 19x its forward, and freezing its depthwise convs looked
+    like a far larger saving than it is. The input gradient's count already uses the grouped weight shape.
+    """
+    from torch.utils.flop_counter import conv_flop_count
+
+    def t(shape: Any) -> list[int]:
+        return [shape[1], shape[0], *shape[2:]]
+
+    flops = 0
+    if output_mask[0]:  # grad_input as a transposed convolution of grad_output with the weight
+        flops += conv_flop_count(list(grad_out_shape), list(w_shape), list(out_shape[0]), not transposed)
+    if output_mask[1]:  # grad_weight as a convolution of the input with grad_output, per group
+        a, b = (grad_out_shape, x_shape) if transposed else (x_shape, grad_out_shape)
+        flops += conv_flop_count(t(a), t(b), t(out_shape[1]), transposed=False) // max(1, groups)
+    return flops
+
+
+def measure_flops(fn: Callable[[], T]) -> tuple[T, int]:
+    """Run ``fn()`` once and count the floating-point operations it executes.
+
+    ``fn`` should be a real training step (forward + backward, optionally the
+    optimizer step).  It runs inside
+    ``torch.utils.flop_counter.FlopCounterMode(display=False)``, which counts
+    the FLOPs of the matmul / convolution / attention ops that are *actually
+    dispatched* (one multiply-add = 2 FLOPs).  Consequently backward work that
+    autograd skips for frozen blocks is not counted: a frozen block computes no
+    weight gradients, and blocks before the first trainable block compute no
+    input gradients either, so freezing a prefix of the network lowers the
+    count.  Elementwise ops (activations, norms, bias-gradient reductions,
+    optimizer updates) are not counted, so the number is a lower bound on the
+    true arithmetic, dominated in practice by the matmuls/convs.
+
+    Convolution backward is counted with :func:`_conv_backward_flops`
+    (torch's formula, except that the weight gradient of a grouped convolution
+    is divided by ``groups``: torch counts it as a dense convolution).
+
+    Args:
+        fn: zero-argument callable to run.
+
+    Returns:
+        ``(result, flops)``: whatever ``fn`` returned and the total FLOPs
+        counted (an ``int``).
+
+    Raises:
+        Whatever ``fn`` raises; it is not caught.
+    """
+    counter = FlopCounterMode(display=False,
+                              custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flops})
+    with counter:
+        result = fn()
+    return result, int(counter.get_total_flops())
+
+
+# --------------------------------------------------------------------------- #
+# Memory
+# --------------------------------------------------------------------------- #
+def _as_device(device: torch.device | str) -> torch.device:
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
+def _read_vm_hwm() -> int | None:
+    """Peak resident set size of this process from /proc (bytes), or None."""
+    try:
+        with open(_PROC_STATUS, encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    # "VmHWM:     1764 kB"
+                    parts = line.split()
+                    return int(parts[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _ru_maxrss_bytes() -> int:
+    import resource
+
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux/BSD report kilobytes; macOS reports bytes.
+    return int(maxrss) if sys.platform == "darwin" else int(maxrss) * 1024
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    """Reset the peak-memory counter read by :func:`peak_memory_bytes`.
+
+    * CUDA devices: ``torch.cuda.reset_peak_memory_stats(device)``.
+    * Any other device (CPU, ...): best effort reset of the process's peak
+      RSS by writing ``"5"`` to ``/proc/self/clear_refs`` (Linux resets
+      ``VmHWM`` to the current RSS that way).  If the file is absent or not
+      writable (non-Linux, restricted containers) the ``OSError`` is ignored
+      and the peak keeps covering the whole process lifetime.
+
+    Raises:
+        RuntimeError: from ``torch.cuda`` if a CUDA device is given but CUDA
+            is not available.
+    """
+    dev = _as_device(device)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        return
+    try:
+        with open(_PROC_CLEAR_REFS, "w", encoding="ascii") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
+def peak_memory_bytes(device: torch.device | str) -> int:
+    """Peak memory in bytes since the last :func:`reset_peak_memory`.
+
+    * CUDA devices: ``torch.cuda.max_memory_allocated(device)`` (tensor
+      memory held by PyTorch's caching allocator, not the reserved pool).
+    * Any other device: the process's peak resident set size, ``VmHWM`` from
+      ``/proc/self/status``; where /proc is not available,
+      ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (peak over the whole
+      process lifetime, never reset).
+
+    Raises:
+        RuntimeError: from ``torch.cuda`` if a CUDA device is given but CUDA
+            is not available.
+    """
+    dev = _as_device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(dev))
+    hwm = _read_vm_hwm()
+    if hwm is not None:
+        return hwm
+    return _ru_maxrss_bytes()
+
+
+def current_memory_bytes(device: torch.device | str) -> int:
+    """Memory in use now, in bytes.
+
+    CUDA devices: ``torch.cuda.memory_allocated(device)``; any other device:
+    the process's resident set size (``psutil.Process().memory_info().rss``).
+
+    Raises:
+        RuntimeError: from ``torch.cuda`` if a CUDA device is given but CUDA
+            is not available.
+    """
+    dev = _as_device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.memory_allocated(dev))
+    return int(psutil.Process(os.getpid()).memory_info().rss)

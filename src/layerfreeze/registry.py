@@ -1,0 +1,87 @@
+"""Registries filled by decorators, timm style: strategies, model families and SmartFRZ recipes all register this way.
+
+A :class:`Registry` holds the named objects of one kind and is read as a mapping from name to object, in ``order``
+then registration order. Each kind has its decorator:
+
+* :func:`~layerfreeze.strategies.register_strategy` (``@register_strategy("static")`` on a
+  :class:`~layerfreeze.strategies.Strategy` subclass), read by ``create_strategy``, the config, the CLI and
+  ``layerfreeze compare``;
+* :func:`~layerfreeze.families.register_blocks` / :func:`~layerfreeze.families.register_split` (a model family's
+  block discoverer and forward split), read by block discovery and the activation cache;
+* :func:`~layerfreeze.smartfrz.recipes.register_recipe` (a SmartFRZ collection recipe), read by
+  ``layerfreeze predictor collect``.
+
+Importing the file that holds a decorated object registers it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Mapping[str, T], Generic[T]):
+    """Named objects of one kind: ``registry[name]``, ``name in registry``, iteration in lookup order.
+
+    Args:
+        kind: What is registered, for messages (``"strategy"``, ``"block discoverer"``).
+    """
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: list[tuple[int, int, str, T]] = []
+        self._counter = itertools.count()
+
+    def add(self, name: str, obj: T, order: int = 500) -> T:
+        """Register ``obj`` under ``name`` and return it; registering the same object again is a no-op.
+
+        Args:
+            name: The key it is looked up by.
+            obj: What is registered.
+            order: Lower comes first when the registry is iterated (then registration order).
+
+        Raises:
+            ValueError: ``name`` is already registered to another object (unregister it first to replace it).
+        """
+        for _, _, n, o in self._entries:
+            if n == name:
+                if o is obj:
+                    return obj
+                raise ValueError(f"a {self.kind} named {name!r} is already registered")
+        self._entries.append((order, next(self._counter), name, obj))
+        self._entries.sort(key=lambda e: (e[0], e[1]))
+        return obj
+
+    def register(self, name: str, order: int = 500) -> Callable[[T], T]:
+        """Decorator form of :meth:`add`: ``@registry.register("name")`` registers and returns what it decorates."""
+
+        def wrap(obj: T) -> T:
+            return self.add(name, obj, order)
+
+        return wrap
+
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (nothing happens if it is not registered)."""
+        self._entries[:] = [e for e in self._entries if e[2] != name]
+
+    def name_of(self, obj: object) -> str | None:
+        """The name ``obj`` is registered under, or None."""
+        return next((n for _, _, n, o in self._entries if o is obj), None)
+
+    def __getitem__(self, name: str) -> T:
+        for _, _, n, obj in self._entries:
+            if n == name:
+                return obj
+        raise KeyError(f"unknown {self.kind} {name!r}; registered: {', '.join(self) or 'none'}")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([n for _, _, n, _ in self._entries])
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}: {', '.join(self)})"

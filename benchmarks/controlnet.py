@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--heldout-size", type=int, default=defaults.heldout_size)
     parser.add_argument("--vae-steps", type=int, default=defaults.vae_steps)
     parser.add_argument("--unet-steps", type=int, default=defaults.unet_steps)
+    parser.add_argument("--stage1-size", type=int, default=defaults.stage1_size, help="images stage 1 trains on")
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--device", default=defaults.device, help="the trainer's (ControlNet's) device")
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     cfg = DemoConfig(steps=args.steps, batch_size=args.batch_size, train_size=args.train_size,
                      heldout_size=args.heldout_size, vae_steps=args.vae_steps, unet_steps=args.unet_steps,
+                     stage1_size=args.stage1_size,
                      lr=args.lr, seed=args.seed, device=args.device, frozen_device=args.frozen_device,
                      placements=tuple(p.strip() for p in args.placements.split(",") if p.strip()),
                      threads=args.threads, tiny=args.tiny, cache_dir=args.cache_dir,

@@ -67,3 +67,31 @@ def test_bad_config_and_edges():
     assert edges.sum() > 0 and edges[..., 0, 0] == 0 and set(edges.unique().tolist()) <= {0.0, 1.0}
     with pytest.raises(ValueError, match=r"\(N, 1, H, W\)"):
         edge_maps(torch.zeros(2, 3, 8, 8))
+
+
+def test_stage1_cache_is_checksummed_and_retrains_when_corrupt(tmp_path):
+    import torch
+    from torch import nn
+
+    from layerfreeze.controlnet import _cached
+
+    calls, logs = [], []
+
+    def train():
+        calls.append(1)
+        with torch.no_grad():
+            model.weight.fill_(0.5)
+        return {"scaling": 2.0}
+
+    model = nn.Linear(3, 2)
+    path = tmp_path / "vae-key"
+    assert _cached(path, model, train, logs.append) == {"scaling": 2.0} and len(calls) == 1
+    fresh = nn.Linear(3, 2)
+    assert _cached(path, fresh, train, logs.append) == {"scaling": 2.0} and len(calls) == 1  # loaded, not trained
+    assert torch.equal(fresh.weight, torch.full((2, 3), 0.5))
+    weights = path / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    assert _cached(path, nn.Linear(3, 2), train, logs.append) == {"scaling": 2.0} and len(calls) == 2
+    assert any("unusable" in line and "SHA-256" in line for line in logs)

@@ -395,7 +395,8 @@ def stage1_models(cfg: DemoConfig, log: Callable[[str], None] = print) -> Stage1
 
         loss = _fit(vae.to(dev), loss_of, len(labels), cfg.vae_steps, 1e-3, cfg.seed + 1, "vae", log)
         with torch.no_grad():
-            means = torch.cat([vae.encode(images[i:i + 256].to(dev)).latent_dist.mean for i in range(0, 4096, 256)])
+            means = torch.cat([vae.encode(images[i:i + 256].to(dev)).latent_dist.mean
+                               for i in range(0, min(4096, len(labels)), 256)])
         vae.cpu()
         return {"key": vae_key, "scaling": float(1 / means.std()), "loss": loss,
                 "seconds": time.perf_counter() - start}

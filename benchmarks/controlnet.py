@@ -8,7 +8,7 @@ trained on Sobel edge maps for ``--steps`` steps of ``--batch-size`` under each 
 distribution + prompt embeddings); frozen models in bfloat16. Prints the table and writes ``results.json``,
 ``table.md`` and ``report/index.html`` (with the loss curves) to ``--out``.
 
-    python benchmarks/controlnet.py                      # the full demo, about 12 minutes on 2 CPU cores
+    python benchmarks/controlnet.py                      # the full demo, about 11 minutes on 2 CPU cores
     python benchmarks/controlnet.py --tiny --steps 4     # CI size: untrained tiny models, seconds
     python benchmarks/controlnet.py --device cuda:0 --frozen-device cuda:1   # on two GPUs
 """

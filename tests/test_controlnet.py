@@ -73,7 +73,7 @@ def test_stage1_cache_is_checksummed_and_retrains_when_corrupt(tmp_path):
     import torch
     from torch import nn
 
-    from layerfreeze.controlnet import _cached
+    from layerfreeze.controlnet.models import _cached
 
     calls, logs = [], []
 

@@ -371,3 +371,19 @@ def test_changed_prefix_weights_and_thaws_invalidate_entries():
     assert runner.cache.depth == 1 and all(runner.cache.depths(i) == [1] for i in range(8))
     with pytest.raises(ValueError, match="beyond the frozen prefix"):
         runner.forward(batch, depth=3)
+
+
+def test_auto_budget_is_a_quarter_of_the_available_host_memory(monkeypatch):
+    from types import SimpleNamespace
+
+    from layerfreeze import store
+
+    monkeypatch.setattr(store.psutil, "virtual_memory", lambda: SimpleNamespace(available=8 * 2**30))
+    assert store.auto_budget_bytes() == 2 * 2**30
+    assert ActivationCache().budget_bytes == 2 * 2**30  # the default budget
+    assert ActivationCache(budget_bytes=5).budget_bytes == 5
+    with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\]"):
+        store.auto_budget_bytes(0)
+    from layerfreeze.config import build_config
+
+    assert build_config({}).freeze.cache.mode == "auto" and build_config({}).freeze.cache.budget_mb is None

@@ -1,6 +1,6 @@
 """Crash-anywhere resume: a run SIGKILLed at 20 seeded random instants (inside checkpoint writes too) and resumed
-each time ends with the uninterrupted run's weights, optimizer state, freeze history and metrics, bitwise
-(``benchmarks/crash_resume.py`` runs the same harness with 100 kills)."""
+each time ends with the uninterrupted run's weights, optimizer state, freeze history and metrics, bitwise, with the
+activation cache on (the default) (``benchmarks/crash_resume.py`` runs the same harness with 100 kills)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ def test_twenty_random_kills_resume_to_the_uninterrupted_run_bitwise(tmp_path):
     from layerfreeze.report import load_run
 
     assert len(load_run(tmp_path / "cut").resumes) >= 20
+    # the default activation cache served the frozen prefix in both runs (a resumed run starts it cold; misses are
+    # computed at the batch's shape, so the states are the uninterrupted run's bit for bit)
+    for run in ("ref", "cut"):
+        cache = load_run(tmp_path / run).summary["cache"]
+        assert cache["used"] and cache["hits"] > 0, (run, cache)
 
 
 def test_the_comparison_sees_a_different_run(tmp_path):

@@ -43,7 +43,10 @@ def test_run_writes_metrics_tensorboard_summary_and_flops_drop_with_frozen_prefi
     # static k=2: Linear(16,32) and the BN block frozen -> backward only for the last two Linear layers'
     # weights and the input grad of the last one
     assert summary["flops_per_step_first"] == fwd + 2 * 16 * (32 * 32 + 32 * 4) + 2 * 16 * 32 * 4
-    assert summary["flops_total"] == 12 * summary["flops_per_step_first"]
+    # the cache (on by default) serves the frozen prefix's output from epoch 2 on: its forward, Linear(16, 32), is
+    # then skipped too
+    assert summary["flops_total"] == 12 * summary["flops_per_step_first"] - 6 * 2 * 16 * 16 * 32
+    assert full["flops_total"] == 12 * full["flops_per_step_first"]  # nothing frozen, nothing cached
     assert summary["test_accuracy"] > 0.9 and full["test_accuracy"] > 0.9
 
     records = read_metrics(tmp_path / "static")
@@ -67,7 +70,8 @@ def test_ctrl_c_leaves_a_checkpoint_and_resume_matches_the_uninterrupted_run(tmp
     Trainer(config(tmp_path, "ref"), task=blob_task()).run()
 
     def press_ctrl_c(fetches):
-        if fetches == 16 * 8 + 3:  # while loading the 9th batch (3rd of epoch 2)
+        # while loading the 9th batch (3rd of epoch 2); the cache's determinism check reads 2 x 4 samples first
+        if fetches == 16 * 8 + 3 + 2 * 4:
             os.kill(os.getpid(), signal.SIGINT)
 
     with pytest.raises(KeyboardInterrupt):
@@ -134,11 +138,13 @@ def test_guard_holds_out_validation_data_and_reports_val_loss(tmp_path):
     assert all(r["val_loss"] > 0 for r in val)
 
 
-def test_frozen_prefix_cache_gives_the_same_losses_and_skips_prefix_flops(tmp_path):
-    plain = Trainer(config(tmp_path, "plain", epochs=3), task=blob_task()).run()
-    cfg = config(tmp_path, "cached", epochs=3)
-    cfg.freeze.cache = {"mode": "on"}
-    cached = Trainer(cfg, task=blob_task()).run()
+def test_frozen_prefix_cache_is_on_by_default_gives_the_same_losses_and_skips_prefix_flops(tmp_path, capsys):
+    cfg = config(tmp_path, "plain", epochs=3)
+    cfg.freeze.cache = {"mode": "off"}
+    plain = Trainer(cfg, task=blob_task()).run()
+    assert plain["cache"] == {"mode": "off", "used": False}
+    cached = Trainer(config(tmp_path, "cached", epochs=3), task=blob_task()).run()  # freeze.cache: the default
+    assert "cache: auto, frozen-prefix outputs kept in up to" in capsys.readouterr().out
     losses = lambda name: [r["loss"] for r in read_metrics(tmp_path / name) if r["type"] == "step"]  # noqa: E731
     assert losses("plain") == losses("cached")  # exact in float32
     epochs = [r for r in read_metrics(tmp_path / "cached") if r["type"] == "epoch"]
@@ -146,6 +152,14 @@ def test_frozen_prefix_cache_gives_the_same_losses_and_skips_prefix_flops(tmp_pa
     assert epochs[-1]["cache_size_bytes"] == 96 * 32 * 4  # one (32,) float32 state per training sample
     # with the prefix's forward skipped, the measured FLOPs of a step lose Linear(16, 32)'s forward
     assert cached["flops_per_step_last"] == plain["flops_per_step_last"] - 2 * 16 * 16 * 32
+    c = cached["cache"]
+    assert (c["mode"], c["used"], c["disabled"], c["hits"], c["misses"]) == ("auto", True, None, 192, 96)
+    assert c["hit_rate"] == 2 / 3 and c["memory_bytes"] == 96 * 32 * 4 and c["disk_bytes"] == 0
+    assert c["saved_seconds"] > 0 and c["budget_bytes"] > 0
+    on = config(tmp_path, "budget", epochs=3)
+    on.freeze.cache = {"mode": "on", "budget_mb": 0.001}  # an explicit budget: 1,048 bytes
+    assert Trainer(on, task=blob_task()).run()["cache"]["budget_bytes"] == 1048
+    assert losses("budget") == losses("plain")
 
 
 def test_cache_refuses_random_augmentation(tmp_path):
@@ -163,10 +177,36 @@ def test_cache_refuses_random_augmentation(tmp_path):
     cfg.freeze.cache = {"mode": "on"}
     with pytest.raises(ConfigError, match="random augmentation"):
         Trainer(cfg, task=task).run()
-    cfg = config(tmp_path, "noisy-auto")
-    cfg.freeze.cache = {"mode": "auto"}
-    Trainer(cfg, task=task).run()
-    assert any(r.get("kind") == "cache_off" for r in read_metrics(tmp_path / "noisy-auto"))
+    summary = Trainer(config(tmp_path, "noisy-auto"), task=task).run()  # the default mode: auto
+    off = [r for r in read_metrics(tmp_path / "noisy-auto") if r.get("kind") == "cache_off"]
+    assert len(off) == 1 and off[0]["step"] == 0 and "random augmentation" in off[0]["reason"]
+    assert summary["cache"] == {"mode": "auto", "used": False}
+    assert summary["steps"] == 12
+
+
+def test_cache_turned_off_mid_run_logs_one_event_and_keeps_training(tmp_path, capsys):
+    """Inputs that change after the determinism check (here: from the third epoch on) are caught by the cache's
+    per-sample fingerprints; ``auto`` logs one event at that step, warns, and trains on with the full forward."""
+    task = blob_task()
+    data = task.train_set
+    original = type(data).__getitem__
+    calls = {"n": 0}
+
+    class Drifting(type(data)):
+        def __getitem__(self, i):
+            calls["n"] += 1
+            item = original(self, i)
+            late = calls["n"] > 2 * len(data) + 64  # past the check's reads and two epochs
+            return {**item, "pixel_values": item["pixel_values"] + (1.0 if late else 0.0)}
+
+    data.__class__ = Drifting
+    with pytest.warns(RuntimeWarning, match="activation cache turned off"):
+        summary = Trainer(config(tmp_path, "drift", epochs=3), task=task).run()
+    off = [r for r in read_metrics(tmp_path / "drift") if r.get("kind") == "cache_off"]
+    assert len(off) == 1 and off[0]["step"] > 12 and "inputs of sample" in off[0]["reason"]
+    assert summary["cache"]["used"] is False and "inputs of sample" in summary["cache"]["disabled"]
+    assert summary["steps"] == 18
+    assert "cache: off, training runs the full forward" in capsys.readouterr().out
 
 
 def test_strategy_signals_reach_metrics_at_their_stages(tmp_path):

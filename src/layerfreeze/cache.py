@@ -41,8 +41,9 @@ mix train and test batches), and entries are valid only for the weights they wer
 from __future__ import annotations
 
 import random
+import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -238,6 +239,13 @@ class FrozenPrefixSource(Protocol):
         ...
 
 
+def _now(device: torch.device) -> float:
+    """A clock reading for timing work on ``device``: CUDA work is asynchronous, so wait for it first."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 class CachedPrefix:
     """The model's forward with the frozen prefix's output read from an :class:`~layerfreeze.store.ActivationCache`.
 
@@ -250,19 +258,26 @@ class CachedPrefix:
         model: The model being trained.
         blocks: Its blocks; default the freezer's ``blocks``.
         split: How its forward splits (default :func:`~layerfreeze.forward_split.split_for`).
-        cache: The storage (default: an :class:`~layerfreeze.store.ActivationCache` with its defaults: 1 GiB of
-            host memory, then shards in the system temp directory).
+        cache: The storage (default: an :class:`~layerfreeze.store.ActivationCache` with its defaults: a quarter of
+            the host memory available (:func:`~layerfreeze.store.auto_budget_bytes`), then shards in the system temp
+            directory).
         freezer: The :class:`~layerfreeze.engine.Freezer` (any :class:`FrozenPrefixSource`), if any: its
             ``frozen_prefix`` is the default depth, a depth beyond it is refused, and it puts the frozen prefix's
             blocks in eval mode before the check (:meth:`~layerfreeze.engine.Freezer.eval_frozen`), as its forward
             pre-hook would if the prefix ran.
         fallback: On a refusal (stochastic prefix, changed inputs), warn once, turn the cache off for good and run
             the full forward, instead of raising :class:`CacheRefused`.
+        on_disable: Called with the reason when ``fallback`` turns the cache off (the trainer logs a ``cache_off``
+            event).
 
     Counters (samples unless said): ``prefix_samples`` (computed from the input), ``extend_samples`` (carried from
     an older boundary), ``full_forwards`` (calls that ran the model's own forward: depth 0 or cache off),
     ``invalidations`` (entries dropped because a prefix block's weights changed); the cache has ``hits`` /
-    ``misses``.
+    ``misses``. ``saved_seconds`` estimates the prefix forward time the cache avoided: per boundary depth ``d``, the
+    measured seconds per sample of computing blocks ``0..d-1`` (timed when the cache computes them: the whole prefix,
+    or an older boundary's cost plus the extension's) times the samples served at ``d`` from the cache, plus, for
+    samples extended from an older boundary ``a``, the cost up to ``a``. It leaves out the cache's own overhead
+    (lookups, copies, checks), which the trainer's measured step times include.
 
     Raises (constructor):
         ValueError: neither ``blocks`` nor ``freezer``; the model's family has no split
@@ -278,6 +293,7 @@ class CachedPrefix:
         *,
         freezer: FrozenPrefixSource | None = None,
         fallback: bool = False,
+        on_disable: Callable[[str], None] | None = None,
     ) -> None:
         if blocks is None:
             if freezer is None:
@@ -289,11 +305,14 @@ class CachedPrefix:
         self.cache = cache if cache is not None else ActivationCache()
         self.freezer = freezer
         self.fallback = fallback
+        self.on_disable = on_disable
         self.disabled: str | None = None
         self.prefix_samples = 0
         self.extend_samples = 0
         self.full_forwards = 0
         self.invalidations = 0
+        self.saved_seconds = 0.0
+        self._cost: dict[int, float] = {}  # depth -> measured seconds per sample to compute blocks 0..depth-1
         self._fingerprints: dict[int, torch.Tensor] = {}
         self._signatures: dict[int, tuple[tuple[int, int], ...]] = {}
 
@@ -390,6 +409,8 @@ class CachedPrefix:
         self.cache.clear()
         warnings.warn(f"activation cache turned off, running the full forward from now on: {reason}",
                       RuntimeWarning, stacklevel=3)
+        if self.on_disable is not None:
+            self.on_disable(reason)
 
     # ---- states --------------------------------------------------------------------------------------------
 
@@ -403,32 +424,50 @@ class CachedPrefix:
         hit = [p for p, t in enumerate(found) if t is not None]
         hit_states = None
         if hit:
+            self.saved_seconds += len(hit) * self._cost.get(depth, 0.0)
             rows = [found[p] for p in hit]
             if pad_to is not None:
                 rows = [pad_dim0(t, pad_to) for t in rows]  # type: ignore[arg-type]
             hit_states = torch.stack(rows).to(device)  # type: ignore[arg-type]
             if not miss:
                 return hit_states
-        # Misses: group by the deepest older boundary cached for the sample (0: none, run the whole prefix).
+        # Misses are computed at the whole batch's shape, never on a sub-batch of the misses: a kernel may round a
+        # row differently when the number of rows (or the padded length) changes, and which rows miss depends on
+        # the cache's history -- a resumed run starts cold where the uninterrupted one extended from an older
+        # boundary. At the batch's shape a row's state depends on that row only, so a cached, an uncached and a
+        # resumed run compute every state alike (bit for bit in float32; tests/test_faults.py). Each miss starts
+        # from the deepest older boundary cached for it (0: none); one sample without any makes the whole batch's
+        # prefix, which then serves every miss (its rows equal the extensions', split.extend's contract).
         groups: dict[int, list[int]] = {}
         for p in miss:
             older = [d for d in self.cache.depths(indices[p]) if d < depth]
             groups.setdefault(max(older, default=0), []).append(p)
+        lengths = self.split.lengths(batch, depth)
         computed: list[tuple[list[int], torch.Tensor]] = []
-        for start, positions in sorted(groups.items()):
-            sub = _select(batch, positions, size)
-            sub_indices = [indices[p] for p in positions]
+        full: torch.Tensor | None = None
+        for start, positions in sorted(groups.items()):  # 0 first: its prefix, if any, serves all
+            t0 = _now(device)
             old = None
-            if start > 0:
-                old = self.cache.get_batch(sub_indices, start, pad_to=self.split.padded_length(sub, start),
-                                           device=device, count=False)
+            if start > 0 and full is None:
+                old = self.cache.get_batch([indices[p] for p in positions], start, device=device, count=False,
+                                           pad_to=self.split.padded_length(batch, start))
             if old is not None:
-                states = self.split.extend(self.model, old, sub, start, depth)
+                rows = torch.tensor(positions, device=old.device)
+                filler = old[:1].expand(size, *old.shape[1:]).clone()  # the other rows: any state, then dropped
+                filler[rows] = old
+                states = self.split.extend(self.model, filler, batch, start, depth)[rows]
                 self.extend_samples += len(positions)
-            else:  # no older entry (or it was lost to a corrupt shard just now)
-                states = self.split.prefix(self.model, sub, depth)
+                base = self._cost.get(start, 0.0)
+                self.saved_seconds += len(positions) * base
+                self._record_cost(depth, base + (_now(device) - t0) / size)
+            else:  # no older entry (or it was lost to a corrupt shard just now): the whole batch's prefix
+                if full is None:
+                    full = self.split.prefix(self.model, batch, depth)
+                    self._record_cost(depth, (_now(device) - t0) / size)
+                states = full[torch.tensor(positions, device=full.device)]
                 self.prefix_samples += len(positions)
-            self.cache.put_batch(sub_indices, depth, states, self.split.lengths(sub, depth))
+            self.cache.put_batch([indices[p] for p in positions], depth, states,
+                                 None if lengths is None else lengths[torch.tensor(positions)])
             computed.append((positions, states))
         if hit_states is None and len(computed) == 1:
             return computed[0][1]
@@ -440,6 +479,12 @@ class CachedPrefix:
             state[torch.tensor(positions, device=state.device)] = states
         return state
 
+    def _record_cost(self, depth: int, per_sample: float) -> None:
+        """Running estimate of the per-sample cost of blocks ``0..depth-1`` (an exponential mean: the first batches
+        of a depth pay one-off allocation costs)."""
+        old = self._cost.get(depth)
+        self._cost[depth] = per_sample if old is None else 0.8 * old + 0.2 * per_sample
+
     def stats(self) -> dict[str, Any]:
         """Counters (samples) and cache sizes (bytes), for logs."""
         return {
@@ -448,5 +493,6 @@ class CachedPrefix:
             "extend_samples": self.extend_samples,
             "full_forwards": self.full_forwards,
             "invalidations": self.invalidations,
+            "saved_seconds": self.saved_seconds,
             "disabled": self.disabled,
         }

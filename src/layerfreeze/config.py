@@ -114,14 +114,18 @@ class GuardConfig(_Section):
 class CacheConfig(_Section):
     """Frozen-prefix activation cache (:mod:`layerfreeze.cache`): skip the frozen prefix's forward.
 
-    ``mode``: ``off``; ``on`` (refuse to start when the data or the prefix is not deterministic); ``auto`` (check,
-    and train without the cache, with a warning event, when it is not). ``dtype``: storage precision.
-    ``budget_mb``: memory before spilling to safetensors shards in the run folder.
+    ``mode``: ``auto`` (the default: check the data and the model's family before training, and at every use that
+    the cached prefix is frozen, in eval mode and its inputs unchanged; train without the cache, with one
+    ``cache_off`` event and a console line saying why, when they are not: random augmentation, a stochastic module,
+    a family without a forward split); ``on`` (the same checks, but refuse to start or stop the run instead);
+    ``off``. ``dtype``: storage precision (float16/bfloat16 halve the memory; values rounded).
+    ``budget_mb``: host memory before spilling to checksummed safetensors shards in the run folder; null (default):
+    a quarter of the host memory available at the start (:func:`layerfreeze.store.auto_budget_bytes`).
     """
 
-    mode: Literal["off", "on", "auto"] = "off"
+    mode: Literal["off", "on", "auto"] = "auto"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    budget_mb: float = Field(1024, ge=0)
+    budget_mb: float | None = Field(None, ge=0, description="cache memory in MiB before spilling (null: auto)")
 
     @field_validator("mode", mode="before")
     @classmethod

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 __all__ = ["ActivationCache", "pad_dim0"]
@@ -69,11 +70,32 @@ def pad_dim0(t: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([t, pad], 0)
 
 
+#: Share of the host memory available at a cache's creation that an automatic budget takes (auto_budget_bytes).
+AUTO_BUDGET_FRACTION = 0.25
+
+
+def auto_budget_bytes(fraction: float = AUTO_BUDGET_FRACTION) -> int:
+    """A memory budget for a cache: ``fraction`` of the host memory available now, in bytes.
+
+    The cache keeps its entries in host RAM whatever device trains (states are moved to the device per batch), so
+    host memory is what bounds it; what does not fit spills to checksummed shards on disk. Available memory
+    (``psutil.virtual_memory().available``: free plus reclaimable page cache) rather than total, so a machine that
+    is already busy gets a smaller cache instead of swapping.
+
+    Raises:
+        ValueError: ``fraction`` not in (0, 1].
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    return int(psutil.virtual_memory().available * fraction)
+
+
 class ActivationCache:
     """Per-sample tensors keyed by ``(sample index, depth)``: a frozen prefix's boundary states, precomputed outputs.
 
     Args:
-        budget_bytes: Bytes of state kept in memory (host RAM). Entries that do not fit go to a write buffer that
+        budget_bytes: Bytes of state kept in memory (host RAM); None (default): :func:`auto_budget_bytes`, a quarter
+            of the host memory available at construction. Entries that do not fit go to a write buffer that
             is written to disk as one safetensors shard once it holds ``shard_bytes`` (so memory use can exceed the
             budget by up to ``shard_bytes``). Sizes count tensor payload only (not the few hundred bytes of Python
             objects per entry).
@@ -104,12 +126,14 @@ class ActivationCache:
 
     def __init__(
         self,
-        budget_bytes: int = 2**30,
+        budget_bytes: int | None = None,
         dtype: torch.dtype | None = None,
         directory: str | os.PathLike[str] | None = None,
         *,
         shard_bytes: int = 64 * 2**20,
     ) -> None:
+        if budget_bytes is None:
+            budget_bytes = auto_budget_bytes()
         if budget_bytes < 0 or shard_bytes < 0:
             raise ValueError(f"budget_bytes and shard_bytes must be >= 0, got {budget_bytes} and {shard_bytes}")
         if dtype not in (None, torch.float16, torch.bfloat16):
@@ -174,6 +198,7 @@ class ActivationCache:
         """Counters and sizes (bytes) for logs."""
         return {
             "depth": self.depth, "entries": len(self), "hits": self.hits, "misses": self.misses,
+            "budget_bytes": self.budget_bytes,
             "corrupt_shards": self.corrupt_shards, "memory_bytes": self.memory_bytes,
             "disk_bytes": self.disk_bytes, "size_bytes": self.size_bytes, "shards": len(self._shards),
         }

@@ -489,7 +489,8 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
     decimals), ``test_perplexity`` (language models), ``test_loss``, ``epochs``, ``steps``, ``wall_time_s``,
     ``train_time_s`` (seconds), ``time_per_epoch_s`` (list of seconds),
     ``flops_total``, ``flops_per_step_first``, ``flops_per_step_last``
-    (FLOPs), ``peak_memory_bytes`` (bytes) and ``freeze_timeline`` (list of
+    (FLOPs), ``peak_memory_bytes`` (bytes), ``cache`` (the trainer's activation-cache summary) and
+    ``freeze_timeline`` (list of
     ``{"block", "step", "epoch", "action"}``; rendered one line per entry as
     ``"<block>  frozen at step N (epoch E)"``, blocks frozen from the start
     having step 0).
@@ -532,11 +533,25 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
         table.add_row("FLOPs/step (last)", text)
     if get("peak_memory_bytes") is not None:
         table.add_row("peak memory", format_bytes(get("peak_memory_bytes")))
+    if get("cache") is not None:
+        table.add_row("activation cache", _format_cache(get("cache")))
     timeline = get("freeze_timeline")
     if timeline:
         table.add_section()
         table.add_row("freeze timeline", _format_timeline(list(timeline)))
     return table
+
+
+def _format_cache(c: Mapping[str, Any]) -> str:
+    """The summary's ``cache`` entry in one line."""
+    if c.get("disabled"):
+        return f"off during the run ({c['disabled']})"
+    if not c.get("used", False):
+        return "off" if c.get("mode") == "off" else "off (see the cache_off event)"
+    rate = "-" if c.get("hit_rate") is None else f"{100 * c['hit_rate']:.0f}%"
+    disk = f" + {format_bytes(c['disk_bytes'])} on disk" if c.get("disk_bytes") else ""
+    return (f"{c['hits']:,} hits ({rate}), {format_bytes(c['memory_bytes'])} in memory{disk}, "
+            f"~{format_seconds(c['saved_seconds'])} of prefix forward saved")
 
 
 def print_summary(summary: Mapping[str, Any], console: Console | None = None) -> None:

@@ -164,12 +164,24 @@ class Trainer:
         except ValueError as exc:  # CacheRefused is a ValueError
             if cfg.mode == "on":
                 raise ConfigError(f"freeze.cache.mode is on but the frozen prefix cannot be cached: {exc}") from None
-            self.telemetry.log_event(Event.CACHE_OFF, 0, reason=str(exc))
+            self._cache_off(str(exc))
             return None
         dtype = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[cfg.dtype]
         directory = rundir.cache_dir(self.run_dir, self.rank if self.distributed else None)
-        cache = ActivationCache(int(cfg.budget_mb * 2**20), dtype, directory=directory)
-        return CachedPrefix(self.model, blocks, split, cache, freezer=self.freezer, fallback=cfg.mode == "auto")
+        budget = None if cfg.budget_mb is None else int(cfg.budget_mb * 2**20)
+        cache = ActivationCache(budget, dtype, directory=directory)
+        if self.is_main:
+            tqdm.write(f"cache: {cfg.mode}, frozen-prefix outputs kept in up to {tm.format_bytes(cache.budget_bytes)} "
+                       f"of memory, then in checksummed shards under {directory}")
+        return CachedPrefix(self.model, blocks, split, cache, freezer=self.freezer, fallback=cfg.mode == "auto",
+                            on_disable=self._cache_off)
+
+    def _cache_off(self, reason: str) -> None:
+        """One ``cache_off`` event and one console line: the run goes on without the cache (``mode: auto``)."""
+        self.telemetry.log_event(Event.CACHE_OFF, getattr(self, "progress", {}).get("step", 0),
+                                 reason=reason)
+        if self.is_main:
+            tqdm.write(f"cache: off, training runs the full forward ({reason})")
 
     def _on_freeze_event(self, record: dict[str, Any]) -> None:
         fields = {k: v for k, v in record.items() if k not in ("kind", "step")}
@@ -384,10 +396,11 @@ class Trainer:
             self.freezer.close()
             if self.watchdog is not None:
                 self.watchdog.close()
+            cache_at_end = self._cache_summary()  # before close() empties the store
             if self.runner is not None:
                 self.runner.cache.close()
         self.freezer.verify_frozen_weights()
-        summary = self._summary(time.perf_counter() - wall_start)
+        summary = self._summary(time.perf_counter() - wall_start, cache_at_end)
         self.telemetry.close()
         return summary
 
@@ -548,13 +561,25 @@ class Trainer:
             stats["cache_disabled"] = self.runner.disabled
         return stats
 
+    def _cache_summary(self) -> dict[str, Any]:
+        """What the activation cache did (counters since this process started: a resumed run starts it cold)."""
+        mode = self.config.freeze.cache.mode
+        if self.runner is None:
+            return {"mode": mode, "used": False}
+        s = self.runner.stats()
+        lookups = s["hits"] + s["misses"]
+        return {"mode": mode, "used": s["disabled"] is None, "disabled": s["disabled"], "hits": s["hits"],
+                "misses": s["misses"], "hit_rate": s["hits"] / lookups if lookups else None,
+                "memory_bytes": s["memory_bytes"], "disk_bytes": s["disk_bytes"], "budget_bytes": s["budget_bytes"],
+                "saved_seconds": s["saved_seconds"], "corrupt_shards": s["corrupt_shards"]}
+
     def _guard_check(self) -> None:
         val_loss, val_acc = self._evaluate(self.val_set)
         metric = self.task.objective.metric
         self.telemetry.log_step(self.progress["step"], val_loss=val_loss, **{f"val_{metric}": val_acc})
         self.freezer.report_metric(val_loss)
 
-    def _summary(self, wall_time: float) -> dict[str, Any]:
+    def _summary(self, wall_time: float, cache: dict[str, Any]) -> dict[str, Any]:
         cfg, p = self.config, self.progress
         last_eval = p["history_eval"][-1] if p["history_eval"] else {}
         timeline = [
@@ -587,6 +612,7 @@ class Trainer:
             "world_size": self.world,
             "checkpoints": p.get("checkpoints", 0),
             "checkpoint_time_s": p.get("checkpoint_time_s", 0.0),
+            "cache": cache,
         }
         if self.distributed:
             summary.update(grad_bytes_phases=p.get("comm_phases", []), ddp_rebuilds=self.ddp.rebuilds,

@@ -195,19 +195,6 @@ def check_prefix_deterministic(
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _select(batch: dict[str, Any], positions: list[int], size: int) -> dict[str, Any]:
-    """The sub-batch of rows ``positions`` (tensors whose first dimension is the batch; others as they are)."""
-    if positions == list(range(size)):
-        return batch
-    out = {}
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor) and v.ndim > 0 and v.shape[0] == size:
-            out[k] = v[torch.tensor(positions, device=v.device)]
-        else:
-            out[k] = v
-    return out
-
-
 def _signature(block: Block) -> tuple[tuple[int, int], ...]:
     """``(id, version)`` of the block's parameters and buffers (those held outside its modules, such as a class
     token, included): changes when any is modified in place or replaced."""
@@ -435,9 +422,10 @@ class CachedPrefix:
         # row differently when the number of rows (or the padded length) changes, and which rows miss depends on
         # the cache's history -- a resumed run starts cold where the uninterrupted one extended from an older
         # boundary. At the batch's shape a row's state depends on that row only, so a cached, an uncached and a
-        # resumed run compute every state alike (bit for bit in float32; tests/test_faults.py). Each miss starts
-        # from the deepest older boundary cached for it (0: none); one sample without any makes the whole batch's
-        # prefix, which then serves every miss (its rows equal the extensions', split.extend's contract).
+        # resumed run compute every state alike (bit for bit in float32; tests/test_faults.py). When every miss has
+        # an entry at the same older boundary, one extension from it at the batch's shape serves them; otherwise
+        # (a miss without any entry, or misses at different boundaries) one prefix of the whole batch does, whose
+        # rows equal the extensions' (split.extend's contract). Either way a batch costs at most one prefix.
         groups: dict[int, list[int]] = {}
         for p in miss:
             older = [d for d in self.cache.depths(indices[p]) if d < depth]
@@ -445,10 +433,12 @@ class CachedPrefix:
         lengths = self.split.lengths(batch, depth)
         computed: list[tuple[list[int], torch.Tensor]] = []
         full: torch.Tensor | None = None
-        for start, positions in sorted(groups.items()):  # 0 first: its prefix, if any, serves all
+        if len(groups) > 1:
+            groups = {0: miss}
+        for start, positions in groups.items():
             t0 = _now(device)
             old = None
-            if start > 0 and full is None:
+            if start > 0:
                 old = self.cache.get_batch([indices[p] for p in positions], start, device=device, count=False,
                                            pad_to=self.split.padded_length(batch, start))
             if old is not None:
@@ -484,6 +474,17 @@ class CachedPrefix:
         of a depth pay one-off allocation costs)."""
         old = self._cost.get(depth)
         self._cost[depth] = per_sample if old is None else 0.8 * old + 0.2 * per_sample
+
+    def summary(self) -> dict[str, Any]:
+        """What the cache did, for a run's summary: ``used`` (False once turned off; ``disabled`` says why),
+        ``hits`` / ``misses`` (sample lookups), ``hit_rate``, ``memory_bytes`` / ``disk_bytes`` / ``budget_bytes``,
+        ``saved_seconds`` (see the class docstring), ``corrupt_shards``."""
+        s = self.stats()
+        lookups = s["hits"] + s["misses"]
+        return {"used": s["disabled"] is None, "disabled": s["disabled"], "hits": s["hits"], "misses": s["misses"],
+                "hit_rate": s["hits"] / lookups if lookups else None, "memory_bytes": s["memory_bytes"],
+                "disk_bytes": s["disk_bytes"], "budget_bytes": s["budget_bytes"], "saved_seconds": s["saved_seconds"],
+                "corrupt_shards": s["corrupt_shards"]}
 
     def stats(self) -> dict[str, Any]:
         """Counters (samples) and cache sizes (bytes), for logs."""

@@ -564,14 +564,7 @@ class Trainer:
     def _cache_summary(self) -> dict[str, Any]:
         """What the activation cache did (counters since this process started: a resumed run starts it cold)."""
         mode = self.config.freeze.cache.mode
-        if self.runner is None:
-            return {"mode": mode, "used": False}
-        s = self.runner.stats()
-        lookups = s["hits"] + s["misses"]
-        return {"mode": mode, "used": s["disabled"] is None, "disabled": s["disabled"], "hits": s["hits"],
-                "misses": s["misses"], "hit_rate": s["hits"] / lookups if lookups else None,
-                "memory_bytes": s["memory_bytes"], "disk_bytes": s["disk_bytes"], "budget_bytes": s["budget_bytes"],
-                "saved_seconds": s["saved_seconds"], "corrupt_shards": s["corrupt_shards"]}
+        return {"mode": mode, "used": False} if self.runner is None else {"mode": mode, **self.runner.summary()}
 
     def _guard_check(self) -> None:
         val_loss, val_acc = self._evaluate(self.val_set)

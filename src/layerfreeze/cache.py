@@ -426,48 +426,33 @@ class CachedPrefix:
         # an entry at the same older boundary, one extension from it at the batch's shape serves them; otherwise
         # (a miss without any entry, or misses at different boundaries) one prefix of the whole batch does, whose
         # rows equal the extensions' (split.extend's contract). Either way a batch costs at most one prefix.
-        groups: dict[int, list[int]] = {}
-        for p in miss:
-            older = [d for d in self.cache.depths(indices[p]) if d < depth]
-            groups.setdefault(max(older, default=0), []).append(p)
+        starts = {max((d for d in self.cache.depths(indices[p]) if d < depth), default=0) for p in miss}
+        start = starts.pop() if len(starts) == 1 else 0
+        rows = torch.tensor(miss, device=device)
+        t0 = _now(device)
+        old = None
+        if start > 0:
+            old = self.cache.get_batch([indices[p] for p in miss], start, device=device, count=False,
+                                       pad_to=self.split.padded_length(batch, start))
+        if old is not None:
+            filler = old[:1].expand(size, *old.shape[1:]).clone()  # the other rows: any state, then dropped
+            filler[rows] = old
+            states = self.split.extend(self.model, filler, batch, start, depth)
+            self.extend_samples += len(miss)
+            base = self._cost.get(start, 0.0)
+            self.saved_seconds += len(miss) * base
+        else:  # no common older entry (or it was lost to a corrupt shard just now): the whole batch's prefix
+            states = self.split.prefix(self.model, batch, depth)
+            self.prefix_samples += len(miss)
+            base = 0.0
+        self._record_cost(depth, base + (_now(device) - t0) / size)
         lengths = self.split.lengths(batch, depth)
-        computed: list[tuple[list[int], torch.Tensor]] = []
-        full: torch.Tensor | None = None
-        if len(groups) > 1:
-            groups = {0: miss}
-        for start, positions in groups.items():
-            t0 = _now(device)
-            old = None
-            if start > 0:
-                old = self.cache.get_batch([indices[p] for p in positions], start, device=device, count=False,
-                                           pad_to=self.split.padded_length(batch, start))
-            if old is not None:
-                rows = torch.tensor(positions, device=old.device)
-                filler = old[:1].expand(size, *old.shape[1:]).clone()  # the other rows: any state, then dropped
-                filler[rows] = old
-                states = self.split.extend(self.model, filler, batch, start, depth)[rows]
-                self.extend_samples += len(positions)
-                base = self._cost.get(start, 0.0)
-                self.saved_seconds += len(positions) * base
-                self._record_cost(depth, base + (_now(device) - t0) / size)
-            else:  # no older entry (or it was lost to a corrupt shard just now): the whole batch's prefix
-                if full is None:
-                    full = self.split.prefix(self.model, batch, depth)
-                    self._record_cost(depth, (_now(device) - t0) / size)
-                states = full[torch.tensor(positions, device=full.device)]
-                self.prefix_samples += len(positions)
-            self.cache.put_batch([indices[p] for p in positions], depth, states,
-                                 None if lengths is None else lengths[torch.tensor(positions)])
-            computed.append((positions, states))
-        if hit_states is None and len(computed) == 1:
-            return computed[0][1]
-        first = computed[0][1]
-        state = torch.empty((size, *first.shape[1:]), dtype=first.dtype, device=first.device)
-        if hit_states is not None:
-            state[torch.tensor(hit, device=state.device)] = hit_states.to(state.dtype)
-        for positions, states in computed:
-            state[torch.tensor(positions, device=state.device)] = states
-        return state
+        self.cache.put_batch([indices[p] for p in miss], depth, states[rows],
+                             None if lengths is None else lengths[torch.tensor(miss)])
+        if hit_states is not None:  # states holds every row at the batch's shape; the hits replace theirs
+            states = states.clone()
+            states[torch.tensor(hit, device=states.device)] = hit_states.to(states.dtype)
+        return states
 
     def _record_cost(self, depth: int, per_sample: float) -> None:
         """Running estimate of the per-sample cost of blocks ``0..depth-1`` (an exponential mean: the first batches

@@ -98,7 +98,7 @@ def finish(run_dir: Path, steps: int) -> None:
 
 def kill_and_resume(run_dir: Path, steps: int, kills: int, seed: int, max_delay_s: float) -> dict[str, int]:
     """Start the run, SIGKILL it ``kills`` times at random instants after training begins, then let it finish."""
-    from layerfreeze.rundir import CHECKPOINTS_DIR
+    from layerfreeze.rundir import CHECKPOINTS_DIR, SUMMARY_FILE
 
     rng = random.Random(seed)
     stats = {"kills": 0, "in_checkpoint_write": 0, "finished_early": 0}
@@ -116,6 +116,9 @@ def kill_and_resume(run_dir: Path, steps: int, kills: int, seed: int, max_delay_
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+            if (run_dir / SUMMARY_FILE).is_file():  # the kill came after training ended, in the process's exit
+                stats["finished_early"] += 1
+                break
             stats["kills"] += 1
             stats["in_checkpoint_write"] += any((run_dir / CHECKPOINTS_DIR).glob("*.tmp"))
             continue

@@ -210,6 +210,7 @@ class Trainer:
             return None
         t0 = time.perf_counter()
         self.freezer.verify_frozen_weights()  # never checkpoint weights that moved while frozen
+        self.progress["cache_counts"] = self._cache_counts()
         extra = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "progress": dict(self.progress),
                  "config": self.config.model_dump(mode="json"), "world_size": self.world}
         if self.distributed:
@@ -283,6 +284,7 @@ class Trainer:
         start_epoch, skip = 0, 0
         if cfg.run.resume:
             start_epoch, skip = self._resume(Path(cfg.run.resume))
+        self._cache_base = dict(self.progress.get("cache_counts") or {})
         if not cfg.run.resume or self.progress["step"] == 0:
             for record in self.freezer.history:  # blocks frozen at the start stage
                 self._on_freeze_event(record)
@@ -561,10 +563,28 @@ class Trainer:
             stats["cache_disabled"] = self.runner.disabled
         return stats
 
+    _CACHE_COUNTS = ("hits", "misses", "saved_seconds")
+
+    def _cache_counts(self) -> dict[str, float]:
+        """The cache's lookup counters over the whole run: those saved in the checkpoint a resumed run started from,
+        plus this process's (whose cache started cold). Work a killed process did after its last checkpoint is
+        replayed, so it is not counted twice."""
+        if self.runner is None:
+            return {}
+        now = self.runner.summary()
+        base = getattr(self, "_cache_base", {})
+        return {k: base.get(k, 0) + now[k] for k in self._CACHE_COUNTS}
+
     def _cache_summary(self) -> dict[str, Any]:
-        """What the activation cache did (counters since this process started: a resumed run starts it cold)."""
+        """What the activation cache did: lookups and saved seconds over the whole run (across resumes, see
+        :meth:`_cache_counts`), sizes and state of this process's cache."""
         mode = self.config.freeze.cache.mode
-        return {"mode": mode, "used": False} if self.runner is None else {"mode": mode, **self.runner.summary()}
+        if self.runner is None:
+            return {"mode": mode, "used": False}
+        out = {"mode": mode, **self.runner.summary(), **self._cache_counts()}
+        lookups = out["hits"] + out["misses"]
+        out["hit_rate"] = out["hits"] / lookups if lookups else None
+        return out
 
     def _guard_check(self) -> None:
         val_loss, val_acc = self._evaluate(self.val_set)

@@ -1,4 +1,5 @@
-"""``layerfreeze predictor collect | label | train | evaluate``: the offline SmartFRZ pipeline.
+"""``layerfreeze predictor collect | label | train | evaluate | counterfactual | calibrate``: the offline SmartFRZ
+pipeline.
 
 ::
 
@@ -6,6 +7,8 @@
     layerfreeze predictor label runs/smartfrz                     # CKA labels (labels.json per run)
     layerfreeze predictor train runs/smartfrz --out predictor.safetensors   # + PREDICTOR_CARD.md beside it
     layerfreeze predictor evaluate runs/smartfrz --predictor predictor.safetensors
+    layerfreeze predictor counterfactual runs/smartfrz --recipes mlp-digits   # what freezing at t really costs
+    layerfreeze predictor calibrate runs/smartfrz                 # CKA rules against those costs
 
 Then ``freeze.params.predictor: predictor.safetensors`` (or ``SmartFRZ(predictor=...)``) uses it.
 
@@ -22,6 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from .counterfactual import DEFAULT_EPS_POINTS, DEFAULT_FRACTIONS, DEFAULT_NULL_ORDERS, MAX_DEPTHS
 from .fit import DEFAULT_HISTORY, DEFAULT_MIN_HISTORY, DEFAULT_THRESHOLD, TrainConfig
 from .labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_WINDOW
 from .predictor import PredictorError
@@ -112,13 +116,42 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "else 0.5)")
     e.add_argument("--recipes", type=_csv(str), help="only these recipes (default: every recipe the predictor was "
                    "not trained on)")
+
+    cf = sub.add_parser("counterfactual", help="what freezing a prefix at step t costs: replay collected runs and "
+                        "train on with blocks 0..d-1 frozen, for a grid of (t, d)")
+    cf.add_argument("runs_dir", metavar="RUNS_DIR", help="the collected runs (counterfactual.json goes into each)")
+    cf.add_argument("--recipes", type=_csv(str), required=True, help="comma-separated recipes (collected in RUNS_DIR)")
+    cf.add_argument("--seeds", type=_csv(int), default=[0], help="comma-separated seeds (default 0)")
+    cf.add_argument("--lrs", type=_csv(float), help="learning rates (default each recipe's own pair)")
+    cf.add_argument("--fractions", type=_csv(float), default=list(DEFAULT_FRACTIONS),
+                    help="grid steps as fractions of the run, each in (0, 1), moved to the next activation snapshot "
+                    f"(default {','.join(f'{f:g}' for f in DEFAULT_FRACTIONS)})")
+    cf.add_argument("--depths", type=_csv(int),
+                    help=f"prefix depths (default all non-head depths, at most {MAX_DEPTHS} spread evenly)")
+    cf.add_argument("--null-orders", type=_number(int, 0), default=DEFAULT_NULL_ORDERS,
+                    help="unfrozen continuations on other data orders per grid step: the noise a cost is judged "
+                    f"against (default {DEFAULT_NULL_ORDERS})")
+    cf.add_argument("--quick", action="store_true", help="the recipes shrunk as `collect --quick` recorded them")
+
+    cal = sub.add_parser("calibrate", help="score CKA labelling rules (tau, window, delta) against the "
+                         "counterfactual costs: precision, recall, the cost and the savings of following each")
+    cal.add_argument("runs_dir", metavar="RUNS_DIR")
+    cal.add_argument("--taus", type=_csv(float), default=[0.99, 0.995, 0.998, 0.999, 0.9995],
+                     help="CKA thresholds (default 0.99,0.995,0.998,0.999,0.9995)")
+    cal.add_argument("--windows", type=_csv(int), default=[DEFAULT_WINDOW],
+                     help=f"stability windows (default {DEFAULT_WINDOW})")
+    cal.add_argument("--deltas", type=_csv(float), default=[DEFAULT_DELTA], help=f"default {DEFAULT_DELTA}")
+    cal.add_argument("--eps", type=_number(float, 0), default=DEFAULT_EPS_POINTS,
+                     help="accuracy points a freeze may lose beyond the unfrozen continuations' lowest and still "
+                     f"count as costing nothing (default {DEFAULT_EPS_POINTS})")
     return p
 
 
 def run(args: argparse.Namespace, console: Console | None = None) -> int:
     """Run a ``predictor`` sub-command; returns the exit code."""
     console = console or Console()
-    commands = {"collect": _collect, "label": _label, "train": _train, "evaluate": _evaluate}
+    commands = {"collect": _collect, "label": _label, "train": _train, "evaluate": _evaluate,
+                "counterfactual": _counterfactual, "calibrate": _calibrate}
     try:
         return commands[args.predictor_command](args, console)
     except (PipelineError, PredictorError) as exc:
@@ -290,4 +323,57 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     metrics = evaluate(model, runs, meta["window"], threshold, meta["min_window"])
     console.print(_metrics_table(f"{args.predictor or 'shipped predictor'} on {len(runs)} unseen runs "
                                  f"(threshold {threshold})", metrics))
+    return 0
+
+
+def _counterfactual(args: argparse.Namespace, console: Console) -> int:
+    from .counterfactual import counterfactual_for
+
+    bad = [f for f in args.fractions if not 0 < f < 1]
+    if bad:
+        raise PipelineError(f"--fractions must each be in (0, 1), got {bad}")
+    results = counterfactual_for(args.runs_dir, args.recipes, args.seeds, quick=args.quick, fractions=args.fractions,
+                                 lrs=args.lrs, depths=args.depths, null_orders=args.null_orders,
+                                 progress=lambda line: console.print(f"  {line}", highlight=False))
+    table = Table(title="Counterfactual cost of freezing blocks 0..d-1 at step t (accuracy points lost at the end; "
+                        "null: unfrozen continuations on other data orders)")
+    for col in ("run", "baseline acc", "replay = record", "t (fraction)", "null", *[f"d={d}" for d in
+                                                                                   _depths(results)]):
+        table.add_column(col)
+    for cf in results:
+        nulls: dict[int, list[float]] = {}
+        for row in cf["null"]:
+            nulls.setdefault(row["t"], []).append(row["cost_points"])
+        cells: dict[tuple[int, int], float] = {(c["t"], c["depth"]): c["cost_points"] for c in cf["grid"]}
+        for t in sorted({c["t"] for c in cf["grid"]}):
+            table.add_row(cf["run"], f"{cf['baseline']['accuracy']:.4f}",
+                          "yes" if cf["baseline"]["matches_record"] else "NO", f"{t} ({t / cf['steps']:.2f})",
+                          " ".join(f"{v:+.2f}" for v in nulls.get(t, [])),
+                          *[("" if (t, d) not in cells else f"{cells[(t, d)]:+.2f}") for d in _depths(results)])
+    console.print(table)
+    return 0
+
+
+def _depths(results: list[dict[str, Any]]) -> list[int]:
+    return sorted({c["depth"] for cf in results for c in cf["grid"]})
+
+
+def _calibrate(args: argparse.Namespace, console: Console) -> int:
+    from .counterfactual import calibrate
+
+    rows = calibrate(args.runs_dir, args.taus, args.windows, args.deltas, args.eps)
+    table = Table(title=f"CKA labelling rules against counterfactual costs (a freeze is free when it loses at most "
+                        f"{args.eps:g} points beyond the unfrozen continuations)")
+    for col in ("tau", "window", "delta", "cells", "precision", "recall", "F1", "mean cost", "max cost",
+                "cells frozen", "first-freeze cost", "run share frozen"):
+        table.add_column(col, justify="right")
+
+    def f(v: float, fmt: str = ".3f") -> str:
+        return "-" if v != v else format(v, fmt)
+
+    for r in rows:
+        table.add_row(f"{r['tau']:g}", str(r["window"]), f"{r['delta']:g}", str(r["cells"]), f(r["precision"]),
+                      f(r["recall"]), f(r["f1"]), f(r["mean_cost"], "+.2f"), f(r["max_cost"], "+.2f"),
+                      f(r["frozen_share"]), f(r["oracle_cost"], "+.2f"), f(r["oracle_frozen"]))
+    console.print(table)
     return 0

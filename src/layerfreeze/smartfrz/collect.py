@@ -200,17 +200,42 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _accuracy(setup: Setup, model: nn.Module) -> float | None:
+def batch_order(n_train: int, batch_size: int, steps: int, seed: int) -> Iterator[torch.Tensor]:
+    """A run's ``steps`` batches of sample indices ``(batch_size,)``: a permutation per epoch drawn from ``seed``
+    (its own generator, not the global RNG), cut into full batches (the rest of an epoch dropped)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_epoch = n_train // batch_size
+    order = torch.randperm(n_train, generator=gen)
+    for step in range(1, steps + 1):
+        pos = (step - 1) % per_epoch
+        if pos == 0 and step > 1:
+            order = torch.randperm(n_train, generator=gen)
+        yield order[pos * batch_size:(pos + 1) * batch_size]
+
+
+def evaluate_test(setup: Setup, model: nn.Module) -> tuple[float, float] | None:
+    """``(accuracy, mean loss)`` of ``model`` on the recipe's fixed test subset, in eval mode without gradients
+    (None without a test subset). Leaves every module's train/eval mode as it found it."""
     if setup.test_x is None or setup.test_y is None or len(setup.test_y) == 0:
         return None
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
-    correct = 0
+    correct, loss_sum = 0, 0.0
     with torch.no_grad():
         for s in range(0, len(setup.test_y), 128):
             batch = {k: v[s:s + 128] for k, v in setup.test_x.items()}
-            correct += int((setup.forward(model, batch).argmax(-1) == setup.test_y[s:s + 128]).sum())
-    model.train()
-    return correct / len(setup.test_y)
+            logits = setup.forward(model, batch)
+            labels = setup.test_y[s:s + 128]
+            correct += int((logits.argmax(-1) == labels).sum())
+            loss_sum += float(setup.loss_fn(logits, labels)) * len(labels)
+    for m, training in modes:
+        m.training = training
+    return correct / len(setup.test_y), loss_sum / len(setup.test_y)
+
+
+def _accuracy(setup: Setup, model: nn.Module) -> float | None:
+    result = evaluate_test(setup, model)
+    return None if result is None else result[0]
 
 
 def run_name(recipe_name: str, seed: int, lr: float) -> str:
@@ -272,17 +297,6 @@ def record_run(setup: Setup, out_dir: str | Path, *, lr: float, seed: int, info:
             probe.record(model, setup.forward, setup.probe_x)
             act_steps.append(step)
 
-    def batch_indices() -> Iterator[torch.Tensor]:
-        """``steps`` batches: a permutation per epoch (from ``seed``), cut into full batches (the rest dropped)."""
-        gen = torch.Generator().manual_seed(seed)
-        per_epoch = n_train // setup.batch_size
-        order = torch.randperm(n_train, generator=gen)
-        for step in range(1, steps + 1):
-            pos = (step - 1) % per_epoch
-            if pos == 0 and step > 1:
-                order = torch.randperm(n_train, generator=gen)
-            yield order[pos * setup.batch_size:(pos + 1) * setup.batch_size]
-
     def loss_of(idx: torch.Tensor) -> torch.Tensor:
         return setup.loss_fn(setup.forward(model, {k: v[idx] for k, v in setup.train_x.items()}), setup.train_y[idx])
 
@@ -305,7 +319,8 @@ def record_run(setup: Setup, out_dir: str | Path, *, lr: float, seed: int, info:
 
     model.train()
     snapshot(0, 0)
-    stopped = train_steps(model, opt, batch_indices(), loss_of, scheduler=sched, grad_clip=setup.grad_clip,
+    stopped = train_steps(model, opt, batch_order(n_train, setup.batch_size, steps, seed), loss_of, scheduler=sched,
+                          grad_clip=setup.grad_clip,
                           on_step=after_step)
     if stopped is not None:
         return _diverged(out_dir, meta, stopped, t0)

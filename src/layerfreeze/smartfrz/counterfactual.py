@@ -1,0 +1,361 @@
+"""Counterfactual labels: what freezing a prefix at step ``t`` costs in final accuracy, measured by training it.
+
+The CKA label (:mod:`.labels`) says a block's representation is close to its final one; what a user cares about is
+whether freezing it *then* costs anything at the end. For a collected run (a recipe, seed and learning rate, which
+the collector trains deterministically) this module replays the run and, at each grid step ``t`` (one of the run's
+activation snapshots, so the CKA label exists there), keeps the whole training state (weights, optimizer, LR
+schedule, global RNG); from it, for each prefix depth ``d`` (blocks ``0 .. d-1`` frozen), it trains on to the end
+with those blocks frozen the way the engine freezes them (``requires_grad`` off, eval mode, their optimizer state
+dropped: :func:`~layerfreeze.engine.frozen_parameters`, :func:`~layerfreeze.engine.set_eval_mode`,
+:func:`~layerfreeze.optim.remove_from_optimizer`), on the same batches, and evaluates on the recipe's test subset.
+The *cost* of freezing ``d`` at ``t`` is the unfrozen run's final test accuracy minus the continuation's, in points
+(and the same for the test loss). These are the "counterfactual continuations" of issue 16; the oracle of the
+benchmark protocol (OVERVIEW: freeze each block when its CKA to the final model converges) is checked against them
+by :func:`calibrate`.
+
+One continuation freezes one prefix at one step; the oracle's schedule freezes a longer prefix at each of its
+steps, with the shorter one already frozen since earlier. A continuation is therefore a lower bound on the cost of
+the same freeze inside a schedule whose earlier freezes also cost something; the labels are per decision, as the
+predictor's are.
+
+File ``<run_dir>/counterfactual.json`` (written atomically): ``format`` "layerfreeze-smartfrz-counterfactual",
+``run``, ``recipe``, ``seed``, ``lr``, ``steps``, ``blocks``, ``head``, ``baseline`` (``accuracy``, ``loss`` of the
+replayed unfrozen run; ``matches_record``: its accuracy equals the run's recorded ``test_accuracy``, i.e. the
+replay followed the recorded trajectory), ``test_size``, ``grid``: one row per continuation ``{"t", "depth",
+"accuracy", "loss", "cost_points", "cost_loss", "seconds"}`` (``seconds``: wall-clock seconds of the continuation);
+``null``: the same rows for the unfrozen continuations on other data orders (``depth`` 0, with their
+``order_seed``), the noise floor.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..blocks import discover_blocks
+from ..engine import frozen_parameters, set_eval_mode
+from ..loop import lr_lambda, train_steps, warmup_steps
+from ..optim import remove_from_optimizer
+from .collect import Setup, _make_optimizer, batch_order, evaluate_test, run_name
+from .labels import freezable_from_cka, label_run
+from .runs import PipelineError, read_meta, write_json_atomic
+
+COUNTERFACTUAL_FILE = "counterfactual.json"
+COUNTERFACTUAL_FORMAT = "layerfreeze-smartfrz-counterfactual"
+#: Grid steps as fractions of the run; each is moved to the run's first activation snapshot at or after it.
+DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
+#: Most prefix depths per run: all non-head depths up to this many, else this many spread evenly (always the
+#: shallowest and the deepest).
+MAX_DEPTHS = 8
+#: A freeze "costs nothing" when it loses at most this many points of final test accuracy. The issue's target for
+#: the oracle schedule is 0.2 points on the suite tasks; on the collector's test subsets (500-1,000 samples) one
+#: sample is 0.1-0.2 points, so the margin is one or two samples.
+DEFAULT_EPS_POINTS = 0.2
+#: Unfrozen continuations on other data orders per grid step (:func:`run_counterfactuals`).
+DEFAULT_NULL_ORDERS = 2
+_NULL_SEED_BASE = 90_000
+
+
+def act_steps_of(setup: Setup) -> list[int]:
+    """The steps of a run's activation snapshots (as :func:`~layerfreeze.smartfrz.collect.record_run` takes
+    them: every ``act_every``-th weight snapshot from step 0, and the final step)."""
+    every, steps = int(setup.snapshot_every), int(setup.steps)
+    n_snap = steps // every + 1
+    return [k * every for k in range(n_snap) if k % setup.act_every == 0 or k == n_snap - 1]
+
+
+def grid_steps(setup: Setup, fractions: Sequence[float]) -> list[int]:
+    """Each fraction of the run moved to the first activation snapshot at or after it (0 < step < end; duplicates
+    dropped).
+
+    Raises:
+        ValueError: a fraction outside (0, 1).
+    """
+    bad = [f for f in fractions if not 0 < f < 1]
+    if bad:
+        raise ValueError(f"grid fractions must be in (0, 1), got {bad}")
+    acts = act_steps_of(setup)
+    out: list[int] = []
+    for f in sorted(fractions):
+        t = next((s for s in acts if s >= f * setup.steps), None)
+        if t is not None and 0 < t < setup.steps and t not in out:
+            out.append(t)
+    return out
+
+
+def grid_depths(n_blocks: int, head: int | None, max_depths: int = MAX_DEPTHS) -> list[int]:
+    """Prefix depths to try: ``1 .. n_trainable`` (a prefix never includes the head), at most ``max_depths`` of them
+    spread evenly."""
+    deepest = n_blocks - 1 if head == n_blocks - 1 else n_blocks
+    depths = list(range(1, deepest + 1))
+    if len(depths) <= max_depths:
+        return depths
+    picks = {round(1 + i * (deepest - 1) / (max_depths - 1)) for i in range(max_depths)}
+    return sorted(picks)
+
+
+def _freeze_prefix(model: torch.nn.Module, blocks: list, depth: int, optimizer: torch.optim.Optimizer) -> None:
+    """Freeze blocks ``0 .. depth-1`` as :class:`~layerfreeze.engine.Freezer` does (no BatchNorm exception): the
+    optimizer must lose their state, or AdamW/SGD would keep applying momentum and weight decay to them."""
+    params = [p for b in blocks[:depth] for p in frozen_parameters(b)]
+    for p in params:
+        p.requires_grad_(False)
+        p.grad = None
+    remove_from_optimizer(optimizer, params)
+    for b in blocks[:depth]:
+        for _, module in b.modules:
+            set_eval_mode(module)
+
+
+def run_counterfactuals(setup_fn: Callable[[], Setup], run_dir: str | Path, *, lr: float, seed: int,
+                        fractions: Sequence[float] = DEFAULT_FRACTIONS, depths: Sequence[int] | None = None,
+                        null_orders: int = DEFAULT_NULL_ORDERS,
+                        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Replay a recorded run and train every (grid step, prefix depth) continuation; write ``counterfactual.json``.
+
+    Args:
+        setup_fn: Builds the run's :class:`~layerfreeze.smartfrz.collect.Setup` afresh (the recipe's build with the
+            run's seed: it seeds the model's initialisation and the global RNG, as when the run was recorded).
+        run_dir: The recorded run's folder (its ``meta.json`` names the run; the result is written there).
+        lr / seed: The run's learning rate and data-order seed.
+        fractions: Grid steps as fractions of the run (:func:`grid_steps`).
+        depths: Prefix depths (default :func:`grid_depths`).
+        null_orders: At each grid step, this many continuations with nothing frozen on other data orders (the rest
+            of the run reshuffled from another seed): how much the final accuracy moves when the trajectory is
+            perturbed without freezing anything, the noise a freeze's cost is judged against.
+        progress: Called with a line after each continuation.
+
+    Returns:
+        The written content (format in the module docstring).
+
+    Raises:
+        PipelineError: the run folder has no complete run, the setup has no test subset, or the replay diverges.
+    """
+    run_dir = Path(run_dir)
+    meta = read_meta(run_dir)
+    if meta is None or meta.get("status") != "complete":
+        raise PipelineError(f"{run_dir}: not a complete recorded run (collect it first)")
+    setup = setup_fn()
+    model = setup.model
+    blocks = discover_blocks(model, setup.blocks)
+    head = next((b.index for b in blocks if b.is_head), None)
+    if [b.name for b in blocks] != meta["blocks"] or int(setup.steps) != int(meta["steps"]):
+        raise PipelineError(f"{run_dir}: the recipe's setup does not match the recorded run (blocks or steps differ)")
+    steps = int(setup.steps)
+    ts = grid_steps(setup, fractions)
+    ds = list(depths) if depths is not None else grid_depths(len(blocks), head)
+    n_train = len(setup.train_y)
+
+    def loss_of(idx: torch.Tensor) -> torch.Tensor:
+        return setup.loss_fn(setup.forward(model, {k: v[idx] for k, v in setup.train_x.items()}), setup.train_y[idx])
+
+    def fresh(opt_state: dict | None = None, sched_state: dict | None = None):
+        opt = _make_optimizer(setup, model, lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lr_lambda(steps, warmup_steps(steps, setup.warmup, rounding="round"), setup.schedule))
+        if opt_state is not None:
+            opt.load_state_dict(opt_state)
+            sched.load_state_dict(sched_state)
+        return opt, sched
+
+    # 1. the replay: the unfrozen run, keeping the state at each grid step
+    states: dict[int, dict[str, Any]] = {}
+    opt, sched = fresh()
+
+    def keep(step: int, loss: torch.Tensor) -> bool:
+        if step in ts:
+            states[step] = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+                            "sched": sched.state_dict(), "rng": torch.get_rng_state()}
+        return False
+
+    model.train()
+    if train_steps(model, opt, batch_order(n_train, setup.batch_size, steps, seed), loss_of, scheduler=sched,
+                   grad_clip=setup.grad_clip, on_step=keep) is not None:
+        raise PipelineError(f"{run_dir}: the replay diverged (the recorded run did not)")
+    baseline = evaluate_test(setup, model)
+    if baseline is None:
+        raise PipelineError(f"{run_dir}: the recipe has no test subset to measure a cost on")
+    base_acc, base_loss = baseline
+    recorded = meta.get("test_accuracy")
+
+    # 2. the continuations: every depth on the run's own batches, and depth 0 (nothing frozen) on other orders
+    def continue_from(t: int, depth: int, order_seed: int | None) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        for p in model.parameters():
+            p.requires_grad_(True)
+        model.load_state_dict(states[t]["model"])
+        model.train()
+        opt, sched = fresh(states[t]["opt"], states[t]["sched"])
+        _freeze_prefix(model, blocks, depth, opt)
+        torch.set_rng_state(states[t]["rng"])
+        if order_seed is None:
+            rest = (idx for step, idx in enumerate(batch_order(n_train, setup.batch_size, steps, seed), 1)
+                    if step > t)
+        else:
+            rest = batch_order(n_train, setup.batch_size, steps - t, order_seed)
+        stopped = train_steps(model, opt, rest, loss_of, scheduler=sched, grad_clip=setup.grad_clip)
+        acc, loss = evaluate_test(setup, model) if stopped is None else (float("nan"), float("nan"))
+        row = {"t": t, "depth": depth, "accuracy": acc, "loss": loss,
+               "cost_points": round(100 * (base_acc - acc), 4), "cost_loss": loss - base_loss,
+               "seconds": round(time.perf_counter() - t0, 2)}
+        if order_seed is not None:
+            row["order_seed"] = order_seed
+        if progress is not None:
+            what = f"depth={depth}" if order_seed is None else f"nothing frozen, data order {order_seed}"
+            progress(f"{meta['run']}: t={t}/{steps} {what}: acc {acc:.4f} (cost {row['cost_points']:+.2f} points), "
+                     f"loss {loss:.4f}, {row['seconds']:.1f}s")
+        return row
+
+    grid = [continue_from(t, d, None) for t in ts for d in ds]
+    null = [continue_from(t, 0, _NULL_SEED_BASE + seed * 100 + j) for t in ts for j in range(null_orders)]
+    for p in model.parameters():
+        p.requires_grad_(True)
+    out = {"format": COUNTERFACTUAL_FORMAT, "run": meta["run"], "recipe": meta.get("recipe"), "seed": seed,
+           "lr": lr, "steps": steps, "blocks": meta["blocks"], "head": head, "test_size": len(setup.test_y),
+           "baseline": {"accuracy": base_acc, "loss": base_loss,
+                        "matches_record": recorded is not None and abs(recorded - base_acc) < 1e-12},
+           "fractions": list(fractions), "null_orders": null_orders, "grid": grid, "null": null}
+    write_json_atomic(run_dir / COUNTERFACTUAL_FILE, out)
+    return out
+
+
+def counterfactual_for(runs_dir: str | Path, recipe_names: Sequence[str], seeds: Sequence[int], *, quick: bool = False,
+                       fractions: Sequence[float] = DEFAULT_FRACTIONS, lrs: Sequence[float] | None = None,
+                       depths: Sequence[int] | None = None, null_orders: int = DEFAULT_NULL_ORDERS,
+                       progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """:func:`run_counterfactuals` for every collected (recipe, seed, learning rate) run in ``runs_dir``; runs that
+    already have a ``counterfactual.json`` with the same grid (fractions, depths, null orders) are skipped (so an
+    interrupted job resumes).
+
+    Raises:
+        PipelineError: a named run was not collected.
+    """
+    import json
+
+    from .recipes import get_recipes
+
+    out = []
+    for recipe in get_recipes(list(recipe_names)):
+        for seed in seeds:
+            for lr in (lrs or recipe.lrs):
+                run_dir = Path(runs_dir) / run_name(recipe.name, seed, lr)
+                done = run_dir / COUNTERFACTUAL_FILE
+                if done.is_file():
+                    old = json.loads(done.read_text())
+                    same = (old.get("fractions") == list(fractions) and old.get("null_orders") == null_orders
+                            and (depths is None or sorted({c["depth"] for c in old["grid"]}) == sorted(depths)))
+                    if same:
+                        out.append(old)
+                        continue
+                out.append(run_counterfactuals(lambda r=recipe, s=seed: r.build(s, quick, Path(runs_dir)), run_dir,
+                                               lr=lr, seed=seed, fractions=fractions, depths=depths,
+                                               null_orders=null_orders, progress=progress))
+    return out
+
+
+def read_counterfactuals(runs_dir: str | Path) -> list[dict[str, Any]]:
+    """Every ``counterfactual.json`` under ``runs_dir`` (one level down), sorted by run name.
+
+    Raises:
+        PipelineError: a file that is not a counterfactual file.
+    """
+    import json
+
+    out = []
+    for path in sorted(Path(runs_dir).glob(f"*/{COUNTERFACTUAL_FILE}")):
+        data = json.loads(path.read_text())
+        if data.get("format") != COUNTERFACTUAL_FORMAT:
+            raise PipelineError(f"{path}: not a {COUNTERFACTUAL_FORMAT} file")
+        out.append(data)
+    return out
+
+
+def counterfactual_labels(cf: dict[str, Any], eps_points: float = DEFAULT_EPS_POINTS) -> dict[tuple[int, int], bool]:
+    """``{(t, depth): freezing costs nothing}`` for one run's counterfactuals.
+
+    Freezing ``depth`` at ``t`` costs nothing when its continuation's final test accuracy is at least the lowest
+    an unfrozen run reached from the same state (the run itself, and its ``null`` continuations on other data
+    orders from ``t``) minus ``eps_points`` points: no worse than training on unfrozen with another data order
+    would have done, within the margin.
+    """
+    floor_at: dict[int, float] = {}
+    for row in cf.get("null", []):
+        floor_at[row["t"]] = min(floor_at.get(row["t"], 1.0), row["accuracy"])
+    base = cf["baseline"]["accuracy"]
+    return {(c["t"], c["depth"]): c["accuracy"] >= min(base, floor_at.get(c["t"], base)) - eps_points / 100 - 1e-12
+            for c in cf["grid"]}
+
+
+def calibrate(runs_dir: str | Path, taus: Sequence[float], windows: Sequence[int], deltas: Sequence[float],
+              eps_points: float = DEFAULT_EPS_POINTS) -> list[dict[str, Any]]:
+    """Score CKA labelling rules against the counterfactual labels of every run with a ``counterfactual.json``.
+
+    A grid cell (run, ``t``, ``d``) is *counterfactually freezable* by :func:`counterfactual_labels` (no worse
+    than the unfrozen continuations, within ``eps_points``); the CKA rule ``(tau, window, delta)`` calls it
+    freezable when block ``d - 1`` is freezable at the activation snapshot of step ``t``
+    (:func:`~layerfreeze.smartfrz.labels.freezable_from_cka`: that includes every earlier block).
+
+    Returns:
+        One row per rule, sorted by ``tau, window, delta``: ``tau``, ``window``, ``delta``, ``cells``,
+        ``precision`` (of the rule's "freezable" calls, the share that cost at most ``eps_points``), ``recall``,
+        ``f1``, ``mean_cost`` / ``max_cost`` (points lost by the continuations the rule calls freezable: what
+        following the rule at the grid's steps costs), ``frozen_share`` (share of the grid's cells the rule
+        freezes: what it saves, 0..1), ``oracle_cost`` (per run and depth, the cost at the rule's first freezable
+        grid step, averaged over those that freeze at all) and ``oracle_frozen`` (mean over runs and depths of the
+        share of the run the depth is frozen for, from its first freezable grid step; 0 when never).
+
+    Raises:
+        PipelineError: no run under ``runs_dir`` has counterfactuals.
+    """
+    cfs = read_counterfactuals(runs_dir)
+    if not cfs:
+        raise PipelineError(f"{runs_dir}: no {COUNTERFACTUAL_FILE} (run `layerfreeze predictor counterfactual` first)")
+    tables = []
+    for cf in cfs:
+        lab = label_run(Path(runs_dir) / cf["run"], write=False)
+        col = {s: i for i, s in enumerate(lab["act_steps"])}
+        tables.append((cf, lab["cka"], col, counterfactual_labels(cf, eps_points)))
+    rows = []
+    for tau in taus:
+        for window in windows:
+            for delta in deltas:
+                tp = fp = fn = 0
+                costs: list[float] = []
+                first_costs: list[float] = []
+                frozen_for: list[float] = []
+                n = 0
+                for cf, cka, col, cheap_at in tables:
+                    flags = freezable_from_cka(cka, tau, delta, window, cf["head"])
+                    by_depth: dict[int, list[dict[str, Any]]] = {}
+                    for cell in cf["grid"]:
+                        by_depth.setdefault(cell["depth"], []).append(cell)
+                        n += 1
+                        rule = flags[cell["depth"] - 1][col[cell["t"]]]
+                        cheap = cheap_at[(cell["t"], cell["depth"])]
+                        tp += rule and cheap
+                        fp += rule and not cheap
+                        fn += (not rule) and cheap
+                        if rule:
+                            costs.append(cell["cost_points"])
+                    for cells in by_depth.values():
+                        cells.sort(key=lambda c: c["t"])
+                        first = next((c for c in cells if flags[c["depth"] - 1][col[c["t"]]]), None)
+                        frozen_for.append(0.0 if first is None else 1 - first["t"] / cf["steps"])
+                        if first is not None:
+                            first_costs.append(first["cost_points"])
+                precision = tp / (tp + fp) if tp + fp else float("nan")
+                recall = tp / (tp + fn) if tp + fn else float("nan")
+                f1 = 2 * precision * recall / (precision + recall) if tp else 0.0
+                rows.append({"tau": tau, "window": window, "delta": delta, "cells": n, "precision": precision,
+                             "recall": recall, "f1": f1,
+                             "mean_cost": sum(costs) / len(costs) if costs else float("nan"),
+                             "max_cost": max(costs) if costs else float("nan"),
+                             "frozen_share": len(costs) / n if n else 0.0,
+                             "oracle_cost": sum(first_costs) / len(first_costs) if first_costs else float("nan"),
+                             "oracle_frozen": sum(frozen_for) / len(frozen_for) if frozen_for else 0.0})
+    return rows

@@ -31,9 +31,10 @@ def test_twenty_random_kills_resume_to_the_uninterrupted_run_bitwise(tmp_path):
     # computed at the batch's shape, so the states are the uninterrupted run's bit for bit)
     ref, cut = (load_run(tmp_path / run).summary["cache"] for run in ("ref", "cut"))
     assert ref["used"] and cut["used"] and ref["hits"] > 0, (ref, cut)
-    # the summary counts the whole run across resumes: the same lookups, fewer hits (each resume starts cold)
+    # the summary counts the whole run across resumes: the same lookups, no more hits (each resume starts cold;
+    # fewer when a kill came after the prefix was cached)
     assert cut["hits"] + cut["misses"] == ref["hits"] + ref["misses"], (ref, cut)
-    assert 0 < cut["hits"] < ref["hits"], (ref, cut)
+    assert 0 < cut["hits"] <= ref["hits"], (ref, cut)
 
 
 def test_the_comparison_sees_a_different_run(tmp_path):

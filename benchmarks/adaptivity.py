@@ -39,6 +39,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import suite  # noqa: E402  (the suite's bbc task spec and base config: the same job)
+from markdown_section import update_section  # noqa: E402
 
 BEGIN, END = "<!-- adaptivity:begin -->", "<!-- adaptivity:end -->"
 REFERENCE = "lr1-ep2"
@@ -159,12 +160,7 @@ def rich_table(results: dict[str, Any]) -> Table:
 
 
 def update_markdown(path: Path, section: str) -> None:
-    text = path.read_text()
-    if BEGIN not in text:
-        text += f"\n## Adaptivity: freeze steps across learning rates and run lengths\n\n{BEGIN}\n{END}\n"
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    path.write_text(f"{head}{BEGIN}\n{section}{END}{tail}")
+    update_section(path, BEGIN, END, section, "## Adaptivity: freeze steps across learning rates and run lengths")
 
 
 def main(argv: list[str] | None = None) -> int:

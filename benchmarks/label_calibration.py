@@ -28,6 +28,9 @@ from typing import Any
 
 from rich.console import Console
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from markdown_section import update_section  # noqa: E402
+
 from layerfreeze.smartfrz.counterfactual import (
     DEFAULT_EPS_POINTS,
     calibrate,
@@ -117,15 +120,6 @@ def markdown(runs_dir: Path, taus: list[float], windows: list[int], eps: float) 
     return "\n".join(lines)
 
 
-def update_markdown(path: Path, section: str) -> None:
-    text = path.read_text()
-    if BEGIN not in text:
-        text += f"\n{HEADING}\n\n{BEGIN}\n{END}\n"
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    path.write_text(f"{head}{BEGIN}\n{section}{END}{tail}")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs_dir", type=Path, help="collected runs with counterfactual.json files")
@@ -141,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.runs_dir / "label_calibration.md").write_text(section)
     Console(width=200).print(section, markup=False, highlight=False)
     if args.markdown:
-        update_markdown(Path(args.markdown), section)
+        update_section(Path(args.markdown), BEGIN, END, section, HEADING)
     return 0
 
 

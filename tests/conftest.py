@@ -26,6 +26,19 @@ def readme_example(heading: str) -> str:
     return blocks[0]
 
 
+def predictor_cli(argv: list[str]) -> int:
+    """Run ``layerfreeze predictor ...`` in this process (a wide console, so tables are not cut); the exit code."""
+    import argparse
+
+    from rich.console import Console
+
+    from layerfreeze.smartfrz.cli import add_parser, run
+
+    parser = argparse.ArgumentParser(prog="layerfreeze")
+    add_parser(parser.add_subparsers(dest="command"))
+    return run(parser.parse_args(argv), Console(width=200))
+
+
 class BlobDataset(GaussianBlobs):
     """Gaussian blobs, 4 classes, 16 features, counting fetches (``on_fetch(count)`` runs before each one)."""
 

@@ -3,7 +3,6 @@ and the offline pipeline end to end on two tiny recipes (``--quick``)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
@@ -20,6 +19,7 @@ from layerfreeze.smartfrz.labels import freezable_from_cka, linear_cka
 from layerfreeze.smartfrz.predictor import FreezePredictor, PredictorError, load_predictor, save_predictor
 from layerfreeze.smartfrz.recorder import BlockSample, WeightRecorder
 from layerfreeze.strategies.smartfrz import SmartFRZ
+from tests.conftest import predictor_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -372,14 +372,7 @@ def test_labelling_rule_on_crafted_series():
 # ---------------------------------------------------------------------------------------------------- pipeline
 
 
-def _cli(args: list[str]) -> int:
-    from rich.console import Console
-
-    from layerfreeze.smartfrz.cli import add_parser, run
-
-    parser = argparse.ArgumentParser(prog="layerfreeze")
-    add_parser(parser.add_subparsers(dest="command"))
-    return run(parser.parse_args(args), Console(width=160))
+_cli = predictor_cli
 
 
 @pytest.fixture(scope="module")

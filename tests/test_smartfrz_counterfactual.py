@@ -3,7 +3,6 @@ the labels and the calibration of CKA rules against them, on quick recipes."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
@@ -25,18 +24,12 @@ from layerfreeze.smartfrz.counterfactual import (
 )
 from layerfreeze.smartfrz.recipes import RECIPES
 from layerfreeze.smartfrz.runs import PipelineError
+from tests.conftest import predictor_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _cli(argv: list[str]) -> int:
-    from rich.console import Console
-
-    from layerfreeze.smartfrz.cli import add_parser, run
-
-    parser = argparse.ArgumentParser(prog="layerfreeze")
-    add_parser(parser.add_subparsers(dest="command"))
-    return run(parser.parse_args(argv), Console(width=200))
+_cli = predictor_cli
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """``PREDICTOR_CARD.md``: the predictor's card rendered as Markdown (what it was trained on, the label thresholds,
-the held-out metrics, and the command that reproduces it). The same card is stored as JSON inside the predictor
-file's metadata (``load_predictor(path)[1]["card"]``)."""
+the held-out metrics, the leave-one-family-out metrics when the card has them, and the command that reproduces
+it). The same card is stored as JSON inside the predictor file's metadata (``load_predictor(path)[1]["card"]``)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,31 @@ def _runs_table(runs: list[dict[str, Any]]) -> list[str]:
 
 _METRIC_COLS = ["windows", "precision", "recall", "f1", "blocks", "freeze_step_error", "freeze_step_bias",
                 "early_fraction"]
+
+
+def _lofo_section(lofo: dict[str, Any]) -> list[str]:
+    """The "Leave-one-family-out" section from ``card["lofo"]`` (see
+    :func:`~layerfreeze.smartfrz.lofo.leave_one_family_out`): one row per family, the pooled row first."""
+    families = lofo.get("families", {})
+    lines = [
+        "## Leave-one-family-out",
+        "",
+        "The held-out pair above is two recipes. Here every architecture family (the runs' `arch`) is held out in "
+        "turn: a predictor with the training settings above is trained on every run of the other families (the "
+        "held-out recipes included) and evaluated on that family's runs only, so each row is a network the "
+        "predictor never saw (SmartFRZ's claim: one predictor serves unseen architectures). These predictors are "
+        f"not the one shipped in this file. Same metrics and threshold ({lofo.get('threshold')}) as above. Pooled: "
+        f"{lofo.get('pooling', 'windows and blocks of every fold pooled')}.",
+        "",
+    ]
+    header = ["family", "recipes", "runs", "train runs", "windows", "precision", "recall", "F1", "blocks",
+              "step error", "step bias", "early"]
+    pooled = lofo.get("pooled") or {}
+    rows = [["**pooled**", "", sum(len(f.get("eval_runs", [])) for f in families.values()), "",
+             *[pooled.get(c) for c in _METRIC_COLS]]]
+    rows += [[name, ", ".join(f.get("recipes", [])), len(f.get("eval_runs", [])), len(f.get("train_runs", [])),
+              *[f.get("metrics", {}).get(c) for c in _METRIC_COLS]] for name, f in families.items()]
+    return [*lines, *_table(header, rows), ""]
 
 
 def render_card(card: dict[str, Any]) -> str:
@@ -90,6 +115,8 @@ def render_card(card: dict[str, Any]) -> str:
         lines += _table(["recipe", "windows", "precision", "recall", "F1", "blocks", "step error", "step bias",
                          "early"], rows)
         lines.append("")
+    if card.get("lofo"):
+        lines += _lofo_section(card["lofo"])
     lines += ["## Training runs", "", *_runs_table(card.get("train_runs", [])), "",
               "## Held-out runs", "", *_runs_table(card.get("heldout_runs", [])), "",
               "## Reproduce", "",

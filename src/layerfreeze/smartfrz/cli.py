@@ -7,6 +7,7 @@ pipeline.
     layerfreeze predictor label runs/smartfrz                     # CKA labels (labels.json per run)
     layerfreeze predictor train runs/smartfrz --out predictor.safetensors   # + PREDICTOR_CARD.md beside it
     layerfreeze predictor evaluate runs/smartfrz --predictor predictor.safetensors
+    layerfreeze predictor train runs/smartfrz --lofo              # + leave-one-family-out metrics in the card
     layerfreeze predictor counterfactual runs/smartfrz --recipes mlp-digits   # what freezing at t really costs
     layerfreeze predictor calibrate runs/smartfrz                 # CKA rules against those costs
 
@@ -108,6 +109,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--threshold", type=_PROBABILITY, default=DEFAULT_THRESHOLD,
                    help=f"decision threshold in (0, 1) for the held-out metrics; stored in the card, it is the "
                    f"strategy's default threshold (default {DEFAULT_THRESHOLD})")
+    t.add_argument("--lofo", action="store_true", help="also evaluate leave-one-family-out on all runs (held-out "
+                   "recipes included): per architecture family, train a predictor with these settings on the other "
+                   "families and evaluate it on that family; adds a section to the card (one extra training per "
+                   "family)")
 
     e = sub.add_parser("evaluate", help="precision/recall/F1 and freeze-step error on runs the predictor never saw")
     e.add_argument("runs_dir", metavar="RUNS_DIR")
@@ -116,6 +121,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "else 0.5)")
     e.add_argument("--recipes", type=_csv(str), help="only these recipes (default: every recipe the predictor was "
                    "not trained on)")
+    e.add_argument("--lofo", action="store_true", help="leave-one-family-out instead: per architecture family, "
+                   "train a fresh predictor with the --predictor file's training settings (its card) on the other "
+                   "families' runs in RUNS_DIR and evaluate it on that family; the file's own weights are not used. "
+                   "Trains one predictor per family; --recipes picks the runs taking part (default all)")
 
     cf = sub.add_parser("counterfactual", help="what freezing a prefix at step t costs: replay collected runs and "
                         "train on with blocks 0..d-1 frozen, for a grid of (t, d)")
@@ -238,15 +247,19 @@ def _reproduce_command(runs: list[Any], runs_dir: str, args: argparse.Namespace)
              f"--window {lab['window']}")
     train = (f"layerfreeze predictor train {q(runs_dir)} --seed {args.seed} --history {args.history} "
              f"--min-history {args.min_history} --epochs {args.epochs} --threshold {args.threshold} "
-             f"--holdout {q(','.join(args.holdout))} --out {q(str(args.out))}")
+             f"--holdout {q(','.join(args.holdout))}" + (" --lofo" if getattr(args, "lofo", False) else "")
+             + f" --out {q(str(args.out))}")
     return f"{collect}\n{label}\n{train}"
 
 
-def _metrics_table(title: str, metrics: dict[str, Any]) -> Table:
+def _metrics_table(title: str, rows: list[tuple[str, dict[str, Any]]], first: str = "recipe",
+                   note: str = "") -> Table:
+    """A rich table of :func:`~layerfreeze.smartfrz.fit.evaluate` metrics dicts, one ``(name, metrics)`` a row."""
     table = Table(title=title, caption="win: labelled windows; prec/rec/F1: per-window decisions; err: mean "
-                  "|freeze step - labelled step| / steps; bias: signed (> 0 later); early: blocks frozen before label")
-    for col in ("recipe", "win", "prec", "rec", "F1", "blocks", "err", "bias", "early"):
-        if col == "recipe":
+                  "|freeze step - labelled step| / steps; bias: signed (> 0 later); early: blocks frozen before label"
+                  + (f"; {note}" if note else ""))
+    for col in (first, "win", "prec", "rec", "F1", "blocks", "err", "bias", "early"):
+        if col == first:
             table.add_column(col, overflow="fold")
         else:
             table.add_column(col, justify="right", no_wrap=True, min_width=6 if col in ("bias", "blocks") else 5)
@@ -257,10 +270,19 @@ def _metrics_table(title: str, metrics: dict[str, Any]) -> Table:
         table.add_row(name, *(f(m.get(k)) for k in ("windows", "precision", "recall", "f1", "blocks",
                                                      "freeze_step_error", "freeze_step_bias", "early_fraction")))
 
-    for name, m in metrics.get("per_recipe", {}).items():
+    for name, m in rows:
         row(name, m)
-    row("[bold]all[/]", metrics["overall"])
     return table
+
+
+def _recipe_rows(metrics: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [*metrics.get("per_recipe", {}).items(), ("[bold]all[/]", metrics["overall"])]
+
+
+def _lofo_table(title: str, lofo: dict[str, Any]) -> Table:
+    rows = [(f"{name} ({len(f['eval_runs'])} runs)", f["metrics"]) for name, f in lofo["families"].items()]
+    return _metrics_table(title, [*rows, ("[bold]pooled[/]", lofo["pooled"])], first="family",
+                          note="pooled: " + lofo["pooling"])
 
 
 def _train(args: argparse.Namespace, console: Console) -> int:
@@ -279,16 +301,32 @@ def _train(args: argparse.Namespace, console: Console) -> int:
                             f"recipes: {', '.join(sorted({r.recipe for r in runs}))})")
     cfg = TrainConfig(seed=args.seed, history=args.history, min_history=args.min_history, epochs=args.epochs)
     command = _reproduce_command(runs, str(args.runs_dir), args)
-    path, card = train_and_save(runs, args.out, args.holdout, cfg, args.threshold, command=command)
+    path, card = train_and_save(runs, args.out, args.holdout, cfg, args.threshold, command=command, lofo=args.lofo)
     info = card["training"]
     console.print(f"trained on {len(card['train_runs'])} runs ({', '.join(card['train_recipes'])}): "
                   f"{info['examples']} windows, {info['positives']} freezable; final loss {info['final_train_loss']}")
     if card["heldout_metrics"]:
-        console.print(_metrics_table(f"held out: {', '.join(card['heldout_recipes'])}", card["heldout_metrics"]))
+        console.print(_metrics_table(f"held out: {', '.join(card['heldout_recipes'])}",
+                                     _recipe_rows(card["heldout_metrics"])))
     else:
         console.print("[yellow]no held-out runs: the predictor is unevaluated[/]")
+    if card["lofo"]:
+        console.print(_lofo_table("leave-one-family-out (one predictor per family, trained on the others; not "
+                                  "saved)", card["lofo"]))
     console.print(f"predictor: {path}\ncard: {Path(path).with_name('PREDICTOR_CARD.md')}")
     return 0
+
+
+def _note_labels(runs: list[Any], card: dict[str, Any], console: Console) -> None:
+    """Warn (once) when the runs were labelled with other thresholds than the predictor's training runs."""
+    trained_labels = card.get("labels")
+    if trained_labels:
+        for r in runs:
+            got = {k: r.labels[k] for k in ("tau", "delta", "window")}
+            if got != trained_labels:
+                console.print(f"[yellow]note:[/] {r.name} is labelled with {got}; the predictor was trained on "
+                              f"labels {trained_labels}")
+                break
 
 
 def _evaluate(args: argparse.Namespace, console: Console) -> int:
@@ -299,6 +337,9 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     runs_dirs = list_runs(args.runs_dir)  # a bad folder is reported before the predictor is loaded
     model, meta = load_predictor(args.predictor)
     card = meta.get("card") or {}
+    threshold = args.threshold if args.threshold is not None else card.get("threshold", DEFAULT_THRESHOLD)
+    if args.lofo:
+        return _evaluate_lofo(args, console, [read_run(d, need_labels=True) for d in runs_dirs], meta, threshold)
     trained_runs = {r["run"] for r in card.get("train_runs", [])}
     trained_recipes = set(card.get("train_recipes", []))
     runs = [read_run(d, need_labels=True) for d in runs_dirs if d.name not in trained_runs]
@@ -311,18 +352,41 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
         runs = [r for r in runs if r.recipe not in trained_recipes]
     if not runs:
         raise PipelineError(f"no labelled runs in {args.runs_dir} that the predictor was not trained on")
-    threshold = args.threshold if args.threshold is not None else card.get("threshold", DEFAULT_THRESHOLD)
-    trained_labels = card.get("labels")
-    if trained_labels:
-        for r in runs:
-            got = {k: r.labels[k] for k in ("tau", "delta", "window")}
-            if got != trained_labels:
-                console.print(f"[yellow]note:[/] {r.name} is labelled with {got}; the predictor was trained on "
-                              f"labels {trained_labels}")
-                break
+    _note_labels(runs, card, console)
     metrics = evaluate(model, runs, meta["window"], threshold, meta["min_window"])
     console.print(_metrics_table(f"{args.predictor or 'shipped predictor'} on {len(runs)} unseen runs "
-                                 f"(threshold {threshold})", metrics))
+                                 f"(threshold {threshold})", _recipe_rows(metrics)))
+    return 0
+
+
+def _evaluate_lofo(args: argparse.Namespace, console: Console, runs: list[Any], meta: dict[str, Any],
+                   threshold: float) -> int:
+    """``evaluate --lofo``: leave-one-family-out with the predictor file's training settings (its weights unused).
+
+    The settings are the card's ``training.config`` (a file without one: the defaults, with the file's window and
+    minimum window); every labelled run in RUNS_DIR takes part, or those of ``--recipes``.
+    """
+    from dataclasses import fields
+
+    from .lofo import leave_one_family_out
+
+    card = meta.get("card") or {}
+    known = {f.name for f in fields(TrainConfig)}
+    saved = {k: v for k, v in (card.get("training") or {}).get("config", {}).items() if k in known}
+    cfg = TrainConfig(**{"history": meta["window"], "min_history": meta["min_window"], **saved})
+    if args.recipes:
+        unknown = sorted(set(args.recipes) - {r.recipe for r in runs})
+        if unknown:
+            raise PipelineError(f"--recipes names recipes with no runs in {args.runs_dir}: {', '.join(unknown)}")
+        runs = [r for r in runs if r.recipe in set(args.recipes)]
+    if not runs:
+        raise PipelineError(f"no labelled runs in {args.runs_dir}")
+    _note_labels(runs, card, console)
+    lofo = leave_one_family_out(runs, cfg, threshold)
+    console.print(_lofo_table(f"leave-one-family-out on {len(runs)} runs: per family, a predictor trained on the "
+                              f"others with {args.predictor or 'the shipped predictor'}'s settings (seed {cfg.seed}, "
+                              f"{cfg.epochs} epochs, window {cfg.min_history}-{cfg.history}; threshold {threshold})",
+                              lofo))
     return 0
 
 

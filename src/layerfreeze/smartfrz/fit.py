@@ -14,6 +14,8 @@ a reproduction can check it started from the same data.
 
 Split by *recipe*: the held-out recipes (:data:`~layerfreeze.smartfrz.recipes.DEFAULT_HOLDOUT`: an unseen
 architectures and an unseen dataset) are never used for training; every metric in the card is measured on them.
+Optionally (``lofo=True``) the card also holds a leave-one-family-out evaluation of the same training settings on
+all runs (:mod:`.lofo`): one predictor per architecture family, trained on the other families.
 
 Evaluation (:func:`evaluate`):
 
@@ -378,8 +380,8 @@ def split_runs(runs: list[RunData], holdout: Iterable[str]) -> tuple[list[RunDat
 
 
 def train_and_save(runs: list[RunData], out: str | Path, holdout: Iterable[str], config: TrainConfig | None = None,
-                   threshold: float = DEFAULT_THRESHOLD, command: str = "", card_path: str | Path | None = None
-                   ) -> tuple[Path, dict[str, Any]]:
+                   threshold: float = DEFAULT_THRESHOLD, command: str = "", card_path: str | Path | None = None,
+                   lofo: bool = False) -> tuple[Path, dict[str, Any]]:
     """Split by recipe, train on the rest, evaluate on the held-out runs, save the predictor with its card.
 
     Args:
@@ -388,12 +390,16 @@ def train_and_save(runs: list[RunData], out: str | Path, holdout: Iterable[str],
         holdout: Recipes never trained on; metrics are measured on them.
         command: The command line that reproduces this file (recorded in the card).
         card_path: Where to write the Markdown card (default: ``PREDICTOR_CARD.md`` beside ``out``).
+        lofo: Also run :func:`~layerfreeze.smartfrz.lofo.leave_one_family_out` on all ``runs`` (held-out recipes
+            included; one extra predictor trained per architecture family, none saved) and record it in the card
+            under ``"lofo"`` (None otherwise).
 
     Returns:
         ``(predictor path, card dict)``.
 
     Raises:
-        PipelineError: no training runs left after the split, or runs labelled differently.
+        PipelineError: no training runs left after the split, or runs labelled differently; with ``lofo``, also
+            runs without an ``arch`` or of a single family.
     """
     from .. import __version__
     from .card import write_card
@@ -405,11 +411,18 @@ def train_and_save(runs: list[RunData], out: str | Path, holdout: Iterable[str],
     if not train_runs:
         raise PipelineError(f"every run belongs to a held-out recipe ({', '.join(holdout)}); nothing to train on")
     labels = label_settings(runs)
+    if lofo:
+        from .lofo import family_folds, leave_one_family_out
+
+        family_folds(runs)  # a corpus LOFO cannot split fails before anything is trained
     model, info = train_predictor(train_runs, cfg)
     metrics = None
     if held_runs:
         metrics = _rounded(evaluate(model, held_runs, cfg.history, threshold, cfg.min_history))
         metrics.pop("per_run", None)
+    lofo_metrics = None
+    if lofo:
+        lofo_metrics = _rounded(leave_one_family_out(runs, cfg, threshold))
     card = {
         "name": "layerfreeze SmartFRZ freeze predictor",
         "layerfreeze_version": __version__, "torch_version": torch.__version__,
@@ -417,7 +430,7 @@ def train_and_save(runs: list[RunData], out: str | Path, holdout: Iterable[str],
         "training": info,
         "train_recipes": sorted({r.recipe for r in train_runs}), "heldout_recipes": holdout,
         "train_runs": [_run_summary(r) for r in train_runs], "heldout_runs": [_run_summary(r) for r in held_runs],
-        "heldout_metrics": metrics, "command": command,
+        "heldout_metrics": metrics, "lofo": lofo_metrics, "command": command,
     }
     path = save_predictor(out, model, cfg.history, card=card, min_window=cfg.min_history)
     write_card(card, card_path or Path(out).with_name("PREDICTOR_CARD.md"))

@@ -14,15 +14,16 @@ those into CKA labels.
 On-disk format (``RUN_FORMAT_VERSION`` 1), one folder per run, ``<out>/<recipe>_s<seed>_lr<lr>/``:
 
 ``meta.json``
-    ``format`` ("layerfreeze-smartfrz-run"), ``format_version``, ``status`` ("complete" or "diverged"),
-    ``run``, ``recipe``, ``arch``, ``dataset``, ``mode`` ("scratch" or "finetune"), ``seed``, ``lr``,
-    ``optimizer`` (name, weight decay, momentum, grad clip), ``schedule`` ("cosine" or "linear", with a 5% linear
-    warm-up), ``batch_size``, ``steps`` (optimizer steps), ``snapshot_every``, ``act_every``, ``blocks`` (names,
-    front to back), ``block_params`` (parameter counts), ``head`` (index of the head block or null),
-    ``sample_size``, ``sample_seed``, ``probe_size``, ``act_features`` (features kept per probe sample),
-    ``act_dims_full`` (a block's flattened output size per probe sample before subsampling), ``losses`` (mean
-    training loss between consecutive snapshots), ``test_accuracy`` (final, on a fixed test subset),
-    ``quick`` (shrunk for tests), ``wall_seconds``, ``versions`` (python, torch, layerfreeze, ...).
+    ``format`` ("layerfreeze-smartfrz-run"), ``format_version``, ``status`` ("complete" or "diverged"), ``run``,
+    ``recipe``, ``arch``, ``dataset``, ``mode`` ("scratch" or "finetune"), ``seed``, ``lr``, ``optimizer`` (name, weight
+    decay, momentum, grad clip), ``schedule`` ("cosine", "linear" or "constant", after a linear warm-up of ``warmup``, a
+    fraction of the run: 5% in every recipe), ``batch_size``, ``steps`` (optimizer steps), ``snapshot_every``,
+    ``act_every``, ``blocks`` (names, front to back), ``block_params`` (parameter counts), ``head`` (index of the head
+    block or null), ``sample_size``, ``sample_seed``, ``probe_size``, ``act_features`` (features kept per probe sample),
+    ``act_dims_full`` (a block's flattened output size per probe sample before subsampling), ``losses`` (mean training
+    loss between consecutive snapshots), ``test_accuracy`` (final, on a fixed test subset: the fraction of its labels
+    predicted right, one label per sample for a classifier, one per token for a language model), ``quick`` (shrunk for
+    tests), ``wall_seconds``, ``versions`` (python, torch, layerfreeze, ...).
     A diverged run (NaN/Inf loss or weights) has ``status: "diverged"`` and ``diverged_at_step`` and no tensor
     files; it is never labelled or trained on, and is not retried (it would diverge the same way).
 ``weights.safetensors``
@@ -78,6 +79,8 @@ SAMPLE_SEED = 0          # the online strategy's default seed: runs sample the p
 ACT_FEATURES = 1024
 TARGET_SNAPSHOTS = 150   # the online strategy's default snapshot_every is round(total_steps / 150)
 _F16_MAX = 65504.0
+#: LR schedules a Setup may ask for, after its linear warm-up (:func:`~layerfreeze.loop.lr_lambda` computes them).
+SCHEDULES = ("cosine", "linear", "constant")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -100,16 +103,25 @@ class Setup:
 
     Attributes:
         model: The network (initialised by the recipe from the run's seed).
-        train_x / train_y: Training inputs ``{key: (N, ...)}`` and class labels ``(N,)``.
+        train_x / train_y: Training inputs ``{key: (N, ...)}`` and labels: class indices ``(N,)`` for a
+            classifier, or ``(N, T)`` for a causal LM (``train_y[n, t]`` is the token after input token ``t``
+            of chunk ``n``: the next-token shift is in the data, so ``forward``'s logits ``(N, T, V)`` line up
+            with it position by position).
         probe_x: The fixed probe batch ``{key: (P, ...)}`` (same for every seed of a recipe).
-        test_x / test_y: A fixed test subset for the final accuracy (optional).
-        forward: ``(model, batch dict) -> logits``.
-        loss_fn: ``(logits, labels) -> scalar loss``.
+        test_x / test_y: A fixed test subset for the final accuracy (optional); ``test_y`` shaped like
+            ``train_y``.
+        forward: ``(model, batch dict) -> logits``: ``(B, C)``, or ``(B, T, V)`` per token for a causal LM (the
+            prediction is ``argmax`` over the last dim, compared element-wise with the labels).
+        loss_fn: ``(logits, labels) -> scalar loss``, the mean over the batch's labels (:func:`evaluate_test`
+            weights each batch by its number of labels).
         steps: Optimizer steps (rounded up to a multiple of ``snapshot_every``).
         batch_size: Samples per step.
         optimizer: ``"sgd"`` (with ``momentum``, Nesterov off) or ``"adamw"``.
         weight_decay / momentum / grad_clip: Optimizer settings (``grad_clip`` is a max global norm or None).
-        schedule: ``"cosine"`` or ``"linear"`` decay to zero after a ``warmup`` fraction of linear warm-up.
+        schedule: ``"cosine"`` or ``"linear"`` decay to zero after a ``warmup`` fraction of linear warm-up, or
+            ``"constant"``: the base LR from the end of the warm-up to the last step (no decay; see
+            :func:`~layerfreeze.loop.lr_lambda`). A run without decay ends with the optimizer's noise still in the
+            weights, which is what many fine-tunes and SGD runs do, and what a freezing policy meets there.
         snapshot_every: Steps between weight snapshots; None: ``max(1, round(steps / 150))``.
         act_every: Every how many snapshots the probe activations are recorded.
         blocks: Module-name patterns for :func:`~layerfreeze.blocks.discover_blocks` (None: discovered).
@@ -138,8 +150,8 @@ class Setup:
     def __post_init__(self) -> None:
         if self.optimizer not in ("sgd", "adamw"):
             raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
-        if self.schedule not in ("cosine", "linear"):
-            raise ValueError(f"schedule must be 'cosine' or 'linear', got {self.schedule!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {self.schedule!r}")
         if self.snapshot_every is None:
             self.snapshot_every = max(1, round(self.steps / TARGET_SNAPSHOTS))
         self.steps = math.ceil(self.steps / self.snapshot_every) * self.snapshot_every
@@ -215,7 +227,15 @@ def batch_order(n_train: int, batch_size: int, steps: int, seed: int) -> Iterato
 
 def evaluate_test(setup: Setup, model: nn.Module) -> tuple[float, float] | None:
     """``(accuracy, mean loss)`` of ``model`` on the recipe's fixed test subset, in eval mode without gradients
-    (None without a test subset). Leaves every module's train/eval mode as it found it."""
+    (None without a test subset). Leaves every module's train/eval mode as it found it.
+
+    Per label, not per sample: the accuracy is the number of labels whose ``argmax`` prediction is right over
+    ``test_y.numel()``, and the loss the mean over labels (each batch's ``loss_fn`` mean weighted by its
+    ``labels.numel()``). For a classifier (``test_y`` ``(N,)``) that is per sample, as before; for a causal LM
+    (``(N, T)``) it is next-token top-1 accuracy and the mean token loss, every token of every chunk counted once.
+    Samples go through ``forward`` 128 at a time (a batch's logits, ``(128, T, V)`` for an LM, must fit in memory).
+    Every label counts: ``test_y`` has no ignored positions (the LM recipes cut whole chunks, no padding).
+    """
     if setup.test_x is None or setup.test_y is None or len(setup.test_y) == 0:
         return None
     modes = [(m, m.training) for m in model.modules()]
@@ -227,10 +247,11 @@ def evaluate_test(setup: Setup, model: nn.Module) -> tuple[float, float] | None:
             logits = setup.forward(model, batch)
             labels = setup.test_y[s:s + 128]
             correct += int((logits.argmax(-1) == labels).sum())
-            loss_sum += float(setup.loss_fn(logits, labels)) * len(labels)
+            loss_sum += float(setup.loss_fn(logits, labels)) * labels.numel()
     for m, training in modes:
         m.training = training
-    return correct / len(setup.test_y), loss_sum / len(setup.test_y)
+    total = setup.test_y.numel()
+    return correct / total, loss_sum / total
 
 
 def _accuracy(setup: Setup, model: nn.Module) -> float | None:

@@ -280,7 +280,8 @@ def _recipe_rows(metrics: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _lofo_table(title: str, lofo: dict[str, Any]) -> Table:
-    rows = [(f"{name} ({len(f['eval_runs'])} runs)", f["metrics"]) for name, f in lofo["families"].items()]
+    rows = [(f"{name} ({len(f['eval_runs'])} run{'' if len(f['eval_runs']) == 1 else 's'})", f["metrics"])
+            for name, f in lofo["families"].items()]
     return _metrics_table(title, [*rows, ("[bold]pooled[/]", lofo["pooled"])], first="family",
                           note="pooled: " + lofo["pooling"])
 

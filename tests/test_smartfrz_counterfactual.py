@@ -135,7 +135,10 @@ def test_cli_counterfactual_and_calibrate(runs, tmp_path, capsys):
     assert _cli(["predictor", "calibrate", str(tmp_path)]) == 2
 
 
-def test_a_run_of_another_setup_is_refused(runs):
+def test_a_run_of_another_setup_or_a_depth_reaching_the_head_is_refused(runs):
     with pytest.raises(PipelineError, match="does not match"):
         run_counterfactuals(lambda: RECIPES["cnn-digits"].build(0, True, runs), runs / "mlp-digits_s0_lr0.02",
                             lr=0.02, seed=0, fractions=[0.5])
+    with pytest.raises(PipelineError, match=r"0\.\.3 blocks"):  # mlp-digits: 4 blocks, the last is the head
+        run_counterfactuals(lambda: RECIPES["mlp-digits"].build(0, True, runs), runs / "mlp-digits_s0_lr0.02",
+                            lr=0.02, seed=0, fractions=[0.5], depths=[4])

@@ -134,7 +134,8 @@ def run_counterfactuals(setup_fn: Callable[[], Setup], run_dir: str | Path, *, l
         The written content (format in the module docstring).
 
     Raises:
-        PipelineError: the run folder has no complete run, the setup has no test subset, or the replay diverges.
+        PipelineError: the run folder has no complete run, the setup does not match it, a depth would freeze the
+            head, the setup has no test subset, or the replay diverges.
     """
     run_dir = Path(run_dir)
     meta = read_meta(run_dir)
@@ -149,6 +150,11 @@ def run_counterfactuals(setup_fn: Callable[[], Setup], run_dir: str | Path, *, l
     steps = int(setup.steps)
     ts = grid_steps(setup, fractions)
     ds = list(depths) if depths is not None else grid_depths(len(blocks), head)
+    deepest = grid_depths(len(blocks), head, max_depths=len(blocks))[-1]
+    bad = [d for d in ds if not 0 <= d <= deepest]
+    if bad:
+        raise PipelineError(f"{run_dir}: prefix depths {bad} out of range: this run has {len(blocks)} blocks, so a "
+                            f"prefix that leaves the head training has 0..{deepest} blocks")
     n_train = len(setup.train_y)
 
     def loss_of(idx: torch.Tensor) -> torch.Tensor:

@@ -133,6 +133,14 @@ def test_cli_counterfactual_and_calibrate(runs, tmp_path, capsys):
     assert _cli(["predictor", "counterfactual", str(tmp_path), "--recipes", "mlp-digits", "--quick"]) == 2
     assert "not a complete recorded run" in capsys.readouterr().out
     assert _cli(["predictor", "calibrate", str(tmp_path)]) == 2
+    for bad in (["--taus", "2"], ["--windows", "0"], ["--deltas", "-1"]):
+        assert _cli(["predictor", "calibrate", str(runs), *bad]) == 2
+    assert "bad labelling rule values" in " ".join(capsys.readouterr().out.split())
+    assert _cli(["predictor", "counterfactual", str(runs), "--recipes", "mlp-digits", "--lrs", "0.02",
+                 "--fractions", "0.3"]) == 2  # collected with --quick, asked at full size
+    assert "add --quick" in " ".join(capsys.readouterr().out.split())
+    assert _cli(["predictor", "counterfactual", str(tmp_path / "nope"), "--recipes", "mlp-digits"]) == 2
+    assert "does not exist" in " ".join(capsys.readouterr().out.split())
 
 
 def test_a_run_of_another_setup_or_a_depth_reaching_the_head_is_refused(runs):

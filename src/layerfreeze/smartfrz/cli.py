@@ -136,7 +136,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help="grid steps as fractions of the run, each in (0, 1), moved to the next activation snapshot "
                     f"(default {','.join(f'{f:g}' for f in DEFAULT_FRACTIONS)})")
     cf.add_argument("--depths", type=_csv(int),
-                    help=f"prefix depths (default all non-head depths, at most {MAX_DEPTHS} spread evenly)")
+                    help=f"prefix depths, each 0 (nothing frozen: checks the replay) up to the number of non-head "
+                    f"blocks (default all non-head depths, at most {MAX_DEPTHS} spread evenly)")
     cf.add_argument("--null-orders", type=_number(int, 0), default=DEFAULT_NULL_ORDERS,
                     help="unfrozen continuations on other data orders per grid step: the noise a cost is judged "
                     f"against (default {DEFAULT_NULL_ORDERS})")
@@ -426,7 +427,18 @@ def _depths(results: list[dict[str, Any]]) -> list[int]:
 def _calibrate(args: argparse.Namespace, console: Console) -> int:
     from .counterfactual import calibrate
 
+    bad = ([f"--taus {t:g} (need 0 < tau <= 1)" for t in args.taus if not 0 < t <= 1]
+           + [f"--windows {w} (need >= 1)" for w in args.windows if w < 1]
+           + [f"--deltas {d:g} (need >= 0)" for d in args.deltas if d < 0])
+    if bad:
+        raise PipelineError("bad labelling rule values: " + ", ".join(bad))
     rows = calibrate(args.runs_dir, args.taus, args.windows, args.deltas, args.eps)
+    from .counterfactual import read_counterfactuals
+
+    for cf in read_counterfactuals(args.runs_dir):
+        if not cf.get("null"):
+            console.print(f"note: {cf['run']} has no unfrozen continuations on other data orders (--null-orders 0): "
+                          "its cells are judged against the run itself only", highlight=False)
     table = Table(title=f"CKA labelling rules against counterfactual costs (a freeze is free when it loses at most "
                         f"{args.eps:g} points beyond the unfrozen continuations)")
     for col in ("tau", "window", "delta", "cells", "precision", "recall", "F1", "mean cost", "max cost",

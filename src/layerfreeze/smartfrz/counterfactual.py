@@ -146,7 +146,12 @@ def run_counterfactuals(setup_fn: Callable[[], Setup], run_dir: str | Path, *, l
     blocks = discover_blocks(model, setup.blocks)
     head = next((b.index for b in blocks if b.is_head), None)
     if [b.name for b in blocks] != meta["blocks"] or int(setup.steps) != int(meta["steps"]):
-        raise PipelineError(f"{run_dir}: the recipe's setup does not match the recorded run (blocks or steps differ)")
+        hint = ""
+        if meta.get("quick") is not None:
+            hint = (" (the run was collected with --quick: add --quick)" if meta["quick"]
+                    else " (the run was collected at full size: drop --quick)")
+        raise PipelineError(f"{run_dir}: the recipe's setup does not match the recorded run (blocks or steps "
+                            f"differ){hint}")
     steps = int(setup.steps)
     ts = grid_steps(setup, fractions)
     ds = list(depths) if depths is not None else grid_depths(len(blocks), head)
@@ -176,7 +181,7 @@ def run_counterfactuals(setup_fn: Callable[[], Setup], run_dir: str | Path, *, l
     def keep(step: int, loss: torch.Tensor) -> bool:
         if step in ts:
             states[step] = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
-                            "sched": sched.state_dict(), "rng": torch.get_rng_state()}
+                            "sched": copy.deepcopy(sched.state_dict()), "rng": torch.get_rng_state()}
         return False
 
     model.train()
@@ -245,6 +250,9 @@ def counterfactual_for(runs_dir: str | Path, recipe_names: Sequence[str], seeds:
 
     from .recipes import get_recipes
 
+    if not Path(runs_dir).is_dir():
+        raise PipelineError(f"{runs_dir} does not exist: collect the runs first (`layerfreeze predictor collect --out "
+                            f"{runs_dir} --recipes {','.join(recipe_names)}`)")
     out = []
     for recipe in get_recipes(list(recipe_names)):
         for seed in seeds:
@@ -258,6 +266,10 @@ def counterfactual_for(runs_dir: str | Path, recipe_names: Sequence[str], seeds:
                     if same:
                         out.append(old)
                         continue
+                    if progress is not None:
+                        progress(f"{run_dir.name}: its {COUNTERFACTUAL_FILE} has another grid (fractions "
+                                 f"{old.get('fractions')}, null orders {old.get('null_orders')}): recomputing it, "
+                                 "the new grid replaces it")
                 out.append(run_counterfactuals(lambda r=recipe, s=seed: r.build(s, quick, Path(runs_dir)), run_dir,
                                                lr=lr, seed=seed, fractions=fractions, depths=depths,
                                                null_orders=null_orders, progress=progress))

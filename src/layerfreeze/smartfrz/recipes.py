@@ -347,6 +347,17 @@ def _vit_fmnist(seed: int, quick: bool, cache_dir: Path) -> Setup:
                          **_sched(quick, 2000))
 
 
+def _save_pretrained(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    """Write a recipe's pretrained weights to ``path`` through a temporary name (a killed collection leaves no half
+    file for the next one to load) and return them."""
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+    return state
+
+
 def _pretrained_cnn(cache_dir: Path, quick: bool) -> dict[str, torch.Tensor]:
     """The CNN of ``cnn-fmnist`` trained on Fashion-MNIST (fixed seed 1234, 600 SGD steps; 20 in quick mode),
     cached in ``<out>/_pretrained/`` so every run of the fine-tune recipe starts from the same weights."""
@@ -365,12 +376,7 @@ def _pretrained_cnn(cache_dir: Path, quick: bool) -> dict[str, torch.Tensor]:
         model.train()
         batches = (torch.randint(0, len(ytr), (64,), generator=g) for _ in range(_q(quick, 600, 20)))
         train_steps(model, opt, batches, lambda idx: F.cross_entropy(model(x[idx]), ytr[idx]))
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)
-    return state
+    return _save_pretrained(model, path)
 
 
 def _cnn_ft_setup(seed: int, quick: bool, cache_dir: Path, **opt: Any) -> Setup:
@@ -523,12 +529,7 @@ def _pretrained_vit(cache_dir: Path, quick: bool) -> dict[str, torch.Tensor]:
         batches = (torch.randint(0, len(ytr), (64,), generator=g) for _ in range(steps))
         train_steps(model, opt, batches, lambda idx: F.cross_entropy(model(x[idx]), ytr[idx]), scheduler=sched,
                     grad_clip=1.0)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)
-    return state
+    return _save_pretrained(model, path)
 
 
 @register_recipe("vit-fmnist-to-digits", arch="vit", dataset="digits", mode="finetune", lrs=(2e-4, 1e-3),

@@ -460,15 +460,24 @@ class CachedPrefix:
         old = self._cost.get(depth)
         self._cost[depth] = per_sample if old is None else 0.8 * old + 0.2 * per_sample
 
-    def summary(self) -> dict[str, Any]:
+    #: The :meth:`summary` counters that add up across processes (a resumed run carries them in its checkpoint).
+    RUN_COUNTERS = ("hits", "misses", "saved_seconds")
+
+    def summary(self, carried: dict[str, float] | None = None) -> dict[str, Any]:
         """What the cache did, for a run's summary: ``used`` (False once turned off; ``disabled`` says why),
         ``hits`` / ``misses`` (sample lookups), ``hit_rate``, ``memory_bytes`` / ``disk_bytes`` / ``budget_bytes``,
-        ``saved_seconds`` (see the class docstring), ``corrupt_shards``."""
+        ``saved_seconds`` (see the class docstring), ``corrupt_shards``.
+
+        Args:
+            carried: :data:`RUN_COUNTERS` of the processes before this one (a resumed run's checkpoint), added to
+                this process's own before ``hit_rate`` is taken; the sizes are this process's.
+        """
         s = self.stats()
-        lookups = s["hits"] + s["misses"]
-        return {"used": s["disabled"] is None, "disabled": s["disabled"], "hits": s["hits"], "misses": s["misses"],
-                "hit_rate": s["hits"] / lookups if lookups else None, "memory_bytes": s["memory_bytes"],
-                "disk_bytes": s["disk_bytes"], "budget_bytes": s["budget_bytes"], "saved_seconds": s["saved_seconds"],
+        hits, misses, saved = (s[k] + (carried or {}).get(k, 0) for k in self.RUN_COUNTERS)
+        lookups = hits + misses
+        return {"used": s["disabled"] is None, "disabled": s["disabled"], "hits": hits, "misses": misses,
+                "hit_rate": hits / lookups if lookups else None, "memory_bytes": s["memory_bytes"],
+                "disk_bytes": s["disk_bytes"], "budget_bytes": s["budget_bytes"], "saved_seconds": saved,
                 "corrupt_shards": s["corrupt_shards"]}
 
     def stats(self) -> dict[str, Any]:

@@ -563,17 +563,14 @@ class Trainer:
             stats["cache_disabled"] = self.runner.disabled
         return stats
 
-    _CACHE_COUNTS = ("hits", "misses", "saved_seconds")
-
     def _cache_counts(self) -> dict[str, float]:
         """The cache's lookup counters over the whole run: those saved in the checkpoint a resumed run started from,
         plus this process's (whose cache started cold). Work a killed process did after its last checkpoint is
         replayed, so it is not counted twice."""
         if self.runner is None:
             return {}
-        now = self.runner.summary()
-        base = getattr(self, "_cache_base", {})
-        return {k: base.get(k, 0) + now[k] for k in self._CACHE_COUNTS}
+        whole = self.runner.summary(carried=getattr(self, "_cache_base", {}))
+        return {k: whole[k] for k in CachedPrefix.RUN_COUNTERS}
 
     def _cache_summary(self) -> dict[str, Any]:
         """What the activation cache did: lookups and saved seconds over the whole run (across resumes, see
@@ -581,10 +578,7 @@ class Trainer:
         mode = self.config.freeze.cache.mode
         if self.runner is None:
             return {"mode": mode, "used": False}
-        out = {"mode": mode, **self.runner.summary(), **self._cache_counts()}
-        lookups = out["hits"] + out["misses"]
-        out["hit_rate"] = out["hits"] / lookups if lookups else None
-        return out
+        return {"mode": mode, **self.runner.summary(carried=getattr(self, "_cache_base", {}))}
 
     def _guard_check(self) -> None:
         val_loss, val_acc = self._evaluate(self.val_set)

@@ -341,8 +341,7 @@ def record_run(setup: Setup, out_dir: str | Path, *, lr: float, seed: int, info:
     model.train()
     snapshot(0, 0)
     stopped = train_steps(model, opt, batch_order(n_train, setup.batch_size, steps, seed), loss_of, scheduler=sched,
-                          grad_clip=setup.grad_clip,
-                          on_step=after_step)
+                          grad_clip=setup.grad_clip, on_step=after_step)
     if stopped is not None:
         return _diverged(out_dir, meta, stopped, t0)
 

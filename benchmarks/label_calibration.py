@@ -116,7 +116,7 @@ def markdown(runs_dir: Path, taus: list[float], windows: list[int], eps: float) 
              f"{len(cfs)} run(s) (`layerfreeze predictor counterfactual`).", ""]
     for cf in cfs:
         lines += run_section(cf, runs_dir, eps)
-    lines += rules_section(calibrate(runs_dir, taus, windows, [DEFAULT_DELTA], eps), eps)
+    lines += rules_section(calibrate(runs_dir, taus, windows, [DEFAULT_DELTA], eps, counterfactuals=cfs), eps)
     return "\n".join(lines)
 
 

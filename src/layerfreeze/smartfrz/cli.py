@@ -395,16 +395,13 @@ def _evaluate_lofo(args: argparse.Namespace, console: Console, runs: list[Any], 
 def _counterfactual(args: argparse.Namespace, console: Console) -> int:
     from .counterfactual import counterfactual_for
 
-    bad = [f for f in args.fractions if not 0 < f < 1]
-    if bad:
-        raise PipelineError(f"--fractions must each be in (0, 1), got {bad}")
     results = counterfactual_for(args.runs_dir, args.recipes, args.seeds, quick=args.quick, fractions=args.fractions,
                                  lrs=args.lrs, depths=args.depths, null_orders=args.null_orders,
                                  progress=lambda line: console.print(f"  {line}", highlight=False))
     table = Table(title="Counterfactual cost of freezing blocks 0..d-1 at step t (accuracy points lost at the end; "
                         "null: unfrozen continuations on other data orders)")
-    for col in ("run", "baseline acc", "replay = record", "t (fraction)", "null", *[f"d={d}" for d in
-                                                                                   _depths(results)]):
+    depths = sorted({c["depth"] for cf in results for c in cf["grid"]})
+    for col in ("run", "baseline acc", "replay = record", "t (fraction)", "null", *[f"d={d}" for d in depths]):
         table.add_column(col)
     for cf in results:
         nulls: dict[int, list[float]] = {}
@@ -415,27 +412,17 @@ def _counterfactual(args: argparse.Namespace, console: Console) -> int:
             table.add_row(cf["run"], f"{cf['baseline']['accuracy']:.4f}",
                           "yes" if cf["baseline"]["matches_record"] else "NO", f"{t} ({t / cf['steps']:.2f})",
                           " ".join(f"{v:+.2f}" for v in nulls.get(t, [])),
-                          *[("" if (t, d) not in cells else f"{cells[(t, d)]:+.2f}") for d in _depths(results)])
+                          *[("" if (t, d) not in cells else f"{cells[(t, d)]:+.2f}") for d in depths])
     console.print(table)
     return 0
 
 
-def _depths(results: list[dict[str, Any]]) -> list[int]:
-    return sorted({c["depth"] for cf in results for c in cf["grid"]})
-
-
 def _calibrate(args: argparse.Namespace, console: Console) -> int:
-    from .counterfactual import calibrate
+    from .counterfactual import calibrate, read_counterfactuals
 
-    bad = ([f"--taus {t:g} (need 0 < tau <= 1)" for t in args.taus if not 0 < t <= 1]
-           + [f"--windows {w} (need >= 1)" for w in args.windows if w < 1]
-           + [f"--deltas {d:g} (need >= 0)" for d in args.deltas if d < 0])
-    if bad:
-        raise PipelineError("bad labelling rule values: " + ", ".join(bad))
-    rows = calibrate(args.runs_dir, args.taus, args.windows, args.deltas, args.eps)
-    from .counterfactual import read_counterfactuals
-
-    for cf in read_counterfactuals(args.runs_dir):
+    cfs = read_counterfactuals(args.runs_dir)
+    rows = calibrate(args.runs_dir, args.taus, args.windows, args.deltas, args.eps, counterfactuals=cfs)
+    for cf in cfs:
         if not cf.get("null"):
             console.print(f"note: {cf['run']} has no unfrozen continuations on other data orders (--null-orders 0): "
                           "its cells are judged against the run itself only", highlight=False)

@@ -30,6 +30,8 @@ replay followed the recorded trajectory), ``test_size``, ``grid``: one row per c
 from __future__ import annotations
 
 import copy
+import itertools
+import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -69,16 +71,21 @@ def act_steps_of(setup: Setup) -> list[int]:
     return [k * every for k in range(n_snap) if k % setup.act_every == 0 or k == n_snap - 1]
 
 
+def check_fractions(fractions: Sequence[float]) -> None:
+    """Raises PipelineError (a ValueError) unless every grid fraction is in (0, 1)."""
+    bad = [f for f in fractions if not 0 < f < 1]
+    if bad:
+        raise PipelineError(f"grid fractions (--fractions) must each be in (0, 1), got {bad}")
+
+
 def grid_steps(setup: Setup, fractions: Sequence[float]) -> list[int]:
     """Each fraction of the run moved to the first activation snapshot at or after it (0 < step < end; duplicates
     dropped).
 
     Raises:
-        ValueError: a fraction outside (0, 1).
+        PipelineError: a fraction outside (0, 1) (:func:`check_fractions`).
     """
-    bad = [f for f in fractions if not 0 < f < 1]
-    if bad:
-        raise ValueError(f"grid fractions must be in (0, 1), got {bad}")
+    check_fractions(fractions)
     acts = act_steps_of(setup)
     out: list[int] = []
     for f in sorted(fractions):
@@ -205,8 +212,7 @@ def run_counterfactuals(setup_fn: Callable[[], Setup], run_dir: str | Path, *, l
         _freeze_prefix(model, blocks, depth, opt)
         torch.set_rng_state(states[t]["rng"])
         if order_seed is None:
-            rest = (idx for step, idx in enumerate(batch_order(n_train, setup.batch_size, steps, seed), 1)
-                    if step > t)
+            rest = itertools.islice(batch_order(n_train, setup.batch_size, steps, seed), t, None)
         else:
             rest = batch_order(n_train, setup.batch_size, steps - t, order_seed)
         stopped = train_steps(model, opt, rest, loss_of, scheduler=sched, grad_clip=setup.grad_clip)
@@ -244,12 +250,11 @@ def counterfactual_for(runs_dir: str | Path, recipe_names: Sequence[str], seeds:
     interrupted job resumes).
 
     Raises:
-        PipelineError: a named run was not collected.
+        PipelineError: a fraction outside (0, 1), the runs folder is missing, or a named run was not collected.
     """
-    import json
-
     from .recipes import get_recipes
 
+    check_fractions(fractions)  # before a run is replayed
     if not Path(runs_dir).is_dir():
         raise PipelineError(f"{runs_dir} does not exist: collect the runs first (`layerfreeze predictor collect --out "
                             f"{runs_dir} --recipes {','.join(recipe_names)}`)")
@@ -282,8 +287,6 @@ def read_counterfactuals(runs_dir: str | Path) -> list[dict[str, Any]]:
     Raises:
         PipelineError: a file that is not a counterfactual file.
     """
-    import json
-
     out = []
     for path in sorted(Path(runs_dir).glob(f"*/{COUNTERFACTUAL_FILE}")):
         data = json.loads(path.read_text())
@@ -310,13 +313,18 @@ def counterfactual_labels(cf: dict[str, Any], eps_points: float = DEFAULT_EPS_PO
 
 
 def calibrate(runs_dir: str | Path, taus: Sequence[float], windows: Sequence[int], deltas: Sequence[float],
-              eps_points: float = DEFAULT_EPS_POINTS) -> list[dict[str, Any]]:
+              eps_points: float = DEFAULT_EPS_POINTS,
+              counterfactuals: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Score CKA labelling rules against the counterfactual labels of every run with a ``counterfactual.json``.
 
     A grid cell (run, ``t``, ``d``) is *counterfactually freezable* by :func:`counterfactual_labels` (no worse
     than the unfrozen continuations, within ``eps_points``); the CKA rule ``(tau, window, delta)`` calls it
     freezable when block ``d - 1`` is freezable at the activation snapshot of step ``t``
     (:func:`~layerfreeze.smartfrz.labels.freezable_from_cka`: that includes every earlier block).
+
+    Args:
+        counterfactuals: The runs' counterfactuals when the caller has read them already
+            (:func:`read_counterfactuals` of ``runs_dir``); default: read here.
 
     Returns:
         One row per rule, sorted by ``tau, window, delta``: ``tau``, ``window``, ``delta``, ``cells``,
@@ -328,9 +336,14 @@ def calibrate(runs_dir: str | Path, taus: Sequence[float], windows: Sequence[int
         share of the run the depth is frozen for, from its first freezable grid step; 0 when never).
 
     Raises:
-        PipelineError: no run under ``runs_dir`` has counterfactuals.
+        PipelineError: a rule value out of range (checked first), or no run under ``runs_dir`` has counterfactuals.
     """
-    cfs = read_counterfactuals(runs_dir)
+    bad = ([f"--taus {t:g} (need 0 < tau <= 1)" for t in taus if not 0 < t <= 1]
+           + [f"--windows {w} (need >= 1)" for w in windows if w < 1]
+           + [f"--deltas {d:g} (need >= 0)" for d in deltas if d < 0])
+    if bad:
+        raise PipelineError("bad labelling rule values: " + ", ".join(bad))
+    cfs = read_counterfactuals(runs_dir) if counterfactuals is None else counterfactuals
     if not cfs:
         raise PipelineError(f"{runs_dir}: no {COUNTERFACTUAL_FILE} (run `layerfreeze predictor counterfactual` first)")
     tables = []
@@ -338,42 +351,40 @@ def calibrate(runs_dir: str | Path, taus: Sequence[float], windows: Sequence[int
         lab = label_run(Path(runs_dir) / cf["run"], write=False)
         col = {s: i for i, s in enumerate(lab["act_steps"])}
         tables.append((cf, lab["cka"], col, counterfactual_labels(cf, eps_points)))
-    rows = []
-    for tau in taus:
-        for window in windows:
-            for delta in deltas:
-                tp = fp = fn = 0
-                costs: list[float] = []
-                first_costs: list[float] = []
-                frozen_for: list[float] = []
-                n = 0
-                for cf, cka, col, cheap_at in tables:
-                    flags = freezable_from_cka(cka, tau, delta, window, cf["head"])
-                    by_depth: dict[int, list[dict[str, Any]]] = {}
-                    for cell in cf["grid"]:
-                        by_depth.setdefault(cell["depth"], []).append(cell)
-                        n += 1
-                        rule = flags[cell["depth"] - 1][col[cell["t"]]]
-                        cheap = cheap_at[(cell["t"], cell["depth"])]
-                        tp += rule and cheap
-                        fp += rule and not cheap
-                        fn += (not rule) and cheap
-                        if rule:
-                            costs.append(cell["cost_points"])
-                    for cells in by_depth.values():
-                        cells.sort(key=lambda c: c["t"])
-                        first = next((c for c in cells if flags[c["depth"] - 1][col[c["t"]]]), None)
-                        frozen_for.append(0.0 if first is None else 1 - first["t"] / cf["steps"])
-                        if first is not None:
-                            first_costs.append(first["cost_points"])
-                precision = tp / (tp + fp) if tp + fp else float("nan")
-                recall = tp / (tp + fn) if tp + fn else float("nan")
-                f1 = 2 * precision * recall / (precision + recall) if tp else 0.0
-                rows.append({"tau": tau, "window": window, "delta": delta, "cells": n, "precision": precision,
-                             "recall": recall, "f1": f1,
-                             "mean_cost": sum(costs) / len(costs) if costs else float("nan"),
-                             "max_cost": max(costs) if costs else float("nan"),
-                             "frozen_share": len(costs) / n if n else 0.0,
-                             "oracle_cost": sum(first_costs) / len(first_costs) if first_costs else float("nan"),
-                             "oracle_frozen": sum(frozen_for) / len(frozen_for) if frozen_for else 0.0})
-    return rows
+    return [_score_rule(tables, tau, window, delta) for tau in taus for window in windows for delta in deltas]
+
+
+def _score_rule(tables: list[tuple[dict[str, Any], list[list[float]], dict[int, int], dict[tuple[int, int], bool]]],
+                tau: float, window: int, delta: float) -> dict[str, Any]:
+    """One row of :func:`calibrate`: the rule ``(tau, window, delta)`` over every run's ``(counterfactuals, CKA
+    table, column of each activation step, counterfactual labels)``."""
+    tp = fp = fn = n = 0
+    costs: list[float] = []
+    first_costs: list[float] = []
+    frozen_for: list[float] = []
+    for cf, cka, col, cheap_at in tables:
+        flags = freezable_from_cka(cka, tau, delta, window, cf["head"])
+        by_depth: dict[int, list[dict[str, Any]]] = {}
+        for cell in cf["grid"]:
+            by_depth.setdefault(cell["depth"], []).append(cell)
+            n += 1
+            rule = flags[cell["depth"] - 1][col[cell["t"]]]
+            cheap = cheap_at[(cell["t"], cell["depth"])]
+            tp += rule and cheap
+            fp += rule and not cheap
+            fn += (not rule) and cheap
+            if rule:
+                costs.append(cell["cost_points"])
+        for cells in by_depth.values():
+            first = next((c for c in sorted(cells, key=lambda c: c["t"]) if flags[c["depth"] - 1][col[c["t"]]]), None)
+            frozen_for.append(0.0 if first is None else 1 - first["t"] / cf["steps"])
+            if first is not None:
+                first_costs.append(first["cost_points"])
+    precision = tp / (tp + fp) if tp + fp else float("nan")
+    recall = tp / (tp + fn) if tp + fn else float("nan")
+    f1 = 2 * precision * recall / (precision + recall) if tp else 0.0
+    return {"tau": tau, "window": window, "delta": delta, "cells": n, "precision": precision, "recall": recall,
+            "f1": f1, "mean_cost": sum(costs) / len(costs) if costs else float("nan"),
+            "max_cost": max(costs) if costs else float("nan"), "frozen_share": len(costs) / n if n else 0.0,
+            "oracle_cost": sum(first_costs) / len(first_costs) if first_costs else float("nan"),
+            "oracle_frozen": sum(frozen_for) / len(frozen_for) if frozen_for else 0.0}

@@ -156,6 +156,16 @@ def _imagenet_rgb(x: torch.Tensor) -> torch.Tensor:
     return (x.float().div(255.0).expand(-1, 3, -1, -1) - mean) / std
 
 
+def _bbc_split(labels: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Article indices ``(train, test)`` of the fixed stratified 80/20 split of :mod:`layerfreeze.tasks` (seed 0),
+    the train side in a seeded order (the split is sorted by class; the order mixes them). Shared by the
+    classification and the language-model recipes, so both see the same articles on each side."""
+    from ..data import stratified_split
+
+    tr, te = stratified_split(labels, 0.2, seed=0)
+    return torch.tensor(tr)[torch.randperm(len(tr), generator=torch.Generator().manual_seed(0))], torch.tensor(te)
+
+
 @functools.lru_cache(maxsize=2)
 def _bbc(max_length: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """BBC News tokenized with MiniLM-L6's tokenizer to ``max_length``; the fixed stratified 80/20 split of
@@ -163,7 +173,7 @@ def _bbc(max_length: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[s
     from transformers import AutoTokenizer
 
     from ..assets import minilm_dir
-    from ..data import load_bbc_news, stratified_split
+    from ..data import load_bbc_news
     from ..tasks import _quiet_transformers
 
     _quiet_transformers()
@@ -172,9 +182,7 @@ def _bbc(max_length: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[s
     enc = tok(texts, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
     x = {k: enc[k].long() for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc}
     y = torch.tensor(labels, dtype=torch.int64)
-    tr, te = stratified_split(labels, 0.2, seed=0)
-    tr_t = torch.tensor(tr)[torch.randperm(len(tr), generator=torch.Generator().manual_seed(0))]  # mix classes
-    te_t = torch.tensor(te)
+    tr_t, te_t = _bbc_split(labels)
     return {k: v[tr_t] for k, v in x.items()}, y[tr_t], {k: v[te_t] for k, v in x.items()}, y[te_t]
 
 
@@ -570,14 +578,13 @@ def _bbc_token_streams() -> tuple[torch.Tensor, torch.Tensor, int]:
     from transformers import AutoTokenizer
 
     from ..assets import minilm_dir
-    from ..data import load_bbc_news, stratified_split
+    from ..data import load_bbc_news
     from ..tasks import _quiet_transformers
 
     _quiet_transformers()
     texts, labels, _ = load_bbc_news()
     tok = AutoTokenizer.from_pretrained(minilm_dir(), local_files_only=True)
-    tr, te = stratified_split(labels, 0.2, seed=0)
-    tr = torch.tensor(tr)[torch.randperm(len(tr), generator=torch.Generator().manual_seed(0))].tolist()
+    tr, te = (idx.tolist() for idx in _bbc_split(labels))
     # articles run past the tokenizer's 512-token model length: nothing here feeds them to MiniLM, so say nothing
     tok.model_max_length = 1 << 30
 

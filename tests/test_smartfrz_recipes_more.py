@@ -1,5 +1,6 @@
-"""The corpus's second round of SmartFRZ recipes (constant LRs, a short and a long run, GPT-2 and Llama decoders on
-BBC News next-token prediction, a ViT fine-tune): each collects in quick mode with the blocks it should have; the
+"""The corpus's second and third rounds of SmartFRZ recipes (constant LRs, a short and a long run, GPT-2 and Llama
+decoders on BBC News next-token prediction, a ViT fine-tune; the trainer's 10% warm-up, short runs from scratch):
+each collects in quick mode with the blocks it should have; the
 collector's test accuracy is per label (token-level for an LM) and unchanged for classifiers; ``schedule="constant"``
 holds the LR after the warm-up."""
 
@@ -34,6 +35,12 @@ NEW = {
                 ["transformer.embeddings", "transformer.h.0", "transformer.h.1", "head"]),
     "llama-bbc": ("llama-tiny", "bbc-news-lm", "scratch", "adamw", "constant", 501,
                   ["model.embed_tokens", "model.layers.0", "model.layers.1", "head"]),
+    "minilm-bbc-warmup10": ("minilm-l6", "bbc-news", "finetune", "adamw", "linear", 90,
+                            ["bert.embeddings", *(f"bert.encoder.layer.{i}" for i in range(6)), "bert.pooler",
+                             "classifier"]),
+    "mlp-fmnist-short": ("mlp", "fashion-mnist", "scratch", "adamw", "linear", 150, ["1", "3", "5"]),
+    "cnn-fmnist-short": ("cnn", "fashion-mnist", "scratch", "adamw", "linear", 150, list("012345")),
+    "vit-fmnist-short": ("vit", "fashion-mnist", "scratch", "adamw", "linear", 150, list("0123")),
 }
 
 
@@ -48,7 +55,13 @@ def quick_new(tmp_path_factory):
 
 
 def test_the_new_recipes_are_registered_after_the_shipped_ones():
+    from layerfreeze.config import TrainConfig
+    from layerfreeze.smartfrz.recipes import TRAINER_SCHEDULE
+
     assert list(RECIPES)[:len(SHIPPED)] == SHIPPED and list(RECIPES)[len(SHIPPED):] == list(NEW)
+    # the third round trains with `layerfreeze train`'s own schedule, whatever its defaults become
+    trainer = TrainConfig()
+    assert TRAINER_SCHEDULE == {"schedule": trainer.schedule, "warmup": trainer.warmup_fraction}
     assert DEFAULT_HOLDOUT == ("resnet-fmnist", "tinybert-bbc")
     for name, (arch, dataset, mode, *_rest) in NEW.items():
         r = RECIPES[name]
@@ -98,10 +111,14 @@ def test_the_lm_recipes_train_on_shifted_token_chunks(quick_new, name):
 def test_the_full_size_recipes_without_pretraining(tmp_path):
     from layerfreeze.blocks import find_blocks
 
-    for name in ("mlp-digits-sgd-const", "cnn-fmnist-sgd-const", "gpt-bbc", "llama-bbc"):
+    short = ("mlp-fmnist-short", "cnn-fmnist-short", "vit-fmnist-short")
+    for name in ("mlp-digits-sgd-const", "cnn-fmnist-sgd-const", "gpt-bbc", "llama-bbc", *short):
         _, _, _, optimizer, schedule, steps, _ = NEW[name]
         setup = RECIPES[name].build(0, False, tmp_path)
-        assert (setup.optimizer, setup.schedule, setup.steps, setup.warmup) == (optimizer, schedule, steps, 0.05)
+        warmup = 0.1 if name in short else 0.05  # the third round warms up as `layerfreeze train` does
+        assert (setup.optimizer, setup.schedule, setup.steps, setup.warmup) == (optimizer, schedule, steps, warmup)
+        if name in short:  # the suite's kind of short run from scratch: a snapshot every step, ~3 epochs of 6k
+            assert (setup.snapshot_every, setup.batch_size, len(setup.train_y)) == (1, 128, 6000)
     gpt = RECIPES["gpt-bbc"].build(0, False, tmp_path)
     assert gpt.train_x["input_ids"].shape == (13584, 64) and gpt.test_y.shape == (512, 64)
     assert (gpt.batch_size, gpt.snapshot_every) == (16, 4)

@@ -231,7 +231,6 @@ def _label(args: argparse.Namespace, console: Console) -> int:
 
 def _reproduce_command(runs: list[Any], runs_dir: str, args: argparse.Namespace) -> str:
     recipes = sorted({r.recipe for r in runs}, key=lambda n: list(RECIPES).index(n) if n in RECIPES else 999)
-    seeds = sorted({int(r.meta["seed"]) for r in runs})
     lrs = sorted({float(r.meta["lr"]) for r in runs})
     default_lrs = all(float(r.meta["lr"]) in RECIPES[r.recipe].lrs for r in runs if r.recipe in RECIPES)
     quick = any(r.meta.get("quick") for r in runs)
@@ -239,11 +238,14 @@ def _reproduce_command(runs: list[Any], runs_dir: str, args: argparse.Namespace)
     q = shlex.quote
     if not all(r.recipe in RECIPES for r in runs):
         collect = "# some runs were recorded outside the registered recipes (layerfreeze.smartfrz.collect.record_run)"
-    else:
-        collect = (f"layerfreeze predictor collect --out {q(runs_dir)} --recipes {','.join(recipes)} "
-                   f"--seeds {','.join(map(str, seeds))}"
-                   + ("" if default_lrs else f" --lrs {','.join(f'{x:g}' for x in lrs)}")
-                   + (" --quick" if quick else ""))
+    else:  # one collect line per set of seeds (a corpus may hold more seeds of some recipes)
+        seeds_of = {name: tuple(sorted({int(r.meta["seed"]) for r in runs if r.recipe == name})) for name in recipes}
+        collect = "\n".join(
+            f"layerfreeze predictor collect --out {q(runs_dir)} "
+            f"--recipes {','.join(n for n in recipes if seeds_of[n] == group)} --seeds {','.join(map(str, group))}"
+            + ("" if default_lrs else f" --lrs {','.join(f'{x:g}' for x in lrs)}")
+            + (" --quick" if quick else "")
+            for group in sorted(set(seeds_of.values())))
     label = (f"layerfreeze predictor label {q(runs_dir)} --tau {lab['tau']} --delta {lab['delta']} "
              f"--window {lab['window']}")
     train = (f"layerfreeze predictor train {q(runs_dir)} --seed {args.seed} --history {args.history} "

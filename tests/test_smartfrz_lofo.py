@@ -194,3 +194,29 @@ def test_cli_train_and_evaluate_lofo(corpus, runs, result, tmp_path):
     card = load_predictor(plain)[1]["card"]
     assert card["lofo"] is None and "--lofo" not in card["command"]
     assert "## Leave-one-family-out" not in (tmp_path / "PREDICTOR_CARD.md").read_text()
+
+
+def test_reproduce_command_collects_each_seed_set_once():
+    """A corpus holding more seeds of some recipes is reproduced by one collect line per set of seeds, in recipe
+    registration order (the card's command must rebuild exactly the training runs)."""
+    from types import SimpleNamespace
+
+    from layerfreeze.smartfrz.cli import _reproduce_command
+    from layerfreeze.smartfrz.recipes import RECIPES
+
+    labels = {"tau": 0.998, "delta": 0.01, "window": 3}
+
+    def run(recipe: str, seed: int, lr: float):
+        return SimpleNamespace(recipe=recipe, meta={"seed": seed, "lr": lr}, labels=labels)
+
+    lr = {name: RECIPES[name].lrs[0] for name in ("mlp-digits", "cnn-digits", "cnn-fmnist-short")}
+    runs = [run("cnn-fmnist-short", 1, lr["cnn-fmnist-short"]), run("cnn-digits", 0, lr["cnn-digits"]),
+            run("cnn-fmnist-short", 0, lr["cnn-fmnist-short"]), run("mlp-digits", 0, lr["mlp-digits"])]
+    args = argparse.Namespace(seed=0, history=30, min_history=8, epochs=40, threshold=0.85, holdout=["cnn-digits"],
+                              lofo=True, out="p.safetensors")
+    lines = _reproduce_command(runs, "runs/x", args).splitlines()
+    assert lines[:2] == ["layerfreeze predictor collect --out runs/x --recipes mlp-digits,cnn-digits --seeds 0",
+                         "layerfreeze predictor collect --out runs/x --recipes cnn-fmnist-short --seeds 0,1"]
+    assert lines[2] == "layerfreeze predictor label runs/x --tau 0.998 --delta 0.01 --window 3"
+    assert lines[3].startswith("layerfreeze predictor train runs/x --seed 0") and lines[3].endswith(
+        "--holdout cnn-digits --lofo --out p.safetensors") and len(lines) == 4

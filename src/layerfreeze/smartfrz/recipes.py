@@ -705,11 +705,12 @@ def _llama_bbc(seed: int, quick: bool, cache_dir: Path) -> Setup:
 
 # ---- the third round: the trainer's own settings, and short runs from scratch (2026-12-01, issue 16) --------------
 # Every recipe above warms up for 5% of its run; `layerfreeze train` warms up for 10% (TrainConfig.warmup_fraction)
-# with linear decay. A predictor trained on the first two rounds called MiniLM-L6's layer 1 freezable at the first
-# decision (step 7) of a run with the trainer's 10% warm-up (p 0.94; 0.75 on the same run with 5%; label: step 36),
-# and froze it there in the suite. And every from-scratch run above is 450-3,000 steps: the only runs of about
-# 100-150 steps were fine-tunes, whose front blocks are done early, and the same predictor froze a from-scratch
-# ResNet's stem at step 7 of 144 (BENCHMARKS "A predictor trained on the grown corpus"). These recipes train with
+# with linear decay. Predictors trained without runs of that schedule froze MiniLM-L6's layer 1 at the first decision
+# (step 7) of the suite's BBC runs (label: ~step 39); offline, one of them calls it freezable at step 7 of a run with
+# a 10% warm-up (p 0.94) but not of the same run with 5% (0.75). And every from-scratch run above is 450-3,000
+# steps: the only runs of about 100-150 steps were fine-tunes, whose front blocks are done early, and a predictor
+# trained on them froze a from-scratch ResNet's stem at step 7 of 144 (BENCHMARKS "The shipped predictor since
+# 2026-12-01 evening"). These recipes train with
 # the trainer's schedule (10% warm-up, linear decay): MiniLM-L6 as minilm-bbc otherwise, and the suite's kind of
 # short run from scratch (AdamW, batch 128, ~3 epochs of a 6k subset, a snapshot every step) on the families the
 # predictor trains on; the ResNet family stays held out.

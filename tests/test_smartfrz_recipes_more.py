@@ -80,6 +80,8 @@ def test_a_new_recipe_collects_in_quick_mode(quick_new, name):
     assert meta["status"] == "complete" and meta["quick"] is True
     assert (meta["arch"], meta["dataset"], meta["mode"]) == (arch, dataset, mode)
     assert meta["optimizer"]["name"] == optimizer and meta["schedule"] == schedule
+    third_round = name == "minilm-bbc-warmup10" or name.endswith("-fmnist-short")
+    assert meta["warmup"] == (0.1 if third_round else 0.05)
     assert meta["blocks"] == blocks and meta["head"] == len(blocks) - 1
     assert len(meta["losses"]) == meta["steps"] // meta["snapshot_every"]
     assert all(math.isfinite(v) for v in meta["losses"])

@@ -42,6 +42,8 @@ NEW = {
     "cnn-fmnist-short": ("cnn", "fashion-mnist", "scratch", "adamw", "linear", 150, list("012345")),
     "vit-fmnist-short": ("vit", "fashion-mnist", "scratch", "adamw", "linear", 150, list("0123")),
 }
+#: The third round: trained with `layerfreeze train`'s schedule (10% warm-up; the rounds before it warm up 5%).
+THIRD_ROUND = ("minilm-bbc-warmup10", "mlp-fmnist-short", "cnn-fmnist-short", "vit-fmnist-short")
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +82,7 @@ def test_a_new_recipe_collects_in_quick_mode(quick_new, name):
     assert meta["status"] == "complete" and meta["quick"] is True
     assert (meta["arch"], meta["dataset"], meta["mode"]) == (arch, dataset, mode)
     assert meta["optimizer"]["name"] == optimizer and meta["schedule"] == schedule
-    third_round = name == "minilm-bbc-warmup10" or name.endswith("-fmnist-short")
-    assert meta["warmup"] == (0.1 if third_round else 0.05)
+    assert meta["warmup"] == (0.1 if name in THIRD_ROUND else 0.05)
     assert meta["blocks"] == blocks and meta["head"] == len(blocks) - 1
     assert len(meta["losses"]) == meta["steps"] // meta["snapshot_every"]
     assert all(math.isfinite(v) for v in meta["losses"])
@@ -113,11 +114,11 @@ def test_the_lm_recipes_train_on_shifted_token_chunks(quick_new, name):
 def test_the_full_size_recipes_without_pretraining(tmp_path):
     from layerfreeze.blocks import find_blocks
 
-    short = ("mlp-fmnist-short", "cnn-fmnist-short", "vit-fmnist-short")
+    short = THIRD_ROUND[1:]
     for name in ("mlp-digits-sgd-const", "cnn-fmnist-sgd-const", "gpt-bbc", "llama-bbc", *short):
         _, _, _, optimizer, schedule, steps, _ = NEW[name]
         setup = RECIPES[name].build(0, False, tmp_path)
-        warmup = 0.1 if name in short else 0.05  # the third round warms up as `layerfreeze train` does
+        warmup = 0.1 if name in THIRD_ROUND else 0.05
         assert (setup.optimizer, setup.schedule, setup.steps, setup.warmup) == (optimizer, schedule, steps, warmup)
         if name in short:  # the suite's kind of short run from scratch: a snapshot every step, ~3 epochs of 6k
             assert (setup.snapshot_every, setup.batch_size, len(setup.train_y)) == (1, 128, 6000)

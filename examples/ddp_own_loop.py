@@ -5,7 +5,8 @@ Options: ``--strategy NAME -p key=value`` (default: smartfrz), ``--save DIR`` (e
 A small MLP on synthetic data, so it runs anywhere (gloo on CPU, NCCL on GPU). What layerfreeze adds to a plain DDP
 loop is three lines: the Freezer (rank 0 decides, every rank applies), ``FreezeDDP`` instead of
 ``DistributedDataParallel`` (rebuilt around the trainable blocks on every freeze/thaw, no
-``find_unused_parameters``), and ``freezer.step()`` after the optimizer. Prints, on rank 0, when each block froze
+``find_unused_parameters``), and ``freezer.step()`` after the optimizer; ``close_distributed()`` at the end is the
+``destroy_process_group`` every DDP program calls. Prints, on rank 0, when each block froze
 and the gradient bytes all-reduced per step before and after.
 """
 
@@ -18,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from layerfreeze import Freezer, block_param_groups, discover_blocks
-from layerfreeze.distributed import FreezeDDP, init_distributed, rank
+from layerfreeze.distributed import FreezeDDP, close_distributed, init_distributed, rank
 
 cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 cli.add_argument("--strategy", default="smartfrz")
@@ -58,3 +59,4 @@ if rank() == 0:
           f"{ddp.rebuilds} DDP builds")
 if args.save:
     torch.save(model.state_dict(), args.save / f"rank{rank()}.pt")
+close_distributed()                                          # a gloo group left alive can abort the exit

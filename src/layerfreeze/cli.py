@@ -23,7 +23,7 @@ from .blocks import BlockDiscoveryError
 from .checkpoint import CheckpointError
 from .compare import DEFAULT_ROWS
 from .config import ConfigError, load_config, parse_override
-from .distributed import RankLostError, launched_world_size
+from .distributed import RankLostError, close_distributed, launched_world_size
 from .smartfrz.predictor import PredictorError
 from .strategies import DEFAULT_STRATEGY, STRATEGIES, UnknownStrategyError, strategy_parameters
 
@@ -187,6 +187,8 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     try:
         summary = trainer.run()
     except KeyboardInterrupt:
+        if trainer.stopped_together:
+            close_distributed()  # every rank stopped after the same step, checkpointed: none is in a collective
         if main_rank:
             console.print(f"\nInterrupted. A checkpoint is in {checkpoint}; continue with:\n"
                           f"  {again} train --resume {trainer.run_dir}")
@@ -201,6 +203,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
             f"[bold red]layerfreeze: error:[/] {exc}\nThe last complete checkpoint in {checkpoint} "
             f"is resumable: {again} train --resume {trainer.run_dir}", highlight=False)
         return 1
+    close_distributed()  # every rank finished; a gloo group left alive can abort the exit (SIGABRT)
     if not main_rank:
         return 0
     print_summary(summary, console=console)

@@ -118,6 +118,19 @@ def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> bo
     return True
 
 
+def close_distributed() -> None:
+    """Destroy the default process group, if one is initialized; call it once per rank when the run is over.
+
+    A process that exits with a gloo process group still alive can abort during interpreter shutdown (SIGABRT,
+    "terminate called without an active exception": gloo's worker threads outlive the interpreter), so a run that
+    finished cleanly would exit -6. PyTorch asks every program to call ``destroy_process_group`` before exit
+    (``torch.distributed`` docs, "Shutdown"). Call it only on the path where every rank finished (or stopped
+    together): a destroy while a peer is still inside a collective can hang, so after a lost rank, exit without it.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def local_device(device: torch.device) -> torch.device:
     """The device of this rank: ``cuda:LOCAL_RANK`` for a CUDA run under a launcher, else ``device`` as it is."""
     if device.type == "cuda" and is_distributed():

@@ -406,6 +406,12 @@ class Trainer:
         self.telemetry.close()
         return summary
 
+    @property
+    def stopped_together(self) -> bool:
+        """True after a Ctrl-C that every rank agreed on (all stopped after the same step and checkpointed), or
+        any Ctrl-C on one process: then no rank is left inside a collective."""
+        return getattr(self, "_stop_agreed", False) if getattr(self, "distributed", False) else True
+
     def _install_sigint(self) -> Callable[[], None]:
         """First Ctrl-C: finish the current step, checkpoint, stop. Second Ctrl-C: stop at once.
 

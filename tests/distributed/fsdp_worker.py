@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from layerfreeze import Freezer, block_param_groups, discover_blocks
-from layerfreeze.distributed import init_distributed, is_distributed, loss_scale, rank, shard
+from layerfreeze.distributed import close_distributed, init_distributed, is_distributed, loss_scale, rank, shard
 from layerfreeze.fsdp import CollectiveBytes, load_full_checkpoint, save_full_checkpoint, shard_blocks
 from tests.distributed.worker import mlp_task, weight_hashes
 
@@ -67,6 +67,7 @@ def main() -> None:
             save_full_checkpoint(spec["checkpoint"], model, optimizer, freezer, extra={"step": step + 1})
     out = Path(spec["out"]) / f"rank{rank() if is_distributed() else 0}{spec.get('suffix', '')}.json"
     out.write_text(json.dumps({"records": records, "history": freezer.history}))
+    close_distributed()
 
 
 def weight_hashes_of(weights: dict[str, torch.Tensor]) -> dict[str, str]:

@@ -42,6 +42,7 @@ def weight_hashes(model: nn.Module) -> dict[str, str]:
 
 def run_trainer(spec: dict, rank: int, out: Path) -> None:
     from layerfreeze.config import build_config
+    from layerfreeze.distributed import close_distributed
     from layerfreeze.trainer import Trainer
 
     steps: list[dict] = []
@@ -65,6 +66,8 @@ def run_trainer(spec: dict, rank: int, out: Path) -> None:
     result["history"] = trainer.freezer.history
     result["weights"] = {k: v.tolist() for k, v in trainer.model.state_dict().items()}
     out.write_text(json.dumps(result))
+    if trainer.stopped_together:  # finished, or stopped after the same step: no rank is inside a collective
+        close_distributed()
 
 
 def main() -> None:

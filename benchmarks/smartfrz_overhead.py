@@ -66,9 +66,9 @@ def measure(name: str, overrides: dict, steps: int, every: int | None, out: Path
     loader = DataLoader(trainer.train_set, batch_sampler=batches, generator=torch.Generator())
     trainer.model.train()
     step_times = []
-    for i, batch in enumerate(loader):
+    for i, (batch, ids) in enumerate(zip(loader, batches)):
         t0 = time.perf_counter()
-        trainer._train_step(batch)
+        trainer._train_step(batch, len(ids), len(ids))  # one process: every sample of the batch counts
         if i >= 2:  # the first steps allocate optimizer state
             step_times.append(time.perf_counter() - t0)
     step = statistics.median(step_times)

@@ -196,6 +196,27 @@ def test_freezer_applies_a_strategy_at_exact_steps_and_refuses_to_freeze_the_hea
         freezer.step()
 
 
+class Attached(Scripted):
+    """Scripted, counting attach/detach (what a strategy with hooks or a worker thread must have released)."""
+
+    def __init__(self, table):
+        super().__init__(table)
+        self.attached = 0
+
+    def attach(self, model, blocks):
+        self.attached += 1
+
+    def detach(self):
+        self.attached -= 1
+
+
+def test_a_start_stage_that_raises_releases_what_the_strategy_attached():
+    strategy = Attached({0: ([4], [])})  # the start stage asks to freeze the head
+    with pytest.raises(RuntimeError, match="head"):
+        Freezer(make_net(), None, strategy)
+    assert strategy.calls == 1 and strategy.attached == 0
+
+
 class NeedsGrads(Strategy):
     name = "needs-grads"
     signals = ("grad_l1",)

@@ -190,8 +190,12 @@ class Freezer:
         self.strategy.validate(len(self.blocks))
         if self.decides:
             self.strategy.attach(model, self.blocks)
-        self._stage(event="start")
-        self._apply_lr_scales()  # LR factors from the start stage already apply to the first step
+        try:
+            self._stage(event="start")
+            self._apply_lr_scales()  # LR factors from the start stage already apply to the first step
+        except BaseException:
+            self.close()  # nobody holds this Freezer to close it: release the strategy's hooks and threads here
+            raise
 
     # ---- queries -------------------------------------------------------------------------------------------
 

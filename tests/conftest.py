@@ -3,9 +3,12 @@ the README's examples, to run as written."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import importlib.util
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,23 @@ from layerfreeze.data import GaussianBlobs
 from layerfreeze.tasks import Task, image_forward
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@contextlib.contextmanager
+def benchmark_module(name: str):
+    """``benchmarks/<name>.py`` imported as module ``bench_<name>`` (benchmarks/ is not a package), for the with block.
+
+    The module is in ``sys.modules`` while it runs: dataclasses look their module up while the file executes.
+    """
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
 
 
 def readme_example(heading: str) -> str:

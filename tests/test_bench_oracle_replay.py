@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from layerfreeze.strategies.base import BlockView, StageContext
+from tests.conftest import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def replay():
-    bench = Path(__file__).resolve().parent.parent / "benchmarks"
-    spec = importlib.util.spec_from_file_location("bench_oracle_replay", bench / "oracle_replay.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_oracle_replay"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("bench_oracle_replay", None)
+    with benchmark_module("oracle_replay") as module:
+        yield module
 
 
 def _ctx(step, frozen):

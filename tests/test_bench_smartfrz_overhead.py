@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.conftest import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def overhead():
-    bench = Path(__file__).resolve().parent.parent / "benchmarks"
-    spec = importlib.util.spec_from_file_location("bench_smartfrz_overhead", bench / "smartfrz_overhead.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_smartfrz_overhead"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("bench_smartfrz_overhead", None)
+    with benchmark_module("smartfrz_overhead") as module:
+        yield module
 
 
 def test_measure_times_real_steps_and_a_stage_and_divides_by_the_strategy_interval(overhead, tmp_path):

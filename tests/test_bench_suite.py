@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.conftest import benchmark_module
 
 GIB = 2**30
 BLOCKS = ["embeddings", "layer.0", "layer.1", "head"]
@@ -15,13 +14,8 @@ BLOCKS = ["embeddings", "layer.0", "layer.1", "head"]
 
 @pytest.fixture(scope="module")
 def suite():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "suite.py"
-    spec = importlib.util.spec_from_file_location("bench_suite", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_suite"] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("bench_suite", None)
+    with benchmark_module("suite") as module:
+        yield module
 
 
 def _row(row, acc, time, flops, mem, frozen=None):

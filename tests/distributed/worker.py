@@ -66,7 +66,7 @@ def run_trainer(spec: dict, rank: int, out: Path) -> None:
     result["history"] = trainer.freezer.history
     result["weights"] = {k: v.tolist() for k, v in trainer.model.state_dict().items()}
     out.write_text(json.dumps(result))
-    if trainer.stopped_together:  # finished, or stopped after the same step: no rank is inside a collective
+    if "summary" in result or trainer.stopped_together:  # finished, or every rank stopped after the same step
         close_distributed()
 
 

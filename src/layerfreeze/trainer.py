@@ -96,6 +96,8 @@ class Trainer:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(run_dir or config.run.dir or f"runs/{config.task}-{config.freeze.strategy}-{stamp}")
         rundir.check_run_dir(self.run_dir, resuming=bool(config.run.resume))
+        self.distributed = False  # set by _setup when the launcher describes several ranks
+        self._stop_agreed = False  # distributed: some rank got a Ctrl-C (all-reduced in every step)
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -410,7 +412,7 @@ class Trainer:
     def stopped_together(self) -> bool:
         """True after a Ctrl-C that every rank agreed on (all stopped after the same step and checkpointed), or
         any Ctrl-C on one process: then no rank is left inside a collective."""
-        return getattr(self, "_stop_agreed", False) if getattr(self, "distributed", False) else True
+        return self._stop_agreed if self.distributed else True
 
     def _install_sigint(self) -> Callable[[], None]:
         """First Ctrl-C: finish the current step, checkpoint, stop. Second Ctrl-C: stop at once.

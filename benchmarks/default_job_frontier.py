@@ -1,13 +1,15 @@
-"""Can any single freeze meet the default job's target? One prefix frozen at one step, trained for real.
+"""Can a fixed freeze schedule meet the default job's target? A prefix frozen at given steps, trained for real.
 
 Issue 16 asks for SmartFRZ within 0.3 points of ``none`` at <= 0.5x its training time on ``make demo``'s job
 (MiniLM-L6 / BBC News, 3 epochs = 168 steps, the activation cache on). Before tuning a policy towards it, this script
 measures the frontier of the simplest policies: freeze blocks ``0 .. d-1`` once ``t`` optimizer steps are done and
 keep them frozen (with the cache, from then on the prefix is computed once per sample and then read back). Each
-schedule ``d@t`` is one run of the default job; ``none`` is run first unless ``--none-from`` names a finished
+schedule ``d@t`` is one run of the default job; stages joined by ``+`` grow the prefix in steps (``5@28+6@120``:
+blocks 0-4 after step 28, block 5 after step 120). ``none`` is run first unless ``--none-from`` names a finished
 ``none`` run folder of the same job (its accuracy and FLOPs are the reference).
 
     python benchmarks/default_job_frontier.py --schedules 6@28,5@28,6@14,7@56
+    python benchmarks/default_job_frontier.py --schedules 5@28+6@120,5@20+6@112+7@140
     python benchmarks/default_job_frontier.py --schedules 6@28 --none-from runs/default-job/none
 
 Prints test accuracy, the difference to ``none`` in points, training FLOPs (measured, cache hits excluded) and their
@@ -37,17 +39,35 @@ from layerfreeze.trainer import Trainer  # noqa: E402
 N_BLOCKS = 9
 
 
-def parse_schedule(text: str) -> tuple[int, int]:
-    """``"d@t"`` -> ``(d, t)``.
+def parse_schedule(text: str) -> list[int | None]:
+    """``"d@t"`` or stages ``"d@t+d'@t'+..."`` -> one freeze step (None: never) per block, front to back.
+
+    Stage ``d@t`` freezes blocks ``0 .. d-1`` (those not frozen by an earlier stage) once ``t`` steps are done.
 
     Raises:
-        ValueError: not two non-negative integers with ``1 <= d < N_BLOCKS``.
+        ValueError: a stage is not two non-negative integers with ``1 <= d < N_BLOCKS``, or the stages do not grow
+            the prefix (each deeper than the last, at the same step or later).
     """
-    d, _, t = text.partition("@")
-    depth, step = int(d), int(t)
-    if not 1 <= depth < N_BLOCKS or step < 0:
-        raise ValueError(f"schedule {text!r}: need 1 <= d <= {N_BLOCKS - 1} (the head never freezes) and t >= 0")
-    return depth, step
+    steps: list[int | None] = [None] * N_BLOCKS
+    last_depth, last_step = 0, 0
+    for stage in text.split("+"):
+        d, sep, t = stage.partition("@")
+        try:
+            depth, step = int(d), int(t)
+        except ValueError:
+            raise ValueError(f"schedule {text!r}: stage {stage!r} is not d@t (two integers)") from None
+        if not sep or not 1 <= depth < N_BLOCKS or step < 0:
+            raise ValueError(f"schedule {text!r}: need 1 <= d <= {N_BLOCKS - 1} (the head never freezes) and t >= 0")
+        if depth <= last_depth or step < last_step:
+            raise ValueError(f"schedule {text!r}: each stage must freeze a deeper prefix at the same step or later")
+        steps[last_depth:depth] = [step] * (depth - last_depth)
+        last_depth, last_step = depth, step
+    return steps
+
+
+def row_name(text: str) -> str:
+    """``"5@28+6@120"`` -> ``"d5@28+d6@120"`` (the row and its run folder)."""
+    return "+".join(f"d{stage}" for stage in text.split("+"))
 
 
 def run(name: str, out: Path, threads: int | None, params: dict[str, Any] | None) -> dict[str, Any]:
@@ -62,13 +82,14 @@ def run(name: str, out: Path, threads: int | None, params: dict[str, Any] | None
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--schedules", required=True, help="comma-separated d@t: freeze blocks 0..d-1 after t steps")
+    p.add_argument("--schedules", required=True, help="comma-separated d@t: freeze blocks 0..d-1 after t steps; "
+                   "stages joined by + (5@28+6@120)")
     p.add_argument("--out", type=Path, default=Path("runs/bench-frontier"))
     p.add_argument("--none-from", type=Path, help="a finished none run folder of the same job (its summary.json)")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
     try:
-        schedules = [parse_schedule(s.strip()) for s in args.schedules.split(",") if s.strip()]
+        schedules = {row_name(s.strip()): parse_schedule(s.strip()) for s in args.schedules.split(",") if s.strip()}
     except ValueError as exc:
         p.error(str(exc))
     register_strategy("oracle")(OracleSchedule)
@@ -80,15 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     elif "none" not in results:
         results["none"] = run("none", args.out, args.threads, None)
         results_path.write_text(json.dumps(results, indent=2))
-    for depth, step in schedules:
-        name = f"d{depth}@{step}"
+    for name, steps in schedules.items():
         if name in results:
             continue
-        steps = [step if i < depth else None for i in range(N_BLOCKS)]
         results[name] = run(name, args.out, args.threads, {"steps": steps})
         results_path.write_text(json.dumps(results, indent=2))
     none = results["none"]
-    table = Table(title="The default job: one prefix frozen at one step (cache on by default)")
+    table = Table(title="The default job: a prefix frozen at fixed steps (cache on by default)")
     for h in ("row", "test acc %", "Δ pts", "train FLOPs", "FLOPs ratio", "cache hit rate", "time ratio"):
         table.add_column(h, justify="right")
     for name, r in results.items():

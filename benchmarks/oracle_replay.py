@@ -6,13 +6,16 @@ suite ``results.json`` and
 
 1. prints the oracle's FLOPs ratio at other CKA thresholds (``--taus``), from the stored CKA records: how much a
    policy faithful to looser labels could save at most;
-2. trains each seed twice in one process, `none` and a fixed schedule that freezes every block at the oracle's step
-   (``--cache`` adds the frozen-prefix activation cache to both), and prints accuracy, time and measured FLOPs.
+2. trains each seed in one process: `none`, then one fixed schedule per threshold in ``--train-taus`` that freezes
+   every block at the step the oracle gives it at that threshold (default: the suite's own oracle schedule, at the
+   labels' tau); ``--cache`` adds the frozen-prefix activation cache to every row. It prints accuracy, time and
+   measured FLOPs per seed and row, and their mean over the seeds.
 
 So it answers "does even a perfect predictor of the labels meet a target?" on the suite's own task sizes.
 
     python benchmarks/oracle_replay.py runs/bench-suite/results.json --task fmnist-mobilenet --cache
     python benchmarks/oracle_replay.py runs/bench-suite/results.json --task bbc --taus 0.99,0.995,0.998
+    python benchmarks/oracle_replay.py runs/bench-suite/results.json --task bbc --cache --train-taus 0.998,0.9995
 
 FLOPs at other thresholds use the per-prefix step FLOPs the suite measured; a prefix it did not measure takes the
 nearest shallower measured one (an upper bound: a deeper prefix never costs more).
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -63,11 +67,21 @@ class OracleSchedule(Strategy):
         return Decision(freeze=due, reason="oracle schedule" if due else "")
 
 
+def schedule_at_tau(task: dict[str, Any], oracle: dict[str, Any], tau: float | None) -> list[int | None]:
+    """One seed's oracle schedule, a freeze step (or None) per block in forward order: at ``tau`` from the stored
+    CKA records (the labels' window and delta), or the schedule the suite stored (its labels' tau) when ``tau`` is
+    None."""
+    from layerfreeze.oracle import oracle_freeze_steps
+
+    if tau is None:
+        return [oracle["freeze_steps"].get(b) for b in task["blocks"]]
+    return oracle_freeze_steps(oracle["cka"], oracle["record_steps"], task["blocks"].index(task["head"]), tau=tau)
+
+
 def flops_at_taus(task: dict[str, Any], taus: list[float]) -> list[tuple[float, list[float]]]:
     """Per tau, the oracle's FLOPs ratio of every seed (from the stored CKA records and per-prefix FLOPs)."""
-    from layerfreeze.oracle import oracle_flops, oracle_freeze_steps
+    from layerfreeze.oracle import oracle_flops
 
-    head = task["blocks"].index(task["head"])
     out = []
     for tau in taus:
         ratios = []
@@ -75,10 +89,42 @@ def flops_at_taus(task: dict[str, Any], taus: list[float]) -> list[tuple[float, 
             o = seed["oracle"]
             measured = {int(k): v for k, v in o["flops_per_step_by_prefix"].items()}
             per_prefix = {p: measured[max(k for k in measured if k <= p)] for p in range(len(task["blocks"]) + 1)}
-            frozen = oracle_freeze_steps(o["cka"], o["record_steps"], head, tau=tau)
+            frozen = schedule_at_tau(task, o, tau)
             ratios.append(oracle_flops(frozen, per_prefix, task["total_steps"]) / (measured[0] * task["total_steps"]))
         out.append((tau, ratios))
     return out
+
+
+def row_name(tau: float | None) -> str:
+    """The compare row (and registered strategy) of the schedule at ``tau``: ``oracle`` for the stored one."""
+    return "oracle" if tau is None else f"oracle-tau{tau:g}"
+
+
+_ROW_STRATEGIES: dict[str, type[OracleSchedule]] = {"oracle": OracleSchedule}
+
+
+def oracle_strategy(name: str) -> type[OracleSchedule]:
+    """The :class:`OracleSchedule` class registered as row ``name``: one class per name, so that registering it
+    again in the same process is a no-op (the registry refuses a second object under a taken name)."""
+    if name not in _ROW_STRATEGIES:
+        _ROW_STRATEGIES[name] = type("OracleSchedule", (OracleSchedule,), {"name": name})
+    return _ROW_STRATEGIES[name]
+
+
+def format_schedule(steps: list[int | None], blocks: list[str]) -> str:
+    """``"embeddings@6, layer.0@6, layer.1@39"``: the blocks that freeze, with their steps (``-``: none)."""
+    return ", ".join(f"{b}@{t}" for b, t in zip(blocks, steps) if t is not None) or "-"
+
+
+def _taus(parser: argparse.ArgumentParser, flag: str, text: str) -> list[float]:
+    """Comma-separated CKA thresholds in (0, 1]; a parser error (exit 2) names the flag otherwise."""
+    try:
+        taus = [float(t) for t in text.split(",")]
+    except ValueError:
+        parser.error(f"{flag} must be comma-separated numbers, got {text!r}")
+    if not all(0 < t <= 1 for t in taus):
+        parser.error(f"{flag} are CKA thresholds in (0, 1], got {text!r}")
+    return taus
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", help="comma-separated seeds (default: every seed in the results)")
     parser.add_argument("--taus", default="0.9,0.95,0.98,0.99,0.995,0.998",
                         help="CKA thresholds for the computed FLOPs table")
-    parser.add_argument("--cache", action="store_true", help="freeze.cache.mode=auto for both rows")
+    parser.add_argument("--train-taus", help="comma-separated CKA thresholds whose oracle schedules are trained, one "
+                        "row each (default: the suite's stored oracle schedule)")
+    parser.add_argument("--cache", action="store_true", help="freeze.cache.mode=auto for every row")
     parser.add_argument("--no-train", action="store_true", help="only the computed FLOPs table")
     parser.add_argument("--out", default="runs/oracle-replay", help="run folders (default runs/oracle-replay)")
     args = parser.parse_args(argv)
@@ -107,12 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, TypeError, IndexError) as exc:
         parser.error(f"{args.results}: not a results.json of benchmarks/suite.py with task {args.task!r} and its "
                      f"oracle records (missing {exc})")
-    try:
-        taus = [float(t) for t in args.taus.split(",")]
-    except ValueError:
-        parser.error(f"--taus must be comma-separated numbers, got {args.taus!r}")
-    if not all(0 < t <= 1 for t in taus):
-        parser.error(f"--taus are CKA thresholds in (0, 1], got {args.taus!r}")
+    taus = _taus(parser, "--taus", args.taus)
+    train_taus: list[float | None] = [None] if args.train_taus is None else _taus(parser, "--train-taus",
+                                                                                 args.train_taus)
     seeds = [s for s in task["seeds"] if args.seeds is None or str(s["seed"]) in args.seeds.split(",")]
     if not seeds:
         parser.error(f"--seeds {args.seeds}: the results hold seeds {[s['seed'] for s in task['seeds']]}")
@@ -128,24 +173,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_train:
         return 0
 
-    register_strategy("oracle")(OracleSchedule)
+    names = [row_name(t) for t in train_taus]
+    for name in names:
+        register_strategy(name)(oracle_strategy(name))
     spec = replace(suite.TASKS[args.task], **sizes)
     rows = Table(title=f"{task['title']}: the oracle's schedule trained ({'with' if args.cache else 'without'} "
                        "the activation cache)")
-    for h in ("seed", "none acc %", "oracle acc %", "Δ pts", "time ratio", "FLOPs ratio"):
+    for h in ("seed", "row", "none acc %", "oracle acc %", "Δ pts", "time ratio", "FLOPs ratio", "frozen block@step"):
         rows.add_column(h, justify="right")
+    per_row: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for s in seeds:
         base = suite.base_config(spec, s["seed"], None)
         if args.cache:
             base["freeze"] = {"cache": {"mode": "auto"}}
-        steps = [s["oracle"]["freeze_steps"].get(b) for b in task["blocks"]]
+        schedules = {name: schedule_at_tau(task, s["oracle"], t) for name, t in zip(names, train_taus)}
         run_dir = Path(args.out) / args.task / f"seed{s['seed']}"
         shutil.rmtree(run_dir, ignore_errors=True)  # this script's own run folders from an earlier replay
-        none, oracle = compare(base, ["none", "oracle"], run_dir,
-                               console=console, row_params={"oracle": {"steps": steps}})
-        rows.add_row(str(s["seed"]), f"{100 * none['test_accuracy']:.2f}", f"{100 * oracle['test_accuracy']:.2f}",
-                     f"{100 * oracle['accuracy_delta']:+.2f}", f"{oracle['time_ratio']:.3f}",
-                     f"{oracle['flops_ratio']:.3f}")
+        none, *trained = compare(base, ["none", *names], run_dir, console=console,
+                                 row_params={name: {"steps": steps} for name, steps in schedules.items()})
+        for name, r in zip(names, trained):
+            per_row[name].append(r)
+            rows.add_row(str(s["seed"]), name, f"{100 * none['test_accuracy']:.2f}",
+                         f"{100 * r['test_accuracy']:.2f}", f"{100 * r['accuracy_delta']:+.2f}",
+                         f"{r['time_ratio']:.3f}", f"{r['flops_ratio']:.3f}",
+                         format_schedule(schedules[name], task["blocks"]))
+    for name, rs in per_row.items():
+        rows.add_row("mean", name, "", "", f"{100 * statistics.fmean(r['accuracy_delta'] for r in rs):+.2f}",
+                     f"{statistics.fmean(r['time_ratio'] for r in rs):.3f}",
+                     f"{statistics.fmean(r['flops_ratio'] for r in rs):.3f}", "")
     console.print(rows)
     return 0
 

@@ -47,3 +47,33 @@ def test_flops_by_threshold(replay):
     # an unmeasured prefix takes the nearest shallower measured one (an upper bound)
     [(_, [r_bound])] = replay.flops_at_taus(_task({"0": 3.0, "1": 2.0}), [0.9])
     assert r_bound == pytest.approx(r_strict)
+
+
+def test_schedule_at_a_threshold_or_the_stored_one(replay):
+    task = _task({"0": 3.0})
+    oracle = {**task["seeds"][0]["oracle"], "freeze_steps": {"b0": 7, "b1": None, "head": None}}
+    assert replay.schedule_at_tau(task, oracle, None) == [7, None, None]  # the suite's own schedule
+    assert replay.schedule_at_tau(task, oracle, 0.998) == [30, None, None]
+    assert replay.schedule_at_tau(task, oracle, 0.9) == [30, 30, None]  # block 1 only below its CKA of 0.95
+    # at 0.9999 block 0 only matches itself at the final record (CKA 1.0, window range 0.001 <= delta 0.01)
+    assert replay.schedule_at_tau(task, oracle, 0.9999) == [40, None, None]
+
+
+def test_rows_per_threshold_are_registered_once_and_named_by_tau(replay):
+    assert [replay.row_name(t) for t in (None, 0.998, 0.9995)] == ["oracle", "oracle-tau0.998", "oracle-tau0.9995"]
+    cls = replay.oracle_strategy("oracle-tau0.9995")
+    assert cls is replay.oracle_strategy("oracle-tau0.9995") and issubclass(cls, replay.OracleSchedule)
+    assert cls.name == "oracle-tau0.9995" and replay.oracle_strategy("oracle") is replay.OracleSchedule
+    assert replay.format_schedule([3, None, 9], ["a", "b", "c"]) == "a@3, c@9"
+    assert replay.format_schedule([None, None], ["a", "b"]) == "-"
+
+
+def test_bad_thresholds_fail_before_anything_runs(replay, tmp_path, capsys):
+    results = tmp_path / "results.json"
+    task = _task({"0": 3.0})
+    task["seeds"][0]["oracle"]["freeze_steps"] = {}
+    task["title"] = "t"
+    results.write_text(__import__("json").dumps({"tasks": {"bbc": task}, "meta": {"sizes": {"bbc": {}}}}))
+    with pytest.raises(SystemExit) as exc:
+        replay.main([str(results), "--task", "bbc", "--train-taus", "0.998,1.5"])
+    assert exc.value.code == 2 and "--train-taus are CKA thresholds in (0, 1]" in capsys.readouterr().err

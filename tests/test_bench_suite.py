@@ -142,3 +142,13 @@ def test_from_json_regenerates_the_markdown_without_running(suite, tmp_path, cap
     assert "| static | 87.00 [86.00, 88.00]" in text
     assert (tmp_path / "suite.md").read_text() == suite.markdown_section(_results(suite))
     assert "oracle" in capsys.readouterr().out
+
+
+def test_every_row_runs_to_its_end_even_one_that_learns_nothing(suite):
+    """gradual on BBC sits at chance level for its whole 104-step run: the suite measures that row, so its config
+    turns off the trainer's stop for a stuck loss (which raised and ended the whole suite), and the config is valid."""
+    from layerfreeze.config import build_config
+
+    cfg = suite.base_config(suite.task_spec("bbc", False), 0, 1)
+    assert cfg["run"]["divergence_window_steps"] is None
+    assert build_config({**cfg, "freeze": {"strategy": "gradual"}}).run.divergence_window_steps is None

@@ -105,3 +105,26 @@ def test_a_bad_row_setting_names_the_row(tmp_path):
 
     with pytest.raises(ConfigError, match=r"(?s)row lora: .*train\.nope"):
         compare({"task": "bbc-news"}, ["none", "lora"], tmp_path, row_overrides={"lora": {"train": {"nope": 1}}})
+
+
+@pytest.mark.assets
+def test_a_row_that_learns_nothing_is_reported_and_the_next_row_runs(tmp_path, tiny_bert_dir, tiny_csv, capsys):
+    """With a learning rate of 1e-9 static's loss stays at its start, ln 2 on this 2-class task, and the stop for a
+    loss at chance level (window 3 steps here) ends that row: compare records why, still trains the row after it,
+    writes the table, and exits 1 (not every row finished)."""
+    run = tmp_path / "cmp"
+    args = ["compare", "--rows", "none,static,freezeout", "--task", "text-csv", "--data", str(tiny_csv),
+            "--model", str(tiny_bert_dir), "--epochs", "1", "--batch-size", "8", "--set", "model.max_length=32",
+            "--row-param", "static.k=2", "--row-set", "static.train.lr=1e-9",
+            "--row-set", "static.run.divergence_window_steps=3", "--run-dir", str(run), "--no-progress", "--no-report"]
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    assert "rows stopped before their end: static" in captured.err
+    rows = {r["row"]: r for r in json.loads((run / "compare.json").read_text())}
+    assert list(rows) == ["none", "static", "freezeout"]
+    assert "has been at chance level for 3 steps" in rows["static"]["stopped"]
+    assert "test_accuracy" not in rows["static"] and rows["freezeout"]["steps"] == 5
+    assert rows["freezeout"]["time_ratio"] > 0  # the rows after it still get their ratios to none
+    assert (run / "static" / "checkpoint").exists()  # the stopped row's run folder keeps its checkpoint
+    line = next(ln for ln in (run / "compare.md").read_text().splitlines() if ln.startswith("| static |"))
+    assert "stopped: the training loss has been at chance level for 3 steps" in line

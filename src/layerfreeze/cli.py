@@ -263,6 +263,12 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     console.print(f"table: {Path(run_dir) / rundir.COMPARE_MD}   rows: {Path(run_dir) / rundir.COMPARE_JSON}   "
                   f"({len(results)} runs)")
     _report(run_dir, args, console)
+    stopped = [r["row"] for r in results if r.get("stopped")]
+    if stopped:  # the table is complete for the others; the exit code says not every row finished
+        Console(stderr=True, soft_wrap=True).print(
+            f"[bold red]layerfreeze: rows stopped before their end:[/] {', '.join(stopped)} (why: the table's last "
+            f"column and compare.json; each one's run folder holds its last checkpoint)", highlight=False)
+        return 1
     return 0
 
 

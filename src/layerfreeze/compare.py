@@ -109,10 +109,16 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
         row_overrides: Per-row config keys, e.g. ``{"lora": {"train": {"lr": 1e-3}}}`` (see :func:`row_config`).
         row_callbacks: Per-row trainer ``step_callbacks`` (see :class:`~layerfreeze.trainer.Trainer`).
 
+    A row whose training stops with a :class:`~layerfreeze.trainer.DivergenceError` (a non-finite loss, or a loss
+    at chance level for ``run.divergence_window_steps`` steps) does not end the comparison: its result is
+    ``{"row", "stopped": <the error's message>, "run_dir"}`` (no accuracy, time or FLOPs; the table says why), its
+    run folder keeps what the trainer wrote (metrics, and the checkpoint to resume unless ``run.checkpoint`` is off),
+    and the next row runs.
+
     Raises:
         ConfigError: a row's config is invalid (checked for every row before the first run starts).
     """
-    from .trainer import Trainer
+    from .trainer import DivergenceError, Trainer
 
     console = console or Console()
     run_dir = Path(run_dir)
@@ -127,7 +133,13 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
     results = []
     for row, config in configs:
         console.print(f"[bold]compare[/]: {row} ({len(results) + 1}/{len(configs)})")
-        summary = Trainer(config, step_callbacks=(row_callbacks or {}).get(row)).run()
+        try:
+            summary = Trainer(config, step_callbacks=(row_callbacks or {}).get(row)).run()
+        except DivergenceError as exc:
+            console.print(f"[bold yellow]compare[/]: row {row} stopped, the next row runs: {exc}", highlight=False)
+            results.append({"row": row, "stopped": str(exc), "run_dir": str(config.run.dir)})
+            rundir.write_compare(run_dir, results)
+            continue
         results.append({"row": row, **summary, "freeze_steps": freeze_steps(summary)})
         rundir.write_compare(run_dir, results)
     add_ratios(results)
@@ -173,6 +185,8 @@ def table_cells(r: dict[str, Any], missing: str = "-") -> list[str]:
     delta = f"{100 * r['accuracy_delta']:+.2f}" if finite(r.get("accuracy_delta")) else missing
     steps = r.get("freeze_steps") or {}
     frozen = ", ".join(f"{b}@{s}" for b, s in steps.items()) if isinstance(steps, dict) else str(steps)
+    if r.get("stopped"):  # a row whose training stopped (compare): why, in the last column
+        frozen = f"stopped: {str(r['stopped']).split(': ')[0]}"
     return [
         str(r.get("row")), _metric(r, missing), delta,
         f"{r['train_time_s']:.1f}" if finite(r.get("train_time_s")) else missing, ratio(r.get("time_ratio")),

@@ -51,12 +51,12 @@ def parse_schedule(text: str) -> list[int | None]:
     steps: list[int | None] = [None] * N_BLOCKS
     last_depth, last_step = 0, 0
     for stage in text.split("+"):
-        d, sep, t = stage.partition("@")
+        d, _, t = stage.partition("@")
         try:
             depth, step = int(d), int(t)
         except ValueError:
             raise ValueError(f"schedule {text!r}: stage {stage!r} is not d@t (two integers)") from None
-        if not sep or not 1 <= depth < N_BLOCKS or step < 0:
+        if not 1 <= depth < N_BLOCKS or step < 0:
             raise ValueError(f"schedule {text!r}: need 1 <= d <= {N_BLOCKS - 1} (the head never freezes) and t >= 0")
         if depth <= last_depth or step < last_step:
             raise ValueError(f"schedule {text!r}: each stage must freeze a deeper prefix at the same step or later")

@@ -14,6 +14,7 @@ non-head blocks as a fraction of the run (never frozen = the end), and its FLOPs
     python benchmarks/suite.py --quick                 # a few minutes: tiny sizes, 1 seed; OUT/suite.md only
     python benchmarks/suite.py --tasks bbc --seeds 1 --rows none,static,lora
     python benchmarks/suite.py --from-json runs/bench-suite/results.json   # only regenerate the Markdown
+    python benchmarks/suite.py --resume --tasks fmnist-resnet   # run only the seeds results.json lacks
 
 Outputs: ``OUT/results.json`` (raw rows per task and seed, the oracle, the aggregates, machine and versions; rewritten
 after every seed), ``OUT/suite.md`` (the generated section), the section between ``<!-- suite:begin -->`` and
@@ -404,9 +405,10 @@ def markdown_section(results: dict[str, Any]) -> str:
         "",
         f"- Command: `{m['command']}`",
         f"- Date: {m['date']}; suite wall time {m['wall_time_s'] / 60:.1f} min",
-        f"- Machine: {m['machine']['cpu']}, {m['machine']['cores']} cores, {m['machine']['ram_gib']:.1f} GiB RAM, "
-        f"device {m['machine']['device']}",
+        f"- Machine: {machine_line(m['machine'])}",
         f"- Versions: {versions}; commit {commit}",
+        *[f"- Resumed: `{r['command']}` on {r['date']}, commit {r['versions'].get('git_commit', 'unknown')}, "
+          f"{machine_line(r['machine'])}; ran {r['ran']}" for r in m.get("resumed", [])],
         "",
         how_to_read(),
     ]
@@ -436,14 +438,27 @@ def update_markdown(text: str, section: str) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # Machine and versions
 # ----------------------------------------------------------------------------------------------------------------
+#: The SIMD flags that decide which oneDNN/MKL kernels torch picks: the image tasks' accuracies differ by up to 1
+#: point between two VMs with the same code and seeds (issue 16), so the suite records them.
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16",
+              "amx_int8", "amx_tile")
+
+
 def machine() -> dict[str, Any]:
     import torch
 
-    cpu = platform.processor() or platform.machine()
+    cpu, name, family, model, flags = platform.processor() or platform.machine(), "", "", "", set()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():  # the first processor's entries
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name" and not name:
+                cpu = name = value
+            elif key == "cpu family" and not family:
+                family = value
+            elif key == "model" and not model:
+                model = value
+            elif key == "flags":
+                flags = set(value.split())
                 break
     except OSError:
         pass
@@ -455,8 +470,18 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": ram, "device": device,
-            "torch_threads": torch.get_num_threads()}
+    return {"cpu": cpu, "cpu_family_model": f"{family}/{model}" if family else "",
+            "cpu_simd": [f for f in SIMD_FLAGS if f in flags], "cores": os.cpu_count(), "ram_gib": ram,
+            "device": device, "torch_threads": torch.get_num_threads()}
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    """``AMD EPYC (family/model 25/1; sse4_2, avx, avx2, fma), 2 cores, 23.5 GiB RAM, device cpu``; results.json
+    files written before the CPU details were recorded give the name alone."""
+    detail = "; ".join(x for x in (f"family/model {m['cpu_family_model']}" if m.get("cpu_family_model") else "",
+                                   ", ".join(m.get("cpu_simd", []))) if x)
+    return (f"{m['cpu']}" + (f" ({detail})" if detail else "")
+            + f", {m['cores']} cores, {m['ram_gib']:.1f} GiB RAM, device {m['device']}")
 
 
 def versions() -> dict[str, Any]:
@@ -513,14 +538,9 @@ def run_oracle(recorder: Any, none_row: dict[str, Any], none_config: Any) -> dic
     }
 
 
-def run_task(key: str, spec: TaskSpec, rows: list[str], seeds: list[int], out: Path, threads: int | None,
-             console: Console, result: dict[str, Any], save: Any) -> None:
-    """Every seed of one task, filling ``result`` (part of results.json) and saving after each seed."""
-    from layerfreeze.compare import compare, row_config
-    from layerfreeze.config import build_config
-    from layerfreeze.oracle import ProbeRecorder
-    from layerfreeze.trainer import Trainer
-
+def task_settings(spec: TaskSpec, rows: list[str]) -> dict[str, Any]:
+    """What a task's seeds are run with (sizes, rows, row parameters, notes), computed without training: the part of
+    results.json that two runs must share for ``--resume`` to put their seeds in one table."""
     n_train, n_test = dataset_sizes(spec)
     steps = total_steps(spec, n_train)
     notes = []
@@ -534,17 +554,48 @@ def run_task(key: str, spec: TaskSpec, rows: list[str], seeds: list[int], out: P
         notes.append(f"AutoFreeze and Egeria evaluate every {row_params['autofreeze']['interval']} steps (about 8 "
                      f"times per run); static freezes the first {spec.static_k} blocks; other strategies use "
                      "their defaults.")
-    result.update({"title": spec.title, "spec": asdict(spec), "n_train": n_train, "n_test": n_test,
-                   "total_steps": steps, "rows": task_rows, "row_params": row_params,
-                   "row_overrides": row_overrides, "notes": notes, "seeds": []})
-    shutil.rmtree(out / key, ignore_errors=True)  # this task's run folders from an earlier suite run
+    # Through JSON, so that a fresh dict compares equal to one read back from results.json (tuples become lists).
+    return json.loads(json.dumps({"title": spec.title, "spec": asdict(spec), "n_train": n_train, "n_test": n_test,
+                                  "total_steps": steps, "rows": task_rows, "row_params": row_params,
+                                  "row_overrides": row_overrides, "notes": notes}))
+
+
+def resume_mismatch(stored: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+    """The settings (keys of :func:`task_settings`) in which a stored task differs from this command's; empty: its
+    seeds can be kept."""
+    return [k for k, v in settings.items() if stored.get(k) != v]
+
+
+def run_task(key: str, spec: TaskSpec, rows: list[str], seeds: list[int], out: Path, threads: int | None,
+             console: Console, result: dict[str, Any], save: Any) -> list[int]:
+    """The seeds of one task that ``result`` (part of results.json) does not hold yet, saving after each seed;
+    returns the seeds it ran. ``result`` holds seeds only when resumed, with the same :func:`task_settings`."""
+    from layerfreeze.compare import compare, row_config
+    from layerfreeze.config import build_config
+    from layerfreeze.oracle import ProbeRecorder
+    from layerfreeze.trainer import Trainer
+
+    settings = task_settings(spec, rows)
+    kept = result.get("seeds", [])
+    result.update(settings)
+    result["seeds"] = kept
+    todo = [seed for seed in seeds if seed not in {s["seed"] for s in kept}]
+    if not kept:
+        shutil.rmtree(out / key, ignore_errors=True)  # this task's run folders from an earlier suite run
+    if not todo:
+        console.print(f"[bold]{key}[/]: seeds {', '.join(map(str, seeds))} already in results.json (resumed)")
+        return []
+    task_rows, steps = settings["rows"], settings["total_steps"]
+    row_params, row_overrides = settings["row_params"], settings["row_overrides"]
+    here = machine_line(machine())
     console.rule(f"[bold]{key}[/]: warm-up (3 steps, discarded)")
-    warm_up(base_config(spec, seeds[0], threads), out / key / "warmup")
-    for seed in seeds:
+    warm_up(base_config(spec, todo[0], threads), out / key / "warmup")
+    for seed in todo:
         t0 = time.perf_counter()
         console.rule(f"[bold]{key}[/]: seed {seed} ({len(task_rows)} rows, {steps} steps each)")
         base = base_config(spec, seed, threads)
         run_dir = out / key / f"seed{seed}"
+        shutil.rmtree(run_dir, ignore_errors=True)  # a seed an interrupted run left half done
         raw = compare(base, task_rows, run_dir, console=console, row_params=row_params,
                       row_overrides=row_overrides)
         none_row = next(r for r in raw if r["row"] == "none")
@@ -560,14 +611,17 @@ def run_task(key: str, spec: TaskSpec, rows: list[str], seeds: list[int], out: P
         result["blocks"], result["head"] = recorder.blocks, recorder.blocks[recorder.head]
         result["seeds"].append({"seed": seed, "rows": raw, "oracle": oracle,
                                 "paired": pair_rows(raw, oracle, none_row["steps"], result["head"]),
-                                "wall_time_s": time.perf_counter() - t0})
+                                "wall_time_s": time.perf_counter() - t0, "machine": here,
+                                "date": dt.datetime.now().astimezone().isoformat(timespec="seconds")})
+        result["seeds"].sort(key=lambda s: s["seed"])
         result["aggregate"] = aggregate([s["paired"] for s in result["seeds"]],
                                         [s["oracle"] for s in result["seeds"]], result["blocks"])
         save()
-    console.print(rich_table(f"{spec.title} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})",
-                             result["aggregate"], result["blocks"]))
-    for n in notes:
-        console.print(f"  - {n}", highlight=False)
+    n = len(result["seeds"])
+    console.print(rich_table(f"{spec.title} ({n} seed{'s' if n > 1 else ''})", result["aggregate"], result["blocks"]))
+    for note in settings["notes"]:
+        console.print(f"  - {note}", highlight=False)
+    return todo
 
 
 def write_outputs(results: dict[str, Any], out: Path, markdown: str | None, console: Console) -> None:
@@ -578,6 +632,33 @@ def write_outputs(results: dict[str, Any], out: Path, markdown: str | None, cons
         path.write_text(update_markdown(path.read_text() if path.exists() else "", section))
         console.print(f"Markdown section: {path}")
     console.print(f"Markdown: {out / 'suite.md'}")
+
+
+def read_for_resume(path: Path, tasks: list[str], rows: list[str], quick: bool,
+                    parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """results.json to continue (``--resume``); every refusal is a parser error, before anything trains.
+
+    Raises:
+        SystemExit: (through ``parser.error``) no readable results.json at ``path``, a quick run resumed as a full
+            one or the reverse, or a task stored with other settings or rows than this command's.
+    """
+    try:
+        results = json.loads(path.read_text())
+        results["tasks"], results["meta"]["seeds"], results["meta"]["wall_time_s"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        parser.error(f"--resume: no results.json of this script to continue at {path} ({exc}); run without "
+                     "--resume, or give the --out of the run to continue")
+    if bool(results["meta"].get("quick")) != quick:
+        parser.error(f"--resume: {path} is a {'quick' if results['meta'].get('quick') else 'full'} run; resume it "
+                     f"{'with' if results['meta'].get('quick') else 'without'} --quick")
+    for key in tasks:
+        stored = results["tasks"].get(key)
+        if stored and stored.get("seeds"):
+            diff = resume_mismatch(stored, task_settings(task_spec(key, quick), rows))
+            if diff:
+                parser.error(f"--resume: task {key} in {path} was run with other {', '.join(diff)}; its seeds "
+                             "cannot share a table with this command's. Use another --out, or the same --rows")
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -594,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", help="file whose suite section is (re)written (default BENCHMARKS.md; with "
                         "--quick none unless given); '' for none")
     parser.add_argument("--threads", type=int, help="torch threads per run (default: torch's)")
+    parser.add_argument("--resume", action="store_true", help="keep the seeds OUT/results.json already holds and "
+                        "run only the missing ones (same tasks' settings and rows, else an error before training)")
     parser.add_argument("--from-json", metavar="RESULTS", help="only regenerate the Markdown (and tables) from a "
                         "results.json")
     args = parser.parse_args(argv)
@@ -624,22 +707,33 @@ def main(argv: list[str] | None = None) -> int:
     rows = ["none"] + [r for r in rows if r != "none"]
     seeds = list(range(args.seeds if args.seeds is not None else (1 if args.quick else 3)))
     out = Path(args.out)
+    run_info = {"command": " ".join(["python", "benchmarks/suite.py", *(argv if argv is not None else sys.argv[1:])]),
+                "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(),
+                "versions": versions()}
+    sizes = {k: dict(zip(SIZE_FIELDS, (QUICK_SIZES if args.quick else SIZES)[k])) for k in tasks}
+    if args.resume:
+        results = read_for_resume(out / "results.json", tasks, rows, args.quick, parser)
+        results["meta"].setdefault("resumed", []).append(dict(run_info, ran=""))
+        results["meta"]["seeds"] = sorted(set(results["meta"]["seeds"]) | set(seeds))
+        results["meta"].setdefault("sizes", {}).update(sizes)
+    else:
+        results = {"meta": {**run_info, "quick": args.quick, "seeds": seeds, "wall_time_s": 0.0, "sizes": sizes},
+                   "tasks": {}}
     out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    results: dict[str, Any] = {"meta": {
-        "command": " ".join(["python", "benchmarks/suite.py", *(argv if argv is not None else sys.argv[1:])]),
-        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "quick": args.quick,
-        "machine": machine(), "versions": versions(), "seeds": seeds, "wall_time_s": 0.0,
-        "sizes": {k: dict(zip(SIZE_FIELDS, (QUICK_SIZES if args.quick else SIZES)[k])) for k in tasks},
-    }, "tasks": {}}
+    start, earlier = time.perf_counter(), results["meta"]["wall_time_s"]
 
     def save() -> None:
-        results["meta"]["wall_time_s"] = time.perf_counter() - start
+        results["meta"]["wall_time_s"] = earlier + time.perf_counter() - start
         (out / "results.json").write_text(json.dumps(results, indent=1))
 
+    ran = []
     for key in tasks:
-        run_task(key, task_spec(key, args.quick), rows, seeds, out, args.threads, console,
-                 results["tasks"].setdefault(key, {}), save)
+        done = run_task(key, task_spec(key, args.quick), rows, seeds, out, args.threads, console,
+                        results["tasks"].setdefault(key, {}), save)
+        if done:
+            ran.append(f"{key} seed{'s' if len(done) > 1 else ''} {', '.join(map(str, done))}")
+        if args.resume:
+            results["meta"]["resumed"][-1]["ran"] = "; ".join(ran) or "nothing (every seed was there)"
         save()
     console.rule("suite done")
     for t in results["tasks"].values():

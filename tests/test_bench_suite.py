@@ -152,3 +152,56 @@ def test_every_row_runs_to_its_end_even_one_that_learns_nothing(suite):
     cfg = suite.base_config(suite.task_spec("bbc", False), 0, 1)
     assert cfg["run"]["divergence_window_steps"] is None
     assert build_config({**cfg, "freeze": {"strategy": "gradual"}}).run.divergence_window_steps is None
+
+
+def _stored_for_resume(suite, rows, seeds):
+    """A results.json whose BBC task was run with this checkout's settings for ``rows`` and holds ``seeds``."""
+    results = _results(suite)
+    results["meta"]["seeds"] = list(seeds)
+    task = results["tasks"]["bbc"]
+    task.update(suite.task_settings(suite.task_spec("bbc", False), rows))
+    task["seeds"] = [{"seed": s} for s in seeds]
+    return results
+
+
+def test_resume_refuses_other_rows_a_quick_run_or_no_results_before_training(suite, tmp_path, capsys):
+    (tmp_path / "results.json").write_text(json.dumps(_stored_for_resume(suite, ["none", "static", "lora"], [0])))
+    with pytest.raises(SystemExit):
+        suite.main(["--resume", "--out", str(tmp_path), "--tasks", "bbc", "--rows", "none,static"])
+    assert "task bbc in" in (err := capsys.readouterr().err) and "other rows" in err and "same --rows" in err
+    with pytest.raises(SystemExit):
+        suite.main(["--resume", "--quick", "--out", str(tmp_path), "--tasks", "bbc", "--rows", "none,static,lora"])
+    assert "is a full run; resume it without --quick" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        suite.main(["--resume", "--out", str(tmp_path / "none-here"), "--tasks", "bbc"])
+    assert "no results.json of this script to continue" in capsys.readouterr().err
+    assert not (tmp_path / "bbc").exists()  # nothing trained
+
+
+def test_resume_keeps_the_stored_seeds_and_runs_only_missing_ones(suite, tmp_path):
+    """Every seed asked for is stored: nothing trains (no run folder), the seeds and their table are kept as they
+    were, and the section says what the resumed command ran."""
+    stored = _stored_for_resume(suite, ["none", "static", "lora"], [0, 1])
+    (tmp_path / "results.json").write_text(json.dumps(stored))
+    md = tmp_path / "BENCH.md"
+    assert suite.main(["--resume", "--out", str(tmp_path), "--tasks", "bbc", "--seeds", "2", "--rows",
+                       "none,static,lora", "--markdown", str(md)]) == 0
+    after = json.loads((tmp_path / "results.json").read_text())
+    assert after["tasks"]["bbc"]["seeds"] == stored["tasks"]["bbc"]["seeds"]
+    assert after["tasks"]["bbc"]["aggregate"] == stored["tasks"]["bbc"]["aggregate"]
+    assert after["meta"]["wall_time_s"] >= 1800.0 and after["meta"]["command"] == stored["meta"]["command"]
+    resumed = after["meta"]["resumed"]
+    assert len(resumed) == 1 and resumed[0]["ran"] == "nothing (every seed was there)"
+    assert not (tmp_path / "bbc").exists()
+    line = next(x for x in md.read_text().splitlines() if x.startswith("- Resumed: "))
+    assert line.startswith("- Resumed: `python benchmarks/suite.py --resume --out ") and line.endswith(
+        "; ran nothing (every seed was there)") and "cores" in line
+
+
+def test_machine_line_names_the_cpu_family_and_simd_flags_when_recorded(suite):
+    old = {"cpu": "AMD EPYC", "cores": 2, "ram_gib": 23.5, "device": "cpu"}
+    assert suite.machine_line(old) == "AMD EPYC, 2 cores, 23.5 GiB RAM, device cpu"
+    new = {**old, "cpu_family_model": "25/1", "cpu_simd": ["avx", "avx2", "fma"]}
+    assert suite.machine_line(new) == "AMD EPYC (family/model 25/1; avx, avx2, fma), 2 cores, 23.5 GiB RAM, device cpu"
+    here = suite.machine()
+    assert set(here["cpu_simd"]) <= set(suite.SIMD_FLAGS) and here["cores"] >= 1

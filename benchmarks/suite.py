@@ -589,6 +589,7 @@ def run_task(key: str, spec: TaskSpec, rows: list[str], seeds: list[int], out: P
     row_params, row_overrides = settings["row_params"], settings["row_overrides"]
     here = machine_line(machine())
     console.rule(f"[bold]{key}[/]: warm-up (3 steps, discarded)")
+    shutil.rmtree(out / key / "warmup", ignore_errors=True)  # kept by a resumed task's earlier run
     warm_up(base_config(spec, todo[0], threads), out / key / "warmup")
     for seed in todo:
         t0 = time.perf_counter()

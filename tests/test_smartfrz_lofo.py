@@ -123,6 +123,19 @@ def test_pool_metrics_pools_windows_and_blocks_not_means():
     assert math.isnan(pool_metrics([empty])["freeze_step_error"])
 
 
+def test_a_fold_that_never_says_freeze_has_no_precision_rather_than_zero():
+    """Precision of zero calls is undefined: reported as None (the card and tables print "-"), while recall and F1
+    are 0 (every positive missed); with neither calls nor positives all three are None."""
+    blocks = {"blocks": 0, "freeze_step_error": math.nan, "freeze_step_bias": math.nan, "early_fraction": math.nan}
+    never = pool_metrics([{"tp": 0, "fp": 0, "fn": 5, "tn": 3, **blocks}])
+    assert never["precision"] is None and never["recall"] == 0.0 and never["f1"] == 0.0
+    nothing = pool_metrics([{"tp": 0, "fp": 0, "fn": 0, "tn": 4, **blocks}])
+    assert (nothing["precision"], nothing["recall"], nothing["f1"], nothing["accuracy"]) == (None, None, None, 1.0)
+    from layerfreeze.smartfrz.card import _table
+
+    assert _table(["precision", "recall"], [[never["precision"], never["recall"]]])[-1] == "| - | 0.000 |"
+
+
 def test_a_fold_never_evaluates_its_training_runs(runs, monkeypatch):
     mlp = [r for r in runs if r.meta["arch"] == "mlp"]
     others = [r for r in runs if r.meta["arch"] != "mlp"]

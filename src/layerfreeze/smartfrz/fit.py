@@ -286,10 +286,13 @@ def prefix_freeze_steps(probs: torch.Tensor, steps: list[int], head: int | None,
     return frozen
 
 
-def _counts_metrics(tp: int, fp: int, fn: int, tn: int) -> dict[str, float]:
-    precision = tp / (tp + fp) if tp + fp else 0.0
-    recall = tp / (tp + fn) if tp + fn else 0.0
-    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+def _counts_metrics(tp: int, fp: int, fn: int, tn: int) -> dict[str, float | None]:
+    """Per-window metrics from the confusion counts. A ratio with no cases is None (shown "-"), not 0: a predictor
+    that never says "freeze" has no precision, which a 0.000 would misreport as every call being wrong; F1 is
+    ``2 tp / (2 tp + fp + fn)`` (0 when it finds none of the positives), None only with neither calls nor positives."""
+    precision = tp / (tp + fp) if tp + fp else None
+    recall = tp / (tp + fn) if tp + fn else None
+    f1 = 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else None
     n = tp + fp + fn + tn
     return {"windows": n, "tp": tp, "fp": fp, "fn": fn, "tn": tn, "precision": precision, "recall": recall,
             "f1": f1, "accuracy": (tp + tn) / n if n else 0.0}

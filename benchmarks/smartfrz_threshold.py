@@ -1,0 +1,114 @@
+"""What SmartFRZ's decision threshold trades: accuracy against FLOPs and time, on the suite's own jobs.
+
+SmartFRZ freezes a block when the predictor's ``p(freeze now) >= threshold`` (``layerfreeze.strategies.smartfrz``;
+the shipped predictor's card sets 0.85, the threshold its held-out metrics were measured at). A higher threshold
+waits for a surer call: later freezes, fewer FLOPs saved, and (the question) less accuracy lost. Per seed, one
+process trains `none` and then SmartFRZ at each threshold of ``--thresholds`` (same seed, data order and budget as
+``benchmarks/suite.py``), and prints accuracy, time and measured FLOPs per seed and row, and the mean over seeds.
+
+    python benchmarks/smartfrz_threshold.py --task bbc --thresholds 0.95,0.99 --cache
+    python benchmarks/smartfrz_threshold.py --task fmnist-mobilenet --thresholds 0.85,0.95 --seeds 0,1 --cache
+
+The rows are the shipped predictor with another threshold, not another predictor; choosing the threshold on these
+tasks' test accuracy would tune the default on the benchmark, so this script measures the trade-off only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import suite  # noqa: E402  (the suite's task specs and configs: the same jobs)
+
+from layerfreeze.strategies import register_strategy  # noqa: E402
+from layerfreeze.strategies.smartfrz import SmartFRZ  # noqa: E402
+
+_ROW_STRATEGIES: dict[str, type[SmartFRZ]] = {}
+
+
+def row_name(threshold: float) -> str:
+    """The compare row (and registered strategy) of SmartFRZ at ``threshold``: ``smartfrz-p0.95``."""
+    return f"smartfrz-p{threshold:g}"
+
+
+def threshold_strategy(name: str) -> type[SmartFRZ]:
+    """A :class:`SmartFRZ` subclass registered as row ``name`` (its threshold comes as the row's parameter): one
+    class per name, so that registering it again in the same process is a no-op (the registry refuses a second
+    object under a taken name)."""
+    if name not in _ROW_STRATEGIES:
+        _ROW_STRATEGIES[name] = type("SmartFRZ", (SmartFRZ,), {"name": name})
+    return _ROW_STRATEGIES[name]
+
+
+def parse_thresholds(parser: argparse.ArgumentParser, text: str) -> list[float]:
+    """Comma-separated decision thresholds in (0, 1); a parser error (exit 2) otherwise."""
+    try:
+        values = [float(t) for t in text.split(",")]
+    except ValueError:
+        parser.error(f"--thresholds must be comma-separated numbers, got {text!r}")
+    if not all(0 < t < 1 for t in values):
+        parser.error(f"--thresholds are probabilities in (0, 1), got {text!r}")
+    return values
+
+
+def format_steps(freeze_steps: dict[str, int | None], blocks: list[str]) -> str:
+    """``"embeddings@14, layer.0@104"``: the blocks a row froze, in forward order, with their steps."""
+    return ", ".join(f"{b}@{freeze_steps[b]}" for b in blocks if freeze_steps.get(b) is not None) or "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from layerfreeze.compare import compare
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", required=True, choices=list(suite.TASKS))
+    parser.add_argument("--thresholds", required=True, help="comma-separated decision thresholds, one row each")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    parser.add_argument("--cache", action="store_true", help="freeze.cache.mode=auto for every row")
+    parser.add_argument("--out", default="runs/smartfrz-threshold", help="run folders")
+    args = parser.parse_args(argv)
+    thresholds = parse_thresholds(parser, args.thresholds)
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    names = [row_name(t) for t in thresholds]
+    for name in names:
+        register_strategy(name)(threshold_strategy(name))
+    spec = suite.task_spec(args.task, False)
+    console = Console(width=None if sys.stdout.isatty() else 160, soft_wrap=False)
+    table = Table(title=f"{spec.title}: SmartFRZ by decision threshold ({'with' if args.cache else 'without'} the "
+                        "activation cache)")
+    for h in ("seed", "row", "none acc %", "acc %", "Δ pts", "time ratio", "FLOPs ratio", "frozen block@step"):
+        table.add_column(h, justify="right")
+    per_row: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for seed in seeds:
+        base = suite.base_config(spec, seed, None)
+        if args.cache:
+            base["freeze"] = {"cache": {"mode": "auto"}}
+        run_dir = Path(args.out) / args.task / f"seed{seed}"
+        shutil.rmtree(run_dir, ignore_errors=True)  # this script's own run folders from an earlier sweep
+        none, *rows = compare(base, ["none", *names], run_dir, console=console,
+                              row_params={name: {"threshold": t} for name, t in zip(names, thresholds)})
+        for name, r in zip(names, rows):
+            per_row[name].append(r)
+            table.add_row(str(seed), name, f"{100 * none['test_accuracy']:.2f}", f"{100 * r['test_accuracy']:.2f}",
+                          f"{100 * r['accuracy_delta']:+.2f}", f"{r['time_ratio']:.3f}", f"{r['flops_ratio']:.3f}",
+                          format_steps(r["freeze_steps"], r["blocks"]))
+    for name, rs in per_row.items():
+        table.add_row("mean", name, "", "", f"{100 * statistics.fmean(r['accuracy_delta'] for r in rs):+.2f}",
+                      f"{statistics.fmean(r['time_ratio'] for r in rs):.3f}",
+                      f"{statistics.fmean(r['flops_ratio'] for r in rs):.3f}", "")
+    console.print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -100,15 +98,9 @@ def row_name(tau: float | None) -> str:
     return "oracle" if tau is None else f"oracle-tau{tau:g}"
 
 
-_ROW_STRATEGIES: dict[str, type[OracleSchedule]] = {"oracle": OracleSchedule}
-
-
 def oracle_strategy(name: str) -> type[OracleSchedule]:
-    """The :class:`OracleSchedule` class registered as row ``name``: one class per name, so that registering it
-    again in the same process is a no-op (the registry refuses a second object under a taken name)."""
-    if name not in _ROW_STRATEGIES:
-        _ROW_STRATEGIES[name] = type("OracleSchedule", (OracleSchedule,), {"name": name})
-    return _ROW_STRATEGIES[name]
+    """The :class:`OracleSchedule` class registered as row ``name`` (:func:`suite.row_class`)."""
+    return suite.row_class(OracleSchedule, name)
 
 
 def format_schedule(steps: list[int | None], blocks: list[str]) -> str:
@@ -128,7 +120,6 @@ def _taus(parser: argparse.ArgumentParser, flag: str, text: str) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from layerfreeze.compare import compare
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", help="a results.json written by benchmarks/suite.py (with its oracle records)")
@@ -177,30 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         register_strategy(name)(oracle_strategy(name))
     spec = replace(suite.TASKS[args.task], **sizes)
-    rows = Table(title=f"{task['title']}: the oracle's schedule trained ({'with' if args.cache else 'without'} "
-                       "the activation cache)")
-    for h in ("seed", "row", "none acc %", "oracle acc %", "Δ pts", "time ratio", "FLOPs ratio", "frozen block@step"):
-        rows.add_column(h, justify="right")
-    per_row: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    trained = []
     for s in seeds:
-        base = suite.base_config(spec, s["seed"], None)
-        if args.cache:
-            base["freeze"] = {"cache": {"mode": "auto"}}
         schedules = {name: schedule_at_tau(task, s["oracle"], t) for name, t in zip(names, train_taus)}
-        run_dir = Path(args.out) / args.task / f"seed{s['seed']}"
-        shutil.rmtree(run_dir, ignore_errors=True)  # this script's own run folders from an earlier replay
-        none, *trained = compare(base, ["none", *names], run_dir, console=console,
-                                 row_params={name: {"steps": steps} for name, steps in schedules.items()})
-        for name, r in zip(names, trained):
-            per_row[name].append(r)
-            rows.add_row(str(s["seed"]), name, f"{100 * none['test_accuracy']:.2f}",
-                         f"{100 * r['test_accuracy']:.2f}", f"{100 * r['accuracy_delta']:+.2f}",
-                         f"{r['time_ratio']:.3f}", f"{r['flops_ratio']:.3f}",
-                         format_schedule(schedules[name], task["blocks"]))
-    for name, rs in per_row.items():
-        rows.add_row("mean", name, "", "", f"{100 * statistics.fmean(r['accuracy_delta'] for r in rs):+.2f}",
-                     f"{statistics.fmean(r['time_ratio'] for r in rs):.3f}",
-                     f"{statistics.fmean(r['flops_ratio'] for r in rs):.3f}", "")
+        none, rs = suite.train_beside_none(spec, s["seed"], args.cache, names,
+                                           {name: {"steps": steps} for name, steps in schedules.items()},
+                                           Path(args.out) / args.task / f"seed{s['seed']}", console)
+        trained += [(s["seed"], name, none, r, format_schedule(schedules[name], task["blocks"]))
+                    for name, r in zip(names, rs)]
+    cache = "with" if args.cache else "without"
+    rows = suite.beside_none_table(f"{task['title']}: the oracle's schedule trained ({cache} the activation cache)",
+                                   "oracle acc %", trained)
     console.print(rows)
     return 0
 

@@ -16,22 +16,16 @@ tasks' test accuracy would tune the default on the benchmark, so this script mea
 from __future__ import annotations
 
 import argparse
-import shutil
-import statistics
 import sys
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import suite  # noqa: E402  (the suite's task specs and configs: the same jobs)
 
 from layerfreeze.strategies import register_strategy  # noqa: E402
 from layerfreeze.strategies.smartfrz import SmartFRZ  # noqa: E402
-
-_ROW_STRATEGIES: dict[str, type[SmartFRZ]] = {}
 
 
 def row_name(threshold: float) -> str:
@@ -40,12 +34,9 @@ def row_name(threshold: float) -> str:
 
 
 def threshold_strategy(name: str) -> type[SmartFRZ]:
-    """A :class:`SmartFRZ` subclass registered as row ``name`` (its threshold comes as the row's parameter): one
-    class per name, so that registering it again in the same process is a no-op (the registry refuses a second
-    object under a taken name)."""
-    if name not in _ROW_STRATEGIES:
-        _ROW_STRATEGIES[name] = type("SmartFRZ", (SmartFRZ,), {"name": name})
-    return _ROW_STRATEGIES[name]
+    """A :class:`SmartFRZ` subclass registered as row ``name`` (:func:`suite.row_class`); its threshold comes as the
+    row's parameter."""
+    return suite.row_class(SmartFRZ, name)
 
 
 def parse_thresholds(parser: argparse.ArgumentParser, text: str) -> list[float]:
@@ -65,7 +56,6 @@ def format_steps(freeze_steps: dict[str, int | None], blocks: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from layerfreeze.compare import compare
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", required=True, choices=list(suite.TASKS))
@@ -84,28 +74,15 @@ def main(argv: list[str] | None = None) -> int:
         register_strategy(name)(threshold_strategy(name))
     spec = suite.task_spec(args.task, False)
     console = Console(width=None if sys.stdout.isatty() else 160, soft_wrap=False)
-    table = Table(title=f"{spec.title}: SmartFRZ by decision threshold ({'with' if args.cache else 'without'} the "
-                        "activation cache)")
-    for h in ("seed", "row", "none acc %", "acc %", "Δ pts", "time ratio", "FLOPs ratio", "frozen block@step"):
-        table.add_column(h, justify="right")
-    per_row: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    trained = []
     for seed in seeds:
-        base = suite.base_config(spec, seed, None)
-        if args.cache:
-            base["freeze"] = {"cache": {"mode": "auto"}}
-        run_dir = Path(args.out) / args.task / f"seed{seed}"
-        shutil.rmtree(run_dir, ignore_errors=True)  # this script's own run folders from an earlier sweep
-        none, *rows = compare(base, ["none", *names], run_dir, console=console,
-                              row_params={name: {"threshold": t} for name, t in zip(names, thresholds)})
-        for name, r in zip(names, rows):
-            per_row[name].append(r)
-            table.add_row(str(seed), name, f"{100 * none['test_accuracy']:.2f}", f"{100 * r['test_accuracy']:.2f}",
-                          f"{100 * r['accuracy_delta']:+.2f}", f"{r['time_ratio']:.3f}", f"{r['flops_ratio']:.3f}",
-                          format_steps(r["freeze_steps"], r["blocks"]))
-    for name, rs in per_row.items():
-        table.add_row("mean", name, "", "", f"{100 * statistics.fmean(r['accuracy_delta'] for r in rs):+.2f}",
-                      f"{statistics.fmean(r['time_ratio'] for r in rs):.3f}",
-                      f"{statistics.fmean(r['flops_ratio'] for r in rs):.3f}", "")
+        none, rows = suite.train_beside_none(spec, seed, args.cache, names,
+                                             {name: {"threshold": t} for name, t in zip(names, thresholds)},
+                                             Path(args.out) / args.task / f"seed{seed}", console)
+        trained += [(seed, name, none, r, format_steps(r["freeze_steps"], r["blocks"])) for name, r in zip(names, rows)]
+    cache = "with" if args.cache else "without"
+    table = suite.beside_none_table(f"{spec.title}: SmartFRZ by decision threshold ({cache} the activation cache)",
+                                    "acc %", trained)
     console.print(table)
     return 0
 

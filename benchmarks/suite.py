@@ -504,6 +504,59 @@ def versions() -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Rows trained beside `none` on the suite's jobs (benchmarks/oracle_replay.py, benchmarks/smartfrz_threshold.py)
+# ----------------------------------------------------------------------------------------------------------------
+_ROW_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def row_class(base: type, name: str) -> type:
+    """A subclass of strategy class ``base`` to register as compare row ``name`` (``base`` itself when ``name`` is
+    its own name): one class per (base, name), so that registering it again in the same process is a no-op (the
+    registry refuses a second object under a taken name)."""
+    if name == getattr(base, "name", None):
+        return base
+    if (base, name) not in _ROW_CLASSES:
+        _ROW_CLASSES[base, name] = type(base.__name__, (base,), {"name": name})
+    return _ROW_CLASSES[base, name]
+
+
+def train_beside_none(spec: TaskSpec, seed: int, cache: bool, rows: list[str], row_params: dict[str, dict[str, Any]],
+                      run_dir: Path, console: Console) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One seed of the suite's job ``spec`` in one :func:`layerfreeze.compare.compare` process: `none`, then
+    ``rows`` (their strategy parameters in ``row_params``), the activation cache on for every row when ``cache``.
+    Clears ``run_dir`` first (the calling script's own folders from an earlier run). Returns ``(none, [row results in
+    the order of rows])``, with their ratios to `none`."""
+    from layerfreeze.compare import compare
+
+    base = base_config(spec, seed, None)
+    if cache:
+        base["freeze"] = {"cache": {"mode": "auto"}}
+    shutil.rmtree(run_dir, ignore_errors=True)
+    none, *trained = compare(base, ["none", *rows], run_dir, console=console, row_params=row_params)
+    return none, trained
+
+
+def beside_none_table(title: str, acc_header: str, trained: list[tuple[int, str, dict[str, Any], dict[str, Any],
+                                                                        str]]) -> Table:
+    """One line per ``(seed, row name, that seed's none result, the row's result, its frozen blocks as text)``
+    (compare results, with their ratios to `none`), then per row the mean over its seeds of Δ pts, time and FLOPs
+    ratios."""
+    table = Table(title=title)
+    for h in ("seed", "row", "none acc %", acc_header, "Δ pts", "time ratio", "FLOPs ratio", "frozen block@step"):
+        table.add_column(h, justify="right")
+    by_row: dict[str, list[dict[str, Any]]] = {}
+    for seed, name, none, r, frozen in trained:
+        by_row.setdefault(name, []).append(r)
+        table.add_row(str(seed), name, f"{100 * none['test_accuracy']:.2f}", f"{100 * r['test_accuracy']:.2f}",
+                      f"{100 * r['accuracy_delta']:+.2f}", f"{r['time_ratio']:.3f}", f"{r['flops_ratio']:.3f}", frozen)
+    for name, rs in by_row.items():
+        table.add_row("mean", name, "", "", f"{100 * statistics.fmean(r['accuracy_delta'] for r in rs):+.2f}",
+                      f"{statistics.fmean(r['time_ratio'] for r in rs):.3f}",
+                      f"{statistics.fmean(r['flops_ratio'] for r in rs):.3f}", "")
+    return table
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Running
 # ----------------------------------------------------------------------------------------------------------------
 def warm_up(base: dict[str, Any], run_dir: Path) -> None:
@@ -567,9 +620,10 @@ def resume_mismatch(stored: dict[str, Any], settings: dict[str, Any]) -> list[st
 
 
 def run_task(key: str, spec: TaskSpec, rows: list[str], seeds: list[int], out: Path, threads: int | None,
-             console: Console, result: dict[str, Any], save: Any) -> list[int]:
+             console: Console, result: dict[str, Any], save: Any, here: str) -> list[int]:
     """The seeds of one task that ``result`` (part of results.json) does not hold yet, saving after each seed;
-    returns the seeds it ran. ``result`` holds seeds only when resumed, with the same :func:`task_settings`."""
+    returns the seeds it ran. ``result`` holds seeds only when resumed, with the same :func:`task_settings`.
+    ``here``: this run's :func:`machine_line`, recorded with each seed."""
     from layerfreeze.compare import compare, row_config
     from layerfreeze.config import build_config
     from layerfreeze.oracle import ProbeRecorder
@@ -587,7 +641,6 @@ def run_task(key: str, spec: TaskSpec, rows: list[str], seeds: list[int], out: P
         return []
     task_rows, steps = settings["rows"], settings["total_steps"]
     row_params, row_overrides = settings["row_params"], settings["row_overrides"]
-    here = machine_line(machine())
     console.rule(f"[bold]{key}[/]: warm-up (3 steps, discarded)")
     shutil.rmtree(out / key / "warmup", ignore_errors=True)  # kept by a resumed task's earlier run
     warm_up(base_config(spec, todo[0], threads), out / key / "warmup")
@@ -730,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
     ran = []
     for key in tasks:
         done = run_task(key, task_spec(key, args.quick), rows, seeds, out, args.threads, console,
-                        results["tasks"].setdefault(key, {}), save)
+                        results["tasks"].setdefault(key, {}), save, machine_line(run_info["machine"]))
         if done:
             ran.append(f"{key} seed{'s' if len(done) > 1 else ''} {', '.join(map(str, done))}")
         if args.resume:

@@ -205,3 +205,25 @@ def test_machine_line_names_the_cpu_family_and_simd_flags_when_recorded(suite):
     assert suite.machine_line(new) == "AMD EPYC (family/model 25/1; avx, avx2, fma), 2 cores, 23.5 GiB RAM, device cpu"
     here = suite.machine()
     assert set(here["cpu_simd"]) <= set(suite.SIMD_FLAGS) and here["cores"] >= 1
+
+
+def test_beside_none_table_lists_each_seed_then_the_mean_per_row(suite):
+    none = {"test_accuracy": 0.9}
+    a0 = {"test_accuracy": 0.91, "accuracy_delta": 0.01, "time_ratio": 0.5, "flops_ratio": 0.6}
+    a1 = {"test_accuracy": 0.87, "accuracy_delta": -0.03, "time_ratio": 0.7, "flops_ratio": 0.8}
+    b0 = {"test_accuracy": 0.9, "accuracy_delta": 0.0, "time_ratio": 1.0, "flops_ratio": 1.0}
+    table = suite.beside_none_table("t", "acc %", [(0, "a", none, a0, "x@1"), (0, "b", none, b0, "-"),
+                                                   (1, "a", none, a1, "x@2")])
+    cols = {c.header: list(c._cells) for c in table.columns}
+    assert cols["acc %"][:3] == ["91.00", "90.00", "87.00"] and cols["frozen block@step"][:3] == ["x@1", "-", "x@2"]
+    assert cols["seed"][3:] == ["mean", "mean"] and cols["row"][3:] == ["a", "b"]
+    assert cols["Δ pts"][3:] == ["-1.00", "+0.00"] and cols["time ratio"][3] == "0.600"
+    assert cols["FLOPs ratio"][3] == "0.700"
+
+
+def test_row_class_is_one_subclass_per_name_and_the_base_under_its_own_name(suite):
+    from layerfreeze.strategies.static import StaticFreezing as Static
+
+    cls = suite.row_class(Static, "static-k3")
+    assert cls is suite.row_class(Static, "static-k3") and issubclass(cls, Static) and cls.name == "static-k3"
+    assert suite.row_class(Static, Static.name) is Static and Static.name == "static"

@@ -100,7 +100,10 @@ def test_every_strategy_freezes_the_same_blocks_at_the_same_step_on_every_rank(t
     if strategy in ("autofreeze", "freezeout", "egeria"):
         assert any(frozen_at_end), f"{strategy} froze nothing: the test would not exercise a mid-run freeze"
         assert all(h["step"] > 0 for h in a["history"])
-    changes = sum(1 for x, y in zip(a["steps"], a["steps"][1:]) if x["frozen"] != y["frozen"])
+    # one rebuild per change of the frozen set that another step follows: DDP is rebuilt lazily, before the next
+    # forward, so a freeze decided at the last step costs none
+    frozen = [s["frozen"] for s in a["steps"]]
+    changes = sum(1 for x, y in zip(frozen[:-2], frozen[1:-1]) if x != y)
     assert a["summary"]["ddp_rebuilds"] == 1 + changes
     if guard:
         vals = [r for r in read_metrics(tmp_path / "ddp") if "val_loss" in r]

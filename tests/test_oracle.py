@@ -43,8 +43,10 @@ def test_oracle_step_is_the_first_converged_record_with_every_earlier_block_conv
         [0.10, 0.200, 0.300, 0.400, 0.500, 1.0],  # head: never
     ]
     assert oracle_freeze_steps(cka, steps, head=3, tau=0.99) == [30, 40, 40, None]
-    # the default tau (labels.DEFAULT_TAU = 0.998): block 0 from record 4, block 1 only at the last record
-    assert oracle_freeze_steps(cka, steps, head=3) == [40, 50, 50, None]
+    # tau 0.998: block 0 from record 4, block 1 only at the last record
+    assert oracle_freeze_steps(cka, steps, head=3, tau=0.998) == [40, 50, 50, None]
+    # the default tau (labels.DEFAULT_TAU = 0.9995): block 0's 0.999 at record 4 no longer passes
+    assert oracle_freeze_steps(cka, steps, head=3) == [50, 50, 50, None]
     # a block that never converges keeps every later block unfrozen
     cka[1] = [0.90, 0.95, 0.96, 0.97, 0.98, 0.985]
     assert oracle_freeze_steps(cka, steps, head=3, tau=0.99) == [30, None, None, None]

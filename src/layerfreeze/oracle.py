@@ -12,7 +12,7 @@ only after a full run) -- the best any policy could do on that run". Here, from 
    record to the last one.
 3. :func:`oracle_freeze_steps`: block ``b``'s oracle step is the first recorded step at which it is *freezable* by
    the SmartFRZ labelling rule (:func:`~layerfreeze.smartfrz.labels.freezable_from_cka`, the same thresholds):
-   CKA >= 0.998 (``labels.DEFAULT_TAU``), within 0.01 over the last 3 records, every earlier block freezable too,
+   CKA >= 0.9995 (``labels.DEFAULT_TAU``), within 0.01 over the last 3 records, every earlier block freezable too,
    never the head. Freezable at step ``s`` means frozen from step ``s + 1`` on, the way a strategy's freeze at step
    ``s`` is.
 4. :func:`prefix_step_flops` measures, once per frozen-prefix length ``k``, the training FLOPs of one step with

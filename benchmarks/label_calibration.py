@@ -80,7 +80,7 @@ def run_section(cf: dict[str, Any], runs_dir: Path, eps: float) -> list[str]:
         null = " / ".join(f"{v:+.2f}" for v in nulls.get(t, [])) or "-"
         cells = [f"{cost[(t, d)]:+.2f}{'*' if free[(t, d)] else ''}" for d in depths]
         lines.append(f"| {t / steps:.2f} | {null} | " + " | ".join(cells) + " |")
-    lab = label_run(runs_dir / cf["run"], DEFAULT_TAU, DEFAULT_DELTA, DEFAULT_WINDOW, write=False)
+    lab = label_run(runs_dir / cf["run"], DEFAULT_TAU, DEFAULT_DELTA, DEFAULT_WINDOW, write=False)  # the run's regime
     cka_first = lab["first_freezable_step"]
     row_cf = []
     row_cka = []
@@ -92,7 +92,7 @@ def run_section(cf: dict[str, Any], runs_dir: Path, eps: float) -> list[str]:
     lines += ["", "| first freeze of depth d (fraction of the run) | " + " | ".join(f"d={d}" for d in depths) + " |",
               "|---|" + "---|" * len(depths),
               "| counterfactual: free from this grid step on | " + " | ".join(row_cf) + " |",
-              f"| CKA oracle (tau {DEFAULT_TAU}, window {DEFAULT_WINDOW}) | " + " | ".join(row_cka) + " |", ""]
+              f"| CKA oracle (tau {lab['tau_applied']}, window {DEFAULT_WINDOW}) | " + " | ".join(row_cka) + " |", ""]
     return lines
 
 

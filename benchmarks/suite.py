@@ -371,19 +371,20 @@ How the numbers are made:
 - `frozen block@step`: the median step (over the seeds where it froze) at which each block was frozen for the rest
   of the run; (k/n): frozen in k of n seeds.
 - Oracle: from a second, untimed `none` run of each seed (same seed: the same trajectory; the timed row is not
-  instrumented), each block's output on 64 fixed training samples recorded ~33 times; a block
-  freezes at the first record where its linear CKA to its final output is >= TAU and stable within DELTA over WINDOW
-  records, with every earlier block frozen too (the SmartFRZ labelling rule). Its FLOPs sum per-prefix step FLOPs
-  measured once. Gap to oracle: mean |freeze step - oracle step| over the non-head blocks as a fraction of the run
-  (never frozen = the end), and the row's FLOPs ratio minus the oracle's.
+  instrumented), each block's output on 64 fixed training samples recorded ~33 times; a block freezes at the first
+  record where its linear CKA to its final output is >= TAU (TAU_SCRATCH on a task trained from scratch) and stable
+  within DELTA over WINDOW records, with every earlier block frozen too (the SmartFRZ labelling rule). Its FLOPs sum
+  per-prefix step FLOPs measured once. Gap to oracle: mean |freeze step - oracle step| over the non-head blocks as a
+  fraction of the run (never frozen = the end), and the row's FLOPs ratio minus the oracle's.
 """
 
 
 def how_to_read() -> str:
     """:data:`HOW_TO_READ` with the oracle's labelling thresholds (``layerfreeze.smartfrz.labels``) filled in."""
-    from layerfreeze.smartfrz.labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_WINDOW
+    from layerfreeze.smartfrz.labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_TAU_SCRATCH, DEFAULT_WINDOW
 
     text = HOW_TO_READ.strip().replace("WINDOW", str(DEFAULT_WINDOW))
+    text = text.replace("TAU_SCRATCH", str(DEFAULT_TAU_SCRATCH))
     return text.replace("TAU", str(DEFAULT_TAU)).replace("DELTA", str(DEFAULT_DELTA))
 
 
@@ -571,17 +572,21 @@ def warm_up(base: dict[str, Any], run_dir: Path) -> None:
     Trainer(build_config(cfg)).run()
 
 
-def run_oracle(recorder: Any, none_row: dict[str, Any], none_config: Any) -> dict[str, Any]:
-    """The oracle of one seed from its ``none`` run's probe records."""
+def run_oracle(recorder: Any, none_row: dict[str, Any], none_config: Any, pretrained: bool) -> dict[str, Any]:
+    """The oracle of one seed from its ``none`` run's probe records, at the labels' tau for the task's regime
+    (:func:`layerfreeze.smartfrz.labels.tau_for`)."""
     from layerfreeze.oracle import oracle_flops, oracle_freeze_steps, prefix_step_flops, prefixes_used
+    from layerfreeze.smartfrz.labels import tau_for
 
     steps = none_row["steps"]
     cka = recorder.cka()
-    frozen = oracle_freeze_steps(cka, recorder.steps, recorder.head)
+    tau = tau_for("finetune" if pretrained else "scratch")
+    frozen = oracle_freeze_steps(cka, recorder.steps, recorder.head, tau=tau)
     flops = prefix_step_flops(none_config, prefixes_used(frozen, steps) | {0})
     total = oracle_flops(frozen, flops, steps)
     return {
         "freeze_steps": dict(zip(recorder.blocks, frozen)),
+        "tau": tau,
         "flops_total": total,
         "flops_ratio": total / (flops[0] * steps),
         "flops_per_step_by_prefix": {str(k): v for k, v in sorted(flops.items())},
@@ -661,7 +666,7 @@ def run_task(key: str, spec: TaskSpec, rows: list[str], seeds: list[int], out: P
         recorder = ProbeRecorder()
         none_config = build_config(row_config(base, "none", run_dir / "oracle"))
         Trainer(none_config, step_callbacks=[recorder]).run()
-        oracle = run_oracle(recorder, none_row, none_config)
+        oracle = run_oracle(recorder, none_row, none_config, spec.pretrained)
         result["blocks"], result["head"] = recorder.blocks, recorder.blocks[recorder.head]
         result["seeds"].append({"seed": seed, "rows": raw, "oracle": oracle,
                                 "paired": pair_rows(raw, oracle, none_row["steps"], result["head"]),

@@ -410,6 +410,41 @@ def test_collected_run_format(quick_runs):
     assert labels["cka"][0][-1] == pytest.approx(1.0) and not any(labels["freezable"][labels["head"]])
 
 
+def test_labels_use_the_threshold_of_the_runs_training_regime(quick_runs, tmp_path):
+    """A run from scratch is labelled at tau_scratch, a fine-tune at tau (labels.tau_for), and fit refuses a corpus
+    labelled with two rules."""
+    import shutil
+
+    from layerfreeze.smartfrz.fit import label_settings
+    from layerfreeze.smartfrz.labels import DEFAULT_TAU, DEFAULT_TAU_SCRATCH, label_run, tau_for
+    from layerfreeze.smartfrz.runs import PipelineError, read_run
+
+    assert tau_for("scratch") == DEFAULT_TAU_SCRATCH == 0.998 and tau_for("finetune") == DEFAULT_TAU == 0.9995
+    assert tau_for(None) == DEFAULT_TAU  # unknown regime: the stricter one
+    src = quick_runs / "cnn-digits_s0_lr0.1"
+    assert json.loads((src / "meta.json").read_text())["mode"] == "scratch"
+    run = tmp_path / src.name
+    shutil.copytree(src, run)
+    scratch = label_run(run, tau=0.9999, tau_scratch=0.5, write=False)
+    assert scratch["tau_applied"] == 0.5 and (scratch["tau"], scratch["tau_scratch"]) == (0.9999, 0.5)
+    expect = freezable_from_cka(scratch["cka"], 0.5, scratch["delta"], scratch["window"], scratch["head"])
+    assert scratch["freezable"] == expect
+    meta = json.loads((run / "meta.json").read_text())
+    (run / "meta.json").write_text(json.dumps({**meta, "mode": "finetune"}))
+    finetune = label_run(run, tau=0.9999, tau_scratch=0.5, write=False)
+    assert finetune["tau_applied"] == 0.9999 and finetune["cka"] == scratch["cka"]
+    assert finetune["freezable"] == freezable_from_cka(finetune["cka"], 0.9999, finetune["delta"],
+                                                       finetune["window"], finetune["head"])
+    assert finetune["first_freezable_step"] != scratch["first_freezable_step"]
+
+    label_run(run, tau_scratch=0.99)  # written: another rule than the fixture's labels
+    other = read_run(quick_runs / "mlp-digits_s0_lr0.02", need_labels=True)
+    assert label_settings([other]) == {"tau": DEFAULT_TAU, "tau_scratch": DEFAULT_TAU_SCRATCH, "delta": 0.01,
+                                       "window": 3}
+    with pytest.raises(PipelineError, match="different thresholds"):
+        label_settings([other, read_run(run, need_labels=True)])
+
+
 def test_collect_resumes_and_is_deterministic(quick_runs, tmp_path):
     from layerfreeze.smartfrz.collect import collect
 

@@ -217,7 +217,7 @@ def test_reproduce_command_collects_each_seed_set_once():
     from layerfreeze.smartfrz.cli import _reproduce_command
     from layerfreeze.smartfrz.recipes import RECIPES
 
-    labels = {"tau": 0.998, "delta": 0.01, "window": 3}
+    labels = {"tau": 0.9995, "tau_scratch": 0.998, "delta": 0.01, "window": 3}
 
     def run(recipe: str, seed: int, lr: float):
         return SimpleNamespace(recipe=recipe, meta={"seed": seed, "lr": lr}, labels=labels)
@@ -230,6 +230,6 @@ def test_reproduce_command_collects_each_seed_set_once():
     lines = _reproduce_command(runs, "runs/x", args).splitlines()
     assert lines[:2] == ["layerfreeze predictor collect --out runs/x --recipes mlp-digits,cnn-digits --seeds 0",
                          "layerfreeze predictor collect --out runs/x --recipes cnn-fmnist-short --seeds 0,1"]
-    assert lines[2] == "layerfreeze predictor label runs/x --tau 0.998 --delta 0.01 --window 3"
+    assert lines[2] == "layerfreeze predictor label runs/x --tau 0.9995 --tau-scratch 0.998 --delta 0.01 --window 3"
     assert lines[3].startswith("layerfreeze predictor train runs/x --seed 0") and lines[3].endswith(
         "--holdout cnn-digits --lofo --out p.safetensors") and len(lines) == 4

@@ -12,8 +12,9 @@ only after a full run) -- the best any policy could do on that run". Here, from 
    record to the last one.
 3. :func:`oracle_freeze_steps`: block ``b``'s oracle step is the first recorded step at which it is *freezable* by
    the SmartFRZ labelling rule (:func:`~layerfreeze.smartfrz.labels.freezable_from_cka`, the same thresholds):
-   CKA >= 0.9995 (``labels.DEFAULT_TAU``), within 0.01 over the last 3 records, every earlier block freezable too,
-   never the head. Freezable at step ``s`` means frozen from step ``s + 1`` on, the way a strategy's freeze at step
+   CKA >= ``tau`` (the labels' 0.9995 for a fine-tune, ``labels.DEFAULT_TAU``; callers pass ``labels.tau_for`` the
+   regime, 0.998 from scratch), within 0.01 over the last 3 records, every earlier block freezable too, never the
+   head. Freezable at step ``s`` means frozen from step ``s + 1`` on, the way a strategy's freeze at step
    ``s`` is.
 4. :func:`prefix_step_flops` measures, once per frozen-prefix length ``k``, the training FLOPs of one step with
    blocks ``0..k-1`` frozen by the engine (:class:`~layerfreeze.engine.Freezer`) on a full training batch, the

@@ -82,7 +82,9 @@ def render_card(card: dict[str, Any]) -> str:
         "## Labels",
         "",
         f"A block is *freezable at t* when the linear CKA between its output on a fixed probe batch at t and at the "
-        f"end of training is >= tau = {labels.get('tau')}, that CKA moved by at most delta = {labels.get('delta')} "
+        f"end of training is >= tau = {labels.get('tau')} (tau_scratch = "
+        f"{labels.get('tau_scratch', labels.get('tau'))} for a run trained from scratch), that CKA moved by at most "
+        f"delta = {labels.get('delta')} "
         f"(max - min) over the last window = {labels.get('window')} activation snapshots, and every earlier block is "
         "freezable too; the head never is. See `layerfreeze.smartfrz.labels` for why these values.",
         "",

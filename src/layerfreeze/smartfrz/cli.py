@@ -28,7 +28,7 @@ from rich.table import Table
 
 from .counterfactual import DEFAULT_EPS_POINTS, DEFAULT_FRACTIONS, DEFAULT_NULL_ORDERS, MAX_DEPTHS
 from .fit import DEFAULT_HISTORY, DEFAULT_MIN_HISTORY, DEFAULT_THRESHOLD, TrainConfig
-from .labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_WINDOW
+from .labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_TAU_SCRATCH, DEFAULT_WINDOW
 from .predictor import PredictorError
 from .recipes import DEFAULT_HOLDOUT, RECIPES
 from .runs import PipelineError
@@ -88,7 +88,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     lab = sub.add_parser("label", help="CKA labels: when each block of each run became freezable")
     lab.add_argument("runs_dir", metavar="RUNS_DIR")
     lab.add_argument("--tau", type=_number(float, 0, 1, low_open=True), default=DEFAULT_TAU,
-                     help=f"CKA to the final state, in (0, 1] (default {DEFAULT_TAU})")
+                     help=f"CKA to the final state, in (0, 1], for fine-tuned runs (default {DEFAULT_TAU})")
+    lab.add_argument("--tau-scratch", type=_number(float, 0, 1, low_open=True), default=DEFAULT_TAU_SCRATCH,
+                     help=f"the same for runs trained from scratch (default {DEFAULT_TAU_SCRATCH})")
     lab.add_argument("--delta", type=_number(float, 0), default=DEFAULT_DELTA,
                      help=f"max CKA change over the window (default {DEFAULT_DELTA})")
     lab.add_argument("--window", type=_number(int, 1), default=DEFAULT_WINDOW,
@@ -216,12 +218,13 @@ def _label(args: argparse.Namespace, console: Console) -> int:
     runs = list_runs(args.runs_dir)
     if not runs:
         raise PipelineError(f"no complete runs in {args.runs_dir}")
-    table = Table(title=f"CKA labels (tau {args.tau}, delta {args.delta}, window {args.window}): first freezable "
+    table = Table(title=f"CKA labels (tau {args.tau}, from scratch {args.tau_scratch}, delta {args.delta}, window "
+                        f"{args.window}): first freezable "
                         "step per block, fraction of training")
     table.add_column("run")
     table.add_column("first freezable (front to back; - never; head omitted)")
     for d in runs:
-        lab = label_run(d, args.tau, args.delta, args.window)
+        lab = label_run(d, args.tau, args.delta, args.window, tau_scratch=args.tau_scratch)
         firsts = [("-" if s is None else f"{s / lab['steps']:.2f}") for i, s in enumerate(lab["first_freezable_step"])
                   if i != lab["head"]]
         table.add_row(d.name, " ".join(firsts))
@@ -246,7 +249,8 @@ def _reproduce_command(runs: list[Any], runs_dir: str, args: argparse.Namespace)
             + ("" if default_lrs else f" --lrs {','.join(f'{x:g}' for x in lrs)}")
             + (" --quick" if quick else "")
             for group in sorted(set(seeds_of.values())))
-    label = (f"layerfreeze predictor label {q(runs_dir)} --tau {lab['tau']} --delta {lab['delta']} "
+    label = (f"layerfreeze predictor label {q(runs_dir)} --tau {lab['tau']} "
+             f"--tau-scratch {lab.get('tau_scratch', lab['tau'])} --delta {lab['delta']} "
              f"--window {lab['window']}")
     train = (f"layerfreeze predictor train {q(runs_dir)} --seed {args.seed} --history {args.history} "
              f"--min-history {args.min_history} --epochs {args.epochs} --threshold {args.threshold} "
@@ -323,13 +327,18 @@ def _train(args: argparse.Namespace, console: Console) -> int:
 
 def _note_labels(runs: list[Any], card: dict[str, Any], console: Console) -> None:
     """Warn (once) when the runs were labelled with other thresholds than the predictor's training runs."""
+    def rule(lab: dict[str, Any]) -> dict[str, Any]:  # labels written before tau_scratch used one tau for both
+        return {"tau": lab["tau"], "tau_scratch": lab.get("tau_scratch", lab["tau"]), "delta": lab["delta"],
+                "window": lab["window"]}
+
     trained_labels = card.get("labels")
     if trained_labels:
+        want = rule(trained_labels)
         for r in runs:
-            got = {k: r.labels[k] for k in ("tau", "delta", "window")}
-            if got != trained_labels:
+            got = rule(r.labels)
+            if got != want:
                 console.print(f"[yellow]note:[/] {r.name} is labelled with {got}; the predictor was trained on "
-                              f"labels {trained_labels}")
+                              f"labels {want}")
                 break
 
 

@@ -156,7 +156,8 @@ def build_dataset(runs: Iterable[RunData], history: int, min_history: int = DEFA
 
 
 def label_settings(runs: Iterable[RunData]) -> dict[str, Any]:
-    """The (tau, delta, window) the runs were labelled with.
+    """The (tau, tau_scratch, delta, window) the runs were labelled with (``tau_scratch`` = ``tau`` for labels
+    written before it existed).
 
     Raises:
         PipelineError: a run is unlabelled, or runs were labelled with different thresholds.
@@ -165,12 +166,13 @@ def label_settings(runs: Iterable[RunData]) -> dict[str, Any]:
     for run in runs:
         if run.labels is None:
             raise PipelineError(f"{run.path} has no labels.json: run `layerfreeze predictor label` first")
-        seen.add((run.labels["tau"], run.labels["delta"], run.labels["window"]))
+        lab = run.labels
+        seen.add((lab["tau"], lab.get("tau_scratch", lab["tau"]), lab["delta"], lab["window"]))
     if len(seen) != 1:
         raise PipelineError(f"runs were labelled with different thresholds {sorted(seen)}; relabel them together "
                             "with `layerfreeze predictor label RUNS_DIR`")
-    tau, delta, window = seen.pop()
-    return {"tau": tau, "delta": delta, "window": window}
+    tau, tau_scratch, delta, window = seen.pop()
+    return {"tau": tau, "tau_scratch": tau_scratch, "delta": delta, "window": window}
 
 
 def tensor_digest(*tensors: torch.Tensor) -> str:

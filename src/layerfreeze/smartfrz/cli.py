@@ -28,7 +28,7 @@ from rich.table import Table
 
 from .counterfactual import DEFAULT_EPS_POINTS, DEFAULT_FRACTIONS, DEFAULT_NULL_ORDERS, MAX_DEPTHS
 from .fit import DEFAULT_HISTORY, DEFAULT_MIN_HISTORY, DEFAULT_THRESHOLD, TrainConfig
-from .labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_TAU_SCRATCH, DEFAULT_WINDOW
+from .labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_TAU_SCRATCH, DEFAULT_WINDOW, label_rule
 from .predictor import PredictorError
 from .recipes import DEFAULT_HOLDOUT, RECIPES
 from .runs import PipelineError
@@ -237,7 +237,7 @@ def _reproduce_command(runs: list[Any], runs_dir: str, args: argparse.Namespace)
     lrs = sorted({float(r.meta["lr"]) for r in runs})
     default_lrs = all(float(r.meta["lr"]) in RECIPES[r.recipe].lrs for r in runs if r.recipe in RECIPES)
     quick = any(r.meta.get("quick") for r in runs)
-    lab = runs[0].labels
+    lab = label_rule(runs[0].labels)
     q = shlex.quote
     if not all(r.recipe in RECIPES for r in runs):
         collect = "# some runs were recorded outside the registered recipes (layerfreeze.smartfrz.collect.record_run)"
@@ -250,7 +250,7 @@ def _reproduce_command(runs: list[Any], runs_dir: str, args: argparse.Namespace)
             + (" --quick" if quick else "")
             for group in sorted(set(seeds_of.values())))
     label = (f"layerfreeze predictor label {q(runs_dir)} --tau {lab['tau']} "
-             f"--tau-scratch {lab.get('tau_scratch', lab['tau'])} --delta {lab['delta']} "
+             f"--tau-scratch {lab['tau_scratch']} --delta {lab['delta']} "
              f"--window {lab['window']}")
     train = (f"layerfreeze predictor train {q(runs_dir)} --seed {args.seed} --history {args.history} "
              f"--min-history {args.min_history} --epochs {args.epochs} --threshold {args.threshold} "
@@ -327,15 +327,11 @@ def _train(args: argparse.Namespace, console: Console) -> int:
 
 def _note_labels(runs: list[Any], card: dict[str, Any], console: Console) -> None:
     """Warn (once) when the runs were labelled with other thresholds than the predictor's training runs."""
-    def rule(lab: dict[str, Any]) -> dict[str, Any]:  # labels written before tau_scratch used one tau for both
-        return {"tau": lab["tau"], "tau_scratch": lab.get("tau_scratch", lab["tau"]), "delta": lab["delta"],
-                "window": lab["window"]}
-
     trained_labels = card.get("labels")
     if trained_labels:
-        want = rule(trained_labels)
+        want = label_rule(trained_labels)
         for r in runs:
-            got = rule(r.labels)
+            got = label_rule(r.labels)
             if got != want:
                 console.print(f"[yellow]note:[/] {r.name} is labelled with {got}; the predictor was trained on "
                               f"labels {want}")

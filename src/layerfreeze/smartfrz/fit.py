@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from .features import NUM_FEATURES, window_features
+from .labels import label_rule
 from .predictor import FreezePredictor
 from .runs import PipelineError, RunData
 
@@ -63,7 +64,11 @@ DEFAULT_MIN_HISTORY = 8
 #: up a tenth of the saving. Kept when the labels moved to tau 0.9995 (issue 16): the predictor retrained on them (46
 #: runs) gives held-out step errors 0.065 / 0.056 / 0.060 / 0.062 / 0.091 and 64 / 50 / 36 / 36 / 23% of blocks early
 #: at 0.6 / 0.7 / 0.8 / 0.85 / 0.9 (F1 0.848 at 0.85; leave-one-family-out pooled 0.777); at 0.85 the benchmark suite
-#: stays within 0.5 points of no freezing on its three tasks (BENCHMARKS.md "Labels at CKA >= 0.9995").
+#: stays within 0.5 points of no freezing on its three tasks (BENCHMARKS.md "Labels at CKA >= 0.9995"). Kept again
+#: when runs from scratch got their own tau 0.998 (the same corpus relabelled): held-out step errors 0.104 / 0.125 /
+#: 0.139 / 0.155 at 0.7 / 0.8 / 0.85 / 0.9 (the held-out recipes are both from scratch, and the predictor freezes
+#: them later than their new labels); the suite ran at 0.85 and meets its criteria there (BENCHMARKS.md "One tau
+#: per training regime").
 DEFAULT_THRESHOLD = 0.85
 
 
@@ -166,13 +171,11 @@ def label_settings(runs: Iterable[RunData]) -> dict[str, Any]:
     for run in runs:
         if run.labels is None:
             raise PipelineError(f"{run.path} has no labels.json: run `layerfreeze predictor label` first")
-        lab = run.labels
-        seen.add((lab["tau"], lab.get("tau_scratch", lab["tau"]), lab["delta"], lab["window"]))
+        seen.add(tuple(label_rule(run.labels).items()))
     if len(seen) != 1:
         raise PipelineError(f"runs were labelled with different thresholds {sorted(seen)}; relabel them together "
                             "with `layerfreeze predictor label RUNS_DIR`")
-    tau, tau_scratch, delta, window = seen.pop()
-    return {"tau": tau, "tau_scratch": tau_scratch, "delta": delta, "window": window}
+    return dict(seen.pop())
 
 
 def tensor_digest(*tensors: torch.Tensor) -> str:

@@ -132,6 +132,13 @@ def tau_for(mode: str | None, tau: float = DEFAULT_TAU, tau_scratch: float = DEF
     return tau_scratch if mode == "scratch" else tau
 
 
+def label_rule(labels: dict[str, Any]) -> dict[str, Any]:
+    """The rule ``{"tau", "tau_scratch", "delta", "window"}`` a ``labels.json`` (or a predictor card's ``labels``)
+    was written with; labels written before ``tau_scratch`` existed used ``tau`` for both regimes."""
+    return {"tau": labels["tau"], "tau_scratch": labels.get("tau_scratch", labels["tau"]), "delta": labels["delta"],
+            "window": labels["window"]}
+
+
 def label_run(run_dir: str | Path, tau: float = DEFAULT_TAU, delta: float = DEFAULT_DELTA,
               window: int = DEFAULT_WINDOW, write: bool = True,
               tau_scratch: float = DEFAULT_TAU_SCRATCH) -> dict[str, Any]:

@@ -28,6 +28,7 @@ Everything runs on ``torch.distributed`` (gloo on CPU, NCCL on GPU); no home-mad
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -119,15 +120,27 @@ def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> bo
 
 
 def close_distributed() -> None:
-    """Destroy the default process group, if one is initialized; call it once per rank when the run is over.
+    """Wait for every rank, then destroy the default process group; call it once per rank when the run is over.
 
-    A process that exits with a gloo process group still alive can abort during interpreter shutdown (SIGABRT,
-    "terminate called without an active exception": gloo's worker threads outlive the interpreter), so a run that
-    finished cleanly would exit -6. PyTorch asks every program to call ``destroy_process_group`` before exit
-    (``torch.distributed`` docs, "Shutdown"). Call it only on the path where every rank finished (or stopped
-    together): a destroy while a peer is still inside a collective can hang, so after a lost rank, exit without it.
+    Why the barrier first: a gloo worker thread releases the work of a collective *after* marking it complete, and
+    when that work holds tensors with Python objects (``broadcast_object_list``'s buffers, a loss tensor made in
+    Python) the release takes the GIL. If the main thread has already reached interpreter shutdown by then, Python
+    ends the worker thread inside a C++ destructor and the process aborts (SIGABRT, "terminate called without an
+    active exception"; a run that finished cleanly exits -6). Seen here in about 1 of 150 runs of
+    ``examples/ddp_own_loop.py`` on 2 CPU ranks, with the worker's stack in ``~AsyncBroadcastWork``. The barrier
+    blocks every rank's main thread, GIL released, until all ranks arrive, which gives the workers the time to
+    drop their last works while Python is still running; it also keeps a rank from destroying the group while a
+    peer is still inside a collective (which can hang). ``gc.collect()`` then frees DDP wrappers dropped on a
+    rebuild. PyTorch asks every program to call ``destroy_process_group`` before exit (``torch.distributed`` docs,
+    "Shutdown").
+
+    Call it only on the path where every rank finished (or stopped together after the same step): after a lost
+    rank the barrier would wait for the timeout, so exit without it.
     """
     if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -130,9 +130,11 @@ def close_distributed() -> None:
     ``examples/ddp_own_loop.py`` on 2 CPU ranks, with the worker's stack in ``~AsyncBroadcastWork``. The barrier
     blocks every rank's main thread, GIL released, until all ranks arrive, which gives the workers the time to
     drop their last works while Python is still running; it also keeps a rank from destroying the group while a
-    peer is still inside a collective (which can hang). ``gc.collect()`` then frees DDP wrappers dropped on a
-    rebuild. PyTorch asks every program to call ``destroy_process_group`` before exit (``torch.distributed`` docs,
-    "Shutdown").
+    peer is still inside a collective (which can hang). It narrows the race, it does not close it: a worker
+    starved for longer than the barrier's round trip can still be caught (destroying the group would join its
+    workers, but once a DDP has been built the group outlives ``destroy_process_group``). ``gc.collect()`` then
+    frees DDP wrappers dropped on a rebuild. PyTorch asks every program to call ``destroy_process_group`` before
+    exit (``torch.distributed`` docs, "Shutdown").
 
     Call it only on the path where every rank finished (or stopped together after the same step): after a lost
     rank the barrier would wait for the timeout, so exit without it.

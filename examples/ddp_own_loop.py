@@ -59,4 +59,4 @@ if rank() == 0:
           f"{ddp.rebuilds} DDP builds")
 if args.save:
     torch.save(model.state_dict(), args.save / f"rank{rank()}.pt")
-close_distributed()                                          # barrier, then destroy: exit code 0, not SIGABRT
+close_distributed()                                          # barrier, then destroy_process_group before exit

@@ -140,7 +140,7 @@ def close_distributed() -> None:
     rank the barrier would wait for the timeout, so exit without it.
     """
     if dist.is_available() and dist.is_initialized():
-        if dist.get_world_size() > 1:
+        if is_distributed():
             dist.barrier()
         gc.collect()
         dist.destroy_process_group()

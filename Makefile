@@ -9,4 +9,5 @@ demo: setup
 
 test: setup
 	.venv/bin/ruff check src tests benchmarks examples
+	.venv/bin/lint-imports
 	.venv/bin/python -m pytest -q

@@ -2,7 +2,7 @@
 :class:`~layerfreeze.checkpoint.CheckpointStore` (safetensors + state, every file and folder fsynced, atomic rename),
 against the time of one training step of the default job (batch 32, 128 tokens). Prints a table.
 
-    python benchmarks/checkpoint_cost.py [--repeats 3]
+    python -m benchmarks.checkpoint_cost [--repeats 3]
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader
 
 from layerfreeze import Freezer, block_param_groups
 from layerfreeze.checkpoint import CheckpointStore
-from layerfreeze.config import build_config
-from layerfreeze.tasks import build_task
-from layerfreeze.telemetry import format_bytes
+from layerfreeze.runs.summary import format_bytes
+from layerfreeze.train.config import build_config
+from layerfreeze.train.tasks import build_task
 
 
 def main() -> None:

@@ -7,8 +7,8 @@ seconds after the restarted process reports that training began; a kill that fin
 (``checkpoints/*.tmp``) is counted as "inside a write". Prints a table: kills, kills inside a write, resumes,
 mismatches (must be 0).
 
-    python benchmarks/crash_resume.py [--kills 100] [--seed 0] [--steps 2400] [--max-delay 0.3]
-    python benchmarks/crash_resume.py --worker RUN_DIR STEPS      # one process of the run (what gets killed)
+    python -m benchmarks.crash_resume [--kills 100] [--seed 0] [--steps 2400] [--max-delay 0.3]
+    python -m benchmarks.crash_resume --worker RUN_DIR STEPS      # one process of the run (what gets killed)
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ HERE = Path(__file__).resolve()
 def _task() -> Any:
     from torch import nn
 
-    from layerfreeze.data import GaussianBlobs
-    from layerfreeze.tasks import Task, image_forward
+    from layerfreeze.train.data import GaussianBlobs
+    from layerfreeze.train.tasks import Task, image_forward
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16 if i == 0 else 24, 24), nn.ReLU(), nn.Dropout(0.1))
@@ -45,9 +45,9 @@ def _task() -> Any:
 
 def worker(run_dir: Path, steps: int) -> None:
     """Start the run, or resume it when the folder holds one (as ``layerfreeze train --resume`` does)."""
-    from layerfreeze.config import build_config
-    from layerfreeze.rundir import CONFIG_FILE, SUMMARY_FILE
-    from layerfreeze.trainer import Trainer
+    from layerfreeze.runs.rundir import CONFIG_FILE, SUMMARY_FILE
+    from layerfreeze.train.config import build_config
+    from layerfreeze.train.trainer import Trainer
 
     if (run_dir / SUMMARY_FILE).is_file():
         print("done", flush=True)
@@ -98,7 +98,7 @@ def finish(run_dir: Path, steps: int) -> None:
 
 def kill_and_resume(run_dir: Path, steps: int, kills: int, seed: int, max_delay_s: float) -> dict[str, int]:
     """Start the run, SIGKILL it ``kills`` times at random instants after training begins, then let it finish."""
-    from layerfreeze.rundir import CHECKPOINTS_DIR, SUMMARY_FILE
+    from layerfreeze.runs.rundir import CHECKPOINTS_DIR, SUMMARY_FILE
 
     rng = random.Random(seed)
     stats = {"kills": 0, "in_checkpoint_write": 0, "finished_early": 0}
@@ -158,8 +158,8 @@ def mismatches(ref_dir: Path, cut_dir: Path) -> list[str]:
     """
     from safetensors.torch import load_file
 
-    from layerfreeze.report import load_run
-    from layerfreeze.rundir import CHECKPOINT_LINK
+    from layerfreeze.runs.report import load_run
+    from layerfreeze.runs.rundir import CHECKPOINT_LINK
 
     out: list[str] = []
     states = []
@@ -210,7 +210,7 @@ def main() -> None:
     finish(out / "reference", args.steps)
     stats = kill_and_resume(out / "killed", args.steps, args.kills, args.seed, args.max_delay)
     diff = mismatches(out / "reference", out / "killed")
-    from layerfreeze.report import load_run
+    from layerfreeze.runs.report import load_run
 
     resumes = len(load_run(out / "killed").resumes)
     table = Table(title=f"SIGKILL at {args.kills} random instants (seed {args.seed}), {args.steps} steps, "

@@ -7,7 +7,7 @@ parameters that were trainable then (the two must be equal: frozen blocks send n
 run the DDP rebuild times and the test accuracy. Run it alone on the machine (timings beside another torch process
 are meaningless on 2 cores).
 
-    python benchmarks/ddp_freeze.py [--ranks 2] [--epochs 3] [--limit-train 480] [--rows none linear smartfrz]
+    python -m benchmarks.ddp_freeze [--ranks 2] [--epochs 3] [--limit-train 480] [--rows none linear smartfrz]
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from layerfreeze.rundir import SUMMARY_FILE, read_metrics
-from layerfreeze.telemetry import format_bytes
+from layerfreeze.runs.rundir import SUMMARY_FILE, read_metrics
+from layerfreeze.runs.summary import format_bytes
 
 #: Row name -> CLI arguments. linear with freeze_start 0 freezes a growing prefix at every epoch end.
 ROWS = {

@@ -8,9 +8,9 @@ schedule ``d@t`` is one run of the default job; stages joined by ``+`` grow the 
 blocks 0-4 after step 28, block 5 after step 120). ``none`` is run first unless ``--none-from`` names a finished
 ``none`` run folder of the same job (its accuracy and FLOPs are the reference).
 
-    python benchmarks/default_job_frontier.py --schedules 6@28,5@28,6@14,7@56
-    python benchmarks/default_job_frontier.py --schedules 5@28+6@120,5@20+6@112+7@140
-    python benchmarks/default_job_frontier.py --schedules 6@28 --none-from runs/default-job/none
+    python -m benchmarks.default_job_frontier --schedules 6@28,5@28,6@14,7@56
+    python -m benchmarks.default_job_frontier --schedules 5@28+6@120,5@20+6@112+7@140
+    python -m benchmarks.default_job_frontier --schedules 6@28 --none-from runs/default-job/none
 
 Prints test accuracy, the difference to ``none`` in points, training FLOPs (measured, cache hits excluded) and their
 ratio, the cache hit rate, and the training time ratio (meaningful only when nothing else ran on the machine: run
@@ -28,12 +28,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from oracle_replay import OracleSchedule  # noqa: E402  (freeze each block at a given step)
-
-from layerfreeze.config import build_config  # noqa: E402
-from layerfreeze.strategies import register_strategy  # noqa: E402
-from layerfreeze.trainer import Trainer  # noqa: E402
+from benchmarks.oracle_replay import OracleSchedule  # freeze each block at a given step
+from layerfreeze.strategies import register_strategy
+from layerfreeze.train.config import build_config
+from layerfreeze.train.trainer import Trainer
 
 #: The default job's non-head blocks (MiniLM-L6 for sequence classification), front to back, and the head.
 N_BLOCKS = 9

@@ -5,12 +5,12 @@ trainable MLP classifier (384 -> 256 -> 5), AdamW 1e-3, batch 32, 3 epochs, same
 
 * sequential: encode each batch, then train on it;
 * async: a background thread encodes the next batches while the trainer trains on the current one
-  (:class:`layerfreeze.frozen.FrozenPipeline`, queue of 2);
+  (:class:`layerfreeze.compute.frozen.FrozenPipeline`, queue of 2);
 * precompute: encode the whole training set once (counted in epoch 1), then train from the stored features.
 
 Prints per-epoch wall time, ratios to sequential, test accuracy, and whether all losses are identical.
 
-    python benchmarks/frozen_encoder.py [--epochs 3] [--limit N]
+    python -m benchmarks.frozen_encoder [--epochs 3] [--limit N]
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from rich.table import Table
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from layerfreeze import assets, data
-from layerfreeze.frozen import FrozenModule, FrozenPipeline, PrecomputedDataset, precompute
-from layerfreeze.tasks import _quiet_transformers
+from layerfreeze.compute.frozen import FrozenModule, FrozenPipeline, PrecomputedDataset, precompute
+from layerfreeze.train import assets, data
+from layerfreeze.train.loaders import quiet_transformers
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench-frozen-encoder")
     args = parser.parse_args()
 
-    _quiet_transformers()
+    quiet_transformers()
     from transformers import AutoModel, AutoTokenizer
 
     texts, labels, classes = data.load_bbc_news()

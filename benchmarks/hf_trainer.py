@@ -1,15 +1,15 @@
 """MiniLM-L6 / BBC News through ``transformers.Trainer``: full fine-tuning (no callback) against the
 :class:`~layerfreeze.integrations.hf.LayerFreezeCallback` with ``smartfrz``, same seed, data order and settings.
 
-The settings are the CLI's default job (``layerfreeze train``, see ``config.py`` / ``tasks.py``): 3 epochs, 128
-tokens, batch 32, AdamW 5e-5, weight decay 0.01 (not on biases and LayerNorm: the Trainer's own split), 10% linear
-warm-up then linear decay, gradient clipping at 1.0, seed 0, the fixed stratified 80/20 split. Wall time is
+The settings are the CLI's default job (``layerfreeze train``, see ``layerfreeze/train/config.py`` / ``tasks.py``):
+3 epochs, 128 tokens, batch 32, AdamW 5e-5, weight decay 0.01 (not on biases and LayerNorm: the Trainer's own split),
+10% linear warm-up then linear decay, gradient clipping at 1.0, seed 0, the fixed stratified 80/20 split. Wall time is
 ``Trainer.train``'s ``train_runtime`` (every step, the callback's stages included; evaluation excluded); accuracy is
 on the test split after training. Prints a table and writes the rows as JSON to ``--out``/rows.json. Run it alone on
 the machine (timings beside other processes are wrong).
 
-    python benchmarks/hf_trainer.py                                   # the measurement (about 15 min on 2 cores)
-    python benchmarks/hf_trainer.py --max-steps 2 --limit-train 64 --limit-test 32   # a check that it runs
+    python -m benchmarks.hf_trainer                                   # the measurement (about 15 min on 2 cores)
+    python -m benchmarks.hf_trainer --max-steps 2 --limit-train 64 --limit-test 32   # a check that it runs
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from layerfreeze.config import build_config
-from layerfreeze.evaluation import evaluate
-from layerfreeze.tasks import build_task
-from layerfreeze.train_setup import resolve_device, seed_everything
+from layerfreeze.train.config import build_config
+from layerfreeze.train.evaluation import evaluate
+from layerfreeze.train.setup import resolve_device, seed_everything
+from layerfreeze.train.tasks import build_task
 
 
 def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -13,9 +13,9 @@ suite ``results.json`` and
 
 So it answers "does even a perfect predictor of the labels meet a target?" on the suite's own task sizes.
 
-    python benchmarks/oracle_replay.py runs/bench-suite/results.json --task fmnist-mobilenet --cache
-    python benchmarks/oracle_replay.py runs/bench-suite/results.json --task bbc --taus 0.99,0.995,0.998
-    python benchmarks/oracle_replay.py runs/bench-suite/results.json --task bbc --cache --train-taus 0.998,0.9995
+    python -m benchmarks.oracle_replay runs/bench-suite/results.json --task fmnist-mobilenet --cache
+    python -m benchmarks.oracle_replay runs/bench-suite/results.json --task bbc --taus 0.99,0.995,0.998
+    python -m benchmarks.oracle_replay runs/bench-suite/results.json --task bbc --cache --train-taus 0.998,0.9995
 
 FLOPs at other thresholds use the per-prefix step FLOPs the suite measured; a prefix it did not measure takes the
 nearest shallower measured one (an upper bound: a deeper prefix never costs more).
@@ -33,11 +33,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import suite  # noqa: E402  (the suite's task specs and configs: the replay must run the same job)
-
-from layerfreeze.strategies import register_strategy  # noqa: E402
-from layerfreeze.strategies.base import Decision, StageContext, Strategy  # noqa: E402
+from benchmarks import suite  # the suite's task specs and configs: the replay must run the same job
+from layerfreeze.strategies import register_strategy
+from layerfreeze.strategies.base import Decision, StageContext, Strategy
 
 
 class OracleSchedule(Strategy):
@@ -69,7 +67,7 @@ def schedule_at_tau(task: dict[str, Any], oracle: dict[str, Any], tau: float | N
     """One seed's oracle schedule, a freeze step (or None) per block in forward order: at ``tau`` from the stored
     CKA records (the labels' window and delta), or the schedule the suite stored (its labels' tau) when ``tau`` is
     None."""
-    from layerfreeze.oracle import oracle_freeze_steps
+    from benchmarks.oracle import oracle_freeze_steps
 
     if tau is None:
         return [oracle["freeze_steps"].get(b) for b in task["blocks"]]
@@ -78,7 +76,7 @@ def schedule_at_tau(task: dict[str, Any], oracle: dict[str, Any], tau: float | N
 
 def flops_at_taus(task: dict[str, Any], taus: list[float]) -> list[tuple[float, list[float]]]:
     """Per tau, the oracle's FLOPs ratio of every seed (from the stored CKA records and per-prefix FLOPs)."""
-    from layerfreeze.oracle import oracle_flops
+    from benchmarks.oracle import oracle_flops
 
     out = []
     for tau in taus:

@@ -5,7 +5,7 @@ epochs. The first epoch fills the cache; later epochs read the frozen prefix's o
 Prints per-epoch training time, the ratio of epochs after the first, measured FLOPs per step, cache size, and
 whether the losses of the two runs are identical.
 
-    python benchmarks/prefix_cache.py [--epochs 3] [--k 6] [--dtype float32]
+    python -m benchmarks.prefix_cache [--epochs 3] [--k 6] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from layerfreeze.config import build_config
-from layerfreeze.rundir import read_metrics
-from layerfreeze.telemetry import format_bytes, format_flops
-from layerfreeze.trainer import Trainer
+from layerfreeze.runs.rundir import read_metrics
+from layerfreeze.runs.summary import format_bytes, format_flops
+from layerfreeze.train.config import build_config
+from layerfreeze.train.trainer import Trainer
 
 
 def main() -> None:

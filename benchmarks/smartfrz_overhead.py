@@ -9,8 +9,8 @@ Overhead = stage time / (stage interval x step time), with the strategy's defaul
 ``max(1, round(total_steps / 150))`` (``--every N`` to set it). Once blocks freeze the steps get cheaper, but so do
 the stages (frozen blocks are neither recorded nor predicted).
 
-    python benchmarks/smartfrz_overhead.py                     # MiniLM-L6 / BBC News and MobileNetV2 / F-MNIST
-    python benchmarks/smartfrz_overhead.py --tasks bbc-news --steps 20
+    python -m benchmarks.smartfrz_overhead                     # MiniLM-L6 / BBC News and MobileNetV2 / F-MNIST
+    python -m benchmarks.smartfrz_overhead --tasks bbc-news --steps 20
 
 Prints a table and writes ``--out/results.json``. Run it alone on the machine (other torch processes share the
 cores and distort both timings).
@@ -29,9 +29,9 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils.data import DataLoader
 
-from layerfreeze.config import build_config
-from layerfreeze.train_setup import epoch_batches
-from layerfreeze.trainer import Trainer
+from layerfreeze.train.config import build_config
+from layerfreeze.train.setup import epoch_batches
+from layerfreeze.train.trainer import Trainer
 
 TASKS = {
     "bbc-news": {"task": "bbc-news", "model": {"max_length": 128}, "train": {"batch_size": 32}},
@@ -61,14 +61,14 @@ def measure(name: str, overrides: dict, steps: int, every: int | None, out: Path
                            "run": {"dir": str(out / name), "progress": False, "checkpoint": False,
                                    "tensorboard": False}})
     trainer = Trainer(config)
-    trainer._setup()
+    trainer.setup()
     batches = epoch_batches(len(trainer.train_set), config.train.batch_size, config.train.seed, 0)[:steps + 2]
     loader = DataLoader(trainer.train_set, batch_sampler=batches, generator=torch.Generator())
     trainer.model.train()
     step_times = []
     for i, (batch, ids) in enumerate(zip(loader, batches)):
         t0 = time.perf_counter()
-        trainer._train_step(batch, len(ids), len(ids))  # one process: every sample of the batch counts
+        trainer.train_step(batch, len(ids), len(ids))  # one process: every sample of the batch counts
         if i >= 2:  # the first steps allocate optimizer state
             step_times.append(time.perf_counter() - t0)
     step = statistics.median(step_times)

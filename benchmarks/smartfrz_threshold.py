@@ -1,13 +1,14 @@
 """What SmartFRZ's decision threshold trades: accuracy against FLOPs and time, on the suite's own jobs.
 
-SmartFRZ freezes a block when the predictor's ``p(freeze now) >= threshold`` (``layerfreeze.strategies.smartfrz``;
-the shipped predictor's card sets 0.85, the threshold its held-out metrics were measured at). A higher threshold
-waits for a surer call: later freezes, fewer FLOPs saved, and (the question) less accuracy lost. Per seed, one
-process trains `none` and then SmartFRZ at each threshold of ``--thresholds`` (same seed, data order and budget as
-``benchmarks/suite.py``), and prints accuracy, time and measured FLOPs per seed and row, and the mean over seeds.
+SmartFRZ freezes a block when the predictor's ``p(freeze now) >= threshold``
+(``layerfreeze.strategies.smartfrz.strategy``; the shipped predictor's card sets 0.85, the threshold its held-out
+metrics were measured at). A higher threshold waits for a surer call: later freezes, fewer FLOPs saved, and (the
+question) less accuracy lost. Per seed, one process trains `none` and then SmartFRZ at each threshold of
+``--thresholds`` (same seed, data order and budget as ``benchmarks/suite.py``), and prints accuracy, time and measured
+FLOPs per seed and row, and the mean over seeds.
 
-    python benchmarks/smartfrz_threshold.py --task bbc --thresholds 0.95,0.99 --cache
-    python benchmarks/smartfrz_threshold.py --task fmnist-mobilenet --thresholds 0.85,0.95 --seeds 0,1 --cache
+    python -m benchmarks.smartfrz_threshold --task bbc --thresholds 0.95,0.99 --cache
+    python -m benchmarks.smartfrz_threshold --task fmnist-mobilenet --thresholds 0.85,0.95 --seeds 0,1 --cache
 
 The rows are the shipped predictor with another threshold, not another predictor; choosing the threshold on these
 tasks' test accuracy would tune the default on the benchmark, so this script measures the trade-off only.
@@ -21,11 +22,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import suite  # noqa: E402  (the suite's task specs and configs: the same jobs)
-
-from layerfreeze.strategies import register_strategy  # noqa: E402
-from layerfreeze.strategies.smartfrz import SmartFRZ  # noqa: E402
+from benchmarks import suite  # the suite's task specs and configs: the same jobs
+from layerfreeze.strategies import register_strategy
+from layerfreeze.strategies.smartfrz.strategy import SmartFRZ
 
 
 def row_name(threshold: float) -> str:

@@ -3,8 +3,8 @@
 Prints a table: test accuracy, train time per epoch and its ratio to full fine-tuning, measured training FLOPs per
 step and ratio, peak memory. Writes the rows as JSON to ``--out``.
 
-    python benchmarks/static_vs_full.py                      # MiniLM-L6 / BBC News, 3 epochs, k=5
-    python benchmarks/static_vs_full.py --task fashion-mnist --k 10 --epochs 1 --limit-train 10000
+    python -m benchmarks.static_vs_full                      # MiniLM-L6 / BBC News, 3 epochs, k=5
+    python -m benchmarks.static_vs_full --task fashion-mnist --k 10 --epochs 1 --limit-train 10000
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from layerfreeze.config import build_config
-from layerfreeze.telemetry import format_bytes, format_flops
-from layerfreeze.trainer import Trainer
+from layerfreeze.runs.summary import format_bytes, format_flops
+from layerfreeze.train.config import build_config
+from layerfreeze.train.trainer import Trainer
 
 
 def main() -> None:

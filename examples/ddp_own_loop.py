@@ -19,7 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from layerfreeze import Freezer, block_param_groups, discover_blocks
-from layerfreeze.distributed import FreezeDDP, close_distributed, init_distributed, rank
+from layerfreeze.distributed import close_distributed, init_distributed, rank
+from layerfreeze.distributed.ddp import FreezeDDP
 
 cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 cli.add_argument("--strategy", default="smartfrz")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import importlib.util
+import importlib
 import re
 import shutil
 import sys
@@ -15,27 +15,22 @@ import pytest
 import torch
 from torch import nn
 
-from layerfreeze.data import GaussianBlobs
-from layerfreeze.tasks import Task, image_forward
+from layerfreeze.train.data import GaussianBlobs
+from layerfreeze.train.tasks import Task, image_forward
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @contextlib.contextmanager
 def benchmark_module(name: str):
-    """``benchmarks/<name>.py`` imported as module ``bench_<name>`` (benchmarks/ is not a package), for the with block.
-
-    The module is in ``sys.modules`` while it runs: dataclasses look their module up while the file executes.
-    """
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
+    """``benchmarks.<name>`` imported afresh for the with block (what a benchmark registers at import, a strategy row
+    say, is gone after it), then dropped from ``sys.modules``."""
+    full = f"benchmarks.{name}"
+    sys.modules.pop(full, None)
     try:
-        spec.loader.exec_module(module)
-        yield module
+        yield importlib.import_module(full)
     finally:
-        sys.modules.pop(spec.name, None)
+        sys.modules.pop(full, None)
 
 
 def readme_example(heading: str) -> str:
@@ -98,7 +93,7 @@ def tiny_bert_dir(tmp_path_factory) -> Path:
     """A 2-layer BERT (hidden 32) saved as a local Hugging Face folder with MiniLM's tokenizer files."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    from layerfreeze.assets import minilm_dir
+    from layerfreeze.train.assets import minilm_dir
 
     path = tmp_path_factory.mktemp("tiny-bert")
     torch.manual_seed(0)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from layerfreeze.compare import row_config
-from layerfreeze.config import build_config
 from layerfreeze.strategies import STRATEGIES, register_strategy
 from layerfreeze.strategies.registry import unregister_strategy
+from layerfreeze.train.compare import row_config
+from layerfreeze.train.config import build_config
 from tests.conftest import benchmark_module
 
 

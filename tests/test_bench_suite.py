@@ -86,7 +86,7 @@ def test_format_frozen_merges_consecutive_blocks_with_the_same_step(suite):
 def _results(suite):
     _, agg = _aggregate(suite)
     return {
-        "meta": {"command": "python benchmarks/suite.py --tasks bbc", "date": "2026-11-29T12:00:00+00:00",
+        "meta": {"command": "python -m benchmarks.suite --tasks bbc", "date": "2026-11-29T12:00:00+00:00",
                  "quick": False, "wall_time_s": 1800.0,
                  "machine": {"cpu": "AMD EPYC", "cores": 2, "ram_gib": 23.5, "device": "cpu"},
                  "versions": {"python": "3.11.7", "torch": "2.14.1", "layerfreeze": "0.1.0", "git_commit": "abc1234",
@@ -103,7 +103,7 @@ def _results(suite):
 def test_markdown_section_holds_machine_versions_command_and_exact_table(suite):
     text = suite.markdown_section(_results(suite))
     assert text.startswith(suite.BEGIN + "\n") and text.rstrip().endswith(suite.END)
-    assert "- Command: `python benchmarks/suite.py --tasks bbc`" in text
+    assert "- Command: `python -m benchmarks.suite --tasks bbc`" in text
     assert "- Date: 2026-11-29T12:00:00+00:00; suite wall time 30.0 min" in text
     assert "- Machine: AMD EPYC, 2 cores, 23.5 GiB RAM, device cpu" in text
     assert "- Versions: python 3.11.7, torch 2.14.1, layerfreeze 0.1.0; commit abc1234" in text
@@ -147,7 +147,7 @@ def test_from_json_regenerates_the_markdown_without_running(suite, tmp_path, cap
 def test_every_row_runs_to_its_end_even_one_that_learns_nothing(suite):
     """gradual on BBC sits at chance level for its whole 104-step run: the suite measures that row, so its config
     turns off the trainer's stop for a stuck loss (which raised and ended the whole suite), and the config is valid."""
-    from layerfreeze.config import build_config
+    from layerfreeze.train.config import build_config
 
     cfg = suite.base_config(suite.task_spec("bbc", False), 0, 1)
     assert cfg["run"]["divergence_window_steps"] is None
@@ -194,7 +194,7 @@ def test_resume_keeps_the_stored_seeds_and_runs_only_missing_ones(suite, tmp_pat
     assert len(resumed) == 1 and resumed[0]["ran"] == "nothing (every seed was there)"
     assert not (tmp_path / "bbc").exists()
     line = next(x for x in md.read_text().splitlines() if x.startswith("- Resumed: "))
-    assert line.startswith("- Resumed: `python benchmarks/suite.py --resume --out ") and line.endswith(
+    assert line.startswith("- Resumed: `python -m benchmarks.suite --resume --out ") and line.endswith(
         "; ran nothing (every seed was there)") and "cores" in line
 
 

@@ -15,13 +15,13 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset, default_collate
 
 from layerfreeze import Freezer, discover_blocks
-from layerfreeze.cache import CachedPrefix, CacheRefused, check_deterministic, check_prefix_deterministic
-from layerfreeze.families.bert import BertSplit
-from layerfreeze.families.sequential import SequentialSplit
-from layerfreeze.families.torchvision_cnn import MobileNetV2Split, ResNetSplit
-from layerfreeze.forward_split import split_for
-from layerfreeze.store import ActivationCache
-from layerfreeze.train_setup import epoch_batches
+from layerfreeze.compute.cache import CachedPrefix, CacheRefused, check_deterministic, check_prefix_deterministic
+from layerfreeze.compute.store import ActivationCache
+from layerfreeze.models.discovery import split_for
+from layerfreeze.models.families.bert import BertSplit
+from layerfreeze.models.families.sequential import SequentialSplit
+from layerfreeze.models.families.torchvision_cnn import MobileNetV2Split, ResNetSplit
+from layerfreeze.train.setup import epoch_batches
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -376,7 +376,7 @@ def test_changed_prefix_weights_and_thaws_invalidate_entries():
 def test_auto_budget_is_a_quarter_of_the_available_host_memory(monkeypatch):
     from types import SimpleNamespace
 
-    from layerfreeze import store
+    from layerfreeze.compute import store
 
     monkeypatch.setattr(store.psutil, "virtual_memory", lambda: SimpleNamespace(available=8 * 2**30))
     assert store.auto_budget_bytes() == 2 * 2**30
@@ -384,6 +384,6 @@ def test_auto_budget_is_a_quarter_of_the_available_host_memory(monkeypatch):
     assert ActivationCache(budget_bytes=5).budget_bytes == 5
     with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\]"):
         store.auto_budget_bytes(0)
-    from layerfreeze.config import build_config
+    from layerfreeze.train.config import build_config
 
     assert build_config({}).freeze.cache.mode == "auto" and build_config({}).freeze.cache.budget_mb is None

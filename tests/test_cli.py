@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from layerfreeze.cli import main
-from layerfreeze.config import ConfigError, build_config, load_config, parse_override
-from layerfreeze.rundir import read_metrics
+from layerfreeze.errors import ConfigError
+from layerfreeze.runs.rundir import read_metrics
+from layerfreeze.train.config import build_config, load_config, parse_override
 
 
 def test_unknown_strategy_is_exit_2_listing_the_available_ones(tmp_path, capsys):

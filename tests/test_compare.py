@@ -7,7 +7,7 @@ import json
 import pytest
 
 from layerfreeze.cli import main
-from layerfreeze.compare import compare, row_config
+from layerfreeze.train.compare import compare, row_config
 
 
 @pytest.mark.assets
@@ -84,7 +84,7 @@ def test_lora_default_targets_follow_the_model():
     import torchvision
     from torch import nn
 
-    from layerfreeze.tasks import default_lora_targets
+    from layerfreeze.train.tasks import default_lora_targets
 
     mobilenet = torchvision.models.mobilenet_v2(num_classes=10)
     targets = default_lora_targets(mobilenet)
@@ -101,7 +101,7 @@ def test_lora_default_targets_follow_the_model():
 
 
 def test_a_bad_row_setting_names_the_row(tmp_path):
-    from layerfreeze.config import ConfigError
+    from layerfreeze.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"(?s)row lora: .*train\.nope"):
         compare({"task": "bbc-news"}, ["none", "lora"], tmp_path, row_overrides={"lora": {"train": {"nope": 1}}})

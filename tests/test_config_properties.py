@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from layerfreeze.cli import main
-from layerfreeze.config import Config, build_config
+from layerfreeze.train.config import Config, build_config
 
 #: Free-form text keys (paths, names) are checked where they are used (a missing file, an unknown strategy).
 FREE_FORM = {"model.name_or_path", "model.blocks", "model.lora.targets", "data.path", "data.test_path",
@@ -128,7 +128,7 @@ def never_train(monkeypatch):
     def refuse(self):
         raise AssertionError(f"a config the test thinks invalid was accepted: {self.config.model_dump()}")
 
-    monkeypatch.setattr("layerfreeze.trainer.Trainer.run", refuse)
+    monkeypatch.setattr("layerfreeze.train.trainer.Trainer.run", refuse)
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

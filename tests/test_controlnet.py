@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("diffusers")
 
-from layerfreeze.controlnet import PLACEMENTS, DemoConfig, edge_maps, run_demo
+from benchmarks.controlnet import PLACEMENTS, DemoConfig, edge_maps, run_demo
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_stage1_cache_is_checksummed_and_retrains_when_corrupt(tmp_path):
     import torch
     from torch import nn
 
-    from layerfreeze.controlnet.models import _cached
+    from benchmarks.controlnet.models import _cached
 
     calls, logs = [], []
 

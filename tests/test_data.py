@@ -1,4 +1,4 @@
-"""Tests for layerfreeze.assets and layerfreeze.data (real offline assets + bad input)."""
+"""Tests for layerfreeze.train.assets and layerfreeze.train.data (real offline assets + bad input)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from layerfreeze import assets, data
+from layerfreeze.train import assets, data
 
 BBC_CLASS_COUNTS = {"business": 510, "entertainment": 386, "politics": 417, "sports": 511, "tech": 401}
 
@@ -227,7 +227,7 @@ def test_missing_fashion_mnist_suggests_sudo_when_not_root(tmp_path, monkeypatch
 
 
 def test_limit_takes_a_seeded_random_subset_not_a_prefix():
-    from layerfreeze.tasks import _limit
+    from layerfreeze.train.tasks import _limit
 
     data = [0] * 50 + [1] * 50 + [2] * 50  # stored sorted by class, like BBC News
     sub = _limit(data, 30, seed=0)

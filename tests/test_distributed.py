@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from layerfreeze.rundir import read_metrics
+from layerfreeze.runs.rundir import read_metrics
 from tests.distributed.launch import launch
 from tests.distributed.worker import run_trainer
 

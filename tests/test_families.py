@@ -14,9 +14,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from layerfreeze import ActivationCache, CachedPrefix, Freezer, block_param_groups, discover_blocks, find_blocks
-from layerfreeze.blocks import BlockDiscoveryError, unassigned_parameters
-from layerfreeze.forward_split import split_for
-from layerfreeze.lm import lm_forward, next_token_loss
+from layerfreeze.errors import BlockDiscoveryError
+from layerfreeze.models.blocks import unassigned_parameters
+from layerfreeze.models.discovery import split_for
+from layerfreeze.train.lm import lm_forward, next_token_loss
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -358,7 +359,7 @@ def test_families_without_an_exact_split_are_refused(name):
 
 
 def test_a_trainable_class_token_in_the_prefix_is_refused_by_the_cache():
-    from layerfreeze.cache import CacheRefused
+    from layerfreeze.compute.cache import CacheRefused
 
     model = build("tv_vit")
     blocks = discover_blocks(model)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from layerfreeze import ActivationCache, CachedPrefix, Freezer, block_param_groups, find_blocks, split_for
-from layerfreeze.families import discoverers, splits, unregister
+from layerfreeze.models.registry import discoverers, splits, unregister
 from tests.conftest import readme_example
 
 
@@ -49,6 +49,6 @@ def test_without_the_recipe_the_generic_fallback_finds_the_tower(recipe):
     found = find_blocks(model)
     assert found.rule == "generic stack: floors (3 x Linear)"
     assert [b.name for b in found.blocks] == ["stem", "floors.0", "floors.1", "floors.2", "roof"]
-    from layerfreeze.families import register_blocks
+    from layerfreeze.models.registry import register_blocks
 
     register_blocks("Tower", order=50)(recipe["discover_tower"])  # the fixture unregisters it again

@@ -24,7 +24,7 @@ def test_twenty_random_kills_resume_to_the_uninterrupted_run_bitwise(tmp_path):
     assert stats["kills"] == 20 and stats["finished_early"] == 0, stats
     assert stats["in_checkpoint_write"] >= 1, stats  # some kills landed inside a checkpoint write
     assert crash.mismatches(tmp_path / "ref", tmp_path / "cut") == []
-    from layerfreeze.report import load_run
+    from layerfreeze.runs.report import load_run
 
     assert len(load_run(tmp_path / "cut").resumes) >= 20
     # the default activation cache served the frozen prefix in both runs (a resumed run starts it cold; misses are

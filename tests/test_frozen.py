@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import BertConfig, BertModel
 
-from layerfreeze.frozen import (
+from layerfreeze.compute.frozen import (
     FrozenDifferentiable,
     FrozenModule,
     FrozenPipeline,
@@ -325,7 +325,7 @@ def test_pipeline_splits_threads_and_reports_overlap():
 
 def test_float16_vae_overflow_is_detected_and_named():
     diffusers = pytest.importorskip("diffusers")
-    from layerfreeze.controlnet.models import LatentParameters, _vae_config
+    from benchmarks.controlnet.models import LatentParameters, _vae_config
 
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKL(**_vae_config(tiny=True))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from layerfreeze import Freezer
-from layerfreeze.guard import StabilityGuard
+from layerfreeze.engine.guard import StabilityGuard
 from tests.test_engine import Scripted, make_net
 
 

@@ -162,8 +162,8 @@ def test_torchrun_two_processes_identical_weights(tmp_path, checkpointing):
 
 @pytest.mark.assets
 def test_minilm_bbc_news_a_few_steps_with_a_frozen_prefix(tmp_path):
-    from layerfreeze import assets, data
-    from layerfreeze.tasks import load_text_model
+    from layerfreeze.train import assets, data
+    from layerfreeze.train.loaders import load_text_model
 
     try:
         path = assets.minilm_dir()

@@ -15,9 +15,9 @@ from torch.utils.checkpoint import checkpoint as grad_checkpoint
 
 from layerfreeze import CheckpointError, Freezer
 from layerfreeze.checkpoint import CheckpointStore
-from layerfreeze.integrity import FrozenWeightsChangedError, UnfrozenParameterError
-from layerfreeze.rundir import read_metrics
-from layerfreeze.trainer import DivergenceError, Trainer
+from layerfreeze.engine.integrity import FrozenWeightsChangedError, UnfrozenParameterError
+from layerfreeze.runs.rundir import read_metrics
+from layerfreeze.train.trainer import DivergenceError, Trainer
 from tests.conftest import BlobDataset, blob_task
 from tests.test_trainer import config
 
@@ -212,7 +212,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again_from_the_beginnin
     assert "has no checkpoint yet" in said.out + said.err
     assert summary["test_accuracy"] == reference["test_accuracy"] and summary["steps"] == reference["steps"]
     assert summary["freeze_timeline"] == reference["freeze_timeline"]
-    from layerfreeze.report import load_run
+    from layerfreeze.runs.report import load_run
 
     run = load_run(run_dir)  # the report keeps only the restarted run's records
     assert list(run.step) == list(range(1, 13))

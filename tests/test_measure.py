@@ -1,4 +1,4 @@
-"""Tests for layerfreeze.measure: FLOP counting and memory."""
+"""Tests for layerfreeze.runs.measure: FLOP counting and memory."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from layerfreeze.measure import measure_flops
+from layerfreeze.runs.measure import measure_flops
 
 B, IN, HID, OUT = 8, 64, 32, 16
 # One matmul (m x k) @ (k x n) costs 2*m*k*n FLOPs (a multiply and an add).
@@ -118,7 +118,7 @@ def _clear_refs_works() -> bool:
 
 _MEMORY_PROBE = """
 import json, torch
-from layerfreeze.measure import current_memory_bytes, peak_memory_bytes, reset_peak_memory
+from layerfreeze.runs.measure import current_memory_bytes, peak_memory_bytes, reset_peak_memory
 out = {}
 reset_peak_memory("cpu")
 out["before_peak"], out["before_rss"] = peak_memory_bytes("cpu"), current_memory_bytes("cpu")

@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from layerfreeze.config import build_config
-from layerfreeze.oracle import (
+from benchmarks.oracle import (
     ProbeRecorder,
     gram_factor,
     oracle_flops,
@@ -19,7 +18,8 @@ from layerfreeze.oracle import (
     schedule_gap,
 )
 from layerfreeze.smartfrz.labels import linear_cka
-from layerfreeze.trainer import Trainer
+from layerfreeze.train.config import build_config
+from layerfreeze.train.trainer import Trainer
 from tests.conftest import blob_task
 
 

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from layerfreeze.config import ConfigError
-from layerfreeze.rundir import CONFIG_FILE, SUMMARY_FILE, Event, Record, check_run_dir, read_metrics, replay, row_dir
-from layerfreeze.telemetry import Telemetry
+from layerfreeze.errors import ConfigError
+from layerfreeze.runs.rundir import (
+    CONFIG_FILE,
+    SUMMARY_FILE,
+    Event,
+    Record,
+    check_run_dir,
+    read_metrics,
+    replay,
+    row_dir,
+)
+from layerfreeze.runs.telemetry import Telemetry
 
 
 def _step(step: int, loss: float) -> dict:

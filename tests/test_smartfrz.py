@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from layerfreeze.blocks import discover_blocks
 from layerfreeze.engine import Freezer
-from layerfreeze.smartfrz.features import NUM_FEATURES, window_features
+from layerfreeze.models.discovery import discover_blocks
 from layerfreeze.smartfrz.labels import freezable_from_cka, linear_cka
-from layerfreeze.smartfrz.predictor import FreezePredictor, PredictorError, load_predictor, save_predictor
-from layerfreeze.smartfrz.recorder import BlockSample, WeightRecorder
-from layerfreeze.strategies.smartfrz import SmartFRZ
+from layerfreeze.strategies.smartfrz.features import NUM_FEATURES, window_features
+from layerfreeze.strategies.smartfrz.predictor import FreezePredictor, PredictorError, load_predictor, save_predictor
+from layerfreeze.strategies.smartfrz.recorder import BlockSample, WeightRecorder
+from layerfreeze.strategies.smartfrz.strategy import SmartFRZ
 from tests.conftest import predictor_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -458,8 +458,9 @@ def test_collect_resumes_and_is_deterministic(quick_runs, tmp_path):
 
 
 def test_diverged_run_is_recorded_and_excluded(tmp_path):
-    from layerfreeze.smartfrz.collect import Setup, record_run
+    from layerfreeze.smartfrz.collect import record_run
     from layerfreeze.smartfrz.runs import list_runs
+    from layerfreeze.smartfrz.setup import Setup
 
     calls = []
 
@@ -547,15 +548,19 @@ def test_pipeline_errors(tmp_path, quick_runs):
     assert _cli(["predictor", "evaluate", str(quick_runs), "--predictor", str(tmp_path / "none.safetensors")]) == 2
 
 
-def test_missing_predictor_file_fails_at_config_time(tmp_path):
-    from layerfreeze.config import ConfigError, build_config
+def test_missing_predictor_file_fails_before_training(tmp_path):
+    """The predictor file is read where the strategy is built (once per run, before training), not by the config."""
+    from layerfreeze.errors import ConfigError
+    from layerfreeze.train.config import build_config
+    from layerfreeze.train.setup import build_strategy
 
     missing = tmp_path / "nope.safetensors"
     with pytest.raises(ValueError, match="nope.safetensors does not exist"):
         SmartFRZ(predictor=str(missing))
-    with pytest.raises(ConfigError, match="nope.safetensors"):
-        build_config({"freeze": {"strategy": "smartfrz", "params": {"predictor": str(missing)}}})
+    cfg = build_config({"freeze": {"strategy": "smartfrz", "params": {"predictor": str(missing)}}})  # names only
+    with pytest.raises(ConfigError, match="freeze.params: .*nope.safetensors"):
+        build_strategy(cfg)
     corrupt = tmp_path / "corrupt.safetensors"
     corrupt.write_bytes(b"not a predictor")
     with pytest.raises(ConfigError, match="corrupt.safetensors is corrupt"):
-        build_config({"freeze": {"strategy": "smartfrz", "params": {"predictor": str(corrupt)}}})
+        build_strategy(build_config({"freeze": {"strategy": "smartfrz", "params": {"predictor": str(corrupt)}}}))

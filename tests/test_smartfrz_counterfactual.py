@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from layerfreeze.blocks import discover_blocks
+from layerfreeze.models.discovery import discover_blocks
 from layerfreeze.smartfrz.collect import collect
 from layerfreeze.smartfrz.counterfactual import (
     COUNTERFACTUAL_FILE,
@@ -22,7 +22,7 @@ from layerfreeze.smartfrz.counterfactual import (
     grid_steps,
     run_counterfactuals,
 )
-from layerfreeze.smartfrz.recipes import RECIPES
+from layerfreeze.smartfrz.recipes.registry import RECIPES
 from layerfreeze.smartfrz.runs import PipelineError
 from tests.conftest import predictor_cli
 

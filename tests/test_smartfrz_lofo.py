@@ -14,10 +14,11 @@ from rich.console import Console
 
 from layerfreeze.smartfrz import lofo as lofo_mod
 from layerfreeze.smartfrz.card import render_card
-from layerfreeze.smartfrz.fit import TrainConfig, _rounded, evaluate, run_windows, train_and_save, train_predictor
+from layerfreeze.smartfrz.fit import TrainConfig, evaluate, rounded, run_windows, train_predictor
 from layerfreeze.smartfrz.lofo import family_folds, leave_one_family_out, pool_metrics
-from layerfreeze.smartfrz.predictor import load_predictor
 from layerfreeze.smartfrz.runs import PipelineError, list_runs, read_run
+from layerfreeze.smartfrz.ship import train_and_save
+from layerfreeze.strategies.smartfrz.predictor import load_predictor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -166,7 +167,7 @@ def test_lofo_input_errors(runs, tmp_path):
 
 
 def test_card_renders_the_section(result):
-    card = {"threshold": THRESHOLD, "lofo": _rounded(result), "heldout_metrics": None}
+    card = {"threshold": THRESHOLD, "lofo": rounded(result), "heldout_metrics": None}
     text = render_card(card)
     section = text.split("## Leave-one-family-out", 1)[1].split("\n## ", 1)[0]
     mlp = result["families"]["mlp"]["metrics"]
@@ -185,7 +186,7 @@ def test_cli_train_and_evaluate_lofo(corpus, runs, result, tmp_path):
     code, text = _cli(["predictor", "train", str(corpus), "--out", str(out), *common, "--epochs", "10", "--lofo"])
     assert code == 0 and "leave-one-family-out" in text and "cnn (4 runs)" in text
     card = load_predictor(out)[1]["card"]
-    assert card["lofo"] == _rounded(result)  # the same folds, bit for bit, with the train command's settings
+    assert card["lofo"] == rounded(result)  # the same folds, bit for bit, with the train command's settings
     assert card["heldout_recipes"] == ["vit-fmnist"] and card["heldout_metrics"]["overall"]["blocks"] == 6
     assert "--holdout vit-fmnist --lofo --out" in card["command"]
     md = (tmp_path / "PREDICTOR_CARD.md").read_text()
@@ -215,7 +216,7 @@ def test_reproduce_command_collects_each_seed_set_once():
     from types import SimpleNamespace
 
     from layerfreeze.smartfrz.cli import _reproduce_command
-    from layerfreeze.smartfrz.recipes import RECIPES
+    from layerfreeze.smartfrz.recipes.registry import RECIPES
 
     labels = {"tau": 0.9995, "tau_scratch": 0.998, "delta": 0.01, "window": 3}
 

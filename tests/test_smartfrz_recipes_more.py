@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from layerfreeze.smartfrz.collect import Setup, collect, evaluate_test, record_run
+from layerfreeze.smartfrz.collect import collect, evaluate_test, record_run
 from layerfreeze.smartfrz.labels import label_run
-from layerfreeze.smartfrz.recipes import DEFAULT_HOLDOUT, RECIPES, token_cross_entropy
+from layerfreeze.smartfrz.recipes.registry import DEFAULT_HOLDOUT, RECIPES
+from layerfreeze.smartfrz.recipes.rounds import token_cross_entropy
+from layerfreeze.smartfrz.setup import Setup
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,8 +59,8 @@ def quick_new(tmp_path_factory):
 
 
 def test_the_new_recipes_are_registered_after_the_shipped_ones():
-    from layerfreeze.config import TrainConfig
-    from layerfreeze.smartfrz.recipes import TRAINER_SCHEDULE
+    from layerfreeze.smartfrz.recipes.rounds import TRAINER_SCHEDULE
+    from layerfreeze.train.config import TrainConfig
 
     assert list(RECIPES)[:len(SHIPPED)] == SHIPPED and list(RECIPES)[len(SHIPPED):] == list(NEW)
     # the third round trains with `layerfreeze train`'s own schedule, whatever its defaults become
@@ -112,7 +114,7 @@ def test_the_lm_recipes_train_on_shifted_token_chunks(quick_new, name):
 
 @pytest.mark.assets
 def test_the_full_size_recipes_without_pretraining(tmp_path):
-    from layerfreeze.blocks import find_blocks
+    from layerfreeze.models.discovery import find_blocks
 
     short = THIRD_ROUND[1:]
     for name in ("mlp-digits-sgd-const", "cnn-fmnist-sgd-const", "gpt-bbc", "llama-bbc", *short):

@@ -12,8 +12,7 @@ from torch import nn
 
 from layerfreeze import Freezer
 from layerfreeze.cli import main
-from layerfreeze.compare import DEFAULT_ROWS
-from layerfreeze.config import ConfigError, build_config
+from layerfreeze.errors import ConfigError
 from layerfreeze.strategies import (
     BUILTIN_STRATEGIES,
     STRATEGIES,
@@ -23,7 +22,10 @@ from layerfreeze.strategies import (
     register_strategy,
     unregister_strategy,
 )
-from layerfreeze.trainer import Trainer
+from layerfreeze.train.compare import DEFAULT_ROWS
+from layerfreeze.train.config import build_config
+from layerfreeze.train.setup import build_strategy
+from layerfreeze.train.trainer import Trainer
 from tests.conftest import blob_task, readme_example
 
 
@@ -82,8 +84,10 @@ def test_the_readme_strategy_passes_the_config_and_trains_in_the_cli_trainer(exa
                                 "checkpoint": False}})
     summary = Trainer(cfg, task=blob_task()).run()
     assert [(e["block"], e["step"]) for e in summary["freeze_timeline"]] == [("0", 4), ("1", 8), ("4", 12)]
-    with pytest.raises(ConfigError, match="n must be an integer"):
-        build_config({"freeze": {"strategy": "every-n", "params": {"n": "2"}}})
+    with pytest.raises(ConfigError, match="freeze.params: every-n: n must be an integer"):  # values: where it is built
+        build_strategy(build_config({"freeze": {"strategy": "every-n", "params": {"n": "2"}}}))
+    with pytest.raises(ConfigError, match="has no parameter"):  # names: in the config already
+        build_config({"freeze": {"strategy": "every-n", "params": {"k": 2}}})
 
 
 def test_the_readme_strategy_through_the_layerfreeze_command(example, tmp_path, tiny_bert_dir, tiny_csv, capsys):

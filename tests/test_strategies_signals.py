@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from layerfreeze import Freezer, block_param_groups
-from layerfreeze.blocks import discover_blocks
+from layerfreeze.models.discovery import discover_blocks
 from layerfreeze.strategies.autofreeze import AutoFreeze, percentile_linear
 from layerfreeze.strategies.base import BlockView, StageContext
 from layerfreeze.strategies.freezeout import FreezeOut

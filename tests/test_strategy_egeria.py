@@ -13,16 +13,13 @@ import torch
 from torch import nn
 
 from layerfreeze import Freezer
-from layerfreeze.strategies import StageContext, egeria_reference
+from layerfreeze.strategies import StageContext
 from layerfreeze.strategies.base import BlockView
-from layerfreeze.strategies.egeria import (
-    THREAD_PREFIX,
-    Egeria,
-    plasticity_decision,
-    sp_loss,
-)
-from layerfreeze.strategies.egeria_reference import build_reference
-from layerfreeze.strategies.egeria_reference import cpu_copy as _cpu_copy
+from layerfreeze.strategies.egeria import reference as egeria_reference
+from layerfreeze.strategies.egeria.plasticity import plasticity_decision, sp_loss
+from layerfreeze.strategies.egeria.reference import build_reference
+from layerfreeze.strategies.egeria.reference import cpu_copy as _cpu_copy
+from layerfreeze.strategies.egeria.strategy import THREAD_PREFIX, Egeria
 
 # ---- sp_loss ---------------------------------------------------------------------------------------------------
 
@@ -295,7 +292,7 @@ def test_worker_exception_surfaces_in_the_training_thread_at_the_next_stage():
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
         train(model, optimizer, freezer, 1, g)  # step 4: the stage re-raises it
     assert any("background plasticity evaluation of the weights of step 2" in n for n in info.value.__notes__)
-    assert any(entry.name == "_evaluate" for entry in info.traceback)  # the worker's own frames
+    assert any(entry.name == "evaluate" for entry in info.traceback)  # the worker's own frames
     freezer.close()
     assert _worker_threads() == []
 

@@ -1,4 +1,4 @@
-"""Tests for layerfreeze.telemetry (metrics files, TensorBoard, summary) and reading metrics back (rundir)."""
+"""Tests for layerfreeze.runs.telemetry (metrics files, TensorBoard, summary) and reading metrics back (rundir)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from layerfreeze.rundir import read_metrics
-from layerfreeze.telemetry import Telemetry, format_bytes, format_flops, print_summary, summary_table
+from layerfreeze.runs.rundir import read_metrics
+from layerfreeze.runs.summary import format_bytes, format_flops, print_summary, summary_table
+from layerfreeze.runs.telemetry import Telemetry
 
 
 # --------------------------------------------------------------------------- #

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from layerfreeze.cli import main
-from layerfreeze.lm import TokenChunks, next_token_loss
-from layerfreeze.rundir import read_metrics
+from layerfreeze.runs.rundir import read_metrics
+from layerfreeze.train.lm import TokenChunks, next_token_loss
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -148,8 +148,8 @@ def test_chunks_and_the_shifted_loss():
 
 
 def test_lora_targets_of_decoder_lms_and_a_compare_row_of_an_lm(tiny_llama_dir, tiny_gpt2_dir):
-    from layerfreeze.compare import markdown_table
-    from layerfreeze.tasks import default_lora_targets
+    from layerfreeze.runs.compare_table import markdown_table
+    from layerfreeze.train.tasks import default_lora_targets
 
     llama = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, local_files_only=True)
     gpt2 = transformers.AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir, local_files_only=True)

@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from layerfreeze import BlockDiscoveryError
-from layerfreeze.config import ConfigError, build_config
-from layerfreeze.rundir import read_metrics
-from layerfreeze.trainer import Trainer
+from layerfreeze.errors import ConfigError
+from layerfreeze.runs.rundir import read_metrics
+from layerfreeze.train.config import build_config
+from layerfreeze.train.trainer import Trainer
 from tests.conftest import blob_task
 
 

@@ -1,66 +1,137 @@
 """layerfreeze: make training cheaper by freezing parts of the network as it trains.
 
-The pieces, one module per concern:
+One folder per concept; imports run one way, from the top of this list to the bottom (``lint-imports`` checks it,
+the contract is in ``pyproject.toml``):
 
-* :mod:`layerfreeze.blocks` — a model as an ordered list of blocks (discovery, patterns, tied weights);
-* :mod:`layerfreeze.families` — one file per model family: how to find its blocks and split its forward;
-* :mod:`layerfreeze.forward_split` and :mod:`layerfreeze.cache` — the frozen prefix's forward cut off and cached;
-* :mod:`layerfreeze.store` — the checksummed per-sample store (memory, then safetensors shards) the cache and
-  :func:`precompute` write to;
-* :mod:`layerfreeze.frozen` — frozen models beside the trained one (:class:`FrozenModule`, :class:`FrozenPipeline`);
-* :mod:`layerfreeze.engine` — the freeze/thaw mechanics and :class:`Freezer`; :mod:`layerfreeze.optim` — the
-  optimizer surgery it does (param groups per block, frozen parameters out of the optimizer and back);
-* :mod:`layerfreeze.guard` — :class:`StabilityGuard`, thawing a freeze that hurt validation;
-* :mod:`layerfreeze.strategies` — the policies, one file each, registered by name;
-* :mod:`layerfreeze.checkpoint` — resumable checkpoints carrying the freeze state;
-* :mod:`layerfreeze.rundir` — the run folder's layout and records; :mod:`layerfreeze.telemetry` — metrics.jsonl,
-  TensorBoard, the summary table; :mod:`layerfreeze.measure` — measured FLOPs, memory;
-  :mod:`layerfreeze.report` — the HTML report;
-* :mod:`layerfreeze.integrations` — Lightning and Hugging Face Trainer callbacks (extras ``lightning``, ``hf``);
-* :mod:`layerfreeze.trainer`, :mod:`layerfreeze.config`, :mod:`layerfreeze.cli` — the ``layerfreeze train`` CLI.
+* :mod:`layerfreeze.cli` -- the ``layerfreeze`` command;
+* :mod:`layerfreeze.smartfrz` -- the SmartFRZ predictor's offline pipeline (research code: it imports the library,
+  the library never imports it);
+* :mod:`layerfreeze.train` -- the CLI trainer: config, tasks, data, the train/eval loop, ``compare``;
+  :mod:`layerfreeze.integrations` -- the Lightning and Hugging Face Trainer callbacks;
+* :mod:`layerfreeze.checkpoint` -- resumable checkpoints carrying the freeze state (full ones of a sharded model too);
+* :mod:`layerfreeze.engine` -- :class:`Freezer`: the freeze/thaw mechanics, optimizer surgery, the stability
+  guard, integrity checks; :mod:`layerfreeze.compute` -- frozen compute: the prefix cache, frozen models beside
+  the trained one;
+* :mod:`layerfreeze.strategies` -- the policies, one file each, registered by name (SmartFRZ's runtime included);
+* :mod:`layerfreeze.distributed` -- process group, DDP rebuilt around the trainable part, FSDP2;
+* :mod:`layerfreeze.models` -- a model as blocks, its forward split, one file per model family;
+* :mod:`layerfreeze.runs` -- the run folder, telemetry, measurements, tables, the HTML report;
+* :mod:`layerfreeze.registry`, :mod:`layerfreeze.errors` -- the decorator registries, the errors a user acts on.
+
+The names below are the library's public API; the README imports only from here and from the concept packages.
+Old module paths (``layerfreeze.blocks``, ``layerfreeze.trainer``, ...) still import, with a ``DeprecationWarning``
+(:mod:`layerfreeze._compat`).
 """
 
-from .blocks import Block, BlockDiscoveryError, describe_blocks, discover_blocks, find_blocks
-from .cache import CachedPrefix, CacheRefused
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .engine import Freezer
-from .families import register_blocks, register_split
-from .forward_split import ModelSplit, split_for
-from .frozen import FrozenModule, FrozenPipeline, PrecomputedDataset, precompute
-from .guard import StabilityGuard
-from .optim import block_param_groups
-from .store import ActivationCache
-from .strategies import DEFAULT_STRATEGY, Decision, StageContext, Strategy, UnknownStrategyError, create_strategy
+from layerfreeze import _compat
+from layerfreeze._version import __version__
 
-__version__ = "0.1.0"
+# Checkpoints.
+from layerfreeze.checkpoint import load_checkpoint, load_full_checkpoint, save_checkpoint, save_full_checkpoint
+
+# Frozen compute: the prefix cache and frozen models beside the trained one.
+from layerfreeze.compute import (
+    ActivationCache,
+    CachedPrefix,
+    CacheRefused,
+    FrozenDifferentiable,
+    FrozenModule,
+    FrozenPipeline,
+    PrecomputedDataset,
+    precompute,
+)
+
+# Several ranks.
+from layerfreeze.distributed import FreezeDDP, close_distributed, init_distributed, shard_blocks
+
+# The engine: freeze and thaw, in any loop.
+from layerfreeze.engine import Freezer, StabilityGuard, block_param_groups
+
+# Errors a user acts on.
+from layerfreeze.errors import (
+    AssetMissingError,
+    BlockDiscoveryError,
+    CheckpointError,
+    ConfigError,
+    PredictorError,
+    UnknownStrategyError,
+    UserError,
+)
+
+# Models as blocks.
+from layerfreeze.models import (
+    Block,
+    ModelSplit,
+    Stage,
+    call,
+    describe_blocks,
+    discover_blocks,
+    find_blocks,
+    make_blocks,
+    module_entry,
+    qualified_names,
+    register_blocks,
+    register_split,
+    split_for,
+)
+
+# The policies.
+from layerfreeze.strategies import (
+    DEFAULT_STRATEGY,
+    Decision,
+    StageContext,
+    Strategy,
+    create_strategy,
+    register_strategy,
+)
+
+_compat.install()
 
 __all__ = [
     "DEFAULT_STRATEGY",
     "ActivationCache",
+    "AssetMissingError",
     "Block",
     "BlockDiscoveryError",
     "CacheRefused",
     "CachedPrefix",
     "CheckpointError",
+    "ConfigError",
     "Decision",
+    "FreezeDDP",
     "Freezer",
+    "FrozenDifferentiable",
     "FrozenModule",
     "FrozenPipeline",
     "ModelSplit",
     "PrecomputedDataset",
+    "PredictorError",
     "StabilityGuard",
+    "Stage",
     "StageContext",
     "Strategy",
     "UnknownStrategyError",
+    "UserError",
+    "__version__",
     "block_param_groups",
+    "call",
+    "close_distributed",
     "create_strategy",
     "describe_blocks",
     "discover_blocks",
     "find_blocks",
+    "init_distributed",
     "load_checkpoint",
+    "load_full_checkpoint",
+    "make_blocks",
+    "module_entry",
     "precompute",
+    "qualified_names",
     "register_blocks",
     "register_split",
+    "register_strategy",
     "save_checkpoint",
+    "save_full_checkpoint",
+    "shard_blocks",
     "split_for",
 ]

@@ -28,21 +28,21 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 
-from . import rundir
-from .engine import Freezer
+from layerfreeze.distributed.fsdp import full_optimizer_state, full_state_options, load_full_optimizer_state
+from layerfreeze.errors import CheckpointError
+from layerfreeze.runs import rundir
+
+if TYPE_CHECKING:  # the checkpoint reads and restores a Freezer's state_dict, it never builds one
+    from layerfreeze.engine.freezer import Freezer
 
 FORMAT_VERSION = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt, or from an incompatible version."""
 
 
 def _sha256(path: Path) -> str:
@@ -101,7 +101,7 @@ def save_checkpoint(
     Args:
         extra: Caller fields to keep (plain Python values / tensors), e.g. ``{"step": 120, "epoch": 2}``.
         model_state / optimizer_state: Full state dicts to write instead of ``model`` / ``optimizer``'s own (a
-            sharded model's gathered state: :func:`layerfreeze.fsdp.save_full_checkpoint`).
+            sharded model's gathered state: :func:`layerfreeze.checkpoint.save_full_checkpoint`).
 
     Returns:
         The checkpoint folder.
@@ -285,7 +285,7 @@ class CheckpointStore:
 
         Args:
             loader: ``loader(path, model, optimizer, freezer, scheduler) -> extra``; default :func:`load_checkpoint`
-                (:func:`layerfreeze.fsdp.load_full_checkpoint` for a sharded model).
+                (:func:`layerfreeze.checkpoint.load_full_checkpoint` for a sharded model).
 
         Returns:
             ``(folder, extra)`` of the checkpoint loaded.
@@ -309,3 +309,46 @@ class CheckpointStore:
                     warnings.warn(f"checkpoint {path} is unusable ({exc}); falling back to an older one",
                                   stacklevel=2)
         raise CheckpointError(f"no usable checkpoint in {self.dir}: " + "; ".join(problems))
+
+
+def save_full_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, freezer: Any,
+                         scheduler: Any = None, extra: dict[str, Any] | None = None) -> Path:
+    """Gather the full model and optimizer state on rank 0 and write a checkpoint folder there.
+
+    Collective: every rank calls it. Frozen weights are in it like every other weight; the optimizer state holds
+    only trainable parameters (the Freezer removed the frozen ones), keyed by parameter name.
+
+    Returns:
+        The checkpoint folder (written by rank 0 only; the others return the same path once it is complete).
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model_state = get_model_state_dict(model, options=full_state_options(cpu_offload=True))
+    optim_state = full_optimizer_state(model, optimizer)
+    path = Path(path)
+    if torch.distributed.get_rank() == 0:
+        save_checkpoint(path, model, None, freezer, scheduler, extra, model_state=model_state,
+                        optimizer_state=optim_state)
+    torch.distributed.barrier()
+    return path
+
+
+
+def load_full_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, freezer: Any,
+                         scheduler: Any = None, restore_rng: bool = True) -> dict[str, Any]:
+    """Restore :func:`save_full_checkpoint` on every rank: weights (re-sharded), freeze state (re-freezes blocks and
+    rebuilds the param groups), optimizer state, scheduler, RNG.
+
+    Returns:
+        The ``extra`` dict given at save time.
+
+    Raises:
+        CheckpointError: missing, corrupt or incompatible checkpoint.
+    """
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    return load_checkpoint(
+        path, model, optimizer, freezer, scheduler, restore_rng,
+        load_weights=lambda m, f: set_model_state_dict(m, load_file(str(f)), options=full_state_options()),
+        load_optimizer=lambda o, saved: load_full_optimizer_state(model, o, saved))

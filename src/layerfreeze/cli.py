@@ -17,18 +17,13 @@ from typing import Any
 
 from rich.console import Console
 
-from . import rundir
-from .assets import AssetMissingError, check_assets
-from .blocks import BlockDiscoveryError
-from .checkpoint import CheckpointError
-from .compare import DEFAULT_ROWS
-from .config import ConfigError, load_config, parse_override
-from .distributed import RankLostError, close_distributed, launched_world_size
-from .smartfrz.predictor import PredictorError
-from .strategies import DEFAULT_STRATEGY, STRATEGIES, UnknownStrategyError, strategy_parameters
-
-USER_ERRORS = (ConfigError, AssetMissingError, BlockDiscoveryError, UnknownStrategyError, CheckpointError,
-               PredictorError)
+from layerfreeze.distributed.comm import RankLostError, close_distributed, launched_world_size
+from layerfreeze.errors import ConfigError, UnknownStrategyError, UserError
+from layerfreeze.runs import rundir
+from layerfreeze.strategies import DEFAULT_STRATEGY, STRATEGIES, strategy_parameters
+from layerfreeze.train.assets import check_assets
+from layerfreeze.train.compare import DEFAULT_ROWS
+from layerfreeze.train.config import load_config, parse_override
 
 # flag -> config key (the flag's value is parsed as YAML, like --set)
 TRAIN_FLAGS = {
@@ -122,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="write an HTML report with PNG plots for a run or compare folder")
     rep.add_argument("run_dir", metavar="RUN_DIR", help="a folder written by `layerfreeze train` or `compare`")
 
-    from .smartfrz import cli as smartfrz_cli
+    from layerfreeze.smartfrz import cli as smartfrz_cli
 
     smartfrz_cli.add_parser(sub)
 
@@ -151,9 +146,9 @@ def _overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[dict[str
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
-    from .integrity import FrozenWeightsChangedError, UnfrozenParameterError
-    from .telemetry import print_summary
-    from .trainer import DivergenceError, Trainer
+    from layerfreeze.engine.integrity import FrozenWeightsChangedError, UnfrozenParameterError
+    from layerfreeze.runs.summary import print_summary
+    from layerfreeze.train.trainer import DivergenceError, Trainer
 
     overrides = _overrides(args, TRAIN_FLAGS)
     config_path = args.config
@@ -217,7 +212,7 @@ def _report(run_dir: Path | str, args: argparse.Namespace, console: Console) -> 
     """The HTML report at the end of train/compare (skipped with --no-report or without matplotlib)."""
     if getattr(args, "no_report", False):
         return
-    from .report import write_report
+    from layerfreeze.runs.report import write_report
 
     try:
         console.print(f"report: {write_report(run_dir)}")
@@ -228,8 +223,8 @@ def _report(run_dir: Path | str, args: argparse.Namespace, console: Console) -> 
 def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     import time
 
-    from .compare import compare
-    from .config import deep_merge, read_config_file
+    from layerfreeze.train.compare import compare
+    from layerfreeze.train.config import deep_merge, read_config_file
 
     if args.rows is not None and not args.rows.strip(", "):
         raise ConfigError("--rows is empty; name the rows, e.g. --rows none,static,smartfrz (omit it for all)")
@@ -273,8 +268,9 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_blocks(args: argparse.Namespace, console: Console) -> int:
-    from .blocks import describe_blocks, find_blocks
-    from .tasks import build_task
+    from layerfreeze.models.blocks import describe_blocks
+    from layerfreeze.models.discovery import find_blocks
+    from layerfreeze.train.tasks import build_task
 
     config = load_config(args.config, _overrides(args, {"task": "task", "model": "model.name_or_path",
                                                         "data": "data.path"}))
@@ -324,18 +320,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "blocks":
             return _cmd_blocks(args, console)
         if args.command == "report":
-            from .report import write_report
+            from layerfreeze.runs.report import write_report
 
             console.print(f"report: {write_report(args.run_dir)}")
             return 0
         if args.command == "predictor":
-            from .smartfrz import cli as smartfrz_cli
+            from layerfreeze.smartfrz import cli as smartfrz_cli
 
             return smartfrz_cli.run(args, console)
         if args.command == "strategies":
             return _cmd_strategies(console)
         return _cmd_assets(console)
-    except (*USER_ERRORS, FileNotFoundError) as exc:
+    except (UserError, FileNotFoundError) as exc:
         err.print(f"[bold red]layerfreeze: error:[/] {exc}", highlight=False)
         return 2
 

@@ -6,9 +6,9 @@ then registration order. Each kind has its decorator:
 * :func:`~layerfreeze.strategies.register_strategy` (``@register_strategy("static")`` on a
   :class:`~layerfreeze.strategies.Strategy` subclass), read by ``create_strategy``, the config, the CLI and
   ``layerfreeze compare``;
-* :func:`~layerfreeze.families.register_blocks` / :func:`~layerfreeze.families.register_split` (a model family's
-  block discoverer and forward split), read by block discovery and the activation cache;
-* :func:`~layerfreeze.smartfrz.recipes.register_recipe` (a SmartFRZ collection recipe), read by
+* :func:`~layerfreeze.models.registry.register_blocks` / :func:`~layerfreeze.models.registry.register_split` (a model
+  family's block discoverer and forward split), read by block discovery and the activation cache;
+* :func:`~layerfreeze.smartfrz.recipes.registry.register_recipe` (a SmartFRZ collection recipe), read by
   ``layerfreeze predictor collect``.
 
 Importing the file that holds a decorated object registers it.

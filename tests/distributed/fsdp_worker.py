@@ -2,8 +2,8 @@
 
 Trains the 5-block MLP of :mod:`tests.distributed.worker` for ``steps`` steps with gradual unfreezing (a thaw every
 3 steps) and one manual freeze at step 7, with a no-grad evaluation forward between steps. Sharded with
-:func:`layerfreeze.fsdp.shard_blocks` when launched as several ranks, a plain model in one process. Per step it
-records the full weights' SHA-256, the reduce-scatter bytes and the number of optimizer states; it can save a full
+:func:`layerfreeze.distributed.fsdp.shard_blocks` when launched as several ranks, a plain model in one process. Per step
+it records the full weights' SHA-256, the reduce-scatter bytes and the number of optimizer states; it can save a full
 checkpoint after step ``save_at`` and start from one (``resume``).
 """
 
@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from layerfreeze import Freezer, block_param_groups, discover_blocks
+from layerfreeze.checkpoint import load_full_checkpoint, save_full_checkpoint
 from layerfreeze.distributed import close_distributed, init_distributed, is_distributed, loss_scale, rank, shard
-from layerfreeze.fsdp import CollectiveBytes, load_full_checkpoint, save_full_checkpoint, shard_blocks
+from layerfreeze.distributed.fsdp import CollectiveBytes, shard_blocks
 from tests.distributed.worker import mlp_task, weight_hashes
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from layerfreeze.data import GaussianBlobs
-from layerfreeze.tasks import Task, image_forward
+from layerfreeze.train.data import GaussianBlobs
+from layerfreeze.train.tasks import Task, image_forward
 
 
 def mlp_task(dropout: float = 0.0) -> Task:
@@ -41,9 +41,9 @@ def weight_hashes(model: nn.Module) -> dict[str, str]:
 
 
 def run_trainer(spec: dict, rank: int, out: Path) -> None:
-    from layerfreeze.config import build_config
     from layerfreeze.distributed import close_distributed
-    from layerfreeze.trainer import Trainer
+    from layerfreeze.train.config import build_config
+    from layerfreeze.train.trainer import Trainer
 
     steps: list[dict] = []
 

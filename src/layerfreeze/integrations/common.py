@@ -7,9 +7,10 @@ that a framework's own loop needs and a hand-written loop does not.
   in its param group, in the model's order: what the framework's own ``create_optimizer`` builds on resume, so its
   own ``optimizer.load_state_dict`` never meets "a parameter group that doesn't match the size of optimizer's
   group".
-* :func:`rebuild_ddp` — re-initialize the framework's own ``DistributedDataParallel`` object in place around the
-  trainable parameters after a freeze or thaw (no "Expected to have finished reduction in the prior iteration",
-  no silent desync after a thaw, Lightning #20340, no ``find_unused_parameters=True``).
+* the framework's own ``DistributedDataParallel`` object re-initialized in place around the trainable parameters
+  after a freeze or thaw (:func:`~layerfreeze.distributed.ddp.rebuild_ddp`, the mechanism :class:`~layerfreeze.
+  distributed.FreezeDDP` uses too: no "Expected to have finished reduction in the prior iteration", no silent
+  desync after a thaw, Lightning #20340, no ``find_unused_parameters=True``).
 * :class:`CheckpointBoundary` — the frozen prefix's output requires grad under reentrant activation checkpointing,
   so the trainable layers after it still get gradients (transformers #21381, #23170).
 * :class:`FreezeSession` — one freezer in a framework's loop: its events, the DDP wrapper and the boundary kept in
@@ -24,10 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..blocks import output_tensor
-from ..distributed import frozen_state_names
-from ..engine import Freezer
-from ..telemetry import signals_of
+from layerfreeze.distributed.ddp import rebuild_ddp
+from layerfreeze.engine.freezer import Freezer
+from layerfreeze.models.blocks import output_tensor
+from layerfreeze.runs.telemetry import signals_of
 
 #: The file each framework checkpoint folder gets for the freezer's state (HF Trainer checkpoints).
 STATE_FILE = "layerfreeze.pt"
@@ -121,43 +122,6 @@ def full_optimizer_state_dict(freezer: Freezer) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------------------------
 # DDP rebuilt in place
-# --------------------------------------------------------------------------------------------------------------
-
-
-def rebuild_ddp(ddp: nn.parallel.DistributedDataParallel, freezer: Freezer) -> None:
-    """Re-initialize ``ddp`` in place so its reducer holds exactly the parameters that require grad now.
-
-    Why in place: the framework keeps references to its wrapper where no callback can replace them (the HF
-    Trainer's ``_inner_training_loop`` passes it as a local variable to every epoch; accelerate keeps it in its
-    list of prepared models), so the same object must get the new reducer. DDP registers for all-reduce only the
-    parameters that require grad when it is built (``_build_params_for_reducer``): a freeze after that leaves the
-    reducer waiting ("Expected to have finished reduction in the prior iteration"; hidden by
-    ``find_unused_parameters=True`` at the price of a graph traversal every step, and raised anyway when the
-    Trainer turns it off for gradient checkpointing), a thaw leaves the thawed gradients never averaged, so the
-    ranks drift apart silently (Lightning #20340). The old reducer (and its autograd hooks) goes with the
-    re-initialization; the wrapper's settings (buckets, ``find_unused_parameters``, ``static_graph``, process group)
-    are kept; the module's state is broadcast from rank 0 again (frozen parameters and buffers excluded); the
-    optimizer is untouched (the same ``Parameter`` objects). A communication hook registered on the old wrapper is
-    not carried over.
-
-    Collective: every rank must call it at the same point (decisions are rank 0's on every rank, see the Freezer).
-    """
-    cls = nn.parallel.DistributedDataParallel
-    kwargs = dict(device_ids=ddp.device_ids, output_device=ddp.output_device, dim=ddp.dim,
-                  process_group=ddp.process_group, bucket_cap_mb=ddp.bucket_bytes_cap / 2**20,
-                  find_unused_parameters=ddp.find_unused_parameters,
-                  gradient_as_bucket_view=ddp.gradient_as_bucket_view, static_graph=ddp.static_graph)
-    if hasattr(ddp, "forward_sync_buffers"):  # torch >= 2.13 renamed broadcast_buffers
-        kwargs["forward_sync_buffers"] = ddp.forward_sync_buffers
-    else:
-        kwargs["broadcast_buffers"] = ddp.broadcast_buffers
-    module = ddp.module
-    cls._set_params_and_buffers_to_ignore_for_model(module, frozen_state_names(module, freezer))
-    ddp.reducer = None  # drop the old reducer (its autograd hooks) before the new one registers its own
-    ddp.logger = None
-    cls.__init__(ddp, module, **kwargs)
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Reentrant activation checkpointing after a frozen prefix
 # --------------------------------------------------------------------------------------------------------------

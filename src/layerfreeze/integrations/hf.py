@@ -56,10 +56,9 @@ from typing import Any
 
 import torch
 
-from ..engine import Freezer
-from ..strategies import DEFAULT_STRATEGY, Strategy
-from . import require
-from .common import (
+from layerfreeze.engine.freezer import Freezer
+from layerfreeze.integrations import require
+from layerfreeze.integrations.common import (
     STATE_FILE,
     FreezeSession,
     OptimizerSnapshot,
@@ -68,6 +67,7 @@ from .common import (
     inner_scheduler,
     is_checkpointing,
 )
+from layerfreeze.strategies import DEFAULT_STRATEGY, Strategy
 
 transformers = require("transformers", "hf")
 

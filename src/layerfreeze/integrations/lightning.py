@@ -41,10 +41,10 @@ from typing import Any
 
 from torch import nn
 
-from ..engine import Freezer
-from ..strategies import DEFAULT_STRATEGY, Strategy
-from . import require
-from .common import FreezeSession, is_checkpointing
+from layerfreeze.engine.freezer import Freezer
+from layerfreeze.integrations import require
+from layerfreeze.integrations.common import FreezeSession, is_checkpointing
+from layerfreeze.strategies import DEFAULT_STRATEGY, Strategy
 
 L = require("lightning.pytorch", "lightning")
 

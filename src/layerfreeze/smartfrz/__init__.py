@@ -1,5 +1,16 @@
-"""SmartFRZ as we build it: weight recorder, scale-free window features, the attention predictor, and the offline
-pipeline (collect runs, label them with CKA, train, evaluate on held-out architectures and datasets).
+"""The SmartFRZ predictor's offline pipeline: research code that imports the library and is never imported by it.
 
-The online strategy is :class:`layerfreeze.strategies.smartfrz.SmartFRZ`.
+``layerfreeze predictor collect -> label -> train (-> evaluate, counterfactual, calibrate)``:
+
+* :mod:`~layerfreeze.smartfrz.setup` / :mod:`~layerfreeze.smartfrz.recipes` -- what one run trains (the registered
+  recipes: datasets, networks, settings);
+* :mod:`~layerfreeze.smartfrz.collect` -- record runs to the end (weight samples, probe activations);
+* :mod:`~layerfreeze.smartfrz.labels` -- CKA labels: when each block's representation has converged;
+* :mod:`~layerfreeze.smartfrz.fit` -- train and evaluate a predictor on labelled windows;
+  :mod:`~layerfreeze.smartfrz.lofo` -- leave one architecture family out; :mod:`~layerfreeze.smartfrz.ship` --
+  the predictor file and its card (:mod:`~layerfreeze.smartfrz.card`);
+* :mod:`~layerfreeze.smartfrz.counterfactual` -- what freezing at step t really costs, to check the labels;
+* :mod:`~layerfreeze.smartfrz.runs` -- the runs folder's format; :mod:`~layerfreeze.smartfrz.cli` -- the CLI.
+
+The strategy that uses the shipped predictor at run time is :mod:`layerfreeze.strategies.smartfrz`.
 """

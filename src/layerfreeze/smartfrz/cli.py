@@ -26,12 +26,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .counterfactual import DEFAULT_EPS_POINTS, DEFAULT_FRACTIONS, DEFAULT_NULL_ORDERS, MAX_DEPTHS
-from .fit import DEFAULT_HISTORY, DEFAULT_MIN_HISTORY, DEFAULT_THRESHOLD, TrainConfig
-from .labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_TAU_SCRATCH, DEFAULT_WINDOW, label_rule
-from .predictor import PredictorError
-from .recipes import DEFAULT_HOLDOUT, RECIPES
-from .runs import PipelineError
+from layerfreeze.smartfrz.counterfactual import DEFAULT_EPS_POINTS, DEFAULT_FRACTIONS, DEFAULT_NULL_ORDERS, MAX_DEPTHS
+from layerfreeze.smartfrz.fit import DEFAULT_HISTORY, DEFAULT_MIN_HISTORY, DEFAULT_THRESHOLD, TrainConfig
+from layerfreeze.smartfrz.labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_TAU_SCRATCH, DEFAULT_WINDOW, label_rule
+from layerfreeze.smartfrz.recipes import DEFAULT_HOLDOUT, RECIPES, get_recipes
+from layerfreeze.smartfrz.runs import PipelineError
+from layerfreeze.strategies.smartfrz.predictor import PredictorError
 
 DEFAULT_RUNS_DIR = "runs/smartfrz"
 
@@ -172,8 +172,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
 
 
 def _collect(args: argparse.Namespace, console: Console) -> int:
-    from .collect import collect
-    from .recipes import get_recipes
+    from layerfreeze.smartfrz.collect import collect
 
     recipes = get_recipes(args.recipes)
     if args.list:
@@ -190,7 +189,7 @@ def _collect(args: argparse.Namespace, console: Console) -> int:
     n_runs = sum(len(args.seeds) * len(args.lrs or r.lrs) for r in recipes)
     est = sum(len(args.seeds) * len(args.lrs or r.lrs) * r.minutes for r in recipes)
     console.print(f"collecting {n_runs} runs into {args.out}" + ("" if args.quick else f" (~{est:.0f} min)"))
-    from .runs import collapsed
+    from layerfreeze.smartfrz.runs import collapsed
 
     done = {"complete": 0, "diverged": 0, "skipped": 0}
 
@@ -212,8 +211,8 @@ def _collect(args: argparse.Namespace, console: Console) -> int:
 
 
 def _label(args: argparse.Namespace, console: Console) -> int:
-    from .labels import label_run
-    from .runs import list_runs
+    from layerfreeze.smartfrz.labels import label_run
+    from layerfreeze.smartfrz.runs import list_runs
 
     runs = list_runs(args.runs_dir)
     if not runs:
@@ -294,8 +293,8 @@ def _lofo_table(title: str, lofo: dict[str, Any]) -> Table:
 
 
 def _train(args: argparse.Namespace, console: Console) -> int:
-    from .fit import train_and_save
-    from .runs import list_runs, read_run
+    from layerfreeze.smartfrz.runs import list_runs, read_run
+    from layerfreeze.smartfrz.ship import train_and_save
 
     runs = [read_run(d, need_labels=True) for d in list_runs(args.runs_dir)]
     if not runs:
@@ -339,9 +338,9 @@ def _note_labels(runs: list[Any], card: dict[str, Any], console: Console) -> Non
 
 
 def _evaluate(args: argparse.Namespace, console: Console) -> int:
-    from .fit import evaluate
-    from .predictor import load_predictor
-    from .runs import list_runs, read_run
+    from layerfreeze.smartfrz.fit import evaluate
+    from layerfreeze.smartfrz.runs import list_runs, read_run
+    from layerfreeze.strategies.smartfrz.predictor import load_predictor
 
     runs_dirs = list_runs(args.runs_dir)  # a bad folder is reported before the predictor is loaded
     model, meta = load_predictor(args.predictor)
@@ -377,7 +376,7 @@ def _evaluate_lofo(args: argparse.Namespace, console: Console, runs: list[Any], 
     """
     from dataclasses import fields
 
-    from .lofo import leave_one_family_out
+    from layerfreeze.smartfrz.lofo import leave_one_family_out
 
     card = meta.get("card") or {}
     known = {f.name for f in fields(TrainConfig)}
@@ -400,7 +399,7 @@ def _evaluate_lofo(args: argparse.Namespace, console: Console, runs: list[Any], 
 
 
 def _counterfactual(args: argparse.Namespace, console: Console) -> int:
-    from .counterfactual import counterfactual_for
+    from layerfreeze.smartfrz.counterfactual import counterfactual_for
 
     results = counterfactual_for(args.runs_dir, args.recipes, args.seeds, quick=args.quick, fractions=args.fractions,
                                  lrs=args.lrs, depths=args.depths, null_orders=args.null_orders,
@@ -425,7 +424,7 @@ def _counterfactual(args: argparse.Namespace, console: Console) -> int:
 
 
 def _calibrate(args: argparse.Namespace, console: Console) -> int:
-    from .counterfactual import calibrate, read_counterfactuals
+    from layerfreeze.smartfrz.counterfactual import calibrate, read_counterfactuals
 
     cfs = read_counterfactuals(args.runs_dir)
     rows = calibrate(args.runs_dir, args.taus, args.windows, args.deltas, args.eps, counterfactuals=cfs)

@@ -1,15 +1,15 @@
 """Collect training runs for the SmartFRZ predictor: train small networks to the end and record every block.
 
-A *recipe* (:mod:`.recipes`) builds a :class:`Setup` (model, train data, fixed probe batch, loss, optimizer
-settings) from a seed; a *run* is one recipe trained with one seed and one learning rate, with the plain loop
-:func:`~layerfreeze.loop.train_steps` (no freezing) and the shared LR schedule (:func:`~layerfreeze.loop.lr_lambda`;
-warm-up rounded the collector's way, ``warmup_steps(..., rounding="round")``, which the shipped predictor's runs were
-recorded with). While it trains we record, every ``snapshot_every`` optimizer steps (and before the first step),
-each block's weight sample exactly as the online :class:`~layerfreeze.smartfrz.recorder.WeightRecorder` does (1,024
-weights per block at fixed positions drawn with seed 0, spread over the block's tensors in proportion to their
-sizes; smaller blocks padded), over the *whole* trajectory, not only a last window. Every ``act_every``-th
-snapshot, and at the final one, each block's output on the fixed probe batch is recorded too; :mod:`.labels` turns
-those into CKA labels.
+A *recipe* (:mod:`.recipes`) builds a :class:`~layerfreeze.smartfrz.setup.Setup` (model, train data, fixed probe batch,
+loss, optimizer settings) from a seed; a *run* is one recipe trained with one seed and one learning rate, with the plain
+loop :func:`~layerfreeze.train.loop.train_steps` (no freezing) and the shared LR schedule
+(:func:`~layerfreeze.train.loop.lr_lambda`; warm-up rounded the collector's way, ``warmup_steps(...,
+rounding="round")``, which the shipped predictor's runs were recorded with). While it trains we record, every
+``snapshot_every`` optimizer steps (and before the first step), each block's weight sample exactly as the online
+:class:`~layerfreeze.strategies.smartfrz.recorder.WeightRecorder` does (1,024 weights per block at fixed positions drawn
+with seed 0, spread over the block's tensors in proportion to their sizes; smaller blocks padded), over the *whole*
+trajectory, not only a last window. Every ``act_every``-th snapshot, and at the final one, each block's output on the
+fixed probe batch is recorded too; :mod:`.labels` turns those into CKA labels.
 
 On-disk format (``RUN_FORMAT_VERSION`` 1), one folder per run, ``<out>/<recipe>_s<seed>_lr<lr>/``:
 
@@ -32,7 +32,7 @@ On-disk format (``RUN_FORMAT_VERSION`` 1), one folder per run, ``<out>/<recipe>_
     padding; ``steps`` ``(N_snap,)`` int64 = ``0, snapshot_every, 2 * snapshot_every, ..., steps``.
 ``activations.safetensors``
     ``act.<i>`` ``(N_act, P, D_i)`` float16: block ``i``'s output on the ``P`` probe samples (model in eval mode,
-    no grad; :func:`~layerfreeze.probe.probe_outputs`: the first tensor of a tuple output), flattened per sample
+    no grad; :func:`~layerfreeze.models.probe.probe_outputs`: the first tensor of a tuple output), flattened per sample
     and subsampled to ``D_i <= act_features`` features at fixed positions ``pos.<i>`` ``(D_i,)`` int64 (seeded per
     block; all features when the output is small enough), clamped to the float16 range; ``act_steps`` ``(N_act,)``
     int64, the steps of snapshots ``0, act_every, 2 * act_every, ...`` and always the final one.
@@ -40,30 +40,28 @@ On-disk format (``RUN_FORMAT_VERSION`` 1), one folder per run, ``<out>/<recipe>_
 Files are written through temporary names and renamed; ``meta.json`` is written last, so a folder without it is an
 unfinished run and is redone, and a finished one is skipped (collection resumes where it stopped).
 
-Your own runs: build a :class:`Setup` for your model and data and call :func:`record_run`, or register a recipe with
-:func:`~layerfreeze.smartfrz.recipes.register_recipe`; then ``layerfreeze predictor label`` / ``train`` work on the
-folder as on ours.
+Your own runs: build a :class:`~layerfreeze.smartfrz.setup.Setup` for your model and data and call :func:`record_run`,
+or register a recipe with :func:`~layerfreeze.smartfrz.recipes.registry.register_recipe`; then ``layerfreeze predictor
+label`` / ``train`` work on the folder as on ours.
 """
 
 from __future__ import annotations
 
-import math
 import platform
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..blocks import Block, discover_blocks
-from ..loop import lr_lambda, train_steps, warmup_steps
-from ..probe import block_modules, probe_outputs
-from .recorder import WeightRecorder
-from .runs import (
+from layerfreeze._version import __version__
+from layerfreeze.models.blocks import Block
+from layerfreeze.models.discovery import discover_blocks
+from layerfreeze.models.probe import block_modules, eval_mode, probe_outputs
+from layerfreeze.smartfrz.recipes import get_recipes
+from layerfreeze.smartfrz.runs import (
     ACTIVATIONS_FILE,
     META_FILE,
     RUN_FORMAT,
@@ -71,16 +69,17 @@ from .runs import (
     WEIGHTS_FILE,
     PipelineError,
     is_finished,
+    read_meta,
     write_json_atomic,
 )
+from layerfreeze.smartfrz.setup import Setup, make_optimizer
+from layerfreeze.strategies.smartfrz.recorder import WeightRecorder
+from layerfreeze.train.loop import lr_lambda, train_steps, warmup_steps
 
 SAMPLE_SIZE = 1024
 SAMPLE_SEED = 0          # the online strategy's default seed: runs sample the positions it would sample
 ACT_FEATURES = 1024
-TARGET_SNAPSHOTS = 150   # the online strategy's default snapshot_every is round(total_steps / 150)
 _F16_MAX = 65504.0
-#: LR schedules a Setup may ask for, after its linear warm-up (:func:`~layerfreeze.loop.lr_lambda` computes them).
-SCHEDULES = ("cosine", "linear", "constant")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -88,91 +87,13 @@ SCHEDULES = ("cosine", "linear", "constant")
 # --------------------------------------------------------------------------------------------------------------
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits, labels)
-
-
-def call_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``model(batch["x"])``: the forward of the image and tabular recipes."""
-    return model(batch["x"])
-
-
-@dataclass
-class Setup:
-    """Everything one run needs. Tensors are in memory; a batch is ``{key: tensor[idx]}`` over ``train_x``.
-
-    Attributes:
-        model: The network (initialised by the recipe from the run's seed).
-        train_x / train_y: Training inputs ``{key: (N, ...)}`` and labels: class indices ``(N,)`` for a
-            classifier, or ``(N, T)`` for a causal LM (``train_y[n, t]`` is the token after input token ``t``
-            of chunk ``n``: the next-token shift is in the data, so ``forward``'s logits ``(N, T, V)`` line up
-            with it position by position).
-        probe_x: The fixed probe batch ``{key: (P, ...)}`` (same for every seed of a recipe).
-        test_x / test_y: A fixed test subset for the final accuracy (optional); ``test_y`` shaped like
-            ``train_y``.
-        forward: ``(model, batch dict) -> logits``: ``(B, C)``, or ``(B, T, V)`` per token for a causal LM (the
-            prediction is ``argmax`` over the last dim, compared element-wise with the labels).
-        loss_fn: ``(logits, labels) -> scalar loss``, the mean over the batch's labels (:func:`evaluate_test`
-            weights each batch by its number of labels).
-        steps: Optimizer steps (rounded up to a multiple of ``snapshot_every``).
-        batch_size: Samples per step.
-        optimizer: ``"sgd"`` (with ``momentum``, Nesterov off) or ``"adamw"``.
-        weight_decay / momentum / grad_clip: Optimizer settings (``grad_clip`` is a max global norm or None).
-        schedule: ``"cosine"`` or ``"linear"`` decay to zero after a ``warmup`` fraction of linear warm-up, or
-            ``"constant"``: the base LR from the end of the warm-up to the last step (no decay; see
-            :func:`~layerfreeze.loop.lr_lambda`). A run without decay ends with the optimizer's noise still in the
-            weights, which is what many fine-tunes and SGD runs do, and what a freezing policy meets there.
-        snapshot_every: Steps between weight snapshots; None: ``max(1, round(steps / 150))``.
-        act_every: Every how many snapshots the probe activations are recorded.
-        blocks: Module-name patterns for :func:`~layerfreeze.blocks.discover_blocks` (None: discovered).
-    """
-
-    model: nn.Module
-    train_x: dict[str, torch.Tensor]
-    train_y: torch.Tensor
-    probe_x: dict[str, torch.Tensor]
-    forward: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor] = call_forward
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
-    test_x: dict[str, torch.Tensor] | None = None
-    test_y: torch.Tensor | None = None
-    steps: int = 1000
-    batch_size: int = 64
-    optimizer: str = "adamw"
-    weight_decay: float = 0.0
-    momentum: float = 0.9
-    grad_clip: float | None = None
-    schedule: str = "cosine"
-    warmup: float = 0.05
-    snapshot_every: int | None = None
-    act_every: int = 5
-    blocks: list[str] | None = None
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in ("sgd", "adamw"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {self.schedule!r}")
-        if self.snapshot_every is None:
-            self.snapshot_every = max(1, round(self.steps / TARGET_SNAPSHOTS))
-        self.steps = math.ceil(self.steps / self.snapshot_every) * self.snapshot_every
-        if self.act_every < 1:
-            raise ValueError(f"act_every must be >= 1, got {self.act_every}")
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Recording one run
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _make_optimizer(setup: Setup, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    if setup.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=setup.momentum, weight_decay=setup.weight_decay)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=setup.weight_decay)
-
-
 class _ActivationProbe:
-    """Each block's output on the probe batch (:func:`~layerfreeze.probe.probe_outputs`), kept as a float16
+    """Each block's output on the probe batch (:func:`~layerfreeze.models.probe.probe_outputs`), kept as a float16
     subsample of ``max_features`` features per sample at fixed, seeded positions."""
 
     def __init__(self, blocks: list[Block], max_features: int) -> None:
@@ -201,8 +122,6 @@ class _ActivationProbe:
 
 def _versions() -> dict[str, str]:
     import sys
-
-    from .. import __version__
 
     out = {"python": platform.python_version(), "torch": torch.__version__, "layerfreeze": __version__}
     for name in ("torchvision", "transformers", "sklearn"):
@@ -238,18 +157,14 @@ def evaluate_test(setup: Setup, model: nn.Module) -> tuple[float, float] | None:
     """
     if setup.test_x is None or setup.test_y is None or len(setup.test_y) == 0:
         return None
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
     correct, loss_sum = 0, 0.0
-    with torch.no_grad():
+    with eval_mode(model), torch.no_grad():
         for s in range(0, len(setup.test_y), 128):
             batch = {k: v[s:s + 128] for k, v in setup.test_x.items()}
             logits = setup.forward(model, batch)
             labels = setup.test_y[s:s + 128]
             correct += int((logits.argmax(-1) == labels).sum())
             loss_sum += float(setup.loss_fn(logits, labels)) * labels.numel()
-    for m, training in modes:
-        m.training = training
     total = setup.test_y.numel()
     return correct / total, loss_sum / total
 
@@ -290,7 +205,7 @@ def record_run(setup: Setup, out_dir: str | Path, *, lr: float, seed: int, info:
     n_snap = steps // every + 1
     recorder = WeightRecorder(blocks, sample_size, window=max(3, n_snap), seed=SAMPLE_SEED)
     probe = _ActivationProbe(blocks, act_features)
-    opt = _make_optimizer(setup, model, lr)
+    opt = make_optimizer(setup, model, lr)
     # the collector's warm-up rounding ("round"), not the trainer's: the shipped predictor's runs were recorded so
     warmup = warmup_steps(steps, setup.warmup, rounding="round")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps, warmup, setup.schedule))
@@ -387,9 +302,6 @@ def collect(out: str | Path, recipes: list[str] | None = None, seeds: list[int] 
     Returns:
         The meta of every run (recorded now or earlier), in order.
     """
-    from .recipes import get_recipes  # the recipes build Setups of this module
-    from .runs import read_meta
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     metas = []

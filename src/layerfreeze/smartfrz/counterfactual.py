@@ -7,9 +7,9 @@ activation snapshots, so the CKA label exists there), keeps the whole training s
 schedule, global RNG); from it, for each prefix depth ``d`` (blocks ``0 .. d-1`` frozen), it trains on to the end
 with those blocks frozen the way the engine freezes them (``requires_grad`` off, eval mode, their optimizer state
 dropped: :func:`~layerfreeze.engine.frozen_parameters`, :func:`~layerfreeze.engine.set_eval_mode`,
-:func:`~layerfreeze.optim.remove_from_optimizer`), on the same batches, and evaluates on the recipe's test subset.
-The *cost* of freezing ``d`` at ``t`` is the unfrozen run's final test accuracy minus the continuation's, in points
-(and the same for the test loss). These are the "counterfactual continuations" of issue 16; the oracle of the
+:func:`~layerfreeze.engine.optim.remove_from_optimizer`), on the same batches, and evaluates on the recipe's test
+subset. The *cost* of freezing ``d`` at ``t`` is the unfrozen run's final test accuracy minus the continuation's, in
+points (and the same for the test loss). These are the "counterfactual continuations" of issue 16; the oracle of the
 benchmark protocol (OVERVIEW: freeze each block when its CKA to the final model converges) is checked against them
 by :func:`calibrate`.
 
@@ -39,13 +39,15 @@ from typing import Any
 
 import torch
 
-from ..blocks import discover_blocks
-from ..engine import frozen_parameters, set_eval_mode
-from ..loop import lr_lambda, train_steps, warmup_steps
-from ..optim import remove_from_optimizer
-from .collect import Setup, _make_optimizer, batch_order, evaluate_test, run_name
-from .labels import freezable_from_cka, label_run
-from .runs import PipelineError, read_meta, write_json_atomic
+from layerfreeze.engine.freezer import frozen_parameters, set_eval_mode
+from layerfreeze.engine.optim import remove_from_optimizer
+from layerfreeze.models.discovery import discover_blocks
+from layerfreeze.smartfrz.collect import batch_order, evaluate_test, run_name
+from layerfreeze.smartfrz.labels import freezable_from_cka, label_run
+from layerfreeze.smartfrz.recipes import get_recipes
+from layerfreeze.smartfrz.runs import PipelineError, read_meta, write_json_atomic
+from layerfreeze.smartfrz.setup import Setup, make_optimizer
+from layerfreeze.train.loop import lr_lambda, train_steps, warmup_steps
 
 COUNTERFACTUAL_FILE = "counterfactual.json"
 COUNTERFACTUAL_FORMAT = "layerfreeze-smartfrz-counterfactual"
@@ -126,7 +128,7 @@ def run_counterfactuals(setup_fn: Callable[[], Setup], run_dir: str | Path, *, l
     """Replay a recorded run and train every (grid step, prefix depth) continuation; write ``counterfactual.json``.
 
     Args:
-        setup_fn: Builds the run's :class:`~layerfreeze.smartfrz.collect.Setup` afresh (the recipe's build with the
+        setup_fn: Builds the run's :class:`~layerfreeze.smartfrz.setup.Setup` afresh (the recipe's build with the
             run's seed: it seeds the model's initialisation and the global RNG, as when the run was recorded).
         run_dir: The recorded run's folder (its ``meta.json`` names the run; the result is written there).
         lr / seed: The run's learning rate and data-order seed.
@@ -173,7 +175,7 @@ def run_counterfactuals(setup_fn: Callable[[], Setup], run_dir: str | Path, *, l
         return setup.loss_fn(setup.forward(model, {k: v[idx] for k, v in setup.train_x.items()}), setup.train_y[idx])
 
     def fresh(opt_state: dict | None = None, sched_state: dict | None = None):
-        opt = _make_optimizer(setup, model, lr)
+        opt = make_optimizer(setup, model, lr)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lr_lambda(steps, warmup_steps(steps, setup.warmup, rounding="round"), setup.schedule))
         if opt_state is not None:
@@ -252,7 +254,6 @@ def counterfactual_for(runs_dir: str | Path, recipe_names: Sequence[str], seeds:
     Raises:
         PipelineError: a fraction outside (0, 1), the runs folder is missing, or a named run was not collected.
     """
-    from .recipes import get_recipes
 
     check_fractions(fractions)  # before a run is replayed
     if not Path(runs_dir).is_dir():

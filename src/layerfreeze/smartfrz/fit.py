@@ -2,28 +2,28 @@
 
 Dataset: for every labelled run, every non-head block and every activation snapshot ``k`` with at least
 ``min_history`` weight snapshots so far (``k >= min_history - 1``), the input is
-:func:`~layerfreeze.smartfrz.features.window_features` of the block's weight samples
+:func:`~layerfreeze.strategies.smartfrz.features.window_features` of the block's weight samples
 ``samples[max(0, k - history + 1) : k + 1]`` (exactly the window the online strategy sees at that step: the last
 ``history`` snapshots, or all of them early in training) and the target is the CKA label of :mod:`.labels`. Windows
-shorter than ``history`` are left-padded and masked (see :class:`~layerfreeze.smartfrz.predictor.FreezePredictor`).
+shorter than ``history`` are left-padded and masked (see
+:class:`~layerfreeze.strategies.smartfrz.predictor.FreezePredictor`).
 
 Training is bit-for-bit reproducible from the seed: one CPU thread, ``torch.use_deterministic_algorithms(True)``,
 parameters initialised and mini-batches drawn from seeded generators, a fixed number of epochs (the global RNG,
 thread count and determinism flag are restored afterwards). The card records a SHA-256 of the training tensors, so
 a reproduction can check it started from the same data.
 
-Split by *recipe*: the held-out recipes (:data:`~layerfreeze.smartfrz.recipes.DEFAULT_HOLDOUT`: an unseen
-architectures and an unseen dataset) are never used for training; every metric in the card is measured on them.
-Optionally (``lofo=True``) the card also holds a leave-one-family-out evaluation of the same training settings on
-all runs (:mod:`.lofo`): one predictor per architecture family, trained on the other families.
+Split by *recipe*: the held-out recipes (:data:`~layerfreeze.smartfrz.recipes.registry.DEFAULT_HOLDOUT`: an unseen
+architectures and an unseen dataset) are never used for training; every metric in the card is measured on them
+(:func:`~layerfreeze.smartfrz.ship.train_and_save` writes the file and its card, optionally with a
+leave-one-family-out evaluation, :mod:`.lofo`).
 
 Evaluation (:func:`evaluate`):
 
 * per-window decisions: ``p >= threshold`` against the label, at every labelled window -> precision, recall, F1;
 * freeze-step error: per run and non-head block, the first step at which the strategy's prefix rule (as in
-  :class:`~layerfreeze.strategies.smartfrz.SmartFRZ`: at every weight snapshot with at least ``min_history``
-  snapshots, blocks front to
-  back, freeze while ``p >= threshold`` and every earlier block is frozen) would freeze the block, against the first
+  :class:`~layerfreeze.strategies.smartfrz.strategy.SmartFRZ`: at every weight snapshot with at least
+  ``min_history`` snapshots, blocks front to back, freeze while ``p >= threshold`` and every earlier block is frozen) would freeze the block, against the first
   labelled freezable step, as a fraction of training; a block that one side never freezes counts at the end of
   training. Also the signed mean (positive: the predictor freezes later than the labels) and the fraction of
   blocks frozen *before* their label (the costly mistake).
@@ -35,16 +35,15 @@ import hashlib
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .features import NUM_FEATURES, window_features
-from .labels import label_rule
-from .predictor import FreezePredictor
-from .runs import PipelineError, RunData
+from layerfreeze.smartfrz.labels import label_rule
+from layerfreeze.smartfrz.runs import PipelineError, RunData
+from layerfreeze.strategies.smartfrz.features import NUM_FEATURES, window_features
+from layerfreeze.strategies.smartfrz.predictor import FreezePredictor
 
 DEFAULT_HISTORY = 30
 #: Fewest weight snapshots a decision is made on. 30 snapshots are ~20% of a run (the strategy takes ~150 per run),
@@ -294,7 +293,7 @@ def prefix_freeze_steps(probs: torch.Tensor, steps: list[int], head: int | None,
     return frozen
 
 
-def _counts_metrics(tp: int, fp: int, fn: int, tn: int) -> dict[str, float | None]:
+def counts_metrics(tp: int, fp: int, fn: int, tn: int) -> dict[str, float | None]:
     """Per-window metrics from the confusion counts. A ratio with no cases is None (shown "-"), not 0: a predictor
     that never says "freeze" has no precision, which a 0.000 would misreport as every call being wrong; F1 is
     ``2 tp / (2 tp + fp + fn)`` (0 when it finds none of the positives), None only with neither calls nor positives."""
@@ -353,7 +352,7 @@ def evaluate(model: FreezePredictor, runs: list[RunData], history: int,
         per_run[run.name] = {"recipe": run.recipe, "steps": total, "predicted": predicted, "labelled": labelled}
 
     def finish(g: dict[str, Any]) -> dict[str, Any]:
-        out = _counts_metrics(g["tp"], g["fp"], g["fn"], g["tn"])
+        out = counts_metrics(g["tp"], g["fp"], g["fn"], g["tn"])
         n = len(g["err"])
         out.update(blocks=n, freeze_step_error=sum(g["err"]) / n if n else math.nan,
                    freeze_step_bias=sum(g["bias"]) / n if n else math.nan,
@@ -372,20 +371,20 @@ def evaluate(model: FreezePredictor, runs: list[RunData], history: int,
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _run_summary(run: RunData) -> dict[str, Any]:
+def run_summary(run: RunData) -> dict[str, Any]:
     m = run.meta
     return {"run": run.name, "recipe": m["recipe"], "arch": m.get("arch"), "dataset": m.get("dataset"),
             "mode": m.get("mode"), "seed": m["seed"], "lr": m["lr"], "steps": m["steps"],
             "blocks": len(m["blocks"]), "test_accuracy": m.get("test_accuracy")}
 
 
-def _rounded(obj: Any) -> Any:
+def rounded(obj: Any) -> Any:
     if isinstance(obj, float):
         return round(obj, 4) if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {k: _rounded(v) for k, v in obj.items()}
+        return {k: rounded(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_rounded(v) for v in obj]
+        return [rounded(v) for v in obj]
     return obj
 
 
@@ -395,59 +394,3 @@ def split_runs(runs: list[RunData], holdout: Iterable[str]) -> tuple[list[RunDat
     return [r for r in runs if r.recipe not in held], [r for r in runs if r.recipe in held]
 
 
-def train_and_save(runs: list[RunData], out: str | Path, holdout: Iterable[str], config: TrainConfig | None = None,
-                   threshold: float = DEFAULT_THRESHOLD, command: str = "", card_path: str | Path | None = None,
-                   lofo: bool = False) -> tuple[Path, dict[str, Any]]:
-    """Split by recipe, train on the rest, evaluate on the held-out runs, save the predictor with its card.
-
-    Args:
-        runs: Labelled runs (all of one labelling).
-        out: The predictor file (``.safetensors``).
-        holdout: Recipes never trained on; metrics are measured on them.
-        command: The command line that reproduces this file (recorded in the card).
-        card_path: Where to write the Markdown card (default: ``PREDICTOR_CARD.md`` beside ``out``).
-        lofo: Also run :func:`~layerfreeze.smartfrz.lofo.leave_one_family_out` on all ``runs`` (held-out recipes
-            included; one extra predictor trained per architecture family, none saved) and record it in the card
-            under ``"lofo"`` (None otherwise).
-
-    Returns:
-        ``(predictor path, card dict)``.
-
-    Raises:
-        PipelineError: no training runs left after the split, or runs labelled differently; with ``lofo``, also
-            runs without an ``arch`` or of a single family.
-    """
-    from .. import __version__
-    from .card import write_card
-    from .predictor import save_predictor
-
-    cfg = config or TrainConfig()
-    holdout = sorted(set(holdout))
-    train_runs, held_runs = split_runs(runs, holdout)
-    if not train_runs:
-        raise PipelineError(f"every run belongs to a held-out recipe ({', '.join(holdout)}); nothing to train on")
-    labels = label_settings(runs)
-    if lofo:
-        from .lofo import family_folds, leave_one_family_out
-
-        family_folds(runs)  # a corpus LOFO cannot split fails before anything is trained
-    model, info = train_predictor(train_runs, cfg)
-    metrics = None
-    if held_runs:
-        metrics = _rounded(evaluate(model, held_runs, cfg.history, threshold, cfg.min_history))
-        metrics.pop("per_run", None)
-    lofo_metrics = None
-    if lofo:
-        lofo_metrics = _rounded(leave_one_family_out(runs, cfg, threshold))
-    card = {
-        "name": "layerfreeze SmartFRZ freeze predictor",
-        "layerfreeze_version": __version__, "torch_version": torch.__version__,
-        "window": cfg.history, "min_window": cfg.min_history, "threshold": threshold, "labels": labels,
-        "training": info,
-        "train_recipes": sorted({r.recipe for r in train_runs}), "heldout_recipes": holdout,
-        "train_runs": [_run_summary(r) for r in train_runs], "heldout_runs": [_run_summary(r) for r in held_runs],
-        "heldout_metrics": metrics, "lofo": lofo_metrics, "command": command,
-    }
-    path = save_predictor(out, model, cfg.history, card=card, min_window=cfg.min_history)
-    write_card(card, card_path or Path(out).with_name("PREDICTOR_CARD.md"))
-    return path, card

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .runs import LABELS_FILE, list_runs, read_activations, read_meta, write_json_atomic
+from layerfreeze.smartfrz.runs import LABELS_FILE, list_runs, read_activations, read_meta, write_json_atomic
 
 #: CKA to the final representation a block must reach. Chosen from the recorded curves of the digits runs (MLP,
 #: CNN, and the Fashion-MNIST CNN fine-tuned on digits, two learning rates each, seed 0; the sensitivity numbers

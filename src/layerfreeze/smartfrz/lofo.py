@@ -1,8 +1,8 @@
 """Leave-one-family-out (LOFO) evaluation of the SmartFRZ predictor's training recipe.
 
-Why: the card's held-out metrics (:func:`~layerfreeze.smartfrz.fit.train_and_save`) are measured on a fixed pair of
-recipes (:data:`~layerfreeze.smartfrz.recipes.DEFAULT_HOLDOUT`), i.e. on two architectures. SmartFRZ's claim (Li et
-al., "SmartFRZ: An Efficient Training Framework using Attention-Based Layer Freezing", ICLR 2023) is that one
+Why: the card's held-out metrics (:func:`~layerfreeze.smartfrz.ship.train_and_save`) are measured on a fixed pair of
+recipes (:data:`~layerfreeze.smartfrz.recipes.registry.DEFAULT_HOLDOUT`), i.e. on two architectures. SmartFRZ's claim
+(Li et al., "SmartFRZ: An Efficient Training Framework using Attention-Based Layer Freezing", ICLR 2023) is that one
 predictor, trained offline on some networks, serves networks it has never seen. LOFO tests that for every
 architecture in the corpus: per *family* (a run's ``meta["arch"]``: mlp, cnn, vit, resnet, mobilenet_v2,
 minilm-l6, bert-tiny, ...) a predictor is trained on the runs of all other families and evaluated on that family's
@@ -21,8 +21,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .fit import DEFAULT_THRESHOLD, TrainConfig, _counts_metrics, evaluate, label_settings, train_predictor
-from .runs import PipelineError, RunData
+from layerfreeze.smartfrz.fit import (
+    DEFAULT_THRESHOLD,
+    TrainConfig,
+    counts_metrics,
+    evaluate,
+    label_settings,
+    train_predictor,
+)
+from layerfreeze.smartfrz.runs import PipelineError, RunData
 
 #: How :func:`pool_metrics` combines the folds (recorded with the results and shown in the card).
 POOLING = ("windows and blocks of every fold pooled: window counts summed, then precision/recall/F1; step error, "
@@ -74,7 +81,7 @@ def pool_metrics(folds: list[dict[str, Any]]) -> dict[str, Any]:
         summed counts; the block metrics are the means over every block of every fold (each fold's mean weighted
         by its number of blocks; a fold without blocks adds none). NaN block metrics when no fold has a block.
     """
-    out = _counts_metrics(*(sum(int(m[k]) for m in folds) for k in ("tp", "fp", "fn", "tn")))
+    out = counts_metrics(*(sum(int(m[k]) for m in folds) for k in ("tp", "fp", "fn", "tn")))
     with_blocks = [m for m in folds if m["blocks"]]
     n = sum(int(m["blocks"]) for m in with_blocks)
 

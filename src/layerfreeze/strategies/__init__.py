@@ -1,32 +1,36 @@
-"""Freezing strategies, registered by name (``@register_strategy("static")``; ``create_strategy("static", k=5)``).
+"""Freezing strategies, registered by name (``@register_strategy("static")``; ``create_strategy("static", {"k": 5})``).
 
-One file per strategy; each cites its source in its docstring. The registry is :mod:`.registry`.
+One file per strategy (a folder for the two with parts: :mod:`~layerfreeze.strategies.egeria`,
+:mod:`~layerfreeze.strategies.smartfrz`); each cites its source in its docstring. Every strategy implements
+:class:`~layerfreeze.strategies.base.Strategy` (``decide(ctx) -> Decision``); :mod:`~layerfreeze.strategies.registry`
+is the registry, which the strategy files import (never the reverse).
 """
 
 from __future__ import annotations
 
-from .base import BlockView, Decision, StageContext, Strategy
-from .registry import (
-                       STRATEGIES,
-                       UnknownStrategyError,
-                       create_strategy,
-                       register_strategy,
-                       strategy_parameters,
-                       unregister_strategy,
+from layerfreeze.errors import UnknownStrategyError
+from layerfreeze.strategies.base import BlockView, Decision, StageContext, Strategy
+from layerfreeze.strategies.registry import (
+    STRATEGIES,
+    check_strategy,
+    create_strategy,
+    register_strategy,
+    strategy_parameters,
+    unregister_strategy,
 )
 
 # Importing each file registers its strategy (@register_strategy); this order is the registry's and the default
 # rows of ``layerfreeze compare`` (tests/test_strategies_register.py checks it), so no import sorter may change it.
 # isort: off
-from .none import NoFreezing
-from .static import StaticFreezing
-from .gradual import GradualUnfreezing
-from .linear import LinearFreezing
-from .geometric import GeometricFreezing
-from .freezeout import FreezeOut
-from .autofreeze import AutoFreeze
-from .egeria import Egeria
-from .smartfrz import SmartFRZ
+from layerfreeze.strategies.none import NoFreezing
+from layerfreeze.strategies.static import StaticFreezing
+from layerfreeze.strategies.gradual import GradualUnfreezing
+from layerfreeze.strategies.linear import LinearFreezing
+from layerfreeze.strategies.geometric import GeometricFreezing
+from layerfreeze.strategies.freezeout import FreezeOut
+from layerfreeze.strategies.autofreeze import AutoFreeze
+from layerfreeze.strategies.egeria.strategy import Egeria
+from layerfreeze.strategies.smartfrz.strategy import SmartFRZ
 # isort: on
 
 #: The built-in strategies, in registration order (what ``layerfreeze compare`` runs by default).
@@ -54,6 +58,7 @@ __all__ = [
     "StaticFreezing",
     "Strategy",
     "UnknownStrategyError",
+    "check_strategy",
     "create_strategy",
     "register_strategy",
     "strategy_parameters",

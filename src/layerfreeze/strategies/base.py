@@ -144,3 +144,42 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class PrefixSchedule(Strategy):
+    """The skeleton shared by the schedules that freeze a growing prefix at epoch ends (``linear``, ``geometric``).
+
+    At each epoch end the subclass's :meth:`schedule` gives the number of leading blocks that should be frozen
+    (``target``) with its signals and reason, and blocks ``0..target-1`` that are not frozen yet are frozen. The
+    start stage resets ``target`` to 0; other stages decide nothing. ``target`` is the resumable state.
+
+    Attributes:
+        needs_progress: The schedule reads the fraction of training done, so every stage (the start included)
+            checks that the run's length is known (:meth:`StageContext.require_progress`).
+    """
+
+    needs_progress: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at_epoch_end = True
+        self.target = 0
+
+    def schedule(self, ctx: StageContext, count: int) -> tuple[int, dict[str, Any], str]:
+        """``(target, signals, reason)`` at this epoch end, with ``count`` freezable (non-head) blocks."""
+        raise NotImplementedError
+
+    def decide(self, ctx: StageContext) -> Decision:
+        if self.needs_progress:
+            ctx.require_progress(self.name)
+        if ctx.event == "start":
+            self.target = 0
+            return Decision()
+        if ctx.event != "epoch_end":
+            return Decision()
+        self.target, signals, reason = self.schedule(ctx, len(ctx.blocks) - 1)
+        freeze = [i for i in range(self.target) if not ctx.blocks[i].frozen]
+        return Decision(freeze=freeze, reason=reason, signals=signals)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.target = int(state.get("target", 0))

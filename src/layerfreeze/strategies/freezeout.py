@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .base import Decision, StageContext, Strategy, is_number
-from .registry import register_strategy
+from layerfreeze.strategies.base import Decision, StageContext, Strategy, is_number
+from layerfreeze.strategies.registry import register_strategy
 
 #: How ``t_i`` is scaled after the linear spacing (``scale_fn`` in the public code).
 SCALINGS: dict[str, int] = {"linear": 1, "squared": 2, "cubic": 3}

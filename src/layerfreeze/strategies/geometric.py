@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .base import Decision, StageContext, Strategy, is_number
-from .registry import register_strategy
+from layerfreeze.strategies.base import PrefixSchedule, StageContext, is_number
+from layerfreeze.strategies.registry import register_strategy
 
 #: Added before flooring, so float rounding does not drop a block whose exact count is an integer
 #: (9 * (1 - (1 - 1/3)) is 2.9999999999999996 in floats, but exactly 3).
@@ -26,7 +26,7 @@ def geometric_frozen(count: int, alpha: float, epochs_done: int) -> float:
 
 
 @register_strategy("geometric")
-class GeometricFreezing(Strategy):
+class GeometricFreezing(PrefixSchedule):
     """Freezes a prefix of blocks that grows geometrically towards every non-head block, once per epoch.
 
     Rule, at the end of epoch ``T`` (``T = ctx.epoch + 1`` epochs completed):
@@ -57,33 +57,21 @@ class GeometricFreezing(Strategy):
             raise ValueError(f"geometric: alpha must be a number in (0, 1] (fraction of the remaining blocks frozen "
                              f"per epoch; PipeTransformer uses 1/3), got {alpha!r}")
         self.alpha = float(alpha)
-        self.at_epoch_end = True
-        self.target = 0
 
     def target_frozen(self, count: int, epochs_done: int) -> int:
         """Number of leading blocks frozen after ``epochs_done`` epochs with ``count`` freezable (non-head) blocks."""
         return min(count, math.floor(geometric_frozen(count, self.alpha, epochs_done) + _EPS))
 
-    def decide(self, ctx: StageContext) -> Decision:
-        if ctx.event == "start":
-            self.target = 0
-            return Decision()
-        if ctx.event != "epoch_end":
-            return Decision()
-        count = len(ctx.blocks) - 1
+    def schedule(self, ctx: StageContext, count: int) -> tuple[int, dict[str, Any], str]:
         epochs_done = ctx.epoch + 1
         real = geometric_frozen(count, self.alpha, epochs_done)
-        self.target = self.target_frozen(count, epochs_done)
-        freeze = [i for i in range(self.target) if not ctx.blocks[i].frozen]
-        signals = {"epochs_done": epochs_done, "frozen_real": real, "target_frozen": self.target, "count": count}
-        reason = f"geometric: after epoch {epochs_done}, {real:.3f} of {count} blocks -> first {self.target} frozen"
-        return Decision(freeze=freeze, reason=reason, signals=signals)
+        target = self.target_frozen(count, epochs_done)
+        signals = {"epochs_done": epochs_done, "frozen_real": real, "target_frozen": target, "count": count}
+        reason = f"geometric: after epoch {epochs_done}, {real:.3f} of {count} blocks -> first {target} frozen"
+        return target, signals, reason
 
     def state_dict(self) -> dict[str, Any]:
         return {"target": self.target, "alpha": self.alpha}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.target = int(state.get("target", 0))
 
     def __repr__(self) -> str:
         return f"GeometricFreezing(alpha={self.alpha})"

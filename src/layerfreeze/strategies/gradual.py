@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Decision, StageContext, Strategy, is_int, is_number
-from .registry import register_strategy
+from layerfreeze.strategies.base import Decision, StageContext, Strategy, is_int, is_number
+from layerfreeze.strategies.registry import register_strategy
 
 
 @register_strategy("gradual")

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .base import Decision, StageContext, Strategy, is_number
-from .registry import register_strategy
+from layerfreeze.strategies.base import PrefixSchedule, StageContext, is_number
+from layerfreeze.strategies.registry import register_strategy
 
 #: Added before truncating to an int, so float rounding does not drop a block whose exact count is an integer
 #: (e.g. 0.6 - 0.5 = 0.09999999999999998 in floats, which would give int(1.9999999999999996) = 1 instead of 2).
@@ -29,7 +29,7 @@ def linear_freeze_fraction(t: float, freeze_start: float, freeze_level: float) -
 
 
 @register_strategy("linear")
-class LinearFreezing(Strategy):
+class LinearFreezing(PrefixSchedule):
     """Freezes a growing prefix of blocks at each epoch end, its length rising linearly with training progress.
 
     Rule, at the end of every epoch, with ``t = ctx.progress`` (optimizer steps done / ``total_steps``):
@@ -58,6 +58,8 @@ class LinearFreezing(Strategy):
         RuntimeError: (at the start stage) the Freezer was built without ``total_steps``, so ``t`` is unknown.
     """
 
+    needs_progress = True  # the start stage already needs the run's length (Freezer(total_steps=...))
+
     def __init__(self, freeze_start: float = 0.5, freeze_level: float = 1.0) -> None:
         super().__init__()
         if not is_number(freeze_start) or not 0.0 <= freeze_start < 1.0:
@@ -68,34 +70,21 @@ class LinearFreezing(Strategy):
                              f"frozen by the end of training), got {freeze_level!r}")
         self.freeze_start = float(freeze_start)
         self.freeze_level = float(freeze_level)
-        self.at_epoch_end = True
-        self.target = 0
 
     def target_frozen(self, t: float, count: int) -> int:
         """Number of leading blocks frozen at progress ``t`` with ``count`` freezable (non-head) blocks."""
         fraction = linear_freeze_fraction(t, self.freeze_start, self.freeze_level)
         return min(count, math.floor(fraction * count + _EPS))
 
-    def decide(self, ctx: StageContext) -> Decision:
-        t = ctx.require_progress(self.name)
-        if ctx.event == "start":
-            self.target = 0
-            return Decision()
-        if ctx.event != "epoch_end":
-            return Decision()
-        count = len(ctx.blocks) - 1
+    def schedule(self, ctx: StageContext, count: int) -> tuple[int, dict[str, Any], str]:
+        t = ctx.progress
         fraction = linear_freeze_fraction(t, self.freeze_start, self.freeze_level)
-        self.target = self.target_frozen(t, count)
-        freeze = [i for i in range(self.target) if not ctx.blocks[i].frozen]
-        signals = {"t": t, "fraction": fraction, "target_frozen": self.target, "count": count}
-        reason = (f"linear: t={t:.3f}, fraction {fraction:.3f} of {count} blocks -> first {self.target} frozen")
-        return Decision(freeze=freeze, reason=reason, signals=signals)
+        target = self.target_frozen(t, count)
+        signals = {"t": t, "fraction": fraction, "target_frozen": target, "count": count}
+        return target, signals, f"linear: t={t:.3f}, fraction {fraction:.3f} of {count} blocks -> first {target} frozen"
 
     def state_dict(self) -> dict[str, Any]:
         return {"target": self.target, "freeze_start": self.freeze_start, "freeze_level": self.freeze_level}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.target = int(state.get("target", 0))
 
     def __repr__(self) -> str:
         return f"LinearFreezing(freeze_start={self.freeze_start}, freeze_level={self.freeze_level})"

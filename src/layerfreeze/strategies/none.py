@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .base import Decision, StageContext, Strategy
-from .registry import register_strategy
+from layerfreeze.strategies.base import Decision, StageContext, Strategy
+from layerfreeze.strategies.registry import register_strategy
 
 
 @register_strategy("none")

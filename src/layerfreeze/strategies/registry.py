@@ -10,20 +10,17 @@ config (``freeze.strategy``), the CLI trainer and ``layerfreeze compare`` rows, 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from ..registry import Registry
-from .base import Strategy
+from layerfreeze.errors import UnknownStrategyError
+from layerfreeze.registry import Registry
+from layerfreeze.strategies.base import Strategy
 
 S = TypeVar("S", bound=type)
 
 #: Registered strategies: ``{name: Strategy subclass}`` in registration order (a read-only mapping).
 STRATEGIES: Registry[type[Strategy]] = Registry("strategy")
-
-
-class UnknownStrategyError(ValueError):
-    """Raised for a strategy name that is not registered, or a parameter it does not take."""
 
 
 def register_strategy(name: str) -> Callable[[S], S]:
@@ -69,15 +66,19 @@ def _lookup(name: str) -> type[Strategy]:
         ) from None
 
 
-def create_strategy(name: str, **params: Any) -> Strategy:
-    """Build a registered strategy.
+def check_strategy(name: str, params: Mapping[str, Any] | None = None) -> None:
+    """Check a strategy name and its parameter names against the registry, without building it.
+
+    What a config checks (as torchtune binds a component's arguments before instantiating it): the strategy is
+    registered, every key of ``params`` is a parameter of its ``__init__``, and every required parameter is given.
+    Values are checked where the strategy is built (:func:`create_strategy`), once per run.
 
     Raises:
-        UnknownStrategyError: unknown name, or a parameter the strategy does not take (the message lists the valid
-            ones).
-        ValueError: a parameter outside its range (raised by the strategy itself).
+        UnknownStrategyError: unknown name, a parameter the strategy does not take (the message lists the valid
+            ones and the strategies that do take it), or a required one missing.
     """
-    cls = _lookup(name)
+    params = dict(params or {})
+    _lookup(name)
     allowed = strategy_parameters(name)
     unknown = sorted(set(params) - set(allowed))
     if unknown:
@@ -87,4 +88,31 @@ def create_strategy(name: str, **params: Any) -> Strategy:
         hint = f" {what} of {' and '.join(owners)}: name the strategy (--strategy {owners[0]})." if owners else ""
         raise UnknownStrategyError(
             f"Strategy {name!r} has no parameter(s) {', '.join(unknown)}; valid: {valid}.{hint}")
-    return cls(**params)
+    missing = [k for k, v in allowed.items() if v is inspect.Parameter.empty and k not in params]
+    if missing:
+        raise UnknownStrategyError(f"Strategy {name!r} needs the parameter(s) {', '.join(missing)}")
+
+
+def create_strategy(name: str, params: Mapping[str, Any] | None = None, /, *, num_blocks: int | None = None,
+                    **kwargs: Any) -> Strategy:
+    """Build a registered strategy: the one path from a name to a strategy (the Freezer, the CLI trainer and
+    ``layerfreeze compare`` all build through it).
+
+    Args:
+        name: A registered name (``"static"``, ``"smartfrz"``, a user's ``@register_strategy`` name).
+        params: Its parameters as a dict (``{"k": 5}``, what configs and ``Freezer(..., strategy_params)`` hold).
+        num_blocks: The model's number of blocks, to check the parameters against it (``static``'s ``k`` must leave
+            the head trainable, ...); None skips that check.
+        **kwargs: Parameters as keywords (``create_strategy("static", k=5)``); they win over ``params``.
+
+    Raises:
+        UnknownStrategyError: unknown name, or a parameter the strategy does not take (the message lists the valid
+            ones).
+        ValueError: a parameter outside its range, or one that does not fit ``num_blocks`` (raised by the strategy).
+    """
+    params = {**(params or {}), **kwargs}
+    check_strategy(name, params)
+    strategy = STRATEGIES[name](**params)
+    if num_blocks is not None:
+        strategy.validate(num_blocks)
+    return strategy

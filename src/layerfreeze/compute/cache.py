@@ -1,0 +1,556 @@
+"""The frozen prefix's forward skipped: its per-sample output read from a store, and the checks that keep it right.
+
+Why: once blocks ``0..depth-1`` are frozen (eval mode, no gradients), their output for a sample is a fixed function
+of that sample's inputs. When the inputs are deterministic (no random augmentation), computing it once and reading
+it back every later epoch saves the prefix's whole forward -- the only cost a frozen prefix still has. When more
+blocks freeze, the cache is carried forward from the cached boundary (``extend``), not recomputed from the input.
+
+The pieces:
+
+* :class:`CachedPrefix` -- the forward: cached states for hits, ``prefix`` (or ``extend`` from an older boundary)
+  for misses, then the split's ``suffix`` with gradients (:mod:`layerfreeze.models.forward_split`). It asks the Freezer
+  only through :class:`FrozenPrefixSource` (its blocks, its frozen prefix length, putting frozen blocks in eval
+  mode).
+* :func:`check_deterministic` and :func:`check_prefix_deterministic` -- refuse, with a clear message, what would
+  make a cache wrong: random augmentation in the dataset; dropout or BatchNorm in training mode in the prefix.
+* The storage, entries keyed by ``(sample index, depth)`` in memory then checksummed safetensors shards, is
+  :class:`~layerfreeze.compute.store.ActivationCache` (:mod:`layerfreeze.compute.store`).
+
+Correctness rules (each one guards against reusing a stale value silently):
+
+* A hit is used only after its sample's inputs are checked against the fingerprint taken when it was cached
+  (:meth:`~layerfreeze.models.forward_split.ModelSplit.fingerprint`); a change means random augmentation ->
+  :class:`CacheRefused` (or, with ``fallback=True``, the cache turns itself off and the full forward runs).
+* A prefix module that is stochastic in its current mode -> :class:`CacheRefused` (or fallback).
+* A prefix block whose parameters or buffers were modified in place since they were cached (``Tensor._version``
+  changed: an optimizer step after a thaw, ``load_state_dict``) invalidates every entry that went through it.
+* A thaw (shallower depth) drops entries deeper than the new boundary.
+* A shard file whose size, SHA-256 or per-entry CRC-32 does not match the index is dropped with a warning
+  (``corrupt_shards``) and its entries are recomputed, never returned (:mod:`layerfreeze.compute.store`).
+
+Equality. In float32 the cached path gives the same logits as the full forward bit for bit whenever the prefix's
+kernels give a sample the same bits whatever else is in its batch. On CPU they do for batches of 4 or more rows
+(tested with 1 and 2 threads); a batch of 1-3 rows (a short last batch, a few misses recomputed together) may get
+another GEMM kernel and differ in the last bits, as any change of batch size would without a cache. Storing in
+float16/bfloat16 rounds the state (about 1e-3 relative).
+
+A cache holds the outputs of one model for one dataset: ``index`` must identify a sample of that dataset (never
+mix train and test batches), and entries are valid only for the weights they were computed with.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from layerfreeze.compute.store import ActivationCache, pad_dim0
+from layerfreeze.models.blocks import Block
+from layerfreeze.models.discovery import split_for
+from layerfreeze.models.forward_split import ModelSplit
+
+__all__ = [
+    "CACHE_MODES",
+    "CacheRefused",
+    "CachedPrefix",
+    "FrozenPrefixSource",
+    "build_cached_prefix",
+    "check_deterministic",
+    "check_prefix_deterministic",
+]
+
+#: What a run may ask of the cache: ``off``; ``auto`` (use it where it is exact, else train without it and say why);
+#: ``on`` (use it, or refuse to start).
+CACHE_MODES = ("off", "auto", "on")
+
+_AUGMENTATION = (
+    "random augmentation in the dataset: the frozen prefix's outputs cannot be cached; "
+    "set cache: off or make the transform deterministic"
+)
+
+
+class CacheRefused(ValueError):
+    """Raised when caching the frozen prefix's output would give wrong results (the message says why)."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Determinism checks
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _first_difference(a: Any, b: Any, path: str) -> str | None:
+    """The path of the first value that differs between two fetches of an item, or None if they are equal."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = (
+            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        )
+        return None if same else path
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return path or "(keys)"
+        for k in a:
+            found = _first_difference(a[k], b[k], k if not path else f"{path}.{k}")
+            if found is not None:
+                return found
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return path or "(length)"
+        for i, (x, y) in enumerate(zip(a, b)):
+            found = _first_difference(x, y, f"{path}[{i}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return None if np.array_equal(a, b) else path
+    return None if a == b else path
+
+
+def check_deterministic(dataset: Any, n: int = 4) -> None:
+    """Refuse a dataset whose items differ from one fetch to the next (random augmentation).
+
+    Fetches items ``0..n-1`` twice and compares every tensor exactly (dtype, shape, values). The global random
+    states of Python, NumPy and torch are restored afterwards, so the check does not change the run's random
+    stream (a run with the cache draws the same dropout masks as one without).
+
+    Raises:
+        CacheRefused: an item differs between the two fetches; the message names the item and the first key that
+            differs and says "random augmentation in the dataset ...". Also when an item has no ``"index"``
+            (the cache key).
+    """
+    count = min(n, len(dataset))
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            first = [dataset[i] for i in range(count)]
+            second = [dataset[i] for i in range(count)]
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+    for i, (a, b) in enumerate(zip(first, second)):
+        if isinstance(a, dict) and "index" not in a:
+            raise CacheRefused(
+                f"dataset items have no 'index' key (keys: {sorted(a)}); the activation cache keys entries by it"
+            )
+        key = _first_difference(a, b, "")
+        if key is not None:
+            raise CacheRefused(f"dataset item {i}: {key or 'the item'!r} differs between two fetches: {_AUGMENTATION}")
+
+
+_DROPOUT = (nn.modules.dropout._DropoutNd,)
+_BATCHNORM = (nn.modules.batchnorm._BatchNorm,)
+
+
+def _stochastic_reason(module: nn.Module) -> str | None:
+    """Why ``module`` (itself, not its children) gives a sample different outputs run to run, or None."""
+    if not module.training:
+        return None
+    if isinstance(module, _DROPOUT) and module.p > 0:
+        return f"{type(module).__name__}(p={module.p}) in training mode"
+    if isinstance(module, _BATCHNORM):
+        return (
+            f"{type(module).__name__} in training mode (batch statistics, e.g. Freezer(train_bn=True) keeps it "
+            "training)"
+        )
+    if isinstance(module, nn.RReLU):
+        return "RReLU in training mode (random slopes)"
+    return None
+
+
+def check_prefix_deterministic(
+    blocks: Sequence[Block], depth: int, modules: Iterable[tuple[str, nn.Module]] | None = None
+) -> None:
+    """Refuse a prefix that would give a sample a different output each time (so a cached one would be wrong).
+
+    Stochastic: Dropout (any ``_DropoutNd``) with ``p > 0`` in training mode; BatchNorm in training mode (batch
+    statistics: the output depends on the other samples, and running statistics keep changing -- this is what
+    ``train_bn=True`` does to frozen blocks); RReLU in training mode.
+
+    Args:
+        blocks: The model's blocks; ``blocks[:depth]`` is the prefix.
+        depth: Number of frozen leading blocks.
+        modules: ``(name, module)`` pairs the prefix actually runs, if known
+            (:meth:`~layerfreeze.models.forward_split.ModelSplit.prefix_modules`); they include parameter-free modules
+            between blocks, which the blocks alone do not. Defaults to the modules of ``blocks[:depth]``.
+
+    Raises:
+        CacheRefused: naming the first stochastic module (qualified name, type, why).
+    """
+    if modules is None:
+        modules = [(name, m) for block in blocks[:depth] for name, m in block.modules]
+    for prefix, module in modules:
+        for sub_name, sub in module.named_modules():
+            reason = _stochastic_reason(sub)
+            if reason is not None:
+                name = f"{prefix}.{sub_name}" if sub_name else prefix
+                raise CacheRefused(
+                    f"module {name!r} in the frozen prefix (depth {depth}) is {reason}: its output changes from "
+                    "run to run, so it cannot be cached. Put it in eval mode, freeze with train_bn=False, or set "
+                    "cache: off"
+                )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The cached forward
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _signature(block: Block) -> tuple[tuple[int, int], ...]:
+    """``(id, version)`` of the block's parameters and buffers (those held outside its modules, such as a class
+    token, included): changes when any is modified in place or replaced."""
+    tensors = [t for _, module in block.modules for t in (*module.parameters(), *module.buffers())]
+    return tuple((id(t), t._version) for t in (*tensors, *(p for _, p in block.params)))
+
+
+class FrozenPrefixSource(Protocol):
+    """What :class:`CachedPrefix` asks of whoever freezes the blocks; :class:`~layerfreeze.engine.Freezer` is one.
+
+    The cache needs three things: the blocks (to split the forward and watch their weights), how many leading
+    blocks are frozen (the default depth and the deepest one it may cache), and a way to put frozen blocks in eval
+    mode when their forward is skipped (on a hit the blocks do not run, so a forward pre-hook that re-applies eval
+    mode after ``model.train()`` would not run either, and the determinism check would see training mode).
+    """
+
+    @property
+    def blocks(self) -> Sequence[Block]:
+        """The model's blocks, front to back."""
+        ...
+
+    @property
+    def frozen_prefix(self) -> int:
+        """Number of leading blocks that are frozen."""
+        ...
+
+    def eval_frozen(self, depth: int | None = None) -> None:
+        """Put the frozen blocks among blocks ``0..depth-1`` (all blocks when None) in eval mode now."""
+        ...
+
+
+def _now(device: torch.device) -> float:
+    """A clock reading for timing work on ``device``: CUDA work is asynchronous, so wait for it first."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class CachedPrefix:
+    """The model's forward with the frozen prefix's output read from an
+    :class:`~layerfreeze.compute.store.ActivationCache`.
+
+    In a loop with a Freezer, two lines::
+
+        runner = CachedPrefix(model, freezer=freezer)   # before the loop
+        logits = runner(batch)                          # instead of the model's forward; batch has "index"
+
+    Args:
+        model: The model being trained.
+        blocks: Its blocks; default the freezer's ``blocks``.
+        split: How its forward splits (default :func:`~layerfreeze.models.discovery.split_for`).
+        cache: The storage (default: an :class:`~layerfreeze.compute.store.ActivationCache` with its defaults: a quarter
+            of the host memory available (:func:`~layerfreeze.compute.store.auto_budget_bytes`), then shards in the
+            system temp directory).
+        freezer: The :class:`~layerfreeze.engine.Freezer` (any :class:`FrozenPrefixSource`), if any: its
+            ``frozen_prefix`` is the default depth, a depth beyond it is refused, and it puts the frozen prefix's
+            blocks in eval mode before the check (:meth:`~layerfreeze.engine.Freezer.eval_frozen`), as its forward
+            pre-hook would if the prefix ran.
+        fallback: On a refusal (stochastic prefix, changed inputs), warn once, turn the cache off for good and run
+            the full forward, instead of raising :class:`CacheRefused`.
+        on_disable: Called with the reason when ``fallback`` turns the cache off (the trainer logs a ``cache_off``
+            event).
+
+    Counters (samples unless said): ``prefix_samples`` (computed from the input), ``extend_samples`` (carried from
+    an older boundary), ``full_forwards`` (calls that ran the model's own forward: depth 0 or cache off),
+    ``invalidations`` (entries dropped because a prefix block's weights changed); the cache has ``hits`` /
+    ``misses``. ``saved_seconds`` estimates the prefix forward time the cache avoided: per boundary depth ``d``, the
+    measured seconds per sample of computing blocks ``0..d-1`` (timed when the cache computes them: the whole prefix,
+    or an older boundary's cost plus the extension's) times the samples served at ``d`` from the cache, plus, for
+    samples extended from an older boundary ``a``, the cost up to ``a``. It leaves out the cache's own overhead
+    (lookups, copies, checks), which the trainer's measured step times include.
+
+    Raises (constructor):
+        ValueError: neither ``blocks`` nor ``freezer``; the model's family has no split
+            (:func:`~layerfreeze.models.discovery.split_for`).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: Sequence[Block] | None = None,
+        split: ModelSplit | None = None,
+        cache: ActivationCache | None = None,
+        *,
+        freezer: FrozenPrefixSource | None = None,
+        fallback: bool = False,
+        on_disable: Callable[[str], None] | None = None,
+    ) -> None:
+        if blocks is None:
+            if freezer is None:
+                raise ValueError("CachedPrefix needs the model's blocks or the freezer= that holds them")
+            blocks = freezer.blocks
+        self.model = model
+        self.blocks = list(blocks)
+        self.split = split if split is not None else split_for(model, self.blocks)
+        self.cache = cache if cache is not None else ActivationCache()
+        self.freezer = freezer
+        self.fallback = fallback
+        self.on_disable = on_disable
+        self.disabled: str | None = None
+        self.prefix_samples = 0
+        self.extend_samples = 0
+        self.full_forwards = 0
+        self.invalidations = 0
+        self.saved_seconds = 0.0
+        self._cost: dict[int, float] = {}  # depth -> measured seconds per sample to compute blocks 0..depth-1
+        self._fingerprints: dict[int, torch.Tensor] = {}
+        self._signatures: dict[int, tuple[tuple[int, int], ...]] = {}
+
+    def __call__(self, batch: dict[str, Any], depth: int | None = None) -> torch.Tensor:
+        return self.forward(batch, depth)
+
+    def forward(self, batch: dict[str, Any], depth: int | None = None) -> torch.Tensor:
+        """Logits ``(B, num_classes)`` for ``batch``, with blocks ``0..depth-1`` served from the cache.
+
+        Args:
+            batch: A collated batch with ``"index"`` (``(B,)`` sample positions) and the model inputs.
+            depth: Frozen prefix length; default ``freezer.frozen_prefix``. Depth 0 runs the full forward.
+
+        Raises:
+            CacheRefused: a stochastic prefix module, a trainable prefix parameter, or a sample whose inputs
+                changed since it was cached (unless ``fallback``).
+            ValueError: no ``depth`` and no freezer; ``depth`` beyond the freezer's frozen prefix; no ``"index"``.
+        """
+        if depth is None:
+            if self.freezer is None:
+                raise ValueError("CachedPrefix.forward needs a depth when it has no freezer")
+            depth = self.freezer.frozen_prefix
+        depth = min(int(depth), self.split.max_depth)
+        if depth == 0 or self.disabled is not None:
+            self.full_forwards += 1
+            return self.split.full(self.model, batch)
+        if "index" not in batch:
+            raise ValueError("the batch has no 'index' (sample positions); the activation cache is keyed by it")
+        try:
+            self._check_prefix(depth)
+            self._check_weights(depth)
+            if self.cache.depth != depth:
+                self.cache.advance(depth)
+            indices = [int(i) for i in batch["index"].tolist()]
+            self._check_inputs(indices, batch)
+        except CacheRefused as exc:
+            if not self.fallback:
+                raise
+            self._turn_off(str(exc))
+            self.full_forwards += 1
+            return self.split.full(self.model, batch)
+        state = self._states(batch, indices, depth)
+        return self.split.suffix(self.model, state, batch, depth)
+
+    # ---- checks --------------------------------------------------------------------------------------------
+
+    def _check_prefix(self, depth: int) -> None:
+        if self.freezer is not None:
+            if self.freezer.frozen_prefix < depth:
+                raise ValueError(
+                    f"depth {depth} is beyond the frozen prefix ({self.freezer.frozen_prefix} blocks): a trainable "
+                    "block's output cannot be cached"
+                )
+            self.freezer.eval_frozen(depth)  # the prefix may not run, so its eval-mode pre-hooks may not either
+        modules = self.split.prefix_modules(self.model, depth)
+        try:
+            check_prefix_deterministic(self.blocks, depth, modules)
+        except CacheRefused as exc:
+            hint = "" if self.freezer is not None else (
+                " (if a Freezer froze these blocks, pass freezer= to CachedPrefix: it puts them in eval mode)"
+            )
+            raise CacheRefused(f"{exc}{hint}") from None
+        named = [(f"{name}.{pname}", p) for name, module in modules for pname, p in module.named_parameters()]
+        named += [item for block in self.blocks[:depth] for item in block.params]  # a class token, ...
+        for name, p in named:
+            if p.requires_grad:
+                raise CacheRefused(
+                    f"parameter '{name}' in the cached prefix (depth {depth}) requires grad: it trains, "
+                    "so its block's output changes every step. Cache only a frozen prefix"
+                )
+
+    def _check_weights(self, depth: int) -> None:
+        """Drop entries computed through a prefix block whose parameters or buffers changed since."""
+        for block in self.blocks[:depth]:
+            sig = _signature(block)
+            old = self._signatures.get(block.index)
+            if old is not None and old != sig:
+                self.invalidations += self.cache.drop_deeper_than(block.index)
+            self._signatures[block.index] = sig
+
+    def _check_inputs(self, indices: list[int], batch: dict[str, Any]) -> None:
+        prints = self.split.fingerprint(batch).detach().cpu()
+        for pos, index in enumerate(indices):
+            old = self._fingerprints.get(index)
+            if old is not None and not torch.allclose(old, prints[pos], rtol=1e-9, atol=1e-9):
+                raise CacheRefused(
+                    f"the inputs of sample {index} changed since its prefix output was cached: {_AUGMENTATION}"
+                )
+        for pos, index in enumerate(indices):
+            self._fingerprints[index] = prints[pos]
+
+    def _turn_off(self, reason: str) -> None:
+        self.disabled = reason
+        self.cache.clear()
+        warnings.warn(f"activation cache turned off, running the full forward from now on: {reason}",
+                      RuntimeWarning, stacklevel=3)
+        if self.on_disable is not None:
+            self.on_disable(reason)
+
+    # ---- states --------------------------------------------------------------------------------------------
+
+    def _states(self, batch: dict[str, Any], indices: list[int], depth: int) -> torch.Tensor:
+        """The boundary states ``(B, ...)`` of the batch: hits from the cache, misses computed and stored."""
+        size = len(indices)
+        device = batch["index"].device
+        pad_to = self.split.padded_length(batch, depth)
+        found = self.cache.lookup(indices, depth)
+        miss = [p for p, t in enumerate(found) if t is None]
+        hit = [p for p, t in enumerate(found) if t is not None]
+        hit_states = None
+        if hit:
+            self.saved_seconds += len(hit) * self._cost.get(depth, 0.0)
+            rows = [found[p] for p in hit]
+            if pad_to is not None:
+                rows = [pad_dim0(t, pad_to) for t in rows]  # type: ignore[arg-type]
+            hit_states = torch.stack(rows).to(device)  # type: ignore[arg-type]
+            if not miss:
+                return hit_states
+        # Misses are computed at the whole batch's shape, never on a sub-batch of the misses: a kernel may round a
+        # row differently when the number of rows (or the padded length) changes, and which rows miss depends on
+        # the cache's history -- a resumed run starts cold where the uninterrupted one extended from an older
+        # boundary. At the batch's shape a row's state depends on that row only, so a cached, an uncached and a
+        # resumed run compute every state alike (bit for bit in float32; tests/test_faults.py). When every miss has
+        # an entry at the same older boundary, one extension from it at the batch's shape serves them; otherwise
+        # (a miss without any entry, or misses at different boundaries) one prefix of the whole batch does, whose
+        # rows equal the extensions' (split.extend's contract). Either way a batch costs at most one prefix.
+        starts = {max((d for d in self.cache.depths(indices[p]) if d < depth), default=0) for p in miss}
+        start = starts.pop() if len(starts) == 1 else 0
+        rows = torch.tensor(miss, device=device)
+        t0 = _now(device)
+        old = None
+        if start > 0:
+            old = self.cache.get_batch([indices[p] for p in miss], start, device=device, count=False,
+                                       pad_to=self.split.padded_length(batch, start))
+        if old is not None:
+            filler = old[:1].expand(size, *old.shape[1:]).clone()  # the other rows: any state, then dropped
+            filler[rows] = old
+            states = self.split.extend(self.model, filler, batch, start, depth)
+            self.extend_samples += len(miss)
+            base = self._cost.get(start, 0.0)
+            self.saved_seconds += len(miss) * base
+        else:  # no common older entry (or it was lost to a corrupt shard just now): the whole batch's prefix
+            states = self.split.prefix(self.model, batch, depth)
+            self.prefix_samples += len(miss)
+            base = 0.0
+        self._record_cost(depth, base + (_now(device) - t0) / size)
+        lengths = self.split.lengths(batch, depth)
+        self.cache.put_batch([indices[p] for p in miss], depth, states[rows],
+                             None if lengths is None else lengths[torch.tensor(miss)])
+        if hit_states is not None:  # states holds every row at the batch's shape; the hits replace theirs
+            states = states.clone()
+            states[torch.tensor(hit, device=states.device)] = hit_states.to(states.dtype)
+        return states
+
+    def _record_cost(self, depth: int, per_sample: float) -> None:
+        """Running estimate of the per-sample cost of blocks ``0..depth-1`` (an exponential mean: the first batches
+        of a depth pay one-off allocation costs)."""
+        old = self._cost.get(depth)
+        self._cost[depth] = per_sample if old is None else 0.8 * old + 0.2 * per_sample
+
+    #: The :meth:`summary` counters that add up across processes (a resumed run carries them in its checkpoint).
+    RUN_COUNTERS = ("hits", "misses", "saved_seconds")
+
+    def summary(self, carried: dict[str, float] | None = None) -> dict[str, Any]:
+        """What the cache did, for a run's summary: ``used`` (False once turned off; ``disabled`` says why),
+        ``hits`` / ``misses`` (sample lookups), ``hit_rate``, ``memory_bytes`` / ``disk_bytes`` / ``budget_bytes``,
+        ``saved_seconds`` (see the class docstring), ``corrupt_shards``.
+
+        Args:
+            carried: :data:`RUN_COUNTERS` of the processes before this one (a resumed run's checkpoint), added to
+                this process's own before ``hit_rate`` is taken; the sizes are this process's.
+        """
+        s = self.stats()
+        hits, misses, saved = (s[k] + (carried or {}).get(k, 0) for k in self.RUN_COUNTERS)
+        lookups = hits + misses
+        return {"used": s["disabled"] is None, "disabled": s["disabled"], "hits": hits, "misses": misses,
+                "hit_rate": hits / lookups if lookups else None, "memory_bytes": s["memory_bytes"],
+                "disk_bytes": s["disk_bytes"], "budget_bytes": s["budget_bytes"], "saved_seconds": saved,
+                "corrupt_shards": s["corrupt_shards"]}
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (samples) and cache sizes (bytes), for logs."""
+        return {
+            **self.cache.stats(),
+            "prefix_samples": self.prefix_samples,
+            "extend_samples": self.extend_samples,
+            "full_forwards": self.full_forwards,
+            "invalidations": self.invalidations,
+            "saved_seconds": self.saved_seconds,
+            "disabled": self.disabled,
+        }
+
+    def run_counts(self, carried: dict[str, float] | None = None) -> dict[str, float]:
+        """:data:`RUN_COUNTERS` over the whole run (``carried``: those of the processes before this one), what a
+        checkpoint keeps so a resumed run's summary counts every lookup once."""
+        whole = self.summary(carried)
+        return {k: whole[k] for k in self.RUN_COUNTERS}
+
+    def epoch_fields(self) -> dict[str, Any]:
+        """The numeric :meth:`stats` as ``cache_<name>`` fields of an epoch record (``cache_disabled``: why, once
+        the cache is off)."""
+        fields = {f"cache_{k}": v for k, v in self.stats().items() if isinstance(v, (int, float))}
+        if self.disabled:
+            fields["cache_disabled"] = self.disabled
+        return fields
+
+
+def build_cached_prefix(model: nn.Module, blocks: Sequence[Block], dataset: Any, *, mode: str = "auto",
+                        dtype: torch.dtype | None = None, budget_bytes: int | None = None, directory: Any = None,
+                        freezer: FrozenPrefixSource | None = None, input_key: str = "pixel_values",
+                        on_disable: Callable[[str], None] | None = None) -> CachedPrefix | None:
+    """The frozen-prefix cache a run asks for (``freeze.cache`` in the CLI), or None to run the plain forward.
+
+    Args:
+        model / blocks: The model and its blocks.
+        dataset: The training set (checked for random augmentation: :func:`check_deterministic`).
+        mode: One of :data:`CACHE_MODES`. ``auto``: when the model's family has no split or the data is not
+            deterministic, ``on_disable(reason)`` is called and None returned; later refusals turn the cache off
+            the same way (``fallback``). ``on``: those refusals raise.
+        dtype: Storage dtype of the cached states (None: as computed, float32 in a float32 run).
+        budget_bytes: Memory for entries before they spill to shards (None: a quarter of the host memory
+            available, :func:`~layerfreeze.compute.store.auto_budget_bytes`).
+        directory: Where shards go (None: a temporary directory).
+        freezer: The Freezer whose frozen prefix is served.
+        input_key: The batch key of the input, for families whose forward takes one tensor (``nn.Sequential``).
+        on_disable: Called with the reason whenever ``auto`` runs without the cache.
+
+    Raises:
+        CacheRefused: ``mode="on"`` and the model or data cannot be cached (the message says why).
+        ValueError: an unknown ``mode``.
+    """
+    if mode not in CACHE_MODES:
+        raise ValueError(f"cache mode must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
+    if mode == "off":
+        return None
+    try:
+        split = split_for(model, blocks, input_key=input_key)
+        check_deterministic(dataset)
+    except ValueError as exc:  # CacheRefused is a ValueError; so is split_for's "no split for this family"
+        if mode == "on":
+            raise CacheRefused(str(exc)) from None
+        if on_disable is not None:
+            on_disable(str(exc))
+        return None
+    cache = ActivationCache(budget_bytes, dtype, directory=directory)
+    return CachedPrefix(model, blocks, split, cache, freezer=freezer, fallback=mode == "auto", on_disable=on_disable)

@@ -1,0 +1,146 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) with freezing that changes mid-run.
+
+FSDP2 shards per parameter (each a ``DTensor``), so frozen and trainable parameters can sit side by side, unlike
+FSDP1, whose FlatParameters need one ``requires_grad`` per flat group (or ``use_orig_params=True``, which then saves
+no gradient memory). What that gives with the :class:`~layerfreeze.engine.Freezer`, measured in
+``tests/test_fsdp.py`` on 2 CPU ranks (gloo):
+
+* a frozen parameter has no gradient, so FSDP2 reduce-scatters nothing for it (the bytes drop with each freeze),
+  and a frozen block's group skips its backward all-gather too; its forward all-gather stays (FSDP2 still has to
+  unshard the weights to run them; caching the prefix's output, :mod:`layerfreeze.compute.cache`, is what removes that);
+* the Freezer takes frozen parameters out of the optimizer (no state for them), and a thaw puts them back: the
+  sharded parameters are the same ``Parameter`` objects throughout, so no wrapper is rebuilt (unlike DDP,
+  :class:`~layerfreeze.distributed.ddp.FreezeDDP`);
+* a checkpoint holds every weight, frozen ones included: :func:`~layerfreeze.checkpoint.save_full_checkpoint` gathers
+  the *full* model state dict on rank 0 through ``torch.distributed.checkpoint.state_dict`` (``full_state_dict=True``,
+  ``cpu_offload=True``) and the optimizer state as full tensors keyed by parameter name, and writes the usual folder
+  (:mod:`layerfreeze.checkpoint`); :func:`~layerfreeze.checkpoint.load_full_checkpoint` restores it on every rank,
+  sharded again, or into an unsharded model. (The optimizer state is gathered by name rather than through DCP's
+  ``get_optimizer_state_dict``: with one param group per block, frozen blocks leave empty param groups, which DCP's
+  loader refuses.)
+
+Order, as with any sharded model: build the model (same initial weights on every rank), :func:`shard_blocks`, then
+the optimizer (over the sharded parameters), then the Freezer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from layerfreeze.models.blocks import Block
+
+
+def shard_blocks(model: nn.Module, blocks: Sequence[Block], **fully_shard_kwargs: Any) -> nn.Module:
+    """Apply ``fully_shard`` to each block's modules (one FSDP parameter group per block), then to the root.
+
+    Why per block: FSDP2 communicates per group; with one group per block a frozen block's group needs no backward
+    all-gather and no reduce-scatter, while a group mixing frozen and trainable blocks would still gather all of
+    them for backward.
+
+    Args:
+        model: The model; must not be sharded yet.
+        blocks: Its blocks (:func:`~layerfreeze.models.discovery.discover_blocks`), discovered *before* sharding
+            (sharding keeps module names and objects, so they stay valid).
+        **fully_shard_kwargs: Passed to every ``fully_shard`` call (``mesh``, ``mp_policy``, ...).
+
+    Returns:
+        ``model``, now an ``FSDPModule``.
+
+    Raises:
+        RuntimeError: no initialized process group.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if not torch.distributed.is_initialized():
+        raise RuntimeError("shard_blocks needs an initialized torch.distributed process group "
+                           "(layerfreeze.distributed.init_distributed() under torchrun)")
+    for block in blocks:
+        for _, module in block.modules:
+            if module is not model:
+                fully_shard(module, **fully_shard_kwargs)
+    fully_shard(model, **fully_shard_kwargs)
+    return model
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Counts the bytes that FSDP2's collectives send while active: ``all_gather`` and ``reduce_scatter``.
+
+    Counted per call as the unsharded side's bytes (an all-gather's output, a reduce-scatter's input), from the
+    ``c10d`` ops the process group dispatches. Use as ``with CollectiveBytes() as c: step()``, then
+    ``c.bytes["reduce_scatter"]``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = {"all_gather": 0, "reduce_scatter": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN201 - dispatch protocol
+        name = str(func)
+        kind = "all_gather" if "allgather" in name else "reduce_scatter" if "reduce_scatter" in name else None
+        if kind is not None:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if tensors:
+                self.bytes[kind] += max(t.numel() * t.element_size() for t in tensors)
+        return func(*args, **(kwargs or {}))
+
+
+def full_state_options(**extra: Any) -> Any:
+    """``torch.distributed.checkpoint``'s options for a full (unsharded) model state dict, plus ``extra``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **extra)
+
+
+def _full(value: Any) -> Any:
+    """A tensor gathered whole onto the CPU (collective for a DTensor), anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.full_tensor().cpu()
+    return value.cpu() if isinstance(value, torch.Tensor) else value
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"by_name": {param name: {state key: full tensor}}, "groups": hyperparameters per param group}``.
+
+    Collective (every rank gathers the same tensors in the same, name-sorted order).
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_param = {names[id(p)]: st for p, st in optimizer.state.items()}
+    return {"format": "layerfreeze-by-name",
+            "by_name": {n: {k: _full(v) for k, v in by_param[n].items()} for n in sorted(by_param)},
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Put :func:`full_optimizer_state` back: each full tensor sharded like its parameter (after the Freezer has
+    rebuilt the param groups); group hyperparameters restored.
+
+    Raises:
+        ValueError: not a layerfreeze FSDP optimizer state, or a different number of param groups.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if saved.get("format") != "layerfreeze-by-name":
+        raise ValueError("the optimizer state is not from save_full_checkpoint")
+    if len(saved["groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"{len(saved['groups'])} saved param groups, this optimizer has {len(optimizer.param_groups)}")
+    params = dict(model.named_parameters())
+    optimizer.state.clear()
+    for name, st in saved["by_name"].items():
+        p = params[name]
+        restored = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and isinstance(p, DTensor) and v.shape == p.shape:
+                v = distribute_tensor(v.to(p.device_mesh.device_type), p.device_mesh, p.placements)
+            elif isinstance(v, torch.Tensor) and v.shape == p.shape:
+                v = v.to(p.device)
+            restored[k] = v
+        optimizer.state[p] = restored
+    for group, hyper in zip(optimizer.param_groups, saved["groups"]):
+        group.update(hyper)

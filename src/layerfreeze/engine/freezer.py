@@ -1,0 +1,639 @@
+"""The freezing engine: freeze and thaw blocks of a model as a strategy decides, in any training loop (Freezer).
+
+Strategies decide, the engine applies. The mechanics are small helpers (in the spirit of Lightning's
+``BaseFinetuning.freeze`` / ``make_trainable``; the optimizer's part is :mod:`layerfreeze.engine.optim`) and
+:class:`Freezer` wires them to a model, an optimizer, its LR scheduler and a strategy::
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, ...)      # before the Freezer
+    with Freezer(model, optimizer, scheduler=scheduler, total_steps=steps) as freezer:   # strategy: smartfrz
+        for epoch in range(epochs):
+            for batch in loader:
+                model(**batch).loss.backward()
+                freezer.after_backward()      # only needed by gradient-based strategies
+                optimizer.step(); scheduler.step(); optimizer.zero_grad(set_to_none=True)
+                freezer.step()                # after the scheduler: LR factors apply to this step's LR
+            freezer.epoch_end()
+
+What freezing a block does, and why each part matters (each is a public fault seen in other tools):
+
+* ``requires_grad_(False)``: autograd builds no graph for a frozen prefix (its output does not require grad, so no
+  activations are kept for backward and backward stops at the first trainable block).
+* The parameters leave the optimizer's param groups and their optimizer state is freed
+  (:func:`~layerfreeze.engine.optim.remove_from_optimizer`: "frozen" weights would otherwise drift under momentum and
+  weight decay, and their state keep its memory).
+* ``.grad`` is set to None so no stale gradient is applied or clipped later.
+* BatchNorm running statistics and dropout go to eval mode (a forward pre-hook re-applies it after every
+  ``model.train()``), unless ``train_bn=True`` (fastai / Lightning ``train_bn``): then BatchNorm layers keep
+  training, affine parameters included.
+
+Thawing reverses all of it and puts each parameter back into the param group it came from (the number of param
+groups never changes). A learning rate for the thawed block may be given (discriminative LR); that needs param
+groups that hold only that block's parameters, which :func:`~layerfreeze.engine.optim.block_param_groups` builds.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from layerfreeze.distributed import comm
+from layerfreeze.engine.guard import StabilityGuard
+from layerfreeze.engine.integrity import FrozenSet
+from layerfreeze.engine.optim import (
+    add_to_optimizer,
+    base_lr,
+    block_groups,
+    exclusive_groups,
+    group_origin,
+    load_param_groups,
+    remove_from_optimizer,
+    scale_group_lrs,
+    set_group_lr,
+)
+from layerfreeze.models.blocks import Block
+from layerfreeze.models.discovery import discover_blocks
+from layerfreeze.strategies import DEFAULT_STRATEGY, Decision, StageContext, Strategy, create_strategy
+from layerfreeze.strategies.base import BlockView
+
+STATE_VERSION = 1
+
+_NORM_TYPES = (nn.modules.batchnorm._BatchNorm,)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Mechanics (stateless helpers)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def frozen_parameters(block: Block, train_bn: bool = False) -> list[nn.Parameter]:
+    """The parameters that freezing ``block`` stops training (BatchNorm affine ones stay if ``train_bn``)."""
+    if not train_bn:
+        return list(block.parameters())
+    keep = {id(p) for _, m in block.modules for sub in m.modules() if isinstance(sub, _NORM_TYPES)
+            for p in sub.parameters(recurse=False)}
+    return [p for p in block.parameters() if id(p) not in keep]
+
+
+def set_eval_mode(module: nn.Module, train_bn: bool = False) -> None:
+    """Put ``module`` and its sub-modules in eval mode (BatchNorm layers excepted when ``train_bn``)."""
+    for sub in module.modules():
+        sub.training = bool(train_bn and isinstance(sub, _NORM_TYPES) and sub.training)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The Freezer
+# --------------------------------------------------------------------------------------------------------------
+
+
+class Freezer:
+    """Applies a freezing strategy to a model and its optimizer, in any training loop.
+
+    Args:
+        model: The model being trained.
+        optimizer: Its optimizer (may be None for pure inference-style freezing; then only ``requires_grad``,
+            gradients and BatchNorm modes are handled, and learning-rate factors wait for
+            :meth:`attach_optimizer`).
+        strategy: A :class:`~layerfreeze.strategies.Strategy` or a registered name (``"none"``, ``"static"``...);
+            default the package's default, :data:`~layerfreeze.strategies.DEFAULT_STRATEGY` (``"smartfrz"``).
+        strategy_params: Parameters for a strategy given by name.
+        blocks: Module-name patterns, or ready :class:`~layerfreeze.models.blocks.Block` objects; default: discovered.
+        train_bn: Keep BatchNorm layers of frozen blocks training (statistics and affine parameters).
+        scheduler: The LR scheduler, if any; its ``base_lrs`` are updated when a thaw sets a learning rate.
+        total_steps: Planned optimizer steps of the run; needed by ``smartfrz`` (the default), ``linear`` and
+            ``freezeout``, which place their stages by the fraction of training done.
+        steps_per_epoch: Optimizer steps per epoch, if known.
+        on_event: Called with each freeze/thaw record (a dict), e.g. to log it to telemetry.
+        guard: An optional :class:`~layerfreeze.engine.guard.StabilityGuard`; feed it with :meth:`report_metric`.
+        on_unfrozen: What to do when a frozen block's parameter was replaced (``module.weight = nn.Parameter(...)``),
+            requires grad again or is back in the optimizer (checked after every step,
+            :class:`~layerfreeze.engine.integrity.FrozenSet`): ``"warn"`` re-freezes it and warns naming it, ``"error"``
+            raises :class:`~layerfreeze.engine.integrity.UnfrozenParameterError`.
+        distributed: Decide on rank 0 and broadcast each decision to every rank (``torch.distributed``), so all
+            ranks freeze and thaw the same blocks at the same step whatever the strategy looks at. Default: on when
+            a process group of more than one rank is initialized. Only rank 0 runs the strategy (its hooks,
+            threads and signals); the other ranks apply what it decided. Every rank must create the Freezer and
+            call :meth:`step`, :meth:`epoch_end` and :meth:`report_metric` at the same points (they are
+            collectives then).
+
+    The strategy's start stage runs in the constructor, so blocks a strategy freezes from the start are frozen
+    before the first forward pass, and learning-rate factors it sets apply to the first step (create the LR
+    scheduler before the Freezer, or it would take the scaled LRs as its base).
+
+    Raises:
+        BlockDiscoveryError: blocks cannot be discovered (see :func:`~layerfreeze.models.discovery.discover_blocks`).
+        UnknownStrategyError / ValueError: bad strategy name or parameters.
+        RuntimeError: the strategy needs ``total_steps`` and none was given (the message says to pass it).
+
+    Use it as a context manager (``with Freezer(...) as freezer:``) or call :meth:`close` when training ends:
+    some strategies hold hooks and a background thread (Egeria's reference model).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        strategy: str | Strategy = DEFAULT_STRATEGY,
+        strategy_params: dict[str, Any] | None = None,
+        *,
+        blocks: Sequence[str] | Sequence[Block] | None = None,
+        train_bn: bool = False,
+        scheduler: Any = None,
+        total_steps: int | None = None,
+        steps_per_epoch: int | None = None,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+        guard: StabilityGuard | None = None,
+        distributed: bool | None = None,
+        on_unfrozen: str = "warn",
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_bn = train_bn
+        self.total_steps = total_steps
+        self.steps_per_epoch = steps_per_epoch
+        self.on_event = on_event
+        self.guard = guard
+        if blocks and isinstance(blocks[0], Block):
+            self.blocks: list[Block] = list(blocks)  # type: ignore[arg-type]
+        else:
+            self.blocks = discover_blocks(model, blocks)  # type: ignore[arg-type]
+        if isinstance(strategy, str):  # built and checked against the blocks here, once
+            strategy = create_strategy(strategy, strategy_params, num_blocks=len(self.blocks))
+        elif strategy_params:
+            raise ValueError("strategy_params is only used with a strategy given by name")
+        self.strategy = strategy
+        self.frozen = [False] * len(self.blocks)
+        self.step_count = 0
+        self.epoch = 0
+        self.history: list[dict[str, Any]] = []
+        self.last_signals: dict[str, Any] = {}
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        self._origin: dict[int, int] = {}
+        if optimizer is not None:
+            self._origin = group_origin(optimizer)
+        self._hooks: dict[int, list[Any]] = {}
+        self.integrity = FrozenSet(on_unfrozen, warn=self._integrity_warning)
+        self._grad_l1 = [0.0] * len(self.blocks)
+        self._backward_calls = 0
+        self._lr_scale: dict[int, float] = {}
+        self._lr_written: dict[int, tuple[float, float]] = {}  # group -> (unscaled lr, lr we wrote)
+        self.distributed = comm.is_distributed() if distributed is None else bool(distributed)
+        if self.distributed and not comm.is_distributed():
+            raise RuntimeError("Freezer(distributed=True) needs an initialized torch.distributed process group of "
+                               "more than one rank")
+        #: Whether this process runs the strategy: always in one process, on rank 0 only when distributed.
+        self.decides = not self.distributed or comm.rank() == 0
+        if self.decides:
+            self.strategy.attach(model, self.blocks)
+        try:
+            self._stage(event="start")
+            self._apply_lr_scales()  # LR factors from the start stage already apply to the first step
+        except BaseException:
+            self.close()  # nobody holds this Freezer to close it: release the strategy's hooks and threads here
+            raise
+
+    # ---- queries -------------------------------------------------------------------------------------------
+
+    @property
+    def frozen_prefix(self) -> int:
+        """Number of leading blocks that are frozen (backward stops at block ``frozen_prefix``)."""
+        k = 0
+        while k < len(self.frozen) and self.frozen[k]:
+            k += 1
+        return k
+
+    @property
+    def frozen_blocks(self) -> list[str]:
+        """Names of the frozen blocks, front to back."""
+        return [b.name for b, f in zip(self.blocks, self.frozen) if f]
+
+    def block(self, key: int | str) -> Block:
+        """A block by index or name. Raises KeyError listing the names for an unknown name."""
+        if isinstance(key, int):
+            return self.blocks[key]
+        for b in self.blocks:
+            if b.name == key:
+                return b
+        raise KeyError(f"No block named {key!r}; blocks: {', '.join(b.name for b in self.blocks)}")
+
+    def eval_frozen(self, depth: int | None = None) -> None:
+        """Put the frozen blocks among blocks ``0..depth-1`` (all blocks when None) in eval mode now.
+
+        The same as their forward pre-hook does before they run (``model.train()`` flips frozen blocks back to
+        training mode; BatchNorm layers stay training with ``train_bn``). For code that uses a frozen block's
+        output without running it: the activation cache (:class:`~layerfreeze.compute.cache.CachedPrefix`) on a hit.
+        """
+        for block in self.blocks[:depth]:
+            if self.frozen[block.index]:
+                for _, module in block.modules:
+                    self._eval_hook(module, ())
+
+    def trainable_parameters(self) -> int:
+        """Number of scalar parameters that currently require grad."""
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    # ---- freeze / thaw -------------------------------------------------------------------------------------
+
+    def freeze(self, key: int | str, reason: str = "manual") -> bool:
+        """Freeze one block (see the module docstring for everything that entails).
+
+        Returns:
+            True if the block was trainable and is now frozen, False if it was already frozen.
+        """
+        block = self.block(key)
+        if self.frozen[block.index]:
+            return False
+        params = frozen_parameters(block, self.train_bn)
+        for p in params:
+            p.requires_grad_(False)
+            p.grad = None
+        if self.optimizer is not None:
+            self._origin.update(remove_from_optimizer(self.optimizer, params))
+        for _, module in block.modules:
+            set_eval_mode(module, self.train_bn)
+            self._hooks.setdefault(block.index, []).append(module.register_forward_pre_hook(self._eval_hook))
+        self.frozen[block.index] = True
+        self.integrity.on_freeze(block.index, self.named_frozen_parameters(block))
+        self._record("freeze", block, reason)
+        return True
+
+    def thaw(self, key: int | str, lr: float | None = None, reason: str = "manual") -> bool:
+        """Thaw one block: it trains again, back in the param groups it came from.
+
+        Args:
+            key: Block index or name.
+            lr: Learning rate for the block's param groups (discriminative LR); None keeps the groups' LR.
+
+        Returns:
+            True if the block was frozen and is now trainable.
+
+        Raises:
+            ValueError: ``lr`` given but a target param group also holds other blocks' parameters (build the
+                optimizer with :func:`~layerfreeze.engine.optim.block_param_groups`).
+        """
+        block = self.block(key)
+        was_frozen = self.frozen[block.index]
+        if was_frozen:
+            for handle in self._hooks.pop(block.index, []):
+                handle.remove()
+            for _, module in block.modules:
+                module.train(self.model.training)
+            params = frozen_parameters(block, self.train_bn)
+            for p in params:
+                p.requires_grad_(True)
+            if self.optimizer is not None:
+                for p in params:
+                    add_to_optimizer(self.optimizer, [p], self._origin.get(id(p), 0))
+            self.frozen[block.index] = False
+            self.integrity.on_thaw(block.index)
+        if lr is not None:
+            self.set_block_lr(block, lr)
+        if was_frozen:
+            self._record("thaw", block, reason, lr=lr)
+        return was_frozen
+
+    def set_block_lr(self, key: int | str | Block, lr: float) -> None:
+        """Set the learning rate of the param groups holding ``block``'s parameters (and the scheduler's base LR).
+
+        Raises:
+            ValueError: no optimizer, ``lr <= 0``, or a group that also holds other blocks' parameters.
+        """
+        block = key if isinstance(key, Block) else self.block(key)
+        if self.optimizer is None or lr <= 0:
+            raise ValueError(f"set_block_lr needs an optimizer and lr > 0 (got lr={lr})")
+        for gi in exclusive_groups(self.optimizer, self._origin, block, "its own learning rate"):
+            set_group_lr(self.optimizer, gi, lr, self.scheduler)
+            self._lr_written.pop(gi, None)
+
+    def named_frozen_parameters(self, block: Block) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` pairs that freezing ``block`` stops training (see :func:`frozen_parameters`)."""
+        keep = {id(p) for p in frozen_parameters(block, self.train_bn)}
+        return [(n, p) for n, p in block.named_parameters() if id(p) in keep]
+
+    def refreeze_parameter(self, param: nn.Parameter, old: nn.Parameter | None = None) -> None:
+        """Freeze ``param`` again (it replaced ``old`` in a frozen block, or was made trainable by someone else):
+        no grad, out of the optimizer, and it takes over ``old``'s param-group origin and name."""
+        param.requires_grad_(False)
+        param.grad = None
+        if self.optimizer is not None:
+            remove_from_optimizer(self.optimizer, [param])
+        if old is not None and old is not param:
+            if id(old) in self._origin:
+                self._origin[id(param)] = self._origin.pop(id(old))
+            if id(old) in self._names:
+                self._names[id(param)] = self._names.pop(id(old))
+
+    def verify_frozen_weights(self) -> None:
+        """Check every frozen block's weights against their checksum from freeze time (bitwise).
+
+        Raises:
+            FrozenWeightsChangedError: a frozen weight moved (the message names the block and parameter).
+        """
+        self.integrity.verify_checksums(self)
+
+    def _integrity_warning(self, message: str, record: dict[str, Any]) -> None:
+        warnings.warn(message, stacklevel=4)
+        if self.on_event is not None:
+            self.on_event({**record, "step": self.step_count, "message": message})
+
+    def _apply_lr_scales(self) -> None:
+        """Multiply each scaled block's scheduled LR by its factor
+        (:func:`~layerfreeze.engine.optim.scale_group_lrs`)."""
+        if self.optimizer is not None:
+            scales = {gi: scale for index, scale in self._lr_scale.items()
+                      for gi in block_groups(self._origin, self.blocks[index])}
+            scale_group_lrs(self.optimizer, scales, self._lr_written)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:
+        """Give a Freezer built with ``optimizer=None`` the optimizer a framework creates after the initial freeze.
+
+        Why: Lightning calls ``configure_optimizers`` after the ``setup`` hook, and the blocks a strategy freezes
+        from the start must be frozen before that (and before DDP registers the trainable parameters). Parameters
+        of frozen blocks that are in ``optimizer`` leave it now, before any step (no state, no update); each
+        parameter's group is remembered so a thaw puts it back there (a parameter ``optimizer`` never held goes
+        back to group 0). Learning-rate factors the strategy set without an optimizer are applied now.
+
+        Raises:
+            ValueError: a strategy's learning-rate factor on a block whose param group holds other blocks too.
+        """
+        self.optimizer = optimizer
+        if scheduler is not None:
+            self.scheduler = scheduler
+        self._origin = group_origin(optimizer)
+        for block in self.blocks:
+            if self.frozen[block.index]:
+                remove_from_optimizer(optimizer, frozen_parameters(block, self.train_bn))
+        for i in self._lr_scale:
+            exclusive_groups(optimizer, self._origin, self.blocks[i], "a learning-rate factor")
+        self._lr_written = {}
+        self._apply_lr_scales()
+
+    def close(self) -> None:
+        """Release what the strategy attached (hooks, background threads). Idempotent."""
+        if self.decides:
+            self.strategy.detach()
+
+    def __enter__(self) -> Freezer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- training-loop hooks -------------------------------------------------------------------------------
+
+    def after_backward(self) -> None:
+        """Collect gradient signals (per-block L1 norm of gradients) after ``loss.backward()``.
+
+        Only needed when the strategy lists ``"grad_l1"`` in its ``signals``; cheap otherwise (returns at once).
+        """
+        self._backward_calls += 1
+        self.integrity.check_gradients(self)
+        if "grad_l1" not in self.strategy.signals or not self.decides:
+            return  # off rank 0 no strategy reads it (gradients are all-reduced, so rank 0's sums are global)
+        with torch.no_grad():
+            for block in self.blocks:
+                if self.frozen[block.index]:
+                    continue
+                grads = [p.grad for p in block.parameters() if p.grad is not None]
+                if grads:
+                    self._grad_l1[block.index] += float(sum(g.abs().sum() for g in grads))
+
+    def step(self) -> Decision | None:
+        """Call once after each ``optimizer.step()``; runs a freezing stage every ``strategy.stage_every`` steps."""
+        self.step_count += 1
+        self.integrity.check(self)
+        every = self.strategy.stage_every
+        decision = self._stage(event="step") if every and self.step_count % every == 0 else None
+        self._apply_lr_scales()
+        return decision
+
+    def epoch_end(self) -> Decision | None:
+        """Call at the end of each epoch; runs an epoch-end stage if the strategy wants one."""
+        decision = self._stage(event="epoch_end") if self.strategy.at_epoch_end else None
+        self.epoch += 1
+        return decision
+
+    def report_metric(self, value: float) -> int | None:
+        """Give the stability guard a validation value (loss by default); it may thaw the latest frozen block.
+
+        Returns:
+            The index of the block the guard thawed, or None (also None without a guard).
+        """
+        if self.guard is None:
+            return None
+        index, reference = None, float("nan")
+        if self.decides:
+            index = self.guard.observe(float(value), list(self.frozen))
+            if self.guard.reference is not None:
+                reference = self.guard.reference
+        if self.distributed:
+            index, reference, value = comm.broadcast_object((index, reference, value))
+        if index is not None:
+            self.thaw(index, reason=f"guard: metric {value:.4g} worse than {reference:.4g} before the freeze")
+        return index
+
+    # ---- checkpoint ----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: frozen set, optimizer param-group membership, counters, strategy state.
+
+        Save it beside ``optimizer.state_dict()``; on resume call :meth:`load_state_dict` *before*
+        ``optimizer.load_state_dict`` so the param groups match (see :mod:`layerfreeze.checkpoint`).
+        """
+        state: dict[str, Any] = {
+            "version": STATE_VERSION,
+            "blocks": [b.name for b in self.blocks],
+            "frozen": list(self.frozen),
+            "step": self.step_count,
+            "epoch": self.epoch,
+            "history": list(self.history),
+            "strategy": {"name": self.strategy.name, "state": self.strategy.state_dict()},
+            "grad_l1": list(self._grad_l1),
+            "backward_calls": self._backward_calls,
+            "train_bn": self.train_bn,
+            "lr_scale": dict(self._lr_scale),
+            "lr_written": dict(self._lr_written),
+            "guard": self.guard.state_dict() if self.guard is not None else None,
+            "frozen_checksums": self.integrity.state_dict(),
+        }
+        if self.optimizer is not None:
+            state["param_groups"] = [[self._names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
+            state["origin"] = {self._names[i]: gi for i, gi in self._origin.items() if i in self._names}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: re-freezes/thaws blocks and rebuilds the optimizer's param groups.
+
+        Raises:
+            ValueError: the state is from another version, another set of blocks, another strategy, or an
+                optimizer with a different number of param groups.
+        """
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"Freezer state version {state.get('version')!r} != {STATE_VERSION}; cannot resume it")
+        names = [b.name for b in self.blocks]
+        if state["blocks"] != names:
+            raise ValueError(f"Checkpoint blocks {state['blocks']} do not match this model's blocks {names}")
+        if state["strategy"]["name"] != self.strategy.name:
+            raise ValueError(
+                f"Checkpoint was written by strategy {state['strategy']['name']!r}, this run uses "
+                f"{self.strategy.name!r}; resume with the same strategy"
+            )
+        self.train_bn = state.get("train_bn", self.train_bn)
+        for block, frozen in zip(self.blocks, state["frozen"]):
+            if frozen and not self.frozen[block.index]:
+                self.freeze(block.index, reason="resume")
+            elif not frozen and self.frozen[block.index]:
+                self.thaw(block.index, reason="resume")
+        if self.optimizer is not None and "param_groups" in state:
+            by_name = dict(self.model.named_parameters())
+            load_param_groups(self.optimizer, state["param_groups"], by_name)
+            self._origin = {id(by_name[n]): gi for n, gi in state["origin"].items()}
+        self.integrity.load_state_dict(state.get("frozen_checksums", {}))
+        self.step_count = state["step"]
+        self.epoch = state["epoch"]
+        self.history = list(state["history"])
+        self._grad_l1 = list(state["grad_l1"])
+        self._backward_calls = state["backward_calls"]
+        self._lr_scale = {int(k): v for k, v in state["lr_scale"].items()}
+        self._lr_written = {int(k): tuple(v) for k, v in state["lr_written"].items()}
+        if self.decides:
+            self.strategy.load_state_dict(state["strategy"]["state"])
+        if self.guard is not None and state.get("guard") is not None:
+            self.guard.load_state_dict(state["guard"])
+        if self.distributed:  # the stage cadence may come from the strategy's state (smartfrz): take rank 0's
+            self.strategy.stage_every, self.strategy.at_epoch_end = comm.broadcast_object(
+                (self.strategy.stage_every, self.strategy.at_epoch_end))
+
+    # ---- internals -----------------------------------------------------------------------------------------
+
+    def _eval_hook(self, module: nn.Module, args: Any) -> None:
+        # model.train() flips frozen blocks back to training mode; undo it before they run.
+        if module.training:
+            set_eval_mode(module, self.train_bn)
+
+    def _record(self, kind: str, block: Block, reason: str, **extra: Any) -> None:
+        record = {
+            "kind": kind,
+            "block": block.name,
+            "index": block.index,
+            "step": self.step_count,
+            "epoch": self.epoch,
+            "reason": reason,
+            "frozen_count": sum(self.frozen),
+            "frozen_prefix": self.frozen_prefix,
+        }
+        record.update({k: v for k, v in extra.items() if v is not None})
+        if reason != "resume":
+            self.history.append(record)
+        if self.on_event is not None:
+            self.on_event(record)
+
+    def _context(self, event: str) -> StageContext:
+        views = [
+            BlockView(b.name, b.index, self.frozen[b.index], b.is_head, b.num_parameters()) for b in self.blocks
+        ]
+        signals: dict[str, Any] = {}
+        if "grad_l1" in self.strategy.signals and event != "start":
+            if self._backward_calls == 0:
+                raise RuntimeError(
+                    f"Strategy {self.strategy.name!r} needs gradients, but freezer.after_backward() was never called. "
+                    "Call it after loss.backward() and before optimizer.zero_grad()."
+                )
+            signals["grad_l1"] = list(self._grad_l1)
+        block_lrs = None
+        if self.optimizer is not None:
+            block_lrs = [base_lr(self.optimizer, block_groups(self._origin, b), self._lr_written) for b in self.blocks]
+        return StageContext(
+            step=self.step_count,
+            epoch=self.epoch,
+            event=event,
+            blocks=views,
+            total_steps=self.total_steps,
+            steps_per_epoch=self.steps_per_epoch,
+            signals=signals,
+            block_lrs=block_lrs,
+        )
+
+    def _stage(self, event: str) -> Decision:
+        decision = Decision()
+        error: str | None = None
+        if self.decides:
+            try:
+                decision = self._admissible(self.strategy.decide(self._context(event)))
+            except Exception as exc:
+                if not self.distributed:
+                    raise
+                error = f"{type(exc).__name__}: {exc}"
+                share_decision(self.strategy, decision, error)  # the other ranks raise too instead of waiting
+                raise
+            self.last_signals = dict(decision.signals)
+        if self.distributed:
+            decision = share_decision(self.strategy, decision, error)
+        self._grad_l1 = [0.0] * len(self.blocks)
+        self._backward_calls = 0
+        for i in decision.freeze:
+            if self.freeze(i, reason=decision.reason or self.strategy.name) and self.guard is not None:
+                self.guard.on_freeze(i)
+        for i in decision.thaw:
+            self.thaw(i, lr=decision.thaw_lr.get(i), reason=decision.reason or self.strategy.name)
+        for i, scale in decision.lr_scale.items():
+            if self.optimizer is not None:  # without one yet, attach_optimizer checks and applies the factors
+                exclusive_groups(self.optimizer, self._origin, self.blocks[i], "a learning-rate factor")
+            if scale == 1.0:
+                self._lr_scale.pop(i, None)
+            else:
+                self._lr_scale[i] = float(scale)
+        return decision
+
+    def _admissible(self, decision: Decision) -> Decision:
+        """``decision`` without freezes the stability guard holds back (cooling down after a guard thaw).
+
+        Raises:
+            RuntimeError: the strategy tried to freeze the head.
+        """
+        for i in decision.freeze:
+            if self.blocks[i].is_head:
+                raise RuntimeError(f"Strategy {self.strategy.name!r} tried to freeze the head ({self.blocks[i].name})")
+        if self.guard is not None:
+            decision.freeze = [i for i in decision.freeze if not self.guard.blocks_freeze(i)]
+        return decision
+
+
+def share_decision(strategy: Strategy, decision: Decision, error: str | None = None) -> Decision:
+    """Rank 0's freeze decision (and the strategy's stage cadence) on every rank; a collective.
+
+    Why: strategies read signals that can differ across ranks (a background thread finishing at another step,
+    float noise in a local statistic); applying rank 0's decision everywhere keeps the frozen sets, and so the
+    DDP wrappers and the weights, identical. Only rank 0 runs the strategy; its ``decision`` and ``error``
+    (the strategy's exception as text, or None) are what count, the other ranks' arguments are ignored. The
+    decision's signals stay on rank 0, which logs them; ``strategy.stage_every`` / ``at_epoch_end`` take rank 0's
+    values on every rank (smartfrz sets its cadence at the start stage).
+
+    Returns:
+        ``decision`` on rank 0; on the other ranks a :class:`~layerfreeze.strategies.Decision` with rank 0's
+        freezes, thaws, reason, thaw LRs and LR factors (no signals).
+
+    Raises:
+        RuntimeError: on the other ranks, when the strategy failed on rank 0 (the message carries its error);
+            rank 0 gets ``decision`` back and re-raises its own exception.
+    """
+    payload = None
+    if comm.rank() == 0:
+        payload = {"error": error, "freeze": list(decision.freeze), "thaw": list(decision.thaw),
+                   "reason": decision.reason, "thaw_lr": dict(decision.thaw_lr),
+                   "lr_scale": dict(decision.lr_scale), "stage_every": strategy.stage_every,
+                   "at_epoch_end": strategy.at_epoch_end}
+    payload = comm.broadcast_object(payload)
+    if payload["error"] is not None:
+        if comm.rank() == 0:
+            return decision
+        raise RuntimeError(f"the freezing strategy failed on rank 0: {payload['error']}")
+    strategy.stage_every, strategy.at_epoch_end = payload["stage_every"], payload["at_epoch_end"]
+    if comm.rank() == 0:
+        return decision
+    return Decision(freeze=payload["freeze"], thaw=payload["thaw"], reason=payload["reason"],
+                    thaw_lr=payload["thaw_lr"], lr_scale=payload["lr_scale"])

@@ -1,0 +1,196 @@
+"""Optimizer surgery for freezing: frozen parameters out of the param groups and back, one param group per block.
+
+Why each part matters (each is a public fault seen in other tools): a parameter left in an optimizer keeps
+receiving momentum and (decoupled) weight decay updates when its gradient is zero instead of None, so "frozen"
+weights drift, and its state keeps costing memory (two fp32 copies for Adam) -- so a frozen block's parameters
+leave the param groups and their state is freed (:func:`remove_from_optimizer`). A thaw puts each parameter back
+into the group it came from (:func:`add_to_optimizer`), so the number of param groups never changes (LR schedulers
+keep working) and checkpoints load without "different number of parameter groups" errors. A learning rate per
+block (discriminative LR, FreezeOut's per-block annealing) needs param groups holding only that block's
+parameters, which :func:`block_param_groups` builds and :func:`exclusive_groups` checks.
+
+Param groups are named by their index in ``optimizer.param_groups``; an *origin* maps ``id(parameter)`` to the
+index of the group it belongs in (:func:`group_origin`). :class:`~layerfreeze.engine.Freezer` uses these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from layerfreeze.models.blocks import Block
+
+
+def group_origin(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """``{id(param): index of its param group}`` for every parameter now in ``optimizer``."""
+    return {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+
+
+def remove_from_optimizer(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> dict[int, int]:
+    """Take ``params`` out of the optimizer's param groups and free their optimizer state.
+
+    Why: a parameter left in a param group keeps getting momentum and weight-decay updates, and its state (Adam's
+    two moments) keeps its memory.
+
+    Returns:
+        ``{id(param): index of the param group it was in}`` for the parameters that were in the optimizer.
+    """
+    ids = {id(p) for p in params}
+    origin: dict[int, int] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        kept = []
+        for p in group["params"]:
+            if id(p) in ids:
+                origin[id(p)] = gi
+                optimizer.state.pop(p, None)
+            else:
+                kept.append(p)
+        group["params"] = kept
+    return origin
+
+
+def add_to_optimizer(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter], group_index: int) -> None:
+    """Append ``params`` to param group ``group_index`` (no-op for parameters already in the optimizer)."""
+    present = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    group = optimizer.param_groups[group_index]
+    group["params"].extend(p for p in params if id(p) not in present)
+
+
+def block_param_groups(
+    model: nn.Module,
+    blocks: Sequence[Block],
+    lr: float,
+    weight_decay: float = 0.0,
+    lr_decay: float = 1.0,
+    no_decay: Callable[[str, nn.Parameter], bool] | None = None,
+) -> list[dict[str, Any]]:
+    """Optimizer param groups with one group per block (two if ``no_decay`` splits it), for discriminative LRs.
+
+    Discriminative learning rates (Howard & Ruder, "Universal Language Model Fine-tuning for Text
+    Classification", ACL 2018, sec. 3.2): block ``l`` of ``L`` gets ``lr / lr_decay ** (L - 1 - l)``, so the head
+    gets ``lr`` and each earlier block ``lr_decay`` times less (ULMFiT uses 2.6). Parameters in no block go to a
+    last group with ``lr``.
+
+    Args:
+        model: The model the blocks belong to.
+        blocks: Its blocks, front to back.
+        lr: Learning rate of the head.
+        weight_decay: Weight decay of the groups (0 for parameters selected by ``no_decay``).
+        lr_decay: Factor between consecutive blocks' learning rates, ``>= 1``.
+        no_decay: ``(name, param) -> bool`` selecting parameters without weight decay (e.g. biases, LayerNorm).
+
+    Returns:
+        A list for ``torch.optim.*(groups, ...)``; each group has a ``"block"`` key naming its block.
+
+    Raises:
+        ValueError: ``lr <= 0`` or ``lr_decay < 1``.
+    """
+    if lr <= 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    if lr_decay < 1:
+        raise ValueError(f"lr_decay must be >= 1 (ULMFiT uses 2.6), got {lr_decay}")
+    groups: list[dict[str, Any]] = []
+    num = len(blocks)
+
+    def add(name: str, named: list[tuple[str, nn.Parameter]], block_lr: float) -> None:
+        decay = [p for n, p in named if not (no_decay and no_decay(n, p))]
+        plain = [p for n, p in named if no_decay and no_decay(n, p)]
+        if decay:
+            groups.append({"params": decay, "lr": block_lr, "weight_decay": weight_decay, "block": name})
+        if plain:
+            groups.append({"params": plain, "lr": block_lr, "weight_decay": 0.0, "block": name})
+
+    for block in blocks:
+        add(block.name, list(block.named_parameters()), lr / lr_decay ** (num - 1 - block.index))
+    owned = {id(p) for b in blocks for p in b.parameters()}
+    add("(unassigned)", [(n, p) for n, p in model.named_parameters() if id(p) not in owned], lr)
+    return groups
+
+
+def set_group_lr(optimizer: torch.optim.Optimizer, group_index: int, lr: float, scheduler: Any = None) -> None:
+    """Set param group ``group_index``'s learning rate, its ``initial_lr`` (if a scheduler set one) and the
+    scheduler's base LR for it, so the scheduler goes on from ``lr``."""
+    group = optimizer.param_groups[group_index]
+    group["lr"] = lr
+    if "initial_lr" in group:
+        group["initial_lr"] = lr
+    if scheduler is not None and hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs[group_index] = lr
+
+
+def load_param_groups(optimizer: torch.optim.Optimizer, saved: Sequence[Sequence[str]],
+                      params: Mapping[str, nn.Parameter]) -> None:
+    """Make param group ``gi`` hold the parameters named ``saved[gi]`` (``params`` maps names to parameters) and
+    clear the optimizer state, so ``optimizer.load_state_dict`` of the saved run fits it.
+
+    Raises:
+        ValueError: ``saved`` has another number of param groups than ``optimizer``.
+        KeyError: a saved name is not in ``params``.
+    """
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(
+            f"Checkpoint optimizer has {len(saved)} param groups, this one has {len(optimizer.param_groups)}; "
+            "build the optimizer the same way as the saved run"
+        )
+    for group, names in zip(optimizer.param_groups, saved):
+        group["params"] = [params[n] for n in names]
+    optimizer.state.clear()
+
+
+def block_groups(origin: Mapping[int, int], block: Block) -> list[int]:
+    """The indices of the param groups ``block``'s parameters belong in (per ``origin``), ascending."""
+    return sorted({origin[id(p)] for p in block.parameters() if id(p) in origin})
+
+
+def exclusive_groups(
+    optimizer: torch.optim.Optimizer, origin: Mapping[int, int], block: Block, purpose: str
+) -> list[int]:
+    """The param groups of ``block`` (:func:`block_groups`), checked to hold no other block's parameters.
+
+    Raises:
+        ValueError: a group also holds other parameters; the message says what ``purpose`` needed and to build the
+            optimizer from :func:`block_param_groups`.
+    """
+    own = {id(p) for p in block.parameters()}
+    indices = block_groups(origin, block)
+    for gi in indices:
+        if any(id(p) not in own for p in optimizer.param_groups[gi]["params"]):
+            raise ValueError(
+                f"Cannot give block {block.name!r} {purpose}: param group {gi} also holds other blocks' "
+                "parameters. Build the optimizer from layerfreeze.block_param_groups(...) (one group per block)."
+            )
+    return indices
+
+
+def scale_group_lrs(
+    optimizer: torch.optim.Optimizer, scales: Mapping[int, float], written: dict[int, tuple[float, float]]
+) -> None:
+    """Multiply param group ``gi``'s scheduled LR by ``scales[gi]`` (after the scheduler has set this step's LR).
+
+    ``written`` maps a group to ``(unscaled LR, LR written here last time)`` and is updated. A group whose LR is
+    still the value written last time has not been rescheduled (no scheduler, or the scheduler only runs per
+    epoch), so the factor is applied to the remembered unscaled LR, not compounded. Schedulers that derive the next
+    LR from the current one (StepLR, ExponentialLR) would compound the factor: use LambdaLR-style schedulers (as
+    the CLI trainer does) with strategies that scale LRs.
+    """
+    for gi, scale in scales.items():
+        group = optimizer.param_groups[gi]
+        unscaled, last = written.get(gi, (None, None))
+        if last is None or group["lr"] != last:
+            unscaled = group["lr"]
+        group["lr"] = unscaled * scale
+        written[gi] = (unscaled, group["lr"])
+
+
+def base_lr(optimizer: torch.optim.Optimizer, groups: Sequence[int],
+            written: Mapping[int, tuple[float, float]]) -> float | None:
+    """The LR of the first of ``groups`` before any scaling: its ``initial_lr`` (set by a scheduler), else the
+    unscaled LR remembered in ``written`` (:func:`scale_group_lrs`), else its ``lr``; None without groups."""
+    if not groups:
+        return None
+    group = optimizer.param_groups[groups[0]]
+    unscaled = written.get(groups[0], (None,))[0]
+    return group.get("initial_lr", unscaled or group["lr"])

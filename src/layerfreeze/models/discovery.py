@@ -1,0 +1,121 @@
+"""Block discovery and forward splits: the one place that asks the registered model families.
+
+:func:`find_blocks` / :func:`discover_blocks` try every registered block discoverer (:mod:`layerfreeze.models.
+families`, in their ``order``) and :func:`split_for` every registered :class:`~layerfreeze.models.forward_split.
+ModelSplit`; this module is the only importer of the families (timm style: the family files import the registry,
+:mod:`layerfreeze.models.registry`, never the reverse), so a user's family file registered the same way is seen
+here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from layerfreeze.models import families  # noqa: F401 - importing the package registers every built-in family
+from layerfreeze.models.blocks import (
+    Block,
+    BlockDiscoveryError,
+    Discovery,
+    _children_summary,
+    blocks_from_patterns,
+    resolve_ties,
+)
+from layerfreeze.models.forward_split import ModelSplit
+from layerfreeze.models.registry import discoverers, splits
+
+
+def _merge_empty_head(blocks: list[Block]) -> bool:
+    """A head that owns nothing once ties are resolved (BART's ``lm_head``, tied to the shared embedding, with no
+    final norm) joins the block before it, which becomes the head (named ``head``), so the head has weights to train.
+    Returns whether it merged."""
+    if len(blocks) < 2 or not blocks[-1].is_head or any(True for _ in blocks[-1].parameters()):
+        return False
+    last = blocks.pop()
+    prev = blocks[-1]
+    prev.name, prev.is_head = "head", True
+    prev.modules, prev.params = prev.modules + last.modules, prev.params + last.params
+    return True
+
+
+
+def find_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> Discovery:
+    """The model's blocks in forward order, with the rule that found them and the tied parameters.
+
+    Tries every registered family (:mod:`layerfreeze.models.families`, in their ``order``), then the generic fallback
+    (the longest ``nn.ModuleList``/``nn.Sequential`` of same-type layers). ``patterns`` skip discovery.
+
+    Raises:
+        BlockDiscoveryError: nothing could be discovered (the message names the top-level children and shows how
+            to pass patterns), or a pattern matches nothing.
+    """
+    if patterns:
+        blocks = blocks_from_patterns(model, patterns)
+        return Discovery(blocks, "patterns", resolve_ties(blocks))
+    for name, discover in discoverers():
+        found = discover(model)
+        if found:
+            blocks, rule = found if isinstance(found, tuple) else (found, name)
+            notes = resolve_ties(blocks)
+            if _merge_empty_head(blocks):
+                notes = resolve_ties(blocks)
+            return Discovery(blocks, rule, notes)
+    raise BlockDiscoveryError(
+        f"Cannot discover the blocks of {type(model).__name__}: it is none of the known model families "
+        f"({', '.join(n for n, _ in discoverers())}) and has no stack of same-type layers (an nn.ModuleList or "
+        f"nn.Sequential of repeated layers). Its top-level children are:\n{_children_summary(model)}\n"
+        "Name the blocks front to back with module-name patterns, for example\n"
+        "  Freezer(model, optimizer, blocks=['stem', 'layers.*', 'head'])\n"
+        "or in a config file:\n  model:\n    blocks: ['stem', 'layers.*', 'head']"
+    )
+
+
+
+def discover_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> list[Block]:
+    """The model's blocks in forward order; the last one is the task head.
+
+    Args:
+        model: A model of a known family (see :mod:`layerfreeze.models.families` and the README's list: Hugging Face
+            encoders, decoder LMs, T5/BART, ViT/DeiT/Swin/ConvNeXt; torchvision CNNs, ViT, Swin; timm;
+            ``nn.Sequential``), any model with a stack of same-type layers, or any model when ``patterns`` are given.
+        patterns: Optional module-name patterns that override discovery (see :func:`blocks_from_patterns`).
+
+    Returns:
+        The blocks, ``len >= 2`` unless the model has a single parametrised module. A parameter tied across
+        blocks belongs to the earliest (:func:`resolve_ties`).
+
+    Raises:
+        BlockDiscoveryError: nothing could be discovered; the message names the top-level children and shows how
+            to pass patterns.
+    """
+    return find_blocks(model, patterns).blocks
+
+
+def split_for(model: nn.Module, blocks: Sequence[Block], input_key: str = "pixel_values") -> ModelSplit:
+    """The split for ``model``'s family (the first registered split whose ``check_model`` accepts it).
+
+    Args:
+        model: The model.
+        blocks: Its blocks (``discover_blocks(model)``).
+        input_key: The batch key of the input of an ``nn.Sequential`` (see
+            :class:`~layerfreeze.models.families.sequential.SequentialSplit`).
+
+    Raises:
+        ValueError: the model is none of the supported families (the message names them and why each did not
+            fit), or its blocks do not line up with the family's forward.
+    """
+    reasons = []
+    for cls in splits():
+        try:
+            cls.check_model(model)
+        except ValueError as exc:
+            reasons.append(f"  {cls.family}: {exc}")
+            continue
+        return cls.create(model, blocks, input_key)
+    raise ValueError(
+        f"Cannot split the forward of {type(model).__name__} for the activation cache. Supported families:\n"
+        + "\n".join(reasons)
+        + "\nRun without the cache (cache: off), or write a ModelSplit subclass for this model (README: "
+        "\"Add your own model family\")."
+    )

@@ -1,0 +1,268 @@
+"""The run folder's contract: its layout, the records of ``metrics.jsonl``, and how a resumed run is read back.
+
+Every writer (:mod:`~layerfreeze.train.trainer`, :mod:`~layerfreeze.runs.telemetry`, :mod:`~layerfreeze.checkpoint`,
+:mod:`~layerfreeze.train.compare`, :mod:`~layerfreeze.cli`) and every reader (:mod:`~layerfreeze.runs.report`,
+:mod:`~layerfreeze.train.compare`) takes the names below from here.
+
+A training run folder::
+
+    config.json        the validated config, written when the run starts: its presence marks a run
+    metrics.jsonl      one JSON record per line, appended and flushed as written (see below)
+    tensorboard/       TensorBoard event files
+    checkpoints/       NNNNNN-stepSSSSSSSSS/ checkpoint folders (the last run.keep_checkpoints)
+    checkpoint         a symbolic link to the newest checkpoint
+    cache/[rankN/]     the frozen-prefix cache's shards (freeze.cache)
+    summary.json       written when the run ends: its presence marks a finished run
+    report/            index.html and its PNGs (``layerfreeze report``)
+
+A comparison folder (``layerfreeze compare``): ``compare.json`` (one row object per run, rewritten after every
+run), ``compare.md``, one run folder per row (``<row>/``) and ``report/``.
+
+Records of ``metrics.jsonl``: each has a ``type`` (:class:`Record`) and a ``time`` (Unix seconds). ``step``
+records carry a ``step`` and either the training step's metrics (``loss``, ``lr``, ``step_time_s``, ...) or the
+stability guard's hold-out evaluation (``val_loss``, ``val_<metric>``); ``epoch`` records an ``epoch``, the
+``step`` it ended at and its evaluation; ``config`` records the ``config``; ``event`` records a ``kind``
+(:class:`Event`) and a ``step``.
+
+The replay rule (:func:`replay`): a resumed run appends to the same ``metrics.jsonl``, and its ``resumed`` event
+names the step of the checkpoint it continued from. Whatever was logged after that step was redone, so it is
+dropped; a run that restarted from the beginning (``from_start``: stopped before its first checkpoint) keeps only
+what it logged after the restart. A record logged again for the same step (or epoch) replaces the earlier one.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from layerfreeze.errors import ConfigError
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+CHECKPOINTS_DIR = "checkpoints"
+CHECKPOINT_LINK = "checkpoint"
+CACHE_DIR = "cache"
+SUMMARY_FILE = "summary.json"
+REPORT_DIR = "report"
+REPORT_INDEX = "index.html"
+COMPARE_JSON = "compare.json"
+COMPARE_MD = "compare.md"
+
+
+class Record(enum.StrEnum):
+    """The ``type`` of a ``metrics.jsonl`` record."""
+
+    STEP = "step"
+    EPOCH = "epoch"
+    EVENT = "event"
+    CONFIG = "config"
+
+
+class Event(enum.StrEnum):
+    """The ``kind`` of an ``event`` record, and what it means."""
+
+    FREEZE = "freeze"  # a block was frozen (block, index, epoch, reason)
+    THAW = "thaw"  # a block was thawed (block, index, epoch, reason)
+    STAGE = "stage"  # an epoch-end freezing stage's strategy signals (signal_<name>)
+    FLOPS_REMEASURED = "flops_remeasured"  # FLOPs per step measured on this step (flops_per_step, frozen_blocks)
+    CHECKPOINT = "checkpoint"  # a checkpoint was written (reason, path, checkpoint_s)
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"  # resume fell back past an unusable checkpoint (reason)
+    INTERRUPTED = "interrupted"  # the run stopped on an exception or Ctrl-C (error, checkpoint)
+    RESUMED = "resumed"  # the run continued from a checkpoint (path), or restarted (from_start)
+    CACHE_OFF = "cache_off"  # the frozen-prefix cache was refused (reason)
+    DDP_REBUILD = "ddp_rebuild"  # distributed: FreezeDDP was rebuilt after a freeze/thaw
+
+
+def cache_dir(run_dir: Path, rank: int | None = None) -> Path:
+    """Where the frozen-prefix cache of a run keeps its shards (one folder per rank when distributed)."""
+    return run_dir / CACHE_DIR / (f"rank{rank}" if rank is not None else "")
+
+
+def row_dir(compare_dir: Path, row: str) -> Path:
+    """The run folder of one row of a comparison."""
+    return compare_dir / row
+
+
+def is_run_dir(path: Path) -> bool:
+    """``path`` holds a training run's records (finished or not)."""
+    return (path / METRICS_FILE).is_file()
+
+
+def is_compare_dir(path: Path) -> bool:
+    """``path`` holds a comparison (``compare.json``)."""
+    return (path / COMPARE_JSON).is_file()
+
+
+def check_run_dir(run_dir: Path, resuming: bool = False) -> None:
+    """Refuse a run folder that would mix two runs: one that already holds a run (its ``config.json``) when not
+    resuming it, a finished run (its ``summary.json``) when resuming it, or a path that is a file.
+
+    Raises:
+        ConfigError: with what to do instead.
+    """
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run dir {run_dir} is a file, not a folder; pick another --run-dir")
+    if resuming and (run_dir / SUMMARY_FILE).is_file():
+        raise ConfigError(f"run dir {run_dir}: this run already finished (it has a summary.json); nothing to resume. "
+                          "Start a new run with another --run-dir")
+    if not resuming and (run_dir / CONFIG_FILE).is_file():
+        raise ConfigError(f"run dir {run_dir} already holds a run; continue it with `layerfreeze train --resume "
+                          f"{run_dir}` or pick another --run-dir")
+
+
+def write_config(run_dir: Path, config: dict[str, Any]) -> None:
+    """Write the run's validated config (``config.json``)."""
+    (run_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """Write ``summary.json`` so a kill leaves no file or the whole one, never half of one."""
+    path = run_dir / SUMMARY_FILE
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(summary, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_summary(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """``(summary, None)``; ``(None, None)`` for a run without ``summary.json`` (interrupted or still running);
+    ``(None, why)`` when the file is there but unreadable or not a JSON object."""
+    path = run_dir / SUMMARY_FILE
+    if not path.is_file():
+        return None, None
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return None, f"{SUMMARY_FILE} could not be read: {exc}"
+    if not isinstance(loaded, dict):
+        return None, f"{SUMMARY_FILE} is not a JSON object"
+    return loaded, None
+
+
+def write_compare(compare_dir: Path, rows: list[dict[str, Any]], markdown: str | None = None) -> None:
+    """Write ``compare.json`` (and ``compare.md`` when given)."""
+    (compare_dir / COMPARE_JSON).write_text(json.dumps(rows, indent=2))
+    if markdown is not None:
+        (compare_dir / COMPARE_MD).write_text(markdown)
+
+
+def read_compare(compare_dir: Path) -> list[dict[str, Any]]:
+    """The rows of ``compare.json``, as written (the ratios appear only once every row has run).
+
+    Raises:
+        FileNotFoundError: no ``compare.json``.
+        ValueError: it is not valid JSON, or not a list of objects.
+    """
+    path = compare_dir / COMPARE_JSON
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path}: expected a list of row objects")
+    return [dict(r) for r in rows]
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Parse ``metrics.jsonl`` into a list of records, in file order (no replay: see :func:`replay`).
+
+    Args:
+        run_dir: the run directory (or the path of the ``.jsonl`` file itself).
+
+    Blank lines are skipped.  A final line that is not valid JSON is taken to
+    be a record truncated by a crash and is skipped silently.
+
+    Raises:
+        FileNotFoundError: no metrics file.
+        ValueError: a line other than the last is not valid JSON, or a line
+            is not a JSON object; the message names the file and line number.
+    """
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        lines = fh.read().split("\n")
+    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+    records: list[dict[str, Any]] = []
+    for pos, (lineno, line) in enumerate(numbered):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if pos == len(numbered) - 1:
+                break  # truncated final record
+            raise ValueError(f"{path}: line {lineno} is not valid JSON: {err.msg}") from err
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: line {lineno} is not a JSON object")
+        records.append(record)
+    return records
+
+
+def finite(value: Any) -> bool:
+    """A record value that is a finite number (not a bool, not None, not NaN)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _step_of(record: dict[str, Any]) -> float:
+    value = record.get("step")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+@dataclass
+class Replay:
+    """A run's records as the run itself lived them (:func:`replay`): redone steps once, in order."""
+
+    config: dict[str, Any] | None = None  # the first config record's config
+    steps: list[dict[str, Any]] = field(default_factory=list)  # training step records, by step
+    vals: list[dict[str, Any]] = field(default_factory=list)  # stability-guard hold-out evaluations, by step
+    epochs: list[dict[str, Any]] = field(default_factory=list)  # epoch records, by epoch
+    events: list[dict[str, Any]] = field(default_factory=list)  # events that survived, in order (not the two below)
+    interruptions: list[dict[str, Any]] = field(default_factory=list)  # every interrupted event
+    resumes: list[dict[str, Any]] = field(default_factory=list)  # every resumed event
+
+
+def replay(records: list[dict[str, Any]]) -> Replay:
+    """Apply the replay rule (module docstring) to ``records`` in file order (from :func:`read_metrics`)."""
+    out = Replay()
+    steps: dict[int, dict[str, Any]] = {}
+    vals: dict[int, dict[str, Any]] = {}
+    epochs: dict[int, dict[str, Any]] = {}
+    events: list[dict[str, Any]] = []
+    for rec in records:
+        kind = rec.get("type")
+        if kind == Record.CONFIG:
+            if out.config is None and isinstance(rec.get("config"), dict):
+                out.config = rec["config"]
+        elif kind == Record.STEP and finite(rec.get("step")):
+            if "loss" in rec:
+                steps[int(rec["step"])] = rec
+            elif "val_loss" in rec:
+                vals[int(rec["step"])] = rec
+        elif kind == Record.EPOCH and finite(rec.get("epoch")):
+            epochs[int(rec["epoch"])] = rec
+        elif kind == Record.EVENT:
+            if rec.get("kind") == Event.INTERRUPTED:
+                out.interruptions.append(rec)
+            elif rec.get("kind") == Event.RESUMED:
+                out.resumes.append(rec)
+                if finite(rec.get("step")):
+                    # Everything logged after the checkpoint this resume started from was redone: drop it.
+                    cut = int(rec["step"])
+                    steps = {s: r for s, r in steps.items() if s <= cut}
+                    vals = {s: r for s, r in vals.items() if s <= cut}
+                    epochs = {e: r for e, r in epochs.items() if _step_of(r) <= cut}
+                    events = [e for e in events if _step_of(e) <= cut and not rec.get("from_start")]
+            else:
+                events.append(rec)
+    out.steps = [steps[s] for s in sorted(steps)]
+    out.vals = [vals[s] for s in sorted(vals)]
+    out.epochs = [epochs[e] for e in sorted(epochs)]
+    out.events = events
+    return out

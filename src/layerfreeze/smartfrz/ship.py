@@ -1,0 +1,81 @@
+"""Ship a predictor: train it on the labelled runs, measure it on the held-out recipes (and, optionally, leave one
+architecture family out at a time), and write the weights with their card (``predictor.safetensors`` +
+``PREDICTOR_CARD.md``). ``layerfreeze predictor train`` runs :func:`train_and_save`; the training itself is
+:mod:`~layerfreeze.smartfrz.fit`, the LOFO evaluation :mod:`~layerfreeze.smartfrz.lofo`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from layerfreeze._version import __version__
+from layerfreeze.smartfrz.card import write_card
+from layerfreeze.smartfrz.fit import (
+    DEFAULT_THRESHOLD,
+    TrainConfig,
+    evaluate,
+    label_settings,
+    rounded,
+    run_summary,
+    split_runs,
+    train_predictor,
+)
+from layerfreeze.smartfrz.lofo import family_folds, leave_one_family_out
+from layerfreeze.smartfrz.runs import PipelineError, RunData
+from layerfreeze.strategies.smartfrz.predictor import save_predictor
+
+
+def train_and_save(runs: list[RunData], out: str | Path, holdout: Iterable[str], config: TrainConfig | None = None,
+                   threshold: float = DEFAULT_THRESHOLD, command: str = "", card_path: str | Path | None = None,
+                   lofo: bool = False) -> tuple[Path, dict[str, Any]]:
+    """Split by recipe, train on the rest, evaluate on the held-out runs, save the predictor with its card.
+
+    Args:
+        runs: Labelled runs (all of one labelling).
+        out: The predictor file (``.safetensors``).
+        holdout: Recipes never trained on; metrics are measured on them.
+        command: The command line that reproduces this file (recorded in the card).
+        card_path: Where to write the Markdown card (default: ``PREDICTOR_CARD.md`` beside ``out``).
+        lofo: Also run :func:`~layerfreeze.smartfrz.lofo.leave_one_family_out` on all ``runs`` (held-out recipes
+            included; one extra predictor trained per architecture family, none saved) and record it in the card
+            under ``"lofo"`` (None otherwise).
+
+    Returns:
+        ``(predictor path, card dict)``.
+
+    Raises:
+        PipelineError: no training runs left after the split, or runs labelled differently; with ``lofo``, also
+            runs without an ``arch`` or of a single family.
+    """
+    cfg = config or TrainConfig()
+    holdout = sorted(set(holdout))
+    train_runs, held_runs = split_runs(runs, holdout)
+    if not train_runs:
+        raise PipelineError(f"every run belongs to a held-out recipe ({', '.join(holdout)}); nothing to train on")
+    labels = label_settings(runs)
+    if lofo:
+        family_folds(runs)  # a corpus LOFO cannot split fails before anything is trained
+    model, info = train_predictor(train_runs, cfg)
+    metrics = None
+    if held_runs:
+        metrics = rounded(evaluate(model, held_runs, cfg.history, threshold, cfg.min_history))
+        metrics.pop("per_run", None)
+    lofo_metrics = None
+    if lofo:
+        lofo_metrics = rounded(leave_one_family_out(runs, cfg, threshold))
+    card = {
+        "name": "layerfreeze SmartFRZ freeze predictor",
+        "layerfreeze_version": __version__, "torch_version": torch.__version__,
+        "window": cfg.history, "min_window": cfg.min_history, "threshold": threshold, "labels": labels,
+        "training": info,
+        "train_recipes": sorted({r.recipe for r in train_runs}), "heldout_recipes": holdout,
+        "train_runs": [run_summary(r) for r in train_runs], "heldout_runs": [run_summary(r) for r in held_runs],
+        "heldout_metrics": metrics, "lofo": lofo_metrics, "command": command,
+    }
+    path = save_predictor(out, model, cfg.history, card=card, min_window=cfg.min_history)
+    write_card(card, card_path or Path(out).with_name("PREDICTOR_CARD.md"))
+    return path, card

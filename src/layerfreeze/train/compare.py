@@ -1,0 +1,146 @@
+"""``layerfreeze compare``: several strategies on one task, same seed, data order and budget, one after another
+in one process, with a table of test accuracy, wall time and FLOPs (and their ratios to ``none``), peak memory and
+the step each block froze. A LoRA row (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021,
+through the ``peft`` library) shows the parameter-efficient alternative on the same budget.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from layerfreeze.errors import ConfigError
+from layerfreeze.runs import rundir
+from layerfreeze.runs.compare_table import add_ratios, markdown_table, rich_table
+from layerfreeze.strategies import BUILTIN_STRATEGIES, DEFAULT_STRATEGY
+from layerfreeze.train.config import build_config, deep_merge
+
+#: Rows of a default comparison, in order: the built-in strategies in registration order (``none`` first), then
+#: ``lora``, not a freezing strategy but a row of its own. A registered strategy of your own can be named as a row.
+DEFAULT_ROWS = (*BUILTIN_STRATEGIES, "lora")
+
+
+def row_config(base: dict[str, Any], row: str, run_dir: Path,
+               row_params: dict[str, dict[str, Any]] | None = None,
+               row_overrides: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The config dict of one row: the base config with the row's strategy (or LoRA) and its own run folder.
+
+    ``freeze.params`` of the base apply only to the row of the base's strategy (the default strategy when the base
+    names none); other rows run with their strategy's defaults (and the task preset). ``row_params`` maps a row
+    to parameters of its own (``{"autofreeze": {"interval": 20}}``), applied last. ``row_overrides`` maps a row
+    to config keys of its own, merged over everything else (``{"lora": {"train": {"lr": 1e-3}}}``: LoRA wants a
+    larger learning rate than full fine-tuning).
+    """
+    cfg = deep_merge(base, {"run": {"dir": str(rundir.row_dir(run_dir, row)), "resume": None}})
+    freeze = cfg.setdefault("freeze", {})
+    base_strategy = freeze.get("strategy", DEFAULT_STRATEGY)
+    params = freeze.get("params", {}) if base_strategy == row else {}
+    if row == "lora":
+        freeze["strategy"], freeze["params"] = "none", {}
+        cfg = deep_merge(cfg, {"model": {"lora": {"r": 8}}})
+    else:
+        freeze["strategy"], freeze["params"] = row, {**params, **(row_params or {}).get(row, {})}
+    return deep_merge(cfg, (row_overrides or {}).get(row, {}))
+
+
+def _row_build(row: str, cfg: dict[str, Any]) -> Any:
+    """``build_config`` of one row, its error naming the row (``row lora: Invalid configuration: ...``)."""
+    try:
+        return build_config(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"row {row}: {exc}") from None
+
+
+def _check_block_params(configs: list[tuple[str, Any]]) -> None:
+    """Check the strategy parameters that depend on the model's blocks (``static``'s k) for every row before the
+    first row trains: the model is built once per distinct task/model/data config to count its blocks.
+
+    Raises:
+        ConfigError: naming the row and what to change.
+    """
+    from layerfreeze.models.discovery import discover_blocks
+    from layerfreeze.strategies import STRATEGIES, Strategy
+    from layerfreeze.train.setup import build_strategy
+    from layerfreeze.train.tasks import build_task
+
+    counts: dict[str, int] = {}
+    for row, cfg in configs:
+        if row == "lora" or STRATEGIES[cfg.freeze.strategy].validate is Strategy.validate:
+            continue  # nothing to check against the blocks: don't build the model for it
+        key = json.dumps([cfg.task, cfg.model.model_dump(mode="json"), cfg.data.model_dump(mode="json")],
+                         sort_keys=True)
+        if key not in counts:
+            counts[key] = len(discover_blocks(build_task(cfg).model, cfg.model.blocks))
+        try:
+            build_strategy(cfg, counts[key])
+        except ConfigError as exc:
+            raise ConfigError(f"row {row}: {exc}") from None
+
+
+def freeze_steps(summary: dict[str, Any]) -> dict[str, int]:
+    """Block name -> the step it was (last) frozen at, for blocks frozen at the end of the run."""
+    steps: dict[str, int] = {}
+    for event in summary.get("freeze_timeline", []):
+        if event["action"] == "freeze":
+            steps[event["block"]] = event["step"]
+        else:
+            steps.pop(event["block"], None)
+    return steps
+
+
+def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console: Console | None = None,
+            row_params: dict[str, dict[str, Any]] | None = None,
+            row_overrides: dict[str, dict[str, Any]] | None = None,
+            row_callbacks: dict[str, list[Callable[[Any], None]]] | None = None) -> list[dict[str, Any]]:
+    """Run every row and return one result dict per row (also written to ``run_dir/compare.json`` and ``.md``).
+
+    Args:
+        base: A user config dict (validated per row); ``freeze.params`` apply to the row of the same strategy.
+        rows: Strategy names, ``"lora"`` for the LoRA row; ``"none"`` should come first (ratios are to it).
+        row_params: Per-row strategy parameters, e.g. ``{"autofreeze": {"interval": 20}}``.
+        row_overrides: Per-row config keys, e.g. ``{"lora": {"train": {"lr": 1e-3}}}`` (see :func:`row_config`).
+        row_callbacks: Per-row trainer ``step_callbacks`` (see :class:`~layerfreeze.train.trainer.Trainer`).
+
+    A row whose training stops with a :class:`~layerfreeze.train.trainer.DivergenceError` (a non-finite loss, or a loss
+    at chance level for ``run.divergence_window_steps`` steps) does not end the comparison: its result is
+    ``{"row", "stopped": <the error's message>, "run_dir"}`` (no accuracy, time or FLOPs; the table says why), its
+    run folder keeps what the trainer wrote (metrics, and the checkpoint to resume unless ``run.checkpoint`` is off),
+    and the next row runs.
+
+    Raises:
+        ConfigError: a row's config is invalid (checked for every row before the first run starts).
+    """
+    from layerfreeze.train.trainer import DivergenceError, Trainer
+
+    console = console or Console()
+    run_dir = Path(run_dir)
+    configs = [(row, _row_build(row, row_config(base, row, run_dir, row_params, row_overrides)))
+               for row in rows]  # validate first
+    for row, _ in configs:
+        try:
+            rundir.check_run_dir(rundir.row_dir(run_dir, row))
+        except ConfigError as exc:
+            raise ConfigError(f"row {row}: {exc}") from None
+    _check_block_params(configs)
+    results = []
+    for row, config in configs:
+        console.print(f"[bold]compare[/]: {row} ({len(results) + 1}/{len(configs)})")
+        try:
+            summary = Trainer(config, step_callbacks=(row_callbacks or {}).get(row)).run()
+        except DivergenceError as exc:
+            console.print(f"[bold yellow]compare[/]: row {row} stopped, the next row runs: {exc}", highlight=False)
+            results.append({"row": row, "stopped": str(exc), "run_dir": str(config.run.dir)})
+            rundir.write_compare(run_dir, results)
+            continue
+        results.append({"row": row, **summary, "freeze_steps": freeze_steps(summary)})
+        rundir.write_compare(run_dir, results)
+    add_ratios(results)
+    rundir.write_compare(run_dir, results, markdown_table(results))
+    console.print(rich_table(results))
+    return results
+
+

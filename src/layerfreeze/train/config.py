@@ -1,0 +1,315 @@
+"""Run configuration: a YAML or TOML file plus command-line overrides, validated before anything runs.
+
+Validation (pydantic, ``extra="forbid"``) rejects unknown keys, wrong types and impossible values with a message
+that names the key; the strategy and its parameters are checked against the registry. Task presets fill in what
+the user did not set (for example Fashion-MNIST trains MobileNetV2 with a larger learning rate than MiniLM).
+
+Example (YAML)::
+
+    task: bbc-news
+    train: {epochs: 3, batch_size: 32, lr: 5.0e-5}
+    freeze: {strategy: static, params: {k: 5}}
+"""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from layerfreeze.errors import ConfigError
+from layerfreeze.strategies import DEFAULT_STRATEGY, UnknownStrategyError, check_strategy
+
+TASKS = ("bbc-news", "fashion-mnist", "text-csv", "image-folder", "text-lm")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(_Section):
+    """LoRA adapters through the ``peft`` library (Hu et al. 2021): rank, scaling and the modules they wrap.
+
+    ``targets``: module names (peft's ``target_modules``); None picks per model (:func:`layerfreeze.train.tasks.
+    default_lora_targets`): the attention query/value projections of a transformer, else every dense convolution.
+    """
+
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.1, ge=0, lt=1)
+    targets: list[str] | None = None
+
+
+class ModelConfig(_Section):
+    """Which network to train.
+
+    ``name_or_path``: a local Hugging Face model folder for text tasks (default: the installed MiniLM-L6; text-lm:
+    a causal LM folder, required), or a
+    torchvision architecture name for image tasks (``mobilenet_v2`` with the installed ImageNet weights,
+    ``resnet18`` from scratch). ``blocks``: module-name patterns overriding block discovery.
+    """
+
+    name_or_path: str | None = None
+    blocks: list[str] | None = None
+    max_length: int = Field(128, ge=8, le=4096, description="tokens per text sample")
+    pretrained: bool = True
+    lora: LoraConfig | None = None
+
+
+class DataConfig(_Section):
+    """Where the data comes from; ``path`` is a CSV file (text-csv), a folder of class sub-folders (image-folder), or
+    a text file or CSV file whose ``text_column`` is read (text-lm)."""
+
+    path: str | None = None
+    test_path: str | None = None
+    text_column: str = "text"
+    label_column: str = "label"
+    test_fraction: float = Field(0.2, gt=0, lt=1)
+    split_seed: int = 0
+    image_size: int = Field(32, ge=8, le=1024)
+    limit_train: int | None = Field(None, ge=1)
+    limit_test: int | None = Field(None, ge=1)
+
+
+class TrainConfig(_Section):
+    """Optimisation. ``lr`` is the head's learning rate; ``lr_decay`` > 1 gives earlier blocks smaller ones."""
+
+    epochs: int = Field(3, ge=1)
+    batch_size: int = Field(32, ge=1)
+    eval_batch_size: int = Field(64, ge=1)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(5e-5, gt=0, le=10)
+    lr_decay: float = Field(1.0, ge=1)
+    weight_decay: float = Field(0.01, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    warmup_fraction: float = Field(0.1, ge=0, lt=1)
+    grad_clip: float | None = Field(1.0, gt=0)
+    seed: int = 0
+    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (quick runs)")
+
+
+class GuardConfig(_Section):
+    """Stability guard (:mod:`layerfreeze.engine.guard`): thaw the latest frozen block when validation loss worsens.
+
+    The validation loss is measured on ``val_fraction`` of the training data (held out from training), at every
+    epoch end and, if ``every_steps`` is set, every that many steps.
+    """
+
+    tolerance: float = Field(0.05, gt=0)
+    patience: int = Field(1, ge=1)
+    cooldown: int = Field(2, ge=0)
+    val_fraction: float = Field(0.1, gt=0, lt=1)
+    every_steps: int | None = Field(None, ge=1)
+
+
+class CacheConfig(_Section):
+    """Frozen-prefix activation cache (:mod:`layerfreeze.compute.cache`): skip the frozen prefix's forward.
+
+    ``mode``: ``auto`` (the default: check the data and the model's family before training, and at every use that
+    the cached prefix is frozen, in eval mode and its inputs unchanged; train without the cache, with one
+    ``cache_off`` event and a console line saying why, when they are not: random augmentation, a stochastic module,
+    a family without a forward split); ``on`` (the same checks, but refuse to start or stop the run instead);
+    ``off``. ``dtype``: storage precision (float16/bfloat16 halve the memory; values rounded).
+    ``budget_mb``: host memory before spilling to checksummed safetensors shards in the run folder; null (default):
+    a quarter of the host memory available at the start (:func:`layerfreeze.compute.store.auto_budget_bytes`).
+    """
+
+    mode: Literal["off", "on", "auto"] = "auto"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    budget_mb: float | None = Field(None, ge=0, description="cache memory in MiB before spilling (null: auto)")
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        """YAML 1.1 (PyYAML, so config files and ``--set``) reads an unquoted ``on``/``off`` as True/False."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+class FreezeConfig(_Section):
+    """The freezing strategy: a registered name and its parameters; optionally the stability guard and the cache."""
+
+    strategy: str = DEFAULT_STRATEGY
+    params: dict[str, Any] = Field(default_factory=dict)
+    train_bn: bool = False
+    guard: GuardConfig | None = None
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+
+    @model_validator(mode="after")
+    def _check_strategy(self) -> FreezeConfig:
+        """The name and the parameter names, against the registry; values are checked where the strategy is built
+        (:func:`~layerfreeze.train.setup.build_strategy`, before training), so nothing is built twice."""
+        try:
+            check_strategy(self.strategy, self.params)
+        except UnknownStrategyError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+
+class RunConfig(_Section):
+    """Where results go and how the run behaves.
+
+    Checkpoints (:class:`~layerfreeze.checkpoint.CheckpointStore`) are written at every epoch end, every
+    ``checkpoint_every_steps`` steps and every ``checkpoint_every_minutes`` minutes (after the step that passes it),
+    and on Ctrl-C or an exception; the last ``keep_checkpoints`` complete ones are kept.
+    """
+
+    dir: str | None = None
+    device: str = "auto"
+    threads: int | None = Field(None, ge=1)
+    progress: bool = True
+    tensorboard: bool = True
+    checkpoint: bool = True
+    checkpoint_every_steps: int | None = Field(None, ge=1, description="also checkpoint every N optimizer steps")
+    checkpoint_every_minutes: float | None = Field(10.0, gt=0, description="also checkpoint every M minutes")
+    keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept (older ones deleted)")
+    divergence_window_steps: int | None = Field(
+        100, ge=1, description="stop when the loss sits at chance level for this many steps (null: never)")
+    resume: str | None = None
+    dist_timeout_s: float = Field(300, gt=0, description="seconds a collective waits for a peer rank (torchrun runs)")
+
+
+class Config(_Section):
+    """A whole run. See the module docstring for an example."""
+
+    task: Literal["bbc-news", "fashion-mnist", "text-csv", "image-folder", "text-lm"] = "bbc-news"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    freeze: FreezeConfig = Field(default_factory=FreezeConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _check_task(self) -> Config:
+        if self.task in ("text-csv", "image-folder", "text-lm") and not self.data.path:
+            raise ValueError(f"task {self.task!r} needs data.path (a CSV file, an image folder or a text file)")
+        if self.task == "text-lm" and not self.model.name_or_path:
+            raise ValueError("task 'text-lm' needs model.name_or_path (--model): a local Hugging Face causal LM folder "
+                             "(no decoder LM weights install offline)")
+        if self.run.device not in ("auto", "cpu") and not self.run.device.startswith("cuda"):
+            raise ValueError(f"run.device must be auto, cpu or cuda[:N], got {self.run.device!r}")
+        return self
+
+
+#: What each task changes from the defaults above, unless the user sets it.
+TASK_PRESETS: dict[str, dict[str, Any]] = {
+    "fashion-mnist": {
+        "model": {"name_or_path": "mobilenet_v2"},
+        "train": {"lr": 1e-3, "epochs": 2, "batch_size": 128, "eval_batch_size": 256, "weight_decay": 1e-4},
+    },
+    "image-folder": {
+        "model": {"name_or_path": "mobilenet_v2"},
+        "train": {"lr": 1e-3, "batch_size": 64, "eval_batch_size": 128, "weight_decay": 1e-4},
+    },
+}
+
+#: Per task, the parameters a strategy gets unless the user sets them: the ``k`` a practitioner would pick for
+#: ``static`` on the task's model (MiniLM-L6: embeddings + the first 4 of 6 encoder layers; MobileNetV2 at 32x32:
+#: stem + the first 9 inverted-residual stages).
+STRATEGY_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "bbc-news": {"static": {"k": 5}},
+    "text-csv": {"static": {"k": 5}},
+    "fashion-mnist": {"static": {"k": 10}},
+    "image-folder": {"static": {"k": 10}},
+}
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``base`` updated recursively by ``override`` (new dict; neither input is changed)."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Parse a ``.yaml``/``.yml`` or ``.toml`` file into a dict.
+
+    Raises:
+        ConfigError: missing file, unknown extension, a syntax error, or a top level that is not a mapping.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Config file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        elif path.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            raise ConfigError(f"Config file {path} must end in .yaml, .yml or .toml")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"Config file {path} is not valid {path.suffix[1:].upper()}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"Config file {path} must hold a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def parse_override(item: str) -> dict[str, Any]:
+    """``"train.lr=1e-4"`` -> ``{"train": {"lr": 1e-4}}`` (the value is parsed as YAML: numbers, lists, bools).
+
+    Raises:
+        ConfigError: no ``=`` or an empty key.
+    """
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"Override {item!r} must look like section.key=value, e.g. train.lr=1e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    out: dict[str, Any] = {}
+    node = out
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; `layerfreeze train --help` lists the sections)"
+        lines.append(f"  {where}: {msg}")
+    return "Invalid configuration:\n" + "\n".join(lines)
+
+
+def build_config(user: dict[str, Any] | None = None) -> Config:
+    """Validate a user config dict, after filling in the task preset.
+
+    Raises:
+        ConfigError: with every problem found, one per line, each naming its key.
+    """
+    user = user or {}
+    task = user.get("task", "bbc-news")
+    preset = TASK_PRESETS.get(task, {}) if isinstance(task, str) else {}
+    freeze = user.get("freeze")
+    strategy = freeze.get("strategy", DEFAULT_STRATEGY) if isinstance(freeze, dict) else DEFAULT_STRATEGY
+    params = STRATEGY_PRESETS.get(task, {}).get(strategy) if isinstance(task, str) and isinstance(strategy, str) \
+        else None
+    if params:
+        preset = deep_merge(preset, {"freeze": {"params": params}})
+    try:
+        return Config.model_validate(deep_merge(preset, user))
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[dict[str, Any]] | None = None) -> Config:
+    """A validated :class:`Config` from an optional file plus overrides (later ones win)."""
+    data = read_config_file(path) if path else {}
+    for override in overrides or []:
+        data = deep_merge(data, override)
+    return build_config(data)

@@ -1,0 +1,49 @@
+"""A model's loss and task metric on a dataset: in one process, or sharded over the ranks and all-reduced."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from layerfreeze.distributed import comm as dist_
+from layerfreeze.train.tasks import Task
+
+
+@torch.no_grad()
+def evaluate_sums(task: Task, model: nn.Module, device: torch.device, batch_size: int,
+                  dataset: Dataset | None = None) -> tuple[float, float, int]:
+    """``(summed loss, summed metric, count)`` on ``dataset`` (default: the task's test set), from
+    ``task.objective.sums`` (classification: correct predictions over samples; LM: token losses over tokens).
+
+    Leaves the model in eval mode; the training loop switches it back.
+    """
+    model.eval()
+    loader = DataLoader(task.test_set if dataset is None else dataset, batch_size=batch_size, shuffle=False,
+                        generator=torch.Generator())  # own generator: keep the global RNG untouched
+    total_loss, total_metric, count = 0.0, 0.0, 0
+    for batch in loader:
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        loss_sum, metric_sum, n = task.objective.sums(task.forward(model, batch), batch)
+        total_loss, total_metric, count = total_loss + loss_sum, total_metric + metric_sum, count + n
+    return total_loss, total_metric, count
+
+
+def evaluate(task: Task, model: nn.Module, device: torch.device, batch_size: int,
+             dataset: Dataset | None = None) -> tuple[float, float]:
+    """Mean loss and the task's metric on ``dataset`` (default: the task's test set): accuracy (fraction in [0, 1])
+    for a classifier, perplexity for a language model (``task.objective.metric`` names it).
+
+    Leaves the model in eval mode; the training loop switches it back.
+    """
+    return task.objective.finish(*evaluate_sums(task, model, device, batch_size, dataset))
+
+
+def evaluate_sharded(task: Task, model: nn.Module, device: torch.device, batch_size: int, dataset: Dataset | None,
+                     rank: int, world: int) -> tuple[float, float]:
+    """:func:`evaluate` of a distributed run: each rank takes every world-th sample and the sums are all-reduced,
+    so every rank gets the whole set's loss and metric."""
+    dataset = task.test_set if dataset is None else dataset
+    part = Subset(dataset, range(rank, len(dataset), world))
+    sums = evaluate_sums(task, model, device, batch_size, part) if len(part) else (0.0, 0.0, 0)
+    return task.objective.finish(*dist_.all_reduce_sum(list(sums)))

@@ -1,0 +1,98 @@
+"""Models from local files: a Hugging Face sequence classifier or causal LM from its folder, a torchvision
+classifier with the installed ImageNet weights. Never a hub download (:func:`quiet_transformers` sets the offline
+switches before transformers is imported); every failure is a :class:`~layerfreeze.errors.ConfigError` or
+:class:`~layerfreeze.errors.AssetMissingError` that says what to install or set.
+
+The tasks (:mod:`layerfreeze.train.tasks`, :mod:`layerfreeze.train.lm`), the SmartFRZ recipes and the benchmarks
+load their models through these functions.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from layerfreeze.errors import ConfigError
+from layerfreeze.train import assets
+
+
+def quiet_transformers() -> None:
+    """Keep transformers offline (``HF_HUB_OFFLINE``, ``TRANSFORMERS_OFFLINE``, unless already set) and quiet (errors
+    only, no progress bars); call it before loading anything with transformers."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+
+def load_text_model(path: str | Path, num_labels: int) -> tuple[nn.Module, Any]:
+    """A sequence classifier and its tokenizer from a local Hugging Face folder (never a hub download).
+
+    Raises:
+        ConfigError: the folder does not exist or holds no model.
+    """
+    quiet_transformers()
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.name_or_path {path} is not a local Hugging Face model folder (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, local_files_only=True)
+    return model, tokenizer
+
+
+
+def load_vision_model(name: str, num_classes: int, pretrained: bool) -> nn.Module:
+    """A torchvision classifier with a new ``num_classes`` head.
+
+    ``mobilenet_v2`` loads the installed ImageNet weights when ``pretrained``; ``resnet18`` is from scratch.
+
+    Raises:
+        ConfigError: unknown architecture, or ``pretrained`` for one without offline weights.
+        AssetMissingError: the MobileNetV2 weights are not installed.
+    """
+    import torchvision
+
+    if name == "mobilenet_v2":
+        model = torchvision.models.mobilenet_v2(num_classes=1000)
+        if pretrained:
+            state = torch.load(assets.mobilenet_v2_weights(), map_location="cpu", weights_only=True)
+            model.load_state_dict(state)
+        model.classifier[1] = nn.Linear(model.last_channel, num_classes)
+        return model
+    if name == "resnet18":
+        if pretrained:
+            raise ConfigError("resnet18 has no offline pretrained weights; set model.pretrained: false")
+        return torchvision.models.resnet18(num_classes=num_classes)
+    raise ConfigError(f"Unknown vision model {name!r}; use mobilenet_v2 or resnet18")
+
+
+def load_causal_lm(path: str | Path | None) -> tuple[nn.Module, Any]:
+    """A causal LM and its tokenizer from a local Hugging Face folder (never a hub download).
+
+    Raises:
+        ConfigError: no folder given, or it holds no model (no ``config.json``) or no tokenizer.
+    """
+    if not path:
+        raise ConfigError("task text-lm needs model.name_or_path (--model): a local Hugging Face causal LM folder. "
+                          "No decoder LM weights install offline; save one with save_pretrained (model + tokenizer)")
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.name_or_path {path} is not a local Hugging Face model folder (no config.json)")
+    quiet_transformers()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.name_or_path {path}: cannot load its tokenizer ({exc})") from None
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    return model, tokenizer

@@ -1,0 +1,237 @@
+"""Tasks for the CLI trainer: a model, a train and a test dataset, and how a batch becomes logits.
+
+Built-in tasks use only the offline assets (:mod:`layerfreeze.train.assets`); nothing is fetched from a model hub:
+
+* ``bbc-news``: MiniLM-L6 (or another local Hugging Face encoder folder) fine-tuned on BBC News, 5 topics, a fixed
+  stratified 80/20 split.
+* ``text-csv``: the same on the user's CSV (``data.path``, optional ``data.test_path``).
+* ``fashion-mnist``: MobileNetV2 with ImageNet weights fine-tuned on Fashion-MNIST at 32x32, 3 channels.
+* ``image-folder``: the same on the user's folder of class sub-folders.
+* ``text-lm``: a local causal LM folder (GPT-2, Llama, ...) trained on next-token prediction over a text file or a
+  CSV column (:mod:`layerfreeze.train.lm`); perplexity is its eval metric.
+
+A task's *objective* says how logits become a loss and an eval metric (:class:`Classification`: cross-entropy and
+accuracy; :class:`~layerfreeze.train.lm.NextTokenPrediction`: shifted cross-entropy and perplexity).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, Subset
+
+from layerfreeze.errors import ConfigError
+from layerfreeze.train import assets, data
+from layerfreeze.train.config import Config
+from layerfreeze.train.lm import NextTokenPrediction, lm_datasets, lm_forward
+from layerfreeze.train.loaders import load_causal_lm, load_text_model, load_vision_model
+
+
+class Classification:
+    """The objective of a classifier: cross-entropy on ``batch["labels"]`` ``(B,)`` against logits ``(B, C)``;
+    accuracy as the eval metric."""
+
+    metric = "accuracy"
+
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean cross-entropy over the batch (a scalar with grad)."""
+        return nn.functional.cross_entropy(logits, batch["labels"])
+
+    def sample_losses(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``(B,)`` cross-entropy per sample (their mean is :meth:`loss`; data-parallel training sums shares)."""
+        return nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
+
+    def sums(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[float, float, int]:
+        """``(summed loss, correct predictions, samples)`` of a batch."""
+        labels = batch["labels"]
+        total = float(nn.functional.cross_entropy(logits, labels, reduction="sum"))
+        return total, float((logits.argmax(-1) == labels).sum()), len(labels)
+
+    def finish(self, loss_sum: float, metric_sum: float, count: int) -> tuple[float, float]:
+        """``(mean loss, accuracy in [0, 1])``."""
+        return loss_sum / max(1, count), metric_sum / max(1, count)
+
+
+@dataclass
+class Task:
+    """What the trainer needs to know about a task.
+
+    Attributes:
+        name: Task name for reports.
+        model: The network; ``forward(model, batch)`` turns a batch dict into logits ``(batch, num_classes)``.
+        train_set / test_set: Datasets whose items are dicts of tensors with a ``"labels"`` key.
+        num_classes: Number of classes (the vocabulary size for a language model).
+        model_name: For reports (a path or an architecture name).
+        forward: ``(model, batch) -> logits``.
+        objective: Loss and eval metric (:class:`Classification` unless set).
+    """
+
+    name: str
+    model: nn.Module
+    train_set: Dataset
+    test_set: Dataset
+    num_classes: int
+    model_name: str
+    forward: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+    objective: Any = field(default_factory=Classification)
+
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The training loss (a scalar with grad) of a batch's logits."""
+        return self.objective.loss(logits, batch)
+
+
+def text_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits ``(B, C)`` of a Hugging Face sequence classifier from a tokenized batch."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in batch}
+    return model(**inputs).logits
+
+
+def image_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits ``(B, C)`` of an image classifier from ``pixel_values`` ``(B, 3, H, W)``."""
+    return model(batch["pixel_values"])
+
+
+def _limit(dataset: Dataset, limit: int | None, seed: int) -> Dataset:
+    """A seeded random subset of ``limit`` samples (in dataset order), or ``dataset`` when no limit applies.
+
+    Random, not the first ``limit``: some datasets are stored sorted by class (BBC News), and a prefix would keep
+    only the first classes.
+    """
+    if not limit or limit >= len(dataset):
+        return dataset
+    keep = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:limit].sort().values
+    return Subset(dataset, keep.tolist())
+
+
+def default_lora_targets(model: nn.Module) -> list[str]:
+    """LoRA's modules when the config names none: the attention query and value projections of a transformer, as in
+    Hu et al. 2021, sec. 4.2 (``query``/``value`` in BERT-like models, ``q_proj``/``v_proj`` in Llama-like decoders
+    and BART, ``q``/``v`` in T5; the fused ``c_attn`` of GPT-2 and ``query_key_value`` of GPT-NeoX), else every
+    ``Conv2d`` with ``groups == 1`` (a depthwise convolution has no low-rank form): MobileNetV2's stem, 1x1
+    expand/project and last convs."""
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for pair in (["query", "value"], ["q_proj", "v_proj"], ["q", "v"]):
+        if names.issuperset(pair):
+            return pair
+    fused = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()} & {"c_attn", "query_key_value"}
+    if fused:
+        return sorted(fused)
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d) and m.groups == 1]
+
+
+def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
+    """Wrap ``model`` with LoRA adapters (``peft``): base weights frozen, adapters and the task head trained.
+
+    Raises:
+        ConfigError: peft is not installed, or no module matches ``model.lora.targets``.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ConfigError("model.lora needs the peft library: pip install layerfreeze[lora]") from None
+    lora = cfg.model.lora
+    targets = lora.targets if lora.targets is not None else default_lora_targets(model)
+    head = [n for n, m in model.named_children() if n in ("classifier", "fc", "head", "score")]
+    try:
+        peft_model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                      target_modules=targets, modules_to_save=head))
+    except ValueError as exc:
+        raise ConfigError(f"model.lora.targets {targets}: {exc}") from None
+    return peft_model.base_model.model  # the original model class, now holding LoRA layers
+
+
+def _split(dataset: Dataset, labels: list[int], cfg: Config) -> tuple[Dataset, Dataset]:
+    try:
+        train_idx, test_idx = data.stratified_split(labels, cfg.data.test_fraction, cfg.data.split_seed)
+    except ValueError as exc:
+        raise ConfigError(f"cannot split the data into train and test: {exc}; add samples, or give a separate test "
+                          "set with --set data.test_path=...") from None
+    return Subset(dataset, train_idx), Subset(dataset, test_idx)
+
+
+def _check_classes(classes: list[str], path: str | None) -> None:
+    """A classifier needs two classes; one means a wrong label column or folder (before a model is built for it)."""
+    if len(classes) < 2:
+        raise ConfigError(f"data.path {path} has {len(classes)} class(es) ({', '.join(map(str, classes))}); a "
+                          "classifier needs at least 2 (check the label column or the class sub-folders)")
+
+
+def _read_csv(path: str, cfg: Config) -> tuple[list[str], list[int], list[str]]:
+    try:
+        return data.load_text_csv(path, cfg.data.text_column, cfg.data.label_column)
+    except ValueError as exc:  # a missing column: say which setting names it; undecodable text: the encoding
+        msg = str(exc) if str(exc).startswith(str(path)) else f"{path}: {exc}"
+        if "no column" in msg:
+            msg += ". Name the columns with --set data.text_column=... / data.label_column=..."
+        elif isinstance(exc, UnicodeDecodeError):
+            msg += ". Save the file as UTF-8"
+        raise ConfigError(f"data file {msg}") from None
+
+
+def build_task(cfg: Config) -> Task:
+    """Build the model and datasets a config describes.
+
+    Raises:
+        AssetMissingError: a built-in asset is not installed (the message gives the install command).
+        ConfigError: a user path that does not exist or does not fit the task.
+    """
+    torch.manual_seed(cfg.train.seed)  # new heads are initialised from the run's seed
+    objective: Any = Classification()
+    if cfg.task == "text-lm":
+        model, tokenizer = load_causal_lm(cfg.model.name_or_path)
+        train_set, test_set = lm_datasets(cfg, tokenizer)
+        classes = [None] * int(model.config.get_text_config().vocab_size)
+        forward, model_name, objective = lm_forward, str(cfg.model.name_or_path), NextTokenPrediction()
+    elif cfg.task in ("bbc-news", "text-csv"):
+        if cfg.task == "bbc-news":
+            texts, labels, classes = data.load_bbc_news()
+        else:
+            if not Path(cfg.data.path).is_file():
+                raise ConfigError(f"data.path {cfg.data.path} is not a CSV file")
+            texts, labels, classes = _read_csv(cfg.data.path, cfg)
+            _check_classes(classes, cfg.data.path)
+        model_path = cfg.model.name_or_path or str(assets.minilm_dir())
+        model, tokenizer = load_text_model(model_path, num_labels=len(classes))
+        full = data.TokenizedTextDataset(texts, labels, tokenizer, cfg.model.max_length)
+        if cfg.data.test_path:
+            t_texts, t_labels, _ = _read_csv(cfg.data.test_path, cfg)
+            train_set, test_set = full, data.TokenizedTextDataset(t_texts, t_labels, tokenizer, cfg.model.max_length)
+        else:
+            train_set, test_set = _split(full, labels, cfg)
+        forward, model_name = text_forward, model_path
+    else:
+        if cfg.task == "fashion-mnist":
+            size = cfg.data.image_size
+            train_set = data.load_fashion_mnist("train", size=size, limit=cfg.data.limit_train)
+            test_set = data.load_fashion_mnist("test", size=size, limit=cfg.data.limit_test)
+            classes = list(data.FASHION_MNIST_CLASSES)
+        else:
+            if not Path(cfg.data.path).is_dir():
+                raise ConfigError(f"data.path {cfg.data.path} is not a folder of class sub-folders")
+            full = data.load_image_folder(cfg.data.path, size=cfg.data.image_size)
+            classes = list(full.classes)
+            _check_classes(classes, cfg.data.path)
+            if cfg.data.test_path:
+                train_set, test_set = full, data.load_image_folder(cfg.data.test_path, size=cfg.data.image_size)
+            else:
+                train_set, test_set = _split(full, [y for _, y in full.dataset.samples], cfg)
+        name = cfg.model.name_or_path or "mobilenet_v2"
+        model = load_vision_model(name, len(classes), cfg.model.pretrained)
+        forward, model_name = image_forward, name
+    if cfg.model.lora is not None:
+        model = apply_lora(model, cfg)
+    return Task(
+        name=cfg.task,
+        model=model,
+        train_set=_limit(train_set, cfg.data.limit_train, cfg.data.split_seed),
+        test_set=_limit(test_set, cfg.data.limit_test, cfg.data.split_seed + 1),
+        num_classes=len(classes),
+        model_name=model_name,
+        forward=forward,
+        objective=objective,
+    )

@@ -10,7 +10,7 @@ config (``freeze.strategy``), the CLI trainer and ``layerfreeze compare`` rows, 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from ..registry import Registry
@@ -65,18 +65,35 @@ def _lookup(name: str) -> type[Strategy]:
         return STRATEGIES[name]
     except KeyError:
         raise UnknownStrategyError(
-            f"Unknown strategy {name!r}. Available: {', '.join(sorted(STRATEGIES))}."
+            f"Unknown strategy {name!r}. Available: {', '.join(sorted(STRATEGIES))}. {OWN_STRATEGY_HINT}"
         ) from None
 
 
-def create_strategy(name: str, **params: Any) -> Strategy:
-    """Build a registered strategy.
+#: How a strategy of one's own becomes known (the README's "Register your own strategy").
+OWN_STRATEGY_HINT = (
+    "A strategy of your own is known once the file that registers it (@register_strategy) is imported: in Python, "
+    "import it before naming it; for the command line, run it from Python after the import: "
+    "python -c \"import my_strategy; from layerfreeze.cli import main; raise SystemExit(main())\" train -s NAME")
+
+
+def create_strategy(name: str, params: Mapping[str, Any] | None = None, /, **kwargs: Any) -> Strategy:
+    """Build a registered strategy from its parameters, given as a dict (as :class:`~layerfreeze.engine.Freezer`
+    and configs take them: ``create_strategy("static", {"k": 5})``) and/or as keywords
+    (``create_strategy("static", k=5)``).
 
     Raises:
         UnknownStrategyError: unknown name, or a parameter the strategy does not take (the message lists the valid
             ones).
+        TypeError: ``params`` is not a mapping, or a parameter is given both in it and as a keyword.
         ValueError: a parameter outside its range (raised by the strategy itself).
     """
+    if params is not None and not isinstance(params, Mapping):
+        raise TypeError(f"create_strategy({name!r}, params): params must be a dict of the strategy's parameters, "
+                        f"got {type(params).__name__}")
+    both = sorted(set(params or {}) & set(kwargs))
+    if both:
+        raise TypeError(f"create_strategy({name!r}): {', '.join(both)} given both in the params dict and as a keyword")
+    params = {**(params or {}), **kwargs}
     cls = _lookup(name)
     allowed = strategy_parameters(name)
     unknown = sorted(set(params) - set(allowed))

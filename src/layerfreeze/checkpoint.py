@@ -173,10 +173,16 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore a checkpoint written by :func:`save_checkpoint` into live objects built the same way.
 
+    A full checkpoint of a sharded model (:func:`layerfreeze.fsdp.save_full_checkpoint`: every weight, and the
+    optimizer state keyed by parameter name, as its ``state.pt`` records) loads too, into an unsharded model (to
+    go on training in one process, or to evaluate); into a sharded one, use
+    :func:`layerfreeze.fsdp.load_full_checkpoint`.
+
     Args:
         load_weights: ``(model, weights_file)`` to load the weights another way (a sharded model); default
             safetensors' ``load_model``.
-        load_optimizer: ``(optimizer, saved_state)`` likewise; default ``optimizer.load_state_dict``.
+        load_optimizer: ``(optimizer, saved_state)`` likewise; default ``optimizer.load_state_dict`` (for a full
+            checkpoint of a sharded model, its optimizer state put back by parameter name).
 
     Returns:
         The ``extra`` dict given at save time.
@@ -188,6 +194,12 @@ def load_checkpoint(
     path = Path(path)
     state = read_state(path)
     weights = path / "model.safetensors"
+    saved_optimizer = state["optimizer"]
+    if load_optimizer is None and isinstance(saved_optimizer, dict) and saved_optimizer.get("format") == BY_NAME:
+        if any(_is_dtensor(p) for p in model.parameters()):
+            raise CheckpointError(f"Checkpoint {path} is a full checkpoint of a sharded model (save_full_checkpoint) "
+                                  "and this model is sharded: load it with layerfreeze.fsdp.load_full_checkpoint")
+        load_optimizer = _by_name_loader(model)
     try:
         (load_weights or (lambda m, f: load_model(m, str(f))))(model, weights)
         if freezer is not None and state["freezer"] is not None:
@@ -201,6 +213,47 @@ def load_checkpoint(
     if restore_rng:
         set_rng_state(state["rng"])
     return state["extra"]
+
+
+#: The ``format`` of an optimizer state saved by parameter name (:func:`layerfreeze.fsdp.save_full_checkpoint`).
+BY_NAME = "layerfreeze-by-name"
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """A sharded (FSDP2) parameter."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support has no sharded parameters
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _by_name_loader(model: nn.Module) -> Any:
+    """``(optimizer, saved)`` -> the by-name optimizer state of a full checkpoint put back into ``optimizer`` (after
+    the Freezer has rebuilt its param groups), each tensor on its parameter's device."""
+
+    def load(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+        if len(saved["groups"]) != len(optimizer.param_groups):
+            raise ValueError(f"{len(saved['groups'])} saved param groups, this optimizer has "
+                             f"{len(optimizer.param_groups)}")
+        params = dict(model.named_parameters())
+        missing = sorted(set(saved["by_name"]) - set(params))
+        if missing:
+            raise ValueError(f"optimizer state for parameters this model does not have: {', '.join(missing[:5])}")
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        outside = sorted(n for n in saved["by_name"] if id(params[n]) not in held)
+        if outside:
+            raise ValueError(f"optimizer state for parameters in no param group of this optimizer: "
+                             f"{', '.join(outside[:5])}")
+        optimizer.state.clear()
+        for name, st in saved["by_name"].items():
+            p = params[name]
+            optimizer.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.shape == p.shape else v
+                                  for k, v in st.items()}
+        for group, hyper in zip(optimizer.param_groups, saved["groups"]):
+            group.update(hyper)
+
+    return load
 
 
 _ENTRY = re.compile(r"^(\d{6})-step(\d{9})$")

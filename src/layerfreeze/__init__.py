@@ -7,7 +7,8 @@ The pieces, one module per concern:
 * :mod:`layerfreeze.forward_split` and :mod:`layerfreeze.cache` — the frozen prefix's forward cut off and cached;
 * :mod:`layerfreeze.store` — the checksummed per-sample store (memory, then safetensors shards) the cache and
   :func:`precompute` write to;
-* :mod:`layerfreeze.frozen` — frozen models beside the trained one (:class:`FrozenModule`, :class:`FrozenPipeline`);
+* :mod:`layerfreeze.frozen` — frozen models beside the trained one (:class:`FrozenModule`, :class:`FrozenPipeline`,
+  :func:`precompute`), or in the gradient path (:class:`FrozenDifferentiable`);
 * :mod:`layerfreeze.engine` — the freeze/thaw mechanics and :class:`Freezer`; :mod:`layerfreeze.optim` — the
   optimizer surgery it does (param groups per block, frozen parameters out of the optimizer and back);
 * :mod:`layerfreeze.guard` — :class:`StabilityGuard`, thawing a freeze that hurt validation;
@@ -26,7 +27,17 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .engine import Freezer
 from .families import register_blocks, register_split
 from .forward_split import ModelSplit, split_for
-from .frozen import FrozenModule, FrozenPipeline, PrecomputedDataset, precompute
+from .frozen import (
+    FrozenDifferentiable,
+    FrozenModule,
+    FrozenPipeline,
+    GlobalRNGUsedError,
+    NonFiniteOutputError,
+    PrecomputedDataset,
+    PrecomputeRefused,
+    per_sample_generators,
+    precompute,
+)
 from .guard import StabilityGuard
 from .optim import block_param_groups
 from .store import ActivationCache
@@ -44,9 +55,13 @@ __all__ = [
     "CheckpointError",
     "Decision",
     "Freezer",
+    "FrozenDifferentiable",
     "FrozenModule",
     "FrozenPipeline",
+    "GlobalRNGUsedError",
     "ModelSplit",
+    "NonFiniteOutputError",
+    "PrecomputeRefused",
     "PrecomputedDataset",
     "StabilityGuard",
     "StageContext",
@@ -58,6 +73,7 @@ __all__ = [
     "discover_blocks",
     "find_blocks",
     "load_checkpoint",
+    "per_sample_generators",
     "precompute",
     "register_blocks",
     "register_split",

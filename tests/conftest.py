@@ -41,6 +41,20 @@ def readme_example(heading: str) -> str:
     return blocks[0]
 
 
+def readme_block(marker: str) -> str:
+    """The first Python code block of the README after ``marker`` (a heading or the words that introduce it)."""
+    text = README.read_text(encoding="utf-8")
+    assert text.count(marker) == 1, marker
+    found = re.search(r"```python\n(.*?)```", text.split(marker, 1)[1], re.S)
+    assert found is not None, marker
+    return found.group(1)
+
+
+def readme_blocks() -> list[str]:
+    """Every Python code block of the README, in order."""
+    return re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
+
+
 def predictor_cli(argv: list[str]) -> int:
     """Run ``layerfreeze predictor ...`` in this process (a wide console, so tables are not cut); the exit code."""
     import argparse

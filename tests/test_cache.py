@@ -387,3 +387,42 @@ def test_auto_budget_is_a_quarter_of_the_available_host_memory(monkeypatch):
     from layerfreeze.train.config import build_config
 
     assert build_config({}).freeze.cache.mode == "auto" and build_config({}).freeze.cache.budget_mb is None
+
+
+def test_the_input_key_of_an_nn_sequential_is_named_found_or_asked_for():
+    """Issue 32: a non-Hugging Face model's input under another key than "pixel_values"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    freezer = Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 1})
+    x = torch.randn(6, 4)
+    expected = model(x)
+    named = CachedPrefix(model, freezer=freezer, input_key="features")
+    assert torch.equal(named({"features": x, "index": torch.arange(6)}), expected)
+    found = CachedPrefix(model, freezer=freezer)  # the batch's one tensor besides the index and the labels
+    assert torch.equal(found({"x": x, "labels": torch.zeros(6, dtype=torch.long), "index": list(range(6))}),
+                       expected)
+    assert found.split.input_keys == ("x",) and found.cache.misses == 6
+    assert torch.equal(found({"x": x, "index": (torch.arange(6)[:, None])}), expected) and found.cache.hits == 6
+    with pytest.raises(ValueError, match=r"no 'pixel_values' .* several could be it \(x, mask\); its keys: x, "
+                                         r"mask, index\. Name the input: CachedPrefix\(model, freezer=freezer, "
+                                         r"input_key='x'\)"):
+        CachedPrefix(model, freezer=freezer)({"x": x, "mask": x, "index": torch.arange(6)})
+    with pytest.raises(ValueError, match=r"the batch has no 'features', the model input the nn.Sequential split "
+                                         r"expects; its keys: x, index\. Name the batch key .* input_key=\.\.\."):
+        named({"x": x, "index": torch.arange(6)})
+    with pytest.raises(ValueError, match=r"the batch has no 'index' \(each sample's position"):
+        found({"x": x})
+    with pytest.raises(ValueError, match="one integer sample position per sample"):
+        found({"x": x, "index": ["a"] * 6})
+
+
+def test_a_fixed_input_family_names_its_keys_and_refuses_input_key():
+    model = tiny_bert()
+    freezer = Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 1})
+    with pytest.raises(ValueError, match=r"input_key='x'\): the Hugging Face BertForSequenceClassification split "
+                                         r"reads the batch keys input_ids, token_type_ids, attention_mask, which are "
+                                         r"fixed"):
+        CachedPrefix(model, freezer=freezer, input_key="x")
+    with pytest.raises(ValueError, match=r"the batch has no 'input_ids', the model input the Hugging Face "
+                                         r"BertForSequenceClassification split expects; its keys: tokens, index"):
+        CachedPrefix(model, freezer=freezer)({"tokens": torch.zeros(2, 4, dtype=torch.long), "index": [0, 1]})

@@ -86,3 +86,47 @@ def test_checkpoint_from_other_blocks_is_refused(tmp_path):
     other_freezer = Freezer(other, torch.optim.SGD(other.parameters(), lr=0.1), "none", blocks=["0", "1", "6"])
     with pytest.raises(CheckpointError, match="blocks"):
         load_checkpoint(path, other, other_freezer.optimizer, freezer=other_freezer)
+
+
+@pytest.mark.timeout(300)
+def test_a_full_fsdp2_checkpoint_loads_into_an_unsharded_model_and_trains_on(tmp_path):
+    """A folder written by ``layerfreeze.checkpoint.save_full_checkpoint`` on 2 sharded ranks, read by
+    ``load_checkpoint`` into a plain model: weights (frozen ones too), frozen set and optimizer state (by parameter
+    name) restored, and the next step gives the weights the sharded ranks reached (so every Adam moment is on its own
+    parameter)."""
+    from tests.distributed.fsdp_full_checkpoint import batch
+    from tests.distributed.launch import launch
+    from tests.distributed.worker import mlp_task
+
+    ckpt = tmp_path / "full"
+    ranks = launch({"save_at": 3, "checkpoint": str(ckpt)}, tmp_path / "ranks",
+                   module="tests.distributed.fsdp_full_checkpoint")
+    assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
+    task = mlp_task()
+    model = task.model
+    torch.manual_seed(1)
+    for p in model.parameters():  # nothing of the initial weights may survive the load
+        p.data.normal_()
+    optimizer = torch.optim.AdamW(block_param_groups(model, discover_blocks(model), lr=0.01), lr=0.01)
+    freezer = Freezer(model, optimizer, "gradual", {"every_steps": 2})
+    assert load_checkpoint(ckpt, model, optimizer, freezer) == {"step": 3}
+    from safetensors.torch import load_file
+
+    saved = load_file(ckpt / "model.safetensors")
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    assert freezer.frozen == [True, True, True, False, False] and freezer.step_count == 3  # block 3 thawed at 2
+    trainable = {id(p) for b in freezer.blocks[3:] for _, p in b.named_parameters()}
+    assert {id(p) for p in optimizer.state} == trainable  # moments for the trainable blocks only, on their params
+    steps = {id(p): 1 for _, p in freezer.blocks[3].named_parameters()}  # thawed after step 2, trained step 3
+    steps.update({id(p): 3 for _, p in freezer.blocks[4].named_parameters()})  # the head: steps 1-3
+    assert {id(p): int(st["step"]) for p, st in optimizer.state.items()} == steps
+    x, y = batch(task, 3)
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    freezer.step()
+    reference = ranks.results[0]
+    assert "this model is sharded: load it with layerfreeze.load_full_checkpoint" in reference["refused"]
+    assert freezer.frozen == reference["frozen"] == [True, True, False, False, False]  # the thaw at step 4
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, torch.tensor(reference["weights"][key]), rtol=1e-5, atol=1e-6)

@@ -203,3 +203,73 @@ def test_too_small_or_one_class_data_is_a_config_error(tmp_path, tiny_bert_dir, 
     assert "has 1 class(es) (sport); a classifier needs at least 2" in capsys.readouterr().err
     assert main([*base, "--data", str(two), "--run-dir", str(tmp_path / "b")]) == 2
     assert "cannot split the data into train and test: class 0 has 1 sample(s)" in capsys.readouterr().err
+
+
+# ---- issue 32: config typos get a suggestion, `layerfreeze config`, the run folder named only once it exists -----
+
+
+def test_a_mistyped_config_key_suggests_the_closest_valid_one(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  name: x\ntrain:\n  learning_rate: 0.1\nfreeze:\n  stratgy: static\n  guard:\n"
+                    "    tolerence: 0.1\nstrategy: static\n")
+    assert main(["train", "--config", str(path), "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "model.name: unknown key (did you mean `model.name_or_path`?" in err
+    assert "train.learning_rate: unknown key (did you mean `train.lr`?" in err
+    assert "freeze.stratgy: unknown key (did you mean `freeze.strategy`?" in err
+    assert "freeze.guard.tolerence: unknown key (did you mean `freeze.guard.tolerance`?" in err
+    assert "strategy: unknown key (did you mean `freeze.strategy`?" in err  # a key of another section
+    assert err.count("`layerfreeze config` prints every key with its default") == 5
+    assert not (tmp_path / "r").exists()
+
+
+def test_layerfreeze_config_prints_every_key_with_its_default_as_a_config_file(tmp_path, capsys):
+    import yaml
+
+    from layerfreeze.train.config import config_keys
+
+    assert main(["config"]) == 0
+    text = capsys.readouterr().out
+    assert "  max_length: 128  # tokens per text sample" in text and "  strategy: smartfrz" in text
+    assert "  guard: null  # " in text and "tolerance: 0.05" in text  # an optional section shows its keys
+    for key in config_keys():  # every key of the schema is named, optional sections' keys in their comment
+        assert f"{key.rsplit('.', 1)[-1]}:" in text, key
+    loaded = yaml.safe_load(text)
+    assert loaded["train"]["lr"] == 5e-5 and loaded["freeze"]["cache"] == {"mode": "auto", "dtype": "float32",
+                                                                         "budget_mb": None}
+    assert build_config(loaded) == build_config({})  # the printed file is the default config
+    # with a task and a strategy: the presets filled in; the output is a config file train reads back
+    assert main(["config", "--task", "fashion-mnist", "-s", "static", "--set", "freeze.guard.patience=2"]) == 0
+    path = tmp_path / "run.yaml"
+    path.write_text(capsys.readouterr().out)
+    config = load_config(path)
+    assert config.model.name_or_path == "mobilenet_v2" and config.train.lr == 1e-3
+    assert config.freeze.params == {"k": 10} and config.freeze.guard.patience == 2
+    assert main(["config", "--set", "train.epoch=2"]) == 2
+    assert "did you mean `train.epochs`?" in capsys.readouterr().err
+
+
+def test_unknown_strategy_says_how_a_strategy_of_ones_own_becomes_known(tmp_path, capsys):
+    assert main(["train", "-s", "every-n", "-p", "n=3", "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "Unknown strategy 'every-n'" in err and "@register_strategy" in err
+    assert 'python -c "import my_strategy; from layerfreeze.cli import main; raise SystemExit(main())" train' in err
+
+
+def test_a_train_that_fails_before_training_names_no_run_folder(tmp_path, capsys):
+    run = tmp_path / "never"
+    assert main(["train", "--task", "text-csv", "--data", str(tmp_path / "missing.csv"), "--run-dir", str(run),
+                 "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert "missing.csv" in err and not run.exists()
+    assert str(run) not in out and "run dir" not in out
+
+
+@pytest.mark.assets
+def test_a_run_names_its_run_folder_once_it_exists(tmp_path, tiny_bert_dir, tiny_csv, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir),
+                 "--max-steps", "1", "--epochs", "1", "--no-progress", "--no-report", "--no-tensorboard",
+                 "--set", "model.max_length=16", "--run-dir", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"run dir {run}" in out and run.is_dir()

@@ -335,3 +335,23 @@ def test_float16_vae_overflow_is_detected_and_named():
         vae.encoder.conv_in.weight.mul_(1e6)  # activations beyond float16's 65504, as an fp16 SD VAE's do
     with pytest.raises(NonFiniteOutputError, match="VAE encoder produced NaN/Inf"):
         FrozenModule(LatentParameters(vae), dtype=torch.float16, name="VAE encoder")(x)
+
+
+def test_precompute_as_the_readme_writes_it_and_what_precomputed_dataset_returns():
+    """Issue 32: ``precompute(dataset, fn)`` (no batch size) over items holding an int "index"; each item of
+    PrecomputedDataset is the dataset's item plus fn's output row under "features"."""
+
+    class IntIndex(Tokens):
+        def __getitem__(self, i):
+            return {**super().__getitem__(i), "index": i}
+
+    frozen, data = encoder(), IntIndex(40)
+    store = precompute(data, lambda b: encode(frozen, b))
+    full = encode(frozen, {"input_ids": data.ids, "attention_mask": data.mask})
+    item = PrecomputedDataset(data, store, drop=("input_ids",))[7]
+    assert sorted(item) == ["attention_mask", "features", "index", "labels"] and item["index"] == 7
+    torch.testing.assert_close(item["features"], full[7], rtol=1e-5, atol=1e-6)
+    assert len(store) == 40
+    with pytest.raises(ValueError, match=r"items must be dicts holding 'index' .* item 0 is a dict with keys "
+                                         r"input_ids, attention_mask, labels"):
+        precompute([{k: v for k, v in data[i].items() if k != "index"} for i in range(4)], lambda b: b["labels"])

@@ -1,7 +1,8 @@
 """The Hugging Face callback in real ``transformers.Trainer.train`` runs on a tiny BERT built from a config: frozen
 weights bitwise unchanged, freezes at the steps the strategy chose, thawed parameters back in their own param
 group, the timeline in the Trainer's log, a resumed run equal to the uninterrupted one, gradient checkpointing
-with a frozen prefix (#21381), bf16 autocast, and 2-process torchrun with and without gradient checkpointing."""
+with a frozen prefix (#21381), bf16 autocast, and 2-process torchrun with and without gradient checkpointing; the
+callback given in the Trainer's constructor or attached to it."""
 
 from __future__ import annotations
 
@@ -80,6 +81,35 @@ def test_freeze_thaw_steps_groups_and_the_log(tmp_path):
                         (10, "layerfreeze/frozen/bert.encoder.layer.1", 1.0)]
 
 
+def test_the_callback_passed_in_the_trainers_constructor_as_hf_users_pass_callbacks(tmp_path):
+    """Issue 32: ``Trainer(..., callbacks=[LayerFreezeCallback(...)])`` raised "needs its trainer"."""
+    model = tiny_bert()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    callback = LayerFreezeCallback("static", {"k": 1})
+    trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=4), train_dataset=TokenDataset(),
+                      callbacks=[callback])
+    assert callback.trainer is trainer  # found at on_init_end
+    trainer.train()
+    for name, p in model.named_parameters():
+        assert torch.equal(before[name], p) == name.startswith("bert.embeddings."), name
+    assert [(h["kind"], h["index"], h["step"]) for h in callback.freezer.history] == [("freeze", 0, 0)]
+    assert len(losses(trainer)) == 4
+    # the freeze timeline goes through trainer.log into its log history, as with attach
+    model = tiny_bert()
+    scripted = LayerFreezeCallback(Scripted(PLAN))
+    trainer = Trainer(model=model, args=arguments(tmp_path / "plan"), train_dataset=TokenDataset(),
+                      callbacks=[scripted])
+    trainer.train()
+    timeline = [(h["step"], k, v) for h in trainer.state.log_history for k, v in h.items()
+                if k.startswith("layerfreeze/frozen/")]
+    assert timeline == [(2, "layerfreeze/frozen/bert.embeddings", 1.0),
+                        (3, "layerfreeze/frozen/bert.encoder.layer.0", 1.0),
+                        (6, "layerfreeze/frozen/bert.encoder.layer.0", 0.0),
+                        (10, "layerfreeze/frozen/bert.encoder.layer.1", 1.0)]
+    attached, _ = train(tmp_path / "attached", Scripted(PLAN))
+    assert losses(trainer) == losses(attached)  # the same run as the attach form
+
+
 def test_resume_after_a_thaw_equals_the_uninterrupted_run(tmp_path):
     full, full_cb = train(tmp_path / "full", Scripted(PLAN), save_strategy="steps", save_steps=4)
     model = tiny_bert()
@@ -145,10 +175,10 @@ def test_bf16_autocast(tmp_path):
     assert all(torch.isfinite(torch.tensor(loss)) for _, loss in losses(trainer))
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_torchrun_two_processes_identical_weights(tmp_path, checkpointing):
+@pytest.mark.parametrize("checkpointing,form", [(False, "attach"), (True, "attach"), (False, "constructor")])
+def test_torchrun_two_processes_identical_weights(tmp_path, checkpointing, form):
     cmd = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(ROOT / "tests" / "scripts" / "hf_ddp.py"), str(tmp_path), str(int(checkpointing))]
+           str(ROOT / "tests" / "scripts" / "hf_ddp.py"), str(tmp_path), str(int(checkpointing)), form]
     result = run_ranks(cmd, tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

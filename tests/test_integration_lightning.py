@@ -156,3 +156,12 @@ def test_ddp_two_processes_identical_weights_after_freeze_and_thaw(tmp_path):
     assert ranks[0]["history"] == ranks[1]["history"] == [["freeze", 0, 2], ["freeze", 1, 3], ["thaw", 1, 5]]
     assert ranks[0]["rebuilds"] == 3
     assert ranks[0]["frozen_unchanged"] and ranks[0]["thawed_changed"]
+
+
+def test_a_submodule_the_lightning_module_does_not_have_is_named_with_the_option(tmp_path):
+    """Issue 32: ``submodule="model"`` on a module whose network is ``self.net`` said only AttributeError."""
+    with pytest.raises(ValueError, match=r"LayerFreeze\(submodule='model'\): Module has no attribute 'model'\. Name "
+                                         r"the attribute that holds the network to freeze \(its child modules: net\)"):
+        fit(tmp_path, LayerFreeze("static", {"k": 1}, submodule="model"))
+    module, _ = fit(tmp_path / "net", LayerFreeze("static", {"k": 1}, submodule="net"))
+    assert not module.net[0].weight.requires_grad and module.net[2].weight.requires_grad

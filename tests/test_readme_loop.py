@@ -125,3 +125,42 @@ def test_the_loop_api_is_exported_at_the_top_level():
                  "save_checkpoint", "load_checkpoint", "DEFAULT_STRATEGY"):
         assert name in layerfreeze.__all__ and getattr(layerfreeze, name) is not None, name
     assert set(layerfreeze.__all__) <= set(dir(layerfreeze))
+
+
+class XBlobs(Blobs):
+    """The same blobs under the keys a non-Hugging Face user writes: ``{"x", "labels", "index"}``, index an int."""
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.labels[i], "index": i}
+
+
+def list_index_collate(items):
+    """A user's collate: tensors stacked, the sample positions left a list of ints."""
+    return {"x": torch.stack([it["x"] for it in items]), "labels": torch.stack([it["labels"] for it in items]),
+            "index": [it["index"] for it in items]}
+
+
+@pytest.mark.parametrize("collate", [None, list_index_collate], ids=["default-collate", "index-a-list"])
+def test_the_readme_own_loop_with_an_nn_sequential_whose_input_is_batch_x(monkeypatch, collate):
+    """Issue 32: the README loop copied with an nn.Sequential and ``batch["x"]`` (the cache found no
+    "pixel_values"); an "index" as torch's default collate makes it (a tensor) or as a list of ints."""
+
+    class Static(Freezer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, strategy="static", strategy_params={"k": 2}, **kwargs)
+
+    monkeypatch.setattr(layerfreeze, "Freezer", Static)
+    loader = DataLoader(XBlobs(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0),
+                        collate_fn=collate)
+    namespace = {"model": mlp(), "loader": loader}
+    exec(compile(own_loop_example(), str(README), "exec"), namespace)  # noqa: S102 - our own README
+    forward = namespace["forward"]
+    assert forward.split.input_keys == ("x",)  # found in the first batch: its one input tensor
+    assert forward.prefix_samples == 48 and forward.cache.hits == 2 * 48 and forward.full_forwards == 0
+    # the cached run trains like the plain forward on the same batches: same weights at the end
+    monkeypatch.setattr(layerfreeze, "CachedPrefix", lambda model, **kw: lambda batch: model(batch["x"]))
+    plain = {"model": mlp(), "loader": DataLoader(XBlobs(), batch_size=8, shuffle=True,
+                                                  generator=torch.Generator().manual_seed(0), collate_fn=collate)}
+    exec(compile(own_loop_example(), str(README), "exec"), plain)  # noqa: S102 - our own README
+    for (name, a), b in zip(namespace["model"].state_dict().items(), plain["model"].state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

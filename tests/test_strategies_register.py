@@ -108,3 +108,17 @@ def test_a_name_is_registered_once_and_only_strategies_register():
     with pytest.raises(TypeError, match="Strategy subclass"):
         register_strategy("not-a-strategy")(object)
     assert "not-a-strategy" not in STRATEGIES
+
+
+def test_create_strategy_takes_the_params_dict_as_freezer_does_and_keywords(example):
+    cls = example["FreezeEveryN"]
+    from_dict = create_strategy("every-n", {"n": 3})  # what Freezer(model, optimizer, "every-n", {"n": 3}) takes
+    assert isinstance(from_dict, cls) and from_dict.n == 3 and from_dict.stage_every == 3
+    assert create_strategy("every-n", n=4).n == 4 and create_strategy("every-n", {}).n == 10
+    assert create_strategy("static", {"k": 2}).k == 2
+    with pytest.raises(UnknownStrategyError, match="no parameter"):
+        create_strategy("every-n", {"k": 2})
+    with pytest.raises(TypeError, match="n given both in the params dict and as a keyword"):
+        create_strategy("every-n", {"n": 3}, n=4)
+    with pytest.raises(TypeError, match="params must be a dict"):
+        create_strategy("every-n", 3)

@@ -21,6 +21,7 @@ corrupt one with a message.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import random
@@ -35,7 +36,13 @@ import torch
 from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 
-from layerfreeze.distributed.fsdp import full_optimizer_state, full_state_options, load_full_optimizer_state
+from layerfreeze.distributed.fsdp import (
+    BY_NAME,
+    full_optimizer_state,
+    full_state_options,
+    is_sharded,
+    load_full_optimizer_state,
+)
 from layerfreeze.errors import CheckpointError
 from layerfreeze.runs import rundir
 
@@ -173,10 +180,15 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore a checkpoint written by :func:`save_checkpoint` into live objects built the same way.
 
+    A full checkpoint of a sharded model (:func:`save_full_checkpoint`: every weight, and the optimizer state keyed
+    by parameter name, as its ``state.pt`` records) loads too, into an unsharded model (to go on training in one
+    process, or to evaluate); into a sharded one, use :func:`load_full_checkpoint`.
+
     Args:
         load_weights: ``(model, weights_file)`` to load the weights another way (a sharded model); default
             safetensors' ``load_model``.
-        load_optimizer: ``(optimizer, saved_state)`` likewise; default ``optimizer.load_state_dict``.
+        load_optimizer: ``(optimizer, saved_state)`` likewise; default ``optimizer.load_state_dict`` (for a full
+            checkpoint of a sharded model, its optimizer state put back by parameter name).
 
     Returns:
         The ``extra`` dict given at save time.
@@ -188,6 +200,12 @@ def load_checkpoint(
     path = Path(path)
     state = read_state(path)
     weights = path / "model.safetensors"
+    saved_optimizer = state["optimizer"]
+    if load_optimizer is None and isinstance(saved_optimizer, dict) and saved_optimizer.get("format") == BY_NAME:
+        if is_sharded(model):
+            raise CheckpointError(f"Checkpoint {path} is a full checkpoint of a sharded model (save_full_checkpoint) "
+                                  "and this model is sharded: load it with layerfreeze.load_full_checkpoint")
+        load_optimizer = functools.partial(load_full_optimizer_state, model)
     try:
         (load_weights or (lambda m, f: load_model(m, str(f))))(model, weights)
         if freezer is not None and state["freezer"] is not None:

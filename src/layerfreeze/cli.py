@@ -1,4 +1,5 @@
-"""``layerfreeze`` command line: ``train``, ``blocks``, ``strategies``, ``assets``.
+"""``layerfreeze`` command line: ``train``, ``compare``, ``blocks``, ``report``, ``predictor``, ``config``,
+``strategies``, ``assets``.
 
 Exit codes: 0 success; 2 bad input (config, strategy, missing asset, undiscoverable blocks, bad checkpoint) found
 before training starts; 130 interrupted (a resumable checkpoint was written); 1 the run was stopped (a peer rank was
@@ -54,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
         "train",
         help="train with a freezing strategy (no arguments: MiniLM-L6 on BBC News)",
         description="Train with a freezing strategy. With no arguments: fine-tune MiniLM-L6 on BBC News with the "
-        f"default strategy ({DEFAULT_STRATEGY}). Config sections: task, model, data, train, freeze, run.",
+        f"default strategy ({DEFAULT_STRATEGY}). Config sections: task, model, data, train, freeze, run "
+        "(`layerfreeze config` prints every key with its default).",
         epilog="examples:\n  layerfreeze train\n  layerfreeze train --strategy none --epochs 3\n"
         "  layerfreeze train --task fashion-mnist --strategy static -p k=8\n"
         "  layerfreeze train --config run.yaml --set train.lr=3e-5\n  layerfreeze train --resume runs/my-run",
@@ -121,6 +123,20 @@ def _parser() -> argparse.ArgumentParser:
 
     smartfrz_cli.add_parser(sub)
 
+    conf = sub.add_parser(
+        "config", help="print the full run configuration: every key with its default (YAML, a config file to edit)",
+        description="Print every config key with its value and what it means, as a YAML config file: the defaults, "
+        "or what the given task, strategy, config file and --set make of them (presets filled in).",
+        epilog="examples:\n  layerfreeze config > run.yaml\n  layerfreeze config --task fashion-mnist -s static",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    conf.add_argument("--config", "-c", help="YAML or TOML config file to start from")
+    conf.add_argument("--task")
+    conf.add_argument("--model")
+    conf.add_argument("--data")
+    conf.add_argument("--strategy", "-s")
+    conf.add_argument("--param", "-p", action="append", default=[], metavar="NAME=VALUE")
+    conf.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+
     sub.add_parser("strategies", help="list the freezing strategies and their parameters")
     sub.add_parser("assets", help="check the offline assets (models, datasets) and how to install missing ones")
     return parser
@@ -170,14 +186,23 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
                               "(drop --strategy, or start a new run)")
         overrides = [saved, *overrides]
     config = load_config(config_path, overrides)
-    trainer = Trainer(config)
     world = launched_world_size()
     main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 alone speaks
+    shown: list[bool] = []
+
+    def show_run_dir(trainer: Trainer) -> None:
+        """Name the run folder once it exists (before the first step): a run that fails while it is being set up
+        (a missing asset, undiscoverable blocks) never creates it, so it must not be named before."""
+        if main_rank and not shown and trainer.run_dir.is_dir():
+            shown.append(True)
+            console.print(f"run dir {trainer.run_dir}", highlight=False)
+
+    trainer = Trainer(config, step_callbacks=[show_run_dir])
     checkpoint = trainer.run_dir / rundir.CHECKPOINT_LINK
     again = f"torchrun --nproc_per_node {world} -m layerfreeze" if world > 1 else "layerfreeze"
     if main_rank:
-        console.print(f"[bold]layerfreeze[/] {config.task} | strategy {config.freeze.strategy} "
-                      f"{config.freeze.params or ''} | run dir {trainer.run_dir}"
+        params = f" {config.freeze.params}" if config.freeze.params else ""
+        console.print(f"[bold]layerfreeze[/] {config.task} | strategy {config.freeze.strategy}{params}"
                       + (f" | {world} ranks" if world > 1 else ""))
     try:
         summary = trainer.run()
@@ -185,8 +210,11 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         if trainer.stopped_together:
             close_distributed()  # every rank stopped after the same step, checkpointed: none is in a collective
         if main_rank:
-            console.print(f"\nInterrupted. A checkpoint is in {checkpoint}; continue with:\n"
-                          f"  {again} train --resume {trainer.run_dir}")
+            if (trainer.run_dir / rundir.CHECKPOINTS_DIR).is_dir():
+                console.print(f"\nInterrupted. A checkpoint is in {checkpoint}; continue with:\n"
+                              f"  {again} train --resume {trainer.run_dir}")
+            else:
+                console.print("\nInterrupted before the first checkpoint; nothing to resume.")
         return 130
     except (DivergenceError, FrozenWeightsChangedError, UnfrozenParameterError) as exc:
         Console(stderr=True, soft_wrap=True).print(
@@ -284,6 +312,14 @@ def _cmd_blocks(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_config(args: argparse.Namespace) -> int:
+    from layerfreeze.train.config import config_yaml
+
+    flags = {k: TRAIN_FLAGS[k] for k in ("task", "model", "data", "strategy")}
+    sys.stdout.write(config_yaml(load_config(args.config, _overrides(args, flags))))
+    return 0
+
+
 def _cmd_strategies(console: Console) -> int:
     for name, cls in sorted(STRATEGIES.items()):
         params = ", ".join(f"{k}={v!r}" for k, v in strategy_parameters(name).items()) or "-"
@@ -328,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             from layerfreeze.smartfrz import cli as smartfrz_cli
 
             return smartfrz_cli.run(args, console)
+        if args.command == "config":
+            return _cmd_config(args)
         if args.command == "strategies":
             return _cmd_strategies(console)
         return _cmd_assets(console)

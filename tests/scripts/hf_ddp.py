@@ -1,6 +1,7 @@
 """2-process transformers.Trainer under torchrun on CPU (gloo) with freezes and a thaw mid-run, optionally with
-gradient checkpointing (then the Trainer sets find_unused_parameters=False). Each rank writes rank<r>.json into
-argv[1]. Launched by tests/test_integration_hf.py."""
+gradient checkpointing (then the Trainer sets find_unused_parameters=False), the callback attached to the Trainer
+or given in its constructor (argv[3]: attach | constructor). Each rank writes rank<r>.json into argv[1]. Launched by
+tests/test_integration_hf.py."""
 
 import json
 import os
@@ -26,7 +27,7 @@ class Record(TrainerCallback):
             self.thawed = model.bert.encoder.layer[0].output.dense.weight.detach().clone()
 
 
-def main(out: Path, checkpointing: bool) -> None:
+def main(out: Path, checkpointing: bool, form: str) -> None:
     torch.set_num_threads(1)
     hf_logging.set_verbosity_error()
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, learning_rate=5e-3, max_steps=12,
@@ -34,8 +35,12 @@ def main(out: Path, checkpointing: bool) -> None:
                              seed=0, gradient_checkpointing=checkpointing, ddp_backend="gloo")
     model = tiny_bert()
     record = Record()
-    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(96), callbacks=[record])
-    callback = LayerFreezeCallback(Scripted(PLAN)).attach(trainer)
+    if form == "constructor":  # as HF users pass callbacks
+        callback = LayerFreezeCallback(Scripted(PLAN))
+        trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(96), callbacks=[record, callback])
+    else:
+        trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(96), callbacks=[record])
+        callback = LayerFreezeCallback(Scripted(PLAN)).attach(trainer)
     trainer.train()
     ddp = trainer.model_wrapped
     (out / f"rank{args.process_index}.json").write_text(json.dumps({
@@ -52,4 +57,4 @@ if __name__ == "__main__":
     watchdog = threading.Timer(200, lambda: os._exit(3))  # a hung rank never outlives its test
     watchdog.daemon = True
     watchdog.start()
-    main(Path(sys.argv[1]), bool(int(sys.argv[2])))
+    main(Path(sys.argv[1]), bool(int(sys.argv[2])), sys.argv[3] if len(sys.argv) > 3 else "attach")

@@ -233,6 +233,33 @@ class FrozenPrefixSource(Protocol):
         ...
 
 
+#: Batch keys that are never the model input (what :class:`CachedPrefix` skips when it looks for the input).
+_NOT_INPUTS = frozenset({"index", "labels", "label", "label_ids", "y", "target", "targets"})
+
+
+def _names_its_input(split: ModelSplit) -> bool:
+    """True for a split whose input key can be named (its ``create`` takes ``input_key``: ``nn.Sequential``)."""
+    return type(split).create.__func__ is not ModelSplit.create.__func__  # type: ignore[attr-defined]
+
+
+def sample_indices(index: Any) -> list[int]:
+    """A batch's ``"index"`` as a list of ints: a tensor (what torch's default collate makes of ints, any shape),
+    a list or tuple of ints or of 0-d tensors, or a NumPy array.
+
+    Raises:
+        ValueError: something else (the message shows what it got).
+    """
+    if isinstance(index, torch.Tensor):
+        return [int(i) for i in index.reshape(-1).tolist()]
+    if isinstance(index, np.ndarray):
+        return [int(i) for i in index.reshape(-1).tolist()]
+    if isinstance(index, (list, tuple)) and all(
+            isinstance(i, (int, np.integer)) or (isinstance(i, torch.Tensor) and i.numel() == 1) for i in index):
+        return [int(i) for i in index]
+    raise ValueError(f"the batch's 'index' must hold one integer sample position per sample (a tensor or a list of "
+                     f"ints), got {type(index).__name__}: {index!r:.80}")
+
+
 def _now(device: torch.device) -> float:
     """A clock reading for timing work on ``device``: CUDA work is asynchronous, so wait for it first."""
     if device.type == "cuda":
@@ -264,6 +291,10 @@ class CachedPrefix:
             the full forward, instead of raising :class:`CacheRefused`.
         on_disable: Called with the reason when ``fallback`` turns the cache off (the trainer logs a ``cache_off``
             event).
+        input_key: The batch key holding the model input, for a family whose input key is not fixed
+            (``nn.Sequential``: ``batch["x"]`` with ``input_key="x"``). Default: ``"pixel_values"`` when the batch
+            has it, else the batch's one tensor that is neither ``"index"`` nor a label (``"labels"``, ``"label"``,
+            ``"y"``, ``"target"``, ``"targets"``), found on the first call.
 
     Counters (samples unless said): ``prefix_samples`` (computed from the input), ``extend_samples`` (carried from
     an older boundary), ``full_forwards`` (calls that ran the model's own forward: depth 0 or cache off),
@@ -276,7 +307,8 @@ class CachedPrefix:
 
     Raises (constructor):
         ValueError: neither ``blocks`` nor ``freezer``; the model's family has no split
-            (:func:`~layerfreeze.models.discovery.split_for`).
+            (:func:`~layerfreeze.models.discovery.split_for`); an ``input_key`` the model's family does not read (its
+            input keys are fixed).
     """
 
     def __init__(
@@ -289,6 +321,7 @@ class CachedPrefix:
         freezer: FrozenPrefixSource | None = None,
         fallback: bool = False,
         on_disable: Callable[[str], None] | None = None,
+        input_key: str | None = None,
     ) -> None:
         if blocks is None:
             if freezer is None:
@@ -296,7 +329,16 @@ class CachedPrefix:
             blocks = freezer.blocks
         self.model = model
         self.blocks = list(blocks)
-        self.split = split if split is not None else split_for(model, self.blocks)
+        # the input key is found in the first batch for a split of ours whose family lets it be named
+        self._find_input_key = split is None and input_key is None
+        if split is None:
+            split = split_for(model, self.blocks, **({"input_key": input_key} if input_key is not None else {}))
+            if input_key is not None and input_key not in split.input_keys:
+                raise ValueError(
+                    f"CachedPrefix(input_key={input_key!r}): the {split.family} split reads the batch keys "
+                    f"{', '.join(split.input_keys)}, which are fixed for this family; leave input_key out")
+            self._find_input_key = self._find_input_key and _names_its_input(split)
+        self.split = split
         self.cache = cache if cache is not None else ActivationCache()
         self.freezer = freezer
         self.fallback = fallback
@@ -331,17 +373,20 @@ class CachedPrefix:
                 raise ValueError("CachedPrefix.forward needs a depth when it has no freezer")
             depth = self.freezer.frozen_prefix
         depth = min(int(depth), self.split.max_depth)
+        self._check_input_keys(batch)
         if depth == 0 or self.disabled is not None:
             self.full_forwards += 1
             return self.split.full(self.model, batch)
         if "index" not in batch:
-            raise ValueError("the batch has no 'index' (sample positions); the activation cache is keyed by it")
+            raise ValueError("the batch has no 'index' (each sample's position in its dataset, e.g. "
+                             f"{{'index': i}} in the dataset's items); its keys: {', '.join(map(str, batch))}. The "
+                             "activation cache is keyed by it")
         try:
             self._check_prefix(depth)
             self._check_weights(depth)
             if self.cache.depth != depth:
                 self.cache.advance(depth)
-            indices = [int(i) for i in batch["index"].tolist()]
+            indices = sample_indices(batch["index"])
             self._check_inputs(indices, batch)
         except CacheRefused as exc:
             if not self.fallback:
@@ -353,6 +398,37 @@ class CachedPrefix:
         return self.split.suffix(self.model, state, batch, depth)
 
     # ---- checks --------------------------------------------------------------------------------------------
+
+    def _check_input_keys(self, batch: dict[str, Any]) -> None:
+        """The split's input keys are in ``batch``; on the first call, find the input key of a family that lets it
+        be named (``nn.Sequential``) when the default one is not there.
+
+        Raises:
+            ValueError: an input key is missing (or, to find it, the batch has none or several candidates): the
+                message names the key expected, the batch's keys and ``input_key=`` to name another.
+        """
+        if self._find_input_key:
+            self._find_input_key = False
+            key = self.split.input_keys[0]
+            if key not in batch:
+                found = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in _NOT_INPUTS]
+                if len(found) != 1:
+                    which = (f"several could be it ({', '.join(map(str, found))})" if found else
+                             "none of them is a tensor other than the index and the labels")
+                    example = next((k for k in batch if k not in _NOT_INPUTS), "x")
+                    raise ValueError(
+                        f"CachedPrefix: the batch has no {key!r} (the {self.split.family} split's default input "
+                        f"key) and {which}; its keys: {', '.join(map(str, batch))}. Name the input: "
+                        f"CachedPrefix(model, freezer=freezer, input_key={example!r})")
+                self.split = split_for(self.model, self.blocks, input_key=found[0])
+        missing = [k for k in self.split.input_keys[:1] if k not in batch]
+        if missing:
+            hint = ("Name the batch key that holds it: CachedPrefix(model, freezer=freezer, input_key=...)"
+                    if _names_its_input(self.split) else
+                    f"The {self.split.family} split reads {', '.join(self.split.input_keys)} (the model's own "
+                    "input names): give the batch those keys")
+            raise ValueError(f"CachedPrefix: the batch has no {missing[0]!r}, the model input the "
+                             f"{self.split.family} split expects; its keys: {', '.join(map(str, batch))}. {hint}")
 
     def _check_prefix(self, depth: int) -> None:
         if self.freezer is not None:
@@ -412,7 +488,8 @@ class CachedPrefix:
     def _states(self, batch: dict[str, Any], indices: list[int], depth: int) -> torch.Tensor:
         """The boundary states ``(B, ...)`` of the batch: hits from the cache, misses computed and stored."""
         size = len(indices)
-        device = batch["index"].device
+        first = batch[self.split.input_keys[0]]
+        device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
         pad_to = self.split.padded_length(batch, depth)
         found = self.cache.lookup(indices, depth)
         miss = [p for p, t in enumerate(found) if t is None]

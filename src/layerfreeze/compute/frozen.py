@@ -10,9 +10,10 @@ Four ways to run them, one result:
   on the current one: bounded queue, order kept, clean shutdown, the worker's errors re-raised in the trainer with
   their traceback. On a CPU the "other device" is another thread (PyTorch releases the GIL inside ops); on GPUs,
   another card or a side CUDA stream.
-* :func:`precompute` — run the frozen models once over a dataset and store their outputs per sample (in the
-  :class:`~layerfreeze.compute.store.ActivationCache`, memory then checksummed safetensors shards); training then reads
-  them (:class:`PrecomputedDataset`).
+* :func:`precompute` — run the frozen models once over a dataset (its items dicts holding ``"index"``, the
+  item's position) and store their outputs per sample (in the :class:`~layerfreeze.compute.store.ActivationCache`,
+  memory then checksummed safetensors shards); training then reads them (:class:`PrecomputedDataset`: each item with the
+  output added under ``"features"``).
 * :class:`FrozenDifferentiable` — a frozen model *in the gradient path*: the base denoiser a ControlNet feeds
   (Zhang, Rao, Agrawala, "Adding Conditional Control to Text-to-Image Diffusion Models", ICCV 2023; diffusers
   ``examples/controlnet/train_controlnet.py``), where the loss backpropagates through the frozen UNet into the
@@ -389,15 +390,22 @@ class FrozenPipeline:
         self.close()
 
 
-def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], batch_size: int,
+def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], batch_size: int = 32,
                store: ActivationCache | None = None, key: int = 0) -> ActivationCache:
     """Run ``fn`` (the frozen models) once over ``dataset`` and store one output row per sample.
 
+    Then train from :class:`PrecomputedDataset` ``(dataset, store)``: each item is ``dataset``'s item with the
+    stored output added under ``"features"``.
+
     Args:
-        dataset: Items are dicts with an ``"index"`` key (see :mod:`layerfreeze.train.data`).
-        fn: ``batch dict -> (B, ...) tensor``.
-        batch_size: Batch size of the pass (use the training batch size: CPU matmul kernels can round the last
-            bits differently for very small batches, and equal losses across modes need equal per-sample outputs).
+        dataset: Items are dicts of tensors (or numbers) holding ``"index"``, the item's position in ``dataset``
+            (an int: ``{"pixel_values": ..., "labels": ..., "index": i}``), which is what the outputs are stored
+            under (as :mod:`layerfreeze.train.data`'s datasets give them).
+        fn: ``batch dict -> (B, ...) tensor``: the batch as torch's default collate makes it of ``batch_size``
+            items (``batch["index"]`` a ``(B,)`` tensor), in dataset order.
+        batch_size: Batch size of the pass (default 32; use the training batch size: CPU matmul kernels can round the
+            last bits differently for very small batches, and equal losses across modes need equal per-sample
+            outputs).
         store: Where outputs go (default: an in-memory :class:`ActivationCache`); give one with a ``directory`` to
             spill to checksummed safetensors shards.
         key: The depth key entries are stored under.
@@ -410,9 +418,20 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
             grad (a model in the gradient path cannot be precomputed: its inputs come from the trained model).
         GlobalRNGUsedError: ``fn`` drew from the global RNG (a stored sample would be reused every epoch and the
             trainer's random numbers would shift): store the distribution's parameters and sample in the trainer.
+        ValueError: the dataset's items are not dicts with an ``"index"``.
     """
     from torch.utils.data import DataLoader
 
+    from layerfreeze.compute.cache import sample_indices
+
+    if len(dataset) > 0:  # type: ignore[arg-type]
+        first = dataset[0]
+        if not isinstance(first, dict) or "index" not in first:
+            what = f"a dict with keys {', '.join(map(str, first))}" if isinstance(first, dict) else \
+                type(first).__name__
+            raise ValueError(f"precompute: the dataset's items must be dicts holding 'index' (the item's position, "
+                             f"which the outputs are stored under), e.g. {{'pixel_values': x, 'index': i}}; item 0 "
+                             f"is {what}")
     store = store if store is not None else ActivationCache()
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, generator=torch.Generator())
     _STATE.precomputing = True
@@ -426,7 +445,7 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
                     "precompute's fn returned a tensor that requires grad: something trainable or in the gradient "
                     "path is part of it, and its outputs change as training goes; precompute only frozen models "
                     "that feed the trained one")
-            store.put_batch(batch["index"].tolist(), key, out)
+            store.put_batch(sample_indices(batch["index"]), key, out)
     finally:
         _STATE.precomputing = False
     store.flush()
@@ -434,7 +453,16 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
 
 
 class PrecomputedDataset(Dataset):
-    """``dataset``'s items with the precomputed frozen output added under ``feature_key``.
+    """``dataset``'s items with the precomputed frozen output added under ``feature_key`` (``"features"``): item
+    ``i`` is ``{**dataset[i], "features": the stored fn output of that sample}`` (one row of what :func:`precompute`'s
+    ``fn`` returned), minus the keys in ``drop`` (the raw inputs the frozen model no longer needs).
+
+    Args:
+        dataset: The dataset :func:`precompute` ran over (items are dicts holding ``"index"``).
+        store: What :func:`precompute` returned.
+        feature_key: The key the output goes under.
+        key: The depth key :func:`precompute` stored under.
+        drop: Item keys to leave out.
 
     Raises:
         KeyError: a sample has no stored output (the store was built over another dataset).

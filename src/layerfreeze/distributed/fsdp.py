@@ -89,6 +89,19 @@ class CollectiveBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+#: The ``format`` of an optimizer state saved by parameter name (:func:`full_optimizer_state`).
+BY_NAME = "layerfreeze-by-name"
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when ``model`` holds a sharded (FSDP2, ``DTensor``) parameter."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support has no sharded parameters
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def full_state_options(**extra: Any) -> Any:
     """``torch.distributed.checkpoint``'s options for a full (unsharded) model state dict, plus ``extra``."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -112,25 +125,35 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     """
     names = {id(p): n for n, p in model.named_parameters()}
     by_param = {names[id(p)]: st for p, st in optimizer.state.items()}
-    return {"format": "layerfreeze-by-name",
+    return {"format": BY_NAME,
             "by_name": {n: {k: _full(v) for k, v in by_param[n].items()} for n in sorted(by_param)},
             "groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-    """Put :func:`full_optimizer_state` back: each full tensor sharded like its parameter (after the Freezer has
-    rebuilt the param groups); group hyperparameters restored.
+    """Put :func:`full_optimizer_state` back into ``optimizer`` (after the Freezer has rebuilt its param groups): each
+    full tensor sharded like its parameter for a sharded model, moved to its parameter's device for an unsharded
+    one; the group hyperparameters restored.
 
     Raises:
-        ValueError: not a layerfreeze FSDP optimizer state, or a different number of param groups.
+        ValueError: not a layerfreeze by-name optimizer state, a different number of param groups, or state for a
+            parameter this model does not have or that no param group of ``optimizer`` holds.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    if saved.get("format") != "layerfreeze-by-name":
+    if saved.get("format") != BY_NAME:
         raise ValueError("the optimizer state is not from save_full_checkpoint")
     if len(saved["groups"]) != len(optimizer.param_groups):
         raise ValueError(f"{len(saved['groups'])} saved param groups, this optimizer has {len(optimizer.param_groups)}")
     params = dict(model.named_parameters())
+    missing = sorted(set(saved["by_name"]) - set(params))
+    if missing:
+        raise ValueError(f"optimizer state for parameters this model does not have: {', '.join(missing[:5])}")
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    outside = sorted(n for n in saved["by_name"] if id(params[n]) not in held)
+    if outside:
+        raise ValueError("optimizer state for parameters in no param group of this optimizer: "
+                         f"{', '.join(outside[:5])}")
     optimizer.state.clear()
     for name, st in saved["by_name"].items():
         p = params[name]

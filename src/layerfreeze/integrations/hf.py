@@ -4,9 +4,15 @@
 
     from layerfreeze.integrations.hf import LayerFreezeCallback
 
-    trainer = Trainer(model=model, args=args, train_dataset=train_set)
-    LayerFreezeCallback("smartfrz").attach(trainer)
+    trainer = Trainer(model=model, args=args, train_dataset=train_set, callbacks=[LayerFreezeCallback("smartfrz")])
     trainer.train()                              # later: trainer.train(resume_from_checkpoint=True)
+
+(``LayerFreezeCallback(...).attach(trainer)`` adds it to a Trainer built without it.) The callback needs its
+Trainer, not only what the Trainer passes to callbacks (``model``, ``optimizer``, ``lr_scheduler``): under DDP it
+rebuilds the Trainer's own wrapper, ``trainer.model_wrapped``, and it logs through ``trainer.log`` (into
+``log_history`` and every ``report_to`` integration). A callback passed in ``callbacks=[...]`` finds it when the
+Trainer first calls it (``on_init_end``, at the end of ``Trainer.__init__``; again at ``on_train_begin``): the
+Trainer whose call is on the stack and whose callbacks hold this one.
 
 Every registered strategy runs at its own cadence (steps or epoch ends). What each hook does, and the public fault
 it avoids:
@@ -50,6 +56,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -75,9 +82,29 @@ transformers = require("transformers", "hf")
 OPTIMIZER_FILE = "optimizer.pt"
 
 
+def _calling_trainer(callback: Any) -> Any:
+    """The ``transformers.Trainer`` (any subclass) up the call stack whose callbacks hold ``callback``, or None.
+
+    Why the stack: the Trainer calls its callbacks through its ``CallbackHandler`` with the model, optimizer and
+    scheduler but never itself, and a callback given in ``Trainer(callbacks=[...])`` is created before the Trainer
+    exists; every hook call, though, comes from a method of that Trainer (``__init__`` for ``on_init_end``,
+    ``train`` for the others), so its frame holds it as ``self``.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, transformers.Trainer):
+            handler = getattr(candidate, "callback_handler", None)
+            if handler is not None and any(cb is callback for cb in handler.callbacks):
+                return candidate
+        frame = frame.f_back
+    return None
+
+
 class LayerFreezeCallback(transformers.TrainerCallback):
     """Runs a freezing strategy inside ``transformers.Trainer.train`` (see the module docstring for what each
-    hook does and why). Attach it with :meth:`attach`, which keeps the trainer (its DDP wrapper and its log).
+    hook does and why). Pass it in ``Trainer(..., callbacks=[LayerFreezeCallback(...)])`` like any Trainer callback,
+    or add it to a built Trainer with :meth:`attach`; either way it keeps the trainer (its DDP wrapper and its log).
 
     Args:
         strategy: A registered strategy name (default ``"smartfrz"``) or a :class:`~layerfreeze.strategies.Strategy`.
@@ -93,7 +120,9 @@ class LayerFreezeCallback(transformers.TrainerCallback):
         session: The :class:`~layerfreeze.integrations.common.FreezeSession`.
 
     Raises (at ``on_train_begin``):
-        RuntimeError: the callback was not attached with :meth:`attach` (passed in ``callbacks=[...]``).
+        RuntimeError: the hooks were called by something other than a ``transformers.Trainer`` holding this
+            callback (so there is no trainer to rebuild the DDP wrapper of and to log through), and it was not
+            attached with :meth:`attach`.
         FileNotFoundError: the Trainer resumes but the checkpoint folder has no ``layerfreeze.pt`` (give
             ``resume_from``, or resume from a checkpoint written with this callback).
         BlockDiscoveryError, UnknownStrategyError, ValueError: as :class:`~layerfreeze.engine.Freezer`.
@@ -117,15 +146,28 @@ class LayerFreezeCallback(transformers.TrainerCallback):
         trainer.add_callback(self)
         return self
 
+    def _find_trainer(self) -> None:
+        """Keep the ``transformers.Trainer`` that is calling this hook (see the module docstring: why)."""
+        trainer = _calling_trainer(self)
+        if trainer is not None:
+            self.trainer = trainer
+
     # ---- hooks ---------------------------------------------------------------------------------------------
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Keep the Trainer being built (a callback given in ``Trainer(callbacks=[...])``)."""
+        self._find_trainer()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, train_dataloader: Any = None, **kwargs: Any) -> None:
         """Build the Freezer (its start stage freezes now, before the first step); on resume, restore it."""
+        self._find_trainer()
         if self.trainer is None:
-            raise RuntimeError("LayerFreezeCallback needs its trainer (it rebuilds the trainer's DDP wrapper and "
-                               "logs through trainer.log): use LayerFreezeCallback(...).attach(trainer) instead of "
-                               "Trainer(callbacks=[...])")
+            raise RuntimeError(
+                "LayerFreezeCallback needs the transformers.Trainer it runs in (it rebuilds the Trainer's DDP wrapper, "
+                "trainer.model_wrapped, and logs through trainer.log; the Trainer passes neither to callbacks), and "
+                "no Trainer holding this callback is calling it: pass it in Trainer(..., callbacks=[...]) or add it "
+                "with LayerFreezeCallback(...).attach(trainer)")
         optimizer = inner_optimizer(optimizer)
         saved = self._saved_state(args, state)
         snapshot = OptimizerSnapshot(optimizer) if saved is not None else None

@@ -89,7 +89,24 @@ class LayerFreeze(L.Callback):
                                         submodule=self.submodule)
 
     def _network(self, pl_module: Any) -> nn.Module:
-        return getattr(pl_module, self.submodule) if self.submodule else pl_module
+        """The network to freeze: ``pl_module.<submodule>``, or the LightningModule itself.
+
+        Raises:
+            ValueError: ``submodule`` names no ``nn.Module`` attribute of the LightningModule (the message names
+                the option and the module's children).
+        """
+        if not self.submodule:
+            return pl_module
+        missing = object()
+        network = getattr(pl_module, self.submodule, missing)
+        if isinstance(network, nn.Module):
+            return network
+        children = ", ".join(name for name, _ in pl_module.named_children()) or "none"
+        found = "has no attribute" if network is missing else f"holds a {type(network).__name__}, not a module, in"
+        raise ValueError(
+            f"LayerFreeze(submodule={self.submodule!r}): {type(pl_module).__name__} {found} {self.submodule!r}. "
+            f"Name the attribute that holds the network to freeze (its child modules: {children}), or leave "
+            "submodule out to find the blocks in the LightningModule itself")
 
     # ---- before the optimizer exists -----------------------------------------------------------------------
 

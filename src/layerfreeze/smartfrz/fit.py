@@ -23,10 +23,10 @@ Evaluation (:func:`evaluate`):
 * per-window decisions: ``p >= threshold`` against the label, at every labelled window -> precision, recall, F1;
 * freeze-step error: per run and non-head block, the first step at which the strategy's prefix rule (as in
   :class:`~layerfreeze.strategies.smartfrz.strategy.SmartFRZ`: at every weight snapshot with at least
-  ``min_history`` snapshots, blocks front to back, freeze while ``p >= threshold`` and every earlier block is frozen) would freeze the block, against the first
-  labelled freezable step, as a fraction of training; a block that one side never freezes counts at the end of
-  training. Also the signed mean (positive: the predictor freezes later than the labels) and the fraction of
-  blocks frozen *before* their label (the costly mistake).
+  ``min_history`` snapshots, blocks front to back, freeze while ``p >= threshold`` and every earlier block is
+  frozen) would freeze the block, against the first labelled freezable step, as a fraction of training; a block that one
+  side never freezes counts at the end of training. Also the signed mean (positive: the predictor freezes later than the
+  labels) and the fraction of blocks frozen *before* their label (the costly mistake).
 """
 
 from __future__ import annotations

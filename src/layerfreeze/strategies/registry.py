@@ -62,8 +62,15 @@ def _lookup(name: str) -> type[Strategy]:
         return STRATEGIES[name]
     except KeyError:
         raise UnknownStrategyError(
-            f"Unknown strategy {name!r}. Available: {', '.join(sorted(STRATEGIES))}."
+            f"Unknown strategy {name!r}. Available: {', '.join(sorted(STRATEGIES))}. {OWN_STRATEGY_HINT}"
         ) from None
+
+
+#: How a strategy of one's own becomes known (the README's "Register your own strategy").
+OWN_STRATEGY_HINT = (
+    "A strategy of your own is known once the file that registers it (@register_strategy) is imported: in Python, "
+    "import it before naming it; for the command line, run it from Python after the import: "
+    "python -c \"import my_strategy; from layerfreeze.cli import main; raise SystemExit(main())\" train -s NAME")
 
 
 def check_strategy(name: str, params: Mapping[str, Any] | None = None) -> None:
@@ -108,8 +115,15 @@ def create_strategy(name: str, params: Mapping[str, Any] | None = None, /, *, nu
     Raises:
         UnknownStrategyError: unknown name, or a parameter the strategy does not take (the message lists the valid
             ones).
+        TypeError: ``params`` is not a mapping, or a parameter is given both in it and as a keyword.
         ValueError: a parameter outside its range, or one that does not fit ``num_blocks`` (raised by the strategy).
     """
+    if params is not None and not isinstance(params, Mapping):
+        raise TypeError(f"create_strategy({name!r}, params): params must be a dict of the strategy's parameters, "
+                        f"got {type(params).__name__}")
+    both = sorted(set(params or {}) & set(kwargs))
+    if both:
+        raise TypeError(f"create_strategy({name!r}): {', '.join(both)} given both in the params dict and as a keyword")
     params = {**(params or {}), **kwargs}
     check_strategy(name, params)
     strategy = STRATEGIES[name](**params)

@@ -14,7 +14,10 @@ Example (YAML)::
 from __future__ import annotations
 
 import copy
+import difflib
 import tomllib
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -275,13 +278,87 @@ def parse_override(item: str) -> dict[str, Any]:
     return out
 
 
+def _section_class(annotation: Any) -> type[BaseModel] | None:
+    """The config section class an annotation holds (``GuardConfig | None`` -> ``GuardConfig``), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found = _section_class(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def config_keys(cls: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """Every key of the schema, dotted (``model.name_or_path``, ``freeze.guard.tolerance``), sections included."""
+    cls = cls or Config
+    keys = []
+    for name, field in cls.model_fields.items():
+        keys.append(prefix + name)
+        section = _section_class(field.annotation)
+        if section is not None:
+            keys += config_keys(section, f"{prefix}{name}.")
+    return keys
+
+
+#: Names users write for a key that has another name here (other trainers' spellings).
+KEY_ALIASES = {
+    "learning_rate": "lr", "learningrate": "lr", "num_epochs": "epochs", "num_train_epochs": "epochs",
+    "n_epochs": "epochs", "batch": "batch_size", "bs": "batch_size", "per_device_train_batch_size": "batch_size",
+    "eval_batch": "eval_batch_size", "per_device_eval_batch_size": "eval_batch_size", "steps": "max_steps",
+    "clip": "grad_clip", "max_grad_norm": "grad_clip", "warmup": "warmup_fraction", "warmup_ratio": "warmup_fraction",
+    "scheduler": "schedule", "lr_scheduler_type": "schedule", "model": "name_or_path", "name": "name_or_path",
+    "path": "name_or_path", "model_name": "name_or_path", "model_name_or_path": "name_or_path",
+    "output_dir": "dir", "run_dir": "dir", "parameters": "params", "strategy_params": "params",
+    "max_seq_length": "max_length", "seq_len": "max_length", "rank": "r", "lora_r": "r", "lora_alpha": "alpha",
+    "lora_dropout": "dropout", "target_modules": "targets", "budget": "budget_mb", "memory_mb": "budget_mb",
+}
+
+
+def suggest_key(loc: typing.Sequence[Any]) -> str | None:
+    """The valid key closest to the unknown key at ``loc`` (a pydantic error location), dotted, or None.
+
+    Tried in order: a known other spelling (:data:`KEY_ALIASES`: ``train.learning_rate`` -> ``train.lr``), the
+    closest key of the same section by spelling (``difflib``: ``freeze.stratgy`` -> ``freeze.strategy``), a key
+    of the section that has the unknown one as a word (``model.name`` -> ``model.name_or_path``), and the same key
+    in another section (``train.strategy`` -> ``freeze.strategy``).
+    """
+    parts = [str(p) for p in loc]
+    cls: type[BaseModel] | None = Config
+    for part in parts[:-1]:
+        field = cls.model_fields.get(part) if cls is not None else None
+        cls = _section_class(field.annotation) if field is not None else None
+    if cls is None:
+        return None
+    key, prefix = parts[-1], ".".join(parts[:-1] + [""])
+    valid = list(cls.model_fields)
+    lowered = key.lower().replace("-", "_")
+    alias = KEY_ALIASES.get(lowered)
+    if alias in valid:
+        return prefix + alias
+    close = difflib.get_close_matches(lowered, valid, n=1, cutoff=0.6)
+    if close:
+        return prefix + close[0]
+    words = [v for v in valid if lowered in v.split("_") or v in lowered.split("_")]
+    if len(words) == 1:
+        return prefix + words[0]
+    elsewhere = [k for k in config_keys() if k.rsplit(".", 1)[-1] in (lowered, alias) and k != prefix + key]
+    if elsewhere:
+        return elsewhere[0]
+    close = difflib.get_close_matches(lowered, valid, n=1, cutoff=0.5)
+    return prefix + close[0] if close else None
+
+
 def _format_validation_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; `layerfreeze train --help` lists the sections)"
+            guess = suggest_key(err["loc"])
+            hint = f"did you mean `{guess}`? " if guess else ""
+            msg = f"unknown key ({hint}`layerfreeze config` prints every key with its default)"
         lines.append(f"  {where}: {msg}")
     return "Invalid configuration:\n" + "\n".join(lines)
 
@@ -305,6 +382,101 @@ def build_config(user: dict[str, Any] | None = None) -> Config:
         return Config.model_validate(deep_merge(preset, user))
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc)) from None
+
+
+def _yaml_value(value: Any) -> str:
+    """One value as inline YAML (``128``, ``null``, ``[a, b]``, ``{k: 5}``, ``'on'``)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000, sort_keys=False).strip()
+    return text.removesuffix("\n...").strip()
+
+
+#: What each section and each key without a ``description`` means, for :func:`config_yaml` (one line each).
+KEY_NOTES: dict[str, str] = {
+    "task": "what to train on; its preset fills in the model and training keys you do not set",
+    "model": "which network to train",
+    "model.name_or_path": "local Hugging Face folder (text tasks; null: the installed MiniLM-L6), or mobilenet_v2 / "
+                          "resnet18 (image tasks)",
+    "model.blocks": "module-name patterns naming the blocks front to back (null: discovered)",
+    "model.pretrained": "image tasks: start from the installed ImageNet weights",
+    "model.lora": "LoRA adapters (peft) instead of full training",
+    "model.lora.r": "adapter rank",
+    "model.lora.alpha": "adapter scaling numerator (alpha / r)",
+    "model.lora.dropout": "dropout on the adapters' input",
+    "model.lora.targets": "module names to wrap (null: attention query/value, or every dense convolution)",
+    "data": "where the data comes from",
+    "data.path": "text-csv: a CSV file; image-folder: a folder of class sub-folders; text-lm: a text or CSV file",
+    "data.test_path": "a separate test file (null: a seeded test_fraction of data.path)",
+    "data.text_column": "CSV column holding the text",
+    "data.label_column": "CSV column holding the label",
+    "data.test_fraction": "share held out for testing when there is no test_path",
+    "data.split_seed": "seed of the train/test split",
+    "data.image_size": "image side in pixels",
+    "data.limit_train": "use only the first N training samples",
+    "data.limit_test": "use only the first N test samples",
+    "train": "optimisation",
+    "train.epochs": "passes over the training data",
+    "train.batch_size": "samples per optimizer step (the global batch under torchrun)",
+    "train.eval_batch_size": "samples per evaluation batch",
+    "train.lr": "the head's learning rate",
+    "train.lr_decay": "each earlier block's LR is this many times smaller (ULMFiT: 2.6; 1: one LR)",
+    "train.weight_decay": "decoupled weight decay (AdamW) / L2 (SGD)",
+    "train.momentum": "SGD momentum",
+    "train.warmup_fraction": "share of the steps with a linear LR warm-up",
+    "train.grad_clip": "max global gradient norm (null: no clipping)",
+    "train.seed": "seed of weights, data order and dropout",
+    "freeze": "the freezing strategy, the stability guard and the activation cache",
+    "freeze.strategy": "a registered strategy (`layerfreeze strategies` lists them)",
+    "freeze.params": "the strategy's parameters, e.g. {k: 5} for static",
+    "freeze.train_bn": "keep BatchNorm layers of frozen blocks training",
+    "freeze.guard": "thaw the latest frozen block when validation loss worsens",
+    "freeze.guard.tolerance": "allowed relative worsening of the validation loss after a freeze",
+    "freeze.guard.patience": "consecutive worse evaluations before the thaw",
+    "freeze.guard.cooldown": "evaluations the thawed block stays trainable",
+    "freeze.guard.val_fraction": "share of the training data held out for the guard's validation loss",
+    "freeze.guard.every_steps": "also evaluate every N steps (null: at epoch ends only)",
+    "freeze.cache": "frozen-prefix activation cache: skip the frozen prefix's forward",
+    "freeze.cache.mode": "auto: use it when the data and model allow it, else say why and train without",
+    "freeze.cache.dtype": "storage precision",
+    "run": "where results go and how the run behaves",
+    "run.dir": "run folder (null: runs/<task>-<strategy>-<time>)",
+    "run.device": "auto, cpu, cuda or cuda:N",
+    "run.threads": "CPU threads (null: PyTorch's default)",
+    "run.progress": "progress bar",
+    "run.tensorboard": "TensorBoard event files",
+    "run.checkpoint": "write resumable checkpoints",
+    "run.resume": "a run folder to continue (what --resume sets)",
+}
+
+
+def _yaml_lines(section: BaseModel, indent: str, prefix: str) -> list[str]:
+    lines = []
+    for name, field in type(section).model_fields.items():
+        key, value = prefix + name, getattr(section, name)
+        note = field.description or KEY_NOTES.get(key, "")
+        if isinstance(value, BaseModel):
+            lines.append(f"{indent}{name}:" + (f"  # {note}" if note else ""))
+            lines += _yaml_lines(value, indent + "  ", key + ".")
+            continue
+        cls = _section_class(field.annotation)
+        if cls is not None:  # an optional section that is off: its keys with their defaults, to turn it on
+            note = f"{note}; off (null), or set, e.g. {name}: {_yaml_value(cls().model_dump(mode='json'))}"
+        elif typing.get_origin(field.annotation) is Literal:
+            choices = ", ".join(str(c) for c in typing.get_args(field.annotation))
+            note = f"{note} ({choices})" if note else f"one of {choices}"
+        lines.append(f"{indent}{name}: {_yaml_value(copy.deepcopy(value))}" + (f"  # {note}" if note else ""))
+    return lines
+
+
+def config_yaml(config: Config | None = None) -> str:
+    """``config`` (default: the default one) as a YAML config file: every key with its value, one per line, with
+    what it means as a comment; an optional section that is off (``freeze.guard``, ``model.lora``) shows its keys
+    with their defaults in its comment. Loading the text back (:func:`load_config`) gives the same config.
+    ``layerfreeze config`` prints it."""
+    config = config if config is not None else build_config({})
+    head = ["# layerfreeze run configuration: every key, with its value (the defaults, unless set).",
+            "# Use as `layerfreeze train --config FILE` (keep only the keys you change), or set one key with",
+            "# `--set section.key=value`."]
+    return "\n".join(head + _yaml_lines(config, "", "")) + "\n"
 
 
 def load_config(path: str | Path | None = None, overrides: list[dict[str, Any]] | None = None) -> Config:

@@ -1,0 +1,232 @@
+"""Every Python snippet of the README runs as written, with only the user's own model and data filled in: the ones
+this module runs (frozen compute, the DDP loop on 2 ranks, Lightning, the Hugging Face Trainer, accelerate, each
+with a real tiny trainer), the others by the test files named in ``RUNNERS``; and every name the README imports or
+names from ``layerfreeze`` exists where it says."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import layerfreeze
+from tests.conftest import README, readme_block, readme_blocks
+
+from .integration_models import TokenDataset, blobs, mlp, tiny_bert
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[1]
+
+#: What introduces each README snippet -> the test file that runs its text.
+RUNNERS = {
+    "## In your own training loop": "tests/test_readme_loop.py",
+    "### Add your own model family": "tests/test_families_recipe.py",
+    "## Frozen compute": "tests/test_readme_snippets.py",
+    "In your own loop, three lines change": "tests/test_readme_snippets.py",
+    "**Lightning**": "tests/test_readme_snippets.py",
+    "**Hugging Face `Trainer`**": "tests/test_readme_snippets.py",
+    "**accelerate**": "tests/test_readme_snippets.py",
+    "### Register your own strategy": "tests/test_strategies_register.py",
+}
+
+
+def run(marker: str, namespace: dict) -> dict:
+    """Exec the README snippet after ``marker`` in ``namespace`` (the user's model and data); returns it."""
+    exec(compile(readme_block(marker), f"{README}#{marker}", "exec"), namespace)  # noqa: S102 - our own README
+    return namespace
+
+
+def test_every_readme_snippet_is_run_by_a_test():
+    assert sorted(readme_block(m) for m in RUNNERS) == sorted(readme_blocks())  # no snippet without a runner
+    for marker, path in RUNNERS.items():
+        text = (ROOT / path).read_text()
+        heading = marker.lstrip("#* ").rstrip("*")
+        assert marker in text or heading in text or "own_loop_example" in text, (marker, path)
+
+
+def test_the_names_the_readme_imports_and_names_exist():
+    text = README.read_text()
+    for module, names in re.findall(r"^from (layerfreeze[\w.]*) import ([\w, ]+)$", text, re.M):
+        imported = importlib.import_module(module)
+        for name in names.split(","):
+            assert hasattr(imported, name.strip()), f"from {module} import {name.strip()}"
+    for dotted in set(re.findall(r"\blayerfreeze(?:\.\w+)+", text)) - {"layerfreeze.pt"}:
+        parts = dotted.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ModuleNotFoundError:
+                continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)  # AttributeError names what the README names wrongly
+    # the loop and frozen-compute sections name the library's classes and functions bare: the package root has them
+    sections = text.split("## In your own training loop")[1].split("\n## ")[0]
+    sections += text.split("## Frozen compute")[1].split("\n### ")[0]
+    named = set(re.findall(r"`([A-Z]\w+|[a-z_]+)\(", sections)) | set(re.findall(r"`([A-Z][A-Za-z]+)`", sections))
+    modules = [importlib.import_module(f"layerfreeze.{m}") for m in ("frozen", "cache", "store", "engine",
+                                                                     "checkpoint", "optim", "blocks")]
+    ours = {n for n in named if any(getattr(m, n, None) is not None and getattr(getattr(m, n), "__module__", "")
+                                    .startswith("layerfreeze") for m in modules)}
+    assert {"FrozenDifferentiable", "PrecomputeRefused", "GlobalRNGUsedError", "precompute", "Freezer"} <= ours
+    assert sorted(n for n in ours if not hasattr(layerfreeze, n)) == []
+
+
+# ---- Frozen compute ---------------------------------------------------------------------------------------------
+
+
+class Texts(Dataset):
+    """Token ids with a label and the item's position under "index" (an int), as the snippet says."""
+
+    def __init__(self, n: int = 40):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(1, 100, (n, 12), generator=g)
+        self.labels = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i], "index": i}
+
+
+class Denoiser(nn.Module):
+    """A base model the ControlNet's residual feeds: ``forward(x, residual)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x, residual):
+        return self.inner(x + residual)
+
+
+class ControlNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 8)
+
+    def forward(self, x, hint):
+        return self.proj(torch.cat([x, hint], 1))
+
+
+def test_the_frozen_compute_snippet():
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    text_encoder = BertModel(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                        intermediate_size=64), add_pooling_layer=False)
+    head, controlnet, unet = nn.Linear(32, 3).to(device), ControlNet().to(device), Denoiser()
+    unet_before = unet.inner.weight.detach().clone()
+    head_before = head.weight.detach().clone()
+    train_set = Texts()
+    ns = run("## Frozen compute", {
+        "text_encoder": text_encoder, "head": head, "controlnet": controlnet, "unet": unet, "train_set": train_set,
+        "loader": DataLoader(train_set, batch_size=8),
+        "optimizer": torch.optim.SGD([*head.parameters(), *controlnet.parameters()], lr=0.1),
+        "noisy": torch.randn(4, 8, device=device), "hint": torch.randn(4, 8, device=device),
+        "target": torch.randn(4, 8, device=device)})
+    assert ns["device"] == device and ns["side"] == ("cuda:1" if torch.cuda.device_count() > 1 else device)
+    # precompute stored one output per item; PrecomputedDataset gives it back under "features"
+    assert len(ns["store"]) == len(train_set)
+    item = ns["PrecomputedDataset"](train_set, ns["store"])[5]
+    direct = ns["embed"]({"input_ids": train_set.ids[:8]})[5]
+    assert item["features"].dtype == torch.float32 and item["index"] == 5
+    torch.testing.assert_close(item["features"].to(device), direct, rtol=2e-2, atol=2e-2)  # bf16, other batch
+    assert not torch.equal(head.weight.detach(), head_before)  # both loops trained the head
+    # the gradient went through the frozen bfloat16 denoiser into the ControlNet, in float32; the denoiser got none
+    assert controlnet.proj.weight.grad is not None and controlnet.proj.weight.grad.dtype == torch.float32
+    assert unet.inner.weight.grad is None and torch.equal(unet.inner.weight.float().cpu(), unet_before.bfloat16()
+                                                         .float())
+
+
+# ---- torchrun / DDP ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_the_ddp_own_loop_snippet_on_two_ranks(tmp_path):
+    from tests.distributed.launch import launch
+
+    ranks = launch({}, tmp_path, module="tests.distributed.readme_ddp")
+    assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
+    a, b = ranks.results
+    assert a["hashes"] == b["hashes"]  # the ranks stayed in step
+    assert a["steps"] == a["planned"] == 16 and a["strategy"] == "smartfrz" and a["rebuilds"] >= 1
+    assert a["history"] == b["history"]
+
+
+# ---- Lightning, Hugging Face Trainer, accelerate ------------------------------------------------------------------
+
+
+def test_the_lightning_snippet(tmp_path, monkeypatch):
+    L = pytest.importorskip("lightning.pytorch")
+
+    class Module(L.LightningModule):
+        """The user's LightningModule: the network is ``self.model``."""
+
+        def __init__(self):
+            super().__init__()
+            self.model = mlp()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.model(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(*blobs(64)), batch_size=8)
+
+    monkeypatch.chdir(tmp_path)  # Lightning writes lightning_logs/ here
+    module = Module()
+    ns = run("**Lightning**", {"module": module})
+    trainer = ns["trainer"]
+    freeze = next(cb for cb in trainer.callbacks if type(cb).__name__ == "LayerFreeze")
+    assert trainer.current_epoch == 3 and trainer.global_step == 24
+    assert freeze.freezer.strategy.name == "smartfrz" and freeze.freezer.step_count == 24
+    assert freeze.freezer.model is module.model  # submodule="model"
+    assert list(tmp_path.glob("lightning_logs/version_0/checkpoints/last.ckpt"))
+
+
+def test_the_hugging_face_trainer_snippet(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    monkeypatch.chdir(tmp_path)  # TrainingArguments("out", ...) writes out/
+    ns = run("**Hugging Face `Trainer`**", {"model": tiny_bert(), "train_set": TokenDataset()})
+    trainer = ns["trainer"]
+    callback = next(cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ == "LayerFreezeCallback")
+    assert callback.trainer is trainer and trainer.state.global_step == 18  # 3 epochs of 48 samples, batch 8
+    assert callback.freezer.strategy.name == "smartfrz" and callback.freezer.step_count == 18
+    # smartfrz froze blocks mid-run, and each freeze reached the Trainer's log at its step (through trainer.log)
+    events = [(h["step"], h["block"]) for h in callback.freezer.history]
+    assert events and all(step > 0 for step, _ in events)
+    logged = [(h["step"], k.removeprefix("layerfreeze/frozen/")) for h in trainer.state.log_history for k in h
+              if k.startswith("layerfreeze/frozen/")]
+    assert logged == events
+    assert (tmp_path / "out").is_dir()
+
+
+def test_the_accelerate_snippet():
+    pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton: start and end clean
+    try:
+        model = mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+        loader = DataLoader(TensorDataset(*blobs(64)), batch_size=8)
+        ns = run("**accelerate**", {"model": model, "optimizer": optimizer, "loader": loader, "steps": len(loader),
+                                    "loss_fn": nn.functional.cross_entropy})
+        assert ns["accelerator"].mixed_precision == "bf16"
+        assert ns["freezer"].step_count == 8 and torch.isfinite(ns["loss"])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.distributed.launch import ROOT, launch
+from tests.distributed.launch import PYTHONPATH, ROOT, launch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,7 +22,7 @@ def single_process(tmp_path, spec):
     spec = {**spec, "out": str(tmp_path)}
     tmp_path.mkdir()
     (tmp_path / "single.json").write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "1"}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "WORLD_SIZE": "1"}
     subprocess.run([sys.executable, "-m", "tests.distributed.fsdp_worker", str(tmp_path / "single.json")], cwd=ROOT,
                    env=env, check=True, timeout=120)
     return json.loads((tmp_path / "rank0.json").read_text())

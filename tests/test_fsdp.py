@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.distributed.launch import ROOT, launch
+from tests.distributed.launch import PYTHONPATH, ROOT, launch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,7 +22,7 @@ def single_process(tmp_path, spec):
     spec = {**spec, "out": str(tmp_path)}
     tmp_path.mkdir()
     (tmp_path / "single.json").write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "1"}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "WORLD_SIZE": "1"}
     subprocess.run([sys.executable, "-m", "tests.distributed.fsdp_worker", str(tmp_path / "single.json")], cwd=ROOT,
                    env=env, check=True, timeout=120)
     return json.loads((tmp_path / "rank0.json").read_text())
@@ -70,3 +70,76 @@ def test_fsdp2_freeze_and_thaw_mid_run_ranks_identical_equal_to_one_process_and_
     assert [r["step"] for r in again] == [9, 10, 11, 12]
     for r in again:
         assert r["hashes"] == next(x for x in records if x["step"] == r["step"])["hashes"], r["step"]
+
+
+# ---- the shard layouts users write, with evaluation passes between freezes and thaws (issue 32) ----------------
+
+LAYOUT_FROZEN = {**dict.fromkeys(range(3), [True, True, False, False, False]),  # static k=2
+                 **dict.fromkeys((3, 4), [True, False, False, False, False]),  # block 1 thawed after step 3's eval
+                 **dict.fromkeys((5, 6), [True, False, True, False, False]),  # block 2 frozen after step 5's eval
+                 **dict.fromkeys((7, 8, 9), [True, False, False, False, False])}  # and thawed after step 7's
+
+
+@pytest.fixture(scope="module")
+def layouts_one_process(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("layouts-one-process")
+    (tmp / "spec.json").write_text(json.dumps({"layout": "none", "out": str(tmp)}))
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "WORLD_SIZE": "1"}
+    subprocess.run([sys.executable, "-m", "tests.distributed.fsdp_layouts_worker", str(tmp / "spec.json")], cwd=ROOT,
+                   env=env, check=True, timeout=120)
+    return json.loads((tmp / "rank0.json").read_text())
+
+
+@pytest.mark.parametrize("layout", ["root", "blocks", "layers"])
+def test_fsdp2_layouts_freeze_and_thaw_right_after_evaluation_passes(tmp_path, layout, layouts_one_process):
+    # root: fully_shard(model) only (one group, the one that stays unsharded after a no-grad forward); blocks:
+    # shard_blocks with blocks discovered before sharding; layers: fully_shard per encoder layer, then the root
+    ranks = launch({"layout": layout}, tmp_path, module="tests.distributed.fsdp_layouts_worker")
+    assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
+    a, b = ranks.results
+    assert a["warnings"] == [] and b["warnings"] == []  # no parameter seen as "replaced", no block without gradient
+    names = a["blocks"]
+    records = a["records"]
+    assert [r["step"] for r in records] == list(range(10))
+    for mine, theirs in zip(records, b["records"]):
+        assert mine["weights"] == theirs["weights"] and mine["eval_loss"] == theirs["eval_loss"], mine["step"]
+    for r in records:
+        frozen = LAYOUT_FROZEN[r["step"]]
+        assert r["frozen"] == frozen, r["step"]
+        # the sharded parameters (what the optimizer holds and FSDP copies requires_grad from) follow the freezes
+        assert r["requires_grad"] == [[not f] * len(n) for f, n in zip(frozen, names)], r["step"]
+        assert r["foreign_in_optimizer"] == 0, r["step"]  # never FSDP's unsharded parameters
+        assert r["optimizer_params"] == sum(len(n) for f, n in zip(frozen, names) if not f), r["step"]
+    # state_dict after the eval pass, block 2 frozen: every optimizer entry has its name
+    assert a["saved_param_groups"] == [sum(len(names[i]) for i in (1, 3, 4))]
+
+    def block(step, index):
+        return {n: records[step]["weights"][n] for n in names[index]}
+
+    assert all(block(s, 0) == block(0, 0) for s in range(10))  # frozen throughout: bitwise unchanged
+    assert all(block(s, 1) == block(0, 1) for s in range(4))  # frozen until the thaw after step 3's eval
+    assert all(block(s, 1) != block(s - 1, 1) for s in range(4, 10))  # then it trains at every step
+    assert all(block(s, 2) != block(s - 1, 2) for s in range(1, 6))
+    assert block(5, 2) == block(6, 2) == block(7, 2)  # frozen after step 5's eval: bitwise unchanged
+    assert all(block(s, 2) != block(s - 1, 2) for s in range(8, 10))  # thawed after step 7's: trains again
+    assert records[-1]["eval_loss"] < records[0]["eval_loss"] - 0.5
+    # the same run in one process, unsharded: same trajectory
+    for mine, theirs in zip(records, layouts_one_process["records"]):
+        assert mine["frozen"] == theirs["frozen"]
+        for key, value in theirs["weights"].items():
+            torch.testing.assert_close(torch.tensor(mine["weights"][key]), torch.tensor(value), rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp2_freezer_refuses_blocks_found_before_sharding_and_an_optimizer_built_after_an_evaluation_pass(tmp_path):
+    ranks = launch({"layout": "root", "mistakes": True}, tmp_path, module="tests.distributed.fsdp_layouts_worker")
+    assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
+    for result in ranks.results:
+        stale, unsharded = result["errors"]
+        assert "pos (block embed)" in stale and "discover them after fully_shard" in stale and "shard_blocks" in stale
+        assert "optimizer holds FSDP2's unsharded parameters (pos, embed.weight" in unsharded
+        assert "Build the optimizer right after fully_shard" in unsharded
+        # the right order works with the Freezer built after an evaluation pass: in the next step the frozen
+        # blocks (embed with pos, layers.0) do not move, every other weight does
+        assert result["frozen"] == ["embed", "layers.0"]
+        assert not any(k.startswith(("embed.", "pos", "layers.0.")) for k in result["changed"])
+        assert len(result["changed"]) == 24 - 2 - 6  # every parameter of layers.1, layers.2 and the head

@@ -21,8 +21,7 @@ from torch import nn
 
 from layerfreeze import CheckpointError, Freezer, block_param_groups, discover_blocks, load_checkpoint
 from layerfreeze.checkpoint import save_full_checkpoint
-from layerfreeze.distributed import close_distributed, init_distributed, loss_scale, rank, shard
-from layerfreeze.distributed import shard_blocks
+from layerfreeze.distributed import close_distributed, init_distributed, loss_scale, rank, shard, shard_blocks
 from tests.distributed.worker import mlp_task
 
 

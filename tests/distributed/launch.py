@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# this checkout's code, also when the environment's editable install points at another checkout
+PYTHONPATH = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
 
 
 @dataclass
@@ -32,9 +34,7 @@ def launch(spec: dict, tmp: Path, world: int = 2, timeout: float = 120, module: 
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "LAYERFREEZE_FILE_STORE": str(store), "OMP_NUM_THREADS": "1",
-               # the repository (for tests.*) ahead of the caller's path (a worktree's src/ when it is not installed)
-               "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+               "LAYERFREEZE_FILE_STORE": str(store), "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
         log = open(tmp / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
         cmd = [sys.executable, "-m", module, *(args if args is not None else [str(spec_path)])]
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))

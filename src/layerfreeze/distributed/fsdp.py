@@ -10,7 +10,7 @@ no gradient memory). What that gives with the :class:`~layerfreeze.engine.Freeze
   unshard the weights to run them; caching the prefix's output, :mod:`layerfreeze.compute.cache`, is what removes that);
 * the Freezer takes frozen parameters out of the optimizer (no state for them), and a thaw puts them back: the
   sharded parameters are the same ``Parameter`` objects throughout, so no wrapper is rebuilt (unlike DDP,
-  :class:`~layerfreeze.distributed.ddp.FreezeDDP`);
+  :class:`~layerfreeze.distributed.comm.ddp.FreezeDDP`);
 * a checkpoint holds every weight, frozen ones included: :func:`~layerfreeze.checkpoint.save_full_checkpoint` gathers
   the *full* model state dict on rank 0 through ``torch.distributed.checkpoint.state_dict`` (``full_state_dict=True``,
   ``cpu_offload=True``) and the optimizer state as full tensors keyed by parameter name, and writes the usual folder
@@ -21,6 +21,16 @@ no gradient memory). What that gives with the :class:`~layerfreeze.engine.Freeze
 
 Order, as with any sharded model: build the model (same initial weights on every rank), :func:`shard_blocks`, then
 the optimizer (over the sharded parameters), then the Freezer.
+
+Any ``fully_shard`` layout works (root only, one group per block, one per transformer layer and the root). One thing
+the Freezer must take care of: FSDP2 registers a group's *unsharded* parameters on its modules while they run, and
+the root group (``reshard_after_forward`` is off for the root, as for any group given ``reshard_after_forward=False``)
+keeps them registered after a forward that no backward follows -- an evaluation pass under ``torch.no_grad()``.
+Read through the modules then, a block's parameters are FSDP's all-gather buffers, not the sharded parameters the
+optimizer holds: a freeze or thaw would flip ``requires_grad`` on buffers FSDP resets from the sharded parameter at
+the next all-gather (the change silently lost), put them in the optimizer, and a checksum of them (``.numpy()``)
+would make their storage non-resizable, so FSDP's next reshard fails ("Trying to resize storage that is not
+resizable"). So the Freezer reshards every FSDP module (:func:`reshard_all`) before it touches parameters.
 """
 
 from __future__ import annotations
@@ -45,7 +55,8 @@ def shard_blocks(model: nn.Module, blocks: Sequence[Block], **fully_shard_kwargs
     Args:
         model: The model; must not be sharded yet.
         blocks: Its blocks (:func:`~layerfreeze.models.discovery.discover_blocks`), discovered *before* sharding
-            (sharding keeps module names and objects, so they stay valid).
+            (sharding keeps module names and objects; the parameters a block holds outside its modules, such as a
+            position embedding on the root, are replaced by sharded ones, and this updates the blocks to them).
         **fully_shard_kwargs: Passed to every ``fully_shard`` call (``mesh``, ``mp_policy``, ...).
 
     Returns:
@@ -64,7 +75,32 @@ def shard_blocks(model: nn.Module, blocks: Sequence[Block], **fully_shard_kwargs
             if module is not model:
                 fully_shard(module, **fully_shard_kwargs)
     fully_shard(model, **fully_shard_kwargs)
+    for block in blocks:  # fully_shard replaced the parameters modules hold directly: a block's own ones too
+        block.params = [(name, model.get_parameter(name)) for name, _ in block.params]
     return model
+
+
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` (FSDP2) was applied to, outermost first (empty for a model that
+    is not sharded, or without ``torch.distributed``)."""
+    if not torch.distributed.is_available():
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def reshard_all(modules: Sequence[nn.Module]) -> None:
+    """Register each FSDP module's sharded parameters again (``FSDPModule.reshard``), freeing unsharded ones.
+
+    Why: after a forward with no backward (an evaluation pass under ``no_grad``), a group that does not reshard
+    after forward (the root's, by default) leaves its all-gathered, unsharded parameters on its modules (see the
+    module docstring). Local (no collective) and a no-op for groups that are sharded; the next forward all-gathers
+    again. Call it on every rank at the same point: a rank that resharded all-gathers in its next forward, one that
+    did not would skip that collective.
+    """
+    for module in modules:
+        module.reshard()
 
 
 class CollectiveBytes(TorchDispatchMode):

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from layerfreeze.distributed import comm
+from layerfreeze.distributed.fsdp import fsdp_modules, reshard_all
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
 from layerfreeze.engine.optim import (
@@ -157,6 +158,9 @@ class Freezer:
         self.steps_per_epoch = steps_per_epoch
         self.on_event = on_event
         self.guard = guard
+        self._fsdp = fsdp_modules(model)
+        registered = dict(model.named_parameters()) if self._fsdp else {}
+        self._sharded()  # blocks, names and optimizer origins are read from the sharded parameters
         if blocks and isinstance(blocks[0], Block):
             self.blocks: list[Block] = list(blocks)  # type: ignore[arg-type]
         else:
@@ -187,6 +191,7 @@ class Freezer:
                                "more than one rank")
         #: Whether this process runs the strategy: always in one process, on rank 0 only when distributed.
         self.decides = not self.distributed or comm.rank() == 0
+        self._check_parameters(registered)
         if self.decides:
             self.strategy.attach(model, self.blocks)
         try:
@@ -247,6 +252,7 @@ class Freezer:
         block = self.block(key)
         if self.frozen[block.index]:
             return False
+        self._sharded()
         params = frozen_parameters(block, self.train_bn)
         for p in params:
             p.requires_grad_(False)
@@ -278,6 +284,7 @@ class Freezer:
         block = self.block(key)
         was_frozen = self.frozen[block.index]
         if was_frozen:
+            self._sharded()
             for handle in self._hooks.pop(block.index, []):
                 handle.remove()
             for _, module in block.modules:
@@ -332,7 +339,10 @@ class Freezer:
 
         Raises:
             FrozenWeightsChangedError: a frozen weight moved (the message names the block and parameter).
+
+        Under FSDP2 every rank calls it (it may reshard the model: :meth:`step`).
         """
+        self._sharded()
         self.integrity.verify_checksums(self)
 
     def _integrity_warning(self, message: str, record: dict[str, Any]) -> None:
@@ -363,6 +373,9 @@ class Freezer:
         self.optimizer = optimizer
         if scheduler is not None:
             self.scheduler = scheduler
+        registered = dict(self.model.named_parameters()) if self._fsdp else {}
+        self._sharded()
+        self._check_optimizer(optimizer, registered)
         self._origin = group_origin(optimizer)
         for block in self.blocks:
             if self.frozen[block.index]:
@@ -403,8 +416,14 @@ class Freezer:
                     self._grad_l1[block.index] += float(sum(g.abs().sum() for g in grads))
 
     def step(self) -> Decision | None:
-        """Call once after each ``optimizer.step()``; runs a freezing stage every ``strategy.stage_every`` steps."""
+        """Call once after each ``optimizer.step()``; runs a freezing stage every ``strategy.stage_every`` steps.
+
+        Under FSDP2 it first reshards a group an evaluation pass left unsharded
+        (:func:`layerfreeze.distributed.fsdp.reshard_all`), as :meth:`freeze`, :meth:`thaw` and
+        :meth:`verify_frozen_weights` do: every rank calls them at the same point.
+        """
         self.step_count += 1
+        self._sharded()
         self.integrity.check(self)
         every = self.strategy.stage_every
         decision = self._stage(event="step") if every and self.step_count % every == 0 else None
@@ -483,6 +502,7 @@ class Freezer:
                 f"{self.strategy.name!r}; resume with the same strategy"
             )
         self.train_bn = state.get("train_bn", self.train_bn)
+        self._sharded()
         for block, frozen in zip(self.blocks, state["frozen"]):
             if frozen and not self.frozen[block.index]:
                 self.freeze(block.index, reason="resume")
@@ -509,6 +529,52 @@ class Freezer:
                 (self.strategy.stage_every, self.strategy.at_epoch_end))
 
     # ---- internals -----------------------------------------------------------------------------------------
+
+    def _sharded(self) -> None:
+        """Register the sharded parameters on every FSDP2 module of the model again, when a group kept its unsharded
+        ones after a forward with no backward (an evaluation pass under ``no_grad``; the root group does not
+        reshard after forward). Until then a block's parameters, read through its modules, are FSDP's all-gather
+        buffers: freezing or thawing them would be undone by the next all-gather, they would enter the optimizer,
+        and a checksum's ``.numpy()`` would pin their storage so FSDP's next reshard fails. No-op unsharded."""
+        if self._fsdp:
+            reshard_all(self._fsdp)
+
+    def _check_parameters(self, registered: dict[str, nn.Parameter]) -> None:
+        """Refuse blocks and an optimizer that hold tensors standing in for the model's parameters (a clear error now
+        rather than a block that silently keeps training, or a crash in FSDP later).
+
+        Args:
+            registered: The parameters the modules held before :meth:`_sharded` (FSDP2's unsharded ones when an
+                evaluation pass had left them there).
+
+        Raises:
+            ValueError: a block's parameter is not one of the model's (blocks found before ``fully_shard``, which
+                replaces every parameter a module holds directly), or the optimizer holds FSDP's unsharded ones.
+        """
+        held = {id(p) for p in self.model.parameters()}
+        stale = [f"{n} (block {b.name})" for b in self.blocks for n, p in b.named_parameters() if id(p) not in held]
+        if stale:
+            raise ValueError(
+                f"blocks hold parameters that are not the model's: {', '.join(stale[:4])}. They were discovered "
+                "before the model was sharded (fully_shard replaces the parameters a module holds directly, such as "
+                "a position embedding on the root) or on another model: discover them after fully_shard (give "
+                "Freezer blocks=None or module-name patterns), or shard with layerfreeze.distributed.shard_blocks, "
+                "which updates them")
+        if self.optimizer is not None:
+            self._check_optimizer(self.optimizer, registered)
+
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer, registered: dict[str, nn.Parameter]) -> None:
+        """Raise ValueError when ``optimizer`` holds FSDP2's unsharded parameters (see :meth:`_check_parameters`)."""
+        held = {id(p) for p in self.model.parameters()}
+        unsharded = {id(p): n for n, p in registered.items() if id(p) not in held}
+        wrong = [unsharded[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in unsharded]
+        if wrong:
+            raise ValueError(
+                f"the optimizer holds FSDP2's unsharded parameters ({', '.join(wrong[:4])}), not the sharded ones "
+                "it must update: it was built after a forward with no backward (an evaluation pass under "
+                "torch.no_grad()) left the unsharded parameters on the modules (the root FSDP group keeps them after "
+                "forward). Build the optimizer right after fully_shard, before any forward, or call reshard() on "
+                "each FSDP module before building it")
 
     def _eval_hook(self, module: nn.Module, args: Any) -> None:
         # model.train() flips frozen blocks back to training mode; undo it before they run.

@@ -143,3 +143,70 @@ def test_fsdp2_freezer_refuses_blocks_found_before_sharding_and_an_optimizer_bui
         assert result["frozen"] == ["embed", "layers.0"]
         assert not any(k.startswith(("embed.", "pos", "layers.0.")) for k in result["changed"])
         assert len(result["changed"]) == 24 - 2 - 6  # every parameter of layers.1, layers.2 and the head
+
+
+# ---- strategies that read gradients or weights, on sharded parameters (issue 31, item 4) ----------------------------
+
+def strategy_runs(tmp_path, spec):
+    """The strategy worker on 2 ranks (FSDP2) and in one process (unsharded): both records."""
+    ranks = launch(spec, tmp_path / "ranks", module="tests.distributed.fsdp_strategy_worker", timeout=90)
+    assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
+    a, b = ranks.results
+    for x, y in zip(a["records"], b["records"]):
+        assert x["hashes"] == y["hashes"] and x["frozen"] == y["frozen"], x["step"]
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "spec.json").write_text(json.dumps({**spec, "out": str(one)}))
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "WORLD_SIZE": "1"}
+    subprocess.run([sys.executable, "-m", "tests.distributed.fsdp_strategy_worker", str(one / "spec.json")], cwd=ROOT,
+                   env=env, check=True, timeout=120)
+    return a, json.loads((one / "rank0.json").read_text())
+
+
+def events(history):
+    return [(h["kind"], h["block"], h["step"]) for h in history]
+
+
+def test_fsdp2_autofreeze_sums_sharded_gradients_on_every_rank_instead_of_hanging(tmp_path):
+    # autofreeze reads each block's gradient L1 norm (freezer.after_backward). Under FSDP2 a gradient is a DTensor
+    # shard: rank 0 alone summing it whole was a collective rank 1 never joined, and the run hung until the process
+    # group's timeout. Now every rank sums its shards and one all-reduce adds them up.
+    a, ref = strategy_runs(tmp_path, {"strategy": "autofreeze", "params": {"interval": 2}, "steps": 10, "timeout": 20})
+    stages = [(x, y) for x, y in zip(a["records"], ref["records"]) if x.get("signals", {}).get("grad_l1")]
+    assert len(stages) == 9  # a stage every 2 steps from step 2 (last_signals stays until the next one)
+    for x, y in stages:  # the whole model's gradient norms, as the unsharded run measures them
+        torch.testing.assert_close(torch.tensor(x["signals"]["grad_l1"]), torch.tensor(y["signals"]["grad_l1"]),
+                                   rtol=1e-5, atol=0, equal_nan=True)
+    assert events(a["history"]) == events(ref["history"]) == [("freeze", "0", 8), ("freeze", "1", 8)]
+    by_step = {r["step"]: r["hashes"] for r in a["records"]}
+    frozen = [k for k in by_step[8] if k.startswith(("0.", "1."))]
+    assert all(by_step[s][k] == by_step[8][k] for s in (9, 10) for k in frozen)  # frozen: bitwise unchanged
+    assert all(by_step[10][k] != by_step[8][k] for k in by_step[8] if k.startswith(("2.", "3.", "4.")))
+
+
+@pytest.mark.parametrize("strategy,params,signal", [
+    ("smartfrz", {}, "p_freeze"),  # a sample of each block's weights at every stage
+    ("egeria", {"interval": 2, "patience": 1, "probe_size": 8, "synchronous": True}, "plasticity"),  # whole copies
+])
+def test_fsdp2_strategies_that_read_weights_observe_a_mirror_kept_equal_to_the_sharded_model(tmp_path, strategy,
+                                                                                            params, signal):
+    # rank 0's strategy reads an unsharded copy (Freezer(mirror=...)) that the Freezer refreshes from the shards
+    # before every stage: its signals are those of the unsharded run (a stale or partial copy would not give them)
+    a, ref = strategy_runs(tmp_path, {"strategy": strategy, "params": params, "steps": 14, "timeout": 20})
+    stages = [(x, y) for x, y in zip(a["records"], ref["records"]) if x.get("signals", {}).get(signal)]
+    assert len(stages) >= 7
+    values = [v for x, _ in stages for v in x["signals"][signal] if v == v]
+    assert len(set(values)) > 5  # the signal moves as the weights train
+    for x, y in stages:
+        torch.testing.assert_close(torch.tensor(x["signals"][signal]), torch.tensor(y["signals"][signal]),
+                                   rtol=1e-4, atol=1e-7, equal_nan=True)
+    assert events(a["history"]) == events(ref["history"])
+
+
+def test_fsdp2_a_strategy_that_reads_weights_without_a_mirror_is_refused_on_every_rank(tmp_path):
+    ranks = launch({"strategy": "smartfrz", "steps": 4, "timeout": 20, "no_mirror": True}, tmp_path,
+                   module="tests.distributed.fsdp_strategy_worker", timeout=90)
+    assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
+    for result in ranks.results:
+        assert "reads the model's weights on rank 0" in result["error"]
+        assert "mirror=copy.deepcopy(model) taken before fully_shard" in result["error"]

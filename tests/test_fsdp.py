@@ -210,3 +210,25 @@ def test_fsdp2_a_strategy_that_reads_weights_without_a_mirror_is_refused_on_ever
     for result in ranks.results:
         assert "reads the model's weights on rank 0" in result["error"]
         assert "mirror=copy.deepcopy(model) taken before fully_shard" in result["error"]
+
+
+def test_fsdp2_prefix_cache_on_ranks_that_hit_and_miss_differently_equals_the_uncached_run_bitwise(tmp_path):
+    # every block's forward under FSDP2 is an all-gather: a rank that hits while the other misses would skip a
+    # collective the other runs (a hang, or gloo's "collective mismatch"). The ranks agree each step on what all of
+    # them run; the cached run's logits and weights are then the uncached run's, bit for bit, on every step.
+    runs = {}
+    for cache in (True, False):
+        ranks = launch({"cache": cache}, tmp_path / f"cache-{cache}", module="tests.distributed.fsdp_cache_worker",
+                       timeout=90)
+        assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
+        runs[cache] = ranks.results
+    for on, off in zip(runs[True], runs[False]):
+        for x, y in zip(on["records"], off["records"]):
+            assert x["logits"] == y["logits"] and x["hashes"] == y["hashes"], x["step"]
+    assert runs[True][0]["records"][-1]["hashes"] == runs[True][1]["records"][-1]["hashes"]
+    # each rank's cache did what the plan says (tests/distributed/fsdp_cache_worker.py): per step, samples read
+    # from the cache, computed from the inputs (the prefix), and carried from boundary 2 to 3 (extended)
+    counters = [[(r["hits"], r["prefix_samples"], r["extend_samples"]) for r in result["records"]]
+                for result in runs[True]]
+    assert counters[0] == [(0, 8, 0), (8, 8, 0), (16, 8, 0), (16, 8, 8), (24, 8, 8), (24, 16, 8)]
+    assert counters[1] == [(0, 8, 0), (0, 16, 0), (8, 16, 0), (8, 16, 8), (8, 24, 8), (16, 24, 8)]

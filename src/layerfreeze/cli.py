@@ -41,6 +41,7 @@ TRAIN_FLAGS = {
     "limit_test": "data.limit_test",
     "run_dir": "run.dir",
     "device": "run.device",
+    "parallel": "run.parallel",
 }
 
 
@@ -80,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--limit-test", type=int, help="use only the first N test samples")
     train.add_argument("--run-dir", help="output folder (default runs/<task>-<strategy>-<time>)")
     train.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    train.add_argument("--parallel", help="under torchrun: ddp (default: every rank holds the whole model) or fsdp "
+                       "(FSDP2: every rank holds a shard of each parameter)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its checkpoint")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="any config key, e.g. --set train.warmup_fraction=0.06 (repeatable)")
@@ -161,6 +164,21 @@ def _overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[dict[str
     return out
 
 
+def _check_resume_parallel(run_dir: Path, saved: dict[str, Any], parallel: str) -> None:
+    """A run saved under DDP (or in one process) resumes unsharded: its checkpoint's optimizer state is
+    ``optimizer.state_dict()``, which a sharded model cannot take. (An FSDP2 run's full checkpoint resumes either
+    way.)
+
+    Raises:
+        ConfigError: ``run.parallel`` is fsdp and the saved run's is not.
+    """
+    was = (saved.get("run") or {}).get("parallel", "ddp")
+    if parallel == "fsdp" and was != "fsdp":
+        raise ConfigError(f"--resume {run_dir}: the run was saved with run.parallel {was} (its optimizer state is "
+                          "not the by-name one of an FSDP2 checkpoint); resume it with --parallel ddp, or start a new "
+                          "run with --parallel fsdp")
+
+
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from layerfreeze.engine.integrity import FrozenWeightsChangedError, UnfrozenParameterError
     from layerfreeze.runs.summary import print_summary
@@ -186,6 +204,8 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
                               "(drop --strategy, or start a new run)")
         overrides = [saved, *overrides]
     config = load_config(config_path, overrides)
+    if args.resume:
+        _check_resume_parallel(Path(args.resume), saved, config.run.parallel)
     world = launched_world_size()
     main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 alone speaks
     shown: list[bool] = []

@@ -714,7 +714,8 @@ def build_cached_prefix(model: nn.Module, blocks: Sequence[Block], dataset: Any,
         on_disable: Called with the reason whenever ``auto`` runs without the cache.
 
     Raises:
-        CacheRefused: ``mode="on"`` and the model or data cannot be cached (the message says why).
+        CacheRefused: ``mode="on"`` and the model or data cannot be cached (the message says why: a family without
+            a split, random augmentation, a sharded model whose root FSDP2 group holds parameters).
         ValueError: an unknown ``mode``.
     """
     if mode not in CACHE_MODES:
@@ -724,11 +725,13 @@ def build_cached_prefix(model: nn.Module, blocks: Sequence[Block], dataset: Any,
     try:
         split = split_for(model, blocks, input_key=input_key)
         check_deterministic(dataset)
-    except ValueError as exc:  # CacheRefused is a ValueError; so is split_for's "no split for this family"
+        cache = ActivationCache(budget_bytes, dtype, directory=directory)
+        return CachedPrefix(model, blocks, split, cache, freezer=freezer, fallback=mode == "auto",
+                            on_disable=on_disable)
+    except ValueError as exc:  # CacheRefused is a ValueError; so are split_for's "no split for this family" and
+        # CachedPrefix's refusal of a sharded model whose root group holds parameters
         if mode == "on":
             raise CacheRefused(str(exc)) from None
         if on_disable is not None:
             on_disable(str(exc))
         return None
-    cache = ActivationCache(budget_bytes, dtype, directory=directory)
-    return CachedPrefix(model, blocks, split, cache, freezer=freezer, fallback=mode == "auto", on_disable=on_disable)

@@ -566,14 +566,13 @@ class Freezer:
 
     def _make_mirror(self, mirror: nn.Module | None) -> Mirror | None:
         """The :class:`~layerfreeze.distributed.fsdp.Mirror` rank 0's strategy observes, or None when the model is
-        not sharded or the strategy does not observe it (its ``attach`` is the base class's). Collective when it
-        is made (a full refresh; under ``distributed``, whether rank 0 has one).
+        not sharded or the strategy does not observe it (:attr:`~layerfreeze.strategies.Strategy.reads_model`).
+        Collective when it is made (a full refresh; under ``distributed``, whether rank 0 has one).
 
         Raises:
             ValueError: on every rank, when rank 0 gave no ``mirror``; on rank 0, a mirror that does not fit.
         """
-        observes = type(self.strategy).attach is not Strategy.attach
-        if not self._fsdp or not observes:
+        if not self._fsdp or not self.strategy.reads_model:
             return None
         missing = self.decides and mirror is None
         if self.distributed:

@@ -19,8 +19,17 @@ no gradient memory). What that gives with the :class:`~layerfreeze.engine.Freeze
   ``get_optimizer_state_dict``: with one param group per block, frozen blocks leave empty param groups, which DCP's
   loader refuses.)
 
-Order, as with any sharded model: build the model (same initial weights on every rank), :func:`shard_blocks`, then
-the optimizer (over the sharded parameters), then the Freezer.
+* a strategy runs on rank 0 only, which holds one shard of each parameter: a gradient-based one (``autofreeze``)
+  gets its per-block gradient norms from every rank's shards (``Freezer.after_backward`` sums them locally, then one
+  all-reduce); one that reads the weights (``smartfrz``, ``egeria``) observes a :class:`Mirror`, an unsharded copy
+  the Freezer keeps equal to the shards (``Freezer(mirror=...)``);
+* the activation cache (:class:`~layerfreeze.compute.cache.CachedPrefix`) runs the blocks one by one, each block's
+  forward a collective: the ranks agree on every call on what all of them run, and the root group must hold no
+  parameter (:func:`root_parameters`).
+
+Order, as with any sharded model: build the model (same initial weights on every rank), (a :class:`Mirror` copy for
+a weight-reading strategy), :func:`shard_blocks`, then the optimizer (over the sharded parameters), then the Freezer.
+The CLI trainer does exactly this with ``run.parallel: fsdp`` (:mod:`layerfreeze.train.trainer`).
 
 Any ``fully_shard`` layout works (root only, one group per block, one per transformer layer and the root). One thing
 the Freezer must take care of: FSDP2 registers a group's *unsharded* parameters on its modules while they run, and

@@ -451,8 +451,8 @@ KEY_NOTES: dict[str, str] = {
     "run.tensorboard": "TensorBoard event files",
     "run.checkpoint": "write resumable checkpoints",
     "run.resume": "a run folder to continue (what --resume sets)",
-    "run.parallel": "under torchrun: ddp (each rank the whole model) or fsdp (FSDP2: each rank a shard of every "
-                    "parameter); one process: ddp",
+    "run.parallel": "under torchrun, each rank holds the whole model (ddp) or a shard of every parameter (fsdp: "
+                    "FSDP2, refused in one process)",
 }
 
 

@@ -76,18 +76,20 @@ def test_fsdp_thaws_mid_run_follow_the_single_process_run_and_each_rank_records_
 
 
 def test_fsdp_resume_on_two_ranks_equals_the_uninterrupted_run_bitwise(tmp_path):
-    # dropout on: each rank's own RNG stream comes back from the (full) checkpoint. A checkpoint after every step
-    # verifies the frozen weights against their checksums (block 0 stays frozen across the resume, until step 12):
-    # each rank checks its own shards against what the checkpoint (rank 0's Freezer state) holds
-    full = fsdp(tmp_path, "full", "gradual", {"every_steps": 3}, checkpoint_every_steps=1)
+    # dropout on: each rank's own RNG stream comes back from the (full) checkpoint
+    full = fsdp(tmp_path, "full", "gradual", {"every_steps": 3})
     full["dropout"] = 0.2
     ref = assert_ranks_agree(launch(full, tmp_path / "full-ranks"))
-    cut = fsdp(tmp_path, "cut", "gradual", {"every_steps": 3}, checkpoint_every_steps=1)
+    cut = fsdp(tmp_path, "cut", "gradual", {"every_steps": 3})
     cut.update(dropout=0.2, interrupt_at_step=8)  # Ctrl-C on rank 0 only: both stop after step 9, checkpointed
     first = launch(cut, tmp_path / "cut-ranks")
     assert first.returncodes == [0, 0], first.outputs
     assert [r["steps"][-1]["step"] for r in first.results] == [9, 9]
     cut["config"]["run"]["resume"] = str(tmp_path / "cut")
+    # a checkpoint after every step verifies the frozen weights against their checksums: block 0 stays frozen across
+    # the resume (until step 12), and each rank checks its own shards against what the checkpoint holds (rank 0's
+    # Freezer state)
+    cut["config"]["run"]["checkpoint_every_steps"] = 1
     cut.pop("interrupt_at_step")
     resumed = assert_ranks_agree(launch(cut, tmp_path / "resumed-ranks"))
     assert resumed["steps"][0]["step"] == 9

@@ -232,3 +232,13 @@ def test_fsdp2_prefix_cache_on_ranks_that_hit_and_miss_differently_equals_the_un
                 for result in runs[True]]
     assert counters[0] == [(0, 8, 0), (8, 8, 0), (16, 8, 0), (16, 8, 8), (24, 8, 8), (24, 16, 8)]
     assert counters[1] == [(0, 8, 0), (0, 16, 0), (8, 16, 0), (8, 16, 8), (8, 24, 8), (16, 24, 8)]
+
+
+def test_fsdp2_prefix_cache_refuses_a_model_whose_root_group_holds_the_parameters(tmp_path):
+    # the cache runs the blocks one by one; only the root module's forward would gather the root group's parameters
+    ranks = launch({"root_only": True}, tmp_path, module="tests.distributed.fsdp_cache_worker", timeout=90)
+    assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
+    for result in ranks.results:
+        assert "root FSDP2 group holds parameters (0.0.weight, 0.0.bias" in result["on"]  # freeze.cache: on
+        assert "shard_blocks" in result["on"]
+        assert result["auto_runner"] is None and result["auto"] == [result["on"]]  # auto: off, saying why

@@ -5,7 +5,8 @@ ranks, SGD, a Freezer with blocks 0-1 frozen (static k=2) and block 2 frozen by 
 its own 8 samples per step (:data:`PLAN`), chosen so that the ranks' caches disagree: both miss, one hits while the
 other misses, both hit, both extend from the same older boundary, one extends while the other starts cold. With
 ``spec["cache"]`` the forward is a :class:`~layerfreeze.compute.cache.CachedPrefix`, else the model's own. Per step it
-records the logits' and the full weights' SHA-256 and the cache's counters.
+records the logits' and the full weights' SHA-256 and the cache's counters. ``spec["root_only"]``: the model sharded
+by ``fully_shard(model)`` alone instead, and what the cache's ``on`` and ``auto`` modes say of it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def main() -> None:
     task = mlp_task()
     model = task.model
     blocks = discover_blocks(model)
+    if spec.get("root_only"):  # fully_shard(model) alone: the root group holds every parameter
+        refusals(spec, model, blocks, task)
+        return
     shard_blocks(model, blocks)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     freezer = Freezer(model, optimizer, "static", {"k": 2}, blocks=blocks)
@@ -66,6 +70,25 @@ def main() -> None:
         records.append(record)
     freezer.close()
     (Path(spec["out"]) / f"rank{rank()}.json").write_text(json.dumps({"records": records}))
+    close_distributed()
+
+
+def refusals(spec: dict, model: nn.Module, blocks: list, task) -> None:
+    """What ``freeze.cache`` ``on`` and ``auto`` do with a model whose root FSDP2 group holds parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    from layerfreeze.compute.cache import CacheRefused, build_cached_prefix
+
+    fully_shard(model)
+    out: dict = {}
+    try:
+        build_cached_prefix(model, blocks, task.train_set, mode="on")
+    except CacheRefused as exc:
+        out["on"] = str(exc)
+    reasons: list[str] = []
+    out["auto_runner"] = build_cached_prefix(model, blocks, task.train_set, mode="auto", on_disable=reasons.append)
+    out["auto"] = reasons
+    (Path(spec["out"]) / f"rank{rank()}.json").write_text(json.dumps(out))
     close_distributed()
 
 

@@ -169,7 +169,7 @@ def _config(tmp_path, name, strategy, params=None, **run):
     return build_config({
         "train": {"epochs": 2, "batch_size": 16, "lr": 0.01, "warmup_fraction": 0.1},
         "freeze": {"strategy": strategy, "params": params or {}},
-        "run": {"dir": str(tmp_path / name), "progress": False, "checkpoint": False, **run},
+        "run": {"dir": str(tmp_path / name), "progress": False, "checkpoint": False, "ledger_every": 1, **run},
     })
 
 
@@ -183,6 +183,9 @@ def test_trainer_records_summary_tensorboard_report_and_compare_column(tmp_path)
         "run": {"dir": str(tmp_path / "geo"), "progress": False, "checkpoint": False, "ledger_every": 4,
                 "tensorboard": False}}), task=blob_task()).run()
     off = Trainer(_config(tmp_path, "off", "none", ledger=False, tensorboard=False), task=blob_task()).run()
+    default = Trainer(build_config({"train": {"epochs": 2, "batch_size": 16}, "freeze": {"strategy": "none"},
+                                    "run": {"dir": str(tmp_path / "default"), "progress": False, "checkpoint": False,
+                                            "tensorboard": False}}), task=blob_task()).run()
 
     # The blob model: Linear(16, 32), BatchNorm1d(32), ReLU, Dropout, Linear(32, 32), ReLU, Linear(32, 4); static
     # k=2 freezes the Linear and the BatchNorm
@@ -210,6 +213,7 @@ def test_trainer_records_summary_tensorboard_report_and_compare_column(tmp_path)
     assert none["memory"]["buckets"]["grads"]["peak_bytes"] == lin0 + bn + lin4 + lin6
     assert static["tensor_peak_bytes"] < none["tensor_peak_bytes"]  # no cache in `none`: its prefix trains
     assert off["memory"] == {"ledger": False} and off["tensor_peak_bytes"] is None
+    assert (default["memory"]["every"], default["memory"]["samples"]) == (10, 2)  # the CLI's cadence: steps 1, 10
     assert all("memory" not in r for r in read_metrics(tmp_path / "off"))
 
     records = read_metrics(tmp_path / "geo")
@@ -240,3 +244,42 @@ def test_trainer_records_summary_tensorboard_report_and_compare_column(tmp_path)
     assert cells[1][9] == f"{rows[1]['tensor_peak_ratio']:.3f}"
     assert "| tensor peak | peak ratio |" in markdown_table(rows)
 
+
+
+def test_readme_memory_where_the_bytes_go_snippet():
+    """README "## Memory: where the bytes go": the loop runs as written, with a model and a loader of dicts."""
+    from tests.conftest import readme_block
+
+    torch.manual_seed(0)
+    model = _mlp()
+    loader = [{"x": torch.randn(B, 8), "labels": torch.randint(0, 4, (B,))} for _ in range(12)]
+    ns = {"model": model, "loader": loader, "print": lambda *a: None}
+    exec(compile(readme_block("## Memory: where the bytes go"), "README.md", "exec"), ns)  # noqa: S102
+    peaks = ns["peaks"]
+    p1 = (4 * 16 + 4) * F32  # static k=1: only Linear(16, 4) trains
+    assert peaks["samples"] == 2  # steps 1 and 10
+    assert peaks["buckets"]["grads"]["peak_bytes"] == p1
+    assert peaks["buckets"]["optimizer"]["peak_bytes"] == 2 * p1 + 2 * F32
+    assert peaks["blocks"]["activations"] == [0, B * 16 * F32]  # the frozen prefix's output, the head's input
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_ledger_check.sh)")
+def test_on_cuda_bytes_per_device_beside_the_allocator():
+    from layerfreeze import FrozenModule
+
+    device = torch.device("cuda:0")
+    side_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    model = _mlp().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    side = FrozenModule(nn.Linear(4, 2), device=side_device, output_device=device)
+    x = torch.randn(B, 8, device=device)
+    with Freezer(model, optimizer, "none") as freezer, \
+            MemoryLedger(model, optimizer, freezer=freezer, sources=[side]) as ledger:
+        snap = _step(model, optimizer, ledger, x, lambda out: out.sum() + side(out.detach()).sum())
+    p, adam = (16 * 8 + 16 + 4 * 16 + 4) * F32, 2 * (16 * 8 + 16 + 4 * 16 + 4) * F32 + 4 * F32
+    on = snap.devices["cuda:0"]
+    assert (on["params_trainable"], on["grads"], on["optimizer"], on["activations"]) == (p, p, adam, 3072)
+    assert snap.devices[side_device]["side_models"] == (4 * 2 + 2) * F32
+    stats = snap.allocator["cuda:0"]
+    assert stats["allocated"] >= p + adam and stats["peak_allocated"] >= stats["allocated"]
+    assert stats["reserved"] >= stats["allocated"] and side_device in snap.allocator

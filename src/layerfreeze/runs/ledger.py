@@ -363,9 +363,10 @@ def _storage(t: torch.Tensor) -> tuple[Any, int, str] | None:
     """``(key, bytes, device)`` of the storage behind ``t``: the key identifies the storage (so a storage shared by
     several tensors, views included, counts once), the bytes are the whole storage's (what keeping it alive costs).
     A DTensor (FSDP2) counts its local shard. None for a tensor without memory (meta)."""
-    local = getattr(t, "_local_tensor", None)
-    if isinstance(local, torch.Tensor):
-        t = local
+    if type(t) is not torch.Tensor and type(t) is not nn.Parameter:
+        local = getattr(t, "_local_tensor", None)
+        if isinstance(local, torch.Tensor):
+            t = local
     device = t.device
     if device.type == "meta":
         return None
@@ -375,6 +376,11 @@ def _storage(t: torch.Tensor) -> tuple[Any, int, str] | None:
         return ("id", id(t)), t.numel() * t.element_size(), str(device)
     name = str(device)
     return (name, storage.data_ptr()), storage.nbytes(), name
+
+
+def _is_parameter(t: torch.Tensor | None) -> bool:
+    """``isinstance(t, nn.Parameter)``, fast for a plain tensor (the metaclass check is a Python call)."""
+    return t is not None and type(t) is not torch.Tensor and isinstance(t, nn.Parameter)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -387,9 +393,12 @@ def _inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
         return []
     if isinstance(optimizer, (list, tuple)):
         return [o for item in optimizer for o in _inner_optimizers(item)]
-    for attr in ("optimizer", "_optimizer"):
-        while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, attr):
-            optimizer = getattr(optimizer, attr)
+    while True:  # the innermost: a wrapper may itself subclass Optimizer (accelerate's AcceleratedOptimizer)
+        inner = getattr(optimizer, "optimizer", None)
+        inner = inner if inner is not None else getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer or isinstance(inner, (list, tuple, dict)):
+            break
+        optimizer = inner
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"MemoryLedger: optimizer must be a torch.optim.Optimizer (or a framework's wrapper of one), "
                         f"got {type(optimizer).__qualname__}")
@@ -404,6 +413,7 @@ class _Tally:
         self.blocks = {b: [0] * num_blocks for b in BLOCK_BUCKETS}
         self.params_dtype: dict[str, dict[str, int]] = {}
         self.seen: set[Any] = set()
+        self.held: set[Any] = set()  # storage keys of the parameters and buffers walked
 
     def add(self, bucket: str, device: str, nbytes: int) -> None:
         per = self.devices.setdefault(str(device), {})
@@ -689,7 +699,7 @@ class MemoryLedger:
             self._stack.pop()
 
     def _pack(self, t: torch.Tensor) -> _Saved:
-        if not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)) and self._in_backward() is None:
+        if not (_is_parameter(t) or _is_parameter(t._base)) and self._in_backward() is None:
             if self._unpacked:  # a backward ran since the last forward: a new forward (gradient accumulation)
                 self._unpacked = False
                 self._segments.append(_Segment(len(self.blocks)))
@@ -707,9 +717,9 @@ class MemoryLedger:
         return saved.tensor
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._sampling:
+        if self._sampling:  # gradients are complete and the optimizer's state exists: count them now
             tally = _Tally(len(self.blocks))
-            self._count_grads(tally)
+            self._count_model(tally)
             self._count_optimizer(tally)
             self._after_opt = tally
 
@@ -717,94 +727,95 @@ class MemoryLedger:
 
     def _held_storages(self) -> set[Any]:
         """Storage keys of the model's parameters and buffers and the sources' tensors: never saved activations."""
-        held = set()
-        for t in (*self.model.parameters(), *self.model.buffers()):
-            info = _storage(t)
-            if info is not None:
-                held.add(info[0])
+        tensors = [*self.model.parameters(), *self.model.buffers()]
         for source in self.sources:
-            tensors = getattr(source, "ledger_tensors", None)
-            for t in (tensors() if tensors is not None else ()):
-                info = _storage(t)
-                if info is not None:
-                    held.add(info[0])
-        return held
+            held = getattr(source, "ledger_tensors", None)
+            tensors += list(held()) if held is not None else []
+        return {info[0] for info in map(_storage, tensors) if info is not None}
 
     def _block(self, p: torch.Tensor) -> int | None:
         index = self._block_of.get(id(p))
-        if index is None and self.blocks and self._block_of and id(p) not in self._unowned:
+        if index is None and self.blocks and id(p) not in self._unowned:
             self._index_blocks()  # parameters replaced since (FSDP2 sharding, a re-wrapped weight)
             index = self._block_of.get(id(p))
             if index is None:
                 self._unowned.add(id(p))
         return index
 
-    def _count_params(self, tally: _Tally) -> None:
+    def _count_model(self, tally: _Tally) -> None:
+        """The parameters (trainable/frozen, by dtype, per block) and their gradients, in one walk."""
+        sums: dict[tuple[str, str], int] = {}
+        dtypes = tally.params_dtype
         held = set()
+        per_block_params, per_block_grads = tally.blocks["params"], tally.blocks["grads"]
         for p in self.model.parameters():
-            info = _storage(p)
-            if info is None:
-                continue
-            key, nbytes, device = info
-            held.add(key)
-            if key in tally.seen:
-                continue
-            tally.seen.add(key)
-            kind = "trainable" if p.requires_grad else "frozen"
-            tally.add(f"params_{kind}", device, nbytes)
-            dtypes = tally.params_dtype.setdefault(kind, {})
-            name = _dtype_name(p.dtype)
-            dtypes[name] = dtypes.get(name, 0) + nbytes
             index = self._block(p)
-            if index is not None:
-                tally.blocks["params"][index] += nbytes
+            info = _storage(p)
+            if info is not None:
+                key, nbytes, device = info
+                held.add(key)
+                if key not in tally.seen:
+                    tally.seen.add(key)
+                    kind = "trainable" if p.requires_grad else "frozen"
+                    sums[(f"params_{kind}", device)] = sums.get((f"params_{kind}", device), 0) + nbytes
+                    per_dtype = dtypes.setdefault(kind, {})
+                    name = _dtype_name(p.dtype)
+                    per_dtype[name] = per_dtype.get(name, 0) + nbytes
+                    if index is not None:
+                        per_block_params[index] += nbytes
+            g = p.grad
+            info = None if g is None else _storage(g)
+            if info is not None and info[0] not in tally.seen:
+                key, nbytes, device = info
+                tally.seen.add(key)
+                sums[(Bucket.GRADS.value, device)] = sums.get((Bucket.GRADS.value, device), 0) + nbytes
+                if index is not None:
+                    per_block_grads[index] += nbytes
+        for (bucket, device), n in sums.items():
+            tally.add(bucket, device, n)
+        tally.held = held
+
+    def _count_buffers(self, tally: _Tally) -> None:
+        sums: dict[str, int] = {}
         for b in self.model.buffers():
             info = _storage(b)
             if info is None:
                 continue
             key, nbytes, device = info
-            held.add(key)
+            tally.held.add(key)
             if key not in tally.seen:
                 tally.seen.add(key)
-                tally.add(Bucket.BUFFERS, device, nbytes)
-        for source in self.sources:
-            tensors = getattr(source, "ledger_tensors", None)
-            for t in (tensors() if tensors is not None else ()):
-                info = _storage(t)
-                if info is not None:
-                    held.add(info[0])
-        self._held = held
-
-    def _count_grads(self, tally: _Tally) -> None:
-        for p in self.model.parameters():
-            g = p.grad
-            if g is None:
-                continue
-            info = _storage(g)
-            if info is None or info[0] in tally.seen:
-                continue
-            key, nbytes, device = info
-            tally.seen.add(key)
-            tally.add(Bucket.GRADS, device, nbytes)
-            index = self._block(p)
-            if index is not None:
-                tally.blocks["grads"][index] += nbytes
+                sums[device] = sums.get(device, 0) + nbytes
+        for device, n in sums.items():
+            tally.add(Bucket.BUFFERS, device, n)
 
     def _count_optimizer(self, tally: _Tally) -> None:
+        sums: dict[str, int] = {}
+        per_block = tally.blocks["optimizer"]
         for opt in self.optimizers:
             for p, state in opt.state.items():
                 index = self._block(p) if isinstance(p, torch.Tensor) else None
                 for value in state.values():
-                    if not isinstance(value, torch.Tensor):
-                        continue
-                    info = _storage(value)
+                    info = _storage(value) if isinstance(value, torch.Tensor) else None
                     if info is None or info[0] in tally.seen:
                         continue
                     key, nbytes, device = info
                     tally.seen.add(key)
-                    tally.add(Bucket.OPTIMIZER, device, nbytes)
+                    sums[device] = sums.get(device, 0) + nbytes
                     if index is not None:
-                        tally.blocks["optimizer"][index] += nbytes
+                        per_block[index] += nbytes
+        for device, n in sums.items():
+            tally.add(Bucket.OPTIMIZER, device, n)
+
+    def _source_tensors(self) -> set[Any]:
+        keys = set()
+        for source in self.sources:
+            held = getattr(source, "ledger_tensors", None)
+            for t in (held() if held is not None else ()):
+                info = _storage(t)
+                if info is not None:
+                    keys.add(info[0])
+        return keys
 
     def _count_sources(self, tally: _Tally) -> None:
         for source in self.sources:
@@ -831,18 +842,15 @@ class MemoryLedger:
         return out
 
     def _snapshot(self, step: int, activations: bool = True) -> LedgerSnapshot:
-        tally = _Tally(len(self.blocks))
-        self._count_params(tally)
         after = self._after_opt if activations else None
-        if after is not None:  # gradients and optimizer state as they were right after optimizer.step()
-            for device, per in after.devices.items():
-                for bucket, n in per.items():
-                    tally.add(bucket, device, n)
-            for bucket in ("grads", "optimizer"):
-                tally.blocks[bucket] = after.blocks[bucket]
+        if after is not None:  # parameters, gradients and optimizer state as they were right after optimizer.step()
+            tally = after
         else:
-            self._count_grads(tally)
+            tally = _Tally(len(self.blocks))
+            self._count_model(tally)
             self._count_optimizer(tally)
+        self._count_buffers(tally)
+        self._held = tally.held | self._source_tensors()
         outside = 0
         if activations and self._segments:
             # a forward whose backward never ran (no backward in the step) counts what it holds now

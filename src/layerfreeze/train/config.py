@@ -163,8 +163,13 @@ class RunConfig(_Section):
     ``ledger`` (on by default) keeps the memory ledger (:class:`~layerfreeze.runs.ledger.MemoryLedger`): the bytes
     of every bucket (parameters trainable/frozen by dtype, buffers, gradients, optimizer state, saved activations,
     the activation cache in memory and on disk) per device and per block, in the ``memory`` field of a step record
-    every ``ledger_every`` steps (1: every step) and at the step after every freeze or thaw, with each bucket's peak
-    and the tensor peak in ``summary.json``'s ``memory``.
+    at the first step, every ``ledger_every`` steps (10 by default; 1: every step) and at the step after every freeze
+    or thaw, with each bucket's peak and the tensor peak in ``summary.json``'s ``memory``. Parameters, gradients and
+    optimizer state change only at a freeze or thaw, and those steps are always sampled; saved activations follow
+    the batch size, the cache grows through the first epoch. A sampled step costs about one microsecond per tensor
+    it walks (parameters, gradients, buffers, optimizer state, tensors autograd saves): ~2 ms for MobileNetV2 at
+    batch 16 on a CPU core, under 1% of its step; an idle step costs nothing measurable
+    (``python -m benchmarks.ledger_overhead``).
     """
 
     dir: str | None = None
@@ -181,8 +186,8 @@ class RunConfig(_Section):
     resume: str | None = None
     dist_timeout_s: float = Field(300, gt=0, description="seconds a collective waits for a peer rank (torchrun runs)")
     ledger: bool = True
-    ledger_every: int = Field(1, ge=1, description="the memory ledger samples one step in N (and every step after a "
-                                                     "freeze or thaw)")
+    ledger_every: int = Field(10, ge=1, description="the memory ledger samples one step in N (and the first step, "
+                                                      "and the step after every freeze or thaw)")
 
 
 class Config(_Section):

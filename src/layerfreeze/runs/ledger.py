@@ -24,10 +24,11 @@ also counted per block (a tensor belongs to the block that owns its parameter; a
 modules were running when autograd saved it, see :class:`MemoryLedger`).
 
 **When each bucket is read.** A step's buckets peak at different moments, and the ledger reads each one at its own:
-saved activations as the forward saves them (all of them are alive when the forward ends), gradients and optimizer
-state right after ``optimizer.step()`` (gradients are complete and the optimizer's state exists: Adam creates it at
-its first step; ``zero_grad(set_to_none=True)`` frees the gradients right after), parameters, buffers and the byte
-sources when the step ends. Without an optimizer step in the step, everything but activations is read when it ends.
+saved activations when the backward starts (the storages autograd holds for it then: all the forward saved, less a
+graph dropped during the forward); parameters, gradients and optimizer state right after ``optimizer.step()``
+(gradients are complete and the optimizer's state exists: Adam creates it at its first step;
+``zero_grad(set_to_none=True)`` frees the gradients right after); buffers and the byte sources when the step ends.
+Without an optimizer step in the step, everything but activations is read when it ends.
 
 **The tensor total and the tensor peak** (:attr:`LedgerSnapshot.tensor_bytes`, :attr:`LedgerPeaks.tensor`): a
 step's tensor total is the sum over every bucket on a memory device (everything but ``"disk"``) of the bucket's bytes
@@ -47,6 +48,14 @@ FrozenDifferentiable`) have it; so can your own (a replay buffer, a teacher). A 
 ``ledger_tensors()`` returning the tensors it holds, so autograd saving one of them (a frozen model's buffer) is not
 counted again as an activation. This module imports nothing above :mod:`layerfreeze.runs`: the model, its blocks and
 the freezer are duck-typed (see :class:`MemoryLedger`).
+
+**Devices.** A tensor counts on its own device (``str(tensor.device)``: ``"cpu"``, ``"cuda:1"``); a DTensor (FSDP2)
+counts its local shard, so under ``torch.distributed`` each rank's ledger is that rank's. A storage is counted whole
+(a saved slice keeps its whole storage alive) and once per snapshot.
+
+**Stability.** The bucket names (:class:`Bucket`), :meth:`LedgerSnapshot.to_record`'s fields (a ``metrics.jsonl``
+step record's ``memory``) and :meth:`LedgerPeaks.summary`'s keys (``summary.json``'s ``memory``) are what the trainer
+writes and what tables, the report and a memory planner read: buckets may be added, none changes its meaning.
 
 Cost: a sampled step runs one Python call per tensor autograd saves and per module call of a block, and walks the
 parameters, gradients, buffers and optimizer state once; a step that is not sampled runs two Python calls per block
@@ -501,7 +510,7 @@ class MemoryLedger:
 
     In your own loop::
 
-        ledger = MemoryLedger(model, optimizer, freezer=freezer, sources=[cache])   # every=10: one step in ten
+        ledger = MemoryLedger(model, optimizer, freezer=freezer, sources=[cache])   # every=1: every step
         for batch in loader:
             with ledger.step():                     # around the forward, backward and optimizer step
                 loss = loss_fn(model(batch))

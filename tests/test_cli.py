@@ -270,6 +270,7 @@ def test_a_run_names_its_run_folder_once_it_exists(tmp_path, tiny_bert_dir, tiny
     run = tmp_path / "run"
     assert main(["train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir),
                  "--max-steps", "1", "--epochs", "1", "--no-progress", "--no-report", "--no-tensorboard",
-                 "--set", "model.max_length=16", "--run-dir", str(run)]) == 0
+                 "--no-ledger", "--set", "model.max_length=16", "--run-dir", str(run)]) == 0
     out = capsys.readouterr().out
     assert f"run dir {run}" in out and run.is_dir()
+    assert json.loads((run / "summary.json").read_text())["memory"] == {"ledger": False}  # --no-ledger

@@ -25,6 +25,8 @@ def test_compare_rows_share_budget_and_report_ratios(tmp_path, tiny_bert_dir, ti
     assert rows["static"]["frozen_blocks"] == ["bert.embeddings", "bert.encoder.layer.0"]
     assert rows["static"]["freeze_steps"] == {"bert.embeddings": 0, "bert.encoder.layer.0": 0}
     assert rows["static"]["flops_ratio"] < 1.0
+    # the memory ledger's tensor peak: the frozen embeddings (30522 x 32) keep no gradient and no AdamW state
+    assert rows["none"]["tensor_peak_ratio"] == 1.0 and rows["static"]["tensor_peak_ratio"] < 0.5
     # LoRA: only adapters (rank 8 on query and value of 2 layers, hidden 32) and the head copy train
     lora_params = 2 * 2 * (32 * 8 + 8 * 32)
     head = 32 * 32 + 32 + 32 * 2 + 2  # pooler is frozen; modules_to_save copies the classifier
@@ -33,7 +35,7 @@ def test_compare_rows_share_budget_and_report_ratios(tmp_path, tiny_bert_dir, ti
     lrs = {row: json.loads((run / row / "config.json").read_text())["train"]["lr"] for row in rows}
     assert lrs == {"none": 1e-3, "static": 1e-3, "lora": 2e-3}  # --row-set reaches only its row
     table = (run / "compare.md").read_text()
-    assert table.startswith("| strategy | test acc %") and "| lora |" in table
+    assert table.startswith("| strategy | test acc %") and "| lora |" in table and "| tensor peak |" in table
     assert "FLOPs ratio" in capsys.readouterr().out
 
 

@@ -34,11 +34,11 @@ def arguments(tmp_path, **kwargs):
     return TrainingArguments(**defaults)
 
 
-def train(tmp_path, strategy, params=None, model=None, resume=None, callbacks=(), **kwargs):
+def train(tmp_path, strategy, params=None, model=None, resume=None, callbacks=(), ledger_every=None, **kwargs):
     model = model or tiny_bert()
     trainer = Trainer(model=model, args=arguments(tmp_path, **kwargs), train_dataset=TokenDataset(),
                       callbacks=list(callbacks))
-    callback = LayerFreezeCallback(strategy, params).attach(trainer)
+    callback = LayerFreezeCallback(strategy, params, ledger_every=ledger_every).attach(trainer)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, callback
 
@@ -50,10 +50,21 @@ def losses(trainer):
 def test_static_frozen_weights_bitwise_and_out_of_the_optimizer(tmp_path):
     model = tiny_bert()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer, callback = train(tmp_path, "static", {"k": 2}, model=model, max_steps=4)
+    trainer, callback = train(tmp_path, "static", {"k": 2}, model=model, max_steps=4, ledger_every=1)
     for name, p in model.named_parameters():
         frozen = name.startswith(("bert.embeddings.", "bert.encoder.layer.0."))
         assert torch.equal(before[name], p) == frozen, name
+    # the memory ledger, logged with the Trainer's logs: AdamW holds two float32 moments per trainable weight and a
+    # float32 step per trainable tensor; the frozen prefix holds no gradient and no state
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    weights = 4 * sum(p.numel() for p in trainable)
+    logged = [h for h in trainer.state.log_history if "layerfreeze/memory/grads" in h]
+    assert [h["step"] for h in logged] == [1, 2, 3, 4]
+    assert logged[-1]["layerfreeze/memory/params_trainable"] == weights == logged[-1]["layerfreeze/memory/grads"]
+    assert logged[-1]["layerfreeze/memory/optimizer"] == 2 * weights + 4 * len(trainable)
+    assert logged[-1]["layerfreeze/memory/params_frozen"] == 4 * sum(p.numel() for p in model.parameters()) - weights
+    assert logged[-1]["layerfreeze/memory/activations"] > 0
+    assert callback.session.ledger.peaks.blocks["grads"][:2] == [0, 0]  # embeddings, layer 0
     optimizer = callback.freezer.optimizer
     assert len(optimizer.param_groups) == 2  # the Trainer's decay / no-decay groups, unchanged
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}

@@ -67,7 +67,7 @@ def snapshot(module):
 def test_static_freezes_before_the_optimizer_and_frozen_weights_stay_bitwise(tmp_path):
     module = Module()
     before = snapshot(module)
-    callback = LayerFreeze("static", {"k": 2}, submodule="net")
+    callback = LayerFreeze("static", {"k": 2}, submodule="net", ledger_every=1)
     fit(tmp_path, callback, module=module)
     after = snapshot(module)
     for name in before:
@@ -78,6 +78,17 @@ def test_static_freezes_before_the_optimizer_and_frozen_weights_stay_bitwise(tmp
     assert not any(p in callback.freezer.optimizer.state for p in module.net[0].parameters())
     assert [(h["kind"], h["block"], h["step"]) for h in callback.freezer.history] == [("freeze", "0", 0),
                                                                                        ("freeze", "2", 0)]
+    # the memory ledger against bytes computed by hand: mlp() is Linear(8, 16), Tanh, Linear(16, 16), Tanh,
+    # Linear(16, 16), Tanh, Linear(16, 3); static k=2 freezes the first two Linear layers; batches of 8
+    peaks = callback.session.ledger.peaks.summary()
+    trainable, frozen = 4 * ((16 * 16 + 16) + (16 * 3 + 3)), 4 * ((8 * 16 + 16) + (16 * 16 + 16))
+    at_peak = peaks["at_tensor_peak"]
+    loss = 8 * 3 * 4 + 8 * 8 + 4  # cross-entropy: log_softmax's output, the int64 targets, a total weight
+    assert at_peak == {"params_trainable": trainable, "params_frozen": frozen, "buffers": 0, "grads": trainable,
+                       "optimizer": 2 * trainable + 4 * 4,  # AdamW: two moments, a float32 step per tensor
+                       # the frozen prefix's output (Linear(16, 16)'s input) and the Tanh's output after it
+                       "activations": 2 * 8 * 16 * 4 + loss}
+    assert peaks["samples"] == 8 and peaks["blocks"]["activations"] == [0, 0, 8 * 16 * 4, 8 * 16 * 4]
 
 
 def test_freeze_and_thaw_at_the_strategy_steps_with_the_timeline_in_the_logger(tmp_path):

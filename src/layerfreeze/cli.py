@@ -85,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="any config key, e.g. --set train.warmup_fraction=0.06 (repeatable)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files")
+    train.add_argument("--no-ledger", action="store_true",
+                       help="no memory ledger (run.ledger: false; --set run.ledger_every=N sets its cadence)")
     train.add_argument("--no-report", action="store_true", help="no HTML report at the end")
 
     comp = sub.add_parser(
@@ -158,6 +160,8 @@ def _overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[dict[str
         out.append({"run": {"progress": False}})
     if getattr(args, "no_tensorboard", False):
         out.append({"run": {"tensorboard": False}})
+    if getattr(args, "no_ledger", False):
+        out.append({"run": {"ledger": False}})
     return out
 
 

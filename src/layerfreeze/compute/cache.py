@@ -60,6 +60,7 @@ from layerfreeze.compute.store import ActivationCache, pad_dim0
 from layerfreeze.models.blocks import Block
 from layerfreeze.models.discovery import split_for
 from layerfreeze.models.forward_split import ModelSplit
+from layerfreeze.runs.ledger import Bucket
 
 __all__ = [
     "CACHE_MODES",
@@ -136,6 +137,10 @@ def sample_indices(index: Any) -> list[int]:
         return [int(i) for i in index]
     raise ValueError(f"the batch's 'index' must hold one integer sample position per sample (a tensor or a list of "
                      f"ints), got {type(index).__name__}: {index!r:.80}")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _now(device: torch.device) -> float:
@@ -229,6 +234,7 @@ class CachedPrefix:
         self.saved_seconds = 0.0
         self._cost: dict[int, float] = {}  # depth -> measured seconds per sample to compute blocks 0..depth-1
         self._fingerprints: dict[int, torch.Tensor] = {}
+        self._print_bytes = 0  # bytes of the fingerprints (each its own storage)
         self._signatures: dict[int, tuple[tuple[int, int], ...]] = {}
 
     def __call__(self, batch: dict[str, Any], depth: int | None = None) -> torch.Tensor:
@@ -351,7 +357,11 @@ class CachedPrefix:
                     f"the inputs of sample {index} changed since its prefix output was cached: {AUGMENTATION}"
                 )
         for pos, index in enumerate(indices):
-            self._fingerprints[index] = prints[pos]
+            # a copy, not a view: a view would keep its whole batch's prints alive for as long as any one of them
+            new = prints[pos].clone()
+            old = self._fingerprints.get(index)
+            self._print_bytes += _nbytes(new) - (0 if old is None else _nbytes(old))
+            self._fingerprints[index] = new
 
     def _turn_off(self, reason: str) -> None:
         self.disabled = reason
@@ -442,6 +452,15 @@ class CachedPrefix:
                 "hit_rate": hits / lookups if lookups else None, "memory_bytes": s["memory_bytes"],
                 "disk_bytes": s["disk_bytes"], "budget_bytes": s["budget_bytes"], "saved_seconds": saved,
                 "corrupt_shards": s["corrupt_shards"]}
+
+    def ledger_bytes(self) -> dict[str, dict[str, int]]:
+        """What the cache holds, for the memory ledger (:class:`~layerfreeze.runs.ledger.MemoryLedger`'s byte-source
+        protocol): the store's entries in host memory and on disk
+        (:meth:`~layerfreeze.compute.store.ActivationCache.ledger_bytes`), plus the per-sample input fingerprints the
+        hits are checked against (host memory)."""
+        out = self.cache.ledger_bytes()
+        out[Bucket.CACHE_MEMORY]["cpu"] = out[Bucket.CACHE_MEMORY].get("cpu", 0) + self._print_bytes
+        return out
 
     def stats(self) -> dict[str, Any]:
         """Counters (samples) and cache sizes (bytes), for logs."""

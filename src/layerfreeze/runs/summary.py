@@ -1,0 +1,193 @@
+"""A run for people: FLOPs, bytes and durations formatted (:func:`format_flops`, :func:`format_bytes`,
+:func:`format_seconds`), and the end-of-run summary table rendered with ``rich`` (:func:`summary_table`,
+:func:`print_summary`) from a run's ``summary.json`` dict. The comparison table, the HTML report and the
+benchmarks format with the same functions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["format_bytes", "format_flops", "format_seconds", "print_summary", "summary_table"]
+
+
+def _scaled(value: float, base: float, units: list[str]) -> tuple[str, str]:
+    """Pick a unit so the mantissa is in [1, base); 2 decimals below 10, else 1."""
+    idx = 0
+    while value >= base and idx < len(units) - 1:
+        value /= base
+        idx += 1
+    text = f"{value:.2f}" if value < 10 else f"{value:.1f}"
+    # Rounding may reach the next unit (999.96 -> "1000.0").
+    if float(text) >= base and idx < len(units) - 1:
+        value /= base
+        idx += 1
+        text = f"{value:.2f}"
+    return text, units[idx]
+
+
+_FLOP_UNITS = ["kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP", "ZFLOP", "YFLOP"]
+_BYTE_UNITS = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"]
+
+
+def format_flops(n: float) -> str:
+    """Format a FLOP count with SI (power-of-1000) units.
+
+    Below 1000: the integer count, ``"512 FLOP"``.  Otherwise 2 decimals when
+    the mantissa is below 10 and 1 decimal up to 999.9:
+    ``format_flops(1.234e15) == "1.23 PFLOP"``,
+    ``format_flops(4.567e14) == "456.7 TFLOP"``.
+
+    Raises:
+        ValueError: ``n`` is negative, NaN or infinite.
+    """
+    n = float(n)
+    if not math.isfinite(n) or n < 0:
+        raise ValueError(f"format_flops: expected a finite non-negative count, got {n!r}")
+    if round(n) < 1000:
+        return f"{n:.0f} FLOP"
+    text, unit = _scaled(n / 1000.0, 1000.0, _FLOP_UNITS)
+    return f"{text} {unit}"
+
+
+def format_bytes(n: int) -> str:
+    """Format a byte count with binary (power-of-1024) units.
+
+    Below 1024: ``"512 B"``.  Otherwise 2 decimals when the mantissa is below
+    10 and 1 decimal up to 1023.9: ``format_bytes(3 * 2**29) == "1.50 GiB"``,
+    ``format_bytes(200 * 2**20) == "200.0 MiB"``.
+
+    Raises:
+        ValueError: ``n`` is negative, NaN or infinite.
+    """
+    n = float(n)
+    if not math.isfinite(n) or n < 0:
+        raise ValueError(f"format_bytes: expected a finite non-negative size, got {n!r}")
+    if n < 1024:
+        return f"{n:.0f} B"
+    text, unit = _scaled(n / 1024.0, 1024.0, _BYTE_UNITS)
+    return f"{text} {unit}"
+
+
+def format_seconds(s: float) -> str:
+    """A duration in seconds as ``"42.50 s"`` below a minute, ``"2m 05.0s"`` below an hour, else ``"1h 02m 03s"``."""
+    s = float(s)
+    if s < 60:
+        return f"{s:.2f} s"
+    if s < 3600:
+        m, rest = divmod(s, 60)
+        return f"{int(m)}m {rest:04.1f}s"
+    h, rest = divmod(int(round(s)), 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}h {m:02d}m {sec:02d}s"
+
+
+def _format_epoch_times(times: list[float]) -> str:
+    values = [float(t) for t in times]
+    if not values:
+        return "-"
+    mean = sum(values) / len(values)
+    if len(values) <= 10:
+        listed = ", ".join(f"{t:.2f}" for t in values)
+        return f"mean {mean:.2f} s  [{listed}] s"
+    return f"mean {mean:.2f} s  (min {min(values):.2f}, max {max(values):.2f}, {len(values)} epochs)"
+
+
+def _format_timeline(timeline: list[Mapping[str, Any]]) -> str:
+    rows = sorted(timeline, key=lambda e: (int(e.get("step", 0)), str(e.get("block", ""))))
+    width = max((len(str(e.get("block", ""))) for e in rows), default=0)
+    lines = []
+    for entry in rows:
+        block = str(entry.get("block", "?"))
+        action = str(entry.get("action", "freeze"))
+        verb = {"freeze": "frozen", "thaw": "thawed"}.get(action, action)
+        line = f"{block.ljust(width)}  {verb} at step {int(entry.get('step', 0))}"
+        if entry.get("epoch") is not None:
+            line += f" (epoch {int(entry['epoch']) + 1})"  # 1-based, as the progress bar counts
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") -> Table:
+    """Build a two-column ``rich`` table summarising a run.
+
+    Recognised keys of ``summary`` (all optional; absent or None keys are
+    left out, unknown keys are ignored): ``strategy``, ``model``, ``task``,
+    ``test_accuracy`` (fraction in 0..1, shown as a percentage with 2
+    decimals), ``test_perplexity`` (language models), ``test_loss``, ``epochs``, ``steps``, ``wall_time_s``,
+    ``train_time_s`` (seconds), ``time_per_epoch_s`` (list of seconds),
+    ``flops_total``, ``flops_per_step_first``, ``flops_per_step_last``
+    (FLOPs), ``peak_memory_bytes`` (bytes), ``cache`` (the trainer's activation-cache summary) and
+    ``freeze_timeline`` (list of
+    ``{"block", "step", "epoch", "action"}``; rendered one line per entry as
+    ``"<block>  frozen at step N (epoch E)"``, blocks frozen from the start
+    having step 0).
+    """
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("metric", style="cyan", no_wrap=True)
+    table.add_column("value", overflow="fold")
+
+    def get(key: str) -> Any:
+        return summary.get(key)
+
+    for key in ("strategy", "model", "task"):
+        if get(key) is not None:
+            table.add_row(key, str(get(key)))
+    if get("test_accuracy") is not None:
+        table.add_row("test accuracy", f"{100.0 * float(get('test_accuracy')):.2f}%")
+    if get("test_perplexity") is not None:
+        table.add_row("test perplexity", f"{float(get('test_perplexity')):.2f}")
+    if get("test_loss") is not None:
+        table.add_row("test loss", f"{float(get('test_loss')):.4f}")
+    for key in ("epochs", "steps"):
+        if get(key) is not None:
+            table.add_row(key, f"{int(get(key)):,}")
+    if get("wall_time_s") is not None:
+        table.add_row("wall time", format_seconds(get("wall_time_s")))
+    if get("train_time_s") is not None:
+        table.add_row("train time", format_seconds(get("train_time_s")))
+    if get("time_per_epoch_s") is not None:
+        table.add_row("time per epoch", _format_epoch_times(list(get("time_per_epoch_s"))))
+    if get("flops_total") is not None:
+        table.add_row("training FLOPs", format_flops(get("flops_total")))
+    first, last = get("flops_per_step_first"), get("flops_per_step_last")
+    if first is not None:
+        table.add_row("FLOPs/step (first)", format_flops(first))
+    if last is not None:
+        text = format_flops(last)
+        if first is not None and float(first) > 0:
+            change = 100.0 * (float(last) - float(first)) / float(first)
+            text += f" ({change:+.1f}% vs first)"
+        table.add_row("FLOPs/step (last)", text)
+    if get("peak_memory_bytes") is not None:
+        table.add_row("peak memory", format_bytes(get("peak_memory_bytes")))
+    if get("cache") is not None:
+        table.add_row("activation cache", _format_cache(get("cache")))
+    timeline = get("freeze_timeline")
+    if timeline:
+        table.add_section()
+        table.add_row("freeze timeline", _format_timeline(list(timeline)))
+    return table
+
+
+def _format_cache(c: Mapping[str, Any]) -> str:
+    """The summary's ``cache`` entry in one line."""
+    if c.get("disabled"):
+        return f"off during the run ({c['disabled']})"
+    if not c.get("used", False):
+        return "off" if c.get("mode") == "off" else "off (see the cache_off event)"
+    rate = "-" if c.get("hit_rate") is None else f"{100 * c['hit_rate']:.0f}%"
+    disk = f" + {format_bytes(c['disk_bytes'])} on disk" if c.get("disk_bytes") else ""
+    return (f"{c['hits']:,} hits ({rate}), {format_bytes(c['memory_bytes'])} in memory{disk}, "
+            f"~{format_seconds(c['saved_seconds'])} of prefix forward saved")
+
+
+def print_summary(summary: Mapping[str, Any], console: Console | None = None) -> None:
+    """Print :func:`summary_table` of ``summary`` to ``console`` (a new
+    ``rich.console.Console`` on stdout if None)."""
+    (console or Console()).print(summary_table(summary))

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from layerfreeze.cli import main
-from layerfreeze.train.compare import compare, row_config
+from layerfreeze.train.compare import compare, lora_rank, row_config, unknown_rows
 
 
 @pytest.mark.assets
@@ -72,6 +73,21 @@ def test_row_config_applies_row_params_and_row_overrides_to_their_row_only(tmp_p
     assert auto["train"] == base["train"] and auto["freeze"]["params"] == {"interval": 7}
     assert auto["run"]["dir"] == str(tmp_path / "autofreeze")
     assert base["train"] == {"lr": 5e-5, "epochs": 2}  # the base is not changed
+
+
+def test_lora_rows_of_any_rank():
+    assert [lora_rank(r) for r in ("lora", "lora-r4", "lora-r16", "lora-r0", "lora-r04", "lora-4", "lisa")] == \
+        [8, 4, 16, None, None, None, None]
+    assert unknown_rows(["none", "lisa", "badam", "lora-r2", "lora-rx", "nope"]) == ["lora-rx", "nope"]
+    cfg = row_config({"task": "bbc-news"}, "lora-r2", Path("runs/x"),
+                     row_overrides={"lora-r2": {"train": {"lr": 1e-3}}})
+    assert cfg["model"]["lora"] == {"r": 2} and cfg["freeze"]["strategy"] == "none" and cfg["train"]["lr"] == 1e-3
+    assert cfg["run"]["dir"].endswith("lora-r2")
+
+
+def test_compare_names_the_lora_rows_when_a_row_is_unknown(tmp_path, capsys):
+    assert main(["compare", "--rows", "none,lora-rx", "--run-dir", str(tmp_path / "x")]) == 2
+    assert "Unknown row(s) lora-rx" in (err := capsys.readouterr().err) and "lora-r<N> (rank N)" in err
 
 
 def test_compare_rejects_a_row_set_for_a_row_it_does_not_run(tmp_path, capsys):

@@ -33,10 +33,10 @@ class LISA(LayerRotation):
       only, ``LISA_PARAM_GROUPS_KEEP_STATE_IDX``). The embeddings and the head keep their state all run.
     * The sample comes from the strategy's own generator (``seed``), whose state the checkpoint keeps.
 
-    Defaults: ``gamma=2`` (the paper's "E+H+2L" setting of its 7B experiments), ``k=20`` (LMFlow's
-    ``lisa_interval_steps`` and ms-swift's ``lisa_step_interval``; the paper's ablation varies the period K from 13
-    to 122 steps). For a model whose middle is not transformer layers, the middle is still blocks ``1..L-2`` (a BERT
-    classifier's pooler is one of them).
+    Defaults: ``gamma=2``, ``k=20``: LMFlow's ``lisa_activated_layers`` / ``lisa_interval_steps`` defaults (also
+    ms-swift's ``lisa_step_interval``); "E+H+2L" is the setting of the paper's memory table, and its ablation
+    varies the period K from 13 to 122 steps. For a model whose middle is not transformer layers, the middle is
+    still blocks ``1..L-2`` (a BERT classifier's pooler is one of them).
 
     **Not a prefix freeze.** The embeddings train, so backward runs through every layer down to them: a frozen
     middle layer saves its weight gradients (their FLOPs, about a third of a layer's training FLOPs, which

@@ -14,14 +14,19 @@ from layerfreeze.train.compare import compare, lora_rank, row_config, unknown_ro
 @pytest.mark.assets
 def test_compare_rows_share_budget_and_report_ratios(tmp_path, tiny_bert_dir, tiny_csv, capsys):
     run = tmp_path / "cmp"
-    args = ["compare", "--rows", "none,static,lora", "--task", "text-csv", "--data", str(tiny_csv),
+    args = ["compare", "--rows", "none,static,lisa,badam,lora", "--task", "text-csv", "--data", str(tiny_csv),
             "--model", str(tiny_bert_dir), "--epochs", "1", "--batch-size", "8", "--lr", "1e-3",
             "--set", "model.max_length=32", "--row-param", "static.k=2", "--run-dir", str(run), "--no-progress",
             "--row-set", "lora.train.lr=2e-3"]
     assert main(args) == 0
     rows = {r["row"]: r for r in json.loads((run / "compare.json").read_text())}
-    assert list(rows) == ["none", "static", "lora"]
+    assert list(rows) == ["none", "static", "lisa", "badam", "lora"]
     assert {r["steps"] for r in rows.values()} == {5}  # 38 training rows / 8, same for every row
+    # blocks: embeddings, layer 0, layer 1, pooler (the middle: 1-3), classifier. lisa: 2 of the 3 middle blocks
+    # train (one period of 20 steps); badam ascending: layer 0 trains, every other non-head block is frozen
+    assert len(rows["lisa"]["frozen_blocks"]) == 1 and rows["lisa"]["frozen_blocks"][0] != "bert.embeddings"
+    assert rows["badam"]["frozen_blocks"] == ["bert.embeddings", "bert.encoder.layer.1", "bert.pooler"]
+    assert rows["badam"]["flops_ratio"] < rows["lisa"]["flops_ratio"] < 1.0
     assert rows["none"]["time_ratio"] == 1.0 and rows["none"]["flops_ratio"] == 1.0
     assert rows["static"]["frozen_blocks"] == ["bert.embeddings", "bert.encoder.layer.0"]
     assert rows["static"]["freeze_steps"] == {"bert.embeddings": 0, "bert.encoder.layer.0": 0}
@@ -32,7 +37,7 @@ def test_compare_rows_share_budget_and_report_ratios(tmp_path, tiny_bert_dir, ti
     assert rows["lora"]["trainable_parameters"] == lora_params + 32 * 2 + 2
     assert rows["lora"]["trainable_parameters"] < head + lora_params
     lrs = {row: json.loads((run / row / "config.json").read_text())["train"]["lr"] for row in rows}
-    assert lrs == {"none": 1e-3, "static": 1e-3, "lora": 2e-3}  # --row-set reaches only its row
+    assert lrs == {"none": 1e-3, "static": 1e-3, "lisa": 1e-3, "badam": 1e-3, "lora": 2e-3}  # only its row
     table = (run / "compare.md").read_text()
     assert table.startswith("| strategy | test acc %") and "| lora |" in table
     assert "FLOPs ratio" in capsys.readouterr().out

@@ -95,10 +95,10 @@ class Sizes:
 #: 2,048 tokens (0.61M tokens, half an epoch: the loss leaves the unigram level, 6.55 nats, after ~120 steps at
 #: learning rate 1e-2, where 3e-3 and 1e-2 were both still at 6.4 after 100 steps, and is at ~5.4 at 300), 8e12
 #: FLOPs; stage two 21 rows of 64 steps of 1,024 tokens (one epoch of 512 chunks; 7.7e11 FLOPs for ``none``, less
-#: for the others) and one evaluation of 16k tokens each. Measured only on a loaded shared VM (load 7-9 on 2 cores,
-#: one thread): 400 pretraining steps in 732 s and one seed's 7 rows in 530 s, so this run would take ~36 minutes
-#: there; an idle machine with both cores must be 1.8x faster for the 20-minute target (one thread alone was 2x
-#: faster at load 5.7 than at load 8): to be confirmed there.
+#: for the others) and one evaluation of 16k tokens each. Measured only on a shared VM under load, one thread: at
+#: load ~5, stage one in 371 s and one seed's 7 rows in 271 s (11 minutes for the whole one-seed run), so ~20
+#: minutes for 3 seeds there; at load 7-9 about twice that. An idle 2-core machine with both threads should take
+#: 12-15 minutes: to be confirmed there.
 SIZES = Sizes()
 #: ``--quick``: the same model, a fifth of the pretraining (still at the unigram level), a quarter of the
 #: fine-tuning, one seed: it checks that everything runs, its numbers mean little.

@@ -39,7 +39,12 @@ def test_every_row_runs_and_trains_what_its_strategy_trains(tmp_path, one_thread
         # FLOPs are counted again after every change of the frozen set: once for none, at most every step for lisa
         # (a new sample after every step, k 1; the same layer drawn again is no change)
         assert seed0["none"]["flop_counted_steps"] == 1 and 1 < seed0["lisa"]["flop_counted_steps"] <= 4
-        assert all(v is None for r in rows.values() for v in r["ledger"].values())
+        # the memory ledger's peaks, per row: what each trains is what its gradients and optimizer state hold
+        assert all(isinstance(v, (int, float)) and v > 0 for r in rows.values() for v in r["ledger"].values())
+        state = {r: rows[r]["ledger"]["grads"] + rows[r]["ledger"]["optimizer"] for r in rows}
+        assert state["badam"] < state["lisa"] < state["none"] and state["lora-r2"] < state["lora-r4"] < state["none"]
+        # AdamW keeps two float32 moments per trainable weight, the gradient one more: 12 bytes a weight (+ steps)
+        assert state["none"] >= 12 * rows["none"]["max_trainable"]
         table = (tmp_path / "out" / "table.md").read_text()
         assert "| pretrained, not fine-tuned |" in table and "| badam |" in table
 

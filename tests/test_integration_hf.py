@@ -13,12 +13,20 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+import transformers  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from layerfreeze.integrations.hf import LayerFreezeCallback  # noqa: E402
 
-from .integration_models import Scripted, TokenDataset, free_port, run_ranks, tiny_bert  # noqa: E402
+from .integration_models import (  # noqa: E402
+    Scripted,
+    TokenDataset,
+    check_rotation,
+    free_port,
+    run_ranks,
+    tiny_bert,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 hf_logging.set_verbosity_error()
@@ -34,11 +42,11 @@ def arguments(tmp_path, **kwargs):
     return TrainingArguments(**defaults)
 
 
-def train(tmp_path, strategy, params=None, model=None, resume=None, callbacks=(), **kwargs):
+def train(tmp_path, strategy, params=None, model=None, resume=None, callbacks=(), ledger_every=None, **kwargs):
     model = model or tiny_bert()
     trainer = Trainer(model=model, args=arguments(tmp_path, **kwargs), train_dataset=TokenDataset(),
                       callbacks=list(callbacks))
-    callback = LayerFreezeCallback(strategy, params).attach(trainer)
+    callback = LayerFreezeCallback(strategy, params, ledger_every=ledger_every).attach(trainer)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, callback
 
@@ -50,10 +58,21 @@ def losses(trainer):
 def test_static_frozen_weights_bitwise_and_out_of_the_optimizer(tmp_path):
     model = tiny_bert()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer, callback = train(tmp_path, "static", {"k": 2}, model=model, max_steps=4)
+    trainer, callback = train(tmp_path, "static", {"k": 2}, model=model, max_steps=4, ledger_every=1)
     for name, p in model.named_parameters():
         frozen = name.startswith(("bert.embeddings.", "bert.encoder.layer.0."))
         assert torch.equal(before[name], p) == frozen, name
+    # the memory ledger, logged with the Trainer's logs: AdamW holds two float32 moments per trainable weight and a
+    # float32 step per trainable tensor; the frozen prefix holds no gradient and no state
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    weights = 4 * sum(p.numel() for p in trainable)
+    logged = [h for h in trainer.state.log_history if "layerfreeze/memory/grads" in h]
+    assert [h["step"] for h in logged] == [1, 2, 3, 4]
+    assert logged[-1]["layerfreeze/memory/params_trainable"] == weights == logged[-1]["layerfreeze/memory/grads"]
+    assert logged[-1]["layerfreeze/memory/optimizer"] == 2 * weights + 4 * len(trainable)
+    assert logged[-1]["layerfreeze/memory/params_frozen"] == 4 * sum(p.numel() for p in model.parameters()) - weights
+    assert logged[-1]["layerfreeze/memory/activations"] > 0
+    assert callback.session.ledger.peaks.blocks["grads"][:2] == [0, 0]  # embeddings, layer 0
     optimizer = callback.freezer.optimizer
     assert len(optimizer.param_groups) == 2  # the Trainer's decay / no-decay groups, unchanged
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -129,6 +148,31 @@ def test_resume_after_a_thaw_equals_the_uninterrupted_run(tmp_path):
     callback = LayerFreezeCallback(Scripted(PLAN), resume_from=moved).attach(trainer)
     trainer.train(resume_from_checkpoint=str(moved))
     assert losses(trainer) == losses(resumed) and callback.freezer.history == full_cb.freezer.history
+
+
+@pytest.mark.parametrize("strategy, params", [("lisa", {"gamma": 1, "k": 3}), ("badam", {"k": 2})])
+def test_rotating_strategies_train_what_they_switch_on_with_state_only_for_it(tmp_path, strategy, params):
+    # the callback is given before the Trainer builds its optimizer (where LMFlow's LISA callback froze, LMFlow#726):
+    # every block switched on must train from its first step, and only the trainable blocks hold Adam state
+    model = tiny_bert()
+    weights, state = {}, {}
+
+    class Watch(transformers.TrainerCallback):
+        def on_step_begin(self, args, state_, control, **kwargs):
+            if state_.global_step == 0:
+                weights[0] = [[p.detach().clone() for p in b.parameters()] for b in callback.freezer.blocks]
+
+        def on_step_end(self, args, state_, control, **kwargs):  # before the layerfreeze callback's stage
+            weights[state_.global_step] = [[p.detach().clone() for p in b.parameters()]
+                                           for b in callback.freezer.blocks]
+            state[state_.global_step] = {id(p) for p in callback.freezer.optimizer.state}
+
+    callback = LayerFreezeCallback(strategy, params)
+    trainer = Trainer(model=model, args=arguments(tmp_path), train_dataset=TokenDataset(),
+                      callbacks=[Watch(), callback])
+    trainer.train()
+    assert check_rotation(callback.freezer, weights, state) >= 4
+    assert len(losses(trainer)) == 12
 
 
 def reentrant_checkpointing_bert():

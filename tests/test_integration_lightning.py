@@ -19,7 +19,7 @@ import lightning.pytorch as L  # noqa: E402
 from layerfreeze import block_param_groups, discover_blocks  # noqa: E402
 from layerfreeze.integrations.lightning import LayerFreeze  # noqa: E402
 
-from .integration_models import Scripted, blobs, mlp, run_ranks  # noqa: E402
+from .integration_models import Scripted, blobs, check_rotation, mlp, run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def snapshot(module):
 def test_static_freezes_before_the_optimizer_and_frozen_weights_stay_bitwise(tmp_path):
     module = Module()
     before = snapshot(module)
-    callback = LayerFreeze("static", {"k": 2}, submodule="net")
+    callback = LayerFreeze("static", {"k": 2}, submodule="net", ledger_every=1)
     fit(tmp_path, callback, module=module)
     after = snapshot(module)
     for name in before:
@@ -78,6 +78,17 @@ def test_static_freezes_before_the_optimizer_and_frozen_weights_stay_bitwise(tmp
     assert not any(p in callback.freezer.optimizer.state for p in module.net[0].parameters())
     assert [(h["kind"], h["block"], h["step"]) for h in callback.freezer.history] == [("freeze", "0", 0),
                                                                                        ("freeze", "2", 0)]
+    # the memory ledger against bytes computed by hand: mlp() is Linear(8, 16), Tanh, Linear(16, 16), Tanh,
+    # Linear(16, 16), Tanh, Linear(16, 3); static k=2 freezes the first two Linear layers; batches of 8
+    peaks = callback.session.ledger.peaks.summary()
+    trainable, frozen = 4 * ((16 * 16 + 16) + (16 * 3 + 3)), 4 * ((8 * 16 + 16) + (16 * 16 + 16))
+    at_peak = peaks["at_tensor_peak"]
+    loss = 8 * 3 * 4 + 8 * 8 + 4  # cross-entropy: log_softmax's output, the int64 targets, a total weight
+    assert at_peak == {"params_trainable": trainable, "params_frozen": frozen, "buffers": 0, "grads": trainable,
+                       "optimizer": 2 * trainable + 4 * 4,  # AdamW: two moments, a float32 step per tensor
+                       # the frozen prefix's output (Linear(16, 16)'s input) and the Tanh's output after it
+                       "activations": 2 * 8 * 16 * 4 + loss}
+    assert peaks["samples"] == 8 and peaks["blocks"]["activations"] == [0, 0, 8 * 16 * 4, 8 * 16 * 4]
 
 
 def test_freeze_and_thaw_at_the_strategy_steps_with_the_timeline_in_the_logger(tmp_path):
@@ -135,6 +146,32 @@ def test_resume_after_a_thaw_equals_the_uninterrupted_run(tmp_path):
         assert torch.equal(a, b), name
     # the block thawed before the interruption trained on after the resume (Lightning #21901)
     assert not torch.equal(part.net[4].weight, resumed.net[4].weight)
+
+
+@pytest.mark.parametrize("strategy, params", [("lisa", {"gamma": 1, "k": 3}),
+                                              ("badam", {"k": 2, "order": "descending"})])
+def test_rotating_strategies_train_what_they_switch_on_with_state_only_for_it(tmp_path, strategy, params):
+    # the optimizer is configured after the callback's setup froze the blocks the start stage switched off
+    callback = LayerFreeze(strategy, params, submodule="net")
+    weights, state = {}, {}
+
+    def blocks():
+        return [[p.detach().clone() for p in b.parameters()] for b in callback.freezer.blocks]
+
+    class Watch(L.Callback):  # listed before LayerFreeze: it sees each step before the stage after it
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            weights.setdefault(0, blocks())
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            weights[trainer.global_step] = blocks()
+            state[trainer.global_step] = {id(p) for p in callback.freezer.optimizer.state}
+
+    module = Module()
+    trainer = L.Trainer(max_epochs=2, callbacks=[Watch(), callback], default_root_dir=tmp_path, accelerator="cpu",
+                        devices=1, enable_progress_bar=False, enable_model_summary=False, logger=False)
+    trainer.fit(module, loader())
+    assert check_rotation(callback.freezer, weights, state) >= 4
+    assert len(module.losses) == 16
 
 
 def test_bf16_autocast(tmp_path):

@@ -32,6 +32,7 @@ RUNNERS = {
     "**Hugging Face `Trainer`**": "tests/test_readme_snippets.py",
     "**accelerate**": "tests/test_readme_snippets.py",
     "### Register your own strategy": "tests/test_strategies_register.py",
+    "## Memory: where the bytes go": "tests/test_ledger.py",
 }
 
 

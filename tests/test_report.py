@@ -15,13 +15,15 @@ pytest.importorskip("matplotlib")
 
 from layerfreeze.runs.compare_table import markdown_table  # noqa: E402
 from layerfreeze.runs.report import write_report  # noqa: E402
+from layerfreeze.runs.summary import format_bytes  # noqa: E402
 from layerfreeze.train.compare import freeze_steps
 from layerfreeze.train.config import build_config  # noqa: E402
 from layerfreeze.train.trainer import Trainer  # noqa: E402
 from tests.conftest import blob_task  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-RUN_PLOTS = {"loss_vs_time.png", "loss_vs_flops.png", "accuracy.png", "freeze_timeline.png", "step_time_memory.png"}
+RUN_PLOTS = {"loss_vs_time.png", "loss_vs_flops.png", "accuracy.png", "freeze_timeline.png", "step_time_memory.png",
+             "memory.png"}
 
 
 def _config(run_dir: Path, strategy: str, params: dict):
@@ -103,6 +105,10 @@ def test_single_run_report_has_every_plot_and_the_summary(compare_dir):
     for block in summary["frozen_blocks"]:  # the freeze timeline list names the frozen blocks
         assert f"<code>{block}</code> frozen at step 0" in text
     assert "<style>" in text and "<script" not in text  # self-contained, static
+    # the memory ledger: the tensor peak and every bucket's peak
+    peak = summary["memory"]["tensor_peak_bytes"]
+    assert f"{format_bytes(peak)} at step {summary['memory']['tensor_peak_step']}" in text
+    assert "saved activations" in text and "optimizer state" in text
 
 
 def test_run_without_freezing_still_gets_a_timeline(compare_dir):
@@ -142,8 +148,8 @@ def test_compare_report_links_every_row_report_and_plots_accuracy_vs_time(compar
 
     assert index == compare_dir / "report" / "index.html"
     text, links = _check_page(index)
-    assert {"accuracy_vs_time.png", "flops_ratio.png"} <= _img_names(links)
-    for header in ("test acc %", "FLOPs ratio", "frozen block@step"):
+    assert {"accuracy_vs_time.png", "flops_ratio.png", "memory_peaks.png"} <= _img_names(links)
+    for header in ("test acc %", "FLOPs ratio", "tensor peak", "peak ratio", "frozen block@step"):
         assert header in text
     results = json.loads((compare_dir / "compare.json").read_text())
     for r in results:

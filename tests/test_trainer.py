@@ -68,7 +68,7 @@ def test_run_writes_metrics_tensorboard_summary_and_flops_drop_with_frozen_prefi
 
 
 def test_ctrl_c_leaves_a_checkpoint_and_resume_matches_the_uninterrupted_run(tmp_path):
-    Trainer(config(tmp_path, "ref"), task=blob_task()).run()
+    ref_summary = Trainer(config(tmp_path, "ref"), task=blob_task()).run()
 
     def press_ctrl_c(fetches):
         # while loading the 9th batch (3rd of epoch 2); the cache's determinism check reads 2 x 4 samples first
@@ -85,6 +85,10 @@ def test_ctrl_c_leaves_a_checkpoint_and_resume_matches_the_uninterrupted_run(tmp
     resumed.run.resume = str(tmp_path / "cut")
     summary = Trainer(resumed, task=blob_task()).run()
     assert summary["steps"] == 12
+    # the memory ledger's peaks cover the whole run: sampled at steps 1 (before the cut, kept in the checkpoint) and 10
+    assert summary["memory"]["samples"] == ref_summary["memory"]["samples"] == 2
+    for bucket in ("params_trainable", "params_frozen", "grads", "optimizer", "activations"):
+        assert summary["memory"]["buckets"][bucket] == ref_summary["memory"]["buckets"][bucket], bucket
     ref = load_file(tmp_path / "ref" / "checkpoint" / "model.safetensors")
     got = load_file(tmp_path / "cut" / "checkpoint" / "model.safetensors")
     assert ref.keys() == got.keys()

@@ -36,8 +36,9 @@ the pipeline's overlap, and stability (non-finite outputs named, loss std over t
 gradient norm). ``python -m benchmarks.controlnet`` is the command.
 """
 
+from benchmarks.controlnet.config import PLACEMENTS, DemoConfig
 from benchmarks.controlnet.data import CLASS_NAMES, EdgeDataset, edge_maps, load_images
-from benchmarks.controlnet.demo import PLACEMENTS, DemoConfig, run_demo
+from benchmarks.controlnet.demo import run_demo
 from benchmarks.controlnet.models import LatentParameters, TextEncoder, stage1_models
 from benchmarks.controlnet.report import format_table, write_report
 

@@ -9,18 +9,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.controlnet.config import DemoConfig
 from benchmarks.controlnet.data import CLASS_NAMES, load_images
 from layerfreeze.checkpoint import load_checkpoint, save_checkpoint
 from layerfreeze.errors import CheckpointError
-
-if TYPE_CHECKING:  # demo.py imports this module
-    from benchmarks.controlnet.demo import DemoConfig
 
 PROMPT_TOKENS = 12  # prompts padded to this many tokens ("[CLS] a photo of a ankle boot [SEP] [PAD]...")
 

@@ -15,7 +15,8 @@ the contract is in ``pyproject.toml``):
 * :mod:`layerfreeze.strategies` -- the policies, one file each, registered by name (SmartFRZ's runtime included);
 * :mod:`layerfreeze.distributed` -- process group, DDP rebuilt around the trainable part, FSDP2;
 * :mod:`layerfreeze.models` -- a model as blocks, its forward split, one file per model family;
-* :mod:`layerfreeze.runs` -- the run folder, telemetry, measurements, tables, the HTML report;
+* :mod:`layerfreeze.runs` -- the run folder, telemetry, measurements (the memory ledger, :class:`MemoryLedger`),
+  tables, the HTML report;
 * :mod:`layerfreeze.registry`, :mod:`layerfreeze.errors` -- the decorator registries, the errors a user acts on.
 
 The names below are the library's public API; the README imports only from here and from the concept packages.
@@ -79,6 +80,9 @@ from layerfreeze.models import (
     split_for,
 )
 
+# Where the memory goes.
+from layerfreeze.runs.ledger import MemoryLedger
+
 # The policies.
 from layerfreeze.strategies import (
     DEFAULT_STRATEGY,
@@ -108,6 +112,7 @@ __all__ = [
     "FrozenModule",
     "FrozenPipeline",
     "GlobalRNGUsedError",
+    "MemoryLedger",
     "ModelSplit",
     "NonFiniteOutputError",
     "PrecomputeRefused",

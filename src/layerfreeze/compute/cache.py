@@ -11,7 +11,8 @@ The pieces:
   for misses, then the split's ``suffix`` with gradients (:mod:`layerfreeze.models.forward_split`). It asks the Freezer
   only through :class:`FrozenPrefixSource` (its blocks, its frozen prefix length, putting frozen blocks in eval
   mode).
-* :func:`check_deterministic` and :func:`check_prefix_deterministic` -- refuse, with a clear message, what would
+* :func:`~layerfreeze.compute.determinism.check_deterministic` and
+  :func:`~layerfreeze.compute.determinism.check_prefix_deterministic` -- refuse, with a clear message, what would
   make a cache wrong: random augmentation in the dataset; dropout or BatchNorm in training mode in the prefix.
 * The storage, entries keyed by ``(sample index, depth)`` in memory then checksummed safetensors shards, is
   :class:`~layerfreeze.compute.store.ActivationCache` (:mod:`layerfreeze.compute.store`).
@@ -40,22 +41,28 @@ mix train and test batches), and entries are valid only for the weights they wer
 
 from __future__ import annotations
 
-import random
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
+from layerfreeze.compute.determinism import (
+    AUGMENTATION,
+    CacheRefused,
+    check_deterministic,
+    check_prefix_deterministic,
+)
 from layerfreeze.compute.store import ActivationCache, pad_dim0
 from layerfreeze.distributed import comm
 from layerfreeze.distributed.fsdp import fsdp_modules, reshard_all, root_parameters
 from layerfreeze.models.blocks import Block
 from layerfreeze.models.discovery import split_for
 from layerfreeze.models.forward_split import ModelSplit
+from layerfreeze.runs.ledger import Bucket
 
 __all__ = [
     "CACHE_MODES",
@@ -70,134 +77,6 @@ __all__ = [
 #: What a run may ask of the cache: ``off``; ``auto`` (use it where it is exact, else train without it and say why);
 #: ``on`` (use it, or refuse to start).
 CACHE_MODES = ("off", "auto", "on")
-
-_AUGMENTATION = (
-    "random augmentation in the dataset: the frozen prefix's outputs cannot be cached; "
-    "set cache: off or make the transform deterministic"
-)
-
-
-class CacheRefused(ValueError):
-    """Raised when caching the frozen prefix's output would give wrong results (the message says why)."""
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Determinism checks
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _first_difference(a: Any, b: Any, path: str) -> str | None:
-    """The path of the first value that differs between two fetches of an item, or None if they are equal."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        same = (
-            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        )
-        return None if same else path
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return path or "(keys)"
-        for k in a:
-            found = _first_difference(a[k], b[k], k if not path else f"{path}.{k}")
-            if found is not None:
-                return found
-        return None
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return path or "(length)"
-        for i, (x, y) in enumerate(zip(a, b)):
-            found = _first_difference(x, y, f"{path}[{i}]")
-            if found is not None:
-                return found
-        return None
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return None if np.array_equal(a, b) else path
-    return None if a == b else path
-
-
-def check_deterministic(dataset: Any, n: int = 4) -> None:
-    """Refuse a dataset whose items differ from one fetch to the next (random augmentation).
-
-    Fetches items ``0..n-1`` twice and compares every tensor exactly (dtype, shape, values). The global random
-    states of Python, NumPy and torch are restored afterwards, so the check does not change the run's random
-    stream (a run with the cache draws the same dropout masks as one without).
-
-    Raises:
-        CacheRefused: an item differs between the two fetches; the message names the item and the first key that
-            differs and says "random augmentation in the dataset ...". Also when an item has no ``"index"``
-            (the cache key).
-    """
-    count = min(n, len(dataset))
-    py_state, np_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        try:
-            first = [dataset[i] for i in range(count)]
-            second = [dataset[i] for i in range(count)]
-        finally:
-            random.setstate(py_state)
-            np.random.set_state(np_state)
-    for i, (a, b) in enumerate(zip(first, second)):
-        if isinstance(a, dict) and "index" not in a:
-            raise CacheRefused(
-                f"dataset items have no 'index' key (keys: {sorted(a)}); the activation cache keys entries by it"
-            )
-        key = _first_difference(a, b, "")
-        if key is not None:
-            raise CacheRefused(f"dataset item {i}: {key or 'the item'!r} differs between two fetches: {_AUGMENTATION}")
-
-
-_DROPOUT = (nn.modules.dropout._DropoutNd,)
-_BATCHNORM = (nn.modules.batchnorm._BatchNorm,)
-
-
-def _stochastic_reason(module: nn.Module) -> str | None:
-    """Why ``module`` (itself, not its children) gives a sample different outputs run to run, or None."""
-    if not module.training:
-        return None
-    if isinstance(module, _DROPOUT) and module.p > 0:
-        return f"{type(module).__name__}(p={module.p}) in training mode"
-    if isinstance(module, _BATCHNORM):
-        return (
-            f"{type(module).__name__} in training mode (batch statistics, e.g. Freezer(train_bn=True) keeps it "
-            "training)"
-        )
-    if isinstance(module, nn.RReLU):
-        return "RReLU in training mode (random slopes)"
-    return None
-
-
-def check_prefix_deterministic(
-    blocks: Sequence[Block], depth: int, modules: Iterable[tuple[str, nn.Module]] | None = None
-) -> None:
-    """Refuse a prefix that would give a sample a different output each time (so a cached one would be wrong).
-
-    Stochastic: Dropout (any ``_DropoutNd``) with ``p > 0`` in training mode; BatchNorm in training mode (batch
-    statistics: the output depends on the other samples, and running statistics keep changing -- this is what
-    ``train_bn=True`` does to frozen blocks); RReLU in training mode.
-
-    Args:
-        blocks: The model's blocks; ``blocks[:depth]`` is the prefix.
-        depth: Number of frozen leading blocks.
-        modules: ``(name, module)`` pairs the prefix actually runs, if known
-            (:meth:`~layerfreeze.models.forward_split.ModelSplit.prefix_modules`); they include parameter-free modules
-            between blocks, which the blocks alone do not. Defaults to the modules of ``blocks[:depth]``.
-
-    Raises:
-        CacheRefused: naming the first stochastic module (qualified name, type, why).
-    """
-    if modules is None:
-        modules = [(name, m) for block in blocks[:depth] for name, m in block.modules]
-    for prefix, module in modules:
-        for sub_name, sub in module.named_modules():
-            reason = _stochastic_reason(sub)
-            if reason is not None:
-                name = f"{prefix}.{sub_name}" if sub_name else prefix
-                raise CacheRefused(
-                    f"module {name!r} in the frozen prefix (depth {depth}) is {reason}: its output changes from "
-                    "run to run, so it cannot be cached. Put it in eval mode, freeze with train_bn=False, or set "
-                    "cache: off"
-                )
-
 
 # --------------------------------------------------------------------------------------------------------------
 # The cached forward
@@ -260,6 +139,10 @@ def sample_indices(index: Any) -> list[int]:
         return [int(i) for i in index]
     raise ValueError(f"the batch's 'index' must hold one integer sample position per sample (a tensor or a list of "
                      f"ints), got {type(index).__name__}: {index!r:.80}")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _now(device: torch.device) -> float:
@@ -375,6 +258,7 @@ class CachedPrefix:
         self.saved_seconds = 0.0
         self._cost: dict[int, float] = {}  # depth -> measured seconds per sample to compute blocks 0..depth-1
         self._fingerprints: dict[int, torch.Tensor] = {}
+        self._print_bytes = 0  # bytes of the fingerprints (each its own storage)
         self._signatures: dict[int, tuple[tuple[int, int], ...]] = {}
         #: FSDP2 over several ranks: every call is agreed on by all ranks (see the class docstring).
         self.sharded = bool(fsdp_modules(model)) and comm.is_distributed()
@@ -536,10 +420,14 @@ class CachedPrefix:
             old = self._fingerprints.get(index)
             if old is not None and not torch.allclose(old, prints[pos], rtol=1e-9, atol=1e-9):
                 raise CacheRefused(
-                    f"the inputs of sample {index} changed since its prefix output was cached: {_AUGMENTATION}"
+                    f"the inputs of sample {index} changed since its prefix output was cached: {AUGMENTATION}"
                 )
         for pos, index in enumerate(indices):
-            self._fingerprints[index] = prints[pos]
+            # a copy, not a view: a view would keep its whole batch's prints alive for as long as any one of them
+            new = prints[pos].clone()
+            old = self._fingerprints.get(index)
+            self._print_bytes += _nbytes(new) - (0 if old is None else _nbytes(old))
+            self._fingerprints[index] = new
 
     def _turn_off(self, reason: str) -> None:
         self.disabled = reason
@@ -665,6 +553,15 @@ class CachedPrefix:
                 "hit_rate": hits / lookups if lookups else None, "memory_bytes": s["memory_bytes"],
                 "disk_bytes": s["disk_bytes"], "budget_bytes": s["budget_bytes"], "saved_seconds": saved,
                 "corrupt_shards": s["corrupt_shards"]}
+
+    def ledger_bytes(self) -> dict[str, dict[str, int]]:
+        """What the cache holds, for the memory ledger (:class:`~layerfreeze.runs.ledger.MemoryLedger`'s byte-source
+        protocol): the store's entries in host memory and on disk
+        (:meth:`~layerfreeze.compute.store.ActivationCache.ledger_bytes`), plus the per-sample input fingerprints the
+        hits are checked against (host memory)."""
+        out = self.cache.ledger_bytes()
+        out[Bucket.CACHE_MEMORY]["cpu"] = out[Bucket.CACHE_MEMORY].get("cpu", 0) + self._print_bytes
+        return out
 
     def stats(self) -> dict[str, Any]:
         """Counters (samples) and cache sizes (bytes), for logs."""

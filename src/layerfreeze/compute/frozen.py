@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.data import Dataset
 
 from layerfreeze.compute.store import ActivationCache
+from layerfreeze.runs.ledger import Bucket
 
 
 class NonFiniteOutputError(FloatingPointError):
@@ -129,6 +130,11 @@ def per_sample_generators(indices: Iterable[int], seed: int, epoch: int = 0,
     return gens
 
 
+@torch.no_grad()
+def _all_finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
+
+
 def _named_tensors(obj: Any, prefix: str = "output") -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(obj, torch.Tensor):
         yield prefix, obj
@@ -186,6 +192,25 @@ class FrozenModule:
         t = t.to(self.device, non_blocking=True)
         return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
 
+    def ledger_tensors(self) -> list[torch.Tensor]:
+        """The module's parameters and buffers (what it holds on ``device``)."""
+        return [*self.module.parameters(), *self.module.buffers()]
+
+    def ledger_bytes(self) -> dict[str, dict[str, int]]:
+        """What the frozen model holds, for the memory ledger (:class:`~layerfreeze.runs.ledger.MemoryLedger`'s
+        byte-source protocol): ``{"side_models": {device: bytes}}``, its parameters and buffers per device, each
+        storage once (a tied weight counts once)."""
+        seen: set[tuple[str, int]] = set()
+        per_device: dict[str, int] = {}
+        for t in self.ledger_tensors():
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if t.device.type == "meta" or key in seen:
+                continue
+            seen.add(key)
+            per_device[key[0]] = per_device.get(key[0], 0) + storage.nbytes()
+        return {Bucket.SIDE_MODELS: per_device}
+
     def _out(self, t: torch.Tensor) -> torch.Tensor:
         # Contiguous: a CPU convolution returns channels-last tensors, and the trained model's kernels (so the last
         # bits of the loss) depend on the memory format: it must be the same computed here, in a worker or stored.
@@ -203,7 +228,8 @@ class FrozenModule:
             out = self.module(*args, **kwargs)
             if self.check_finite:
                 for where, t in _named_tensors(out):
-                    if t.is_floating_point() and not torch.isfinite(t).all():
+                    # under no_grad: the check builds no graph (isfinite's abs would save the output for backward)
+                    if t.is_floating_point() and not _all_finite(t):
                         raise NonFiniteOutputError(
                             f"frozen module {self.name} produced NaN/Inf in {where} (dtype {t.dtype}). In float16 this "
                             "is usually an overflow: run it in bfloat16 or float32 (FrozenModule(dtype=...))."

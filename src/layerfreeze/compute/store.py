@@ -28,6 +28,8 @@ from typing import Any
 import psutil
 import torch
 
+from layerfreeze.runs.ledger import DISK, Bucket
+
 __all__ = ["ActivationCache", "pad_dim0"]
 
 INDEX_FILE = "index.json"
@@ -193,6 +195,12 @@ class ActivationCache:
     def depths(self, index: int) -> list[int]:
         """The depths cached for sample ``index``, shallowest first."""
         return sorted(self._depths.get(int(index), ()))
+
+    def ledger_bytes(self) -> dict[str, dict[str, int]]:
+        """What the cache holds, for the memory ledger (:class:`~layerfreeze.runs.ledger.MemoryLedger`'s byte-source
+        protocol): ``{"cache_memory": {"cpu": memory_bytes}, "cache_disk": {"disk": disk_bytes}}`` (entries are kept
+        in host memory whatever device trains; sizes as :attr:`memory_bytes` and :attr:`disk_bytes`)."""
+        return {Bucket.CACHE_MEMORY: {"cpu": self.memory_bytes}, Bucket.CACHE_DISK: {DISK: self.disk_bytes}}
 
     def stats(self) -> dict[str, int]:
         """Counters and sizes (bytes) for logs."""

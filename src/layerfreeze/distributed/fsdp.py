@@ -334,3 +334,46 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
         optimizer.state[p] = restored
     for group, hyper in zip(optimizer.param_groups, saved["groups"]):
         group.update(hyper)
+
+
+def check_blocks_hold_model_parameters(model: nn.Module, blocks: Sequence[Block]) -> None:
+    """Refuse blocks that hold tensors standing in for the model's parameters: a clear error now rather than a block
+    that silently keeps training, or a crash in FSDP later.
+
+    Raises:
+        ValueError: a block's parameter is not one of the model's (blocks found before ``fully_shard``, which
+            replaces every parameter a module holds directly, or on another model).
+    """
+    held = {id(p) for p in model.parameters()}
+    stale = [f"{n} (block {b.name})" for b in blocks for n, p in b.named_parameters() if id(p) not in held]
+    if stale:
+        raise ValueError(
+            f"blocks hold parameters that are not the model's: {', '.join(stale[:4])}. They were discovered "
+            "before the model was sharded (fully_shard replaces the parameters a module holds directly, such as "
+            "a position embedding on the root) or on another model: discover them after fully_shard (give "
+            "Freezer blocks=None or module-name patterns), or shard with layerfreeze.distributed.shard_blocks, "
+            "which updates them")
+
+
+def check_optimizer_holds_sharded_parameters(model: nn.Module, optimizer: torch.optim.Optimizer,
+                                             registered: dict[str, nn.Parameter]) -> None:
+    """Refuse an optimizer that holds FSDP2's unsharded parameters instead of the sharded ones it must update.
+
+    Args:
+        registered: The parameters the modules held before they were resharded (:func:`reshard_all`): FSDP2's
+            unsharded ones when an evaluation pass had left them there.
+
+    Raises:
+        ValueError: the optimizer was built after a forward with no backward left the unsharded parameters on the
+            modules (the message says how to build it).
+    """
+    held = {id(p) for p in model.parameters()}
+    unsharded = {id(p): n for n, p in registered.items() if id(p) not in held}
+    wrong = [unsharded[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in unsharded]
+    if wrong:
+        raise ValueError(
+            f"the optimizer holds FSDP2's unsharded parameters ({', '.join(wrong[:4])}), not the sharded ones "
+            "it must update: it was built after a forward with no backward (an evaluation pass under "
+            "torch.no_grad()) left the unsharded parameters on the modules (the root FSDP group keeps them after "
+            "forward). Build the optimizer right after fully_shard, before any forward, or call reshard() on "
+            "each FSDP module before building it")

@@ -1,7 +1,8 @@
 """The freezing engine: strategies decide, the engine applies (:class:`Freezer`).
 
 * :mod:`~layerfreeze.engine.freezer` -- :class:`Freezer` (freeze/thaw, stages, LR factors, checkpointable state, rank
-  0's decisions shared with every rank) and the stateless mechanics it is made of (:func:`frozen_parameters`,
+  0's decisions shared with every rank);
+* :mod:`~layerfreeze.engine.mechanics` -- the stateless mechanics it is made of (:func:`frozen_parameters`,
   :func:`set_eval_mode`);
 * :mod:`~layerfreeze.engine.optim` -- the optimizer surgery: one param group per block
   (:func:`block_param_groups`), frozen parameters out of the param groups (state freed) and back;
@@ -10,9 +11,10 @@
   trainable block gets a gradient.
 """
 
-from layerfreeze.engine.freezer import Freezer, frozen_parameters, set_eval_mode, share_decision
+from layerfreeze.engine.freezer import Freezer, share_decision
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenWeightsChangedError, UnfrozenParameterError
+from layerfreeze.engine.mechanics import frozen_parameters, set_eval_mode
 from layerfreeze.engine.optim import block_param_groups
 
 __all__ = [

@@ -27,8 +27,17 @@ What freezing a block does, and why each part matters (each is a public fault se
   training, affine parameters included.
 
 Thawing reverses all of it and puts each parameter back into the param group it came from (the number of param
-groups never changes). A learning rate for the thawed block may be given (discriminative LR); that needs param
-groups that hold only that block's parameters, which :func:`~layerfreeze.engine.optim.block_param_groups` builds.
+groups never changes), with no optimizer state: a block switched on starts from fresh state (zero Adam moments),
+as the rotating strategies' papers prescribe (``lisa``, ``badam``); a block frozen and thawed in the same stage is
+switched off and on again, its state cleared. A parameter the optimizer never held (its block was frozen before
+the optimizer was built) goes into param group 0, so a thaw never leaves a block untrained (LMFlow#726), and the
+first optimizer step after a thaw is checked to have changed the block
+(:meth:`~layerfreeze.engine.integrity.FrozenSet.check_updated`). The frozen blocks need not be a prefix: a frozen
+block above a trainable one saves its weight gradients and optimizer state, while backward still runs through it
+(only a frozen prefix, :attr:`Freezer.frozen_prefix`, saves its backward and is what the activation cache serves).
+
+A learning rate for the thawed block may be given (discriminative LR); that needs param groups that hold only that
+block's parameters, which :func:`~layerfreeze.engine.optim.block_param_groups` builds.
 """
 
 from __future__ import annotations
@@ -41,9 +50,17 @@ import torch
 from torch import nn
 
 from layerfreeze.distributed import comm
-from layerfreeze.distributed.fsdp import Mirror, fsdp_modules, local_tensor, reshard_all
+from layerfreeze.distributed.fsdp import (
+    Mirror,
+    check_blocks_hold_model_parameters,
+    check_optimizer_holds_sharded_parameters,
+    fsdp_modules,
+    local_tensor,
+    reshard_all,
+)
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
+from layerfreeze.engine.mechanics import frozen_parameters, set_eval_mode
 from layerfreeze.engine.optim import (
     add_to_optimizer,
     base_lr,
@@ -61,29 +78,6 @@ from layerfreeze.strategies import DEFAULT_STRATEGY, Decision, StageContext, Str
 from layerfreeze.strategies.base import BlockView
 
 STATE_VERSION = 1
-
-_NORM_TYPES = (nn.modules.batchnorm._BatchNorm,)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Mechanics (stateless helpers)
-# --------------------------------------------------------------------------------------------------------------
-
-
-def frozen_parameters(block: Block, train_bn: bool = False) -> list[nn.Parameter]:
-    """The parameters that freezing ``block`` stops training (BatchNorm affine ones stay if ``train_bn``)."""
-    if not train_bn:
-        return list(block.parameters())
-    keep = {id(p) for _, m in block.modules for sub in m.modules() if isinstance(sub, _NORM_TYPES)
-            for p in sub.parameters(recurse=False)}
-    return [p for p in block.parameters() if id(p) not in keep]
-
-
-def set_eval_mode(module: nn.Module, train_bn: bool = False) -> None:
-    """Put ``module`` and its sub-modules in eval mode (BatchNorm layers excepted when ``train_bn``)."""
-    for sub in module.modules():
-        sub.training = bool(train_bn and isinstance(sub, _NORM_TYPES) and sub.training)
-
 
 # --------------------------------------------------------------------------------------------------------------
 # The Freezer
@@ -394,7 +388,7 @@ class Freezer:
             self.scheduler = scheduler
         registered = dict(self.model.named_parameters()) if self._fsdp else {}
         self._sharded()
-        self._check_optimizer(optimizer, registered)
+        check_optimizer_holds_sharded_parameters(self.model, optimizer, registered)
         self._origin = group_origin(optimizer)
         for block in self.blocks:
             if self.frozen[block.index]:
@@ -457,6 +451,7 @@ class Freezer:
         self.step_count += 1
         self._sharded()
         self.integrity.check(self)
+        self.integrity.check_updated(self)  # a block thawed before this step must have been updated by it
         every = self.strategy.stage_every
         decision = self._stage(event="step") if every and self.step_count % every == 0 else None
         self._apply_lr_scales()
@@ -596,41 +591,11 @@ class Freezer:
             reshard_all(self._fsdp)
 
     def _check_parameters(self, registered: dict[str, nn.Parameter]) -> None:
-        """Refuse blocks and an optimizer that hold tensors standing in for the model's parameters (a clear error now
-        rather than a block that silently keeps training, or a crash in FSDP later).
-
-        Args:
-            registered: The parameters the modules held before :meth:`_sharded` (FSDP2's unsharded ones when an
-                evaluation pass had left them there).
-
-        Raises:
-            ValueError: a block's parameter is not one of the model's (blocks found before ``fully_shard``, which
-                replaces every parameter a module holds directly), or the optimizer holds FSDP's unsharded ones.
-        """
-        held = {id(p) for p in self.model.parameters()}
-        stale = [f"{n} (block {b.name})" for b in self.blocks for n, p in b.named_parameters() if id(p) not in held]
-        if stale:
-            raise ValueError(
-                f"blocks hold parameters that are not the model's: {', '.join(stale[:4])}. They were discovered "
-                "before the model was sharded (fully_shard replaces the parameters a module holds directly, such as "
-                "a position embedding on the root) or on another model: discover them after fully_shard (give "
-                "Freezer blocks=None or module-name patterns), or shard with layerfreeze.distributed.shard_blocks, "
-                "which updates them")
+        """The blocks and the optimizer hold the model's (sharded) parameters, not stand-ins (FSDP2; see
+        :func:`~layerfreeze.distributed.fsdp.check_blocks_hold_model_parameters`)."""
+        check_blocks_hold_model_parameters(self.model, self.blocks)
         if self.optimizer is not None:
-            self._check_optimizer(self.optimizer, registered)
-
-    def _check_optimizer(self, optimizer: torch.optim.Optimizer, registered: dict[str, nn.Parameter]) -> None:
-        """Raise ValueError when ``optimizer`` holds FSDP2's unsharded parameters (see :meth:`_check_parameters`)."""
-        held = {id(p) for p in self.model.parameters()}
-        unsharded = {id(p): n for n, p in registered.items() if id(p) not in held}
-        wrong = [unsharded[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in unsharded]
-        if wrong:
-            raise ValueError(
-                f"the optimizer holds FSDP2's unsharded parameters ({', '.join(wrong[:4])}), not the sharded ones "
-                "it must update: it was built after a forward with no backward (an evaluation pass under "
-                "torch.no_grad()) left the unsharded parameters on the modules (the root FSDP group keeps them after "
-                "forward). Build the optimizer right after fully_shard, before any forward, or call reshard() on "
-                "each FSDP module before building it")
+            check_optimizer_holds_sharded_parameters(self.model, self.optimizer, registered)
 
     def _eval_hook(self, module: nn.Module, args: Any) -> None:
         # model.train() flips frozen blocks back to training mode; undo it before they run.

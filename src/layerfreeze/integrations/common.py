@@ -14,7 +14,8 @@ that a framework's own loop needs and a hand-written loop does not.
 * :class:`CheckpointBoundary` — the frozen prefix's output requires grad under reentrant activation checkpointing,
   so the trainable layers after it still get gradients (transformers #21381, #23170).
 * :class:`FreezeSession` — one freezer in a framework's loop: its events, the DDP wrapper and the boundary kept in
-  step with the frozen set, and the values to log.
+  step with the frozen set, the optional memory ledger (:class:`~layerfreeze.runs.ledger.MemoryLedger`), and the
+  values to log.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import nn
 from layerfreeze.distributed.ddp import rebuild_ddp
 from layerfreeze.engine.freezer import Freezer
 from layerfreeze.models.blocks import output_tensor
+from layerfreeze.runs.ledger import MemoryLedger
 from layerfreeze.runs.telemetry import signals_of
 
 #: The file each framework checkpoint folder gets for the freezer's state (HF Trainer checkpoints).
@@ -183,17 +185,55 @@ class FreezeSession:
         checkpointing: Keep a :class:`CheckpointBoundary` (the model runs with activation checkpointing).
         ddp_built_for: The frozen set (one bool per block) the framework's DDP wrapper was built for; default: the
             freezer's current one.
+        ledger_every: Keep a memory ledger over the freezer's model, optimizer and blocks, sampling one optimizer
+            step in ``ledger_every`` (and the step after every freeze or thaw); None: no ledger. The framework's
+            callback calls :meth:`begin_step` before the step's first forward and :meth:`end_step` after its
+            optimizer step.
     """
 
     def __init__(self, freezer: Freezer, checkpointing: bool = False,
-                 ddp_built_for: tuple[bool, ...] | None = None) -> None:
+                 ddp_built_for: tuple[bool, ...] | None = None, ledger_every: int | None = None) -> None:
         self.freezer = freezer
+        self.ledger = None if ledger_every is None else MemoryLedger(
+            freezer.model, freezer.optimizer, freezer=freezer, every=ledger_every)
+        self._ledger_open = False
         self.events: list[dict[str, Any]] = []
-        freezer.on_event = lambda record: self.events.append(record)
+        freezer.on_event = self._on_event
         self.boundary = CheckpointBoundary() if checkpointing else None
         self.ddp_built_for = tuple(freezer.frozen) if ddp_built_for is None else tuple(ddp_built_for)
         self.ddp_rebuilds = 0
         self.sync(None)
+
+    def _on_event(self, record: dict[str, Any]) -> None:
+        self.events.append(record)
+        if self.ledger is not None and record.get("kind") in ("freeze", "thaw"):
+            self.ledger.request()  # the next step is sampled: what the change gave back
+
+    def begin_step(self, step: int) -> None:
+        """Before the first forward of optimizer step ``step`` (1-based): the ledger's step opens (no-op without a
+        ledger, or when one is open)."""
+        if self.ledger is not None and not self._ledger_open:
+            self.ledger.begin(step)
+            self._ledger_open = True
+
+    def end_step(self) -> None:
+        """After the optimizer step (before the freezer's stage): the ledger's step closes."""
+        if self.ledger is not None and self._ledger_open:
+            self._ledger_open = False
+            self.ledger.end()
+
+    def memory_metrics(self) -> dict[str, float]:
+        """The ledger's last sample as values to log (bytes, floats): ``layerfreeze/memory/<bucket>``,
+        ``layerfreeze/memory/tensor_total`` and the run's ``layerfreeze/memory/tensor_peak`` so far; empty without a
+        ledger or before its first sample."""
+        if self.ledger is None or self.ledger.last is None:
+            return {}
+        snap = self.ledger.last
+        out = {f"{LOG_PREFIX}memory/{bucket}": float(n) for bucket, n in snap.buckets.items()}
+        out[f"{LOG_PREFIX}memory/tensor_total"] = float(snap.tensor_bytes)
+        if self.ledger.peaks.tensor is not None:
+            out[f"{LOG_PREFIX}memory/tensor_peak"] = float(self.ledger.peaks.tensor.bytes)
+        return out
 
     def sync(self, ddp: Any) -> bool:
         """Bring the boundary hook and ``ddp`` (a ``DistributedDataParallel``, or anything else: ignored) up to the
@@ -233,7 +273,9 @@ class FreezeSession:
         return out
 
     def close(self) -> None:
-        """Remove the boundary hook and release the strategy's hooks and threads."""
+        """Remove the boundary hook and the ledger's hooks, and release the strategy's hooks and threads."""
         if self.boundary is not None:
             self.boundary.close()
+        if self.ledger is not None:
+            self.ledger.close()
         self.freezer.close()

@@ -113,6 +113,10 @@ class LayerFreezeCallback(transformers.TrainerCallback):
         train_bn: Keep BatchNorm layers of frozen blocks training.
         resume_from: Checkpoint folder to restore the freezer from when the Trainer resumes; default: the
             Trainer's ``<output_dir>/checkpoint-<global_step>``.
+        ledger_every: Keep the memory ledger (:class:`~layerfreeze.runs.ledger.MemoryLedger`), sampling one optimizer
+            step in ``ledger_every`` and the step after every freeze or thaw; its last sample is logged with the
+            Trainer's logs as ``layerfreeze/memory/<bucket>`` (bytes), its peaks are ``callback.session.ledger.peaks``.
+            None (default): no ledger.
 
     Attributes:
         freezer: The :class:`~layerfreeze.engine.Freezer` (from ``on_train_begin`` on); ``freezer.history`` is the
@@ -130,8 +134,9 @@ class LayerFreezeCallback(transformers.TrainerCallback):
 
     def __init__(self, strategy: str | Strategy = DEFAULT_STRATEGY, params: dict[str, Any] | None = None,
                  blocks: Sequence[str] | None = None, train_bn: bool = False,
-                 resume_from: str | os.PathLike | None = None) -> None:
+                 resume_from: str | os.PathLike | None = None, ledger_every: int | None = None) -> None:
         self.strategy = strategy
+        self.ledger_every = ledger_every
         self.params = dict(params or {})
         self.blocks = list(blocks) if blocks is not None else None
         self.train_bn = train_bn
@@ -181,17 +186,22 @@ class LayerFreezeCallback(transformers.TrainerCallback):
             self.freezer.load_state_dict(saved["freezer"])
             snapshot.restore()
         self.session = FreezeSession(self.freezer, checkpointing=is_checkpointing(model),
-                                     ddp_built_for=(False,) * len(self.freezer.blocks))
+                                     ddp_built_for=(False,) * len(self.freezer.blocks), ledger_every=self.ledger_every)
         if saved is not None:
             self.session.events.clear()  # the restore's own freezes are not news
         self._after_stage(None, control)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Before the step's first micro-batch: the memory ledger's step opens."""
+        self.session.begin_step(state.global_step + 1)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Collect gradient signals for strategies that read them (after backward and clipping, before the step)."""
         self.freezer.after_backward()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """The strategy's step stage, after the optimizer and scheduler steps."""
+        """The memory ledger's step closes; the strategy's step stage, after the optimizer and scheduler steps."""
+        self.session.end_step()
         self._after_stage(self.freezer.step(), control)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -236,6 +246,8 @@ class LayerFreezeCallback(transformers.TrainerCallback):
         metrics = self.session.metrics(decision)
         changed = decision is not None and bool(decision.freeze or decision.thaw)
         # at the Trainer's logging cadence (logging_steps), and whenever the frozen set changes
+        if changed or control.should_log:
+            metrics.update(self.session.memory_metrics())
         if metrics and (changed or control.should_log):
             should_log = control.should_log  # trainer.log resets it: the Trainer's own log of this step must stay
             self.trainer.log(metrics)

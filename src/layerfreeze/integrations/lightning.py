@@ -59,6 +59,10 @@ class LayerFreeze(L.Callback):
         train_bn: Keep BatchNorm layers of frozen blocks training.
         submodule: Attribute of the LightningModule holding the network to freeze (e.g. ``"model"`` for a module
             that wraps a Hugging Face model as ``self.model``); default: the LightningModule itself.
+        ledger_every: Keep the memory ledger (:class:`~layerfreeze.runs.ledger.MemoryLedger`), sampling one optimizer
+            step in ``ledger_every`` and the step after every freeze or thaw; each sample is logged to the Trainer's
+            loggers as ``layerfreeze/memory/<bucket>`` (bytes), its peaks are ``callback.session.ledger.peaks``.
+            None (default): no ledger.
 
     Attributes:
         freezer: The :class:`~layerfreeze.engine.Freezer` (from ``setup`` on); ``freezer.history`` is the timeline.
@@ -72,8 +76,10 @@ class LayerFreeze(L.Callback):
     """
 
     def __init__(self, strategy: str | Strategy = DEFAULT_STRATEGY, params: dict[str, Any] | None = None,
-                 blocks: Sequence[str] | None = None, train_bn: bool = False, submodule: str | None = None) -> None:
+                 blocks: Sequence[str] | None = None, train_bn: bool = False, submodule: str | None = None,
+                 ledger_every: int | None = None) -> None:
         self.strategy = strategy
+        self.ledger_every = ledger_every
         self.params = dict(params or {})
         self.blocks = list(blocks) if blocks is not None else None
         self.train_bn = train_bn
@@ -146,7 +152,8 @@ class LayerFreeze(L.Callback):
         self.freezer.attach_optimizer(trainer.optimizers[0], configs[0].scheduler if configs else None)
         if self._restored is not None:
             self.freezer.load_state_dict(self._restored)
-        self.session = FreezeSession(self.freezer, checkpointing=is_checkpointing(self._network(pl_module)))
+        self.session = FreezeSession(self.freezer, checkpointing=is_checkpointing(self._network(pl_module)),
+                                     ledger_every=self.ledger_every)
         if self._restored is not None:
             self.session.events.clear()  # the restore's own freezes are not news
         self._log(trainer, None)
@@ -161,8 +168,20 @@ class LayerFreeze(L.Callback):
         """Collect gradient signals for strategies that read them (after backward, before the step)."""
         self.freezer.after_backward()
 
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """Before the first micro-batch of an optimizer step: the memory ledger's step opens."""
+        self.session.begin_step(trainer.global_step + 1)
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """After each optimizer step (not each accumulated micro-batch): the strategy's step stage."""
+        """After each optimizer step (not each accumulated micro-batch): the memory ledger's step closes, and the
+        strategy's step stage."""
+        if self._steps_seen < trainer.global_step:
+            self.session.end_step()
+            memory = self.session.memory_metrics() if self.session.ledger is not None and \
+                self.session.ledger.last_step_sampled else {}
+            if memory and trainer.is_global_zero:
+                for logger in trainer.loggers:
+                    logger.log_metrics(memory, step=trainer.global_step)
         while self._steps_seen < trainer.global_step:
             self._steps_seen += 1
             decision = self.freezer.step()

@@ -6,6 +6,8 @@ tables and report made from it.
 * :mod:`~layerfreeze.runs.telemetry` -- :class:`~layerfreeze.runs.telemetry.Telemetry`: ``metrics.jsonl`` and
   TensorBoard;
 * :mod:`~layerfreeze.runs.measure` -- measured training FLOPs (``FlopCounterMode``), peak and current memory;
+* :mod:`~layerfreeze.runs.ledger` -- the memory ledger (:class:`~layerfreeze.runs.ledger.MemoryLedger`): exact bytes
+  per bucket (parameters, gradients, optimizer state, saved activations, the cache, side models), device and block;
 * :mod:`~layerfreeze.runs.summary` -- numbers formatted for people, the end-of-run table;
 * :mod:`~layerfreeze.runs.compare_table` -- the comparison table's ratios and cells;
 * :mod:`~layerfreeze.runs.report` -- ``layerfreeze report``: the HTML + PNG report of a run or a comparison.

@@ -17,8 +17,10 @@ BASELINE = "none"
 
 
 def ratios(row: dict[str, Any], base: dict[str, Any] | None) -> dict[str, float | None]:
-    """A row's ``time_ratio`` and ``flops_ratio`` to the baseline row and its ``accuracy_delta`` (a fraction);
-    None where a side has no value (no baseline row, a language model's accuracy, a row that has not run)."""
+    """A row's ``time_ratio``, ``flops_ratio`` and ``tensor_peak_ratio`` (its memory ledger's tensor peak,
+    ``tensor_peak_bytes``, :mod:`layerfreeze.runs.ledger`) to the baseline row and its ``accuracy_delta`` (a
+    fraction); None where a side has no value (no baseline row, a language model's accuracy, a row that has not
+    run, a run without the ledger)."""
     base = base or {}
 
     def ratio(key: str) -> float | None:
@@ -27,6 +29,7 @@ def ratios(row: dict[str, Any], base: dict[str, Any] | None) -> dict[str, float 
 
     acc, base_acc = row.get("test_accuracy"), base.get("test_accuracy")
     return {"time_ratio": ratio("train_time_s"), "flops_ratio": ratio("flops_total"),
+            "tensor_peak_ratio": ratio("tensor_peak_bytes"),
             "accuracy_delta": acc - base_acc if finite(acc) and finite(base_acc) else None}
 
 
@@ -61,7 +64,8 @@ def table_cells(r: dict[str, Any], missing: str = "-") -> list[str]:
         str(r.get("row")), _metric(r, missing), delta,
         f"{r['train_time_s']:.1f}" if finite(r.get("train_time_s")) else missing, ratio(r.get("time_ratio")),
         amount(r.get("flops_total"), format_flops), ratio(r.get("flops_ratio")),
-        amount(r.get("peak_memory_bytes"), format_bytes), frozen or missing,
+        amount(r.get("peak_memory_bytes"), format_bytes), amount(r.get("tensor_peak_bytes"), format_bytes),
+        ratio(r.get("tensor_peak_ratio")), frozen or missing,
     ]
 
 
@@ -74,8 +78,10 @@ def _metric(r: dict[str, Any], missing: str) -> str:
 
 
 
+#: The columns. ``peak mem``: the process's peak RSS (the CUDA allocator's peak on a GPU); ``tensor peak``: the memory
+#: ledger's tensor peak (:mod:`layerfreeze.runs.ledger`) and ``peak ratio`` its ratio to ``none``.
 HEADERS = ["strategy", "test acc %", "Δ acc pts", "train s", "time ratio", "train FLOPs", "FLOPs ratio",
-           "peak mem", "frozen block@step"]
+           "peak mem", "tensor peak", "peak ratio", "frozen block@step"]
 
 
 

@@ -24,7 +24,8 @@ Records of ``metrics.jsonl``: each has a ``type`` (:class:`Record`) and a ``time
 records carry a ``step`` and either the training step's metrics (``loss``, ``lr``, ``step_time_s``, ...) or the
 stability guard's hold-out evaluation (``val_loss``, ``val_<metric>``); ``epoch`` records an ``epoch``, the
 ``step`` it ended at and its evaluation; ``config`` records the ``config``; ``event`` records a ``kind``
-(:class:`Event`) and a ``step``.
+(:class:`Event`) and a ``step``. A training step record the memory ledger sampled carries ``memory``: the ledger's
+bytes per bucket, device and block (:meth:`layerfreeze.runs.ledger.LedgerSnapshot.to_record`).
 
 The replay rule (:func:`replay`): a resumed run appends to the same ``metrics.jsonl``, and its ``resumed`` event
 names the step of the checkpoint it continued from. Whatever was logged after that step was redone, so it is
@@ -80,6 +81,7 @@ class Event(enum.StrEnum):
     RESUMED = "resumed"  # the run continued from a checkpoint (path), or restarted (from_start)
     CACHE_OFF = "cache_off"  # the frozen-prefix cache was refused (reason)
     DDP_REBUILD = "ddp_rebuild"  # distributed: FreezeDDP was rebuilt after a freeze/thaw
+    MEMORY = "memory"  # the ledger's first sample after a freeze/thaw: returned_bytes per bucket (changes, before_step)
 
 
 def cache_dir(run_dir: Path, rank: int | None = None) -> Path:

@@ -13,7 +13,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["format_bytes", "format_flops", "format_seconds", "print_summary", "summary_table"]
+from layerfreeze.runs.ledger import DISK, bucket_label
+
+__all__ = ["format_bytes", "format_flops", "format_seconds", "memory_lines", "print_summary", "summary_table"]
 
 
 def _scaled(value: float, base: float, units: list[str]) -> tuple[str, str]:
@@ -122,7 +124,8 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
     decimals), ``test_perplexity`` (language models), ``test_loss``, ``epochs``, ``steps``, ``wall_time_s``,
     ``train_time_s`` (seconds), ``time_per_epoch_s`` (list of seconds),
     ``flops_total``, ``flops_per_step_first``, ``flops_per_step_last``
-    (FLOPs), ``peak_memory_bytes`` (bytes), ``cache`` (the trainer's activation-cache summary) and
+    (FLOPs), ``peak_memory_bytes`` (bytes), ``memory`` (the memory ledger's peaks, :func:`memory_lines`),
+    ``cache`` (the trainer's activation-cache summary) and
     ``freeze_timeline`` (list of
     ``{"block", "step", "epoch", "action"}``; rendered one line per entry as
     ``"<block>  frozen at step N (epoch E)"``, blocks frozen from the start
@@ -166,6 +169,11 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
         table.add_row("FLOPs/step (last)", text)
     if get("peak_memory_bytes") is not None:
         table.add_row("peak memory", format_bytes(get("peak_memory_bytes")))
+    if get("memory") is not None:
+        lines = memory_lines(get("memory"))
+        table.add_row("tensor peak", lines[0])
+        if len(lines) > 1:
+            table.add_row("memory by bucket (peak)", "\n".join(lines[1:]))
     if get("cache") is not None:
         table.add_row("activation cache", _format_cache(get("cache")))
     timeline = get("freeze_timeline")
@@ -173,6 +181,27 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
         table.add_section()
         table.add_row("freeze timeline", _format_timeline(list(timeline)))
     return table
+
+
+def memory_lines(memory: Mapping[str, Any]) -> list[str]:
+    """The summary's ``memory`` entry (:meth:`layerfreeze.runs.ledger.MemoryLedger.summary`) for people: first the
+    tensor peak (``"45.2 MiB at step 12"``, per device when there are several), then one line per bucket with its
+    peak and the step it was reached at; ``["off"]`` when the ledger was off."""
+    if memory.get("ledger") is False:
+        return ["off (run.ledger: false)"]
+    peak = memory.get("tensor_peak_bytes")
+    if peak is None:
+        return ["-"]
+    head = f"{format_bytes(peak)} at step {memory.get('tensor_peak_step')}"
+    devices = {d: v for d, v in (memory.get("devices") or {}).items() if d != DISK}
+    if len(devices) > 1:
+        head += " (" + ", ".join(f"{d} {format_bytes(v['tensor_peak_bytes'])}" for d, v in devices.items()) + ")"
+    buckets = memory.get("buckets") or {}
+    width = max((len(bucket_label(b)) for b in buckets), default=0)
+    lines = [head]
+    for bucket, p in buckets.items():
+        lines.append(f"{bucket_label(bucket).ljust(width)}  {format_bytes(p['peak_bytes']):>10}  (step {p['step']})")
+    return lines
 
 
 def _format_cache(c: Mapping[str, Any]) -> str:

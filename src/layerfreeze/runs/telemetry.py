@@ -9,7 +9,8 @@ What is recorded, and where (names and record kinds: :mod:`layerfreeze.runs.rund
   :func:`layerfreeze.runs.rundir.read_metrics`.
 * ``<run_dir>/tensorboard/``: TensorBoard event files written by
   :class:`torch.utils.tensorboard.SummaryWriter` (scalars ``train/<name>``,
-  ``epoch/<name>``, ``blocks/frozen_count``; text ``events`` and ``config``).
+  ``epoch/<name>``, ``blocks/frozen_count``, the memory ledger's ``memory/<bucket>`` in bytes; text ``events`` and
+  ``config``).
 * A strategy's signals as telemetry fields (:func:`signals_of`).
 * The end-of-run summary table for people is :mod:`layerfreeze.runs.summary`.
 
@@ -179,12 +180,16 @@ class Telemetry:
                 self._writer.add_scalar(f"{prefix}/{name}", scalar, global_step=step)
 
     # -- public ------------------------------------------------------------- #
-    def log_step(self, step: int, **metrics: float | int | list) -> None:
+    def log_step(self, step: int, **metrics: Any) -> None:
         """Record per-step metrics (e.g. ``loss``, ``lr``, ``flops``).
 
         Writes ``{"type": "step", "step": step, "time": <unix s>, **metrics}``.
         Numeric scalar metrics also go to TensorBoard as ``train/<name>`` at
-        ``global_step=step``; None, bools, strings and lists are JSON-only.
+        ``global_step=step``; None, bools, strings, lists and dicts are JSON-only, except ``memory`` (the memory
+        ledger's record, :meth:`layerfreeze.runs.ledger.LedgerSnapshot.to_record`), whose buckets go to TensorBoard
+        as ``memory/<bucket>``, with ``memory/tensor_total`` and ``memory/rss`` (bytes); with more than one device
+        ``memory/<device>/tensor_total`` too, and on CUDA ``memory/<device>/allocated``, ``reserved``,
+        ``peak_allocated``, ``peak_reserved``.
 
         Raises:
             ValueError: a metric is named type/time/step/epoch/kind.
@@ -195,6 +200,26 @@ class Telemetry:
         self._check_names(metrics, "log_step")
         self._write({"type": Record.STEP, "step": int(step), "time": time.time(), **metrics})
         self._scalars("train", int(step), metrics)
+        if isinstance(metrics.get("memory"), Mapping):
+            self._memory_scalars(int(step), metrics["memory"])
+
+    def _memory_scalars(self, step: int, memory: Mapping[str, Any]) -> None:
+        """The ledger record's bytes as ``memory/...`` TensorBoard scalars (see :meth:`log_step`)."""
+        if self._writer is None:
+            return
+        scalars = {f"memory/{b}": n for b, n in (memory.get("buckets") or {}).items()}
+        scalars["memory/tensor_total"] = memory.get("tensor_bytes")
+        scalars["memory/rss"] = memory.get("rss_bytes")
+        devices = [d for d in (memory.get("devices") or {}) if d != "disk"]
+        if len(devices) > 1:
+            for d in devices:
+                scalars[f"memory/{d}/tensor_total"] = memory["devices"][d].get("tensor_bytes")
+        for d, stats in (memory.get("allocator") or {}).items():
+            scalars.update({f"memory/{d}/{k}": v for k, v in stats.items()})
+        for tag, value in scalars.items():
+            scalar = _as_scalar(value)
+            if scalar is not None:
+                self._writer.add_scalar(tag, scalar, global_step=step)
 
     def log_epoch(self, epoch: int, step: int, **metrics: Any) -> None:
         """Record end-of-epoch metrics (e.g. ``val_loss``, ``epoch_time_s``).

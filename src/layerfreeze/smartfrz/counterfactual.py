@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from layerfreeze.engine.freezer import frozen_parameters, set_eval_mode
+from layerfreeze.engine.mechanics import frozen_parameters, set_eval_mode
 from layerfreeze.engine.optim import remove_from_optimizer
 from layerfreeze.models.discovery import discover_blocks
 from layerfreeze.smartfrz.collect import batch_order, evaluate_test, run_name

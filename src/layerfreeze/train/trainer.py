@@ -7,7 +7,11 @@ permutation from ``seed + epoch`` -> steps (forward, loss, backward, clip, step)
 Measurements per step: loss, learning rate, step time (s: forward, backward, optimizer step and the strategy's
 freezing stage; data loading and evaluation excluded), samples/s, training FLOPs per step measured with
 ``FlopCounterMode`` on a real step (re-measured whenever the frozen set changes), cumulative FLOPs, peak memory
-(bytes). A checkpoint is written at every epoch end and when the run is interrupted (Ctrl-C or an exception), so
+(bytes: the process's peak RSS, the CUDA allocator's peak on a GPU) and, every ``run.ledger_every`` steps and at the
+step after every freeze or thaw, the memory ledger (:class:`~layerfreeze.runs.ledger.MemoryLedger`: bytes per bucket,
+device and block, in the step record's ``memory``; a ``memory`` event with what the change gave back per bucket; each
+bucket's peak and the tensor peak in the summary's ``memory``); the ledger's own cost is inside the step time. A
+checkpoint is written at every epoch end and when the run is interrupted (Ctrl-C or an exception), so
 ``layerfreeze train --resume RUN_DIR`` continues exactly where it stopped (same batches, same RNG).
 
 Launched by ``torchrun`` (``WORLD_SIZE`` > 1) the same loop is data-parallel (:mod:`layerfreeze.distributed`):
@@ -66,6 +70,7 @@ from layerfreeze.errors import ConfigError
 from layerfreeze.models.discovery import discover_blocks
 from layerfreeze.runs import measure, rundir
 from layerfreeze.runs import telemetry as tm
+from layerfreeze.runs.ledger import LedgerSnapshot, MemoryLedger, memory_change
 from layerfreeze.runs.rundir import Event
 from layerfreeze.runs.summary import format_bytes
 from layerfreeze.train.config import Config
@@ -199,6 +204,9 @@ class Trainer:
         self.model = model
         self.store = CheckpointStore(self.run_dir, cfg.run.keep_checkpoints)
         self.runner = self._make_cache_runner(blocks)
+        self.ledger = self._make_ledger()
+        self._memory_before: LedgerSnapshot | None = None  # the ledger's last sample before a freeze/thaw
+        self._memory_changes: list[dict[str, Any]] = []  # freezes/thaws since that sample
         self.ddp = None
         self._synced_for: tuple[bool, ...] | None = None
         if self.distributed and not self.fsdp:
@@ -232,6 +240,33 @@ class Trainer:
                        f"{directory}")
         return runner
 
+    def _make_ledger(self) -> MemoryLedger | None:
+        """The memory ledger over the model, its optimizer, the Freezer's blocks and the byte sources the run has (the
+        cache, a strategy holding memory of its own), or None when ``run.ledger`` is off."""
+        run = self.config.run
+        if not run.ledger:
+            return None
+        sources = [s for s in (self.runner, self.freezer.strategy) if hasattr(s, "ledger_bytes")]
+        return MemoryLedger(self.model, self.optimizer, freezer=self.freezer, sources=sources,
+                            every=run.ledger_every, device=self.device)
+
+    def _ledger_step(self, step: int) -> contextlib.AbstractContextManager[Any]:
+        return self.ledger.step(step) if self.ledger is not None else contextlib.nullcontext()
+
+    def _memory_fields(self) -> dict[str, Any]:
+        """The step record's ``memory`` when the ledger sampled this step (and a ``memory`` event after a change of
+        the frozen set: what it gave back per bucket, between the last sample before it and this one)."""
+        if self.ledger is None or not self.ledger.last_step_sampled:
+            return {}
+        snap = self.ledger.last
+        if self._memory_changes and self._memory_before is not None and snap.step > self._memory_before.step:
+            self.telemetry.log_event(Event.MEMORY, snap.step, before_step=self._memory_before.step,
+                                     changes=self._memory_changes, tensor_bytes=snap.tensor_bytes,
+                                     returned_bytes=memory_change(self._memory_before, snap))
+        if snap.step > getattr(self._memory_before, "step", -1):
+            self._memory_before, self._memory_changes = None, []
+        return {"memory": snap.to_record()}
+
     def _cache_off(self, reason: str) -> None:
         """One ``cache_off`` event and one console line: the run goes on without the cache (``mode: auto``)."""
         self.telemetry.log_event(Event.CACHE_OFF, getattr(self, "progress", {}).get("step", 0),
@@ -241,6 +276,13 @@ class Trainer:
 
     def _on_freeze_event(self, record: dict[str, Any]) -> None:
         fields = {k: v for k, v in record.items() if k not in ("kind", "step")}
+        if self.ledger is not None and record["kind"] in (Event.FREEZE, Event.THAW) and "index" in record:
+            if self.ledger.last is not None:  # what the block held at the ledger's last sample
+                fields["held_bytes"] = self.ledger.block_bytes(record["index"])
+                if self._memory_before is None:
+                    self._memory_before = self.ledger.last
+            self._memory_changes.append({"kind": record["kind"], "block": record["block"]})
+            self.ledger.request()  # the next step is sampled: what the change gave back
         self.telemetry.log_event(record["kind"], record["step"], **fields)
 
     def _on_rebuild(self, record: dict[str, Any]) -> None:
@@ -267,6 +309,8 @@ class Trainer:
         t0 = time.perf_counter()
         self.freezer.verify_frozen_weights()  # never checkpoint weights that moved while frozen
         self.progress["cache_counts"] = self._cache_counts()
+        if self.ledger is not None:
+            self.progress["ledger"] = self.ledger.peaks.state_dict()
         extra = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "progress": dict(self.progress),
                  "config": self.config.model_dump(mode="json"), "world_size": self.world}
         if self.distributed:
@@ -347,6 +391,8 @@ class Trainer:
         if cfg.run.resume:
             start_epoch, skip = self._resume(Path(cfg.run.resume))
         self._cache_base = dict(self.progress.get("cache_counts") or {})
+        if self.ledger is not None and self.progress.get("ledger"):
+            self.ledger.peaks.load_state_dict(self.progress["ledger"])  # a resumed run's peaks cover the whole run
         if not cfg.run.resume or self.progress["step"] == 0:
             for record in self.freezer.history:  # blocks frozen at the start stage
                 self._on_freeze_event(record)
@@ -391,17 +437,19 @@ class Trainer:
                     key = (tuple(self.freezer.frozen), epoch if self.runner is not None else None)
                     remeasure = key != measured_for
                     t0 = time.perf_counter()
+                    with self._ledger_step(self.progress["step"] + 1):
+                        if remeasure:
+                            loss, flops = measure.measure_flops(
+                                functools.partial(self.train_step, batch, n, local))
+                        else:
+                            loss = self.train_step(batch, n, local)
                     if remeasure:
-                        loss, flops = measure.measure_flops(
-                            functools.partial(self.train_step, batch, n, local))
                         self.progress["flops_per_step"] = flops
                         if self.progress["flops_first"] is None:
                             self.progress["flops_first"] = flops
                         measured_for = key
                         self.telemetry.log_event(Event.FLOPS_REMEASURED, self.progress["step"] + 1,
                                                  flops_per_step=flops, frozen_blocks=self.freezer.frozen_blocks)
-                    else:
-                        loss = self.train_step(batch, n, local)
                     decision = self.freezer.step()  # timed: a strategy's own cost counts against it
                     step_time = time.perf_counter() - t0
                     comm = {}
@@ -428,6 +476,7 @@ class Trainer:
                         flops_per_step=self.progress["flops_per_step"], flops_total=self.progress["flops_total"],
                         frozen_count=sum(self.freezer.frozen), frozen_prefix=self.freezer.frozen_prefix,
                         peak_memory_bytes=measure.peak_memory_bytes(self.device), **tm.signals_of(decision), **comm,
+                        **self._memory_fields(),
                     )
                     self.rank_telemetry.log_step(self.progress["step"], **self.rank_record(), **comm)
                     if comm:
@@ -469,6 +518,8 @@ class Trainer:
             if self.watchdog is not None:
                 self.watchdog.close()
             cache_at_end = self._cache_summary()  # before close() empties the store
+            if self.ledger is not None:
+                self.ledger.close()
             if self.runner is not None:
                 self.runner.cache.close()
         self.freezer.verify_frozen_weights()
@@ -733,6 +784,8 @@ class Trainer:
             "checkpoints": p.get("checkpoints", 0),
             "checkpoint_time_s": p.get("checkpoint_time_s", 0.0),
             "cache": cache,
+            "memory": self.ledger.summary() if self.ledger is not None else {"ledger": False},
+            "tensor_peak_bytes": self.ledger.peaks.tensor.bytes if self.ledger and self.ledger.peaks.tensor else None,
         }
         if self.distributed:
             summary.update(parallel=cfg.run.parallel, grad_bytes_phases=p.get("comm_phases", []),

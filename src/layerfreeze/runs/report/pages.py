@@ -16,7 +16,7 @@ import numpy as np
 from layerfreeze.runs import rundir
 from layerfreeze.runs.compare_table import BASELINE, HEADERS, table_cells
 from layerfreeze.runs.rundir import Event, finite
-from layerfreeze.runs.summary import format_bytes, format_flops, format_seconds
+from layerfreeze.runs.summary import format_bytes, format_flops, format_seconds, memory_lines
 from layerfreeze.runs.report.plots import (
     ACCURACY,
     ACCURACY_VS_TIME,
@@ -25,6 +25,8 @@ from layerfreeze.runs.report.plots import (
     FREEZE_TIMELINE,
     LOSS_VS_FLOPS,
     LOSS_VS_TIME,
+    MEMORY,
+    MEMORY_PEAKS,
     STEP_TIME_MEMORY,
     plot_compare,
     plot_run,
@@ -220,7 +222,15 @@ def _run_summary_rows(run: Run) -> list[tuple[str, str]]:
     peak = run.get("peak_memory_bytes")
     if not finite(peak) and np.isfinite(run.peak_mem).any():
         peak = float(np.nanmax(run.peak_mem))
-    rows.append(("peak memory", _e(_fmt_bytes(peak))))
+    rows.append(("peak memory", _e(_fmt_bytes(peak)) + ' <span class="muted">(process peak RSS; the CUDA '
+                 "allocator's peak on a GPU)</span>"))
+    memory = run.get("memory")
+    if isinstance(memory, dict):
+        lines = memory_lines(memory)
+        rows.append(("tensor peak", _e(lines[0]) + ' <span class="muted">(the memory ledger: the largest sum of '
+                     "its buckets over the sampled steps)</span>"))
+        if len(lines) > 1:
+            rows.append(("memory by bucket (peak)", f"<pre>{_e(chr(10).join(lines[1:]))}</pre>"))
     if finite(run.get("trainable_parameters")):
         rows.append(("trainable parameters (end)", _e(f"{int(run.get('trainable_parameters')):,}")))
     blocks = run.blocks
@@ -271,6 +281,13 @@ def write_run_report(run_dir: Path) -> Path:
                      "Top: wall-clock time of each training step; circled steps also measured FLOPs and are "
                      "slower. Bottom: peak memory (CUDA allocator peak on a GPU, process peak RSS on a CPU). "
                      "Dotted lines: the frozen set changed."),
+        _figure_html(plots[MEMORY], "Memory by bucket over the training steps, freeze events marked",
+                     "Top: the memory ledger's buckets (parameters trainable/frozen, buffers, gradients, optimizer "
+                     "state, saved activations, the activation cache in memory, frozen side models) stacked at each "
+                     "sampled step; the top of the stack is the step's tensor total. Dotted lines: a block froze "
+                     "(red: thawed); what each change gave back per bucket is the <code>memory</code> event after it "
+                     "in <code>metrics.jsonl</code>. Bottom: the tensor total beside the process's RSS (and, on a GPU, "
+                     "the CUDA allocator's allocated and reserved bytes)."),
     ]
     if run.config:
         body += ["<h2>Configuration</h2>",
@@ -331,7 +348,8 @@ def write_compare_report(compare_dir: Path) -> Path:
         "<h2>Results</h2>",
         table,
         '<p class="muted"><small>Ratios are to the <code>none</code> row (nothing frozen); Δ acc pts is the '
-        "test-accuracy difference in percentage points; <code>block@step</code> is the step each block was "
+        "test-accuracy difference in percentage points; peak mem is the process's peak RSS (the CUDA allocator's "
+        "peak on a GPU), tensor peak the memory ledger's; <code>block@step</code> is the step each block was "
         "(last) frozen at.</small></p>",
         "<h2>Plots</h2>",
         _figure_html(plots[ACCURACY_VS_TIME], "Test accuracy against training time for each strategy",
@@ -343,6 +361,9 @@ def write_compare_report(compare_dir: Path) -> Path:
                      "<code>none</code>."),
         _figure_html(plots[COMPARE_LOSS], "Smoothed training loss of every row against training time",
                      "Moving average of each row's training loss against its own training time."),
+        _figure_html(plots[MEMORY_PEAKS], "Each row's tensor peak by bucket",
+                     "The memory ledger's buckets at each row's tensor peak (the step where their sum was largest), "
+                     "and the peak's ratio to <code>none</code>."),
     ]
     path = out / rundir.REPORT_INDEX
     path.write_text(_page(title, [b for b in body if b]), encoding="utf-8")

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from layerfreeze.runs.compare_table import BASELINE
-from layerfreeze.runs.rundir import finite
+from layerfreeze.runs.ledger import DISK, bucket_label
+from layerfreeze.runs.rundir import Event, finite
 from layerfreeze.runs.summary import format_seconds
 from layerfreeze.runs.report.read import Run, num
 
@@ -22,10 +23,12 @@ LOSS_VS_FLOPS = "loss_vs_flops.png"
 ACCURACY = "accuracy.png"
 FREEZE_TIMELINE = "freeze_timeline.png"
 STEP_TIME_MEMORY = "step_time_memory.png"
+MEMORY = "memory.png"
 # Plot file names (comparison).
 ACCURACY_VS_TIME = "accuracy_vs_time.png"
 FLOPS_RATIO = "flops_ratio.png"
 COMPARE_LOSS = "loss_vs_time.png"
+MEMORY_PEAKS = "memory_peaks.png"
 
 TIME_LABEL = "training time (s)  [cumulative step time; data loading and eval excluded]"
 _FLOP_PREFIXES = ["", "k", "M", "G", "T", "P", "E", "Z"]
@@ -37,6 +40,15 @@ def _flop_scale(max_value: float) -> tuple[float, str]:
         return 1.0, "FLOP"
     k = min(int(math.log10(max_value) // 3), len(_FLOP_PREFIXES) - 1)
     return 10.0 ** (3 * k), f"{_FLOP_PREFIXES[k]}FLOP"
+
+
+def _byte_scale(max_value: float) -> tuple[float, str]:
+    """Divisor and unit (binary prefixes) so ``max_value / divisor`` lies in [1, 1024)."""
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    k = 0
+    while finite(max_value) and max_value >= 1024 ** (k + 1) and k < len(units) - 1:
+        k += 1
+    return float(1024**k), units[k]
 
 
 def _smooth(y: np.ndarray, window: int) -> np.ndarray:
@@ -309,6 +321,73 @@ def _plot_step_time_memory(run: Run, out: Path) -> str | None:
 
 
 
+def _memory_buckets(records: list[dict[str, Any]]) -> list[str]:
+    """The buckets on a memory device (not the disk) that the records hold, in the ledger's order."""
+    names: list[str] = []
+    for rec in records:
+        for d, per in (rec.get("devices") or {}).items():
+            if d != DISK:
+                names += [b for b in per if b != "tensor_bytes" and b not in names]
+    order = list((records[0].get("buckets") or {}) if records else [])
+    return sorted(names, key=lambda b: (order.index(b) if b in order else len(order), b))
+
+
+def _plot_memory(run: Run, out: Path) -> str | None:
+    """The memory ledger's buckets stacked over the sampled steps (their top is the tensor total), freeze and thaw
+    events marked; below, the process's RSS and, on CUDA, the allocator's allocated/reserved bytes beside the tensor
+    total."""
+    if not len(run.memory_step):
+        return None
+    steps = run.memory_step
+    buckets = _memory_buckets(run.memory)
+    series = np.array([[num(sum(v.get(b, 0) for d, v in (rec.get("devices") or {}).items() if d != DISK))
+                        for rec in run.memory] for b in buckets], dtype=float)
+    total = np.array([num(rec.get("tensor_bytes")) for rec in run.memory])
+    rss = np.array([num(rec.get("rss_bytes")) for rec in run.memory])
+    allocated = np.array([num(sum(a.get("allocated", 0) for a in (rec.get("allocator") or {}).values()) or None)
+                          for rec in run.memory])
+    reserved = np.array([num(sum(a.get("reserved", 0) for a in (rec.get("allocator") or {}).values()) or None)
+                         for rec in run.memory])
+    disk = np.array([num((rec.get("buckets") or {}).get("cache_disk")) for rec in run.memory])
+    fig, axes = _figure(2, 1, figsize=(FIGSIZE[0], 6.4), sharex=True, height_ratios=[2.2, 1])
+    ax = axes[0, 0]
+    div, unit = _byte_scale(float(np.nanmax(total)) if np.isfinite(total).any() else 0.0)
+    ax.stackplot(steps, np.nan_to_num(series) / div, labels=[bucket_label(b) for b in buckets], step="post",
+                 colors=[f"C{i % 10}" for i in range(len(buckets))], alpha=0.85)
+    if np.isfinite(disk).any() and np.nanmax(disk) > 0:
+        ax.plot(steps, disk / div, color="0.3", linestyle="--", linewidth=1.2, drawstyle="steps-post",
+                label="activation cache on disk (not in the total)")
+    events = [e for e in run.freeze_events if finite(e.get("step"))]
+    for i, e in enumerate(events):
+        color = "0.25" if e.get("kind") == Event.FREEZE else "C3"
+        ax.axvline(float(e["step"]), color=color, linestyle=":", linewidth=1.0, zorder=3)
+        if len(events) <= 12:
+            verb = "freeze" if e.get("kind") == Event.FREEZE else "thaw"
+            ax.text(float(e["step"]), 1.0, f" {verb} {_short(str(e['block']), 18)}", rotation=90, va="top",
+                    ha="left", fontsize=6.5, color=color, transform=ax.get_xaxis_transform(), clip_on=True)
+    ax.set_ylabel(f"tensor bytes ({unit})")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Memory by bucket (the memory ledger) — {run.strategy}")
+    if events:
+        ax.plot([], [], color="0.25", linestyle=":", label="freeze (thaw: red)")
+    ax2 = axes[1, 0]
+    high = [a for a in (rss, allocated, reserved, total) if np.isfinite(a).any()]
+    div2, unit2 = _byte_scale(max(float(np.nanmax(a)) for a in high) if high else 0.0)
+    ax2.plot(steps, total / div2, color="black", linewidth=1.5, drawstyle="steps-post", label="tensor total")
+    if np.isfinite(rss).any():
+        ax2.plot(steps, rss / div2, color="C4", linewidth=1.2, drawstyle="steps-post", label="process RSS")
+    if np.isfinite(allocated).any():
+        ax2.plot(steps, allocated / div2, color="C1", linewidth=1.2, drawstyle="steps-post", label="CUDA allocated")
+        ax2.plot(steps, reserved / div2, color="C1", linestyle="--", linewidth=1.0, drawstyle="steps-post",
+                 label="CUDA reserved")
+    ax2.set_ylabel(unit2)
+    ax2.set_ylim(bottom=0)
+    ax2.set_xlabel("training step (sampled steps of the ledger)")
+    axes[-1, 0].set_xlim(0, max(run.last_step, 1))
+    _legend_below(fig, axes, ncol=3)
+    return _save(fig, out / MEMORY)
+
+
 #: Marker per non-baseline row of the accuracy-vs-time plot, with colours C0..C9: a point stays identifiable by its
 #: shape when its neighbour covers part of it, and in greyscale prints.
 _ROW_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "p", "d")
@@ -400,6 +479,44 @@ def _plot_flops_ratio(rows: list[dict[str, Any]], out: Path) -> str | None:
     return _save(fig, out / FLOPS_RATIO)
 
 
+def _plot_memory_peaks(rows: list[dict[str, Any]], out: Path) -> str | None:
+    """Per row, the buckets at its tensor peak (``memory.at_tensor_peak``), stacked: the bar's length is the tensor
+    peak; its ratio to ``none`` beside it."""
+    rows = [r for r in rows if isinstance(r.get("memory"), dict) and r["memory"].get("at_tensor_peak")]
+    if not rows:
+        return None
+    buckets: list[str] = []
+    for r in rows:
+        buckets += [b for b in r["memory"]["at_tensor_peak"] if b != "cache_disk" and b not in buckets]
+    peaks = [float(sum(v for b, v in r["memory"]["at_tensor_peak"].items() if b != "cache_disk")) for r in rows]
+    div, unit = _byte_scale(max(peaks))
+    fig, axes = _figure(figsize=(FIGSIZE[0] + 1.0, max(3.0, 0.5 * len(rows) + 1.8)))
+    ax = axes[0, 0]
+    ax.grid(False)
+    ax.grid(True, axis="x", alpha=0.3, linewidth=0.6)
+    y = np.arange(len(rows))
+    left = np.zeros(len(rows))
+    for i, b in enumerate(buckets):
+        width = np.array([r["memory"]["at_tensor_peak"].get(b, 0) for r in rows], dtype=float) / div
+        ax.barh(y, width, left=left, color=f"C{i % 10}", label=bucket_label(b))
+        left += width
+    for yi, r, peak in zip(y, rows, peaks):
+        ratio = r.get("tensor_peak_ratio")
+        text = f" {peak / div:.3g} {unit}" + (f" ({ratio:.2f}×)" if finite(ratio) else "")
+        ax.text(peak / div, yi, text, va="center", fontsize=8)
+    names = [str(r.get("row")) for r in rows]
+    ax.set_yticks(y, names)
+    for tick, name in zip(ax.get_yticklabels(), names):
+        if name == BASELINE:
+            tick.set_fontweight("bold")
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(peaks) / div * 1.3)
+    ax.set_xlabel(f"tensor bytes at the run's tensor peak ({unit}); ratio to '{BASELINE}'")
+    ax.set_title("Tensor peak of each row, by bucket (the memory ledger)")
+    _legend_below(fig, axes, ncol=3)
+    return _save(fig, out / MEMORY_PEAKS)
+
+
 def _plot_compare_loss(runs: list[tuple[str, Run]], out: Path) -> str | None:
     runs = [(name, run) for name, run in runs if len(run.step)]
     if not runs:
@@ -434,6 +551,7 @@ def plot_run(run: Run, out: Path) -> dict[str, str | None]:
         ACCURACY: _plot_accuracy(run, out),
         FREEZE_TIMELINE: _plot_freeze_timeline(run, out),
         STEP_TIME_MEMORY: _plot_step_time_memory(run, out),
+        MEMORY: _plot_memory(run, out),
     }
 
 
@@ -443,4 +561,5 @@ def plot_compare(rows: list[dict[str, Any]], runs: list[tuple[str, Run]], out: P
         ACCURACY_VS_TIME: _plot_accuracy_vs_time(rows, out),
         FLOPS_RATIO: _plot_flops_ratio(rows, out),
         COMPARE_LOSS: _plot_compare_loss(runs, out),
+        MEMORY_PEAKS: _plot_memory_peaks(rows, out),
     }

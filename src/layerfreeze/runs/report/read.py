@@ -39,6 +39,8 @@ class Run:
     interruptions: list[dict[str, Any]] = field(default_factory=list)
     resumes: list[dict[str, Any]] = field(default_factory=list)
     frozen_counts: list[Any] = field(default_factory=list)  # per step, as logged
+    memory_step: np.ndarray = field(default_factory=lambda: np.zeros(0))  # steps the memory ledger sampled
+    memory: list[dict[str, Any]] = field(default_factory=list)  # their ``memory`` records (LedgerSnapshot.to_record)
 
     # -- derived ------------------------------------------------------------------------------------------------
     @property
@@ -215,6 +217,8 @@ def load_run(run_dir: Path) -> Run:
         interruptions=played.interruptions,
         resumes=played.resumes,
         frozen_counts=[r.get("frozen_count") for r in ordered],
+        memory_step=np.array([float(r["step"]) for r in ordered if isinstance(r.get("memory"), dict)]),
+        memory=[r["memory"] for r in ordered if isinstance(r.get("memory"), dict)],
     )
 
 

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# GPU check of the memory ledger (issue 31), for when a GPU machine is lent: about 15 minutes on one H200.
+#   1. the ledger's tests, the CUDA one included: bytes per device (the model on cuda:0, a frozen side model on cuda:1,
+#      or cuda:0 with one GPU) against bytes computed by hand, beside the allocator's allocated / reserved / peaks;
+#   2. the memory table (python -m benchmarks.memory_table) on cuda:0: none, static and smartfrz on the suite's
+#      MobileNetV2 / Fashion-MNIST and on the default job, each bucket's peak, the tensor peak, and
+#      torch.cuda.max_memory_allocated per device beside them; results in $OUT/memory-gpu (memory.md, results.json);
+#   3. the ledger's cost on the GPU (python -m benchmarks.ledger_overhead --device is not needed: the task's device is
+#      run.device=auto, cuda when there is one).
+# Usage: bash scripts/gpu_ledger_check.sh            (from the repository root, after scripts/setup.sh)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-runs}
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=index,name,memory.total --format=csv || true
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+[ "$NGPU" -ge 1 ] || { echo "gpu ledger check: no CUDA device visible" >&2; exit 2; }
+mkdir -p "$OUT"
+$PY -m pytest -q -rs tests/test_ledger.py
+$PY -m benchmarks.memory_table --tasks fmnist,default-job --device cuda:0 --out "$OUT/memory-gpu" 2>&1 \
+  | tee "$OUT/memory-gpu.log"
+$PY -m benchmarks.ledger_overhead --out "$OUT/ledger-overhead-gpu" 2>&1 | tee "$OUT/ledger-overhead-gpu.log"

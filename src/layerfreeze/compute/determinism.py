@@ -1,0 +1,149 @@
+"""What would make a cached frozen-prefix output wrong, refused with a message that says why: random augmentation in
+the dataset (:func:`check_deterministic`), a module of the prefix that is stochastic in its current mode
+(:func:`check_prefix_deterministic`: dropout, BatchNorm in training mode). :class:`CacheRefused` is what the
+activation cache (:mod:`~layerfreeze.compute.cache`) raises, or turns itself off on, with ``fallback``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from layerfreeze.models.blocks import Block
+
+#: Why a dataset with random augmentation cannot be cached (part of the refusal's message).
+AUGMENTATION = (
+    "random augmentation in the dataset: the frozen prefix's outputs cannot be cached; "
+    "set cache: off or make the transform deterministic"
+)
+
+
+
+class CacheRefused(ValueError):
+    """Raised when caching the frozen prefix's output would give wrong results (the message says why)."""
+
+
+
+def _first_difference(a: Any, b: Any, path: str) -> str | None:
+    """The path of the first value that differs between two fetches of an item, or None if they are equal."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = (
+            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        )
+        return None if same else path
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return path or "(keys)"
+        for k in a:
+            found = _first_difference(a[k], b[k], k if not path else f"{path}.{k}")
+            if found is not None:
+                return found
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return path or "(length)"
+        for i, (x, y) in enumerate(zip(a, b)):
+            found = _first_difference(x, y, f"{path}[{i}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return None if np.array_equal(a, b) else path
+    return None if a == b else path
+
+
+
+def check_deterministic(dataset: Any, n: int = 4) -> None:
+    """Refuse a dataset whose items differ from one fetch to the next (random augmentation).
+
+    Fetches items ``0..n-1`` twice and compares every tensor exactly (dtype, shape, values). The global random
+    states of Python, NumPy and torch are restored afterwards, so the check does not change the run's random
+    stream (a run with the cache draws the same dropout masks as one without).
+
+    Raises:
+        CacheRefused: an item differs between the two fetches; the message names the item and the first key that
+            differs and says "random augmentation in the dataset ...". Also when an item has no ``"index"``
+            (the cache key).
+    """
+    count = min(n, len(dataset))
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            first = [dataset[i] for i in range(count)]
+            second = [dataset[i] for i in range(count)]
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+    for i, (a, b) in enumerate(zip(first, second)):
+        if isinstance(a, dict) and "index" not in a:
+            raise CacheRefused(
+                f"dataset items have no 'index' key (keys: {sorted(a)}); the activation cache keys entries by it"
+            )
+        key = _first_difference(a, b, "")
+        if key is not None:
+            raise CacheRefused(f"dataset item {i}: {key or 'the item'!r} differs between two fetches: {AUGMENTATION}")
+
+
+
+_DROPOUT = (nn.modules.dropout._DropoutNd,)
+
+
+
+_BATCHNORM = (nn.modules.batchnorm._BatchNorm,)
+
+
+
+def _stochastic_reason(module: nn.Module) -> str | None:
+    """Why ``module`` (itself, not its children) gives a sample different outputs run to run, or None."""
+    if not module.training:
+        return None
+    if isinstance(module, _DROPOUT) and module.p > 0:
+        return f"{type(module).__name__}(p={module.p}) in training mode"
+    if isinstance(module, _BATCHNORM):
+        return (
+            f"{type(module).__name__} in training mode (batch statistics, e.g. Freezer(train_bn=True) keeps it "
+            "training)"
+        )
+    if isinstance(module, nn.RReLU):
+        return "RReLU in training mode (random slopes)"
+    return None
+
+
+
+def check_prefix_deterministic(
+    blocks: Sequence[Block], depth: int, modules: Iterable[tuple[str, nn.Module]] | None = None
+) -> None:
+    """Refuse a prefix that would give a sample a different output each time (so a cached one would be wrong).
+
+    Stochastic: Dropout (any ``_DropoutNd``) with ``p > 0`` in training mode; BatchNorm in training mode (batch
+    statistics: the output depends on the other samples, and running statistics keep changing -- this is what
+    ``train_bn=True`` does to frozen blocks); RReLU in training mode.
+
+    Args:
+        blocks: The model's blocks; ``blocks[:depth]`` is the prefix.
+        depth: Number of frozen leading blocks.
+        modules: ``(name, module)`` pairs the prefix actually runs, if known
+            (:meth:`~layerfreeze.models.forward_split.ModelSplit.prefix_modules`); they include parameter-free modules
+            between blocks, which the blocks alone do not. Defaults to the modules of ``blocks[:depth]``.
+
+    Raises:
+        CacheRefused: naming the first stochastic module (qualified name, type, why).
+    """
+    if modules is None:
+        modules = [(name, m) for block in blocks[:depth] for name, m in block.modules]
+    for prefix, module in modules:
+        for sub_name, sub in module.named_modules():
+            reason = _stochastic_reason(sub)
+            if reason is not None:
+                name = f"{prefix}.{sub_name}" if sub_name else prefix
+                raise CacheRefused(
+                    f"module {name!r} in the frozen prefix (depth {depth}) is {reason}: its output changes from "
+                    "run to run, so it cannot be cached. Put it in eval mode, freeze with train_bn=False, or set "
+                    "cache: off"
+                )

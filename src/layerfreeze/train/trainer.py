@@ -37,7 +37,10 @@ ranks before each forward what all of them run (:class:`~layerfreeze.compute.cac
 
 Each rank of a distributed run also writes its own step records (``ranks/rankN/metrics.jsonl``,
 :meth:`Trainer.rank_record`): its peak memory, the bytes of its parameters (its shards under FSDP2) and optimizer
-state, and the bytes its collectives sent; the summary lists each rank's (``ranks``).
+state, the bytes its collectives sent, and at the ledger's sampled steps its own memory ledger (``memory``: under
+FSDP2 the bytes of its shards, :mod:`layerfreeze.runs.ledger`); the summary lists each rank's (``ranks``, each with
+its ledger's peaks in ``memory``; the summary's own ``memory`` and ``metrics.jsonl``'s are rank 0's). Every checkpoint
+holds each rank's ledger peaks, and a resumed rank restores its own.
 """
 
 from __future__ import annotations
@@ -311,6 +314,8 @@ class Trainer:
         self.progress["cache_counts"] = self._cache_counts()
         if self.ledger is not None:
             self.progress["ledger"] = self.ledger.peaks.state_dict()
+        if self.distributed and self.ledger is not None:  # each rank's ledger peaks (its shards under FSDP2)
+            self.progress["ledger_ranks"] = dist_.all_gather_object(self.ledger.peaks.state_dict())
         extra = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "progress": dict(self.progress),
                  "config": self.config.model_dump(mode="json"), "world_size": self.world}
         if self.distributed:
@@ -391,8 +396,10 @@ class Trainer:
         if cfg.run.resume:
             start_epoch, skip = self._resume(Path(cfg.run.resume))
         self._cache_base = dict(self.progress.get("cache_counts") or {})
-        if self.ledger is not None and self.progress.get("ledger"):
-            self.ledger.peaks.load_state_dict(self.progress["ledger"])  # a resumed run's peaks cover the whole run
+        if self.ledger is not None and self.progress.get("ledger"):  # a resumed run's peaks cover the whole run
+            per_rank = self.progress.get("ledger_ranks") or []
+            own = per_rank[self.rank] if self.distributed and len(per_rank) == self.world else self.progress["ledger"]
+            self.ledger.peaks.load_state_dict(own)  # each rank its own (FSDP2: its shards' bytes)
         if not cfg.run.resume or self.progress["step"] == 0:
             for record in self.freezer.history:  # blocks frozen at the start stage
                 self._on_freeze_event(record)
@@ -470,15 +477,16 @@ class Trainer:
                     # the epoch's sums so far go into every checkpoint (periodic, Ctrl-C, exception)
                     self.progress["epoch_partial"] = {"epoch": epoch, "time": epoch_time, "loss": epoch_loss,
                                                       "n": epoch_n}
+                    memory = self._memory_fields()  # this rank's ledger: rank 0's in metrics.jsonl, each rank's own
                     self.telemetry.log_step(
                         self.progress["step"], loss=loss, lr=self.optimizer.param_groups[-1]["lr"],
                         step_time_s=step_time, samples_per_s=n / step_time,
                         flops_per_step=self.progress["flops_per_step"], flops_total=self.progress["flops_total"],
                         frozen_count=sum(self.freezer.frozen), frozen_prefix=self.freezer.frozen_prefix,
                         peak_memory_bytes=measure.peak_memory_bytes(self.device), **tm.signals_of(decision), **comm,
-                        **self._memory_fields(),
+                        **memory,
                     )
-                    self.rank_telemetry.log_step(self.progress["step"], **self.rank_record(), **comm)
+                    self.rank_telemetry.log_step(self.progress["step"], **self.rank_record(), **comm, **memory)
                     if comm:
                         self._track_comm(comm.get("grad_bytes_allreduced", comm.get("reduce_scatter_bytes")))
                     self._check_stuck(loss)
@@ -788,8 +796,9 @@ class Trainer:
             "tensor_peak_bytes": self.ledger.peaks.tensor.bytes if self.ledger and self.ledger.peaks.tensor else None,
         }
         if self.distributed:
+            memory = self.ledger.summary() if self.ledger is not None else {"ledger": False}
             summary.update(parallel=cfg.run.parallel, grad_bytes_phases=p.get("comm_phases", []),
-                           ranks=dist_.all_gather_object(self.rank_record()))
+                           ranks=dist_.all_gather_object({**self.rank_record(), "memory": memory}))
             if self.ddp is not None:
                 summary.update(ddp_rebuilds=self.ddp.rebuilds, ddp_rebuild_s=list(self.ddp.rebuild_seconds))
         if self.is_main:

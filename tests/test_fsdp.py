@@ -242,3 +242,35 @@ def test_fsdp2_prefix_cache_refuses_a_model_whose_root_group_holds_the_parameter
         assert "root FSDP2 group holds parameters (0.0.weight, 0.0.bias" in result["on"]  # freeze.cache: on
         assert "shard_blocks" in result["on"]
         assert result["auto_runner"] is None and result["auto"] == [result["on"]]  # auto: off, saying why
+
+
+def test_fsdp2_memory_ledger_counts_each_ranks_own_shard_bytes(tmp_path):
+    # blocks 0-1: 24 rows, 12 on each rank; the head: 5 rows, which FSDP2 pads to 3 on each rank
+    ranks = launch({}, tmp_path, module="tests.distributed.fsdp_ledger_worker", timeout=90)
+    assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
+    for k, result in enumerate(ranks.results):
+        memory, params = result["memory"], result["params"]
+
+        def of(block, key, params=params):
+            return sum(p[key] for p in params.values() if p["block"] == block)
+
+        assert [of(2, "local_bytes"), of(2, "padded_bytes")] == [[4 * (3 * 24 + 3)] * 2, [4 * (2 * 24 + 2),
+                                                                                             4 * (3 * 24 + 3)]][k]
+        blocks, buckets = memory["blocks"], memory["buckets"]
+        assert blocks["frozen"] == [True, False, False]
+        # the rank's own shards: exactly numel * itemsize of each local shard, half of each whole parameter
+        for block in (0, 1):
+            assert blocks["params"][block] == of(block, "local_bytes") == of(block, "whole_bytes") // 2
+        assert blocks["params"][2] == of(2, "padded_bytes")  # what FSDP2 allocated: the padding too
+        assert buckets["params_frozen"] == of(0, "local_bytes")
+        assert buckets["params_trainable"] == of(1, "local_bytes") + of(2, "padded_bytes")
+        whole = sum(p["whole_bytes"] for p in params.values())
+        assert buckets["params_trainable"] + buckets["params_frozen"] < whole
+        # gradients: one reduce-scatter output per trainable block's group, padded like its parameters; the frozen
+        # block's group has none
+        assert blocks["grads"] == [0, of(1, "local_bytes"), of(2, "padded_bytes")] and buckets["grads"] == sum(
+            blocks["grads"])
+        # AdamW: exp_avg and exp_avg_sq the size of the local shard (no padding), a 4-byte step per trained tensor
+        assert blocks["optimizer"] == [0, 2 * of(1, "local_bytes") + 8, 2 * of(2, "local_bytes") + 8]
+        assert buckets["optimizer"] == sum(blocks["optimizer"])
+        assert result["summary"]["samples"] == 2

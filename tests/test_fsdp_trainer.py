@@ -26,8 +26,9 @@ from tests.test_distributed import assert_ranks_agree, one_process, spec, traina
 
 pytestmark = pytest.mark.timeout(300)
 
-#: fp32 bytes of the whole MLP (tests.distributed.worker.mlp_task): four 16/24->24 stages and the head 24->4
-MLP_BYTES = 4 * ((16 * 24 + 24) + 3 * (24 * 24 + 24) + (24 * 4 + 4))
+#: fp32 bytes of each block of the MLP (tests.distributed.worker.mlp_task): four 16/24->24 stages and the head 24->4
+BLOCK_BYTES = [4 * (16 * 24 + 24)] + [4 * (24 * 24 + 24)] * 3 + [4 * (24 * 4 + 4)]
+MLP_BYTES = sum(BLOCK_BYTES)
 
 
 def fsdp(tmp_path, name, strategy, params=None, epochs=3, **run):
@@ -74,6 +75,26 @@ def test_fsdp_thaws_mid_run_follow_the_single_process_run_and_each_rank_records_
     assert ranks[0][-1]["trainable_param_bytes"] == MLP_BYTES // 2
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
 
+    # each rank's memory ledger, in its own records: the first step and the step after every thaw (and every 10th)
+    sampled = [[r for r in rank if "memory" in r] for rank in ranks]
+    assert [r["step"] for r in sampled[0]] == [r["step"] for r in sampled[1]] == [1, 4, 7, 10, 13]
+    for rank in sampled:
+        for r in rank:  # its shards' bytes: exactly half of every block (all dims even), as the rank's record says
+            buckets = r["memory"]["buckets"]
+            assert r["memory"]["blocks"]["params"] == [n // 2 for n in BLOCK_BYTES]
+            assert buckets["params_trainable"] + buckets["params_frozen"] == r["param_bytes"] == MLP_BYTES // 2
+            assert buckets["params_trainable"] == r["trainable_param_bytes"]
+            assert buckets["grads"] == buckets["params_trainable"]  # a gradient shard for each trainable shard
+            assert buckets["optimizer"] == r["optimizer_state_bytes"]
+    main_records = [r for r in read_metrics(tmp_path / "fsdp") if r["type"] == "step" and "memory" in r]
+    assert [r["memory"] for r in main_records] == [r["memory"] for r in sampled[0]]  # metrics.jsonl: rank 0's
+    for k, rank in enumerate(sampled):  # the summary: each rank's own peaks
+        peaks = summary["ranks"][k]["memory"]
+        assert peaks["samples"] == 5
+        assert peaks["tensor_peak_bytes"] == max(r["memory"]["tensor_bytes"] for r in rank)
+        assert peaks["buckets"]["params_trainable"] == {"peak_bytes": MLP_BYTES // 2, "step": 13}
+    assert summary["memory"] == summary["ranks"][0]["memory"]
+
 
 def test_fsdp_resume_on_two_ranks_equals_the_uninterrupted_run_bitwise(tmp_path):
     # dropout on: each rank's own RNG stream comes back from the (full) checkpoint
@@ -98,6 +119,15 @@ def test_fsdp_resume_on_two_ranks_equals_the_uninterrupted_run_bitwise(tmp_path)
         assert x["hashes"] == by_step[x["step"]], f"resumed run differs from the uninterrupted one at {x['step']}"
     assert resumed["history"] == ref["history"]
     assert resumed["summary"]["test_accuracy"] == ref["summary"]["test_accuracy"]
+    # each rank's ledger peaks come back from the checkpoint: the resumed run's cover the whole run (the frozen
+    # parameters' peak at step 1, before the resume); the cache's buckets differ (the resumed process's starts cold)
+    for mine, theirs in zip(resumed["summary"]["ranks"], ref["summary"]["ranks"]):
+        assert mine["memory"]["samples"] == theirs["memory"]["samples"] and mine["memory"]["blocks"] == theirs[
+            "memory"]["blocks"]
+        model_buckets = ("params_trainable", "params_frozen", "buffers", "grads", "optimizer", "activations")
+        assert [mine["memory"]["buckets"][b] for b in model_buckets] == [theirs["memory"]["buckets"][b]
+                                                                          for b in model_buckets]
+        assert mine["memory"]["buckets"]["params_frozen"]["step"] == 1
 
 
 @pytest.mark.parametrize("strategy,params,guard", [
@@ -191,6 +221,20 @@ def test_torchrun_train_parallel_fsdp_freezes_thaws_and_resumes_bitwise(tmp_path
     assert [len(r) for r in ranks] == [12, 12]
     assert all(r0["param_bytes"] + r1["param_bytes"] == full_bytes for r0, r1 in zip(*ranks))
     assert all(r["peak_memory_bytes"] > 0 for rank in ranks for r in rank)
+    # each rank's memory ledger: its own shards (half of the model), their gradients and AdamW state; step 7, right
+    # after the freeze of the embeddings, is sampled
+    for rank in ranks:
+        sampled = {r["step"]: r for r in rank if "memory" in r}
+        assert {1, 7, 9} <= set(sampled)
+        for r in sampled.values():
+            buckets = r["memory"]["buckets"]
+            assert buckets["params_trainable"] + buckets["params_frozen"] == r["param_bytes"] == full_bytes // 2
+            assert buckets["grads"] == buckets["params_trainable"]  # a gradient shard for each trainable shard
+            assert buckets["optimizer"] == r["optimizer_state_bytes"]
+        assert sampled[1]["memory"]["buckets"]["params_frozen"] == 0 < sampled[7]["memory"]["buckets"]["params_frozen"]
+        assert sampled[7]["memory"]["buckets"]["grads"] < sampled[1]["memory"]["buckets"]["grads"]
+    assert [r["memory"]["tensor_peak_bytes"] > 0 for r in summary["ranks"]] == [True, True]
+    assert "tensor peak per rank" in proc.stdout and "rank 1: " in proc.stdout
 
     # resume from step 5's checkpoint (cut the copy of the run back to it) on two ranks: every later checkpoint is
     # the uninterrupted run's, bit for bit

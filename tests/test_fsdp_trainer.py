@@ -154,6 +154,26 @@ def test_fsdp_strategies_that_read_gradients_or_weights_decide_the_same_on_every
         assert len([r for r in records if "val_loss" in r]) >= 4
 
 
+@pytest.mark.parametrize("strategy,params", [("lisa", {"gamma": 1, "k": 3}), ("badam", {"k": 2, "order": "random"})])
+def test_fsdp_rotating_strategies_switch_on_every_rank_and_each_ranks_ledger_holds_the_trained_shards_state(
+        tmp_path, strategy, params):
+    # the blocks that train change every few steps; every rank applies rank 0's switch, the decisions are the
+    # single-process run's, and a switched-off block's optimizer state is gone from every rank (fresh state per switch)
+    a = assert_ranks_agree(launch(fsdp(tmp_path, "fsdp", strategy, params), tmp_path / "ranks"))
+    assert len({h["step"] for h in a["history"] if h["kind"] == "thaw"}) >= 6
+    ref = one_process(tmp_path, spec(tmp_path, "single-run", strategy, params))
+    assert ref["history"] == a["history"]
+    for key, value in ref["weights"].items():
+        torch.testing.assert_close(torch.tensor(a["weights"][key]), torch.tensor(value), rtol=1e-5, atol=1e-6)
+    for k in (0, 1):
+        sampled = [r for r in read_metrics(rundir.rank_dir(tmp_path / "fsdp", k)) if "memory" in r]
+        assert len(sampled) >= 6
+        for r in sampled:  # AdamW's two moments of each trained block's shard and a 4-byte step per tensor, no more
+            blocks = r["memory"]["blocks"]
+            assert blocks["optimizer"] == [0 if f else n + 8 for f, n in zip(blocks["frozen"], BLOCK_BYTES)]
+            assert blocks["params"] == [n // 2 for n in BLOCK_BYTES]
+
+
 def test_fsdp_prefix_cache_on_each_rank_hits_every_sample_after_epoch_one(tmp_path):
     # static k=2 and the cache on: each sample stays on one rank (index % 2), which caches its prefix output; the
     # ranks agree each step on what all of them run (a rank whose share is empty pads with a sample it never cached)

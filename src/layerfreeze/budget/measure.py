@@ -27,6 +27,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
+from layerfreeze.compute.determinism import CacheRefused, check_prefix_deterministic
+from layerfreeze.engine.mechanics import set_eval_mode
 from layerfreeze.models.blocks import Block
 from layerfreeze.models.discovery import discover_blocks, split_for
 from layerfreeze.runs.ledger import BLOCK_BUCKETS, DISK, MemoryLedger
@@ -48,21 +50,31 @@ class CacheBytes:
             ``1..max_depth``, each cut to the sample's length as the cache stores it, in the storage dtype.
         fingerprints: Bytes of the per-sample input fingerprints the cache checks hits against (``samples`` of them).
         dtype: The storage dtype (``"float32"``, ``"bfloat16"``, ...).
+        refused_from: The first boundary whose prefix the cache refuses (a module that stays stochastic once the
+            blocks before it are frozen: a Dropout between blocks, BatchNorm with ``train_bn``), or None. The
+            CLI's ``auto`` cache turns itself off for good there, so nothing is cached at or beyond it.
+        refusal: Why (the cache's own message), or None.
     """
 
     samples: int
     full: list[int]
     fingerprints: int
     dtype: str
+    refused_from: int | None = None
+    refusal: str | None = None
+
+    def usable(self, depth: int) -> bool:
+        """Whether a frozen prefix of ``depth`` blocks is cached (``depth >= 1`` and before :attr:`refused_from`)."""
+        return depth >= 1 and (self.refused_from is None or depth < self.refused_from)
 
     def at(self, depth: int) -> int:
-        """Bytes of every sample's state at boundary ``depth`` (0 at depth 0: nothing is cached)."""
-        return 0 if depth <= 0 else self.full[min(depth, len(self.full)) - 1]
+        """Bytes of every sample's state at boundary ``depth`` (0 where nothing is cached)."""
+        return self.full[min(depth, len(self.full)) - 1] if self.usable(depth) else 0
 
     def deepest_from(self, depth: int) -> int:
-        """The most any boundary from ``max(depth, 1)`` down holds: the cache's size when a strategy may freeze
-        further than ``depth`` (each sample keeps one entry, at its own boundary)."""
-        return max(self.full[max(depth, 1) - 1:], default=0)
+        """The most any cached boundary from ``max(depth, 1)`` down holds: the cache's size when a strategy may freeze
+        further than ``depth`` (each sample keeps one entry, at its own boundary); 0 when the cache is off there."""
+        return max((self.at(d) for d in range(max(depth, 1), len(self.full) + 1)), default=0)
 
 
 @dataclass
@@ -296,7 +308,7 @@ def _state_tensor(state: Any) -> torch.Tensor:
 
 def measure_cache(model: nn.Module, batch: Mapping[str, Any], dataset: Any, *,
                   blocks: Sequence[str] | Sequence[Block] | None = None, dtype: torch.dtype | None = None,
-                  input_key: str = "pixel_values", read_batch_size: int = 256) -> CacheBytes:
+                  input_key: str = "pixel_values", read_batch_size: int = 256, train_bn: bool = False) -> CacheBytes:
     """What the activation cache would hold in host memory with every sample of ``dataset`` cached, per boundary.
 
     Each boundary's state is computed on ``batch`` (the model's forward split,
@@ -311,6 +323,11 @@ def measure_cache(model: nn.Module, batch: Mapping[str, Any], dataset: Any, *,
         dtype: The cache's storage dtype (None: as computed).
         input_key: The input's batch key for an ``nn.Sequential`` (:func:`split_for`).
         read_batch_size: Items per ``DataLoader`` batch when reading the lengths.
+        train_bn: The run keeps BatchNorm training in frozen blocks (then the cache refuses a prefix holding one).
+
+    Each boundary's prefix is also checked as the cache checks it when training (the blocks before it in eval mode,
+    the model's other modules training: :func:`~layerfreeze.compute.determinism.check_prefix_deterministic`); the
+    first one refused is ``refused_from``.
 
     Raises:
         ValueError: the model's family has no forward split (no cache for it).
@@ -318,6 +335,17 @@ def measure_cache(model: nn.Module, batch: Mapping[str, Any], dataset: Any, *,
     found = _blocks(model, blocks)
     split = split_for(model, found, input_key=input_key)
     per_position, per_sample, has_length = [], [], []
+    refused_from, refusal = None, None
+    with _preserved(model, []):
+        model.train()
+        for depth in range(1, split.max_depth + 1):
+            for _, module in found[depth - 1].modules:
+                set_eval_mode(module, train_bn)  # what freezing the block does
+            try:
+                check_prefix_deterministic(found, depth, split.prefix_modules(model, depth))
+            except CacheRefused as exc:
+                refused_from, refusal = depth, str(exc)
+                break
     with _preserved(model, []), torch.no_grad():  # no weight changes under no_grad; BatchNorm statistics may
         state = None
         for depth in range(1, split.max_depth + 1):
@@ -342,4 +370,5 @@ def measure_cache(model: nn.Module, batch: Mapping[str, Any], dataset: Any, *,
     full = [totals[d] * per_position[d] if has_length[d] else samples * per_sample[d] for d in range(split.max_depth)]
     fingerprint = prints[0].numel() * prints.element_size() if prints.ndim else 0
     name = str(dtype).removeprefix("torch.") if dtype is not None else "as computed"
-    return CacheBytes(samples=samples, full=full, fingerprints=samples * fingerprint, dtype=name)
+    return CacheBytes(samples=samples, full=full, fingerprints=samples * fingerprint, dtype=name,
+                      refused_from=refused_from, refusal=refusal)

@@ -87,7 +87,7 @@ def _cost(measured: BlockBytes, k: int, budget: int, cache_cap: int | None, stra
     model = measured.model_bytes(k)
     cache = measured.cache
     full = fingerprints = 0
-    used = cache is not None and (k > 0 or strategy_freezes)
+    used = cache is not None and (cache.usable(k) or (strategy_freezes and cache.usable(max(k, 1))))
     if used:
         full = cache.deepest_from(k) if strategy_freezes else cache.at(k)
         fingerprints = cache.fingerprints
@@ -251,7 +251,7 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
                 blocks: Sequence[str] | Sequence[Block] | None = None, steps: int = 2,
                 cache_dataset: Any = None, cache_dtype: torch.dtype | None = None,
                 cache_budget_bytes: int | None = None, strategy_freezes: bool = True,
-                sources: Sequence[Any] = ()) -> MemoryPlan:
+                sources: Sequence[Any] = (), train_bn: bool = False) -> MemoryPlan:
     """Measure ``model`` on ``batch`` and plan the frozen prefix that fits ``budget``.
 
     Two real training steps with nothing frozen (:func:`~layerfreeze.budget.measure.measure_blocks`: the model, its
@@ -276,6 +276,7 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
         cache_budget_bytes: The most host memory the cache gets anyway.
         strategy_freezes: Whether the strategy may freeze beyond the floor (False for ``none``).
         sources: Byte sources beside the model (frozen side models), counted in every prefix's peak.
+        train_bn: BatchNorm layers of frozen blocks keep training (the cache then refuses a prefix holding one).
 
     Returns:
         A :class:`MemoryPlan`: ``plan.floor``, ``plan.predicted_peak_bytes``, ``plan.gives_up()``, every prefix in
@@ -290,5 +291,6 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
     measured = measure_blocks(model, batch, loss=loss, optimizer=optimizer, blocks=blocks, steps=steps,
                               sources=sources)
     if cache_dataset is not None:
-        measured.cache = measure_cache(model, batch, cache_dataset, blocks=blocks, dtype=cache_dtype)
+        measured.cache = measure_cache(model, batch, cache_dataset, blocks=blocks, dtype=cache_dtype,
+                                       train_bn=train_bn)
     return plan_prefix(measured, parsed, cache_budget_bytes=cache_budget_bytes, strategy_freezes=strategy_freezes)

@@ -212,7 +212,8 @@ class Trainer:
         task = self.task
         plan = plan_memory(model, batch, cfg.freeze.memory_budget, loss=lambda m, b: task.loss(task.forward(m, b), b),
                            optimizer=self.optimizer, blocks=blocks, cache_dataset=cache_set, cache_dtype=cache_dtype,
-                           cache_budget_bytes=cache_cap, strategy_freezes=cfg.freeze.strategy != "none")
+                           cache_budget_bytes=cache_cap, strategy_freezes=cfg.freeze.strategy != "none",
+                           train_bn=cfg.freeze.train_bn)
         if self.is_main:
             tqdm.write(f"memory budget {plan.budget} ({format_bytes(plan.budget_bytes)} of tensor peak; nothing "
                        f"frozen: {format_bytes(plan.none_peak_bytes)}): gives up {plan.gives_up()}; predicted tensor "

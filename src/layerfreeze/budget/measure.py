@@ -184,9 +184,11 @@ def _blocks(model: nn.Module, blocks: Sequence[str] | Sequence[Block] | None) ->
 def _twin_optimizer(optimizer: Any, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """An optimizer of the same kind over ``params``, its own (empty) state, every learning rate 0.
 
-    ``optimizer``: None (AdamW), a ``torch.optim.Optimizer`` (its class and each group's settings), or a class /
-    factory called with the parameter list."""
+    ``optimizer``: None (AdamW), a ``torch.optim.Optimizer`` (its class and each group's settings; a framework's
+    wrapper holding one as ``.optimizer``: the one inside), or a class / factory called with the parameter list."""
     held = {id(p) for p in params}
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer  # a framework's wrapper, itself an Optimizer (accelerate's)
     if optimizer is None:
         twin = torch.optim.AdamW(params, lr=0.0)
     elif isinstance(optimizer, torch.optim.Optimizer):
@@ -212,8 +214,10 @@ def _twin_optimizer(optimizer: Any, params: list[nn.Parameter]) -> torch.optim.O
 
 @contextmanager
 def _preserved(model: nn.Module, params: list[nn.Parameter]) -> Iterator[None]:
-    """Everything the measuring steps touch, put back: trainable weights, buffers, gradients, modes, RNG."""
+    """Everything the measuring steps touch, put back: trainable weights and their ``requires_grad``, buffers,
+    gradients, modes, RNG."""
     weights = [p.detach().to("cpu", copy=True) for p in params]
+    flags = [(p, p.requires_grad) for p in model.parameters()]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     grads = {p: p.grad for p in model.parameters()}
     modes = [(m, m.training) for m in model.modules()]
@@ -231,6 +235,8 @@ def _preserved(model: nn.Module, params: list[nn.Parameter]) -> Iterator[None]:
                 b.copy_(saved)
         for p, g in grads.items():
             p.grad = g
+        for p, flag in flags:
+            p.requires_grad_(flag)
         for m, training in modes:
             m.training = training
         torch.set_rng_state(rng)
@@ -248,7 +254,7 @@ def _batch_size(batch: Any) -> int:
 
 def measure_blocks(model: nn.Module, batch: Any, *, loss: Callable[[nn.Module, Any], torch.Tensor] | None = None,
                    optimizer: Any = None, blocks: Sequence[str] | Sequence[Block] | None = None, steps: int = 2,
-                   sources: Sequence[Any] = ()) -> BlockBytes:
+                   sources: Sequence[Any] = (), unfrozen: bool = False) -> BlockBytes:
     """Each block's bytes in every bucket, from ``steps`` real training steps on ``batch`` with nothing frozen.
 
     Args:
@@ -263,6 +269,10 @@ def measure_blocks(model: nn.Module, batch: Any, *, loss: Callable[[nn.Module, A
             exists from the first step's ``optimizer.step()`` on).
         sources: Byte sources the run holds beside the model (frozen side models: ``FrozenModule``), counted in the
             total (:class:`~layerfreeze.runs.ledger.MemoryLedger`).
+        unfrozen: Measure as if no block were frozen: every block's parameters require grad during the steps (their
+            flags come back after), for a model whose Freezer already froze some (Lightning's start stage runs
+            before the optimizer and the data exist). A frozen block's modules still run in eval mode (the Freezer's
+            hooks).
 
     Returns:
         :class:`BlockBytes`. The model, its gradients, buffers, modes and the RNG state come back as they were.
@@ -275,13 +285,32 @@ def measure_blocks(model: nn.Module, batch: Any, *, loss: Callable[[nn.Module, A
     if steps < 1:
         raise ValueError(f"measure_blocks: steps must be >= 1, got {steps}")
     found = _blocks(model, blocks)
-    params = [p for p in model.parameters() if p.requires_grad]
+    thawed = {id(p) for b in found for p in b.parameters()} if unfrozen else set()
+    params = [p for p in model.parameters() if p.requires_grad or id(p) in thawed]
     if not params:
         raise ValueError("measure_blocks: no parameter of the model requires grad; measure before freezing")
     loss = loss or default_loss
-    twin = _twin_optimizer(optimizer, params)
     snaps = []
-    with _preserved(model, params), MemoryLedger(model, twin, blocks=found, sources=sources, every=1) as ledger:
+    with _preserved(model, params):
+        for p in params:
+            p.requires_grad_(True)
+        twin = _twin_optimizer(optimizer, params)
+        snaps = _measure_steps(model, batch, loss, twin, found, sources, steps)
+        del twin
+    snap = max(snaps, key=lambda s: s.tensor_bytes)
+    return BlockBytes(
+        block_names=[b.name for b in found], heads=[bool(b.is_head) for b in found],
+        blocks={b: list(snap.blocks[b]) for b in BLOCK_BUCKETS}, buckets=dict(snap.buckets),
+        devices={d: dict(per) for d, per in snap.devices.items()}, tensor_bytes=snap.tensor_bytes,
+        activations_outside=snap.activations_outside, batch_size=_batch_size(batch), steps=steps,
+        allocator={d: dict(v) for d, v in snap.allocator.items()})
+
+
+def _measure_steps(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], torch.Tensor],
+                   twin: torch.optim.Optimizer, blocks: list[Block], sources: Sequence[Any], steps: int) -> list[Any]:
+    """``steps`` training steps under a ledger sampling each; their snapshots."""
+    snaps = []
+    with MemoryLedger(model, twin, blocks=blocks, sources=sources, every=1) as ledger:
         model.train()
         for _ in range(steps):
             with ledger.step():
@@ -290,14 +319,7 @@ def measure_blocks(model: nn.Module, batch: Any, *, loss: Callable[[nn.Module, A
                 twin.step()
                 twin.zero_grad(set_to_none=True)
             snaps.append(ledger.last)
-    del twin
-    snap = max(snaps, key=lambda s: s.tensor_bytes)
-    return BlockBytes(
-        block_names=[b.name for b in found], heads=[bool(b.is_head) for b in found],
-        blocks={b: list(snap.blocks[b]) for b in BLOCK_BUCKETS}, buckets=dict(snap.buckets),
-        devices={d: dict(per) for d, per in snap.devices.items()}, tensor_bytes=snap.tensor_bytes,
-        activations_outside=snap.activations_outside, batch_size=_batch_size(batch), steps=steps,
-        allocator={d: dict(v) for d, v in snap.allocator.items()})
+    return snaps
 
 
 def _state_tensor(state: Any) -> torch.Tensor:

@@ -251,7 +251,7 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
                 blocks: Sequence[str] | Sequence[Block] | None = None, steps: int = 2,
                 cache_dataset: Any = None, cache_dtype: torch.dtype | None = None,
                 cache_budget_bytes: int | None = None, strategy_freezes: bool = True,
-                sources: Sequence[Any] = (), train_bn: bool = False) -> MemoryPlan:
+                sources: Sequence[Any] = (), train_bn: bool = False, unfrozen: bool = False) -> MemoryPlan:
     """Measure ``model`` on ``batch`` and plan the frozen prefix that fits ``budget``.
 
     Two real training steps with nothing frozen (:func:`~layerfreeze.budget.measure.measure_blocks`: the model, its
@@ -277,6 +277,8 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
         strategy_freezes: Whether the strategy may freeze beyond the floor (False for ``none``).
         sources: Byte sources beside the model (frozen side models), counted in every prefix's peak.
         train_bn: BatchNorm layers of frozen blocks keep training (the cache then refuses a prefix holding one).
+        unfrozen: Measure as if no block were frozen (a Freezer already froze some; see
+            :func:`~layerfreeze.budget.measure.measure_blocks`).
 
     Returns:
         A :class:`MemoryPlan`: ``plan.floor``, ``plan.predicted_peak_bytes``, ``plan.gives_up()``, every prefix in
@@ -289,7 +291,7 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
     """
     parsed = parse_budget(budget)  # a malformed budget fails before anything runs
     measured = measure_blocks(model, batch, loss=loss, optimizer=optimizer, blocks=blocks, steps=steps,
-                              sources=sources)
+                              sources=sources, unfrozen=unfrozen)
     if cache_dataset is not None:
         measured.cache = measure_cache(model, batch, cache_dataset, blocks=blocks, dtype=cache_dtype,
                                        train_bn=train_bn)

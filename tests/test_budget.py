@@ -191,6 +191,19 @@ def test_plan_memory_with_the_default_loss_and_a_freezer_that_keeps_it():
         plan_memory(model, batch, "huge")
 
 
+def test_the_readme_budget_snippet_runs(capsys):
+    """README, "### Memory budgets: what to freeze to fit": the impossible budget, the plan, the Freezer keeping it."""
+    from tests.conftest import readme_block
+
+    batch = (_batch()["x"], _batch()["labels"])
+    ns = {"model": _stack(), "batch": batch}
+    exec(compile(readme_block("### Memory budgets: what to freeze to fit"), "README.md", "exec"), ns)  # noqa: S102
+    plan = ns["plan"]
+    assert plan.k == 2 and plan.frozen_from_start == ["0", "2"] and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert ns["freezer"].floor == [0, 1]
+    assert capsys.readouterr().out.splitlines()[0] == str(plan.candidates[2].least_bytes)  # the smallest peak
+
+
 # ---- the engine's floor --------------------------------------------------------------------------------------------
 
 

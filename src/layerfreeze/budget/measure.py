@@ -31,12 +31,16 @@ from layerfreeze.compute.determinism import CacheRefused, check_prefix_determini
 from layerfreeze.engine.mechanics import set_eval_mode
 from layerfreeze.models.blocks import Block
 from layerfreeze.models.discovery import discover_blocks, split_for
-from layerfreeze.runs.ledger import BLOCK_BUCKETS, DISK, MemoryLedger
+from layerfreeze.runs.ledger import BLOCK_BUCKETS, DISK, Bucket, MemoryLedger
 
 __all__ = ["BlockBytes", "CacheBytes", "default_loss", "measure_blocks", "measure_cache"]
 
-#: The per-block buckets that freezing a block into the frozen prefix gives back.
-RETURNED = ("grads", "optimizer", "activations")
+#: The per-block buckets (the ledger's, :class:`~layerfreeze.runs.ledger.Bucket`) that freezing a block into the
+#: frozen prefix gives back.
+RETURNED = (Bucket.GRADS, Bucket.OPTIMIZER, Bucket.ACTIVATIONS)
+
+#: The ledger's buckets of the activation cache (left out of the model's prediction; the plan adds its own).
+CACHE_BUCKETS = (Bucket.CACHE_MEMORY, Bucket.CACHE_DISK)
 
 
 @dataclass
@@ -121,18 +125,18 @@ class BlockBytes:
     def model_buckets(self, k: int) -> dict[str, int]:
         """The buckets predicted with blocks ``0..k-1`` frozen (the cache left out): the measured ones less
         :meth:`returned`, the prefix's parameters moved from trainable to frozen."""
-        out = {b: n for b, n in self.buckets.items() if not b.startswith("cache_")}
+        out = {b: n for b, n in self.buckets.items() if b not in CACHE_BUCKETS}
         for bucket, n in self.returned(k).items():
             out[bucket] = out.get(bucket, 0) - n
         moved = sum(self.blocks["params"][:k])
-        out["params_trainable"] = out.get("params_trainable", 0) - moved
-        out["params_frozen"] = out.get("params_frozen", 0) + moved
+        out[Bucket.PARAMS_TRAINABLE] = out.get(Bucket.PARAMS_TRAINABLE, 0) - moved
+        out[Bucket.PARAMS_FROZEN] = out.get(Bucket.PARAMS_FROZEN, 0) + moved
         return out
 
     def model_bytes(self, k: int) -> int:
         """The predicted tensor total with blocks ``0..k-1`` frozen, the cache left out: ``tensor_bytes`` less
         :meth:`returned` (a measured cache, if the step held one, is left out too)."""
-        cache = sum(n for d, per in self.devices.items() if d != DISK for b, n in per.items() if b.startswith("cache_"))
+        cache = sum(n for d, per in self.devices.items() if d != DISK for b, n in per.items() if b in CACHE_BUCKETS)
         return self.tensor_bytes - cache - sum(self.returned(k).values())
 
     def to_dict(self) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from layerfreeze.budget.measure import BlockBytes, measure_blocks, measure_cache
 from layerfreeze.budget.parse import Budget, parse_budget
 from layerfreeze.errors import BudgetError
 from layerfreeze.models.blocks import Block
+from layerfreeze.runs.ledger import Bucket
 from layerfreeze.runs.summary import format_bytes
 
 __all__ = ["MemoryPlan", "PrefixCost", "plan_memory", "plan_prefix"]
@@ -182,8 +183,8 @@ class MemoryPlan:
         cells = []
         for c in self.candidates:
             last = c.frozen[-1] if c.k else "-"
-            row = [str(c.k), last, format_bytes(c.buckets.get("grads", 0)),
-                   format_bytes(c.buckets.get("optimizer", 0)), format_bytes(c.buckets.get("activations", 0)),
+            row = [str(c.k), last, format_bytes(c.buckets.get(Bucket.GRADS, 0)),
+                   format_bytes(c.buckets.get(Bucket.OPTIMIZER, 0)), format_bytes(c.buckets.get(Bucket.ACTIVATIONS, 0)),
                    format_bytes(c.model_bytes)]
             if cache:
                 row += [format_bytes(c.cache_full_bytes), format_bytes(c.cache_bytes)]

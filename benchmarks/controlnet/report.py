@@ -52,9 +52,9 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 #: The per-device memory table's bucket columns (the memory ledger's buckets, :mod:`layerfreeze.runs.ledger`).
-MEMORY_BUCKETS = (("ControlNet params", ("params_trainable", "params_frozen")), ("gradients", ("grads",)),
+MEMORY_BUCKETS = (("ControlNet params", ("params_trainable",)), ("gradients", ("grads",)),
                   ("optimizer state", ("optimizer",)), ("saved activations", ("activations",)),
-                  ("frozen models", ("side_models",)), ("precomputed (memory / disk)", ("cache_memory", "cache_disk")),
+                  ("frozen models", ("side_models",)), ("precomputed", ("cache_memory", "cache_disk")),
                   ("buffers", ("buffers",)))
 MEMORY_CAPTION = "Memory per device (memory ledger: each bucket's peak over the placement's steps, every step sampled):"
 MEMORY_HEADERS = ("placement", "device", *(name for name, _ in MEMORY_BUCKETS), "tensor peak",

@@ -5,14 +5,32 @@ impossible budget's exit code and message."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
+import torch
 
 from tests.conftest import benchmark_module
 
 
+def _tiny_bert_for_bbc(path):
+    """A 2-layer BERT (hidden 32) with BBC News's 5 labels, as a local Hugging Face folder with MiniLM's tokenizer."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from layerfreeze.train.assets import minilm_dir
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=5)
+    BertForSequenceClassification(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(minilm_dir() / name, path / name)
+    return path
+
+
 @pytest.mark.assets
-def test_quick_table_plans_trains_and_refuses_the_impossible_budget(tmp_path, tiny_bert_dir, one_thread):
+def test_quick_table_plans_trains_and_refuses_the_impossible_budget(tmp_path, one_thread):
+    tiny_bert_dir = _tiny_bert_for_bbc(tmp_path / "tiny-bert")
     md = tmp_path / "BENCH.md"
     md.write_text("# bench\n")
     with benchmark_module("budget_table") as bench:

@@ -32,7 +32,8 @@ def test_unknown_strategy_parameter_and_bad_values(tmp_path, capsys):
     assert main(["train", "-s", "static", "-p", "k=-1"]) == 2
     assert "k must be an integer >= 0" in capsys.readouterr().err
     assert main(["train", "-p", "k=3"]) == 2  # the default strategy (smartfrz) has no k
-    assert "That is a parameter of static, lisa or badam: name the strategy (e.g. --strategy static)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "That is a parameter of static, lisa or badam: name the strategy (e.g. --strategy static)" in err
     assert main(["train", "--lr", "-1"]) == 2
     assert "train.lr" in capsys.readouterr().err
 
@@ -101,7 +102,7 @@ def test_bbc_news_minilm_short_real_run(tmp_path, capsys):
     summary = json.loads((run / "summary.json").read_text())
     assert json.loads((run / "config.json").read_text())["freeze"] == {
         "strategy": "smartfrz", "params": {}, "train_bn": False, "guard": None,
-        "cache": {"mode": "auto", "dtype": "float32", "budget_mb": None}}
+        "cache": {"mode": "auto", "dtype": "float32", "budget_mb": None}, "memory_budget": None}
     assert summary["frozen_blocks"] == []
     assert summary["steps"] == 2 and summary["flops_per_step_first"] > 1e10
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))

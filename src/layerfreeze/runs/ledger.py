@@ -15,6 +15,9 @@ bucket               what it counts (bytes of tensor storage, each storage once)
 ``cache_memory``     the frozen-prefix activation cache in host memory (a byte source, see below)
 ``cache_disk``       the cache's shards on disk (device ``"disk"``: not memory, never in the tensor total)
 ``side_models``      frozen models beside the trained one (``FrozenModule``, ``FrozenDifferentiable``)
+``params_master``    float32 master copies of demoted frozen blocks (host memory, or ``"disk"``; a byte source:
+                     :class:`~layerfreeze.engine.demote.Demoter`)
+``params_offloaded`` frozen blocks' parameters moved off the training device (host memory; the same byte source)
 ==================== ===================================================================================================
 
 plus, beside them, the CUDA caching allocator's ``allocated`` / ``reserved`` bytes and their peaks per CUDA device
@@ -103,6 +106,8 @@ class Bucket(enum.StrEnum):
     CACHE_MEMORY = "cache_memory"
     CACHE_DISK = "cache_disk"
     SIDE_MODELS = "side_models"
+    PARAMS_MASTER = "params_master"
+    PARAMS_OFFLOADED = "params_offloaded"
 
 
 #: What each bucket is called in tables and plots.
@@ -116,6 +121,8 @@ BUCKET_LABELS: dict[str, str] = {
     Bucket.CACHE_MEMORY: "activation cache (memory)",
     Bucket.CACHE_DISK: "activation cache (disk)",
     Bucket.SIDE_MODELS: "frozen side models",
+    Bucket.PARAMS_MASTER: "master copies (demoted)",
+    Bucket.PARAMS_OFFLOADED: "parameters, offloaded",
 }
 
 

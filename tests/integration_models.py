@@ -37,6 +37,34 @@ class Scripted(Strategy):
         self.stages = state["stages"]
 
 
+def frozen_during(history: list[dict[str, Any]], num_blocks: int, step: int) -> list[bool]:
+    """The frozen set during optimizer step ``step`` (1-based), from a freezer's history: the events of the stages
+    after steps ``< step`` (the start stage is step 0), in order."""
+    frozen = [False] * num_blocks
+    for event in history:
+        if event["step"] < step:
+            frozen[event["index"]] = event["kind"] == "freeze"
+    return frozen
+
+
+def check_rotation(freezer: Any, weights: dict[int, list[list[torch.Tensor]]],
+                   state: dict[int, set[int]]) -> int:
+    """For a run of a rotating strategy (``lisa``, ``badam``) in a framework: ``weights[t]`` (every block's
+    parameters after step ``t``, ``t = 0`` before the first) and ``state[t]`` (the ids of the parameters with
+    optimizer state after step ``t``). A block trainable in a step changed in it, a frozen one is bitwise unchanged,
+    and optimizer state exists for exactly the blocks trainable in that step. Returns the number of switches."""
+    n = len(freezer.blocks)
+    steps = sorted(t for t in weights if t > 0)
+    for t in steps:
+        frozen = frozen_during(freezer.history, n, t)
+        for i in range(n):
+            same = all(torch.equal(a, b) for a, b in zip(weights[t][i], weights[t - 1][i]))
+            assert same == frozen[i], f"step {t}, block {freezer.blocks[i].name}: frozen {frozen[i]}"
+        held = {id(p) for i in range(n) if not frozen[i] for p in freezer.blocks[i].parameters()}
+        assert state[t] == held, f"step {t}: optimizer state for other blocks than the trainable ones"
+    return len({e["step"] for e in freezer.history if e["kind"] == "thaw"})
+
+
 def mlp(seed: int = 0, width: int = 16) -> nn.Sequential:
     """Four blocks (Linear layers) front to back, the last one the head: 8 features -> 3 classes."""
     torch.manual_seed(seed)

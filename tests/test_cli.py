@@ -32,7 +32,7 @@ def test_unknown_strategy_parameter_and_bad_values(tmp_path, capsys):
     assert main(["train", "-s", "static", "-p", "k=-1"]) == 2
     assert "k must be an integer >= 0" in capsys.readouterr().err
     assert main(["train", "-p", "k=3"]) == 2  # the default strategy (smartfrz) has no k
-    assert "That is a parameter of static: name the strategy (--strategy static)" in capsys.readouterr().err
+    assert "That is a parameter of static, lisa or badam: name the strategy (e.g. --strategy static)" in capsys.readouterr().err
     assert main(["train", "--lr", "-1"]) == 2
     assert "train.lr" in capsys.readouterr().err
 
@@ -164,6 +164,8 @@ def test_help_and_strategies_list(capsys):
     assert main(["strategies"]) == 0
     out = capsys.readouterr().out
     assert "smartfrz  (default)" in out and "k=1" in out
+    assert "lisa  params: gamma=2, k=20, seed=None" in out
+    assert "badam  params: k=50, order='ascending', start_block=None, include_embedding=False, seed=None" in out
 
 
 @pytest.mark.assets

@@ -3,24 +3,30 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from layerfreeze.cli import main
-from layerfreeze.train.compare import compare, row_config
+from layerfreeze.train.compare import compare, lora_rank, row_config, unknown_rows
 
 
 @pytest.mark.assets
 def test_compare_rows_share_budget_and_report_ratios(tmp_path, tiny_bert_dir, tiny_csv, capsys):
     run = tmp_path / "cmp"
-    args = ["compare", "--rows", "none,static,lora", "--task", "text-csv", "--data", str(tiny_csv),
+    args = ["compare", "--rows", "none,static,lisa,badam,lora", "--task", "text-csv", "--data", str(tiny_csv),
             "--model", str(tiny_bert_dir), "--epochs", "1", "--batch-size", "8", "--lr", "1e-3",
             "--set", "model.max_length=32", "--row-param", "static.k=2", "--run-dir", str(run), "--no-progress",
             "--row-set", "lora.train.lr=2e-3"]
     assert main(args) == 0
     rows = {r["row"]: r for r in json.loads((run / "compare.json").read_text())}
-    assert list(rows) == ["none", "static", "lora"]
+    assert list(rows) == ["none", "static", "lisa", "badam", "lora"]
     assert {r["steps"] for r in rows.values()} == {5}  # 38 training rows / 8, same for every row
+    # blocks: embeddings, layer 0, layer 1, pooler (the middle: 1-3), classifier. lisa: 2 of the 3 middle blocks
+    # train (one period of 20 steps); badam ascending: layer 0 trains, every other non-head block is frozen
+    assert len(rows["lisa"]["frozen_blocks"]) == 1 and rows["lisa"]["frozen_blocks"][0] != "bert.embeddings"
+    assert rows["badam"]["frozen_blocks"] == ["bert.embeddings", "bert.encoder.layer.1", "bert.pooler"]
+    assert rows["badam"]["flops_ratio"] < rows["lisa"]["flops_ratio"] < 1.0
     assert rows["none"]["time_ratio"] == 1.0 and rows["none"]["flops_ratio"] == 1.0
     assert rows["static"]["frozen_blocks"] == ["bert.embeddings", "bert.encoder.layer.0"]
     assert rows["static"]["freeze_steps"] == {"bert.embeddings": 0, "bert.encoder.layer.0": 0}
@@ -33,7 +39,7 @@ def test_compare_rows_share_budget_and_report_ratios(tmp_path, tiny_bert_dir, ti
     assert rows["lora"]["trainable_parameters"] == lora_params + 32 * 2 + 2
     assert rows["lora"]["trainable_parameters"] < head + lora_params
     lrs = {row: json.loads((run / row / "config.json").read_text())["train"]["lr"] for row in rows}
-    assert lrs == {"none": 1e-3, "static": 1e-3, "lora": 2e-3}  # --row-set reaches only its row
+    assert lrs == {"none": 1e-3, "static": 1e-3, "lisa": 1e-3, "badam": 1e-3, "lora": 2e-3}  # only its row
     table = (run / "compare.md").read_text()
     assert table.startswith("| strategy | test acc %") and "| lora |" in table and "| tensor peak |" in table
     assert "FLOPs ratio" in capsys.readouterr().out
@@ -74,6 +80,21 @@ def test_row_config_applies_row_params_and_row_overrides_to_their_row_only(tmp_p
     assert auto["train"] == base["train"] and auto["freeze"]["params"] == {"interval": 7}
     assert auto["run"]["dir"] == str(tmp_path / "autofreeze")
     assert base["train"] == {"lr": 5e-5, "epochs": 2}  # the base is not changed
+
+
+def test_lora_rows_of_any_rank():
+    assert [lora_rank(r) for r in ("lora", "lora-r4", "lora-r16", "lora-r0", "lora-r04", "lora-4", "lisa")] == \
+        [8, 4, 16, None, None, None, None]
+    assert unknown_rows(["none", "lisa", "badam", "lora-r2", "lora-rx", "nope"]) == ["lora-rx", "nope"]
+    cfg = row_config({"task": "bbc-news"}, "lora-r2", Path("runs/x"),
+                     row_overrides={"lora-r2": {"train": {"lr": 1e-3}}})
+    assert cfg["model"]["lora"] == {"r": 2} and cfg["freeze"]["strategy"] == "none" and cfg["train"]["lr"] == 1e-3
+    assert cfg["run"]["dir"].endswith("lora-r2")
+
+
+def test_compare_names_the_lora_rows_when_a_row_is_unknown(tmp_path, capsys):
+    assert main(["compare", "--rows", "none,lora-rx", "--run-dir", str(tmp_path / "x")]) == 2
+    assert "Unknown row(s) lora-rx" in (err := capsys.readouterr().err) and "lora-r<N> (rank N)" in err
 
 
 def test_compare_rejects_a_row_set_for_a_row_it_does_not_run(tmp_path, capsys):

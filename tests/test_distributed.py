@@ -110,6 +110,25 @@ def test_every_strategy_freezes_the_same_blocks_at_the_same_step_on_every_rank(t
         assert len(vals) >= 4  # the guard evaluated (sharded, all-reduced) at every_steps and each epoch end
 
 
+@pytest.mark.parametrize("strategy,params", [("lisa", {"gamma": 1, "k": 3}), ("badam", {"k": 2, "order": "random"})])
+def test_rotating_strategies_switch_on_every_rank_at_once_with_one_rebuild_per_switch(tmp_path, strategy, params):
+    # the layers that train change every few steps (and a thawed block must be all-reduced from its first step):
+    # rank 0 samples, every rank applies, the wrapper is rebuilt per change, the weights stay identical
+    s = spec(tmp_path, "ddp", strategy, params)
+    a = assert_ranks_agree(launch(s, tmp_path / "ranks"))
+    frozen = [x["frozen"] for x in a["steps"]]
+    changes = sum(1 for x, y in zip(frozen[:-2], frozen[1:-1]) if x != y)
+    switches = {h["step"] for h in a["history"] if h["kind"] == "thaw"}
+    assert len(switches) >= 6 and changes >= 4
+    assert a["summary"]["ddp_rebuilds"] == 1 + changes
+    assert sum(r.get("kind") == "ddp_rebuild" for r in read_metrics(tmp_path / "ddp")) == 1 + changes
+    # the same decisions as the single-process run (the strategy's own generator, seeded by the run's seed)
+    ref = one_process(tmp_path, spec(tmp_path, "single-run", strategy, params))
+    assert ref["history"] == a["history"]
+    for key, value in ref["weights"].items():
+        torch.testing.assert_close(torch.tensor(a["weights"][key]), torch.tensor(value), rtol=1e-5, atol=1e-6)
+
+
 def test_the_prefix_cache_on_each_rank_hits_every_sample_after_epoch_one_and_keeps_the_trajectory(tmp_path):
     # static k=2: blocks 0-1 frozen from the start; with the cache each sample stays on one rank (index % 2), so
     # every rank finds all of its samples in its own cache from epoch 2 on

@@ -13,12 +13,20 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+import transformers  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from layerfreeze.integrations.hf import LayerFreezeCallback  # noqa: E402
 
-from .integration_models import Scripted, TokenDataset, free_port, run_ranks, tiny_bert  # noqa: E402
+from .integration_models import (  # noqa: E402
+    Scripted,
+    TokenDataset,
+    check_rotation,
+    free_port,
+    run_ranks,
+    tiny_bert,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 hf_logging.set_verbosity_error()
@@ -140,6 +148,31 @@ def test_resume_after_a_thaw_equals_the_uninterrupted_run(tmp_path):
     callback = LayerFreezeCallback(Scripted(PLAN), resume_from=moved).attach(trainer)
     trainer.train(resume_from_checkpoint=str(moved))
     assert losses(trainer) == losses(resumed) and callback.freezer.history == full_cb.freezer.history
+
+
+@pytest.mark.parametrize("strategy, params", [("lisa", {"gamma": 1, "k": 3}), ("badam", {"k": 2})])
+def test_rotating_strategies_train_what_they_switch_on_with_state_only_for_it(tmp_path, strategy, params):
+    # the callback is given before the Trainer builds its optimizer (where LMFlow's LISA callback froze, LMFlow#726):
+    # every block switched on must train from its first step, and only the trainable blocks hold Adam state
+    model = tiny_bert()
+    weights, state = {}, {}
+
+    class Watch(transformers.TrainerCallback):
+        def on_step_begin(self, args, state_, control, **kwargs):
+            if state_.global_step == 0:
+                weights[0] = [[p.detach().clone() for p in b.parameters()] for b in callback.freezer.blocks]
+
+        def on_step_end(self, args, state_, control, **kwargs):  # before the layerfreeze callback's stage
+            weights[state_.global_step] = [[p.detach().clone() for p in b.parameters()]
+                                           for b in callback.freezer.blocks]
+            state[state_.global_step] = {id(p) for p in callback.freezer.optimizer.state}
+
+    callback = LayerFreezeCallback(strategy, params)
+    trainer = Trainer(model=model, args=arguments(tmp_path), train_dataset=TokenDataset(),
+                      callbacks=[Watch(), callback])
+    trainer.train()
+    assert check_rotation(callback.freezer, weights, state) >= 4
+    assert len(losses(trainer)) == 12
 
 
 def reentrant_checkpointing_bert():

@@ -19,7 +19,7 @@ import lightning.pytorch as L  # noqa: E402
 from layerfreeze import block_param_groups, discover_blocks  # noqa: E402
 from layerfreeze.integrations.lightning import LayerFreeze  # noqa: E402
 
-from .integration_models import Scripted, blobs, mlp, run_ranks  # noqa: E402
+from .integration_models import Scripted, blobs, check_rotation, mlp, run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,6 +146,32 @@ def test_resume_after_a_thaw_equals_the_uninterrupted_run(tmp_path):
         assert torch.equal(a, b), name
     # the block thawed before the interruption trained on after the resume (Lightning #21901)
     assert not torch.equal(part.net[4].weight, resumed.net[4].weight)
+
+
+@pytest.mark.parametrize("strategy, params", [("lisa", {"gamma": 1, "k": 3}),
+                                              ("badam", {"k": 2, "order": "descending"})])
+def test_rotating_strategies_train_what_they_switch_on_with_state_only_for_it(tmp_path, strategy, params):
+    # the optimizer is configured after the callback's setup froze the blocks the start stage switched off
+    callback = LayerFreeze(strategy, params, submodule="net")
+    weights, state = {}, {}
+
+    def blocks():
+        return [[p.detach().clone() for p in b.parameters()] for b in callback.freezer.blocks]
+
+    class Watch(L.Callback):  # listed before LayerFreeze: it sees each step before the stage after it
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            weights.setdefault(0, blocks())
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            weights[trainer.global_step] = blocks()
+            state[trainer.global_step] = {id(p) for p in callback.freezer.optimizer.state}
+
+    module = Module()
+    trainer = L.Trainer(max_epochs=2, callbacks=[Watch(), callback], default_root_dir=tmp_path, accelerator="cpu",
+                        devices=1, enable_progress_bar=False, enable_model_summary=False, logger=False)
+    trainer.fit(module, loader())
+    assert check_rotation(callback.freezer, weights, state) >= 4
+    assert len(module.losses) == 16
 
 
 def test_bf16_autocast(tmp_path):

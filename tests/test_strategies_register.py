@@ -45,7 +45,7 @@ def example():
 
 def test_the_builtin_strategies_are_registered_in_the_tables_order():
     assert BUILTIN_STRATEGIES == ("none", "static", "gradual", "linear", "geometric", "freezeout", "autofreeze",
-                                  "egeria", "smartfrz")
+                                  "egeria", "smartfrz", "lisa", "badam")
     assert DEFAULT_ROWS == (*BUILTIN_STRATEGIES, "lora")
     assert all(STRATEGIES[name].name == name for name in BUILTIN_STRATEGIES)
 

@@ -23,7 +23,7 @@ from layerfreeze.errors import ConfigError, UnknownStrategyError, UserError
 from layerfreeze.runs import rundir
 from layerfreeze.strategies import DEFAULT_STRATEGY, STRATEGIES, strategy_parameters
 from layerfreeze.train.assets import check_assets
-from layerfreeze.train.compare import DEFAULT_ROWS
+from layerfreeze.train.compare import DEFAULT_ROWS, unknown_rows
 from layerfreeze.train.config import load_config, parse_override
 
 # flag -> config key (the flag's value is parsed as YAML, like --set)
@@ -95,8 +95,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Run strategies one after another in one process, same seed, data order and budget; print and "
         "save a table (accuracy, wall time and FLOPs with ratios to none, peak memory, freeze steps).",
     )
-    comp.add_argument("--rows", help=f"comma-separated strategies, 'lora' for the LoRA row (default: "
-                      f"{','.join(DEFAULT_ROWS)}, those registered)")
+    comp.add_argument("--rows", help=f"comma-separated strategies, 'lora' for the LoRA row (rank 8), 'lora-r4' for "
+                      f"LoRA of rank 4 (default: {','.join(DEFAULT_ROWS)}, those registered)")
     comp.add_argument("--config", "-c", help="YAML or TOML config file (its freeze.params apply to its strategy)")
     for flag in ("task", "model", "data", "run-dir", "device"):
         comp.add_argument(f"--{flag}")
@@ -262,10 +262,10 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError("--rows is empty; name the rows, e.g. --rows none,static,smartfrz (omit it for all)")
     rows = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else \
         [r for r in DEFAULT_ROWS if r in STRATEGIES or r == "lora"]
-    unknown = [r for r in rows if r not in STRATEGIES and r != "lora"]
+    unknown = unknown_rows(rows)
     if unknown:
         raise UnknownStrategyError(f"Unknown row(s) {', '.join(unknown)}; available: "
-                                   f"{', '.join(sorted(STRATEGIES))}, lora")
+                                   f"{', '.join(sorted(STRATEGIES))}, lora (rank 8), lora-r<N> (rank N)")
     base: dict[str, Any] = read_config_file(args.config) if args.config else {}
     for override in _overrides(args, {k: v for k, v in TRAIN_FLAGS.items() if k != "strategy"}):
         base = deep_merge(base, override)

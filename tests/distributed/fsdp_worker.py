@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -32,6 +33,8 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     torch.set_num_threads(1)
+    # every thawed block must be seen updated by the step after its thaw, on its local shard
+    warnings.filterwarnings("error", message=".*were switched on and got gradients")
     sharded = init_distributed(timeout_s=60)
     task = mlp_task()
     model = task.model
@@ -53,6 +56,7 @@ def main() -> None:
         with CollectiveBytes() as comm:
             losses = nn.functional.cross_entropy(model(x), y, reduction="sum")
             (losses * (loss_scale(len(local), len(idx)) if sharded else 1 / len(idx))).backward()
+        freezer.after_backward()  # the first backward after a thaw probes the thawed block (sharded: its shard)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         freezer.step()

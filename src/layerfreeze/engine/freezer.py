@@ -27,8 +27,17 @@ What freezing a block does, and why each part matters (each is a public fault se
   training, affine parameters included.
 
 Thawing reverses all of it and puts each parameter back into the param group it came from (the number of param
-groups never changes). A learning rate for the thawed block may be given (discriminative LR); that needs param
-groups that hold only that block's parameters, which :func:`~layerfreeze.engine.optim.block_param_groups` builds.
+groups never changes), with no optimizer state: a block switched on starts from fresh state (zero Adam moments),
+as the rotating strategies' papers prescribe (``lisa``, ``badam``); a block frozen and thawed in the same stage is
+switched off and on again, its state cleared. A parameter the optimizer never held (its block was frozen before
+the optimizer was built) goes into param group 0, so a thaw never leaves a block untrained (LMFlow#726), and the
+first optimizer step after a thaw is checked to have changed the block
+(:meth:`~layerfreeze.engine.integrity.FrozenSet.check_updated`). The frozen blocks need not be a prefix: a frozen
+block above a trainable one saves its weight gradients and optimizer state, while backward still runs through it
+(only a frozen prefix, :attr:`Freezer.frozen_prefix`, saves its backward and is what the activation cache serves).
+
+A learning rate for the thawed block may be given (discriminative LR); that needs param groups that hold only that
+block's parameters, which :func:`~layerfreeze.engine.optim.block_param_groups` builds.
 """
 
 from __future__ import annotations
@@ -475,6 +484,7 @@ class Freezer:
         self.step_count += 1
         self._sharded()
         self.integrity.check(self)
+        self.integrity.check_updated(self)  # a block thawed before this step must have been updated by it
         every = self.strategy.stage_every
         decision = self._stage(event="step") if every and self.step_count % every == 0 else None
         self._apply_lr_scales()

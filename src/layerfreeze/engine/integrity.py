@@ -1,6 +1,6 @@
 """Checks that a freeze stays a freeze and that training does what the frozen set says.
 
-Three silent faults this module turns into warnings or errors (each seen in real training code):
+Four silent faults this module turns into warnings or errors (each seen in real training code):
 
 * **A re-wrapped frozen parameter.** ``block.weight = nn.Parameter(block.weight.data)`` (dtype or quantization
   conversions, some loaders, weight tying done late) creates a new ``Parameter`` with ``requires_grad=True``: the
@@ -17,6 +17,14 @@ Three silent faults this module turns into warnings or errors (each seen in real
   (:meth:`FrozenSet.check_gradients`); a trainable block none of whose parameters got a gradient is a warning naming
   it and the usual causes (an input computed under ``no_grad`` or detached; reentrant gradient checkpointing whose
   input does not require grad because the prefix before it is frozen, transformers #21381; an unused module).
+* **A block switched on that the optimizer does not update**: after a thaw, the first backward records which of
+  the thawed block's parameters got a gradient (and a few of their values where the gradient is not zero), and the
+  next :meth:`FrozenSet.check_updated` (the Freezer's ``step()``, after ``optimizer.step()``) warns naming the block
+  when none of them changed. The fault of an optimizer that does not hold what was switched on: DeepSpeed ZeRO-3
+  builds its partitions once, so a layer switched on later was never updated (DeepSpeed#5639, under LISA and BAdam
+  callbacks); a callback that froze layers before the Trainer built its optimizer trained nothing it switched on
+  (LMFlow#726). The engine's own thaw puts a block back into its param group, so with a ``torch.optim`` optimizer
+  this cannot happen; the check is for optimizers that keep their own copy of the parameter list.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +52,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     if hasattr(t, "to_local"):
         t = t.to_local()
     return t.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+
+
+#: Values of each parameter a thawed block's check compares before and after the next optimizer step.
+PROBE_VALUES = 8
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@dataclass
+class _Probe:
+    """One parameter of a thawed block, as it was after the backward that gave it a gradient."""
+
+    param: nn.Parameter
+    version: int
+    where: torch.Tensor
+    values: torch.Tensor
+
+    def changed(self) -> bool:
+        """True when the parameter was written in place since (its version counter moved: ``torch.optim``'s
+        for-loop and foreach steps), or one of the probed values differs (fused steps do not move the counter)."""
+        if self.param._version != self.version:
+            return True
+        now = _local_tensor(self.param).detach().reshape(-1)[self.where]
+        return not torch.equal(now, self.values)
 
 
 def checksum(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
@@ -71,16 +107,21 @@ class FrozenSet:
         self.params: dict[int, dict[str, nn.Parameter]] = {}  # block index -> name -> the frozen object
         self.checksums: dict[int, dict[str, str]] = {}
         self.gradients_pending = True  # check the next backward (the run starts with a new frozen set)
+        self.switched_on: set[int] = set()  # blocks thawed since the last gradient check
+        self.awaiting_update: dict[int, list[_Probe]] = {}  # thawed blocks with gradients, until the next step
 
     def on_freeze(self, index: int, named: list[tuple[str, nn.Parameter]]) -> None:
         self.params[index] = dict(named)
         self.checksums[index] = checksum(named)
         self.gradients_pending = True
+        self.switched_on.discard(index)
+        self.awaiting_update.pop(index, None)
 
     def on_thaw(self, index: int) -> None:
         self.params.pop(index, None)
         self.checksums.pop(index, None)
         self.gradients_pending = True
+        self.switched_on.add(index)
 
     def check(self, freezer: Any) -> list[str]:
         """Re-freeze every frozen block's parameter that was replaced, made trainable or put back in the optimizer.
@@ -144,6 +185,7 @@ class FrozenSet:
         if not self.gradients_pending:
             return []
         self.gradients_pending = False
+        self._probe_switched_on(freezer)
         missing = []
         for block in freezer.blocks:
             if freezer.frozen[block.index]:
@@ -161,6 +203,52 @@ class FrozenSet:
             self._warn(f"trainable block(s) {', '.join(missing)} got no gradient in the first backward since the "
                        f"frozen set changed; likely cause: {cause}", {"kind": "no_gradient", "blocks": missing})
         return missing
+
+    def _probe_switched_on(self, freezer: Any) -> None:
+        """Remember, for each block thawed since the last check, its parameters that got a gradient: their version
+        counter and up to :data:`PROBE_VALUES` values where the gradient is not zero (what the next optimizer step
+        must change, unless its learning rate is 0)."""
+        for index in sorted(self.switched_on):
+            if freezer.frozen[index]:
+                continue
+            probes = []
+            for p in freezer.blocks[index].parameters():
+                if not p.requires_grad or p.grad is None:
+                    continue
+                grad = _local_tensor(p.grad).reshape(-1)
+                where = torch.nonzero(grad, as_tuple=True)[0][:PROBE_VALUES]
+                probes.append(_Probe(p, p._version, where, _local_tensor(p).detach().reshape(-1)[where].clone()))
+            if probes:
+                self.awaiting_update[index] = probes
+        self.switched_on.clear()
+
+    def check_updated(self, freezer: Any) -> list[str]:
+        """After the optimizer step that followed a thaw: the thawed blocks that got gradients and that the step did
+        not change (each also warned about). A block all of whose param groups have learning rate 0 is not checked.
+
+        Returns:
+            Their names; empty when every one changed or no check was due.
+        """
+        if not self.awaiting_update:
+            return []
+        stale = []
+        groups = freezer.optimizer.param_groups if freezer.optimizer is not None else []
+        for index, probes in sorted(self.awaiting_update.items()):
+            held = {id(p) for p in freezer.blocks[index].parameters()}
+            lrs = [g["lr"] for g in groups if any(id(p) in held for p in g["params"])]
+            if lrs and all(lr == 0 for lr in lrs):
+                continue
+            if not any(probe.changed() for probe in probes):
+                stale.append(freezer.blocks[index].name)
+        self.awaiting_update.clear()
+        if stale:
+            self._warn(f"block(s) {', '.join(stale)} were switched on and got gradients, but the optimizer step that "
+                       "followed did not change them: the optimizer does not update what was thawed. Likely cause: an "
+                       "optimizer that keeps its own list of parameters, built before the thaw (DeepSpeed ZeRO-3, "
+                       "DeepSpeed#5639), or one built while they were frozen and that the Freezer was not given "
+                       "(LMFlow#726; pass it to Freezer(...) or attach_optimizer); a step skipped by a fp16 GradScaler "
+                       "(an inf gradient) gives this warning once too", {"kind": "not_updated", "blocks": stale})
+        return stale
 
     def state_dict(self) -> dict[str, Any]:
         return {str(i): dict(c) for i, c in self.checksums.items()}

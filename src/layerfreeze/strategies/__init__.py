@@ -1,7 +1,8 @@
 """Freezing strategies, registered by name (``@register_strategy("static")``; ``create_strategy("static", {"k": 5})``).
 
 One file per strategy (a folder for the two with parts: :mod:`~layerfreeze.strategies.egeria`,
-:mod:`~layerfreeze.strategies.smartfrz`); each cites its source in its docstring. Every strategy implements
+:mod:`~layerfreeze.strategies.smartfrz`; ``lisa`` and ``badam`` share the skeleton
+:class:`~layerfreeze.strategies.base.LayerRotation`); each cites its source in its docstring. Every strategy implements
 :class:`~layerfreeze.strategies.base.Strategy` (``decide(ctx) -> Decision``); :mod:`~layerfreeze.strategies.registry`
 is the registry, which the strategy files import (never the reverse).
 """
@@ -31,6 +32,8 @@ from layerfreeze.strategies.freezeout import FreezeOut
 from layerfreeze.strategies.autofreeze import AutoFreeze
 from layerfreeze.strategies.egeria.strategy import Egeria
 from layerfreeze.strategies.smartfrz.strategy import SmartFRZ
+from layerfreeze.strategies.lisa import LISA
+from layerfreeze.strategies.badam import BAdam
 # isort: on
 
 #: The built-in strategies, in registration order (what ``layerfreeze compare`` runs by default).
@@ -42,12 +45,14 @@ DEFAULT_STRATEGY = "smartfrz"
 
 __all__ = [
     "AutoFreeze",
+    "BAdam",
     "BUILTIN_STRATEGIES",
     "BlockView",
     "Egeria",
     "FreezeOut",
     "GeometricFreezing",
     "GradualUnfreezing",
+    "LISA",
     "LinearFreezing",
     "DEFAULT_STRATEGY",
     "Decision",

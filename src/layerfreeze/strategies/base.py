@@ -7,8 +7,11 @@ optimizer, so the same strategy works in the CLI trainer, in a user's own loop, 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+import torch
 
 
 def is_int(value: Any) -> bool:
@@ -183,3 +186,88 @@ class PrefixSchedule(Strategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.target = int(state.get("target", 0))
+
+
+class LayerRotation(Strategy):
+    """The skeleton shared by the strategies that rotate which middle layers train (``lisa``, ``badam``).
+
+    Both see the blocks as the papers see a decoder LM: block 0 is the embeddings, the last block the head (final
+    norm + LM head; the engine never freezes it), and blocks ``1..L-2`` the middle (transformer) layers. Every
+    ``k`` optimizer steps (a step stage, ``stage_every = k``) the subclass's :meth:`switch` says which layers switch
+    off and which switch on; the engine frees the optimizer state of every block that switches off and gives every
+    block that switches on fresh state, back in its own param groups (a block named in both lists is switched off
+    and on again: its state starts afresh).
+
+    These are **not prefix freezes**: a frozen block above the lowest trainable one still runs forward and backward
+    (the gradient flows through it to the trainable blocks below), so freezing it saves its weight gradients and its
+    optimizer state (and their computation), not its backward; only blocks below the lowest trainable block (a
+    frozen prefix: BAdam's frozen embeddings, the layers under its active one) save their backward and their saved
+    activations, and only they can be served by the activation cache (:mod:`layerfreeze.compute.cache`, which reads
+    :attr:`~layerfreeze.engine.Freezer.frozen_prefix`).
+
+    The random numbers come from the strategy's own generator (``random.Random(seed)``), never the global RNG, and
+    its state is part of :meth:`state_dict`, so a resumed run samples what the uninterrupted one samples. ``seed``
+    None takes ``torch.initial_seed()`` (the run's seed once ``torch.manual_seed`` was called; it draws nothing).
+
+    Raises (constructor):
+        ValueError: ``k`` not an int ``>= 1``, ``seed`` not an int or None.
+    """
+
+    def __init__(self, k: int, seed: int | None) -> None:
+        super().__init__()
+        if not is_int(k) or k < 1:
+            raise ValueError(f"{self.name}: k must be an integer >= 1 (optimizer steps between switches), got {k!r}")
+        if seed is not None and not is_int(seed):
+            raise ValueError(f"{self.name}: seed must be an integer or None (None: torch.initial_seed()), got "
+                             f"{seed!r}")
+        self.k = k
+        self.seed = int(torch.initial_seed()) if seed is None else int(seed)
+        self.rng = random.Random(self.seed)
+        self.stage_every = k
+        self.switches = 0
+
+    @staticmethod
+    def middle(num_blocks: int) -> list[int]:
+        """The middle layers of a model of ``num_blocks`` blocks: ``1..num_blocks-2``."""
+        return list(range(1, num_blocks - 1))
+
+    def switch(self, ctx: StageContext) -> tuple[list[int], list[int], dict[str, Any], str]:
+        """``(switch off, switch on, signals, reason)`` at a step stage (every ``k`` steps)."""
+        raise NotImplementedError
+
+    def start(self, ctx: StageContext) -> tuple[list[int], list[int], dict[str, Any], str]:
+        """``(freeze, thaw, signals, reason)`` at the start stage: the first trainable set."""
+        raise NotImplementedError
+
+    def decide(self, ctx: StageContext) -> Decision:
+        if ctx.event == "start":
+            self.validate(len(ctx.blocks))
+            self.switches = 0
+            off, on, signals, reason = self.start(ctx)
+            off = [i for i in off if not ctx.blocks[i].frozen]
+            on = [i for i in on if ctx.blocks[i].frozen]
+        elif ctx.event == "step" and ctx.step > 0 and ctx.step % self.k == 0:
+            self.switches += 1
+            off, on, signals, reason = self.switch(ctx)
+        else:
+            return Decision()
+        signals = {"switches": self.switches, **signals}
+        return Decision(freeze=off, thaw=on, reason=reason, signals=signals)
+
+    def rotation_state(self) -> dict[str, Any]:
+        """The state both keep: switches done, the seed and the generator's state (plain values)."""
+        return {"k": self.k, "seed": self.seed, "switches": self.switches, "rng": _plain(self.rng.getstate())}
+
+    def load_rotation_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`rotation_state` (also after a JSON round trip, which turns tuples into lists)."""
+        self.switches = int(state.get("switches", 0))
+        if "rng" in state:
+            version, internal, gauss = state["rng"]
+            self.rng.setstate((version, tuple(internal), gauss))
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists, recursively (the generator's state as a checkpoint stores it)."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value

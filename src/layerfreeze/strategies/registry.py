@@ -90,9 +90,13 @@ def check_strategy(name: str, params: Mapping[str, Any] | None = None) -> None:
     unknown = sorted(set(params) - set(allowed))
     if unknown:
         valid = ", ".join(f"{k}={v!r}" for k, v in allowed.items()) or "none"
-        owners = sorted(o for o in STRATEGIES if o != name and set(unknown) <= set(strategy_parameters(o)))
+        # In registration order, so the classic strategy that takes the key comes first in the example.
+        owners = [o for o in STRATEGIES if o != name and set(unknown) <= set(strategy_parameters(o))]
         what = "Those are parameters" if len(unknown) > 1 else "That is a parameter"
-        hint = f" {what} of {' and '.join(owners)}: name the strategy (--strategy {owners[0]})." if owners else ""
+        hint = ""
+        if owners:
+            among = owners[0] if len(owners) == 1 else f"{', '.join(owners[:-1])} or {owners[-1]}"
+            hint = f" {what} of {among}: name the strategy (e.g. --strategy {owners[0]})."
         raise UnknownStrategyError(
             f"Strategy {name!r} has no parameter(s) {', '.join(unknown)}; valid: {valid}.{hint}")
     missing = [k for k, v in allowed.items() if v is inspect.Parameter.empty and k not in params]

@@ -7,6 +7,7 @@ through the ``peft`` library) shows the parameter-efficient alternative on the s
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,25 @@ from layerfreeze.train.config import build_config, deep_merge
 #: ``lora``, not a freezing strategy but a row of its own. A registered strategy of your own can be named as a row.
 DEFAULT_ROWS = (*BUILTIN_STRATEGIES, "lora")
 
+#: The rank of the ``lora`` row; a row ``lora-r<N>`` (``lora-r4``, ``lora-r16``) is LoRA of rank N.
+LORA_RANK = 8
+
+
+def lora_rank(row: str) -> int | None:
+    """The LoRA rank a comparison row names: :data:`LORA_RANK` for ``lora``, ``N`` for ``lora-r<N>`` (an integer
+    ``>= 1``, no leading zero); None for any other row (a strategy's)."""
+    if row == "lora":
+        return LORA_RANK
+    found = re.fullmatch(r"lora-r([1-9][0-9]*)", row)
+    return int(found.group(1)) if found else None
+
+
+def unknown_rows(rows: list[str]) -> list[str]:
+    """The rows that are neither a registered strategy nor a LoRA row (``lora``, ``lora-r<N>``)."""
+    from layerfreeze.strategies import STRATEGIES
+
+    return [r for r in rows if r not in STRATEGIES and lora_rank(r) is None]
+
 
 def row_config(base: dict[str, Any], row: str, run_dir: Path,
                row_params: dict[str, dict[str, Any]] | None = None,
@@ -30,18 +50,20 @@ def row_config(base: dict[str, Any], row: str, run_dir: Path,
     """The config dict of one row: the base config with the row's strategy (or LoRA) and its own run folder.
 
     ``freeze.params`` of the base apply only to the row of the base's strategy (the default strategy when the base
-    names none); other rows run with their strategy's defaults (and the task preset). ``row_params`` maps a row
-    to parameters of its own (``{"autofreeze": {"interval": 20}}``), applied last. ``row_overrides`` maps a row
-    to config keys of its own, merged over everything else (``{"lora": {"train": {"lr": 1e-3}}}``: LoRA wants a
-    larger learning rate than full fine-tuning).
+    names none); other rows run with their strategy's defaults (and the task preset). A LoRA row (``lora``,
+    ``lora-r<N>``: :func:`lora_rank`) trains with strategy ``none`` and ``model.lora.r`` set to its rank.
+    ``row_params`` maps a row to parameters of its own (``{"autofreeze": {"interval": 20}}``), applied last.
+    ``row_overrides`` maps a row to config keys of its own, merged over everything else (``{"lora": {"train":
+    {"lr": 1e-3}}}``: LoRA wants a larger learning rate than full fine-tuning).
     """
     cfg = deep_merge(base, {"run": {"dir": str(rundir.row_dir(run_dir, row)), "resume": None}})
     freeze = cfg.setdefault("freeze", {})
     base_strategy = freeze.get("strategy", DEFAULT_STRATEGY)
     params = freeze.get("params", {}) if base_strategy == row else {}
-    if row == "lora":
+    rank = lora_rank(row)
+    if rank is not None:
         freeze["strategy"], freeze["params"] = "none", {}
-        cfg = deep_merge(cfg, {"model": {"lora": {"r": 8}}})
+        cfg = deep_merge(cfg, {"model": {"lora": {"r": rank}}})
     else:
         freeze["strategy"], freeze["params"] = row, {**params, **(row_params or {}).get(row, {})}
     return deep_merge(cfg, (row_overrides or {}).get(row, {}))
@@ -69,7 +91,7 @@ def _check_block_params(configs: list[tuple[str, Any]]) -> None:
 
     counts: dict[str, int] = {}
     for row, cfg in configs:
-        if row == "lora" or STRATEGIES[cfg.freeze.strategy].validate is Strategy.validate:
+        if lora_rank(row) is not None or STRATEGIES[cfg.freeze.strategy].validate is Strategy.validate:
             continue  # nothing to check against the blocks: don't build the model for it
         key = json.dumps([cfg.task, cfg.model.model_dump(mode="json"), cfg.data.model_dump(mode="json")],
                          sort_keys=True)
@@ -100,7 +122,8 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
 
     Args:
         base: A user config dict (validated per row); ``freeze.params`` apply to the row of the same strategy.
-        rows: Strategy names, ``"lora"`` for the LoRA row; ``"none"`` should come first (ratios are to it).
+        rows: Strategy names, ``"lora"`` for the LoRA row (rank 8), ``"lora-r<N>"`` for LoRA of rank N; ``"none"``
+            should come first (ratios are to it).
         row_params: Per-row strategy parameters, e.g. ``{"autofreeze": {"interval": 20}}``.
         row_overrides: Per-row config keys, e.g. ``{"lora": {"train": {"lr": 1e-3}}}`` (see :func:`row_config`).
         row_callbacks: Per-row trainer ``step_callbacks`` (see :class:`~layerfreeze.train.trainer.Trainer`).

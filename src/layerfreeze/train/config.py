@@ -271,9 +271,11 @@ TASK_PRESETS: dict[str, dict[str, Any]] = {
 
 #: Per task, the parameters a strategy gets unless the user sets them: the ``k`` a practitioner would pick for
 #: ``static`` on the task's model (MiniLM-L6: embeddings + the first 4 of 6 encoder layers; MobileNetV2 at 32x32:
-#: stem + the first 9 inverted-residual stages).
+#: stem + the first 9 inverted-residual stages); ``badam``'s steps per block on the default job, where BAdam's
+#: default (50, sized for runs of thousands of steps) would train 4 of its 7 middle blocks once in 168 steps: 12
+#: gives every block two turns (168 / (2 x 7)).
 STRATEGY_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "bbc-news": {"static": {"k": 5}},
+    "bbc-news": {"static": {"k": 5}, "badam": {"k": 12}},
     "text-csv": {"static": {"k": 5}},
     "fashion-mnist": {"static": {"k": 10}},
     "image-folder": {"static": {"k": 10}},

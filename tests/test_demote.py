@@ -432,3 +432,114 @@ def test_auto_keeps_the_cache_off_a_moving_boundary_where_on_stores_every_miss(t
     peak = lambda s: s["memory"]["buckets"]["cache_memory"]["peak_bytes"]  # noqa: E731
     assert peak(auto) < peak(on)
     assert auto["cache"]["memory_bytes"] == 0 < on["cache"]["memory_bytes"]  # nothing left after the last reads
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# What a demoted freeze gives back, in the ledger
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_the_memory_event_of_a_demoted_freeze_shows_bytes_by_dtype_and_device(tmp_path, offload):
+    # geometric freezes block 0 (Linear(16, 32)) after epoch 1 (step 6); the ledger samples steps 1, 4 and 7
+    name = f"geo-{offload}"
+    Trainer(build_config({
+        "train": {"epochs": 3, "batch_size": 16, "lr": 0.01},
+        "freeze": {"strategy": "geometric", "demote": {"dtype": "bfloat16", "offload": offload}},
+        "run": {"dir": str(tmp_path / name), "progress": False, "checkpoint": False, "ledger_every": 4,
+                "tensorboard": False}}), task=blob_task()).run()
+    records = read_metrics(tmp_path / name)
+    freeze = next(r for r in records if r.get("kind") == "freeze")
+    assert (freeze["step"], freeze["block"], freeze["demoted"]) == (6, "0", "bfloat16")
+    event = next(r for r in records if r.get("kind") == "memory")
+    assert (event["step"], event["before_step"]) == (7, 4)
+    lin0 = (16 * 32 + 32) * 4  # float32 bytes of block 0
+    cpu, disk = event["returned_devices"]["cpu"], event["returned_devices"]["disk"]
+    # gradients and AdamW state (exp_avg, exp_avg_sq, two float32 step counters) go back; the float32 master copy
+    # is taken on disk (master: auto on a CPU run)
+    assert (cpu["params_trainable"], cpu["grads"], cpu["optimizer"]) == (lin0, lin0, 2 * lin0 + 2 * 4)
+    assert disk == {"params_master": -lin0}
+    frozen = event["params_dtype"]["frozen"]
+    if offload is None:  # the frozen weights stay on the training device, in bfloat16: half the bytes
+        assert cpu["params_frozen"] == -lin0 // 2 and "params_offloaded" not in cpu
+        assert frozen == {"bfloat16": lin0 // 2}
+    else:  # an empty placeholder on the training device; the bfloat16 weights in the host's offload store
+        assert "params_frozen" not in cpu and cpu["params_offloaded"] == -lin0 // 2
+        assert frozen.get("bfloat16", 0) == 0 and frozen.get("float32", 0) == 0
+    assert event["returned_bytes"]["params_master"] == -lin0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Rotating strategies: lisa and badam freeze and thaw every few steps, sets that are not a prefix
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy, params", [("lisa", {"gamma": 2, "k": 3}), ("badam", {"k": 2, "order": "random"})])
+@pytest.mark.parametrize("master", ["memory", "disk"])
+def test_under_lisa_and_badam_every_thaw_restores_the_float32_weights_of_its_freeze(strategy, params, master,
+                                                                                      tmp_path):
+    from tests.test_strategies_rotation import model as rotation_model
+
+    net = rotation_model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    freezer = Freezer(net, optimizer, strategy, params, demote=Demotion("bfloat16", master=master,
+                                                                       directory=tmp_path))
+    trained = {b.index: _state(net[b.index]) for b in freezer.blocks}  # float32, as each block last trained
+    g = torch.Generator().manual_seed(1)
+    thaws = 0
+    for _ in range(24):
+        net(torch.randn(8, 8, generator=g)).pow(2).mean().backward()
+        freezer.after_backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        before = list(freezer.frozen)
+        for b in freezer.blocks:
+            if not before[b.index]:
+                trained[b.index] = _state(net[b.index])
+        freezer.step()
+        for b in freezer.blocks:
+            weight = net[b.index].state_dict(keep_vars=True)
+            if freezer.frozen[b.index]:  # demoted, whatever froze it
+                assert all(t.dtype == torch.bfloat16 for t in weight.values()), b.index
+            else:
+                assert all(t.dtype == torch.float32 for t in weight.values()), b.index
+                if before[b.index]:  # thawed now: bitwise the float32 weights it had when it froze
+                    thaws += 1
+                    for key, t in weight.items():
+                        assert _bits_equal(t.detach(), trained[b.index][key]), (b.index, key)
+        freezer.verify_frozen_weights()
+    assert thaws >= 6
+    assert not freezer.demoter.skipped
+    freezer.close()
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+    if master == "disk":
+        assert not list(tmp_path.rglob("*.safetensors"))  # closed: the master files are gone
+
+
+@pytest.mark.parametrize("strategy, params", [("lisa", {"gamma": 1, "k": 4}), ("badam", {"k": 4, "order": "random"})])
+def test_a_demoted_lisa_or_badam_run_resumed_between_switches_equals_the_uninterrupted_run(tmp_path, strategy,
+                                                                                            params):
+    from tests.test_strategies_rotation import task as rotation_task
+    from tests.test_strategies_rotation import trainer_config
+
+    def config(name, **run):
+        cfg = trainer_config(tmp_path, name, strategy, params, **run)
+        cfg.freeze.demote = {"dtype": "bfloat16"}
+        return build_config(cfg.model_dump(mode="json"))
+
+    ref = Trainer(config("ref", checkpoint_every_steps=5, keep_checkpoints=10), task=rotation_task())
+    ref_summary = ref.run()
+    assert ref_summary["demote"]["dtype"] == "bfloat16"
+    assert [f.get("demoted") for f in ref.freezer.history if f["kind"] == "freeze"].count("bfloat16") >= 4
+    checkpoint = next((tmp_path / "ref" / "checkpoints").glob("*-step000000010"))
+    saved = load_file(checkpoint / "model.safetensors")
+    assert all(t.dtype == torch.float32 for t in saved.values())  # what restores the float32 weights exactly
+    cfg = config("resumed")
+    cfg.run.resume = str(checkpoint)
+    resumed = Trainer(cfg, task=rotation_task())
+    assert resumed.run()["steps"] == 18
+    assert resumed.freezer.history == ref.freezer.history
+    assert sum(h["kind"] == "thaw" and h["step"] > 10 for h in ref.freezer.history) >= 2
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "ref")[10:]
+    for (name, a), b in zip(ref.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert _bits_equal(a, b), name

@@ -91,6 +91,7 @@ __all__ = [
     "Peak",
     "bucket_label",
     "memory_change",
+    "memory_change_by_device",
 ]
 
 
@@ -367,6 +368,21 @@ def memory_change(before: LedgerSnapshot, after: LedgerSnapshot) -> dict[str, in
     a, b = before.buckets, after.buckets
     out = {bucket: a.get(bucket, 0) - b.get(bucket, 0) for bucket in _bucket_order([*a, *b])}
     out["tensor_bytes"] = before.tensor_bytes - after.tensor_bytes
+    return out
+
+
+def memory_change_by_device(before: LedgerSnapshot, after: LedgerSnapshot) -> dict[str, dict[str, int]]:
+    """``{device: {bucket: before - after}}``: :func:`memory_change` per device (:data:`DISK` included), buckets that
+    did not change left out, devices with no change left out. What a freeze gave back *where*: a demoted block's
+    weights leave ``params_frozen`` of the training device for ``params_offloaded`` of ``"cpu"`` (negative: taken)
+    when offloaded, and its float32 master copy is taken on ``"cpu"`` or ``"disk"``."""
+    out: dict[str, dict[str, int]] = {}
+    for device in sorted({*before.devices, *after.devices}):
+        a, b = before.devices.get(device, {}), after.devices.get(device, {})
+        changed = {bucket: a.get(bucket, 0) - b.get(bucket, 0) for bucket in _bucket_order([*a, *b])}
+        changed = {bucket: n for bucket, n in changed.items() if n}
+        if changed:
+            out[device] = changed
     return out
 
 

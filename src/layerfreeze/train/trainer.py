@@ -52,7 +52,7 @@ from layerfreeze.errors import ConfigError
 from layerfreeze.models.discovery import discover_blocks
 from layerfreeze.runs import measure, rundir
 from layerfreeze.runs import telemetry as tm
-from layerfreeze.runs.ledger import LedgerSnapshot, MemoryLedger, memory_change
+from layerfreeze.runs.ledger import LedgerSnapshot, MemoryLedger, memory_change, memory_change_by_device
 from layerfreeze.runs.rundir import Event
 from layerfreeze.runs.summary import format_bytes
 from layerfreeze.train.config import Config
@@ -235,7 +235,9 @@ class Trainer:
         if self._memory_changes and self._memory_before is not None and snap.step > self._memory_before.step:
             self.telemetry.log_event(Event.MEMORY, snap.step, before_step=self._memory_before.step,
                                      changes=self._memory_changes, tensor_bytes=snap.tensor_bytes,
-                                     returned_bytes=memory_change(self._memory_before, snap))
+                                     returned_bytes=memory_change(self._memory_before, snap),
+                                     returned_devices=memory_change_by_device(self._memory_before, snap),
+                                     params_dtype=snap.params_dtype)
         if snap.step > getattr(self._memory_before, "step", -1):
             self._memory_before, self._memory_changes = None, []
         return {"memory": snap.to_record()}

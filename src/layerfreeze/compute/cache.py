@@ -540,7 +540,8 @@ class CachedPrefix:
     def summary(self, carried: dict[str, float] | None = None) -> dict[str, Any]:
         """What the cache did, for a run's summary: ``used`` (False once turned off; ``disabled`` says why),
         ``hits`` / ``misses`` (sample lookups), ``hit_rate``, ``memory_bytes`` / ``disk_bytes`` / ``budget_bytes``,
-        ``saved_seconds`` (see the class docstring), ``corrupt_shards``.
+        ``saved_seconds`` (see the class docstring), ``corrupt_shards``; with a :class:`CachePolicy`, its counters
+        (``policy_skipped_last``, ``policy_skipped_unstable``, ``policy_freed``: this process's).
 
         Args:
             carried: :data:`RUN_COUNTERS` of the processes before this one (a resumed run's checkpoint), added to
@@ -552,7 +553,8 @@ class CachedPrefix:
         return {"used": s["disabled"] is None, "disabled": s["disabled"], "hits": hits, "misses": misses,
                 "hit_rate": hits / lookups if lookups else None, "memory_bytes": s["memory_bytes"],
                 "disk_bytes": s["disk_bytes"], "budget_bytes": s["budget_bytes"], "saved_seconds": saved,
-                "corrupt_shards": s["corrupt_shards"]}
+                "corrupt_shards": s["corrupt_shards"],
+                **(self.policy.stats() if self.policy is not None else {})}
 
     def ledger_bytes(self) -> dict[str, dict[str, int]]:
         """What the cache holds, for the memory ledger (:class:`~layerfreeze.runs.ledger.MemoryLedger`'s byte-source

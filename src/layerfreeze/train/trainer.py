@@ -454,6 +454,7 @@ class Trainer:
                     every = cfg.freeze.guard.every_steps if cfg.freeze.guard else None
                     if every and self.progress["step"] % every == 0:
                         self._guard_check()
+                        self._place()  # a thaw by the guard shortens the frozen prefix
                         self.model.train()
                     # distributed: only a stop every rank has agreed on (all-reduced above) ends the loop here
                     if self._stop_agreed if self.distributed else self._stop_requested:
@@ -642,6 +643,7 @@ class Trainer:
         if self.guard is not None:
             self._guard_check()
         decision = self.freezer.epoch_end()
+        self._place()  # an epoch-end stage (or the guard's thaw) moved the frozen prefix
         if decision is not None and decision.signals:
             self.telemetry.log_event(Event.STAGE, self.progress["step"], epoch=epoch, **tm.signals_of(decision))
         self._checkpoint(epoch + 1, 0, reason="epoch_end")

@@ -241,6 +241,10 @@ class Demoter:
         self._managed: dict[int, _Managed] = {}
         self.transfer_bytes = 0
         self.transfers = 0
+        #: Thaws that gave a demoted block its float32 weights back. Each one replaced the dtype of trainable
+        #: parameters' data, which resets their autograd gradient accumulators: a DDP wrapper built before it must be
+        #: rebuilt even when the frozen set is the one it was built for (a block switched off and on again).
+        self.restores = 0
         self._root: Path | None = None
         self._finalizer: weakref.finalize | None = None
         users: dict[int, set[int]] = {}  # parameter id -> the blocks whose modules use it
@@ -319,6 +323,7 @@ class Demoter:
         if m.demoted:
             self._promote(m)
             self._drop_master(m)
+            self.restores += 1
         for handle in m.hooks:
             handle.remove()
         del self._managed[block.index]

@@ -367,6 +367,14 @@ class Freezer:
             self.demoter.offload_prefix(min(int(depth), self.frozen_prefix))
 
     @property
+    def dtype_restores(self) -> int:
+        """How many thaws gave a demoted block its float32 weights back (0 without ``demote``). A DDP wrapper built
+        before the latest one must be rebuilt even for the same frozen set: the restored parameters got new gradient
+        accumulators, which the wrapper's hooks do not see (:class:`~layerfreeze.distributed.ddp.FreezeDDP` and the
+        callbacks compare it too)."""
+        return 0 if self.demoter is None else self.demoter.restores
+
+    @property
     def prefix_since(self) -> int:
         """The step count at which the frozen prefix got its current length (0: before the first step, the start
         stage), from :attr:`history`; what the activation cache's ``auto`` policy measures the boundary's age from."""

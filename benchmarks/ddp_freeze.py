@@ -7,7 +7,7 @@ parameters that were trainable then (the two must be equal: frozen blocks send n
 run the DDP rebuild times and the test accuracy. Run it alone on the machine (timings beside another torch process
 are meaningless on 2 cores).
 
-    python -m benchmarks.ddp_freeze [--ranks 2] [--epochs 3] [--limit-train 480] [--rows none linear smartfrz]
+    python -m benchmarks.ddp_freeze [--ranks 2] [--epochs 3] [--limit-train 480] [--rows none linear smartfrz lisa badam]
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ ROWS = {
     "none": ["-s", "none"],
     "linear": ["-s", "linear", "-p", "freeze_start=0"],
     "smartfrz": ["-s", "smartfrz"],
+    # the rotating strategies (issue 30): a DDP rebuild at every switch (LISA every k=20 steps, BAdam every 12)
+    "lisa": ["-s", "lisa"],
+    "badam": ["-s", "badam"],
 }
 
 

@@ -305,9 +305,11 @@ def row_params(sizes: Sizes) -> dict[str, dict[str, Any]]:
             "badam": {"k": sizes.badam_k}}
 
 
-#: The memory ledger's columns in the table: (header, the buckets of ``summary["memory"]["buckets"]`` summed, or
-#: None for the tensor peak ``summary["memory"]["tensor_peak_bytes"]``). The names follow the ledger's draft (issue
-#: 31, ``layerfreeze.runs.ledger.LedgerPeaks.summary``); adjust them here if the ledger lands with others.
+#: The memory ledger's columns in the table: (header, the buckets of ``summary["memory"]``, or None for the tensor
+#: peak ``summary["memory"]["tensor_peak_bytes"]``). A one-bucket column is that bucket's peak over the run; a
+#: column of several buckets is their sum at the tensor peak's step (``at_tensor_peak``): the sum of two peaks
+#: reached at different steps would count a block twice (``params_trainable`` peaks before a freeze,
+#: ``params_frozen`` after it).
 LEDGER_COLUMNS: tuple[tuple[str, tuple[str, ...] | None], ...] = (
     ("params", ("params_trainable", "params_frozen")),
     ("grads", ("grads",)),
@@ -327,9 +329,12 @@ def ledger_cells(summary: dict[str, Any]) -> dict[str, int | None]:
         if isinstance(memory, dict):
             if buckets is None:
                 value = memory.get("tensor_peak_bytes")
+            elif len(buckets) == 1:
+                peak = memory.get("buckets", {}).get(buckets[0], {}).get("peak_bytes")
+                value = peak if isinstance(peak, int) else None
             else:
-                peaks = [memory.get("buckets", {}).get(b, {}).get("peak_bytes") for b in buckets]
-                value = sum(peaks) if peaks and all(isinstance(p, int) for p in peaks) else None
+                parts = [memory.get("at_tensor_peak", {}).get(b) for b in buckets]
+                value = sum(parts) if all(isinstance(p, int) for p in parts) else None
         out[header] = value
     return out
 
@@ -475,7 +480,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", default="runs/lm-finetune-stage1", help="stage-one cache folder")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
     parser.add_argument("--markdown", help="also write the table into this Markdown file's lm_finetune section")
+    parser.add_argument("--from-json", metavar="RESULTS",
+                        help="print (and with --markdown write) the table from a results.json, training nothing")
     args = parser.parse_args(argv)
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+        for seed in results["per_seed"]:
+            for r in seed:
+                r["ledger"] = ledger_cells(r)
+        text = markdown(aggregate(results["per_seed"]), results["pretrained_perplexity"])
+        print(text, end="")
+        if args.markdown:
+            from benchmarks.markdown_section import update_section
+
+            update_section(Path(args.markdown), MARK_BEGIN, MARK_END, text, "## Language-model fine-tuning")
+        return 0
     sizes = TINY if args.tiny else QUICK if args.quick else SIZES
     if args.seeds is not None:
         if args.seeds < 1:

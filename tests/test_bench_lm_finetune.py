@@ -14,7 +14,7 @@ from tests.conftest import benchmark_module
 
 
 @pytest.mark.assets
-def test_every_row_runs_and_trains_what_its_strategy_trains(tmp_path, one_thread):
+def test_every_row_runs_and_trains_what_its_strategy_trains(tmp_path, one_thread, capsys):
     with benchmark_module("lm_finetune") as bench:
         assert bench.main(["--tiny", "--out", str(tmp_path / "out"), "--cache", str(tmp_path / "cache")]) == 0
         results = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -45,8 +45,14 @@ def test_every_row_runs_and_trains_what_its_strategy_trains(tmp_path, one_thread
         assert state["badam"] < state["lisa"] < state["none"] and state["lora-r2"] < state["lora-r4"] < state["none"]
         # AdamW keeps two float32 moments per trainable weight, the gradient one more: 12 bytes a weight (+ steps)
         assert state["none"] >= 12 * rows["none"]["max_trainable"]
+        # every row holds the same float32 parameters whatever it freezes (the ledger counts a tied weight once)
+        assert {rows[r]["ledger"]["params"] for r in ("none", "smartfrz", "static", "lisa", "badam")} == {
+            4 * rows["none"]["max_trainable"]}
         table = (tmp_path / "out" / "table.md").read_text()
         assert "| pretrained, not fine-tuned |" in table and "| badam |" in table
+        # --from-json prints the same table again, training nothing
+        assert bench.main(["--from-json", str(tmp_path / "out" / "results.json")]) == 0
+        assert capsys.readouterr().out.endswith(table)
 
         # stage one again: read from the cache; with a changed file, trained again to the very same bytes
         pretrain_texts = bench.split_corpus(bench.TINY)[0]
@@ -65,11 +71,15 @@ def test_every_row_runs_and_trains_what_its_strategy_trains(tmp_path, one_thread
 def test_the_ledger_columns_read_the_summarys_memory_entry():
     with benchmark_module("lm_finetune") as bench:
         assert bench.ledger_cells({"test_perplexity": 3.0}) == {h: None for h, _ in bench.LEDGER_COLUMNS}
-        memory = {"buckets": {"params_trainable": {"peak_bytes": 400, "step": 0},
-                              "params_frozen": {"peak_bytes": 100, "step": 0},
+        # 500 bytes of parameters, all trainable at step 0, 300 of them frozen from step 5: the params column is
+        # their sum at the tensor peak's step (500), not the sum of the two buckets' peaks (800)
+        memory = {"buckets": {"params_trainable": {"peak_bytes": 500, "step": 0},
+                              "params_frozen": {"peak_bytes": 300, "step": 5},
                               "grads": {"peak_bytes": 400, "step": 1}, "optimizer": {"peak_bytes": 800, "step": 1},
                               "activations": {"peak_bytes": 1000, "step": 1}},
-                  "tensor_peak_bytes": 2700}
+                  "tensor_peak_bytes": 2700, "tensor_peak_step": 1,
+                  "at_tensor_peak": {"params_trainable": 500, "params_frozen": 0, "grads": 400, "optimizer": 800,
+                                     "activations": 1000}}
         assert bench.ledger_cells({"memory": memory}) == {"params": 500, "grads": 400, "optimizer": 800,
                                                           "activations": 1000, "tensor peak": 2700}
         del memory["buckets"]["grads"]

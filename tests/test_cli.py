@@ -32,7 +32,8 @@ def test_unknown_strategy_parameter_and_bad_values(tmp_path, capsys):
     assert main(["train", "-s", "static", "-p", "k=-1"]) == 2
     assert "k must be an integer >= 0" in capsys.readouterr().err
     assert main(["train", "-p", "k=3"]) == 2  # the default strategy (smartfrz) has no k
-    assert "That is a parameter of static, lisa or badam: name the strategy (e.g. --strategy static)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "That is a parameter of static, lisa or badam: name the strategy (e.g. --strategy static)" in err
     assert main(["train", "--lr", "-1"]) == 2
     assert "train.lr" in capsys.readouterr().err
 

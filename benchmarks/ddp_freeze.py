@@ -7,7 +7,7 @@ parameters that were trainable then (the two must be equal: frozen blocks send n
 run the DDP rebuild times and the test accuracy. Run it alone on the machine (timings beside another torch process
 are meaningless on 2 cores).
 
-    python -m benchmarks.ddp_freeze [--ranks 2] [--epochs 3] [--limit-train 480] [--rows none linear smartfrz lisa badam]
+    python -m benchmarks.ddp_freeze [--ranks 2] [--epochs 3] [--limit-train 480] [--rows none smartfrz lisa ...]
 """
 
 from __future__ import annotations

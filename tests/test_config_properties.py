@@ -20,10 +20,11 @@ from pydantic import BaseModel
 from layerfreeze.cli import main
 from layerfreeze.train.config import Config, build_config
 
-#: Free-form text keys (paths, names) are checked where they are used (a missing file, an unknown strategy).
+#: Free-form text keys (paths, names) are checked where they are used (a missing file, an unknown strategy); a
+#: memory budget is a size or a fraction as text (tests/test_budget.py checks its forms).
 FREE_FORM = {"model.name_or_path", "model.blocks", "model.lora.targets", "data.path", "data.test_path",
              "data.text_column", "data.label_column", "freeze.strategy", "freeze.params", "run.dir", "run.device",
-             "run.resume"}
+             "run.resume", "freeze.memory_budget"}
 YAML_WORDS = {"yes", "no", "on", "off", "true", "false", "y", "n", "t", "f", "null", "nan", "inf", "infinity"}
 
 

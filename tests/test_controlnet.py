@@ -43,14 +43,49 @@ def test_placements_give_the_same_losses(result):
     assert sum(rows["bf16"]["frozen_param_bytes"].values()) < sum(rows["device"]["frozen_param_bytes"].values())
 
 
+def test_the_ledger_reports_each_device_the_trainers_buckets_and_the_frozen_models_bytes(result):
+    """Per placement and device, the memory ledger's peaks: the ControlNet's parameters and gradients are its
+    float32 bytes, AdamW's state two moments and a float32 step per tensor, the frozen models' bytes are their
+    parameters and buffers (bfloat16: half of float32's), and only the precomputed placement holds a store."""
+    res, _ = result
+    rows = {r["placement"]: r for r in res["placements"]}
+    for name, r in rows.items():
+        ledger = r["ledger"]
+        assert ledger["samples"] == 4 and list(ledger["devices"]) == ["cpu"] + (["disk"] if name == "precompute"
+                                                                             else []), name
+        cpu = ledger["devices"]["cpu"]
+        b = cpu["buckets"]
+        trained = r["trainable_param_bytes"]["cpu"]
+        assert b["params_trainable"] == b["grads"] == trained and b["params_frozen"] == 0, name
+        assert b["optimizer"] == 2 * trained + 4 * r["trainable_tensors"], name
+        assert b["activations"] > 0, name  # the ControlNet's and the frozen UNet's (the gradient flows through it)
+        assert b["side_models"] >= r["frozen_param_bytes"]["cpu"], name  # parameters and buffers
+        # one memory device: its tensor peak is the run's; no larger than its buckets' peaks (maybe other steps')
+        assert cpu["tensor_peak_bytes"] == ledger["tensor_peak_bytes"] <= sum(b.values()), name
+        assert cpu["tensor_peak_bytes"] >= trained * 4 + b["side_models"], name  # params, grads, 2 moments
+        assert cpu["peak_allocated"] is None  # no CUDA here
+    side = {name: r["ledger"]["devices"]["cpu"]["buckets"]["side_models"] for name, r in rows.items()}
+    assert side["device"] == side["worker"] and side["precompute"] < side["device"]  # only the UNet is kept
+    # bfloat16 halves every frozen parameter (integer buffers such as position ids stay as they are)
+    assert side["device"] - side["bf16"] >= rows["device"]["frozen_param_bytes"]["cpu"] // 2 > 0
+    pre = rows["precompute"]["ledger"]["devices"]
+    assert pre["cpu"]["buckets"]["cache_memory"] == rows["precompute"]["store_bytes"] > 0
+    assert all("cache_memory" not in r["ledger"]["devices"]["cpu"]["buckets"] for n, r in rows.items()
+               if n != "precompute")
+    lines = res["memory_table"].splitlines()
+    assert len(lines) == 2 + len(PLACEMENTS) and lines[2].startswith("| device | cpu |")
+
+
 def test_table_results_and_report_are_written(result):
     _, out = result
     table = (out / "table.md").read_text()
-    assert table.count("\n") == 2 + len(PLACEMENTS) and "0 (identical)" in table
+    placements, memory = table.split("\n\nMemory per device", 1)
+    assert placements.count("\n") == 1 + len(PLACEMENTS) and "0 (identical)" in placements
+    assert memory.count("| cpu |") == len(PLACEMENTS) and "frozen models" in memory
     saved = json.loads((out / "results.json").read_text())
     assert [r["placement"] for r in saved["placements"]] == list(PLACEMENTS)
     page = (out / "report" / "index.html").read_text()
-    assert "loss_curves.png" in page and "precompute" in page
+    assert "loss_curves.png" in page and "precompute" in page and "Memory per device" in page
     assert (out / "report" / "loss_curves.png").stat().st_size > 1000
 
 

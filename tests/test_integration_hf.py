@@ -274,3 +274,20 @@ def test_gradual_discriminative_lr_with_one_param_group_per_block(tmp_path):
     assert trainer.lr_scheduler.base_lrs[4] == pytest.approx(5e-3 / 2.6)
     assert trainer.lr_scheduler.base_lrs[3] == pytest.approx(5e-3 / 2.6 ** 2)
     assert len(optimizer.param_groups) == 6 and len(optimizer.param_groups[0]["params"]) == 0  # embeddings frozen
+
+
+def test_a_memory_budget_freezes_the_planned_prefix_and_the_peak_stays_within_it(tmp_path):
+    model = tiny_bert()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _, free = train(tmp_path / "none", "none", model=tiny_bert(), max_steps=3, ledger_every=1)
+    trainer = Trainer(model=model, args=arguments(tmp_path / "budget", max_steps=3), train_dataset=TokenDataset())
+    callback = LayerFreezeCallback("none", ledger_every=1, memory_budget="50%").attach(trainer)
+    trainer.train()
+    plan = callback.memory_plan
+    assert plan.none_peak_bytes == free.session.ledger.peaks.tensor.bytes  # measured on the same first batch
+    assert plan.k >= 1 and callback.freezer.frozen_blocks == plan.frozen_from_start
+    for name, p in model.named_parameters():
+        if any(name.startswith(f"{b}.") for b in plan.frozen_from_start):
+            assert torch.equal(before[name], p), name
+    peak = callback.session.ledger.peaks.tensor.bytes
+    assert peak <= plan.budget_bytes and abs(peak / plan.predicted_peak_bytes - 1) <= 0.10

@@ -202,3 +202,24 @@ def test_a_submodule_the_lightning_module_does_not_have_is_named_with_the_option
         fit(tmp_path, LayerFreeze("static", {"k": 1}, submodule="model"))
     module, _ = fit(tmp_path / "net", LayerFreeze("static", {"k": 1}, submodule="net"))
     assert not module.net[0].weight.requires_grad and module.net[2].weight.requires_grad
+
+
+def test_a_memory_budget_pins_the_planned_prefix_and_the_peak_stays_within_it(tmp_path):
+    """``memory_budget=0.6``: measured at ``on_train_start`` as if nothing were frozen (static's start stage already
+    froze block 0), the plan's none peak is the ledger's peak of a real ``none`` run; the plan's prefix is pinned
+    before the first step, stays bitwise unchanged, and the run's tensor peak is the one predicted."""
+    _, none = fit(tmp_path / "none", LayerFreeze("none", submodule="net", ledger_every=1))
+    none_peak = none.callbacks[0].session.ledger.peaks.tensor.bytes
+    module = Module()
+    before = snapshot(module)
+    callback = LayerFreeze("static", {"k": 1}, submodule="net", ledger_every=1, memory_budget=0.6)
+    fit(tmp_path / "budget", callback, module=module)
+    plan = callback.memory_plan
+    assert plan.none_peak_bytes == none_peak and plan.budget_bytes == int(0.6 * none_peak)
+    assert plan.k >= 2 and callback.freezer.floor == plan.floor
+    after = snapshot(module)
+    for i in range(plan.k):
+        name = f"{2 * i}.weight"
+        assert torch.equal(before[name], after[name]), name
+    assert callback.session.ledger.peaks.tensor.bytes == plan.predicted_peak_bytes <= plan.budget_bytes
+    assert len(module.losses) == 8 + 2  # the measurement's two training_step calls, then the fit's 8 steps

@@ -33,6 +33,7 @@ RUNNERS = {
     "**accelerate**": "tests/test_readme_snippets.py",
     "### Register your own strategy": "tests/test_strategies_register.py",
     "## Memory: where the bytes go": "tests/test_ledger.py",
+    "### Memory budgets: what to freeze to fit": "tests/test_budget.py",
 }
 
 

@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     result = run_demo(cfg, out=args.out, log=lambda m: print(m, flush=True))
     print(result["table"])
+    print("\nmemory per device (memory ledger, each bucket's peak over the steps):")
+    print(result["memory_table"])
     print(f"held-out denoising loss without control: {result['heldout_no_control']:.4f}; "
           f"total {time.perf_counter() - start:.0f} s; written to {args.out}/ (report/index.html)")
     return result

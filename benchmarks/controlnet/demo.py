@@ -28,7 +28,7 @@ from benchmarks.controlnet.models import (
     stage1_models,
     step_batches,
 )
-from benchmarks.controlnet.report import format_table, write_report
+from benchmarks.controlnet.report import MEMORY_CAPTION, format_memory_table, format_table, write_report
 from layerfreeze.compute.frozen import (
     FrozenDifferentiable,
     FrozenModule,
@@ -38,6 +38,7 @@ from layerfreeze.compute.frozen import (
     precompute,
 )
 from layerfreeze.runs import measure
+from layerfreeze.runs.ledger import DISK, Bucket, MemoryLedger
 
 
 def _param_bytes(modules: dict[str, nn.Module]) -> dict[str, int]:
@@ -49,6 +50,35 @@ def _param_bytes(modules: dict[str, nn.Module]) -> dict[str, int]:
                 seen.add(id(p))
                 out[str(p.device)] = out.get(str(p.device), 0) + p.numel() * p.element_size()
     return out
+
+
+class _DeviceBuckets:
+    """The memory ledger's figures per device over a placement's steps (:class:`~layerfreeze.runs.ledger.
+    MemoryLedger` sampling every step): each bucket's peak on each device, each device's tensor peak and, on CUDA,
+    the allocator's peak (``torch.cuda.max_memory_allocated``)."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[str, dict[str, int]] = {}
+
+    def add(self, ledger: MemoryLedger) -> None:
+        if ledger.last_step_sampled:
+            for device, per in ledger.last.devices.items():
+                mine = self.buckets.setdefault(device, {})
+                for bucket, n in per.items():
+                    mine[bucket] = max(mine.get(bucket, 0), int(n))
+
+    def result(self, ledger: MemoryLedger) -> dict[str, Any]:
+        """``{"devices": {device: {"buckets": {bucket: peak bytes}, "tensor_peak_bytes", "peak_allocated"}},
+        "tensor_peak_bytes", "samples"}`` (``peak_allocated`` None off CUDA; the disk has no tensor peak)."""
+        peaks = ledger.peaks
+        devices = {}
+        for device, per in sorted(self.buckets.items()):
+            alloc = peaks.allocator.get(device, {})
+            devices[device] = {"buckets": dict(per),
+                               "tensor_peak_bytes": peaks.devices[device].bytes if device in peaks.devices else None,
+                               "peak_allocated": alloc.get("peak_allocated")}
+        return {"devices": devices, "tensor_peak_bytes": peaks.tensor.bytes if peaks.tensor else None,
+                "samples": peaks.samples, "disk": DISK}
 
 
 def _devices(cfg: DemoConfig) -> list[str]:
@@ -145,6 +175,13 @@ def _train_placement(placement: str, cfg: DemoConfig, stage1: Stage1, data: Edge
     scheduler = noise_scheduler()
     losses, grad_norms, step_s, nonfinite, trainer_threads = [], [], [], None, torch.get_num_threads()
     before = heldout.loss(controlnet)
+    # The memory ledger over the trainer's model and optimizer, the frozen models (side_models, on their device) and
+    # the precomputed outputs (the store and the prompt embeddings: cache_memory), sampling every step.
+    sources: list[Any] = [m for m in (vae, text, unet) if m is not None]
+    if store is not None:
+        sources += [store, lambda: {Bucket.CACHE_MEMORY: {str(prompts.device): prompts.untyped_storage().nbytes()}}]
+    ledger = MemoryLedger(controlnet, opt, sources=sources, every=1, device=dev)
+    per_device = _DeviceBuckets()
     start = last = time.perf_counter()
     try:
         for batch in batches:
@@ -157,12 +194,14 @@ def _train_placement(placement: str, cfg: DemoConfig, stage1: Stage1, data: Edge
                 return unet(noisy, t, encoder_hidden_states=text_states, down_block_additional_residuals=down,
                             mid_block_additional_residual=mid).sample
 
-            loss = denoising_loss(latents, batch["text"], g, scheduler, predict)
-            trainer_threads = torch.get_num_threads()  # the pipeline's share while it runs
-            loss.backward()
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(controlnet.parameters(), 1.0)))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            with ledger.step():
+                loss = denoising_loss(latents, batch["text"], g, scheduler, predict)
+                trainer_threads = torch.get_num_threads()  # the pipeline's share while it runs
+                loss.backward()
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(controlnet.parameters(), 1.0)))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            per_device.add(ledger)
             losses.append(loss.item())
             if not math.isfinite(losses[-1]) and nonfinite is None:
                 nonfinite = f"loss is {losses[-1]} at step {len(losses) - 1}"
@@ -175,6 +214,7 @@ def _train_placement(placement: str, cfg: DemoConfig, stage1: Stage1, data: Edge
         nonfinite = str(exc).split(". In float16")[0]
         log(f"  {placement}: stopped, {nonfinite}")
     finally:
+        ledger.close()
         if pipe is not None:
             pipe.close()
     train_s = time.perf_counter() - start
@@ -193,6 +233,9 @@ def _train_placement(placement: str, cfg: DemoConfig, stage1: Stage1, data: Edge
         "precompute_s": precompute_s,
         "store_bytes": store.size_bytes + prompts.numel() * prompts.element_size() if store is not None else 0,
         "param_bytes": _param_bytes(modules),
+        "trainable_param_bytes": _param_bytes({"controlnet": controlnet}),
+        "trainable_tensors": len(list(controlnet.parameters())),
+        "ledger": per_device.result(ledger),
         "frozen_param_bytes": _param_bytes({k: v for k, v in modules.items() if k != "controlnet"}),
         "peak_memory": {d: measure.peak_memory_bytes(d) for d in _devices(cfg)},
         "memory_at_start": memory_at_start,
@@ -262,10 +305,11 @@ def _run_demo(cfg: DemoConfig, out: str | Path | None, log: Callable[[str], None
               "placements": rows, "total_s": time.perf_counter() - total,
               "threads": torch.get_num_threads()}
     result["table"] = format_table(result)
+    result["memory_table"] = format_memory_table(result)
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
-        (out / "table.md").write_text(result["table"] + "\n")
+        (out / "table.md").write_text(f"{result['table']}\n\n{MEMORY_CAPTION}\n\n{result['memory_table']}\n")
         write_report(result, out / "report")
     return result

@@ -51,6 +51,43 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: The per-device memory table's bucket columns (the memory ledger's buckets, :mod:`layerfreeze.runs.ledger`).
+MEMORY_BUCKETS = (("ControlNet params", ("params_trainable",)), ("gradients", ("grads",)),
+                  ("optimizer state", ("optimizer",)), ("saved activations", ("activations",)),
+                  ("frozen models", ("side_models",)), ("precomputed", ("cache_memory", "cache_disk")),
+                  ("buffers", ("buffers",)))
+MEMORY_CAPTION = "Memory per device (memory ledger: each bucket's peak over the placement's steps, every step sampled):"
+MEMORY_HEADERS = ("placement", "device", *(name for name, _ in MEMORY_BUCKETS), "tensor peak",
+                  "CUDA peak allocated")
+
+
+def memory_rows(result: dict[str, Any]) -> list[list[str]]:
+    """One row per placement and device: each bucket's peak there (the memory ledger, every step sampled), the
+    device's tensor peak and, on CUDA, ``torch.cuda.max_memory_allocated``."""
+    rows = []
+    for r in result["placements"]:
+        devices = (r.get("ledger") or {}).get("devices", {})
+        for device, per in devices.items():
+            b = per["buckets"]
+            if device == "disk" and not any(b.values()):
+                continue
+            cells = [r["placement"], device]
+            for _, keys in MEMORY_BUCKETS:
+                present = [k for k in keys if k in b]
+                cells.append(" / ".join(summary.format_bytes(b[k]) for k in present) if present else "-")
+            peak, alloc = per.get("tensor_peak_bytes"), per.get("peak_allocated")
+            cells += [summary.format_bytes(peak) if peak is not None else "- (disk)",
+                      summary.format_bytes(alloc) if alloc is not None else "-"]
+            rows.append(cells)
+    return rows
+
+
+def format_memory_table(result: dict[str, Any]) -> str:
+    """The per-device memory table as Markdown (:func:`memory_rows`)."""
+    lines = ["| " + " | ".join(MEMORY_HEADERS) + " |", "|" + "---|" * len(MEMORY_HEADERS)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in memory_rows(result)])
+
+
 _CSS = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
         "table{border-collapse:collapse;margin:1em 0;font-size:0.85em}th,td{border:1px solid #ccc;padding:4px 8px;"
         "text-align:right}th{background:#f4f4f4}td:first-child{text-align:left}img{max-width:100%}"
@@ -108,6 +145,14 @@ def write_report(result: dict[str, Any], folder: str | Path) -> Path:
          f"{cfg['heldout_size']} test images with fixed noise, with the trained ControlNet's residuals and "
          "without them (the UNet alone).</p>"),
         f"<table><tr>{head}</tr>{body}</table>",
+        ("<h2>Memory per device (memory ledger)</h2><p>Each bucket's peak on each device over the placement's steps "
+         "(every step sampled; <code>layerfreeze.runs.ledger.MemoryLedger</code>): the trained ControlNet's "
+         "parameters, gradients, optimizer state and the activations saved for backward (the frozen UNet's "
+         "included: the loss backpropagates through it), the frozen models' bytes (<code>side_models</code>) and "
+         "the precomputed outputs; the device's tensor peak, and on CUDA the allocator's peak.</p>"),
+        "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in MEMORY_HEADERS) + "</tr>"
+        + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in memory_rows(result))
+        + "</table>",
         ('<figure><img src="loss_curves.png" alt="training loss and ControlNet gradient norm per step">'
          "<figcaption>Training loss (each step faint, running mean bold) and ControlNet gradient norm, every "
          "placement; the lines lie on each other where training did not change.</figcaption></figure>"),

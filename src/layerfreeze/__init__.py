@@ -9,6 +9,8 @@ the contract is in ``pyproject.toml``):
 * :mod:`layerfreeze.train` -- the CLI trainer: config, tasks, data, the train/eval loop, ``compare``;
   :mod:`layerfreeze.integrations` -- the Lightning and Hugging Face Trainer callbacks;
 * :mod:`layerfreeze.checkpoint` -- resumable checkpoints carrying the freeze state (full ones of a sharded model too);
+  :mod:`layerfreeze.budget` -- memory budgets: each block's bytes measured, the frozen prefix that fits
+  (:func:`plan_memory`);
 * :mod:`layerfreeze.engine` -- :class:`Freezer`: the freeze/thaw mechanics, optimizer surgery, the stability
   guard, integrity checks; :mod:`layerfreeze.compute` -- frozen compute: the prefix cache, frozen models beside
   the trained one;
@@ -26,6 +28,9 @@ Old module paths (``layerfreeze.blocks``, ``layerfreeze.trainer``, ...) still im
 
 from layerfreeze import _compat
 from layerfreeze._version import __version__
+
+# Memory budgets: what to freeze to fit.
+from layerfreeze.budget import MemoryPlan, parse_budget, plan_memory
 
 # Checkpoints.
 from layerfreeze.checkpoint import load_checkpoint, load_full_checkpoint, save_checkpoint, save_full_checkpoint
@@ -56,6 +61,7 @@ from layerfreeze.engine import Freezer, StabilityGuard, block_param_groups
 from layerfreeze.errors import (
     AssetMissingError,
     BlockDiscoveryError,
+    BudgetError,
     CheckpointError,
     ConfigError,
     PredictorError,
@@ -101,6 +107,7 @@ __all__ = [
     "AssetMissingError",
     "Block",
     "BlockDiscoveryError",
+    "BudgetError",
     "CacheRefused",
     "CachedPrefix",
     "CheckpointError",
@@ -113,6 +120,7 @@ __all__ = [
     "FrozenPipeline",
     "GlobalRNGUsedError",
     "MemoryLedger",
+    "MemoryPlan",
     "ModelSplit",
     "NonFiniteOutputError",
     "PrecomputeRefused",
@@ -137,7 +145,9 @@ __all__ = [
     "load_full_checkpoint",
     "make_blocks",
     "module_entry",
+    "parse_budget",
     "per_sample_generators",
+    "plan_memory",
     "precompute",
     "qualified_names",
     "register_blocks",

@@ -1,9 +1,10 @@
-"""``layerfreeze`` command line: ``train``, ``compare``, ``blocks``, ``report``, ``predictor``, ``config``,
+"""``layerfreeze`` command line: ``train``, ``compare``, ``plan``, ``blocks``, ``report``, ``predictor``, ``config``,
 ``strategies``, ``assets``.
 
-Exit codes: 0 success; 2 bad input (config, strategy, missing asset, undiscoverable blocks, bad checkpoint) found
-before training starts; 130 interrupted (a resumable checkpoint was written); 1 the run was stopped (a peer rank was
-lost, the loss diverged or sat at chance level, a frozen weight moved; the last checkpoint is resumable).
+Exit codes: 0 success; 2 bad input (config, strategy, missing asset, undiscoverable blocks, bad checkpoint, a memory
+budget nothing meets) found before training starts; 130 interrupted (a resumable checkpoint was written); 1 the run
+was stopped (a peer rank was lost, the loss diverged or sat at chance level, a frozen weight moved; the last
+checkpoint is resumable).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ TRAIN_FLAGS = {
     "limit_test": "data.limit_test",
     "run_dir": "run.dir",
     "device": "run.device",
+    "memory_budget": "freeze.memory_budget",
 }
 
 
@@ -62,27 +64,11 @@ def _parser() -> argparse.ArgumentParser:
         "  layerfreeze train --config run.yaml --set train.lr=3e-5\n  layerfreeze train --resume runs/my-run",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    train.add_argument("--config", "-c", help="YAML or TOML config file")
-    train.add_argument("--task", help="bbc-news (default), fashion-mnist, text-csv, image-folder, text-lm")
-    train.add_argument("--model", help="local Hugging Face model folder (text-lm: a causal LM), or mobilenet_v2 / "
-                       "resnet18")
-    train.add_argument("--data", help="CSV file (text-csv), image folder (image-folder), text or CSV file (text-lm)")
-    train.add_argument("--strategy", "-s",
-                       help=f"freezing strategy (default {DEFAULT_STRATEGY}): {', '.join(sorted(STRATEGIES))}")
-    train.add_argument("--param", "-p", action="append", default=[], metavar="NAME=VALUE",
-                       help="strategy parameter, e.g. -p k=5 (repeatable)")
-    train.add_argument("--epochs", type=int)
-    train.add_argument("--batch-size", type=int)
-    train.add_argument("--lr", type=float, help="learning rate of the head")
-    train.add_argument("--seed", type=int)
-    train.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
-    train.add_argument("--limit-train", type=int, help="use only the first N training samples")
-    train.add_argument("--limit-test", type=int, help="use only the first N test samples")
-    train.add_argument("--run-dir", help="output folder (default runs/<task>-<strategy>-<time>)")
-    train.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    _add_run_arguments(train)
+    train.add_argument("--memory-budget", metavar="BUDGET",
+                       help="tensor-peak budget (3GiB, 800MiB, or 0.6 of the peak with nothing frozen): freeze the "
+                       "shortest prefix that fits from the start and never thaw it (`layerfreeze plan` shows it)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its checkpoint")
-    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="any config key, e.g. --set train.warmup_fraction=0.06 (repeatable)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files")
     train.add_argument("--no-ledger", action="store_true",
@@ -110,6 +96,25 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     comp.add_argument("--no-progress", action="store_true")
     comp.add_argument("--no-report", action="store_true", help="no HTML report at the end")
+
+    plan = sub.add_parser(
+        "plan", help="what to freeze to fit a memory budget: each block's bytes measured, the frozen prefix that fits",
+        description="Measure each block's bytes in every bucket (parameters, gradients, optimizer state, saved "
+        "activations, the activation cache) on two real training steps at the run's batch size with nothing frozen, "
+        "predict every frozen prefix's tensor peak (the memory ledger's figure), and print the shortest prefix that "
+        "fits the budget, its predicted peak and what it gives up. The task/model/data flags are train's; `layerfreeze "
+        "train --memory-budget BUDGET` with the same flags applies the plan.",
+        epilog="examples:\n  layerfreeze plan --memory 3GiB\n  layerfreeze plan --memory 0.6 --task fashion-mnist "
+        "--check 20\n  layerfreeze plan --memory 800MiB --set model.max_length=64 --json plan.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan.add_argument("--memory", "-m", required=True, metavar="BUDGET",
+                      help="the budget: 3GiB, 800MiB, 2.5GB (a size), or 0.6 / 60%% (of the tensor peak with nothing "
+                      "frozen)")
+    plan.add_argument("--check", type=int, metavar="N", help="then train N steps under the plan and print the "
+                      "predicted against the measured tensor peak")
+    plan.add_argument("--json", metavar="FILE", help="also write the plan (every prefix's cost) as JSON")
+    _add_run_arguments(plan)
+    plan.add_argument("--no-progress", action="store_true", help="no progress bar (--check)")
 
     blocks = sub.add_parser("blocks", help="show the blocks of a task's model (what strategies freeze)")
     blocks.add_argument("--config", "-c")
@@ -142,6 +147,31 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("strategies", help="list the freezing strategies and their parameters")
     sub.add_parser("assets", help="check the offline assets (models, datasets) and how to install missing ones")
     return parser
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that configure a run (``train`` and ``plan`` share them: :data:`TRAIN_FLAGS`, ``--param``,
+    ``--set``)."""
+    parser.add_argument("--config", "-c", help="YAML or TOML config file")
+    parser.add_argument("--task", help="bbc-news (default), fashion-mnist, text-csv, image-folder, text-lm")
+    parser.add_argument("--model", help="local Hugging Face model folder (text-lm: a causal LM), or mobilenet_v2 / "
+                        "resnet18")
+    parser.add_argument("--data", help="CSV file (text-csv), image folder (image-folder), text or CSV file (text-lm)")
+    parser.add_argument("--strategy", "-s",
+                        help=f"freezing strategy (default {DEFAULT_STRATEGY}): {', '.join(sorted(STRATEGIES))}")
+    parser.add_argument("--param", "-p", action="append", default=[], metavar="NAME=VALUE",
+                        help="strategy parameter, e.g. -p k=5 (repeatable)")
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--lr", type=float, help="learning rate of the head")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    parser.add_argument("--limit-train", type=int, help="use only the first N training samples")
+    parser.add_argument("--limit-test", type=int, help="use only the first N test samples")
+    parser.add_argument("--run-dir", help="output folder (default runs/<task>-<strategy>-<time>)")
+    parser.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="any config key, e.g. --set train.warmup_fraction=0.06 (repeatable)")
 
 
 def _overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[dict[str, Any]]:
@@ -299,6 +329,81 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    import tempfile
+
+    from rich.table import Table
+
+    from layerfreeze.runs.summary import format_bytes
+    from layerfreeze.train.trainer import Trainer
+
+    overrides = [*_overrides(args, TRAIN_FLAGS), {"freeze": {"memory_budget": args.memory}}]
+    config = load_config(args.config, overrides)
+    if args.check is not None and args.check < 1:
+        raise ConfigError(f"--check {args.check}: give the number of training steps to check the plan on (>= 1)")
+    trainer = Trainer(config)
+    trainer.setup(plan_only=True)
+    plan = trainer.memory_plan
+    measured = plan.measured
+    cache = measured.cache
+    console.print(f"[bold]layerfreeze plan[/] {config.task} | {trainer.task.model_name} ({len(plan.block_names)} "
+                  f"blocks) | batch {measured.batch_size} | strategy {config.freeze.strategy} | cache "
+                  + (f"on ({cache.samples} samples, {cache.dtype})" if cache is not None else "off"), highlight=False)
+    b = measured.buckets
+    console.print(f"measured on {measured.steps} real steps with nothing frozen: tensor peak "
+                  f"{format_bytes(plan.none_peak_bytes)} (parameters {format_bytes(b.get('params_trainable', 0))}, "
+                  f"gradients {format_bytes(b.get('grads', 0))}, optimizer state "
+                  f"{format_bytes(b.get('optimizer', 0))}, "
+                  f"saved activations {format_bytes(b.get('activations', 0))}, buffers "
+                  f"{format_bytes(b.get('buffers', 0))})", highlight=False)
+    head, cells = plan.rows()
+    table = Table(title=f"each frozen prefix under a budget of {format_bytes(plan.budget_bytes)} (tensor peak)")
+    for col in head:
+        table.add_column(col, justify="left" if col == "frozen up to" else "right")
+    for row in cells:
+        table.add_row(*row)
+    console.print(table)
+    chosen = plan.chosen
+    console.print(f"[bold]plan[/]: budget {plan.budget} = {format_bytes(plan.budget_bytes)}; predicted tensor peak "
+                  f"{format_bytes(plan.predicted_peak_bytes)} ({format_bytes(chosen.model_bytes)} model"
+                  + (f" + {format_bytes(chosen.cache_bytes)} cache in memory, the rest of it on disk)"
+                     if chosen.cache_budget_bytes is not None else ")"), highlight=False)
+    console.print(f"gives up: {plan.gives_up()}", highlight=False)
+    settings = [f"freeze.memory_budget: {plan.budget} (train --memory-budget {plan.budget}) keeps blocks "
+                f"0..{plan.k - 1} frozen from the start; the strategy may freeze more, never thaw them" if plan.k else
+                f"freeze.memory_budget: {plan.budget} (train --memory-budget {plan.budget}): nothing frozen from the "
+                "start"]
+    if config.freeze.strategy == "static" and config.freeze.params.get("k", 0) < plan.k:
+        settings.append(f"static's k={config.freeze.params.get('k')} acts as k={plan.k}")
+    if chosen.cache_budget_bytes is not None:
+        settings.append(f"the activation cache keeps up to {format_bytes(chosen.cache_budget_bytes)} in memory "
+                        "(freeze.cache.budget_mb), spilling the rest to disk")
+    console.print("settings: " + "; ".join(settings), highlight=False)
+    if args.json:
+        Path(args.json).write_text(json.dumps(plan.to_dict(), indent=2))
+        console.print(f"plan: {args.json}")
+    if args.check is None:
+        return 0
+    run_dir = Path(config.run.dir) if config.run.dir else Path(tempfile.mkdtemp(prefix="layerfreeze-plan-check-"))
+    checked = load_config(args.config, [*overrides, {"train": {"max_steps": args.check}, "run": {
+        "dir": str(run_dir), "ledger": True, "ledger_every": 1, "checkpoint": False, "tensorboard": False,
+        "progress": not args.no_progress}}])
+    console.print(f"check: training {args.check} steps under the plan in {run_dir}", highlight=False)
+    summary = Trainer(checked).run()
+    got = summary["memory_plan"]
+    seen = min(summary["steps"] * checked.train.batch_size, cache.samples) if cache is not None else 0
+    for_steps = plan.predicted_for_samples(seen)
+    measured_peak = got["measured_peak_bytes"]
+    console.print(
+        f"check: predicted tensor peak {format_bytes(for_steps)} for these {summary['steps']} steps"
+        + (f" (the cache holding {seen} of {cache.samples} samples; {format_bytes(plan.predicted_peak_bytes)} once "
+           "it holds them all)" if cache is not None and chosen.cache_budget_bytes is not None else "")
+        + f", measured {format_bytes(measured_peak)}: {100 * (measured_peak / for_steps - 1):+.1f}%; "
+        + ("within" if measured_peak <= plan.budget_bytes else "[bold red]over[/]")
+        + f" the budget of {format_bytes(plan.budget_bytes)}", highlight=False)
+    return 0
+
+
 def _cmd_blocks(args: argparse.Namespace, console: Console) -> int:
     from layerfreeze.models.blocks import describe_blocks
     from layerfreeze.models.discovery import find_blocks
@@ -357,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_train(args, console)
         if args.command == "compare":
             return _cmd_compare(args, console)
+        if args.command == "plan":
+            return _cmd_plan(args, console)
         if args.command == "blocks":
             return _cmd_blocks(args, console)
         if args.command == "report":

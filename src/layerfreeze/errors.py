@@ -6,7 +6,8 @@ Each message says what was wrong and what to do. Raised where the problem is fou
 trains (:class:`ConfigError`), a missing offline asset (:class:`AssetMissingError`), a model whose blocks cannot be
 found (:class:`BlockDiscoveryError`), an unknown strategy or parameter (:class:`UnknownStrategyError`), a checkpoint
 that is missing, corrupt or of another run (:class:`CheckpointError`), a SmartFRZ predictor file that is missing,
-corrupt or of another version (:class:`PredictorError`).
+corrupt or of another version (:class:`PredictorError`), a memory budget that is malformed or that no frozen set
+meets (:class:`BudgetError`).
 """
 
 from __future__ import annotations
@@ -54,3 +55,16 @@ class AssetMissingError(UserError, FileNotFoundError):
             message += f" ({detail})"
         message += f". Install it with: {install_command}"
         super().__init__(message)
+
+
+class BudgetError(UserError, ValueError):
+    """A memory budget that cannot be read (``"3 lbs"``), or that no frozen set meets.
+
+    Attributes:
+        smallest_bytes: The smallest tensor peak a frozen set reaches (every block but the head frozen), in bytes,
+            when the budget was read but cannot be met; None for a budget that cannot be read.
+    """
+
+    def __init__(self, message: str, smallest_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.smallest_bytes = smallest_bytes

@@ -492,7 +492,8 @@ class CachedPrefix:
 def build_cached_prefix(model: nn.Module, blocks: Sequence[Block], dataset: Any, *, mode: str = "auto",
                         dtype: torch.dtype | None = None, budget_bytes: int | None = None, directory: Any = None,
                         freezer: FrozenPrefixSource | None = None, input_key: str = "pixel_values",
-                        on_disable: Callable[[str], None] | None = None) -> CachedPrefix | None:
+                        on_disable: Callable[[str], None] | None = None,
+                        shard_bytes: int | None = None) -> CachedPrefix | None:
     """The frozen-prefix cache a run asks for (``freeze.cache`` in the CLI), or None to run the plain forward.
 
     Args:
@@ -508,6 +509,9 @@ def build_cached_prefix(model: nn.Module, blocks: Sequence[Block], dataset: Any,
         freezer: The Freezer whose frozen prefix is served.
         input_key: The batch key of the input, for families whose forward takes one tensor (``nn.Sequential``).
         on_disable: Called with the reason whenever ``auto`` runs without the cache.
+        shard_bytes: The write buffer above ``budget_bytes`` before a shard is written (None: the store's default,
+            64 MiB; 0: every batch that spills is written at once, so memory never exceeds the budget by more than
+            one batch: what a memory budget's plan asks, :mod:`layerfreeze.budget`).
 
     Raises:
         CacheRefused: ``mode="on"`` and the model or data cannot be cached (the message says why).
@@ -526,5 +530,6 @@ def build_cached_prefix(model: nn.Module, blocks: Sequence[Block], dataset: Any,
         if on_disable is not None:
             on_disable(str(exc))
         return None
-    cache = ActivationCache(budget_bytes, dtype, directory=directory)
+    cache = ActivationCache(budget_bytes, dtype, directory=directory,
+                            **({} if shard_bytes is None else {"shard_bytes": shard_bytes}))
     return CachedPrefix(model, blocks, split, cache, freezer=freezer, fallback=mode == "auto", on_disable=on_disable)

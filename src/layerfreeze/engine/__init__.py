@@ -1,7 +1,7 @@
 """The freezing engine: strategies decide, the engine applies (:class:`Freezer`).
 
 * :mod:`~layerfreeze.engine.freezer` -- :class:`Freezer` (freeze/thaw, stages, LR factors, checkpointable state, rank
-  0's decisions shared with every rank);
+  0's decisions shared with every rank, a floor of blocks that stay frozen: :class:`PinnedBlockError`);
 * :mod:`~layerfreeze.engine.mechanics` -- the stateless mechanics it is made of (:func:`frozen_parameters`,
   :func:`set_eval_mode`);
 * :mod:`~layerfreeze.engine.optim` -- the optimizer surgery: one param group per block
@@ -11,7 +11,7 @@
   trainable block gets a gradient.
 """
 
-from layerfreeze.engine.freezer import Freezer, share_decision
+from layerfreeze.engine.freezer import Freezer, PinnedBlockError, share_decision
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenWeightsChangedError, UnfrozenParameterError
 from layerfreeze.engine.mechanics import frozen_parameters, set_eval_mode
@@ -20,6 +20,7 @@ from layerfreeze.engine.optim import block_param_groups
 __all__ = [
     "Freezer",
     "FrozenWeightsChangedError",
+    "PinnedBlockError",
     "StabilityGuard",
     "UnfrozenParameterError",
     "block_param_groups",

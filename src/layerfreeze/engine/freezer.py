@@ -38,6 +38,11 @@ block above a trainable one saves its weight gradients and optimizer state, whil
 
 A learning rate for the thawed block may be given (discriminative LR); that needs param groups that hold only that
 block's parameters, which :func:`~layerfreeze.engine.optim.block_param_groups` builds.
+
+A **floor** (``Freezer(..., floor=plan.floor)``, :meth:`Freezer.pin`) is a set of blocks that must stay frozen: a
+memory budget's plan (:mod:`layerfreeze.budget`) freezes them before the first step, and from then on a strategy may
+freeze more but its thaws of them are dropped (a warning per block), the stability guard stops watching them, and
+:meth:`Freezer.thaw` refuses them (:class:`PinnedBlockError`): a thaw past the floor would break the budget.
 """
 
 from __future__ import annotations
@@ -76,6 +81,12 @@ from layerfreeze.strategies import DEFAULT_STRATEGY, Decision, StageContext, Str
 from layerfreeze.strategies.base import BlockView
 
 STATE_VERSION = 1
+#: The reason recorded for a block the floor freezes.
+FLOOR_REASON = "memory budget"
+
+
+class PinnedBlockError(RuntimeError):
+    """A thaw of a block the Freezer's floor keeps frozen (a memory budget's plan)."""
 
 # --------------------------------------------------------------------------------------------------------------
 # The Freezer
@@ -101,6 +112,9 @@ class Freezer:
         steps_per_epoch: Optimizer steps per epoch, if known.
         on_event: Called with each freeze/thaw record (a dict), e.g. to log it to telemetry.
         guard: An optional :class:`~layerfreeze.engine.guard.StabilityGuard`; feed it with :meth:`report_metric`.
+        floor: Blocks (indices or names) that must stay frozen: frozen before the strategy's start stage and never
+            thawed (a memory budget's plan: ``floor=plan.floor``, :func:`layerfreeze.budget.plan_memory`); see
+            :meth:`pin`.
         on_unfrozen: What to do when a frozen block's parameter was replaced (``module.weight = nn.Parameter(...)``),
             requires grad again or is back in the optimizer (checked after every step,
             :class:`~layerfreeze.engine.integrity.FrozenSet`): ``"warn"`` re-freezes it and warns naming it, ``"error"``
@@ -120,6 +134,7 @@ class Freezer:
         BlockDiscoveryError: blocks cannot be discovered (see :func:`~layerfreeze.models.discovery.discover_blocks`).
         UnknownStrategyError / ValueError: bad strategy name or parameters.
         RuntimeError: the strategy needs ``total_steps`` and none was given (the message says to pass it).
+        ValueError: a ``floor`` block that is the head.
 
     Use it as a context manager (``with Freezer(...) as freezer:``) or call :meth:`close` when training ends:
     some strategies hold hooks and a background thread (Egeria's reference model).
@@ -141,6 +156,7 @@ class Freezer:
         guard: StabilityGuard | None = None,
         distributed: bool | None = None,
         on_unfrozen: str = "warn",
+        floor: Sequence[int | str] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -177,6 +193,8 @@ class Freezer:
         self._backward_calls = 0
         self._lr_scale: dict[int, float] = {}
         self._lr_written: dict[int, tuple[float, float]] = {}  # group -> (unscaled lr, lr we wrote)
+        self._floor: set[int] = set()
+        self._refused: set[int] = set()  # floor blocks whose thaw a strategy asked for (warned once each)
         self.distributed = comm.is_distributed() if distributed is None else bool(distributed)
         if self.distributed and not comm.is_distributed():
             raise RuntimeError("Freezer(distributed=True) needs an initialized torch.distributed process group of "
@@ -187,6 +205,8 @@ class Freezer:
         if self.decides:
             self.strategy.attach(model, self.blocks)
         try:
+            if floor:
+                self.pin(floor)
             self._stage(event="start")
             self._apply_lr_scales()  # LR factors from the start stage already apply to the first step
         except BaseException:
@@ -229,6 +249,11 @@ class Freezer:
                 for _, module in block.modules:
                     self._eval_hook(module, ())
 
+    @property
+    def floor(self) -> list[int]:
+        """The blocks that must stay frozen (indices, front to back): see :meth:`pin`."""
+        return sorted(self._floor)
+
     def trainable_parameters(self) -> int:
         """Number of scalar parameters that currently require grad."""
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
@@ -259,6 +284,32 @@ class Freezer:
         self._record("freeze", block, reason)
         return True
 
+    def pin(self, keys: Sequence[int | str], reason: str = FLOOR_REASON) -> list[int]:
+        """Add blocks to the floor: freeze them now (those not frozen yet) and keep them frozen.
+
+        From then on a strategy may freeze more, but its thaws of a floor block are dropped (one warning per block),
+        the stability guard stops watching them (it never thaws them), and :meth:`thaw` refuses them. Why: a memory
+        budget's plan (:mod:`layerfreeze.budget`) freezes a prefix so the run's tensor peak fits; thawing any of it
+        would bring back its gradients, optimizer state and saved activations.
+
+        Returns:
+            The blocks this call froze (indices).
+
+        Raises:
+            ValueError: a key is the head (a run must train something) or an unknown block.
+        """
+        froze = []
+        for key in keys:
+            block = self.block(key)
+            if block.is_head:
+                raise ValueError(f"the floor cannot hold the head ({block.name}): a run must train something")
+            self._floor.add(block.index)
+            if self.freeze(block.index, reason=reason):
+                froze.append(block.index)
+        if self.guard is not None:
+            self.guard.release(self._floor)
+        return froze
+
     def thaw(self, key: int | str, lr: float | None = None, reason: str = "manual") -> bool:
         """Thaw one block: it trains again, back in the param groups it came from.
 
@@ -272,8 +323,14 @@ class Freezer:
         Raises:
             ValueError: ``lr`` given but a target param group also holds other blocks' parameters (build the
                 optimizer with :func:`~layerfreeze.engine.optim.block_param_groups`).
+            PinnedBlockError: the block is in the floor (:meth:`pin`: a memory budget keeps it frozen).
         """
         block = self.block(key)
+        if block.index in self._floor:
+            raise PinnedBlockError(
+                f"block {block.name} is in the Freezer's floor ({FLOOR_REASON}: it stays frozen so the run's tensor "
+                "peak fits the budget); thawing it would bring back its gradients, optimizer state and saved "
+                "activations. Raise the budget (or plan without it) to train it")
         was_frozen = self.frozen[block.index]
         if was_frozen:
             self._sharded()
@@ -439,11 +496,14 @@ class Freezer:
             return None
         index, reference = None, float("nan")
         if self.decides:
+            self.guard.release(self._floor)
             index = self.guard.observe(float(value), list(self.frozen))
             if self.guard.reference is not None:
                 reference = self.guard.reference
         if self.distributed:
             index, reference, value = comm.broadcast_object((index, reference, value))
+        if index is not None and index in self._floor:  # never: the guard does not watch the floor
+            index = None
         if index is not None:
             self.thaw(index, reason=f"guard: metric {value:.4g} worse than {reference:.4g} before the freeze")
         return index
@@ -471,6 +531,7 @@ class Freezer:
             "lr_written": dict(self._lr_written),
             "guard": self.guard.state_dict() if self.guard is not None else None,
             "frozen_checksums": self.integrity.state_dict(),
+            "floor": self.floor,
         }
         if self.optimizer is not None:
             state["param_groups"] = [[self._names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
@@ -496,10 +557,11 @@ class Freezer:
             )
         self.train_bn = state.get("train_bn", self.train_bn)
         self._sharded()
+        self._floor |= {int(i) for i in state.get("floor", [])}
         for block, frozen in zip(self.blocks, state["frozen"]):
-            if frozen and not self.frozen[block.index]:
+            if (frozen or block.index in self._floor) and not self.frozen[block.index]:
                 self.freeze(block.index, reason="resume")
-            elif not frozen and self.frozen[block.index]:
+            elif not frozen and self.frozen[block.index] and block.index not in self._floor:
                 self.thaw(block.index, reason="resume")
         if self.optimizer is not None and "param_groups" in state:
             by_name = dict(self.model.named_parameters())
@@ -621,7 +683,8 @@ class Freezer:
         return decision
 
     def _admissible(self, decision: Decision) -> Decision:
-        """``decision`` without freezes the stability guard holds back (cooling down after a guard thaw).
+        """``decision`` without freezes the stability guard holds back (cooling down after a guard thaw), and
+        without thaws of the floor (:meth:`pin`).
 
         Raises:
             RuntimeError: the strategy tried to freeze the head.
@@ -631,6 +694,16 @@ class Freezer:
                 raise RuntimeError(f"Strategy {self.strategy.name!r} tried to freeze the head ({self.blocks[i].name})")
         if self.guard is not None:
             decision.freeze = [i for i in decision.freeze if not self.guard.blocks_freeze(i)]
+        refused = [i for i in decision.thaw if i in self._floor]
+        if refused:
+            decision.thaw = [i for i in decision.thaw if i not in self._floor]
+            decision.thaw_lr = {i: lr for i, lr in decision.thaw_lr.items() if i not in self._floor}
+            new = [i for i in refused if i not in self._refused]
+            self._refused.update(refused)
+            if new:
+                warnings.warn(f"strategy {self.strategy.name!r} asked to thaw "
+                              f"{', '.join(self.blocks[i].name for i in new)}, in the Freezer's floor "
+                              f"({FLOOR_REASON}): they stay frozen", stacklevel=4)
         return decision
 
 

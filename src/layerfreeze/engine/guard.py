@@ -49,6 +49,15 @@ class StabilityGuard:
             self.bad = 0
         self.watching.append(index)
 
+    def release(self, indices: Any) -> None:
+        """Stop watching ``indices`` (blocks a memory budget keeps frozen: the guard must never thaw them); the
+        reference goes when nothing is watched any more."""
+        keep = [i for i in self.watching if i not in indices]
+        if keep != self.watching:
+            self.watching = keep
+            if not keep:
+                self.reference, self.bad = None, 0
+
     def blocks_freeze(self, index: int) -> bool:
         """True while ``index`` is cooling down after a guard thaw (the engine then skips freezing it)."""
         return self.cooling.get(index, 0) > 0

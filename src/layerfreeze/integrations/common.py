@@ -16,16 +16,22 @@ that a framework's own loop needs and a hand-written loop does not.
 * :class:`FreezeSession` — one freezer in a framework's loop: its events, the DDP wrapper and the boundary kept in
   step with the frozen set, the optional memory ledger (:class:`~layerfreeze.runs.ledger.MemoryLedger`), and the
   values to log.
+* :func:`plan_on_first_batch` — a memory budget's plan (:mod:`layerfreeze.budget`) measured on the framework's first
+  training batch, the run's random streams left as they were.
 """
 
 from __future__ import annotations
 
 import math
+import random
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
+from layerfreeze.budget.plan import MemoryPlan, plan_memory
 from layerfreeze.distributed.ddp import rebuild_ddp
 from layerfreeze.engine.freezer import Freezer
 from layerfreeze.models.blocks import output_tensor
@@ -169,6 +175,45 @@ class CheckpointBoundary:
         if self.handle is not None:
             self.handle.remove()
         self.handle, self.index = None, None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A memory budget in a framework's loop
+# --------------------------------------------------------------------------------------------------------------
+
+
+def plan_on_first_batch(budget: Any, model: nn.Module, optimizer: Any, loader: Iterable[Any], *,
+                        move: Callable[[Any], Any] = lambda batch: batch,
+                        loss: Callable[[nn.Module, Any], torch.Tensor] | None = None, blocks: Any = None,
+                        unfrozen: bool = False) -> MemoryPlan:
+    """The plan of a memory budget (:func:`~layerfreeze.budget.plan.plan_memory`) measured on the first batch of the
+    framework's training loader, or ``budget`` itself when it is a ready :class:`~layerfreeze.budget.plan.MemoryPlan`.
+
+    The batch is drawn from a fresh iterator with Python's, NumPy's and torch's random states kept (a shuffling
+    sampler draws its seed from them), so the run's own batches and dropout masks are those it would have had.
+
+    Args:
+        budget: ``"3GiB"``, ``"0.6"``, an int of bytes, a float fraction, or a :class:`MemoryPlan`.
+        model / optimizer: The network and the framework's optimizer (its kind is measured, its state untouched).
+        loader: The training loader (its first batch is measured).
+        move: Puts a batch on the model's device.
+        loss: ``loss(model, batch)`` -> scalar (default :func:`~layerfreeze.budget.measure.default_loss`).
+        blocks: The blocks (a Freezer's), or None to discover them.
+        unfrozen: Measure as if no block were frozen (the Freezer already froze its start stage's blocks).
+
+    Raises:
+        BudgetError: the budget cannot be read or met.
+    """
+    if isinstance(budget, MemoryPlan):
+        return budget
+    states = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []):
+        try:
+            batch = next(iter(loader))
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+    return plan_memory(model, move(batch), budget, loss=loss, optimizer=optimizer, blocks=blocks, unfrozen=unfrozen)
 
 
 # --------------------------------------------------------------------------------------------------------------

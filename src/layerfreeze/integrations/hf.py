@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 
+from layerfreeze.budget.plan import MemoryPlan
 from layerfreeze.engine.freezer import Freezer
 from layerfreeze.integrations import require
 from layerfreeze.integrations.common import (
@@ -73,6 +74,7 @@ from layerfreeze.integrations.common import (
     inner_optimizer,
     inner_scheduler,
     is_checkpointing,
+    plan_on_first_batch,
 )
 from layerfreeze.strategies import DEFAULT_STRATEGY, Strategy
 
@@ -117,6 +119,12 @@ class LayerFreezeCallback(transformers.TrainerCallback):
             step in ``ledger_every`` and the step after every freeze or thaw; its last sample is logged with the
             Trainer's logs as ``layerfreeze/memory/<bucket>`` (bytes), its peaks are ``callback.session.ledger.peaks``.
             None (default): no ledger.
+        memory_budget: A tensor-peak budget (``"3GiB"``, ``"800MiB"``, ``0.6`` of the peak with nothing frozen; an int
+            of bytes) or a ready :class:`~layerfreeze.budget.plan.MemoryPlan`. At ``on_train_begin`` two real steps on
+            the first training batch (``model(**batch).loss``) measure each block's bytes
+            (:func:`~layerfreeze.budget.plan.plan_memory`; the model and the random streams come back as they were),
+            and the shortest frozen prefix that fits is frozen before the first step and never thawed (the Freezer's
+            ``floor``); ``callback.memory_plan`` holds the plan. None (default): no budget.
 
     Attributes:
         freezer: The :class:`~layerfreeze.engine.Freezer` (from ``on_train_begin`` on); ``freezer.history`` is the
@@ -129,13 +137,17 @@ class LayerFreezeCallback(transformers.TrainerCallback):
             attached with :meth:`attach`.
         FileNotFoundError: the Trainer resumes but the checkpoint folder has no ``layerfreeze.pt`` (give
             ``resume_from``, or resume from a checkpoint written with this callback).
+        BudgetError: ``memory_budget`` cannot be read or met (the message names the smallest reachable peak).
         BlockDiscoveryError, UnknownStrategyError, ValueError: as :class:`~layerfreeze.engine.Freezer`.
     """
 
     def __init__(self, strategy: str | Strategy = DEFAULT_STRATEGY, params: dict[str, Any] | None = None,
                  blocks: Sequence[str] | None = None, train_bn: bool = False,
-                 resume_from: str | os.PathLike | None = None, ledger_every: int | None = None) -> None:
+                 resume_from: str | os.PathLike | None = None, ledger_every: int | None = None,
+                 memory_budget: Any = None) -> None:
         self.strategy = strategy
+        self.memory_budget = memory_budget
+        self.memory_plan: MemoryPlan | None = None
         self.ledger_every = ledger_every
         self.params = dict(params or {})
         self.blocks = list(blocks) if blocks is not None else None
@@ -179,9 +191,15 @@ class LayerFreezeCallback(transformers.TrainerCallback):
         steps_per_epoch = None
         if train_dataloader is not None and hasattr(train_dataloader, "__len__"):
             steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+        if self.memory_budget is not None:
+            device = next(model.parameters()).device
+            self.memory_plan = plan_on_first_batch(
+                self.memory_budget, model, optimizer, train_dataloader, blocks=self.blocks,
+                move=lambda batch: {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
         self.freezer = Freezer(model, optimizer, self.strategy, self.params or None, blocks=self.blocks,
                                train_bn=self.train_bn, scheduler=inner_scheduler(lr_scheduler),
-                               total_steps=state.max_steps, steps_per_epoch=steps_per_epoch)
+                               total_steps=state.max_steps, steps_per_epoch=steps_per_epoch,
+                               floor=self.memory_plan.floor if self.memory_plan is not None else None)
         if saved is not None:
             self.freezer.load_state_dict(saved["freezer"])
             snapshot.restore()

@@ -36,14 +36,16 @@ first step and knows where each goes back. A parameter the optimizer never held 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
+from layerfreeze.budget.plan import MemoryPlan
 from layerfreeze.engine.freezer import Freezer
 from layerfreeze.integrations import require
-from layerfreeze.integrations.common import FreezeSession, is_checkpointing
+from layerfreeze.integrations.common import FreezeSession, inner_optimizer, is_checkpointing, plan_on_first_batch
 from layerfreeze.strategies import DEFAULT_STRATEGY, Strategy
 
 L = require("lightning.pytorch", "lightning")
@@ -63,6 +65,15 @@ class LayerFreeze(L.Callback):
             step in ``ledger_every`` and the step after every freeze or thaw; each sample is logged to the Trainer's
             loggers as ``layerfreeze/memory/<bucket>`` (bytes), its peaks are ``callback.session.ledger.peaks``.
             None (default): no ledger.
+        memory_budget: A tensor-peak budget (``"3GiB"``, ``"800MiB"``, ``0.6`` of the peak with nothing frozen; an int
+            of bytes) or a ready :class:`~layerfreeze.budget.plan.MemoryPlan`. At ``on_train_start`` (the optimizer
+            and the train loader exist) two real steps on the first training batch measure each block's bytes as if
+            nothing were frozen (:func:`~layerfreeze.budget.plan.plan_memory`; the model and the random streams come
+            back as they were), and the shortest frozen prefix that fits is frozen before the first step and never
+            thawed (:meth:`~layerfreeze.engine.Freezer.pin`); ``callback.memory_plan`` holds the plan.
+        memory_loss: ``memory_loss(pl_module, batch)`` -> the scalar loss of a batch, for the measurement; default
+            the LightningModule's ``training_step(batch, 0)`` (its ``loss`` when it returns a mapping) with
+            ``self.log`` silenced: it runs twice more than the fit does.
 
     Attributes:
         freezer: The :class:`~layerfreeze.engine.Freezer` (from ``setup`` on); ``freezer.history`` is the timeline.
@@ -73,12 +84,17 @@ class LayerFreeze(L.Callback):
         ValueError: ``configure_optimizers`` returned more than one optimizer (one is supported).
         RuntimeError: the strategy needs the run length and the Trainer cannot estimate it (``max_epochs=-1``
             without ``max_steps``).
+        BudgetError (at ``on_train_start``): ``memory_budget`` cannot be read or met.
     """
 
     def __init__(self, strategy: str | Strategy = DEFAULT_STRATEGY, params: dict[str, Any] | None = None,
                  blocks: Sequence[str] | None = None, train_bn: bool = False, submodule: str | None = None,
-                 ledger_every: int | None = None) -> None:
+                 ledger_every: int | None = None, memory_budget: Any = None,
+                 memory_loss: Callable[[Any, Any], torch.Tensor] | None = None) -> None:
         self.strategy = strategy
+        self.memory_budget = memory_budget
+        self.memory_loss = memory_loss
+        self.memory_plan: MemoryPlan | None = None
         self.ledger_every = ledger_every
         self.params = dict(params or {})
         self.blocks = list(blocks) if blocks is not None else None
@@ -159,8 +175,18 @@ class LayerFreeze(L.Callback):
         self._log(trainer, None)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Count optimizer steps from here (on resume Lightning restores ``global_step`` after ``on_fit_start``)."""
+        """Count optimizer steps from here (on resume Lightning restores ``global_step`` after ``on_fit_start``);
+        with a memory budget, plan on the first training batch and pin the plan's prefix."""
         self._steps_seen = trainer.global_step
+        if self.memory_budget is not None:
+            loss = self.memory_loss or _training_step_loss
+            self.memory_plan = plan_on_first_batch(
+                self.memory_budget, self._network(pl_module), inner_optimizer(trainer.optimizers[0]),
+                trainer.train_dataloader, move=trainer.strategy.batch_to_device,
+                loss=lambda model, batch: loss(pl_module, batch), blocks=self.freezer.blocks, unfrozen=True)
+            if self.memory_plan.floor:
+                self.freezer.pin(self.memory_plan.floor)
+                self._after_stage(trainer, None)
 
     # ---- training ------------------------------------------------------------------------------------------
 
@@ -207,3 +233,14 @@ class LayerFreeze(L.Callback):
         if metrics and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _training_step_loss(pl_module: Any, batch: Any) -> torch.Tensor:
+    """``pl_module.training_step(batch, 0)``'s loss, its ``self.log`` / ``self.log_dict`` calls dropped (outside the
+    fit loop's step Lightning would refuse them)."""
+    pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None
+    try:
+        out = pl_module.training_step(batch, 0)
+    finally:
+        del pl_module.log, pl_module.log_dict
+    return out["loss"] if isinstance(out, Mapping) else out

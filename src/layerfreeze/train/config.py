@@ -24,7 +24,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from layerfreeze.errors import ConfigError
+from layerfreeze.budget.parse import parse_budget
+from layerfreeze.errors import BudgetError, ConfigError
 from layerfreeze.strategies import DEFAULT_STRATEGY, UnknownStrategyError, check_strategy
 
 TASKS = ("bbc-news", "fashion-mnist", "text-csv", "image-folder", "text-lm")
@@ -134,13 +135,33 @@ class CacheConfig(_Section):
 
 
 class FreezeConfig(_Section):
-    """The freezing strategy: a registered name and its parameters; optionally the stability guard and the cache."""
+    """The freezing strategy: a registered name and its parameters; optionally the stability guard and the cache.
+
+    ``memory_budget`` (``--memory-budget``): a tensor-peak budget (:mod:`layerfreeze.budget`): ``"3GiB"``,
+    ``"800MiB"``, ``"2.5GB"``, or a fraction of the tensor peak with nothing frozen (``0.6``, ``"60%"``). Before
+    training, two real steps measure each block's bytes; the shortest frozen prefix whose predicted peak fits is
+    frozen from the start and kept frozen (a strategy may freeze more, never thaw it; the guard neither), and the
+    activation cache keeps in memory only what the budget leaves (the rest spills to disk). A budget nothing meets
+    stops before training (exit code 2) naming the smallest reachable peak. ``layerfreeze plan`` shows the plan.
+    """
 
     strategy: str = DEFAULT_STRATEGY
     params: dict[str, Any] = Field(default_factory=dict)
     train_bn: bool = False
     guard: GuardConfig | None = None
     cache: CacheConfig = Field(default_factory=CacheConfig)
+    memory_budget: str | int | float | None = None
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _check_budget(cls, value: Any) -> Any:
+        """Read as :func:`~layerfreeze.budget.parse.parse_budget` reads it (bytes with a unit, or a fraction)."""
+        if value is not None:
+            try:
+                parse_budget(value)
+            except BudgetError as exc:
+                raise ValueError(str(exc)) from None
+        return value
 
     @model_validator(mode="after")
     def _check_strategy(self) -> FreezeConfig:
@@ -451,6 +472,8 @@ KEY_NOTES: dict[str, str] = {
     "freeze.guard.val_fraction": "share of the training data held out for the guard's validation loss",
     "freeze.guard.every_steps": "also evaluate every N steps (null: at epoch ends only)",
     "freeze.cache": "frozen-prefix activation cache: skip the frozen prefix's forward",
+    "freeze.memory_budget": "tensor-peak budget (3GiB, 800MiB, or 0.6 of the peak with nothing frozen): the shortest "
+                            "frozen prefix that fits is frozen from the start and never thawed (null: none)",
     "freeze.cache.mode": "auto: use it when the data and model allow it, else say why and train without",
     "freeze.cache.dtype": "storage precision",
     "run": "where results go and how the run behaves",

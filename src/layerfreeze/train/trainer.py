@@ -42,13 +42,16 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from layerfreeze import distributed as dist_
+from layerfreeze.budget.plan import MemoryPlan, plan_memory
 from layerfreeze.checkpoint import CheckpointStore, load_checkpoint, rng_state, set_rng_state
 from layerfreeze.compute.cache import CachedPrefix, CacheRefused, build_cached_prefix
+from layerfreeze.compute.determinism import check_deterministic
+from layerfreeze.compute.store import auto_budget_bytes
 from layerfreeze.engine.freezer import Freezer
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenWeightsChangedError, UnfrozenParameterError
 from layerfreeze.errors import ConfigError
-from layerfreeze.models.discovery import discover_blocks
+from layerfreeze.models.discovery import discover_blocks, split_for
 from layerfreeze.runs import measure, rundir
 from layerfreeze.runs import telemetry as tm
 from layerfreeze.runs.ledger import LedgerSnapshot, MemoryLedger, memory_change
@@ -108,13 +111,18 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------------
 
-    def setup(self) -> None:
+    def setup(self, plan_only: bool = False) -> None:
         """Build everything a run trains with: process group, seed, task, blocks, strategy, optimizer, LR schedule,
-        Freezer, cache, DDP wrapper, run folder. :meth:`run` calls it; call it yourself only to drive
+        memory plan, Freezer, cache, DDP wrapper, run folder. :meth:`run` calls it; call it yourself only to drive
         :meth:`train_step` by hand (``benchmarks/smartfrz_overhead.py`` times steps that way).
+
+        Args:
+            plan_only: Stop after the memory plan (``freeze.memory_budget``: :attr:`memory_plan`), before anything
+                is written (``layerfreeze plan``).
 
         Raises:
             ConfigError, AssetMissingError, BlockDiscoveryError: bad config, missing asset, undiscoverable blocks.
+            BudgetError: ``freeze.memory_budget`` cannot be met (before the run folder is created).
         """
         cfg = self.config
         if cfg.run.threads:
@@ -143,6 +151,9 @@ class Trainer:
         planned = self.batches_per_epoch * cfg.train.epochs
         self.total_steps = min(planned, cfg.train.max_steps) if cfg.train.max_steps else planned
         self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
+        self.memory_plan = self._plan_memory(model, blocks) if cfg.freeze.memory_budget is not None else None
+        if plan_only:
+            return
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.telemetry: tm.Telemetry | tm.NullTelemetry = tm.Telemetry(self.run_dir,
@@ -152,6 +163,7 @@ class Trainer:
         self.freezer = Freezer(
             model, self.optimizer, strategy, blocks=blocks, train_bn=cfg.freeze.train_bn, scheduler=self.scheduler,
             total_steps=self.total_steps, steps_per_epoch=self.batches_per_epoch, guard=self.guard,
+            floor=self.memory_plan.floor if self.memory_plan is not None else None,
         )
         self.model = model
         self.store = CheckpointStore(self.run_dir, cfg.run.keep_checkpoints)
@@ -168,6 +180,46 @@ class Trainer:
         if self.is_main:
             rundir.write_config(self.run_dir, cfg.model_dump(mode="json"))
 
+    def _plan_memory(self, model: torch.nn.Module, blocks: list) -> MemoryPlan:
+        """The memory budget's plan (``freeze.memory_budget``, :func:`~layerfreeze.budget.plan.plan_memory`): two real
+        steps on the first batch of epoch 1 with nothing frozen (the model, its buffers and the RNG come back as they
+        were), the activation cache's bytes for the training set when the run will keep one, and the shortest frozen
+        prefix that fits. Runs before the run folder exists.
+
+        Raises:
+            BudgetError: no frozen prefix fits (exit code 2; the message names the smallest reachable peak).
+            ConfigError: under torchrun (one process per rank: not supported yet).
+        """
+        cfg = self.config
+        if self.distributed:
+            raise ConfigError("freeze.memory_budget is not supported under torchrun yet (each rank's share of the "
+                              "batch and DDP's gradient buckets are not planned); run it in one process, or use "
+                              "`layerfreeze plan` there and freeze its prefix with -s static -p k=N")
+        first = epoch_batches(len(self.train_set), cfg.train.batch_size, cfg.train.seed, 0)[0]
+        loader = DataLoader(self.train_set, batch_sampler=[first], generator=torch.Generator())
+        batch = _to(next(iter(loader)), self.device)
+        cache_set, cache_dtype, cache_cap = None, None, None
+        cache = cfg.freeze.cache
+        if cache.mode != "off":
+            try:
+                split_for(model, blocks)
+                check_deterministic(self.train_set)
+                cache_set = self.train_set
+            except ValueError:  # no cache in this run (auto says why when it builds the runner; on refuses there)
+                pass
+            cache_dtype = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[cache.dtype]
+            cache_cap = auto_budget_bytes() if cache.budget_mb is None else int(cache.budget_mb * 2**20)
+        task = self.task
+        plan = plan_memory(model, batch, cfg.freeze.memory_budget, loss=lambda m, b: task.loss(task.forward(m, b), b),
+                           optimizer=self.optimizer, blocks=blocks, cache_dataset=cache_set, cache_dtype=cache_dtype,
+                           cache_budget_bytes=cache_cap, strategy_freezes=cfg.freeze.strategy != "none",
+                           train_bn=cfg.freeze.train_bn)
+        if self.is_main:
+            tqdm.write(f"memory budget {plan.budget} ({format_bytes(plan.budget_bytes)} of tensor peak; nothing "
+                       f"frozen: {format_bytes(plan.none_peak_bytes)}): gives up {plan.gives_up()}; predicted tensor "
+                       f"peak {format_bytes(plan.predicted_peak_bytes)}")
+        return plan
+
     def _make_cache_runner(self, blocks: list) -> CachedPrefix | None:
         """The cached forward (``freeze.cache``, :func:`~layerfreeze.compute.cache.build_cached_prefix`), or None to
         use the task's plain forward.
@@ -178,11 +230,15 @@ class Trainer:
         cfg = self.config.freeze.cache
         dtype = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[cfg.dtype]
         directory = rundir.cache_dir(self.run_dir, self.rank if self.distributed else None)
+        budget_bytes = None if cfg.budget_mb is None else int(cfg.budget_mb * 2**20)
+        shard_bytes = None
+        plan = self.memory_plan
+        if plan is not None and plan.cache_budget_bytes is not None:  # what the memory budget leaves the cache
+            budget_bytes, shard_bytes = plan.cache_budget_bytes, 0  # no write buffer above it: spill batch by batch
         try:
             runner = build_cached_prefix(
                 self.model, blocks, self.train_set, mode=cfg.mode, dtype=dtype, directory=directory,
-                budget_bytes=None if cfg.budget_mb is None else int(cfg.budget_mb * 2**20), freezer=self.freezer,
-                on_disable=self._cache_off)
+                budget_bytes=budget_bytes, shard_bytes=shard_bytes, freezer=self.freezer, on_disable=self._cache_off)
         except CacheRefused as exc:
             raise ConfigError(f"freeze.cache.mode is on but the frozen prefix cannot be cached: {exc}") from None
         if runner is not None and self.is_main:
@@ -567,7 +623,9 @@ class Trainer:
         if len(recent) < window or sum(recent) / window < 0.98 * chance:
             return
         mean = sum(recent) / window
-        latest = [h for h in self.freezer.history if h["kind"] == "freeze" and self.freezer.frozen[h["index"]]]
+        floor = set(self.freezer.floor)  # a memory budget keeps these frozen
+        latest = [h for h in self.freezer.history if h["kind"] == "freeze" and self.freezer.frozen[h["index"]]
+                  and h["index"] not in floor]
         if self.guard is not None and latest:
             recent.clear()
             self.freezer.thaw(latest[-1]["index"], reason=f"divergence: loss {mean:.4g} at chance level "
@@ -676,12 +734,26 @@ class Trainer:
             "memory": self.ledger.summary() if self.ledger is not None else {"ledger": False},
             "tensor_peak_bytes": self.ledger.peaks.tensor.bytes if self.ledger and self.ledger.peaks.tensor else None,
         }
+        if self.memory_plan is not None:
+            summary["memory_plan"] = self._plan_summary(summary["tensor_peak_bytes"])
         if self.distributed:
             summary.update(grad_bytes_phases=p.get("comm_phases", []), ddp_rebuilds=self.ddp.rebuilds,
                            ddp_rebuild_s=list(self.ddp.rebuild_seconds))
         if self.is_main:
             rundir.write_summary(self.run_dir, summary)
         return summary
+
+
+    def _plan_summary(self, measured: int | None) -> dict[str, Any]:
+        """``summary.json``'s ``memory_plan``: the budget, what the plan froze, its predicted tensor peak beside the
+        ledger's measured one (``error``: measured / predicted - 1)."""
+        plan = self.memory_plan
+        return {"budget": plan.budget, "budget_bytes": plan.budget_bytes, "none_peak_bytes": plan.none_peak_bytes,
+                "frozen_from_start": plan.frozen_from_start, "k": plan.k,
+                "predicted_peak_bytes": plan.predicted_peak_bytes, "cache_budget_bytes": plan.cache_budget_bytes,
+                "measured_peak_bytes": measured,
+                "error": None if not measured else measured / plan.predicted_peak_bytes - 1,
+                "within_budget": None if measured is None else measured <= plan.budget_bytes}
 
 
 class DivergenceError(RuntimeError):

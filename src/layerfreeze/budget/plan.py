@@ -1,0 +1,299 @@
+"""What to freeze to fit a memory budget: each frozen prefix's predicted tensor peak, and the smallest that fits.
+
+**The prediction.** From one measurement with nothing frozen (:func:`~layerfreeze.budget.measure.measure_blocks`:
+per block its parameters ``P``, gradients ``G``, optimizer state ``O`` and saved activations ``A``), the tensor peak
+(:mod:`layerfreeze.runs.ledger`) with blocks ``0..k-1`` frozen is predicted as
+
+    ``peak(k) = peak(0) - sum over b < k of (G_b + O_b + A_b) + cache(k)``
+
+A frozen prefix keeps its parameters (now frozen: same bytes) and buffers, and gives back its gradients, its
+optimizer state (the Freezer frees it) and every activation it saved: it builds no graph, so only its output stays,
+saved by the first trainable block and counted there (the ledger gives a saved tensor to the block whose modules
+saved it). A block frozen *above* a trainable one gives back only ``G + O`` (backward still runs through it), so
+prefixes are the frozen sets worth considering: for the same number of frozen blocks they save the most, and the
+search is over ``k = 0 .. (first head block)``. The prediction is exact where the first trainable block saves its
+input whether or not that input requires grad (every block of a BERT-like encoder or of MobileNetV2 opens with a
+linear map or a convolution, which saves it for its weight gradient); a block that opens with a parameter-free op on
+its input (the head's dropout) saves a little less once its input is frozen, so the prediction is an upper bound
+there (measured: 6.6% above for MobileNetV2's classifier alone, 0.05% for MiniLM-L6's).
+
+**Freezing more never costs more** than the prefix the plan freezes, with one exception the plan bounds: the
+activation cache (:mod:`layerfreeze.compute.cache`), which keeps each training sample's prefix output in host
+memory. ``cache(k)`` is the input fingerprints plus the states of every sample at the deepest-costing boundary from
+``k`` on (a strategy may freeze further; each sample keeps one entry), capped by the memory the budget leaves:
+the plan gives the cache ``budget - peak_model(k) - fingerprints`` (``cache_budget_bytes``) and the cache spills the
+rest to checksummed shards on disk batch by batch (``shard_bytes=0``: no write buffer above its budget), which the
+tensor peak leaves out.
+
+**The plan** freezes the shortest prefix whose peak fits (``peak_model(k) + fingerprints <= budget``: the cache can
+always spill), from the start, and the engine keeps it frozen (:class:`~layerfreeze.engine.Freezer`'s ``floor``):
+a strategy may freeze more, never thaw a block of the floor; the stability guard neither. The tensor peak is what
+the ledger sums over every memory device (host memory included: the cache lives there), with no temporaries and no
+allocator rounding; on a GPU the allocator's peak beside it shows those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from layerfreeze.budget.measure import BlockBytes, measure_blocks, measure_cache
+from layerfreeze.budget.parse import Budget, parse_budget
+from layerfreeze.errors import BudgetError
+from layerfreeze.models.blocks import Block
+from layerfreeze.runs.ledger import Bucket
+from layerfreeze.runs.summary import format_bytes
+
+__all__ = ["MemoryPlan", "PrefixCost", "plan_memory", "plan_prefix"]
+
+
+@dataclass
+class PrefixCost:
+    """What freezing blocks ``0..k-1`` from the start costs and gives back (bytes).
+
+    Attributes:
+        k: Blocks frozen from the start (a frozen prefix; 0: nothing).
+        frozen: Their names.
+        buckets: The model's buckets predicted (parameters trainable / frozen, buffers, gradients, optimizer state,
+            saved activations).
+        returned: What the prefix gives back against nothing frozen: ``grads``, ``optimizer``, ``activations``.
+        model_bytes: The predicted tensor peak without the cache.
+        cache_full_bytes: The cache's states for every sample (its size with no memory cap); 0 without a cache.
+        cache_bytes: The cache's predicted host memory under the budget: fingerprints plus the states it keeps
+            in memory (the rest on disk).
+        cache_budget_bytes: The memory the plan lets the cache keep its states in (None: no cache).
+        predicted_bytes: ``model_bytes + cache_bytes``: the predicted tensor peak.
+        least_bytes: ``model_bytes`` plus the fingerprints: the least this prefix needs (every state on disk).
+        fits: ``least_bytes <= budget``.
+    """
+
+    k: int
+    frozen: list[str]
+    buckets: dict[str, int]
+    returned: dict[str, int]
+    model_bytes: int
+    cache_full_bytes: int
+    cache_bytes: int
+    cache_budget_bytes: int | None
+    predicted_bytes: int
+    least_bytes: int
+    fits: bool
+
+
+def _cost(measured: BlockBytes, k: int, budget: int, cache_cap: int | None, strategy_freezes: bool) -> PrefixCost:
+    model = measured.model_bytes(k)
+    cache = measured.cache
+    full = fingerprints = 0
+    used = cache is not None and (cache.usable(k) or (strategy_freezes and cache.usable(max(k, 1))))
+    if used:
+        full = cache.deepest_from(k) if strategy_freezes else cache.at(k)
+        fingerprints = cache.fingerprints
+    least = model + fingerprints
+    room = None
+    if used:
+        room = max(0, budget - least)
+        if cache_cap is not None:
+            room = min(room, cache_cap)
+    kept = fingerprints + (min(full, room) if room is not None else 0)
+    return PrefixCost(k=k, frozen=measured.block_names[:k], buckets=measured.model_buckets(k),
+                      returned=measured.returned(k), model_bytes=model, cache_full_bytes=full, cache_bytes=kept,
+                      cache_budget_bytes=room, predicted_bytes=model + kept, least_bytes=least, fits=least <= budget)
+
+
+@dataclass
+class MemoryPlan:
+    """The frozen prefix that fits a memory budget, its predicted tensor peak, and every prefix's cost.
+
+    Attributes:
+        budget: The budget as written (``"3GiB"``, ``"0.6"``).
+        budget_bytes: The budget in bytes (a fraction taken of ``none_peak_bytes``).
+        none_peak_bytes: The tensor peak with nothing frozen (measured; the cache left out).
+        k: Blocks frozen from the start: blocks ``0..k-1``.
+        block_names: Every block, front to back.
+        predicted_peak_bytes: The predicted tensor peak of the run under the plan.
+        cache_budget_bytes: The host memory the activation cache may keep states in (the rest spills to disk);
+            None without a cache.
+        candidates: :class:`PrefixCost` of every prefix, ``k = 0 .. max``.
+        measured: The measurement it was made from (:class:`~layerfreeze.budget.measure.BlockBytes`).
+        strategy_freezes: Whether the run's strategy may freeze beyond the floor (the cache is then sized for the
+            deepest-costing boundary).
+    """
+
+    budget: str
+    budget_bytes: int
+    none_peak_bytes: int
+    k: int
+    block_names: list[str]
+    predicted_peak_bytes: int
+    cache_budget_bytes: int | None
+    candidates: list[PrefixCost]
+    measured: BlockBytes
+    strategy_freezes: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def floor(self) -> list[int]:
+        """The block indices the engine keeps frozen (``Freezer(..., floor=plan.floor)``): ``0..k-1``."""
+        return list(range(self.k))
+
+    @property
+    def frozen_from_start(self) -> list[str]:
+        """The names of the blocks frozen from the start (what the plan gives up)."""
+        return self.block_names[: self.k]
+
+    @property
+    def chosen(self) -> PrefixCost:
+        """The chosen prefix's :class:`PrefixCost`."""
+        return self.candidates[self.k]
+
+    def gives_up(self) -> str:
+        """What the plan gives up, in words: ``"nothing"``, or the blocks frozen from the start and what they hold."""
+        if self.k == 0:
+            return "nothing: every block trains (a strategy may still freeze)"
+        params = sum(self.measured.blocks["params"][: self.k])
+        total = sum(self.measured.blocks["params"])
+        names = self.frozen_from_start
+        shown = ", ".join(names) if len(names) <= 4 else f"{names[0]} .. {names[-1]}"
+        return (f"{self.k} of {len(self.block_names)} blocks frozen from the start ({shown}): "
+                f"{format_bytes(params)} of {format_bytes(total)} of parameters never train")
+
+    def predicted_for_samples(self, samples: int) -> int:
+        """The predicted tensor peak when the cache holds ``samples`` samples (a run shorter than an epoch: the
+        cache fills as samples are first seen), the fingerprints and states scaled by ``samples / cache.samples``."""
+        cache = self.measured.cache
+        c = self.chosen
+        if cache is None or not cache.samples or c.cache_budget_bytes is None:
+            return c.predicted_bytes
+        share = min(1.0, samples / cache.samples)
+        kept = int(share * cache.fingerprints) + min(int(share * c.cache_full_bytes), c.cache_budget_bytes)
+        return c.model_bytes + kept
+
+    def rows(self) -> tuple[list[str], list[list[str]]]:
+        """``(headers, cells)``: one row per prefix (``k`` blocks frozen from the start, up to the one named), for a
+        table; the chosen one is marked ``<-``."""
+        cache = self.measured.cache is not None
+        head = ["k", "frozen up to", "gradients", "optimizer state", "saved activations", "peak, no cache"]
+        if cache:
+            head += ["cache (all samples)", "cache kept in memory"]
+        head += ["predicted peak", "fits"]
+        cells = []
+        for c in self.candidates:
+            last = c.frozen[-1] if c.k else "-"
+            row = [str(c.k), last, format_bytes(c.buckets.get(Bucket.GRADS, 0)),
+                   format_bytes(c.buckets.get(Bucket.OPTIMIZER, 0)), format_bytes(c.buckets.get(Bucket.ACTIVATIONS, 0)),
+                   format_bytes(c.model_bytes)]
+            if cache:
+                row += [format_bytes(c.cache_full_bytes), format_bytes(c.cache_bytes)]
+            row += [format_bytes(c.predicted_bytes), ("yes <-" if c.k == self.k else "yes") if c.fits else "no"]
+            cells.append(row)
+        return head, cells
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON); :meth:`from_dict` reads it back."""
+        out = asdict(self)
+        out["floor"] = self.floor
+        out["frozen_from_start"] = self.frozen_from_start
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryPlan:
+        """Read :meth:`to_dict` back."""
+        data = {k: v for k, v in data.items() if k not in ("floor", "frozen_from_start")}
+        data["candidates"] = [PrefixCost(**c) for c in data["candidates"]]
+        data["measured"] = BlockBytes.from_dict(data["measured"])
+        return cls(**data)
+
+
+def plan_prefix(measured: BlockBytes, budget: str | int | float | Budget, *, cache_budget_bytes: int | None = None,
+                strategy_freezes: bool = True) -> MemoryPlan:
+    """The shortest frozen prefix whose predicted tensor peak fits ``budget`` (module docstring: the prediction).
+
+    Args:
+        measured: :func:`~layerfreeze.budget.measure.measure_blocks`'s measurement (with ``cache`` when the run
+            keeps the activation cache).
+        budget: ``"3GiB"``, ``"800MiB"``, ``"0.6"`` / ``"60%"`` (of ``none``'s tensor peak), an int of bytes, a float
+            fraction, or a :class:`~layerfreeze.budget.parse.Budget`.
+        cache_budget_bytes: The most host memory the run gives the cache anyway (``freeze.cache.budget_mb``); the
+            plan gives it at most what the budget leaves.
+        strategy_freezes: Whether the run's strategy may freeze beyond the floor (False for ``none``): then the
+            cache is sized for the deepest-costing boundary, and counted even when the floor is empty.
+
+    Raises:
+        BudgetError: the budget cannot be read, or no prefix fits (``smallest_bytes``: the least any reaches, every
+            block before the head frozen and the cache on disk; the message says what to change).
+    """
+    parsed = parse_budget(budget)
+    none_peak = measured.model_bytes(0)
+    limit = parsed.resolve(none_peak)
+    candidates = [_cost(measured, k, limit, cache_budget_bytes, strategy_freezes)
+                  for k in range(measured.max_prefix + 1)]
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        best = min(candidates, key=lambda c: c.least_bytes)
+        raise BudgetError(
+            f"no frozen set fits a memory budget of {parsed.describe(none_peak)}: the smallest tensor peak reachable "
+            f"is {format_bytes(best.least_bytes)} ({best.least_bytes} bytes; {best.k} of {len(measured.block_names)} "
+            f"blocks frozen from the start, the head training) at batch size {measured.batch_size}, where nothing "
+            f"frozen needs {format_bytes(none_peak)}. Raise the budget to at least {format_bytes(best.least_bytes)}, "
+            "or lower train.batch_size (saved activations scale with it)", smallest_bytes=best.least_bytes)
+    chosen = fitting[0]
+    return MemoryPlan(budget=str(parsed), budget_bytes=limit, none_peak_bytes=none_peak, k=chosen.k,
+                      block_names=list(measured.block_names), predicted_peak_bytes=chosen.predicted_bytes,
+                      cache_budget_bytes=chosen.cache_budget_bytes, candidates=candidates, measured=measured,
+                      strategy_freezes=strategy_freezes)
+
+
+def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget, *,
+                loss: Callable[[nn.Module, Any], torch.Tensor] | None = None, optimizer: Any = None,
+                blocks: Sequence[str] | Sequence[Block] | None = None, steps: int = 2,
+                cache_dataset: Any = None, cache_dtype: torch.dtype | None = None,
+                cache_budget_bytes: int | None = None, strategy_freezes: bool = True,
+                sources: Sequence[Any] = (), train_bn: bool = False, unfrozen: bool = False) -> MemoryPlan:
+    """Measure ``model`` on ``batch`` and plan the frozen prefix that fits ``budget``.
+
+    Two real training steps with nothing frozen (:func:`~layerfreeze.budget.measure.measure_blocks`: the model, its
+    buffers and the RNG come back as they were), then :func:`plan_prefix`. Apply the plan with
+    ``Freezer(model, optimizer, ..., floor=plan.floor)``: blocks ``0..k-1`` frozen before the first step and never
+    thawed, by the strategy or the stability guard. With ``cache_dataset`` the activation cache's bytes for that
+    training set count too (:func:`~layerfreeze.budget.measure.measure_cache`); give the cache
+    ``ActivationCache(budget_bytes=plan.cache_budget_bytes, shard_bytes=0)``.
+
+    Args:
+        model: The model, on its training device, nothing frozen yet.
+        batch: One training batch at the run's batch size, on the model's device.
+        budget: ``"3GiB"``, ``"800MiB"``, ``"0.6"`` or ``"60%"`` (of the tensor peak with nothing frozen), an int
+            of bytes or a float fraction (:mod:`layerfreeze.budget.parse`).
+        loss: ``loss(model, batch)`` -> scalar tensor (default
+            :func:`~layerfreeze.budget.measure.default_loss`: ``model(**batch).loss``, or cross-entropy of
+            ``model(x)`` for an ``(x, y)`` batch).
+        optimizer: The run's optimizer (its kind is measured, its state never touched), its class, or None (AdamW).
+        blocks: Module-name patterns or blocks (default: discovered).
+        steps: Training steps measured.
+        cache_dataset / cache_dtype: The training set the activation cache would hold, and its storage dtype.
+        cache_budget_bytes: The most host memory the cache gets anyway.
+        strategy_freezes: Whether the strategy may freeze beyond the floor (False for ``none``).
+        sources: Byte sources beside the model (frozen side models), counted in every prefix's peak.
+        train_bn: BatchNorm layers of frozen blocks keep training (the cache then refuses a prefix holding one).
+        unfrozen: Measure as if no block were frozen (a Freezer already froze some; see
+            :func:`~layerfreeze.budget.measure.measure_blocks`).
+
+    Returns:
+        A :class:`MemoryPlan`: ``plan.floor``, ``plan.predicted_peak_bytes``, ``plan.gives_up()``, every prefix in
+        ``plan.candidates``.
+
+    Raises:
+        BudgetError: the budget cannot be read or cannot be met (``smallest_bytes``).
+        BlockDiscoveryError / TypeError / ValueError: as :func:`~layerfreeze.budget.measure.measure_blocks` and
+            :func:`~layerfreeze.budget.measure.measure_cache`.
+    """
+    parsed = parse_budget(budget)  # a malformed budget fails before anything runs
+    measured = measure_blocks(model, batch, loss=loss, optimizer=optimizer, blocks=blocks, steps=steps,
+                              sources=sources, unfrozen=unfrozen)
+    if cache_dataset is not None:
+        measured.cache = measure_cache(model, batch, cache_dataset, blocks=blocks, dtype=cache_dtype,
+                                       train_bn=train_bn)
+    return plan_prefix(measured, parsed, cache_budget_bytes=cache_budget_bytes, strategy_freezes=strategy_freezes)

@@ -1,0 +1,324 @@
+"""Memory budgets (layerfreeze.budget): budgets as written, each block's bytes measured against bytes computed by hand,
+every frozen prefix's predicted tensor peak against the ledger's measurement of a real run with that prefix frozen,
+the plan and its errors, the engine's floor (no thaw past it, the guard included), the CLI trainer under a budget and
+`layerfreeze plan`."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from layerfreeze import Freezer, StabilityGuard, UserError
+from layerfreeze.budget import (
+    BlockBytes,
+    BudgetError,
+    MemoryPlan,
+    measure_blocks,
+    parse_budget,
+    plan_memory,
+    plan_prefix,
+)
+from layerfreeze.cli import main
+from layerfreeze.engine import PinnedBlockError
+from layerfreeze.runs.ledger import MemoryLedger
+from layerfreeze.runs.rundir import read_metrics
+from layerfreeze.runs.summary import format_bytes
+from layerfreeze.train.config import build_config
+from layerfreeze.train.trainer import Trainer
+from tests.conftest import blob_task
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+F32 = 4
+B = 32
+
+
+# ---- budgets as written --------------------------------------------------------------------------------------------
+
+
+def test_budgets_parse_as_sizes_or_fractions_of_nothing_frozen():
+    assert parse_budget("3GiB").bytes == 3 * 2**30
+    assert parse_budget("800 MiB").bytes == 800 * 2**20
+    assert parse_budget("2.5GB").bytes == 2_500_000_000
+    assert parse_budget("512kib").bytes == 512 * 1024
+    assert parse_budget(1000).bytes == 1000
+    assert parse_budget("0.6").fraction == 0.6 and parse_budget("0.6").resolve(1000) == 600
+    assert parse_budget("60%").fraction == 0.6 and parse_budget(0.25).resolve(1000) == 250
+    assert parse_budget("1").fraction == 1.0 and str(parse_budget("3GiB")) == "3GiB"
+    for bad, says in [("3G", "did you mean 3GiB"), ("3", "did you mean 3GiB or 3MiB"), ("0", "in (0, 1]"),
+                      ("150%", "(0, 100]"), (1.5, "a float is a fraction"), ("-1GiB", "expected a size"),
+                      ("lots", "expected a size"), (0, "must be positive"), (True, "expected a size")]:
+        with pytest.raises(BudgetError, match=says.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            parse_budget(bad)
+    assert issubclass(BudgetError, UserError)
+
+
+# ---- measured bytes against bytes by hand, predictions against real frozen runs -------------------------------------
+
+
+def _stack():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _loss(model, batch):
+    return F.cross_entropy(model(batch["x"]), batch["labels"])
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return {"x": torch.randn(B, 8, generator=g), "labels": torch.randint(0, 4, (B,), generator=g)}
+
+
+P0, P2, P4 = (8 * 16 + 16) * F32, (16 * 16 + 16) * F32, (16 * 4 + 4) * F32  # 576, 1088, 272 bytes
+
+
+def _adam(p):
+    return 2 * p + 2 * F32  # exp_avg, exp_avg_sq and a float32 `step` for the weight and the bias
+
+
+LOSS = B * 4 * F32 + B * 8 + F32  # cross_entropy saves log_softmax's output, the int64 targets and the total weight
+
+
+def test_measured_block_bytes_match_bytes_computed_by_hand():
+    measured = measure_blocks(_stack(), _batch(), loss=_loss)
+    assert measured.block_names == ["0", "2", "4"] and measured.heads == [False, False, True]
+    assert measured.blocks == {
+        "params": [P0, P2, P4], "grads": [P0, P2, P4], "optimizer": [_adam(P0), _adam(P2), _adam(P4)],
+        # block 0: Linear(8, 16) saves its input x; the ReLU after a block saves its output, which the next Linear
+        # saves too (one storage), and counts for the next block
+        "activations": [B * 8 * F32, B * 16 * F32, B * 16 * F32]}
+    assert measured.activations_outside == LOSS and measured.batch_size == B and measured.max_prefix == 2
+    total = 2 * (P0 + P2 + P4) + sum(map(_adam, (P0, P2, P4))) + B * (8 + 16 + 16) * F32 + LOSS
+    assert measured.tensor_bytes == measured.model_bytes(0) == total
+    assert measured.returned(2) == {"grads": P0 + P2, "optimizer": _adam(P0) + _adam(P2),
+                                    "activations": B * (8 + 16) * F32}
+    assert BlockBytes.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
+
+
+@pytest.mark.parametrize("case", ["linear-relu", "blob-bn-dropout"])
+def test_every_prefix_predicted_against_the_ledger_of_a_real_step_with_it_frozen(case):
+    """Exact where the first trainable block saves its input either way (a Linear, a BatchNorm); an upper bound where
+    parameter-free ops on the frozen prefix's output saved tensors only for its gradient: the blob model's ReLU and
+    Dropout before Linear(32, 32), whose output and mask a frozen prefix no longer needs."""
+    if case == "linear-relu":
+        model, batch, over = _stack(), _batch(), {}
+    else:
+        model = blob_task().model
+        batch = {"x": torch.randn(B, 16, generator=torch.Generator().manual_seed(2)), "labels": torch.arange(B) % 4}
+        over = {2: 2 * B * 32 * F32}  # the ReLU's output and the Dropout's mask (float32 on CPU)
+    measured = measure_blocks(model, batch, loss=_loss)
+    for k in range(measured.max_prefix + 1):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with Freezer(model, optimizer, "none", floor=list(range(k))) as freezer, \
+                MemoryLedger(model, optimizer, freezer=freezer) as ledger:
+            for _ in range(2):
+                with ledger.step():
+                    _loss(model, batch).backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        real = ledger.last
+        assert real.blocks_frozen == [i < k for i in range(len(measured.block_names))]
+        assert measured.model_bytes(k) - real.tensor_bytes == over.get(k, 0), k
+        predicted = measured.model_buckets(k)
+        predicted["activations"] -= over.get(k, 0)
+        assert {b: real.buckets[b] for b in predicted} == predicted, k
+        for p in model.parameters():
+            p.requires_grad_(True)
+
+
+def test_measuring_leaves_the_model_its_optimizer_and_the_rng_as_they_were():
+    task = blob_task()
+    model = task.model
+    model[1].eval()  # a mode the measurement's model.train() must not keep
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    batch = {"x": torch.randn(B, 16), "labels": torch.arange(B) % 4}
+    rng = torch.get_rng_state()
+    measured = measure_blocks(model, batch, loss=_loss, optimizer=optimizer)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # weights, BatchNorm statistics, batches tracked
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight)) and model[4].weight.grad is None
+    assert not model[1].training and model[0].training
+    assert torch.equal(torch.get_rng_state(), rng)  # the dropout masks drawn are given back
+    assert optimizer.state == {}  # the twin's state, never the run's
+    p = [(16 * 32 + 32) * F32, 2 * 32 * F32, (32 * 32 + 32) * F32, (32 * 4 + 4) * F32]
+    assert measured.blocks["optimizer"] == p  # SGD with momentum: one buffer per parameter, no `step`
+
+
+# ---- the plan ------------------------------------------------------------------------------------------------------
+
+
+def test_the_plan_freezes_the_shortest_prefix_that_fits_and_names_the_smallest_peak_when_none_does():
+    measured = measure_blocks(_stack(), _batch(), loss=_loss)
+    peaks = [measured.model_bytes(k) for k in range(3)]
+    assert peaks[0] > peaks[1] > peaks[2]
+    plan = plan_prefix(measured, peaks[1])
+    assert (plan.k, plan.floor, plan.frozen_from_start, plan.predicted_peak_bytes) == (1, [0], ["0"], peaks[1])
+    assert plan.cache_budget_bytes is None and plan.chosen.fits and not plan.candidates[0].fits
+    assert plan_prefix(measured, peaks[1] - 1).k == 2
+    assert plan_prefix(measured, "1.0").k == 0 and plan_prefix(measured, 1.0).gives_up().startswith("nothing")
+    assert plan_prefix(measured, 0.5).budget_bytes == peaks[0] // 2
+    assert "2 of 3 blocks frozen from the start (0, 2)" in plan_prefix(measured, peaks[2]).gives_up()
+    with pytest.raises(BudgetError, match=f"smallest tensor peak reachable is .* \\({peaks[2]} bytes; 2 of 3 blocks"
+                                          ) as err:
+        plan_prefix(measured, peaks[2] - 1)
+    assert err.value.smallest_bytes == peaks[2]
+    head, cells = plan.rows()
+    assert head[0] == "k" and [c[-1] for c in cells] == ["no", "yes <-", "yes"]
+    assert MemoryPlan.from_dict(json.loads(json.dumps(plan.to_dict()))).to_dict() == plan.to_dict()
+
+
+def test_plan_memory_with_the_default_loss_and_a_freezer_that_keeps_it():
+    model = _stack()
+    batch = (_batch()["x"], _batch()["labels"])  # an (inputs, targets) pair: cross-entropy by default
+    plan = plan_memory(model, batch, 0.6)
+    assert plan.k >= 1 and plan.predicted_peak_bytes <= plan.budget_bytes
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Freezer(model, optimizer, "none", floor=plan.floor) as freezer, \
+            MemoryLedger(model, optimizer, freezer=freezer) as ledger:
+        with ledger.step():
+            F.cross_entropy(model(batch[0]), batch[1]).backward()
+            optimizer.step()
+    assert ledger.peaks.tensor.bytes == plan.predicted_peak_bytes <= plan.budget_bytes
+    with pytest.raises(BudgetError, match="expected a size"):
+        plan_memory(model, batch, "huge")
+
+
+def test_the_readme_budget_snippet_runs(capsys):
+    """README, "### Memory budgets: what to freeze to fit": the impossible budget, the plan, the Freezer keeping it."""
+    from tests.conftest import readme_block
+
+    batch = (_batch()["x"], _batch()["labels"])
+    ns = {"model": _stack(), "batch": batch}
+    exec(compile(readme_block("### Memory budgets: what to freeze to fit"), "README.md", "exec"), ns)  # noqa: S102
+    plan = ns["plan"]
+    assert plan.k == 2 and plan.frozen_from_start == ["0", "2"] and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert ns["freezer"].floor == [0, 1]
+    assert capsys.readouterr().out.splitlines()[0] == str(plan.candidates[2].least_bytes)  # the smallest peak
+
+
+# ---- the engine's floor --------------------------------------------------------------------------------------------
+
+
+def test_the_floor_is_frozen_first_and_never_thawed_by_hand_a_strategy_or_the_guard():
+    model = _stack()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Freezer(model, optimizer, "none", floor=[0]) as freezer:
+        assert freezer.frozen == [True, False, False] and freezer.floor == [0]
+        assert freezer.history[0]["reason"] == "memory budget"
+        with pytest.raises(PinnedBlockError, match="in the Freezer's floor"):
+            freezer.thaw(0)
+        with pytest.raises(ValueError, match="cannot hold the head"):
+            freezer.pin([2])
+        state = freezer.state_dict()
+    assert state["floor"] == [0]
+    model2 = _stack()
+    with Freezer(model2, torch.optim.AdamW(model2.parameters()), "none") as other:
+        other.load_state_dict(state)
+        assert other.floor == [0] and other.frozen == [True, False, False]
+
+    model = _stack()  # gradual: thaws top-down every epoch; block 0 stays frozen, with one warning
+    with Freezer(model, None, "gradual", floor=[0]) as freezer:
+        assert freezer.frozen == [True, True, False]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(4):
+                freezer.epoch_end()
+        assert freezer.frozen == [True, False, False]
+        assert [str(w.message) for w in caught] == [
+            "strategy 'gradual' asked to thaw 0, in the Freezer's floor (memory budget): they stay frozen"]
+
+    for pinned in (False, True):  # the guard thaws a freeze that hurt, unless the floor holds the block
+        model = _stack()
+        guard = StabilityGuard(tolerance=0.05, patience=1, cooldown=0)
+        with Freezer(model, torch.optim.AdamW(model.parameters()), "static", {"k": 1}, guard=guard) as freezer:
+            assert guard.watching == [0]
+            if pinned:
+                assert freezer.pin([0]) == [] and guard.watching == []
+            freezer.report_metric(1.0)
+            thawed = freezer.report_metric(2.0)
+            assert (thawed, freezer.frozen[0]) == ((None, True) if pinned else (0, False))
+
+
+# ---- the CLI trainer under a budget ----------------------------------------------------------------------------------
+
+
+def _config(tmp_path, name, strategy="none", budget=None, **freeze):
+    return build_config({
+        "train": {"epochs": 2, "batch_size": 16, "lr": 0.01, "warmup_fraction": 0.1},
+        "freeze": {"strategy": strategy, "memory_budget": budget, **freeze},
+        "run": {"dir": str(tmp_path / name), "progress": False, "checkpoint": False, "ledger_every": 1,
+                "tensorboard": False},
+    })
+
+
+def test_trainer_under_a_budget_freezes_the_plan_keeps_the_peak_predicted_and_fails_early_when_impossible(tmp_path):
+    base = Trainer(_config(tmp_path, "none"), task=blob_task()).run()
+    roomy = Trainer(_config(tmp_path, "roomy", budget="1.0"), task=blob_task()).run()
+    assert roomy["memory_plan"]["k"] == 0 and roomy["frozen_blocks"] == []
+    # planning ran two steps and a dataset pass first: the run is the same as without it, bit for bit
+    losses = [[r["loss"] for r in read_metrics(tmp_path / n) if r["type"] == "step"] for n in ("none", "roomy")]
+    assert losses[0] == losses[1] and roomy["test_loss"] == base["test_loss"]
+
+    tight = Trainer(_config(tmp_path, "tight", budget="0.5"), task=blob_task()).run()
+    plan = tight["memory_plan"]
+    assert plan["budget_bytes"] == int(0.5 * base["tensor_peak_bytes"]) and plan["k"] >= 1
+    assert tight["frozen_blocks"] == plan["frozen_from_start"]
+    assert plan["measured_peak_bytes"] == tight["tensor_peak_bytes"] <= plan["budget_bytes"]
+    assert abs(plan["error"]) <= 0.10 and plan["within_budget"]
+    freezes = [r for r in read_metrics(tmp_path / "tight") if r.get("kind") == "freeze"]
+    assert [(r["step"], r["reason"]) for r in freezes] == [(0, "memory budget")] * plan["k"]
+
+    with pytest.raises(BudgetError, match="smallest tensor peak reachable") as err:
+        Trainer(_config(tmp_path, "impossible", budget="1KiB"), task=blob_task()).run()
+    assert err.value.smallest_bytes > 1024 and not (tmp_path / "impossible").exists()
+
+
+def test_a_strategy_under_a_budget_freezes_beyond_the_floor_and_the_peak_stays_within_it(tmp_path):
+    """geometric freezes block 1 after epoch 2, beyond the plan's floor (block 0); the cache is on at depth 1 and 2
+    (its memory capped by what the budget leaves), off at depth 3 (the Dropout before it trains)."""
+    cfg = _config(tmp_path, "geo", strategy="geometric", budget="0.9")
+    cfg.train.epochs = 4
+    summary = Trainer(cfg, task=blob_task()).run()
+    plan = summary["memory_plan"]
+    assert plan["frozen_from_start"] == ["0"] and plan["cache_budget_bytes"] > 0  # the blob model at batch 16
+    timeline = [(t["block"], t["step"], t["action"]) for t in summary["freeze_timeline"]]
+    assert timeline == [("0", 0, "freeze"), ("1", 18, "freeze")]
+    cache = summary["memory"]["buckets"]["cache_memory"]["peak_bytes"]
+    assert 0 < cache <= plan["cache_budget_bytes"] + 96 * 16  # states within their budget, plus the fingerprints
+    assert summary["tensor_peak_bytes"] <= plan["budget_bytes"] and abs(plan["error"]) <= 0.10
+
+
+# ---- layerfreeze plan ----------------------------------------------------------------------------------------------
+
+
+def test_cli_plan_prints_every_prefix_checks_the_plan_and_refuses_an_impossible_budget(tmp_path, tiny_bert_dir,
+                                                                                      tiny_csv, capsys):
+    flags = ["--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir), "--set",
+             "model.max_length=16", "--batch-size", "8", "--epochs", "1"]
+    out_json = tmp_path / "plan.json"
+    assert main(["plan", "--memory", "0.5", *flags, "--json", str(out_json), "--check", "5", "--no-progress",
+                 "--run-dir", str(tmp_path / "check")]) == 0
+    out = capsys.readouterr().out
+    plan = MemoryPlan.from_dict(json.loads(out_json.read_text()))
+    assert plan.block_names[0] == "bert.embeddings" and plan.k >= 1 and plan.measured.cache is not None
+    assert "predicted peak" in out and "gives up:" in out and "settings: freeze.memory_budget: 0.5" in out
+    summary = json.loads((tmp_path / "check" / "summary.json").read_text())
+    samples = plan.measured.cache.samples
+    assert samples == 38 and summary["steps"] == 5 and summary["memory_plan"]["k"] == plan.k  # one epoch, batch 8
+    measured = summary["tensor_peak_bytes"]
+    assert measured <= plan.budget_bytes
+    assert abs(measured / plan.predicted_for_samples(samples) - 1) <= 0.10
+    assert f"measured {format_bytes(measured)}" in out
+
+    assert main(["plan", "--memory", "1KiB", *flags]) == 2
+    assert "smallest tensor peak reachable" in capsys.readouterr().err
+    assert main(["train", "--memory-budget", "3G", *flags, "--run-dir", str(tmp_path / "bad")]) == 2
+    assert "did you mean 3GiB" in capsys.readouterr().err and not (tmp_path / "bad").exists()

@@ -716,9 +716,10 @@ class Freezer:
                     "Call it after loss.backward() and before optimizer.zero_grad()."
                 )
             signals["grad_l1"] = list(self._grad_l1)
-        block_lrs = None
+        block_lrs = optimizer_state = None
         if self.optimizer is not None:
             block_lrs = [base_lr(self.optimizer, block_groups(self._origin, b), self._lr_written) for b in self.blocks]
+            optimizer_state = _optimizer_state_view(self.optimizer)
         return StageContext(
             step=self.step_count,
             epoch=self.epoch,
@@ -728,6 +729,7 @@ class Freezer:
             steps_per_epoch=self.steps_per_epoch,
             signals=signals,
             block_lrs=block_lrs,
+            optimizer_state=optimizer_state,
         )
 
     def _stage(self, event: str) -> Decision:
@@ -820,3 +822,20 @@ def share_decision(strategy: Strategy, decision: Decision, error: str | None = N
         return decision
     return Decision(freeze=payload["freeze"], thaw=payload["thaw"], reason=payload["reason"],
                     thaw_lr=payload["thaw_lr"], lr_scale=payload["lr_scale"])
+
+
+def _optimizer_state_view(optimizer: torch.optim.Optimizer) -> Callable[[nn.Parameter], Any]:
+    """``view(param)`` -> ``(optimizer.state[param], its param group)``, or None when the optimizer does not hold
+    ``param`` (a frozen block's parameters leave it) or keeps no state for it yet: what a strategy may read of the
+    optimizer (:attr:`~layerfreeze.strategies.base.StageContext.optimizer_state`). The parameter -> group map is
+    built on first use, once per stage (freezes and thaws move parameters between groups between stages)."""
+    groups: dict[int, dict[str, Any]] = {}
+
+    def view(param: nn.Parameter) -> Any:
+        if not groups:
+            groups.update({id(p): g for g in optimizer.param_groups for p in g["params"]})
+        group = groups.get(id(param))
+        state = optimizer.state.get(param)
+        return None if group is None or not state else (state, group)
+
+    return view

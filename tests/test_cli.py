@@ -102,7 +102,8 @@ def test_bbc_news_minilm_short_real_run(tmp_path, capsys):
     summary = json.loads((run / "summary.json").read_text())
     assert json.loads((run / "config.json").read_text())["freeze"] == {
         "strategy": "smartfrz", "params": {}, "train_bn": False, "guard": None,
-        "cache": {"mode": "auto", "dtype": "float32", "budget_mb": None}, "memory_budget": None}
+        "cache": {"mode": "auto", "dtype": "float32", "budget_mb": None}, "demote": None,
+            "memory_budget": None}
     assert summary["frozen_blocks"] == []
     assert summary["steps"] == 2 and summary["flops_per_step_first"] > 1e10
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))

@@ -8,7 +8,7 @@ ledger sampling every step (``run.ledger_every=1``, ``--every`` to change it), t
   the buckets on a memory device over the run's steps, :mod:`layerfreeze.runs.ledger`) and its ratio to ``none``, the
   process's peak memory (``peak_memory_bytes``: peak RSS on a CPU, ``torch.cuda.max_memory_allocated`` on a GPU),
   on CUDA each device's allocator peak (``torch.cuda.max_memory_allocated`` per device, from the ledger), and test
-  accuracy;
+  accuracy, and the activation cache's hit rate (hits over hits + misses, samples);
 * what the freezes gave back: per row, the sum over its ``memory`` events (the ledger's first sample after each
   freeze or thaw against the last one before it) of each bucket's change (a freeze at step 0, before the first
   sample, shows only in the first table, against ``none``).
@@ -19,10 +19,15 @@ Tasks: ``fmnist`` is the suite's MobileNetV2 / Fashion-MNIST at the suite's size
 
     python -m benchmarks.memory_table              # fmnist and the default job: none, static, smartfrz
     python -m benchmarks.memory_table --tasks fmnist --size small --threads 1
-    python -m benchmarks.memory_table --set freeze.demote.dtype=bfloat16 --out runs/bench-memory-demoted
+    python -m benchmarks.memory_table --demote bfloat16              # each strategy also demoted (rows static+bf16)
+    python -m benchmarks.memory_table --demote bfloat16 --offload cpu --device cuda   # and offloaded off the GPU
+    python -m benchmarks.memory_table --tasks fmnist --size tiny --rows none,static --demote bfloat16   # seconds
 
-``--set KEY=VALUE`` applies a config key to every row (a demotion setting, say, for the rows "with demotion" of
-issue 31). Writes ``OUT/<task>/`` (the comparison folders), ``OUT/results.json`` and ``OUT/memory.md`` (the tables
+``--demote DTYPE`` (``bfloat16``/``float16``) adds, after the rows, each freezing row again with
+``freeze.demote.dtype`` set (``static+bf16``, ``smartfrz+bf16``; ``+offload`` with ``--offload cpu``, which moves the
+frozen prefix the activation cache serves to host memory), in a second comparison in ``OUT/<task>-demote/`` with the
+same seed, data order and budget; ratios are to the plain ``none``. ``--set KEY=VALUE`` applies a config key to every
+row. Writes ``OUT/<task>/`` (the comparison folders), ``OUT/results.json`` and ``OUT/memory.md`` (the tables
 as Markdown), and prints them. Bytes are exact and do not depend on the machine's load; times are not reported.
 """
 
@@ -46,8 +51,17 @@ from layerfreeze.train.compare import compare
 from layerfreeze.train.config import deep_merge, parse_override
 
 ROWS = ("none", "static", "smartfrz")
-#: ``--size small``: the suite's MobileNetV2 task on fewer images (64 steps), for a run of a few minutes on one core.
+#: ``--size small``: the suite's MobileNetV2 task on fewer images (64 steps), for a run of a few minutes on one core;
+#: ``--size tiny``: 3 steps of 32 images, to check the script runs (its test), not a measurement.
 SMALL = {"fmnist": (2, 2048, 1000, None, 64, None)}
+TINY = {"fmnist": (1, 96, 32, None, 32, 3)}
+#: The short names of demoted rows: ``static+bf16``.
+DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def demoted_name(row: str, dtype: str, offload: str | None) -> str:
+    """The table name of ``row`` run with demotion: ``static+bf16``, ``static+bf16+offload``."""
+    return f"{row}+{DTYPE_SHORT.get(dtype, dtype)}" + ("+offload" if offload else "")
 
 
 def task_config(task: str, size: str, seed: int, threads: int | None) -> tuple[dict[str, Any], dict, dict]:
@@ -58,8 +72,9 @@ def task_config(task: str, size: str, seed: int, threads: int | None) -> tuple[d
                         "divergence_window_steps": None}}
         return base, {}, {}
     spec = task_spec("fmnist-mobilenet", quick=size == "quick")
-    if size == "small":
-        spec = replace(TASKS["fmnist-mobilenet"], **dict(zip(SIZE_FIELDS, SMALL["fmnist"])))
+    if size in ("small", "tiny"):
+        sizes = (SMALL if size == "small" else TINY)["fmnist"]
+        spec = replace(TASKS["fmnist-mobilenet"], **dict(zip(SIZE_FIELDS, sizes)))
     n_train = spec.limit_train or 60_000
     params, overrides = row_settings(spec, total_steps(spec, n_train))
     return base_config(spec, seed, threads), params, overrides
@@ -88,7 +103,9 @@ def tables(task: str, rows: list[dict[str, Any]]) -> tuple[list[str], list[list[
     buckets = buckets_of(rows)
     base = next((r for r in rows if r["row"] == "none"), None)
     cuda = sorted({d for r in rows for d in ((r.get("memory") or {}).get("allocator") or {})})
-    head = ["row", "test acc %", *(bucket_label(b) for b in buckets), "tensor peak", "ratio to none",
+    devices = sorted({d for r in rows for d in ((r.get("memory") or {}).get("devices") or {})})
+    head = ["row", "test acc %", "cache hit rate", *(bucket_label(b) for b in buckets), "tensor peak", "ratio to none",
+            *(f"tensor peak {d}" for d in devices if len(devices) > 1),
             "peak memory (process)", *(f"{d} peak allocated" for d in cuda)]
     cells = []
     for r in rows:
@@ -96,15 +113,21 @@ def tables(task: str, rows: list[dict[str, Any]]) -> tuple[list[str], list[list[
         peak = r.get("tensor_peak_bytes")
         ratio = peak / base["tensor_peak_bytes"] if base and finite(peak) and base.get("tensor_peak_bytes") else None
         acc = r.get("test_accuracy")
+        hit_rate = (r.get("cache") or {}).get("hit_rate")
         cells.append([r["row"], f"{100 * acc:.2f}" if finite(acc) else "-",
+                      f"{100 * hit_rate:.1f}%" if finite(hit_rate) else "-",
                       *(format_bytes(mem["buckets"][b]["peak_bytes"]) if b in mem.get("buckets", {}) else "-"
                         for b in buckets),
                       format_bytes(peak) if finite(peak) else "-", f"{ratio:.3f}" if ratio is not None else "-",
+                      *(format_bytes(mem["devices"][d]["tensor_peak_bytes"]) if d in mem.get("devices", {}) else "-"
+                        for d in devices if len(devices) > 1),
                       format_bytes(r["peak_memory_bytes"]) if finite(r.get("peak_memory_bytes")) else "-",
                       *(format_bytes(mem["allocator"][d]["peak_allocated"]) if d in mem.get("allocator", {}) else "-"
                         for d in cuda)])
-    back_head = ["row", "memory events", *(bucket_label(b) for b in ("grads", "optimizer", "activations",
-                                                                     "cache_memory")), "tensor total"]
+    back_buckets = ["grads", "optimizer", "activations", "cache_memory",
+                    *(b for b in ("params_frozen", "params_master", "params_offloaded")
+                      if any(b in (r.get("returned") or {}) for r in rows))]
+    back_head = ["row", "memory events", *(bucket_label(b) for b in back_buckets), "tensor total"]
     back = []
     for r in rows:
         got = r.get("returned") or {}
@@ -113,8 +136,7 @@ def tables(task: str, rows: list[dict[str, Any]]) -> tuple[list[str], list[list[
             return ("-" if n < 0 else "") + format_bytes(abs(n))
 
         back.append([r["row"], str(got.get("events", 0)),
-                     *(signed(got.get(b, 0)) for b in ("grads", "optimizer", "activations", "cache_memory",
-                                                       "tensor_bytes"))])
+                     *(signed(got.get(b, 0)) for b in (*back_buckets, "tensor_bytes"))])
     return head, cells, back_head, back
 
 
@@ -123,23 +145,29 @@ def markdown(head: list[str], cells: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in cells]) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", default="fmnist,default-job", help="comma-separated: fmnist, default-job")
     parser.add_argument("--rows", default=",".join(ROWS), help="strategies, none first")
-    parser.add_argument("--size", choices=("suite", "small", "quick"), default="suite",
-                        help="fmnist's sizes: the suite's (SIZES), 64 steps (small) or QUICK_SIZES")
+    parser.add_argument("--size", choices=("suite", "small", "quick", "tiny"), default="suite",
+                        help="fmnist's sizes: the suite's (SIZES), 64 steps (small), QUICK_SIZES, 3 steps (tiny)")
+    parser.add_argument("--demote", choices=sorted(DTYPE_SHORT),
+                        help="also run each freezing row with freeze.demote.dtype (rows static+bf16, ...)")
+    parser.add_argument("--offload", choices=("cpu",), help="with --demote: freeze.demote.offload too")
     parser.add_argument("--every", type=int, default=1, help="run.ledger_every (1: every step sampled)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--device", help="run.device (auto, cpu, cuda:N); on CUDA the table adds the allocator's peak")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config key for every row")
     parser.add_argument("--out", default="runs/bench-memory")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.offload and not args.demote:
+        parser.error("--offload goes with --demote DTYPE (the demoted rows are the ones offloaded)")
     out = Path(args.out)
     rows = args.rows.split(",")
     console = Console(width=200)
     results: dict[str, Any] = {"rows": rows, "size": args.size, "every": args.every, "set": args.set,
+                               "demote": args.demote, "offload": args.offload,
                                "quick_sizes": QUICK_SIZES["fmnist-mobilenet"], "tasks": {}}
     md = []
     for task in args.tasks.split(","):
@@ -150,13 +178,19 @@ def main() -> None:
         for item in args.set:
             base = deep_merge(base, parse_override(item))
         got = compare(base, rows, out / task, console=console, row_params=params, row_overrides=overrides)
+        demoted_rows = [r for r in rows if r != "none"]
+        if args.demote and demoted_rows:
+            demoted = deep_merge(base, {"freeze": {"demote": {"dtype": args.demote, "offload": args.offload}}})
+            for r in compare(demoted, demoted_rows, out / f"{task}-demote", console=console, row_params=params,
+                             row_overrides=overrides):
+                got.append({**r, "row": demoted_name(r["row"], args.demote, args.offload)})
         for r in got:
             if r.get("run_dir"):
                 r["returned"] = returned(Path(r["run_dir"]))
         results["tasks"][task] = [{k: r.get(k) for k in ("row", "test_accuracy", "steps", "memory",
                                                          "tensor_peak_bytes", "tensor_peak_ratio",
                                                          "peak_memory_bytes", "frozen_blocks", "freeze_steps",
-                                                         "returned", "stopped")} for r in got]
+                                                         "returned", "stopped", "demote", "cache")} for r in got]
         head, cells, back_head, back = tables(task, got)
         for title, h, c in ((f"{task}: peak bytes per bucket (memory ledger), tensor peak, process RSS", head, cells),
                             (f"{task}: what the freezes gave back (sum over memory events; negative: taken)",

@@ -7,7 +7,8 @@ block active (every block gathered into its ring buffer) and predictions (featur
 freeze, and (b) every non-head block: the worst case (``prefix=False``, or a stage where all blocks freeze).
 Overhead = stage time / (stage interval x step time), with the strategy's default interval
 ``max(1, round(total_steps / 150))`` (``--every N`` to set it). Once blocks freeze the steps get cheaper, but so do
-the stages (frozen blocks are neither recorded nor predicted).
+the stages (frozen blocks are neither recorded nor predicted). The gradient signal-to-noise gate's part of a stage
+(``snr_gate``, off by default; issue 29) is timed apart: Adam's moments read at every block's sampled positions.
 
     python -m benchmarks.smartfrz_overhead                     # MiniLM-L6 / BBC News and MobileNetV2 / F-MNIST
     python -m benchmarks.smartfrz_overhead --tasks bbc-news --steps 20
@@ -56,6 +57,23 @@ def time_stage(strategy, blocks, repeats: int, predict: int | None = None) -> fl
     return statistics.median(times)
 
 
+def time_gate(strategy, freezer, repeats: int) -> float:
+    """Median seconds of the gradient signal-to-noise gate's part of a stage (issue 29; off by default, timed here
+    as if on): read Adam's moments at every active block's sampled positions and compute each block's z
+    (:meth:`SmartFRZ._observe_snr`), from the optimizer state the timed steps left."""
+    from layerfreeze.strategies.smartfrz.snr_gate import SNRGate
+
+    if strategy.gate is None:
+        strategy.gate = SNRGate(len(freezer.blocks))
+    ctx = freezer._context("step")
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        strategy._observe_snr(ctx)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def measure(name: str, overrides: dict, steps: int, every: int | None, out: Path) -> dict:
     config = build_config({**overrides, "freeze": {"strategy": "smartfrz"},
                            "run": {"dir": str(out / name), "progress": False, "checkpoint": False,
@@ -76,11 +94,13 @@ def measure(name: str, overrides: dict, steps: int, every: int | None, out: Path
     blocks = trainer.freezer.blocks
     typical = time_stage(strategy, blocks, repeats=20, predict=1)
     worst = time_stage(strategy, blocks, repeats=20)
+    gate = time_gate(strategy, trainer.freezer, repeats=20)
     interval = every or max(1, round(trainer.total_steps / 150))
     return {"task": name, "blocks": len(blocks), "sample_size": strategy.sample_size, "window": strategy.window,
             "step_s": step, "stage_s": typical, "stage_worst_s": worst, "stage_every": interval,
             "total_steps": trainer.total_steps, "overhead": typical / (interval * step),
-            "overhead_worst": worst / (interval * step)}
+            "overhead_worst": worst / (interval * step), "gate_s": gate,
+            "overhead_with_gate": (typical + gate) / (interval * step)}
 
 
 def main() -> None:
@@ -93,14 +113,16 @@ def main() -> None:
     out = Path(args.out)
     rows = [measure(t, TASKS[t], args.steps, args.every, out) for t in args.tasks.split(",")]
     table = Table(title="SmartFRZ online cost per stage: every block recorded; predicted: the front block (prefix "
-                        "rule, the usual stage) / every non-head block (worst case)")
+                        "rule, the usual stage) / every non-head block (worst case); the SNR gate (snr_gate, off by "
+                        "default) per stage")
     for col in ("task", "blocks", "train step", "stage, front block", "stage, all blocks", "stage every",
-                "overhead", "overhead, worst"):
+                "overhead", "overhead, worst", "SNR gate", "overhead with gate"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(r["task"], str(r["blocks"]), f"{1000 * r['step_s']:.1f} ms", f"{1000 * r['stage_s']:.2f} ms",
                       f"{1000 * r['stage_worst_s']:.2f} ms", f"{r['stage_every']} steps",
-                      f"{100 * r['overhead']:.2f}%", f"{100 * r['overhead_worst']:.2f}%")
+                      f"{100 * r['overhead']:.2f}%", f"{100 * r['overhead_worst']:.2f}%",
+                      f"{1000 * r['gate_s']:.2f} ms", f"{100 * r['overhead_with_gate']:.2f}%")
     Console(width=140).print(table)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=2))

@@ -21,3 +21,4 @@ def test_measure_times_real_steps_and_a_stage_and_divides_by_the_strategy_interv
     assert row["blocks"] > 2 and row["step_s"] > 0 and row["stage_s"] > 0
     assert row["overhead"] == row["stage_s"] / row["step_s"]
     assert row["overhead_worst"] == row["stage_worst_s"] / row["step_s"]
+    assert row["gate_s"] > 0 and row["overhead_with_gate"] == (row["stage_s"] + row["gate_s"]) / row["step_s"]

@@ -102,7 +102,8 @@ def test_bbc_news_minilm_short_real_run(tmp_path, capsys):
     summary = json.loads((run / "summary.json").read_text())
     assert json.loads((run / "config.json").read_text())["freeze"] == {
         "strategy": "smartfrz", "params": {}, "train_bn": False, "guard": None,
-        "cache": {"mode": "auto", "dtype": "float32", "budget_mb": None}, "memory_budget": None}
+        "cache": {"mode": "auto", "dtype": "float32", "budget_mb": None}, "demote": None,
+            "memory_budget": None}
     assert summary["frozen_blocks"] == []
     assert summary["steps"] == 2 and summary["flops_per_step_first"] > 1e10
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
@@ -165,6 +166,7 @@ def test_help_and_strategies_list(capsys):
     assert main(["strategies"]) == 0
     out = capsys.readouterr().out
     assert "smartfrz  (default)" in out and "k=1" in out
+    assert "seed=0, snr_gate=None, snr_noise=1.35" in out  # the gradient SNR gate: off by default (issue 29)
     assert "lisa  params: gamma=2, k=20, seed=None" in out
     assert "badam  params: k=50, order='ascending', start_block=None, include_embedding=False, seed=None" in out
 

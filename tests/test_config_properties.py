@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from layerfreeze.cli import main
-from layerfreeze.train.config import Config, build_config
+from layerfreeze.train.config import Config, build_config, deep_merge
 
 #: Free-form text keys (paths, names) are checked where they are used (a missing file, an unknown strategy); a
 #: memory budget is a size or a fraction as text (tests/test_budget.py checks its forms).
@@ -41,13 +41,18 @@ def leaves(model: type[BaseModel] = Config, prefix: str = "") -> dict[str, typin
 
 
 FIELDS = leaves()
-SECTIONS = {"model", "data", "train", "freeze", "run", "model.lora", "freeze.guard", "freeze.cache"}
+SECTIONS = {"model", "data", "train", "freeze", "run", "model.lora", "freeze.guard", "freeze.cache", "freeze.demote"}
+#: Keys valid only beside another one: a demotion needs a dtype or an offload target to do anything.
+NEEDS = {"freeze.demote.master": {"freeze": {"demote": {"dtype": "bfloat16"}}}}
 
 
 def kind(field) -> tuple[str, tuple]:
     args = typing.get_args(field.annotation)
     if typing.get_origin(field.annotation) is typing.Literal:
         return "choice", args
+    choices = [a for a in args if typing.get_origin(a) is typing.Literal]  # an optional choice: Literal[...] | None
+    if choices:
+        return "choice", typing.get_args(choices[0])
     base = [a for a in (field.annotation, *args) if a in (int, float, bool)]
     return base[0].__name__, ()
 
@@ -156,7 +161,7 @@ def test_an_unknown_key_in_any_section_is_exit_2_naming_it(section, name, tmp_pa
 @given(case=valid())
 def test_every_valid_value_of_every_key_builds(case):
     key, value = case
-    config = build_config(nested(key, value))
+    config = build_config(deep_merge(NEEDS.get(key, {}), nested(key, value)))
     node: typing.Any = config
     for part in key.split("."):
         node = getattr(node, part)

@@ -224,3 +224,19 @@ def test_torchrun_runs_the_cli_with_the_default_strategy_and_the_cache(tmp_path,
     assert rebuilds[-1]["trainable_parameters"] < rebuilds[0]["trainable_parameters"]
     last_epoch = [r for r in records if r["type"] == "epoch"][-1]
     assert last_epoch["cache_prefix_samples"] > 0  # the frozen prefix ran outside autograd, into rank 0's cache
+
+
+def test_demoted_blocks_under_ddp_switch_on_every_rank_and_the_ranks_stay_identical(tmp_path):
+    # lisa on 2 ranks with frozen blocks demoted to bfloat16: each switch casts the blocks that switch off and gives
+    # the float32 master back to those that switch on, on every rank, before DDP is rebuilt around the trainable part
+    s = spec(tmp_path, "ddp", "lisa", {"gamma": 1, "k": 3})
+    s["config"]["freeze"]["demote"] = {"dtype": "bfloat16", "master": "memory"}
+    a = assert_ranks_agree(launch(s, tmp_path / "ranks"))
+    assert a["summary"]["demote"]["dtype"] == "bfloat16" and not a["summary"]["demote"]["skipped"]
+    assert sum(h["kind"] == "freeze" and h.get("demoted") == "bfloat16" for h in a["history"]) >= 6
+    # the same decisions as the single-process demoted run, and the same weights up to the all-reduce's rounding
+    ref = one_process(tmp_path, {"config": {**s["config"], "run": {**s["config"]["run"],
+                                                                   "dir": str(tmp_path / "single-run")}}})
+    assert ref["history"] == a["history"]
+    for key, value in ref["weights"].items():
+        torch.testing.assert_close(torch.tensor(a["weights"][key]), torch.tensor(value), rtol=1e-5, atol=1e-6)

@@ -190,6 +190,21 @@ def test_predictor_file_roundtrip_and_errors(tmp_path):
         load_predictor(tmp_path)
 
 
+def test_loading_a_predictor_leaves_the_global_rng_alone(tmp_path):
+    # building the network before loading its weights must not draw from the global RNG (issue 29): a smartfrz row
+    # trained on another dropout stream than the `none` row of the same seed
+    from layerfreeze.strategies.smartfrz.predictor import _load
+
+    path = save_predictor(tmp_path / "p.safetensors", _biased_predictor(2.0), window=3)  # a new file: really read
+    _load.cache_clear()  # the shipped one too, even when an earlier test loaded it
+    torch.manual_seed(0)
+    want = torch.rand(3)
+    torch.manual_seed(0)
+    load_predictor(path)
+    load_predictor()
+    assert torch.equal(torch.rand(3), want)
+
+
 def test_padded_window_gives_the_same_probability():
     from layerfreeze.smartfrz.fit import pad_windows
 

@@ -16,6 +16,8 @@ The pieces:
   make a cache wrong: random augmentation in the dataset; dropout or BatchNorm in training mode in the prefix.
 * The storage, entries keyed by ``(sample index, depth)`` in memory then checksummed safetensors shards, is
   :class:`~layerfreeze.compute.store.ActivationCache` (:mod:`layerfreeze.compute.store`).
+* :class:`CachePolicy` -- what the cache keeps (``freeze.cache.mode: auto`` in the CLI): an entry is stored only when
+  it will be read again under a boundary that has been stable long enough, and freed after its last read.
 
 Correctness rules (each one guards against reusing a stale value silently):
 
@@ -66,6 +68,7 @@ from layerfreeze.runs.ledger import Bucket
 
 __all__ = [
     "CACHE_MODES",
+    "CachePolicy",
     "CacheRefused",
     "CachedPrefix",
     "FrozenPrefixSource",
@@ -74,9 +77,80 @@ __all__ = [
     "check_prefix_deterministic",
 ]
 
-#: What a run may ask of the cache: ``off``; ``auto`` (use it where it is exact, else train without it and say why);
-#: ``on`` (use it, or refuse to start).
+#: What a run may ask of the cache: ``off``; ``auto`` (use it where it is exact, else train without it and say why;
+#: keep only the entries that pay, :class:`CachePolicy`); ``on`` (use it, or refuse to start; store every entry).
 CACHE_MODES = ("off", "auto", "on")
+
+# --------------------------------------------------------------------------------------------------------------
+# What the cache keeps
+# --------------------------------------------------------------------------------------------------------------
+
+
+class CachePolicy:
+    """Which entries the cache stores and keeps: only those that will be read again (``freeze.cache.mode: auto``).
+
+    An entry costs its bytes from the step it is stored to the step it is dropped, and pays only when it is read:
+    at its sample's next visit, as a hit (the boundary has not moved) or as the start of an extension (the boundary
+    moved deeper: blocks up to the old boundary are not recomputed). Measured on SmartFRZ runs (BENCHMARKS.md "Where
+    the memory goes"), a cache that stores every miss holds most of its bytes for entries that are never read: written
+    in the last epoch, or for a boundary that moved right after, so that 85 MiB of MobileNetV2's shallowest outputs
+    made its tensor peak 1.25x that of not freezing. Two rules, both from what the run measures, none from timing (so
+    what the cache holds is the same on any machine):
+
+    * **Read again.** An entry is stored only for a sample the run visits again (``next_visit``: the step of its next
+      visit, from the data order; None after its last one), and freed at its last read; when the boundary moves,
+      entries of samples not visited again are freed at once. Nothing is written in a run's last epoch.
+    * **Stable long enough.** A boundary set during training is stable enough for an entry when the steps it has held
+      (its *age*, measured from the step the frozen prefix last changed, ``boundary_since``) are at least the steps
+      until that entry's read (``next_visit - now``): a boundary that has held ``a`` steps has then held at least
+      as long as it must still hold, the rule that keeps a power-law (Lindy) lifetime more likely than not to last
+      until the read. A boundary set before the first step (``boundary_since() == 0``: ``static``'s k, blocks
+      frozen from the start) is the run's plan, not a move: its entries are stored from the first step.
+
+    Entries below a boundary that moved stay only while their sample is visited again: they are extended at that
+    visit (and replaced by the deeper entry when the new boundary is stable enough), else freed.
+
+    Args:
+        now: The step being computed (1-based, as ``next_visit`` counts).
+        next_visit: ``next_visit(index)``: the step of sample ``index``'s next visit after ``now()``, or None.
+        boundary_since: The step count at which the frozen prefix last changed (0: before the first step);
+            :attr:`~layerfreeze.engine.Freezer.prefix_since`.
+
+    Counters: ``skipped_last`` / ``skipped_unstable`` (misses not stored: no next visit / boundary too young),
+    ``freed`` (entries dropped by the policy).
+    """
+
+    def __init__(self, now: Callable[[], int], next_visit: Callable[[int], int | None],
+                 boundary_since: Callable[[], int]) -> None:
+        self.now = now
+        self.next_visit = next_visit
+        self.boundary_since = boundary_since
+        self.skipped_last = 0
+        self.skipped_unstable = 0
+        self.freed = 0
+
+    def read_again(self, index: int) -> bool:
+        """Whether sample ``index`` is visited again in the run."""
+        return self.next_visit(index) is not None
+
+    def stores(self, index: int) -> bool:
+        """Whether a miss of sample ``index`` computed now is stored (and counts why not)."""
+        following = self.next_visit(index)
+        if following is None:
+            self.skipped_last += 1
+            return False
+        since = self.boundary_since()
+        if since == 0:
+            return True
+        now = self.now()
+        if now - (since + 1) >= following - now:  # age (steps held before this one) >= steps until the read
+            return True
+        self.skipped_unstable += 1
+        return False
+
+    def stats(self) -> dict[str, int]:
+        return {"policy_skipped_last": self.skipped_last, "policy_skipped_unstable": self.skipped_unstable,
+                "policy_freed": self.freed}
 
 # --------------------------------------------------------------------------------------------------------------
 # The cached forward
@@ -190,6 +264,8 @@ class CachedPrefix:
             (``nn.Sequential``: ``batch["x"]`` with ``input_key="x"``). Default: ``"pixel_values"`` when the batch
             has it, else the batch's one tensor that is neither ``"index"`` nor a label (``"labels"``, ``"label"``,
             ``"y"``, ``"target"``, ``"targets"``), found on the first call.
+        policy: What to store and keep (:class:`CachePolicy`); None (default): every miss is stored, entries stay
+            until a deeper one replaces them or a thaw or a weight change drops them.
 
     Counters (samples unless said): ``prefix_samples`` (computed from the input), ``extend_samples`` (carried from
     an older boundary), ``full_forwards`` (calls that ran the model's own forward: depth 0 or cache off),
@@ -229,6 +305,7 @@ class CachedPrefix:
         fallback: bool = False,
         on_disable: Callable[[str], None] | None = None,
         input_key: str | None = None,
+        policy: CachePolicy | None = None,
     ) -> None:
         if blocks is None:
             if freezer is None:
@@ -250,6 +327,7 @@ class CachedPrefix:
         self.freezer = freezer
         self.fallback = fallback
         self.on_disable = on_disable
+        self.policy = policy
         self.disabled: str | None = None
         self.prefix_samples = 0
         self.extend_samples = 0
@@ -310,6 +388,7 @@ class CachedPrefix:
             self._check_weights(depth)
             if self.cache.depth != depth:
                 self.cache.advance(depth)
+                self._prune()
             indices = sample_indices(batch["index"])
             self._check_inputs(indices, batch)
             plan = self._plan(batch, indices, depth)
@@ -429,6 +508,15 @@ class CachedPrefix:
             self._print_bytes += _nbytes(new) - (0 if old is None else _nbytes(old))
             self._fingerprints[index] = new
 
+    def _prune(self) -> None:
+        """The boundary moved: free the entries of samples the run does not visit again (policy only)."""
+        if self.policy is None:
+            return
+        for index in self.cache.indices():
+            if not self.policy.read_again(index):
+                for d in self.cache.depths(index):
+                    self.policy.freed += self.cache.drop(index, d)
+
     def _turn_off(self, reason: str) -> None:
         self.disabled = reason
         self.cache.clear()
@@ -501,6 +589,10 @@ class CachedPrefix:
             if pad_to is not None:
                 rows = [pad_dim0(t, pad_to) for t in rows]  # type: ignore[arg-type]
             hit_states = torch.stack(rows).to(device)  # type: ignore[arg-type]
+            if self.policy is not None:  # a last read: its bytes go back now
+                for p in hit:
+                    if not self.policy.read_again(indices[p]):
+                        self.policy.freed += self.cache.drop(indices[p], depth)
             if not miss and not plan.compute_only:
                 return hit_states
         rows = torch.tensor(miss, device=device, dtype=torch.long)
@@ -521,8 +613,17 @@ class CachedPrefix:
             return hit_states
         self._record_cost(depth, base + (_now(device) - t0) / size)
         lengths = self.split.lengths(batch, depth)
-        self.cache.put_batch([indices[p] for p in miss], depth, states[rows],
-                             None if lengths is None else lengths[torch.tensor(miss)])
+        keep = miss
+        if self.policy is not None:
+            keep = [p for p in miss if self.policy.stores(indices[p])]
+            for p in miss:  # a sample not visited again: its older entry (extended just now) is read for the last time
+                if not self.policy.read_again(indices[p]):
+                    for d in self.cache.depths(indices[p]):
+                        self.policy.freed += self.cache.drop(indices[p], d)
+        if keep:
+            at = torch.tensor(keep, device=device)
+            self.cache.put_batch([indices[p] for p in keep], depth, states[at],
+                                 None if lengths is None else lengths[torch.tensor(keep)])
         if hit_states is not None:  # states holds every row at the batch's shape; the hits replace theirs
             states = states.clone()
             states[torch.tensor(hit, device=states.device)] = hit_states.to(states.dtype)
@@ -540,7 +641,8 @@ class CachedPrefix:
     def summary(self, carried: dict[str, float] | None = None) -> dict[str, Any]:
         """What the cache did, for a run's summary: ``used`` (False once turned off; ``disabled`` says why),
         ``hits`` / ``misses`` (sample lookups), ``hit_rate``, ``memory_bytes`` / ``disk_bytes`` / ``budget_bytes``,
-        ``saved_seconds`` (see the class docstring), ``corrupt_shards``.
+        ``saved_seconds`` (see the class docstring), ``corrupt_shards``; with a :class:`CachePolicy`, its counters
+        (``policy_skipped_last``, ``policy_skipped_unstable``, ``policy_freed``: this process's).
 
         Args:
             carried: :data:`RUN_COUNTERS` of the processes before this one (a resumed run's checkpoint), added to
@@ -552,7 +654,8 @@ class CachedPrefix:
         return {"used": s["disabled"] is None, "disabled": s["disabled"], "hits": hits, "misses": misses,
                 "hit_rate": hits / lookups if lookups else None, "memory_bytes": s["memory_bytes"],
                 "disk_bytes": s["disk_bytes"], "budget_bytes": s["budget_bytes"], "saved_seconds": saved,
-                "corrupt_shards": s["corrupt_shards"]}
+                "corrupt_shards": s["corrupt_shards"],
+                **(self.policy.stats() if self.policy is not None else {})}
 
     def ledger_bytes(self) -> dict[str, dict[str, int]]:
         """What the cache holds, for the memory ledger (:class:`~layerfreeze.runs.ledger.MemoryLedger`'s byte-source
@@ -567,6 +670,7 @@ class CachedPrefix:
         """Counters (samples) and cache sizes (bytes), for logs."""
         return {
             **self.cache.stats(),
+            **(self.policy.stats() if self.policy is not None else {}),
             "prefix_samples": self.prefix_samples,
             "extend_samples": self.extend_samples,
             "full_forwards": self.full_forwards,
@@ -594,7 +698,8 @@ def build_cached_prefix(model: nn.Module, blocks: Sequence[Block], dataset: Any,
                         dtype: torch.dtype | None = None, budget_bytes: int | None = None, directory: Any = None,
                         freezer: FrozenPrefixSource | None = None, input_key: str = "pixel_values",
                         on_disable: Callable[[str], None] | None = None,
-                        shard_bytes: int | None = None) -> CachedPrefix | None:
+                        shard_bytes: int | None = None,
+                        policy: CachePolicy | None = None) -> CachedPrefix | None:
     """The frozen-prefix cache a run asks for (``freeze.cache`` in the CLI), or None to run the plain forward.
 
     Args:
@@ -613,6 +718,7 @@ def build_cached_prefix(model: nn.Module, blocks: Sequence[Block], dataset: Any,
         shard_bytes: The write buffer above ``budget_bytes`` before a shard is written (None: the store's default,
             64 MiB; 0: every batch that spills is written at once, so memory never exceeds the budget by more than
             one batch: what a memory budget's plan asks, :mod:`layerfreeze.budget`).
+        policy: What the cache keeps (:class:`CachePolicy`), used with ``mode="auto"`` (``on`` stores every miss).
 
     Raises:
         CacheRefused: ``mode="on"`` and the model or data cannot be cached (the message says why: a family without
@@ -629,7 +735,7 @@ def build_cached_prefix(model: nn.Module, blocks: Sequence[Block], dataset: Any,
         cache = ActivationCache(budget_bytes, dtype, directory=directory,
                                 **({} if shard_bytes is None else {"shard_bytes": shard_bytes}))
         return CachedPrefix(model, blocks, split, cache, freezer=freezer, fallback=mode == "auto",
-                            on_disable=on_disable)
+                            on_disable=on_disable, policy=policy if mode == "auto" else None)
     except ValueError as exc:  # CacheRefused is a ValueError; so are split_for's "no split for this family" and
         # CachedPrefix's refusal of a sharded model whose root group holds parameters
         if mode == "on":

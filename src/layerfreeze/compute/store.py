@@ -192,6 +192,10 @@ class ActivationCache:
     def __contains__(self, key: tuple[int, int]) -> bool:
         return (int(key[0]), int(key[1])) in self._entries
 
+    def indices(self) -> list[int]:
+        """The sample indices that have at least one entry."""
+        return list(self._depths)
+
     def depths(self, index: int) -> list[int]:
         """The depths cached for sample ``index``, shallowest first."""
         return sorted(self._depths.get(int(index), ()))

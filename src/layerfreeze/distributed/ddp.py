@@ -145,6 +145,7 @@ class FreezeDDP:
         self.on_rebuild = on_rebuild
         self.ddp: nn.parallel.DistributedDataParallel | None = None
         self._built_for: tuple[bool, ...] | None = None
+        self._built_restores = 0  # the freezer's dtype_restores when the wrapper was built
         self.rebuilds = 0
         self.rebuild_seconds: list[float] = []
 
@@ -164,7 +165,9 @@ class FreezeDDP:
         decisions are the same on every rank).
         """
         frozen = tuple(self.freezer.frozen)
-        if frozen == self._built_for and self.ddp is not None:
+        # a thaw of a demoted block replaced its parameters' gradient accumulators: rebuild for the same set too
+        restores = getattr(self.freezer, "dtype_restores", 0)
+        if frozen == self._built_for and restores == self._built_restores and self.ddp is not None:
             return False
         t0 = time.perf_counter()
         if self.ddp is None:
@@ -176,7 +179,7 @@ class FreezeDDP:
         if self.bytes is not None:
             self.ddp.register_comm_hook(None, self.bytes.hook)
         seconds = time.perf_counter() - t0
-        self._built_for = frozen
+        self._built_for, self._built_restores = frozen, restores
         self.rebuilds += 1
         self.rebuild_seconds.append(seconds)
         if self.on_rebuild is not None:

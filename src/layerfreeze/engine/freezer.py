@@ -63,6 +63,7 @@ from layerfreeze.distributed.fsdp import (
     local_tensor,
     reshard_all,
 )
+from layerfreeze.engine.demote import Demoter, Demotion
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
 from layerfreeze.engine.mechanics import frozen_parameters, set_eval_mode
@@ -121,6 +122,13 @@ class Freezer:
             requires grad again or is back in the optimizer (checked after every step,
             :class:`~layerfreeze.engine.integrity.FrozenSet`): ``"warn"`` re-freezes it and warns naming it, ``"error"``
             raises :class:`~layerfreeze.engine.integrity.UnfrozenParameterError`.
+        demote: Demote frozen blocks (:mod:`layerfreeze.engine.demote`): a
+            :class:`~layerfreeze.engine.demote.Demotion` (or its keyword arguments as a dict, e.g.
+            ``{"dtype": "bfloat16"}``): each block that freezes is cast to that dtype (its float32 master copy kept in
+            host memory or on disk, restored exactly at a thaw) and/or, with ``offload="cpu"``, moved to host memory
+            while :meth:`offload_prefix` says the activation cache serves it. None (default): frozen blocks keep
+            their weights as they are. Every rank of a distributed run demotes the same blocks (the same decisions,
+            the same settings).
         distributed: Decide on rank 0 and broadcast each decision to every rank (``torch.distributed``), so all
             ranks freeze and thaw the same blocks at the same step whatever the strategy looks at. Default: on when
             a process group of more than one rank is initialized. Only rank 0 runs the strategy (its hooks,
@@ -145,7 +153,8 @@ class Freezer:
     Raises:
         BlockDiscoveryError: blocks cannot be discovered (see :func:`~layerfreeze.models.discovery.discover_blocks`).
         UnknownStrategyError / ValueError: bad strategy name or parameters; a sharded model with a strategy that
-            observes the model and no ``mirror`` on rank 0 (raised on every rank).
+            observes the model and no ``mirror`` on rank 0 (raised on every rank); ``demote`` with ``train_bn=True``
+            (the BatchNorm layers of frozen blocks keep training in float32) or with an FSDP2-sharded model.
         RuntimeError: the strategy needs ``total_steps`` and none was given (the message says to pass it).
         ValueError: a ``floor`` block that is the head.
 
@@ -170,6 +179,7 @@ class Freezer:
         distributed: bool | None = None,
         on_unfrozen: str = "warn",
         mirror: nn.Module | None = None,
+        demote: Demotion | dict[str, Any] | None = None,
         floor: Sequence[int | str] | None = None,
     ) -> None:
         self.model = model
@@ -219,6 +229,18 @@ class Freezer:
             self.integrity.gather = comm.all_gather_object
         self._check_parameters(registered)
         self._mirror = self._make_mirror(mirror)
+        #: The :class:`~layerfreeze.engine.demote.Demoter` of ``demote`` (None without it): also a byte source of
+        #: the memory ledger (master copies, offloaded weights).
+        self.demoter: Demoter | None = None
+        if demote is not None:
+            spec = demote if isinstance(demote, Demotion) else Demotion(**demote)
+            if train_bn:
+                raise ValueError("demote needs train_bn=False: with train_bn the BatchNorm layers of frozen blocks "
+                                 "keep training, in float32, inside blocks that demotion casts")
+            if self._fsdp:
+                raise ValueError("demote does not work on an FSDP2-sharded model (its parameters are DTensor shards); "
+                                 "shard_blocks frees the memory of frozen blocks another way")
+            self.demoter = Demoter(spec, self.blocks)
         if self.decides:
             if self._mirror is not None:
                 self.strategy.attach(self._mirror.mirror, self._mirror.blocks(self.blocks))
@@ -301,8 +323,16 @@ class Freezer:
             set_eval_mode(module, self.train_bn)
             self._hooks.setdefault(block.index, []).append(module.register_forward_pre_hook(self._eval_hook))
         self.frozen[block.index] = True
-        self.integrity.on_freeze(block.index, self.named_frozen_parameters(block))
-        self._record("freeze", block, reason)
+        named = self.named_frozen_parameters(block)
+        self.integrity.on_freeze(block.index, named)  # the checksum of the float32 weights a thaw gives back
+        extra: dict[str, Any] = {}
+        if self.demoter is not None:
+            skipped = self.demoter.on_freeze(block, named)
+            if skipped is not None:
+                extra["demote_skipped"] = skipped
+            elif self.demoter.is_demoted(block.index):
+                extra["demoted"] = self.demoter.spec.dtype
+        self._record("freeze", block, reason, **extra)
         return True
 
     def pin(self, keys: Sequence[int | str], reason: str = FLOOR_REASON) -> list[int]:
@@ -355,6 +385,8 @@ class Freezer:
         was_frozen = self.frozen[block.index]
         if was_frozen:
             self._sharded()
+            if self.demoter is not None:  # the float32 weights, exactly as they froze, before anything else
+                self.demoter.on_thaw(block)
             for handle in self._hooks.pop(block.index, []):
                 handle.remove()
             for _, module in block.modules:
@@ -390,6 +422,45 @@ class Freezer:
         """``(name, parameter)`` pairs that freezing ``block`` stops training (see :func:`frozen_parameters`)."""
         keep = {id(p) for p in frozen_parameters(block, self.train_bn)}
         return [(n, p) for n, p in block.named_parameters() if id(p) in keep]
+
+    def kept_frozen_parameters(self, block: Block) -> list[tuple[str, torch.Tensor]]:
+        """``(name, tensor)``: the weights a thaw of frozen ``block`` gives back (what the frozen-weight checksum
+        covers): its parameters, or for a demoted or offloaded block the float32 master copy / host copy
+        (:meth:`~layerfreeze.engine.demote.Demoter.kept`)."""
+        named = self.named_frozen_parameters(block)
+        return named if self.demoter is None else self.demoter.kept(block, named)  # type: ignore[return-value]
+
+    def demotion_mismatches(self, block: Block) -> list[str]:
+        """Names of frozen ``block``'s tensors whose demoted copy is not exactly the cast of its master copy (empty
+        without demotion)."""
+        return [] if self.demoter is None else self.demoter.mismatches(block)
+
+    def offload_prefix(self, depth: int) -> None:
+        """Move the weights of the frozen blocks among ``0..depth-1`` off the training device (``demote`` with
+        ``offload="cpu"``), bring back those at ``depth`` and beyond; no-op otherwise. ``depth``: the frozen prefix the
+        activation cache serves (0 when it serves none: the cache is off). A block that must run (a cache miss, an
+        evaluation) is copied to the device for its forward only; a thaw brings it back for good
+        (:mod:`layerfreeze.engine.demote`)."""
+        if self.demoter is not None:
+            self.demoter.offload_prefix(min(int(depth), self.frozen_prefix))
+
+    @property
+    def dtype_restores(self) -> int:
+        """How many thaws gave a demoted block its float32 weights back (0 without ``demote``). A DDP wrapper built
+        before the latest one must be rebuilt even for the same frozen set: the restored parameters got new gradient
+        accumulators, which the wrapper's hooks do not see (:class:`~layerfreeze.distributed.ddp.FreezeDDP` and the
+        callbacks compare it too)."""
+        return 0 if self.demoter is None else self.demoter.restores
+
+    @property
+    def prefix_since(self) -> int:
+        """The step count at which the frozen prefix got its current length (0: before the first step, the start
+        stage), from :attr:`history`; what the activation cache's ``auto`` policy measures the boundary's age from."""
+        since, prefix = 0, 0
+        for record in self.history:
+            if record.get("frozen_prefix", prefix) != prefix:
+                since, prefix = int(record["step"]), int(record["frozen_prefix"])
+        return since
 
     def refreeze_parameter(self, param: nn.Parameter, old: nn.Parameter | None = None) -> None:
         """Freeze ``param`` again (it replaced ``old`` in a frozen block, or was made trainable by someone else):
@@ -456,11 +527,15 @@ class Freezer:
         self._apply_lr_scales()
 
     def close(self) -> None:
-        """Release what the strategy attached (hooks, background threads). Idempotent."""
+        """Release what the strategy attached (hooks, background threads) and give demoted blocks their float32
+        weights back on the device (they stay frozen; :meth:`~layerfreeze.engine.demote.Demoter.close`). Idempotent.
+        """
         if self.decides:
             self.strategy.detach()
         if self._mirror is not None:
             self._mirror.close()
+        if self.demoter is not None:
+            self.demoter.close()
 
     def __enter__(self) -> Freezer:
         return self
@@ -565,6 +640,7 @@ class Freezer:
             "lr_written": dict(self._lr_written),
             "guard": self.guard.state_dict() if self.guard is not None else None,
             "frozen_checksums": self.integrity.state_dict(),
+            "demote": self.demoter.spec.to_dict() if self.demoter is not None else None,
             "floor": self.floor,
         }
         if self.optimizer is not None:
@@ -590,6 +666,11 @@ class Freezer:
                 f"{self.strategy.name!r}; resume with the same strategy"
             )
         self.train_bn = state.get("train_bn", self.train_bn)
+        mine = self.demoter.spec.to_dict() if self.demoter is not None else None
+        if state.get("demote") != mine:
+            raise ValueError(f"Checkpoint was written with demote={state.get('demote')!r}, this run has "
+                             f"demote={mine!r}; resume with the same demotion (freeze.demote) so frozen blocks hold "
+                             "the same weights")
         self._sharded()
         self._floor |= {int(i) for i in state.get("floor", [])}
         for block, frozen in zip(self.blocks, state["frozen"]):
@@ -693,9 +774,10 @@ class Freezer:
                     "Call it after loss.backward() and before optimizer.zero_grad()."
                 )
             signals["grad_l1"] = list(self._grad_l1)
-        block_lrs = None
+        block_lrs = optimizer_state = None
         if self.optimizer is not None:
             block_lrs = [base_lr(self.optimizer, block_groups(self._origin, b), self._lr_written) for b in self.blocks]
+            optimizer_state = _optimizer_state_view(self.optimizer)
         return StageContext(
             step=self.step_count,
             epoch=self.epoch,
@@ -705,6 +787,7 @@ class Freezer:
             steps_per_epoch=self.steps_per_epoch,
             signals=signals,
             block_lrs=block_lrs,
+            optimizer_state=optimizer_state,
         )
 
     def _stage(self, event: str) -> Decision:
@@ -799,3 +882,20 @@ def share_decision(strategy: Strategy, decision: Decision, error: str | None = N
         return decision
     return Decision(freeze=payload["freeze"], thaw=payload["thaw"], reason=payload["reason"],
                     thaw_lr=payload["thaw_lr"], lr_scale=payload["lr_scale"])
+
+
+def _optimizer_state_view(optimizer: torch.optim.Optimizer) -> Callable[[nn.Parameter], Any]:
+    """``view(param)`` -> ``(optimizer.state[param], its param group)``, or None when the optimizer does not hold
+    ``param`` (a frozen block's parameters leave it) or keeps no state for it yet: what a strategy may read of the
+    optimizer (:attr:`~layerfreeze.strategies.base.StageContext.optimizer_state`). The parameter -> group map is
+    built on first use, once per stage (freezes and thaws move parameters between groups between stages)."""
+    groups: dict[int, dict[str, Any]] = {}
+
+    def view(param: nn.Parameter) -> Any:
+        if not groups:
+            groups.update({id(p): g for g in optimizer.param_groups for p in g["params"]})
+        group = groups.get(id(param))
+        state = optimizer.state.get(param)
+        return None if group is None or not state else (state, group)
+
+    return view

@@ -10,7 +10,9 @@ Four silent faults this module turns into warnings or errors (each seen in real 
 * **A frozen weight that moved** (an in-place update outside the optimizer, a loader, a bug): a checksum of each
   frozen block (BLAKE2b of its parameters' bytes) is taken when it freezes and verified by
   :meth:`FrozenSet.verify_checksums` (the trainer calls it at every checkpoint and at the end of the run):
-  :class:`FrozenWeightsChangedError` names the block and the parameter.
+  :class:`FrozenWeightsChangedError` names the block and the parameter. For a demoted block
+  (:mod:`layerfreeze.engine.demote`) the checksum covers what is kept, the float32 master copy a thaw restores, and
+  the demoted weights in use must be exactly its cast.
 * **A trainable block that gets no gradient**: after each change of the frozen set, the first backward is checked
   (:meth:`FrozenSet.check_gradients`); a trainable block none of whose parameters got a gradient is a warning naming
   it and the usual causes (an input computed under ``no_grad`` or detached; reentrant gradient checkpointing whose
@@ -183,8 +185,14 @@ class FrozenSet:
         """
         for index, expected in self.checksums.items():
             block = freezer.blocks[index]
-            now = checksum(freezer.named_frozen_parameters(block), self.gather)
+            kept = getattr(freezer, "kept_frozen_parameters", freezer.named_frozen_parameters)
+            now = checksum(kept(block), self.gather)
             moved = sorted(n for n in expected if now.get(n) != expected[n])
+            mismatched = getattr(freezer, "demotion_mismatches", lambda b: [])(block)
+            if mismatched:
+                raise FrozenWeightsChangedError(
+                    f"demoted frozen block {block.name!r}: the weights in use ({', '.join(mismatched)}) are not the "
+                    "cast of its float32 master copy: something wrote into the demoted weights")
             if moved:
                 raise FrozenWeightsChangedError(
                     f"frozen block {block.name!r} changed since it froze (parameters {', '.join(moved)}): something "

@@ -246,6 +246,7 @@ class FreezeSession:
         freezer.on_event = self._on_event
         self.boundary = CheckpointBoundary() if checkpointing else None
         self.ddp_built_for = tuple(freezer.frozen) if ddp_built_for is None else tuple(ddp_built_for)
+        self.ddp_built_restores = getattr(freezer, "dtype_restores", 0)
         self.ddp_rebuilds = 0
         self.sync(None)
 
@@ -287,10 +288,13 @@ class FreezeSession:
         if self.boundary is not None:
             self.boundary.update(self.freezer)
         frozen = tuple(self.freezer.frozen)
-        if not isinstance(ddp, nn.parallel.DistributedDataParallel) or frozen == self.ddp_built_for:
+        # a thaw of a demoted block replaced its parameters' gradient accumulators: rebuild for the same set too
+        restores = getattr(self.freezer, "dtype_restores", 0)
+        if not isinstance(ddp, nn.parallel.DistributedDataParallel) or (
+                frozen == self.ddp_built_for and restores == self.ddp_built_restores):
             return False
         rebuild_ddp(ddp, self.freezer)
-        self.ddp_built_for = frozen
+        self.ddp_built_for, self.ddp_built_restores = frozen, restores
         self.ddp_rebuilds += 1
         return True
 

@@ -15,6 +15,9 @@ bucket               what it counts (bytes of tensor storage, each storage once)
 ``cache_memory``     the frozen-prefix activation cache in host memory (a byte source, see below)
 ``cache_disk``       the cache's shards on disk (device ``"disk"``: not memory, never in the tensor total)
 ``side_models``      frozen models beside the trained one (``FrozenModule``, ``FrozenDifferentiable``)
+``params_master``    float32 master copies of demoted frozen blocks (host memory, or ``"disk"``; a byte source:
+                     :class:`~layerfreeze.engine.demote.Demoter`)
+``params_offloaded`` frozen blocks' parameters moved off the training device (host memory; the same byte source)
 ==================== ===================================================================================================
 
 plus, beside them, the CUDA caching allocator's ``allocated`` / ``reserved`` bytes and their peaks per CUDA device
@@ -93,6 +96,7 @@ __all__ = [
     "Peak",
     "bucket_label",
     "memory_change",
+    "memory_change_by_device",
 ]
 
 
@@ -108,6 +112,8 @@ class Bucket(enum.StrEnum):
     CACHE_MEMORY = "cache_memory"
     CACHE_DISK = "cache_disk"
     SIDE_MODELS = "side_models"
+    PARAMS_MASTER = "params_master"
+    PARAMS_OFFLOADED = "params_offloaded"
 
 
 #: What each bucket is called in tables and plots.
@@ -121,6 +127,8 @@ BUCKET_LABELS: dict[str, str] = {
     Bucket.CACHE_MEMORY: "activation cache (memory)",
     Bucket.CACHE_DISK: "activation cache (disk)",
     Bucket.SIDE_MODELS: "frozen side models",
+    Bucket.PARAMS_MASTER: "master copies (demoted)",
+    Bucket.PARAMS_OFFLOADED: "parameters, offloaded",
 }
 
 
@@ -365,6 +373,21 @@ def memory_change(before: LedgerSnapshot, after: LedgerSnapshot) -> dict[str, in
     a, b = before.buckets, after.buckets
     out = {bucket: a.get(bucket, 0) - b.get(bucket, 0) for bucket in _bucket_order([*a, *b])}
     out["tensor_bytes"] = before.tensor_bytes - after.tensor_bytes
+    return out
+
+
+def memory_change_by_device(before: LedgerSnapshot, after: LedgerSnapshot) -> dict[str, dict[str, int]]:
+    """``{device: {bucket: before - after}}``: :func:`memory_change` per device (:data:`DISK` included), buckets that
+    did not change left out, devices with no change left out. What a freeze gave back *where*: a demoted block's
+    weights leave ``params_frozen`` of the training device for ``params_offloaded`` of ``"cpu"`` (negative: taken)
+    when offloaded, and its float32 master copy is taken on ``"cpu"`` or ``"disk"``."""
+    out: dict[str, dict[str, int]] = {}
+    for device in sorted({*before.devices, *after.devices}):
+        a, b = before.devices.get(device, {}), after.devices.get(device, {})
+        changed = {bucket: a.get(bucket, 0) - b.get(bucket, 0) for bucket in _bucket_order([*a, *b])}
+        changed = {bucket: n for bucket, n in changed.items() if n}
+        if changed:
+            out[device] = changed
     return out
 
 

@@ -52,6 +52,7 @@ CHECKPOINTS_DIR = "checkpoints"
 CHECKPOINT_LINK = "checkpoint"
 CACHE_DIR = "cache"
 RANKS_DIR = "ranks"
+DEMOTED_DIR = "demoted"
 SUMMARY_FILE = "summary.json"
 REPORT_DIR = "report"
 REPORT_INDEX = "index.html"
@@ -81,7 +82,7 @@ class Event(enum.StrEnum):
     RESUMED = "resumed"  # the run continued from a checkpoint (path), or restarted (from_start)
     CACHE_OFF = "cache_off"  # the frozen-prefix cache was refused (reason)
     DDP_REBUILD = "ddp_rebuild"  # distributed: FreezeDDP was rebuilt after a freeze/thaw
-    MEMORY = "memory"  # the ledger's first sample after a freeze/thaw: returned_bytes per bucket (changes, before_step)
+    MEMORY = "memory"  # the ledger's first sample after a freeze/thaw: returned_bytes per bucket, returned_devices per device and bucket, params_dtype after (changes, before_step)
 
 
 def cache_dir(run_dir: Path, rank: int | None = None) -> Path:
@@ -93,6 +94,12 @@ def rank_dir(run_dir: Path, rank: int) -> Path:
     """Where rank ``rank`` of a distributed run writes its own records (a ``metrics.jsonl`` of step records, read
     with :func:`read_metrics` like a run's, the replay rule included)."""
     return run_dir / RANKS_DIR / f"rank{rank}"
+
+
+def demoted_dir(run_dir: Path, rank: int | None = None) -> Path:
+    """Where the float32 master copies of a run's demoted frozen blocks go when kept on disk (scratch, deleted when the
+    run ends; one folder per rank when distributed)."""
+    return run_dir / DEMOTED_DIR / (f"rank{rank}" if rank is not None else "")
 
 
 def row_dir(compare_dir: Path, row: str) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -50,6 +51,11 @@ class StageContext:
             ``{"grad_l1": [float per block]}`` accumulated since the previous stage.
         block_lrs: Base learning rate of each block (its first param group's ``initial_lr``, else ``lr``) before any
             scaling by the strategy; None without an optimizer.
+        optimizer_state: Read-only view of the optimizer: ``optimizer_state(param)`` -> ``(state, param_group)`` of a
+            parameter the optimizer holds (for Adam/AdamW: ``state["exp_avg"]``, ``state["exp_avg_sq"]`` (tensors
+            of the parameter's shape), ``state["step"]``; ``group["betas"]``, ``group["eps"]``), or None (the
+            parameter is not in the optimizer, e.g. a frozen block's, or has no state yet). A strategy must not
+            change what it returns. None without an optimizer.
     """
 
     step: int
@@ -60,6 +66,7 @@ class StageContext:
     steps_per_epoch: int | None = None
     signals: dict[str, Any] = field(default_factory=dict)
     block_lrs: list[float] | None = None
+    optimizer_state: Callable[[Any], Any] | None = None
 
     @property
     def progress(self) -> float | None:

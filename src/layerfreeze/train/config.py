@@ -19,7 +19,7 @@ import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -117,8 +117,11 @@ class CacheConfig(_Section):
     ``mode``: ``auto`` (the default: check the data and the model's family before training, and at every use that
     the cached prefix is frozen, in eval mode and its inputs unchanged; train without the cache, with one
     ``cache_off`` event and a console line saying why, when they are not: random augmentation, a stochastic module,
-    a family without a forward split); ``on`` (the same checks, but refuse to start or stop the run instead);
-    ``off``. ``dtype``: storage precision (float16/bfloat16 halve the memory; values rounded).
+    a family without a forward split; and keep only the entries that pay (:class:`~layerfreeze.compute.cache.
+    CachePolicy`): an entry is stored only for a sample visited again, under a boundary that has held at least as many
+    steps as remain until that visit (or was set before the first step), and freed at its last read); ``on`` (the
+    same checks, but refuse to start or stop the run instead; every miss is stored); ``off``.
+    ``dtype``: storage precision (float16/bfloat16 halve the memory; values rounded).
     ``budget_mb``: host memory before spilling to checksummed safetensors shards in the run folder; null (default):
     a quarter of the host memory available at the start (:func:`layerfreeze.compute.store.auto_budget_bytes`).
     """
@@ -134,8 +137,37 @@ class CacheConfig(_Section):
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
+class DemoteConfig(_Section):
+    """Demotion of frozen blocks (:mod:`layerfreeze.engine.demote`), off unless set (``freeze.demote: {dtype:
+    bfloat16}``, or ``--set freeze.demote.dtype=bfloat16``).
+
+    ``dtype``: a block's weights are cast to it when it freezes (its outputs cast back to float32 for the trainable
+    part); a thaw restores the float32 weights exactly as they were at the freeze. ``offload: cpu``: the weights of
+    the frozen prefix the activation cache serves move to host memory, and are copied to the device only for what
+    runs them (cache misses, evaluation; a thaw brings them back). ``master``: where the float32 master copy of a
+    demoted block is kept: ``memory`` (host RAM), ``disk`` (a checksummed safetensors file in the run folder's
+    ``demoted/``), ``auto`` (memory when training on a GPU, disk on the CPU, where host memory is the training
+    memory). Needs ``train_bn: false``; ``offload`` needs the cache.
+    """
+
+    #: What ``layerfreeze config`` shows as the way to turn it on.
+    EXAMPLE: ClassVar[dict[str, Any]] = {"dtype": "bfloat16", "offload": None, "master": "auto"}
+
+    dtype: Literal["bfloat16", "float16"] | None = None
+    offload: Literal["cpu"] | None = None
+    master: Literal["auto", "memory", "disk"] = "auto"
+
+    @model_validator(mode="after")
+    def _something(self) -> DemoteConfig:
+        if self.dtype is None and self.offload is None:
+            raise ValueError("freeze.demote needs dtype (bfloat16, float16), offload (cpu), or both; to turn demotion "
+                             "off, leave freeze.demote out (null)")
+        return self
+
+
 class FreezeConfig(_Section):
-    """The freezing strategy: a registered name and its parameters; optionally the stability guard and the cache.
+    """The freezing strategy: a registered name and its parameters; optionally the stability guard, the cache, the
+    demotion of frozen blocks and a memory budget.
 
     ``memory_budget`` (``--memory-budget``): a tensor-peak budget (:mod:`layerfreeze.budget`): ``"3GiB"``,
     ``"800MiB"``, ``"2.5GB"``, or a fraction of the tensor peak with nothing frozen (``0.6``, ``"60%"``). Before
@@ -150,6 +182,7 @@ class FreezeConfig(_Section):
     train_bn: bool = False
     guard: GuardConfig | None = None
     cache: CacheConfig = Field(default_factory=CacheConfig)
+    demote: DemoteConfig | None = None
     memory_budget: str | int | float | None = None
 
     @field_validator("memory_budget")
@@ -162,6 +195,18 @@ class FreezeConfig(_Section):
             except BudgetError as exc:
                 raise ValueError(str(exc)) from None
         return value
+
+    @model_validator(mode="after")
+    def _check_demote(self) -> FreezeConfig:
+        if self.demote is None:
+            return self
+        if self.train_bn:
+            raise ValueError("freeze.demote needs freeze.train_bn: false (with train_bn the BatchNorm layers of frozen "
+                             "blocks keep training, in float32, inside blocks demotion casts)")
+        if self.demote.offload is not None and self.cache.mode == "off":
+            raise ValueError("freeze.demote.offload moves the frozen prefix the activation cache serves; with "
+                             "freeze.cache.mode: off nothing is served. Turn the cache on (auto) or leave offload out")
+        return self
 
     @model_validator(mode="after")
     def _check_strategy(self) -> FreezeConfig:
@@ -467,7 +512,7 @@ KEY_NOTES: dict[str, str] = {
     "train.warmup_fraction": "share of the steps with a linear LR warm-up",
     "train.grad_clip": "max global gradient norm (null: no clipping)",
     "train.seed": "seed of weights, data order and dropout",
-    "freeze": "the freezing strategy, the stability guard and the activation cache",
+    "freeze": "the freezing strategy, the stability guard, the activation cache and the demotion of frozen blocks",
     "freeze.strategy": "a registered strategy (`layerfreeze strategies` lists them)",
     "freeze.params": "the strategy's parameters, e.g. {k: 5} for static",
     "freeze.train_bn": "keep BatchNorm layers of frozen blocks training",
@@ -480,8 +525,13 @@ KEY_NOTES: dict[str, str] = {
     "freeze.cache": "frozen-prefix activation cache: skip the frozen prefix's forward",
     "freeze.memory_budget": "tensor-peak budget (3GiB, 800MiB, or 0.6 of the peak with nothing frozen): the shortest "
                             "frozen prefix that fits is frozen from the start and never thawed (null: none)",
-    "freeze.cache.mode": "auto: use it when the data and model allow it, else say why and train without",
+    "freeze.cache.mode": "auto: use it when the data and model allow it (else say why and train without), and keep "
+                         "only entries read again under a stable boundary; on: store every miss",
     "freeze.cache.dtype": "storage precision",
+    "freeze.demote": "demote frozen blocks: cast their weights and/or move the cached prefix's weights off the device",
+    "freeze.demote.dtype": "cast a block's weights to it when it freezes (float32 restored exactly at a thaw)",
+    "freeze.demote.offload": "move the weights of the frozen prefix the cache serves to host memory",
+    "freeze.demote.master": "where a demoted block's float32 master copy is kept (auto: memory on GPU, disk on CPU)",
     "run": "where results go and how the run behaves",
     "run.dir": "run folder (null: runs/<task>-<strategy>-<time>)",
     "run.device": "auto, cpu, cuda or cuda:N",
@@ -508,7 +558,8 @@ def _yaml_lines(section: BaseModel, indent: str, prefix: str) -> list[str]:
             continue
         cls = _section_class(field.annotation)
         if cls is not None:  # an optional section that is off: its keys with their defaults, to turn it on
-            note = f"{note}; off (null), or set, e.g. {name}: {_yaml_value(cls().model_dump(mode='json'))}"
+            example = getattr(cls, "EXAMPLE", None) or cls().model_dump(mode="json")
+            note = f"{note}; off (null), or set, e.g. {name}: {_yaml_value(example)}"
         elif typing.get_origin(field.annotation) is Literal:
             choices = ", ".join(str(c) for c in typing.get_args(field.annotation))
             note = f"{note} ({choices})" if note else f"one of {choices}"

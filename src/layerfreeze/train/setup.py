@@ -54,6 +54,61 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[i
     return [perm[i : i + batch_size] for i in range(0, n, batch_size)]
 
 
+def sample_keys(dataset: Dataset) -> list[int]:
+    """The ``"index"`` each position of ``dataset`` carries: its position in the underlying dataset (through
+    ``Subset`` objects, which the hold-out split and the data limits make), which is what the task datasets put in
+    ``item["index"]`` and what the activation cache keys entries by."""
+    if isinstance(dataset, Subset):
+        inner = sample_keys(dataset.dataset)
+        return [inner[i] for i in dataset.indices]
+    return list(range(len(dataset)))  # type: ignore[arg-type]
+
+
+class VisitPlan:
+    """When the run visits each sample: the steps :func:`epoch_batches` gives, for the activation cache's policy
+    (:class:`~layerfreeze.compute.cache.CachePolicy`: is an entry read again, and when).
+
+    Args:
+        keys: Per dataset position, the sample's cache key (:func:`sample_keys`).
+        batch_size / seed / epochs: The run's (``train``).
+        total_steps: The run's last step (``max_steps`` cuts the last epochs short).
+
+    Steps are 1-based, as the trainer counts them: epoch ``e``'s batch ``b`` is step ``e * steps_per_epoch + b + 1``.
+    """
+
+    def __init__(self, keys: list[int], batch_size: int, seed: int, epochs: int, total_steps: int) -> None:
+        self.keys = list(keys)
+        self.batch_size, self.seed, self.epochs, self.total_steps = batch_size, seed, epochs, total_steps
+        self.steps_per_epoch = math.ceil(len(self.keys) / batch_size)
+        self._epochs: dict[int, dict[int, int]] = {}
+
+    def _visits(self, epoch: int) -> dict[int, int]:
+        """``{key: step}`` of one epoch (the two latest epochs asked for are kept)."""
+        if epoch not in self._epochs:
+            steps: dict[int, int] = {}
+            for b, batch in enumerate(epoch_batches(len(self.keys), self.batch_size, self.seed, epoch)):
+                step = epoch * self.steps_per_epoch + b + 1
+                if step > self.total_steps:
+                    break
+                for pos in batch:
+                    steps[self.keys[pos]] = step
+            for old in [e for e in self._epochs if e < epoch - 1]:
+                del self._epochs[old]
+            self._epochs[epoch] = steps
+        return self._epochs[epoch]
+
+    def next_visit(self, key: int, now: int) -> int | None:
+        """The step of sample ``key``'s first visit after step ``now``, or None when the run does not visit it again."""
+        epoch = max(0, (now - 1) // self.steps_per_epoch)
+        for e in (epoch, epoch + 1):
+            if e >= self.epochs:
+                return None
+            step = self._visits(e).get(int(key))
+            if step is not None and step > now:
+                return step
+        return None
+
+
 def holdout(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
     """Split ``dataset`` into (train, validation) with a fixed permutation from ``seed``; validation gets
     ``ceil(fraction * n)`` samples (at least 1). Raises ValueError when nothing would be left to train on."""

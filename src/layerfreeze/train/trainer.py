@@ -64,11 +64,12 @@ from tqdm.auto import tqdm
 from layerfreeze import distributed as dist_
 from layerfreeze.budget.plan import MemoryPlan, plan_memory
 from layerfreeze.checkpoint import CheckpointStore, load_checkpoint, load_full_checkpoint, rng_state, set_rng_state
-from layerfreeze.compute.cache import CachedPrefix, CacheRefused, build_cached_prefix
+from layerfreeze.compute.cache import CachedPrefix, CachePolicy, CacheRefused, build_cached_prefix
 from layerfreeze.compute.determinism import check_deterministic
 from layerfreeze.compute.store import auto_budget_bytes
 from layerfreeze.distributed.ddp import frozen_state_names
 from layerfreeze.distributed.fsdp import CollectiveBytes, broadcast_buffers, fsdp_modules, local_tensor, reshard_all
+from layerfreeze.engine.demote import Demotion
 from layerfreeze.engine.freezer import Freezer
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenWeightsChangedError, UnfrozenParameterError
@@ -76,19 +77,21 @@ from layerfreeze.errors import ConfigError
 from layerfreeze.models.discovery import discover_blocks, split_for
 from layerfreeze.runs import measure, rundir
 from layerfreeze.runs import telemetry as tm
-from layerfreeze.runs.ledger import LedgerSnapshot, MemoryLedger, memory_change
+from layerfreeze.runs.ledger import LedgerSnapshot, MemoryLedger, memory_change, memory_change_by_device
 from layerfreeze.runs.rundir import Event
 from layerfreeze.runs.summary import format_bytes
 from layerfreeze.train.config import Config
 from layerfreeze.train.evaluation import evaluate, evaluate_sharded
 from layerfreeze.train.loop import apply_step
 from layerfreeze.train.setup import (
+    VisitPlan,
     build_optimizer,
     build_scheduler,
     build_strategy,
     epoch_batches,
     holdout,
     resolve_device,
+    sample_keys,
     seed_everything,
 )
 from layerfreeze.train.tasks import Task, build_task
@@ -211,14 +214,23 @@ class Trainer:
             self.telemetry = tm.NullTelemetry()
         if self.distributed:
             self.rank_telemetry = tm.Telemetry(rundir.rank_dir(self.run_dir, self.rank), tensorboard=False)
+        demote = None
+        if cfg.freeze.demote is not None:
+            d = cfg.freeze.demote
+            demote = Demotion(d.dtype, d.offload, d.master,
+                              directory=rundir.demoted_dir(self.run_dir, self.rank if self.distributed else None))
         self.freezer = Freezer(
             model, self.optimizer, strategy, blocks=blocks, train_bn=cfg.freeze.train_bn, scheduler=self.scheduler,
             total_steps=self.total_steps, steps_per_epoch=self.batches_per_epoch, guard=self.guard, mirror=mirror,
+            demote=demote,
             floor=self.memory_plan.floor if self.memory_plan is not None else None,
         )
+        self.visits = VisitPlan(sample_keys(self.train_set), cfg.train.batch_size, cfg.train.seed, cfg.train.epochs,
+                                self.total_steps)
         self.model = model
         self.store = CheckpointStore(self.run_dir, cfg.run.keep_checkpoints)
         self.runner = self._make_cache_runner(blocks)
+        self._place()
         self.ledger = self._make_ledger()
         self._memory_before: LedgerSnapshot | None = None  # the ledger's last sample before a freeze/thaw
         self._memory_changes: list[dict[str, Any]] = []  # freezes/thaws since that sample
@@ -282,6 +294,8 @@ class Trainer:
         cfg = self.config.freeze.cache
         dtype = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[cfg.dtype]
         directory = rundir.cache_dir(self.run_dir, self.rank if self.distributed else None)
+        policy = CachePolicy(now=self._now, next_visit=lambda key: self.visits.next_visit(key, self._now()),
+                             boundary_since=lambda: self.freezer.prefix_since)
         budget_bytes = None if cfg.budget_mb is None else int(cfg.budget_mb * 2**20)
         shard_bytes = None
         plan = self.memory_plan
@@ -290,7 +304,8 @@ class Trainer:
         try:
             runner = build_cached_prefix(
                 self.model, blocks, self.train_set, mode=cfg.mode, dtype=dtype, directory=directory,
-                budget_bytes=budget_bytes, shard_bytes=shard_bytes, freezer=self.freezer, on_disable=self._cache_off)
+                budget_bytes=budget_bytes, shard_bytes=shard_bytes, freezer=self.freezer, on_disable=self._cache_off,
+                policy=policy)
         except CacheRefused as exc:
             raise ConfigError(f"freeze.cache.mode is on but the frozen prefix cannot be cached: {exc}") from None
         if runner is not None and self.is_main:
@@ -299,13 +314,22 @@ class Trainer:
                        f"{directory}")
         return runner
 
+    def _now(self) -> int:
+        """The step being computed (1-based): what the cache policy's visits are counted in."""
+        return getattr(self, "progress", {}).get("step", 0) + 1
+
+    def _place(self) -> None:
+        """Offload the frozen prefix the cache serves, bring back the rest (``freeze.demote.offload``; else no-op)."""
+        served = self.runner is not None and self.runner.disabled is None
+        self.freezer.offload_prefix(self.freezer.frozen_prefix if served else 0)
+
     def _make_ledger(self) -> MemoryLedger | None:
         """The memory ledger over the model, its optimizer, the Freezer's blocks and the byte sources the run has (the
         cache, a strategy holding memory of its own), or None when ``run.ledger`` is off."""
         run = self.config.run
         if not run.ledger:
             return None
-        sources = [s for s in (self.runner, self.freezer.strategy) if hasattr(s, "ledger_bytes")]
+        sources = [s for s in (self.runner, self.freezer.strategy, self.freezer.demoter) if hasattr(s, "ledger_bytes")]
         return MemoryLedger(self.model, self.optimizer, freezer=self.freezer, sources=sources,
                             every=run.ledger_every, device=self.device)
 
@@ -321,7 +345,9 @@ class Trainer:
         if self._memory_changes and self._memory_before is not None and snap.step > self._memory_before.step:
             self.telemetry.log_event(Event.MEMORY, snap.step, before_step=self._memory_before.step,
                                      changes=self._memory_changes, tensor_bytes=snap.tensor_bytes,
-                                     returned_bytes=memory_change(self._memory_before, snap))
+                                     returned_bytes=memory_change(self._memory_before, snap),
+                                     returned_devices=memory_change_by_device(self._memory_before, snap),
+                                     params_dtype=snap.params_dtype)
         if snap.step > getattr(self._memory_before, "step", -1):
             self._memory_before, self._memory_changes = None, []
         return {"memory": snap.to_record()}
@@ -332,6 +358,8 @@ class Trainer:
                                  reason=reason)
         if self.is_main:
             tqdm.write(f"cache: off, training runs the full forward ({reason})")
+        if hasattr(self, "freezer"):
+            self.freezer.offload_prefix(0)  # nothing is served: offloaded weights come back
 
     def _on_freeze_event(self, record: dict[str, Any]) -> None:
         fields = {k: v for k, v in record.items() if k not in ("kind", "step")}
@@ -451,6 +479,7 @@ class Trainer:
         start_epoch, skip = 0, 0
         if cfg.run.resume:
             start_epoch, skip = self._resume(Path(cfg.run.resume))
+            self._place()  # the resumed frozen set's prefix, offloaded as the interrupted run had it
         self._cache_base = dict(self.progress.get("cache_counts") or {})
         if self.ledger is not None and self.progress.get("ledger"):  # a resumed run's peaks cover the whole run
             per_rank = self.progress.get("ledger_ranks") or []
@@ -514,6 +543,7 @@ class Trainer:
                         self.telemetry.log_event(Event.FLOPS_REMEASURED, self.progress["step"] + 1,
                                                  flops_per_step=flops, frozen_blocks=self.freezer.frozen_blocks)
                     decision = self.freezer.step()  # timed: a strategy's own cost counts against it
+                    self._place()
                     step_time = time.perf_counter() - t0
                     comm = {}
                     due = self._due
@@ -552,6 +582,7 @@ class Trainer:
                     every = cfg.freeze.guard.every_steps if cfg.freeze.guard else None
                     if every and self.progress["step"] % every == 0:
                         self._guard_check()
+                        self._place()  # a thaw by the guard shortens the frozen prefix
                         self.model.train()
                     # distributed: only a stop every rank has agreed on (all-reduced above) ends the loop here
                     if self._stop_agreed if self.distributed else self._stop_requested:
@@ -578,6 +609,8 @@ class Trainer:
             raise
         finally:
             restore_sigint()
+            # what demotion held at the end, before close() gives the frozen blocks their float32 weights back
+            demote_at_end = self.freezer.demoter.summary() if self.freezer.demoter is not None else None
             self.freezer.close()
             if self.watchdog is not None:
                 self.watchdog.close()
@@ -587,7 +620,7 @@ class Trainer:
             if self.runner is not None:
                 self.runner.cache.close()
         self.freezer.verify_frozen_weights()
-        summary = self._summary(time.perf_counter() - wall_start, cache_at_end)
+        summary = self._summary(time.perf_counter() - wall_start, cache_at_end, demote_at_end)
         self.telemetry.close()
         self.rank_telemetry.close()
         return summary
@@ -789,6 +822,7 @@ class Trainer:
         if self.guard is not None:
             self._guard_check()
         decision = self.freezer.epoch_end()
+        self._place()  # an epoch-end stage (or the guard's thaw) moved the frozen prefix
         if decision is not None and decision.signals:
             self.telemetry.log_event(Event.STAGE, self.progress["step"], epoch=epoch, **tm.signals_of(decision))
         self._checkpoint(epoch + 1, 0, reason="epoch_end")
@@ -816,7 +850,8 @@ class Trainer:
         self.telemetry.log_step(self.progress["step"], val_loss=val_loss, **{f"val_{metric}": val_acc})
         self.freezer.report_metric(val_loss)
 
-    def _summary(self, wall_time: float, cache: dict[str, Any]) -> dict[str, Any]:
+    def _summary(self, wall_time: float, cache: dict[str, Any],
+                 demote: dict[str, Any] | None = None) -> dict[str, Any]:
         cfg, p = self.config, self.progress
         last_eval = p["history_eval"][-1] if p["history_eval"] else {}
         timeline = [
@@ -850,6 +885,7 @@ class Trainer:
             "checkpoints": p.get("checkpoints", 0),
             "checkpoint_time_s": p.get("checkpoint_time_s", 0.0),
             "cache": cache,
+            "demote": demote,
             "memory": self.ledger.summary() if self.ledger is not None else {"ledger": False},
             "tensor_peak_bytes": self.ledger.peaks.tensor.bytes if self.ledger and self.ledger.peaks.tensor else None,
         }

@@ -21,6 +21,7 @@ from layerfreeze.strategies.registry import register_strategy
 from layerfreeze.strategies.smartfrz.features import window_features
 from layerfreeze.strategies.smartfrz.predictor import load_predictor
 from layerfreeze.strategies.smartfrz.recorder import WeightRecorder
+from layerfreeze.strategies.smartfrz.snr_gate import DEFAULT_NOISE, AdamMoments, SNRGate
 
 
 @register_strategy("smartfrz")
@@ -35,7 +36,11 @@ class SmartFRZ(Strategy):
     :mod:`layerfreeze.strategies.smartfrz.features`). Blocks are visited front to back; a block is frozen when
     ``p >= threshold`` and, with ``prefix=True`` (default), every earlier block is frozen; the first block that is
     not frozen ends the visit (prefix rule). The head is never frozen. A window with NaN/Inf weights gives no
-    decision for that block and is reported in the signals (``nonfinite``).
+    decision for that block and is reported in the signals (``nonfinite``). With the gradient signal-to-noise gate
+    (``snr_gate``, off by default; issue 29) a block is frozen only when, besides ``p >= threshold``, its
+    Adam-normalized step has stopped strengthening (:mod:`layerfreeze.strategies.smartfrz.snr_gate`): weights that
+    move little because the learning rate is small look converged to the predictor, and this signal tells the two
+    apart.
 
     Args:
         predictor: Path of a predictor file; None uses the one shipped with the package.
@@ -46,6 +51,17 @@ class SmartFRZ(Strategy):
         sample_size: Sampled weights per block, int >= 8 (default 1,024).
         prefix: Only freeze a block when all earlier blocks are frozen.
         seed: Seed of the sampled positions.
+        snr_gate: ``kappa`` of the gradient signal-to-noise gate (:mod:`layerfreeze.strategies.smartfrz.snr_gate`;
+            the signal is Adam's ``m_hat / sqrt(v_hat)``, Kingma & Ba 2015 sec. 2.1), in (0, 1], or None (default:
+            off, the predictor alone). On (0.9 is the measured value: ``-p snr_gate=0.9``), a block the predictor
+            would freeze waits until its smoothed Adam-normalized step has fallen to ``kappa`` times its peak (or is
+            about noise and not rising), so a block still learning faster and faster (a small learning rate, a run
+            far from converged) is not frozen. No effect without Adam moments (SGD, sharded FSDP state). Off by
+            default until issue 29's grid (``python -m benchmarks.lr_grid``) decides the default.
+        snr_noise: The gate's second branch, a number > 0 or None: a block whose smoothed z (its step over Adam's
+            noise floor; 1 = pure noise) is at most this and not rising may freeze; None: only the fall from the
+            peak opens the gate. Default 1.35 (a mean gradient about a fifth of its noise std). Used only with
+            ``snr_gate``.
 
     Raises:
         ValueError: a parameter outside its range, or a predictor file (given or shipped) that is missing, corrupt
@@ -53,11 +69,14 @@ class SmartFRZ(Strategy):
         RuntimeError (at the first stage): the run length is unknown (``Freezer(total_steps=...)`` not given).
 
     Signals: ``p_freeze`` (per block, NaN where no prediction), ``nonfinite`` (count of blocks skipped for NaN/Inf
-    weights), ``window_fill`` (snapshots recorded for the front active block).
+    weights), ``window_fill`` (snapshots recorded for the front active block); with the gate ``snr_z`` (per block,
+    the smoothed normalized Adam step, NaN where none yet) and ``snr_gate`` (per block: 1 open, 0 closed, NaN no
+    verdict).
     """
 
     def __init__(self, predictor: str | None = None, threshold: float | None = None, snapshot_every: int | None = None,
-                 sample_size: int = 1024, prefix: bool = True, seed: int = 0) -> None:
+                 sample_size: int = 1024, prefix: bool = True, seed: int = 0, snr_gate: float | None = None,
+                 snr_noise: float | None = DEFAULT_NOISE) -> None:
         super().__init__()
         if threshold is not None and (not is_number(threshold) or not 0 < threshold < 1):
             raise ValueError(f"smartfrz: threshold must be in (0, 1) (probability to freeze), got {threshold!r}")
@@ -67,6 +86,12 @@ class SmartFRZ(Strategy):
             raise ValueError(f"smartfrz: sample_size must be an integer >= 8, got {sample_size!r}")
         if not isinstance(prefix, bool):
             raise ValueError(f"smartfrz: prefix must be true or false, got {prefix!r}")
+        if snr_gate is not None and (not is_number(snr_gate) or not 0 < snr_gate <= 1):
+            raise ValueError(f"smartfrz: snr_gate must be in (0, 1] (the fall from the peak of the gradient SNR before "
+                             f"a block may freeze; 0.9 measured) or null (off), got {snr_gate!r}")
+        if snr_noise is not None and (not is_number(snr_noise) or snr_noise <= 0):
+            raise ValueError(f"smartfrz: snr_noise must be a number > 0 (1 = pure noise; 1.35 measured) or null, got "
+                             f"{snr_noise!r}")
         try:  # a missing/corrupt/other-version file fails here, at config time, before anything runs
             self._loaded = load_predictor(Path(predictor) if predictor is not None else None)
         except PredictorError as exc:
@@ -74,6 +99,10 @@ class SmartFRZ(Strategy):
         self.threshold = None if threshold is None else float(threshold)
         self.snapshot_every, self.sample_size = snapshot_every, sample_size
         self.prefix, self.seed = prefix, seed
+        self.snr_gate = None if snr_gate is None else float(snr_gate)
+        self.snr_noise = None if snr_noise is None else float(snr_noise)
+        self.gate: SNRGate | None = None
+        self._moments: AdamMoments | None = None
         self.model = None
         self.window = self.min_window = 0
         self.recorder = None
@@ -85,6 +114,8 @@ class SmartFRZ(Strategy):
         if self.threshold is None:
             self.threshold = float(meta["card"].get("threshold", 0.5))
         self.recorder = WeightRecorder(blocks, self.sample_size, self.window, self.seed)
+        if self.snr_gate is not None:
+            self.gate = SNRGate(len(blocks), kappa=self.snr_gate, noise=self.snr_noise)
 
     def decide(self, ctx: StageContext) -> Decision:
         if ctx.event == "start":
@@ -97,6 +128,8 @@ class SmartFRZ(Strategy):
             return Decision()
         active = [not b.frozen for b in ctx.blocks]
         self.recorder.snapshot(active, ctx.step)
+        if self.gate is not None:
+            self._observe_snr(ctx)
         probs = [math.nan] * len(ctx.blocks)
         nonfinite = 0
         freeze: list[int] = []
@@ -115,15 +148,28 @@ class SmartFRZ(Strategy):
                     break
                 continue
             prefix_ok = all(ctx.blocks[j].frozen or j in freeze for j in range(b.index))
-            if probs[b.index] >= self.threshold and (prefix_ok or not self.prefix):
+            gate_ok = self.gate is None or self.gate.open(b.index) is not False  # None: no verdict (no Adam moments)
+            if probs[b.index] >= self.threshold and gate_ok and (prefix_ok or not self.prefix):
                 freeze.append(b.index)
             elif self.prefix:
                 break
         front = next((b.index for b in ctx.blocks if not b.frozen), 0)
         signals = {"p_freeze": probs, "nonfinite": nonfinite,
                    "window_fill": min(self.recorder.counts[front], self.window)}
+        if self.gate is not None:
+            signals["snr_z"] = [self.gate.smoothed(i) for i in range(len(ctx.blocks))]
+            signals["snr_gate"] = [math.nan if (o := self.gate.open(i)) is None else float(o)
+                                   for i in range(len(ctx.blocks))]
         reason = f"smartfrz: p>={self.threshold:.2f} for {[round(probs[i], 3) for i in freeze]}" if freeze else ""
         return Decision(freeze=freeze, reason=reason, signals=signals)
+
+    def _observe_snr(self, ctx: StageContext) -> None:
+        """Feed the gate every active non-head block's normalized Adam step z (from the optimizer state)."""
+        if self._moments is None:  # the recorder's sampled positions, at the first stage (as it reads them)
+            self._moments = AdamMoments([s.picks for s in self.recorder.samples], self.sample_size)
+        active = [b.index for b in ctx.blocks if not b.frozen and not b.is_head]
+        for i, (z, step) in self._moments.z(active, ctx.optimizer_state).items():
+            self.gate.observe(i, z, step)
 
     def predict(self, index: int, num_blocks: int, total_steps: int) -> float:
         """``p(freeze now)`` of block ``index`` from its recorded window, its depth ``index / (num_blocks - 1)`` and
@@ -139,12 +185,17 @@ class SmartFRZ(Strategy):
             return float(torch.sigmoid(self.model(feats[None]))[0])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"stage_every": self.stage_every, "recorder": self.recorder.state_dict() if self.recorder else None}
+        state = {"stage_every": self.stage_every, "recorder": self.recorder.state_dict() if self.recorder else None}
+        if self.gate is not None:  # only with the gate on: a run without it saves what it saved before
+            state["gate"] = self.gate.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stage_every = state["stage_every"]
         if self.recorder is not None and state.get("recorder") is not None:
             self.recorder.load_state_dict(state["recorder"])
+        if self.gate is not None and state.get("gate") is not None:
+            self.gate.load_state_dict(state["gate"])
 
     def __repr__(self) -> str:
-        return f"SmartFRZ(threshold={self.threshold}, snapshot_every={self.snapshot_every})"
+        return f"SmartFRZ(threshold={self.threshold}, snapshot_every={self.snapshot_every}, snr_gate={self.snr_gate})"

@@ -1,0 +1,184 @@
+"""Issue 29's grid: does the default strategy cost accuracy at other learning rates and run lengths?
+
+For each task (the suite's jobs and sizes, ``benchmarks.suite.SIZES``; by default ``bbc`` and
+``fmnist-mobilenet``), learning-rate factor (x0.3, x1, x3 of the suite's), run length (1, 2, 4 epochs) and seed,
+one :func:`layerfreeze.train.compare.compare` process trains `none` and the rows beside it (same seed, data order
+and budget): `smartfrz` (the strategy's defaults, the gradient signal-to-noise gate off) and `smartfrz-gate` (the
+same with the gate on, ``snr_gate=0.9``; :mod:`layerfreeze.strategies.smartfrz.snr_gate`). The grid decides whether
+the gate becomes SmartFRZ's default. ``--oracle`` adds an untimed `none` run with the CKA oracle's probe recorder per
+cell (``benchmarks.oracle``) and records its freeze steps beside.
+
+    python -m benchmarks.lr_grid                                   # the whole grid: 2 tasks x 9 cells x 3 seeds
+    python -m benchmarks.lr_grid --tasks bbc --lrs 0.3 --epochs 2 --seeds 0,1,2
+    python -m benchmarks.lr_grid --quick --tasks fmnist-mobilenet --lrs 1 --epochs 1 --seeds 0   # a smoke test
+    python -m benchmarks.lr_grid --from-json runs/bench-lr-grid/results.json   # only the table
+
+Outputs ``OUT/results.json`` (rewritten after every cell and seed; ``--resume`` skips the ones it holds) and
+``OUT/lr_grid.md``: per task and cell, `none`'s accuracy and per row the mean Δ points [worst seed], FLOPs and time
+ratios. Accuracy and FLOPs do not depend on timing; time ratios need the machine to itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from benchmarks import suite  # the suite's task specs and base config: the same jobs
+from layerfreeze.strategies import STRATEGIES, register_strategy
+
+#: Row name -> (strategy, params). ``smartfrz-gate``: SmartFRZ with the gradient signal-to-noise gate on at the
+#: value measured on issue 29's research branch (kappa 0.9; snr_noise its default 1.35).
+ROWS: dict[str, tuple[str, dict[str, Any]]] = {
+    "smartfrz": ("smartfrz", {}),
+    "smartfrz-gate": ("smartfrz", {"snr_gate": 0.9}),
+}
+
+
+def row_strategy(name: str) -> type:
+    """Register row ``name`` (compare runs rows by strategy name) as a subclass of its strategy's class
+    (:func:`benchmarks.suite.row_class`: registering it again in this process is a no-op); returns the class."""
+    strategy, _ = ROWS[name]
+    cls = suite.row_class(STRATEGIES[strategy], name)
+    if name != strategy:
+        register_strategy(name)(cls)
+    return cls
+
+
+def run_cell(task: str, lr_factor: float, epochs: int, seed: int, rows: list[str], out: Path, oracle: bool,
+             console: Console, quick: bool = False) -> dict[str, Any]:
+    """One seed of one cell: `none` and ``rows`` in one compare process, in ``OUT/<task>/lr<f>-ep<n>/seed<s>``
+    (cleared first). Returns the cell's record: `none`'s test accuracy (a fraction), per row its accuracy, FLOPs and
+    time ratios to `none`, freeze steps (block name -> step) and ``stopped`` (why a diverged row stopped, or None)."""
+    from layerfreeze.train.compare import compare
+
+    spec = suite.task_spec(task, quick)
+    spec = replace(spec, epochs=epochs, lr=spec.lr * lr_factor)
+    base = suite.base_config(spec, seed, None)
+    folder = out / task / f"lr{lr_factor:g}-ep{epochs}" / f"seed{seed}"
+    shutil.rmtree(folder, ignore_errors=True)  # this script's own folder from an earlier run
+    for r in rows:
+        row_strategy(r)
+    none, *trained = compare(base, ["none", *rows], folder, console=console,
+                             row_params={r: ROWS[r][1] for r in rows})
+    cell: dict[str, Any] = {"task": task, "lr_factor": lr_factor, "lr": spec.lr, "epochs": epochs, "seed": seed,
+                            "quick": quick, "steps": none.get("steps"), "none_accuracy": none["test_accuracy"],
+                            "rows": {}}
+    for name, r in zip(rows, trained):
+        cell["rows"][name] = {"accuracy": r.get("test_accuracy"), "flops_ratio": r.get("flops_ratio"),
+                              "time_ratio": r.get("time_ratio"), "freeze_steps": r.get("freeze_steps", {}),
+                              "stopped": r.get("stopped")}
+    if oracle:
+        cell["oracle"] = oracle_steps(base, folder, spec.pretrained)
+    return cell
+
+
+def oracle_steps(base: dict[str, Any], folder: Path, pretrained: bool) -> dict[str, int | None]:
+    """The CKA oracle's freeze step per block (None: never) from an untimed `none` run with the probe recorder, at
+    the labels' tau for the task's regime (as ``benchmarks.suite``)."""
+    from benchmarks.oracle import ProbeRecorder, oracle_freeze_steps
+    from layerfreeze.smartfrz.labels import tau_for
+    from layerfreeze.train.compare import row_config
+    from layerfreeze.train.config import build_config
+    from layerfreeze.train.trainer import Trainer
+
+    recorder = ProbeRecorder()
+    Trainer(build_config(row_config(base, "none", folder / "oracle")), step_callbacks=[recorder]).run()
+    tau = tau_for("finetune" if pretrained else "scratch")
+    return dict(zip(recorder.blocks, oracle_freeze_steps(recorder.cka(), recorder.steps, recorder.head, tau=tau)))
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The grid's table: one line per (task, lr factor, epochs), its seeds averaged; per row the mean Δ accuracy
+    points vs `none` [the worst seed's], the mean FLOPs and time ratios; ``-`` where no seed of the row finished."""
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    for c in results["cells"]:
+        cells.setdefault((c["task"], c["lr_factor"], c["epochs"]), []).append(c)
+    rows = results["rows"]
+    head = ["task", "lr", "epochs", "steps", "seeds", "none acc %"]
+    for r in rows:
+        head += [f"{r} Δ pts mean [worst]", f"{r} FLOPs", f"{r} time"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (task, lr, ep), cs in sorted(cells.items()):
+        line = [task, f"x{lr:g}", str(ep), str(cs[0]["steps"]), ",".join(str(c["seed"]) for c in cs),
+                f"{100 * statistics.fmean(c['none_accuracy'] for c in cs):.2f}"]
+        for r in rows:
+            got = [(c["rows"][r], c) for c in cs if r in c["rows"] and c["rows"][r]["accuracy"] is not None]
+            if not got:
+                line += ["-", "-", "-"]
+                continue
+            deltas = [100 * (g["accuracy"] - c["none_accuracy"]) for g, c in got]
+            line += [f"{statistics.fmean(deltas):+.2f} [{min(deltas):+.2f}]",
+                     f"{statistics.fmean(g['flops_ratio'] for g, _ in got):.3f}",
+                     f"{statistics.fmean(g['time_ratio'] for g, _ in got):.3f}"]
+        lines.append("| " + " | ".join(line) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _csv(kind):
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"comma-separated {kind.__name__} values, got {text!r}") from None
+
+    return parse
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tasks", type=_csv(str), default=["bbc", "fmnist-mobilenet"],
+                   help=f"from {', '.join(suite.TASKS)}")
+    p.add_argument("--lrs", type=_csv(float), default=[0.3, 1.0, 3.0], help="learning-rate factors")
+    p.add_argument("--epochs", type=_csv(int), default=[1, 2, 4])
+    p.add_argument("--seeds", type=_csv(int), default=[0, 1, 2])
+    p.add_argument("--rows", type=_csv(str), default=list(ROWS), help=f"from {', '.join(ROWS)} (`none` always runs)")
+    p.add_argument("--oracle", action="store_true", help="also the CKA oracle's freeze steps (one more none run)")
+    p.add_argument("--out", type=Path, default=suite.ROOT / "runs" / "bench-lr-grid")
+    p.add_argument("--resume", action="store_true", help="skip the (cell, seed) results.json already holds")
+    p.add_argument("--from-json", type=Path, help="only regenerate the table")
+    p.add_argument("--quick", action="store_true", help="the suite's QUICK_SIZES (a smoke test, not a measurement)")
+    args = p.parse_args(argv)
+    console = Console(width=160)
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())
+    else:
+        unknown = [r for r in args.rows if r not in ROWS]
+        if unknown:
+            p.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
+        bad_tasks = [t for t in args.tasks if t not in suite.TASKS]
+        if bad_tasks:
+            p.error(f"unknown tasks {bad_tasks}; choose from {list(suite.TASKS)}")
+        if any(f <= 0 for f in args.lrs) or any(e < 1 for e in args.epochs):
+            p.error(f"--lrs are factors > 0 and --epochs integers >= 1, got {args.lrs} and {args.epochs}")
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / "results.json"
+        results = json.loads(path.read_text()) if args.resume and path.exists() else {"cells": []}
+        results["rows"] = args.rows
+        done = {(c["task"], c["lr_factor"], c["epochs"], c["seed"]) for c in results["cells"]}
+        for task in args.tasks:
+            for lr in args.lrs:
+                for ep in args.epochs:
+                    for seed in args.seeds:
+                        if (task, lr, ep, seed) in done:
+                            continue
+                        console.rule(f"{task} lr x{lr:g} {ep} epochs seed {seed}")
+                        results["cells"].append(run_cell(task, lr, ep, seed, args.rows, args.out, args.oracle,
+                                                         console, args.quick))
+                        path.write_text(json.dumps(results, indent=2))
+    table = markdown(results)
+    if not args.from_json:
+        (args.out / "lr_grid.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""SmartFRZ's gradient signal-to-noise gate (issue 29, off by default): never freeze a block whose gradient is still
+getting *more* consistent.
+
+Turned on with the strategy parameter ``snr_gate`` (``kappa`` below; ``-p snr_gate=0.9`` in the CLI, the value
+measured here); off (None) by default until issue 29's grid (``python -m benchmarks.lr_grid``: lr x0.3/x1/x3, 1/2/4
+epochs, 3 seeds, rows `none`, `smartfrz`, `smartfrz-gate`) decides whether it becomes the default.
+
+Why: the predictor reads how little a block's weights move, and weights move little for two reasons: the block has
+converged, or the learning rate is small. At lr x0.3 of the suite's BBC job (MiniLM-L6, 2 epochs; `none` ends at
+76.8%, its loss near chance for the first half) the predictor freezes every block on a schedule much like lr x1's
+and loses 6.5 points; the CKA labels agree with it there, so relabelling cannot fix it.
+
+Source of the signal: Adam (Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015, Alg. 1 and
+sec. 2.1, which calls ``m_hat / sqrt(v_hat)`` the signal-to-noise ratio). Per weight Adam moves by
+``lr * m_hat / (sqrt(v_hat) + eps)``; ``|m_hat| / sqrt(v_hat)`` does not depend on the learning rate or the weight
+scale: it is ~1 when the gradient points the same way step after step (signal) and falls to a noise floor when the
+gradient is noise around zero mean. Derivation of the floor: for i.i.d. zero-mean gradients of variance s^2,
+``m_t = (1 - b) sum_k b^k g_(t-k)`` (k < t) has variance ``(1 - b)^2 (1 - b^(2t)) / (1 - b^2) s^2``, ``m_hat =
+m_t / (1 - b^t)`` and ``v_hat ~ s^2``, so the RMS of ``m_hat / sqrt(v_hat)`` is :func:`adam_noise_floor` (1 at the
+first step, tending to ``sqrt((1 - b) / (1 + b))`` = 0.23 for beta1 = 0.9). Per block, ``z`` = RMS over the
+recorder's sampled weights of ``m_hat / (sqrt(v_hat) + eps)``, divided by the floor at the block's Adam step, read
+from the optimizer state at each stage (:attr:`~layerfreeze.strategies.base.StageContext.optimizer_state`; no
+per-step work). ``z`` ~ 1: noise; well above 1: signal.
+
+The rule (ours, from the measurements below, not from a paper). Measured on MiniLM-L6 / BBC News (seed 0, the
+suite's sizes), ``z`` smoothed over 8 stages: at lr x1 and x3 every encoder layer's ``z`` rises to a peak in the
+first third of the run and then falls (to 0.9x its peak by step 45-61 of 104 at x1, 25-47 at x3: the block
+approaches an optimum given the others); at lr x0.3 it rises to the end (1.1 -> 2.0-2.8), because the run is still
+learning faster and faster when it stops. Freezing such a block gives up the most productive part of its training;
+the remaining blocks cannot make it up at that learning rate. So a block may be frozen only once its smoothed ``z``
+has fallen to ``kappa`` (0.9) times its peak (the peak taken from Adam step ``burn_in`` on), or while it is at most
+``noise`` (1.35) and not rising. The second branch is for blocks whose gradient is noise from the start:
+MobileNetV2 fine-tuned on Fashion-MNIST (AdamW, batch 128) has z ~ 0.9-1.2 in every block all run long, no peak to
+fall from, and freezing them costs nothing there (the predictor alone: +0.65 / -0.05 points at lr x0.3 / x1); "not
+rising" keeps it from opening in the first steps of a run that is only starting to learn (BBC lr x0.3: z 1.1 -> 1.4
+over steps 10-26). The gate only ever delays the predictor's decisions. Where the optimizer keeps no Adam moments
+(SGD, no optimizer, sharded FSDP moments, a state the gate cannot read) the gate gives no verdict and the predictor
+decides alone.
+
+Results so far (issue 29's research branch, the suite's sizes; Δ = accuracy points vs `none`, same seed; gate off
+-> on): BBC lr x0.3 2 epochs -5.78 -> +0.08 (3 seeds) at FLOPs ratio 0.766 -> 0.991 (it freezes almost nothing
+there); BBC lr x1 1 epoch -1.73 -> +0.00 (3 seeds, FLOPs 0.854 -> 0.995); BBC lr x1 2 epochs -0.23 -> -0.38
+(3 seeds, noise) at FLOPs 0.811 -> 0.821; MobileNetV2 lr x1 -0.18 -> +0.07 (3 seeds) at 0.893 -> 0.905; ResNet-18
+-0.30 -> -0.10 at 0.925 -> 0.940 (1 seed). The whole grid has not been run yet.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+#: Fall from the peak of the smoothed z before a block may freeze.
+DEFAULT_KAPPA = 0.9
+#: Stages averaged into the smoothed z.
+DEFAULT_SMOOTH = 8
+#: Adam steps before the peak is tracked (the first steps' z is bias-correction noise).
+DEFAULT_BURN_IN = 8
+#: Smoothed z at or under which a block counts as moving by noise (when its z is not rising): z^2 ~ (r + f^2) /
+#: (f^2 (r + 1)) for a per-weight mean^2/variance r of the gradient and noise floor f (0.23), so 1.35 is r ~ 0.05,
+#: a mean gradient about a fifth of its noise std. Measured (seed 0): MobileNetV2 / Fashion-MNIST's blocks sit at
+#: 0.7-1.3 where the predictor freezes them (free there), 1.25 kept a block at 1.27-1.30 trainable for the rest of
+#: the lr x3 run; BBC lr x0.3's layers are at 1.46-2.8 where the predictor would freeze them (-6.5 points).
+DEFAULT_NOISE = 1.35
+#: "Rising": the smoothed z is above (1 + this) times its value ``smooth`` stages earlier.
+DEFAULT_RISE = 0.05
+
+
+def adam_noise_floor(step: float, beta1: float) -> float:
+    """RMS of ``m_hat / sqrt(v_hat)`` after ``step`` Adam steps on i.i.d. zero-mean gradients of constant variance
+    (``v_hat`` taken as the variance): ``sqrt((1-b)^2 (1-b^(2t)) / ((1-b^t)^2 (1-b^2)))``; 1 at t = 1."""
+    t = max(float(step), 1.0)
+    b = float(beta1)
+    if b <= 0:
+        return 1.0
+    return math.sqrt((1 - b) ** 2 * (1 - b ** (2 * t)) / ((1 - b ** t) ** 2 * (1 - b ** 2)))
+
+
+class AdamMoments:
+    """Adam's moments at the recorder's sampled positions, gathered into preallocated buffers (as the recorder
+    gathers weights), and the normalized z of every block gathered at one stage, computed in one vectorized pass.
+
+    Args:
+        picks: Per block, the recorder's ``[(parameter, flat positions)]`` (:class:`~.recorder.BlockSample`).
+        sample_size: Positions per block (the recorder's).
+    """
+
+    def __init__(self, picks: list[list[tuple[torch.nn.Parameter, torch.Tensor]]], sample_size: int) -> None:
+        n = len(picks)
+        self.m = torch.zeros(n, sample_size)
+        self.v = torch.zeros(n, sample_size)
+        self.valid = torch.zeros(n, sample_size, dtype=torch.bool)
+        # per block: (parameter, positions, its slices of m, v, valid), built once: slicing a tensor costs more
+        # than gathering 1,024 values, and a stage reads every pick of every active block
+        self.slots: list[list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = []
+        for i, block in enumerate(picks):
+            start, slots = 0, []
+            for p, idx in block:
+                k = idx.numel()
+                slots.append((p, idx, self.m[i, start:start + k], self.v[i, start:start + k],
+                              self.valid[i, start:start + k]))
+                start += k
+            self.slots.append(slots)
+        self.full: list[torch.Tensor] = []
+        for i, slots in enumerate(self.slots):
+            for *_, valid in slots:
+                valid.fill_(True)
+            self.full.append(self.valid[i].clone())  # every sampled position of the block (padding excluded)
+        self.ok: list[bool] = [True] * n  # every pick of the block had Adam moments at the last gather
+
+    def _gather(self, index: int, optimizer_state: Callable[[Any], Any]) -> tuple[float, float, float, float] | None:
+        """Fill block ``index``'s rows; returns ``(step, beta1, beta2, eps)`` or None (no Adam moments at all)."""
+        found, flags = None, []
+        for p, idx, m_out, v_out, _ in self.slots[index]:
+            got = optimizer_state(p)
+            ok = False
+            if got is not None:
+                state, group = got
+                m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+                # a plain tensor of the parameter's shape (FSDP's sharded DTensors, a subclass, give no verdict)
+                if type(m) is torch.Tensor and type(v) is torch.Tensor and m.shape == p.shape:
+                    for src, out in ((m, m_out), (v, v_out)):
+                        flat = src.view(-1) if src.is_contiguous() else src.reshape(-1)
+                        if flat.dtype == out.dtype and flat.device == out.device:
+                            torch.index_select(flat, 0, idx, out=out)
+                        else:
+                            out.copy_(flat[idx.to(flat.device)].to(out.dtype).cpu())
+                    ok = True
+                    if found is None and state.get("step") is not None and group.get("betas") is not None:
+                        betas = group["betas"]
+                        found = (float(state["step"]), float(betas[0]), float(betas[1]), float(group.get("eps", 1e-8)))
+            flags.append(ok)
+        all_ok = all(flags)
+        if all_ok and not self.ok[index]:
+            self.valid[index].copy_(self.full[index])
+        elif not all_ok:
+            for ok, (*_, valid) in zip(flags, self.slots[index]):
+                valid.fill_(ok)
+        self.ok[index] = all_ok
+        return found if found is not None and found[0] >= 1 else None
+
+    def z(self, indices: list[int], optimizer_state: Callable[[Any], Any] | None) -> dict[int, tuple[float, float]]:
+        """``{block: (z, adam_step)}`` for the blocks of ``indices`` whose Adam moments could be read."""
+        if optimizer_state is None:
+            return {}
+        rows, hyper = [], []
+        for i in indices:
+            got = self._gather(i, optimizer_state)
+            if got is not None:
+                rows.append(i)
+                hyper.append(got)
+        if not rows:
+            return {}
+        h = torch.tensor(hyper, dtype=torch.float64)                      # (R, 4): step, beta1, beta2, eps
+        step, b1, b2, eps = h.unbind(1)
+        m, v, valid = self.m[rows].double(), self.v[rows].double(), self.valid[rows]
+        u = (m / (1 - b1 ** step)[:, None]) / ((v / (1 - b2 ** step)[:, None]).sqrt() + eps[:, None])
+        count = valid.sum(1).clamp(min=1)
+        rms = ((u * u) * valid).sum(1).div(count).sqrt()
+        out = {}
+        for k, i in enumerate(rows):
+            out[i] = (float(rms[k]) / adam_noise_floor(float(step[k]), float(b1[k])), float(step[k]))
+        return out
+
+
+def block_snr(picks: list[tuple[torch.nn.Parameter, torch.Tensor]],
+              optimizer_state: Callable[[Any], Any] | None) -> tuple[float, float] | None:
+    """``(z, adam_step)`` of one block from the optimizer's Adam moments at the sampled positions ``picks`` (the
+    recorder's ``[(parameter, flat positions)]``), or None when they cannot be read (no Adam moments)."""
+    size = sum(idx.numel() for _, idx in picks)
+    return AdamMoments([picks], max(size, 1)).z([0], optimizer_state).get(0)
+
+
+class SNRGate:
+    """Per block: the smoothed normalized gradient SNR and its running peak; :meth:`open` says whether a freeze
+    may happen now.
+
+    Args:
+        num_blocks: Blocks of the model.
+        kappa: A block may freeze once its smoothed z <= ``kappa`` * its peak, in (0, 1].
+        smooth: Stages in the trailing mean.
+        burn_in: Adam steps before the peak is tracked.
+        noise: A block whose smoothed z is at most this and not rising may freeze too; None: only the fall from the
+            peak opens the gate.
+        rise: "Rising": the smoothed z above ``(1 + rise)`` times its value ``smooth`` stages earlier.
+    """
+
+    def __init__(self, num_blocks: int, kappa: float = DEFAULT_KAPPA, smooth: int = DEFAULT_SMOOTH,
+                 burn_in: int = DEFAULT_BURN_IN, noise: float | None = DEFAULT_NOISE,
+                 rise: float = DEFAULT_RISE) -> None:
+        self.kappa, self.smooth, self.burn_in, self.noise, self.rise = kappa, smooth, burn_in, noise, rise
+        self.recent: list[deque[float]] = [deque(maxlen=smooth) for _ in range(num_blocks)]
+        self.trail: list[deque[float]] = [deque(maxlen=smooth + 1) for _ in range(num_blocks)]  # smoothed values
+        self.peak = [math.nan] * num_blocks
+        self.last_step = [0.0] * num_blocks
+
+    def observe(self, index: int, z: float, step: float) -> None:
+        """One stage's ``z`` of block ``index`` at Adam step ``step`` (a step lower than the last one seen: the
+        block's optimizer state was dropped and rebuilt, e.g. after a thaw; its history restarts)."""
+        if step < self.last_step[index]:
+            self.recent[index].clear()
+            self.trail[index].clear()
+            self.peak[index] = math.nan
+        self.last_step[index] = step
+        if not math.isfinite(z):
+            return
+        self.recent[index].append(z)
+        s = self.smoothed(index)
+        self.trail[index].append(s)
+        if step >= self.burn_in:
+            self.peak[index] = s if math.isnan(self.peak[index]) else max(self.peak[index], s)
+
+    def rising(self, index: int) -> bool:
+        """True while the smoothed z is above (1 + rise) x its value ``smooth`` stages earlier (or there are not
+        that many stages yet: a block just starting has not shown it is not rising)."""
+        t = self.trail[index]
+        return len(t) <= self.smooth or t[-1] > (1 + self.rise) * t[0]
+
+    def smoothed(self, index: int) -> float:
+        r = self.recent[index]
+        return sum(r) / len(r) if r else math.nan
+
+    def open(self, index: int) -> bool | None:
+        """True: the block's smoothed z has fallen to kappa x its peak, or it is at most ``noise`` and not rising;
+        False: not yet; None: no z seen."""
+        if not self.recent[index]:
+            return None
+        if math.isnan(self.peak[index]):
+            return False
+        s = self.smoothed(index)
+        if s <= self.kappa * self.peak[index]:
+            return True
+        return self.noise is not None and s <= self.noise and not self.rising(index)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"recent": [list(r) for r in self.recent], "trail": [list(t) for t in self.trail],
+                "peak": [None if math.isnan(x) else x for x in self.peak],  # NaN != NaN: a resumed state compares equal
+                "last_step": list(self.last_step)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for r, vals in zip(self.recent, state["recent"]):
+            r.clear()
+            r.extend(vals)
+        for t, vals in zip(self.trail, state.get("trail", [[] for _ in self.trail])):
+            t.clear()
+            t.extend(vals)
+        self.peak = [math.nan if x is None else float(x) for x in state["peak"]]
+        self.last_step = [float(x) for x in state["last_step"]]

@@ -143,3 +143,134 @@ def test_fsdp2_freezer_refuses_blocks_found_before_sharding_and_an_optimizer_bui
         assert result["frozen"] == ["embed", "layers.0"]
         assert not any(k.startswith(("embed.", "pos", "layers.0.")) for k in result["changed"])
         assert len(result["changed"]) == 24 - 2 - 6  # every parameter of layers.1, layers.2 and the head
+
+
+# ---- strategies that read gradients or weights, on sharded parameters (issue 31, item 4) ----------------------------
+
+def strategy_runs(tmp_path, spec):
+    """The strategy worker on 2 ranks (FSDP2) and in one process (unsharded): both records."""
+    ranks = launch(spec, tmp_path / "ranks", module="tests.distributed.fsdp_strategy_worker", timeout=90)
+    assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
+    a, b = ranks.results
+    for x, y in zip(a["records"], b["records"]):
+        assert x["hashes"] == y["hashes"] and x["frozen"] == y["frozen"], x["step"]
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "spec.json").write_text(json.dumps({**spec, "out": str(one)}))
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "WORLD_SIZE": "1"}
+    subprocess.run([sys.executable, "-m", "tests.distributed.fsdp_strategy_worker", str(one / "spec.json")], cwd=ROOT,
+                   env=env, check=True, timeout=120)
+    return a, json.loads((one / "rank0.json").read_text())
+
+
+def events(history):
+    return [(h["kind"], h["block"], h["step"]) for h in history]
+
+
+def test_fsdp2_autofreeze_sums_sharded_gradients_on_every_rank_instead_of_hanging(tmp_path):
+    # autofreeze reads each block's gradient L1 norm (freezer.after_backward). Under FSDP2 a gradient is a DTensor
+    # shard: rank 0 alone summing it whole was a collective rank 1 never joined, and the run hung until the process
+    # group's timeout. Now every rank sums its shards and one all-reduce adds them up.
+    a, ref = strategy_runs(tmp_path, {"strategy": "autofreeze", "params": {"interval": 2}, "steps": 10, "timeout": 20})
+    stages = [(x, y) for x, y in zip(a["records"], ref["records"]) if x.get("signals", {}).get("grad_l1")]
+    assert len(stages) == 9  # a stage every 2 steps from step 2 (last_signals stays until the next one)
+    for x, y in stages:  # the whole model's gradient norms, as the unsharded run measures them
+        torch.testing.assert_close(torch.tensor(x["signals"]["grad_l1"]), torch.tensor(y["signals"]["grad_l1"]),
+                                   rtol=1e-5, atol=0, equal_nan=True)
+    assert events(a["history"]) == events(ref["history"]) == [("freeze", "0", 8), ("freeze", "1", 8)]
+    by_step = {r["step"]: r["hashes"] for r in a["records"]}
+    frozen = [k for k in by_step[8] if k.startswith(("0.", "1."))]
+    assert all(by_step[s][k] == by_step[8][k] for s in (9, 10) for k in frozen)  # frozen: bitwise unchanged
+    assert all(by_step[10][k] != by_step[8][k] for k in by_step[8] if k.startswith(("2.", "3.", "4.")))
+
+
+@pytest.mark.parametrize("strategy,params,signal", [
+    ("smartfrz", {}, "p_freeze"),  # a sample of each block's weights at every stage
+    ("egeria", {"interval": 2, "patience": 1, "probe_size": 8, "synchronous": True}, "plasticity"),  # whole copies
+])
+def test_fsdp2_strategies_that_read_weights_observe_a_mirror_kept_equal_to_the_sharded_model(tmp_path, strategy,
+                                                                                            params, signal):
+    # rank 0's strategy reads an unsharded copy (Freezer(mirror=...)) that the Freezer refreshes from the shards
+    # before every stage: its signals are those of the unsharded run (a stale or partial copy would not give them)
+    a, ref = strategy_runs(tmp_path, {"strategy": strategy, "params": params, "steps": 14, "timeout": 20})
+    stages = [(x, y) for x, y in zip(a["records"], ref["records"]) if x.get("signals", {}).get(signal)]
+    assert len(stages) >= 7
+    values = [v for x, _ in stages for v in x["signals"][signal] if v == v]
+    assert len(set(values)) > 5  # the signal moves as the weights train
+    for x, y in stages:
+        torch.testing.assert_close(torch.tensor(x["signals"][signal]), torch.tensor(y["signals"][signal]),
+                                   rtol=1e-4, atol=1e-7, equal_nan=True)
+    assert events(a["history"]) == events(ref["history"])
+
+
+def test_fsdp2_a_strategy_that_reads_weights_without_a_mirror_is_refused_on_every_rank(tmp_path):
+    ranks = launch({"strategy": "smartfrz", "steps": 4, "timeout": 20, "no_mirror": True}, tmp_path,
+                   module="tests.distributed.fsdp_strategy_worker", timeout=90)
+    assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
+    for result in ranks.results:
+        assert "reads the model's weights on rank 0" in result["error"]
+        assert "mirror=copy.deepcopy(model) taken before fully_shard" in result["error"]
+
+
+def test_fsdp2_prefix_cache_on_ranks_that_hit_and_miss_differently_equals_the_uncached_run_bitwise(tmp_path):
+    # every block's forward under FSDP2 is an all-gather: a rank that hits while the other misses would skip a
+    # collective the other runs (a hang, or gloo's "collective mismatch"). The ranks agree each step on what all of
+    # them run; the cached run's logits and weights are then the uncached run's, bit for bit, on every step.
+    runs = {}
+    for cache in (True, False):
+        ranks = launch({"cache": cache}, tmp_path / f"cache-{cache}", module="tests.distributed.fsdp_cache_worker",
+                       timeout=90)
+        assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
+        runs[cache] = ranks.results
+    for on, off in zip(runs[True], runs[False]):
+        for x, y in zip(on["records"], off["records"]):
+            assert x["logits"] == y["logits"] and x["hashes"] == y["hashes"], x["step"]
+    assert runs[True][0]["records"][-1]["hashes"] == runs[True][1]["records"][-1]["hashes"]
+    # each rank's cache did what the plan says (tests/distributed/fsdp_cache_worker.py): per step, samples read
+    # from the cache, computed from the inputs (the prefix), and carried from boundary 2 to 3 (extended)
+    counters = [[(r["hits"], r["prefix_samples"], r["extend_samples"]) for r in result["records"]]
+                for result in runs[True]]
+    assert counters[0] == [(0, 8, 0), (8, 8, 0), (16, 8, 0), (16, 8, 8), (24, 8, 8), (24, 16, 8)]
+    assert counters[1] == [(0, 8, 0), (0, 16, 0), (8, 16, 0), (8, 16, 8), (8, 24, 8), (16, 24, 8)]
+
+
+def test_fsdp2_prefix_cache_refuses_a_model_whose_root_group_holds_the_parameters(tmp_path):
+    # the cache runs the blocks one by one; only the root module's forward would gather the root group's parameters
+    ranks = launch({"root_only": True}, tmp_path, module="tests.distributed.fsdp_cache_worker", timeout=90)
+    assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
+    for result in ranks.results:
+        assert "root FSDP2 group holds parameters (0.0.weight, 0.0.bias" in result["on"]  # freeze.cache: on
+        assert "shard_blocks" in result["on"]
+        assert result["auto_runner"] is None and result["auto"] == [result["on"]]  # auto: off, saying why
+
+
+def test_fsdp2_memory_ledger_counts_each_ranks_own_shard_bytes(tmp_path):
+    # blocks 0-1: 24 rows, 12 on each rank; the head: 5 rows, which FSDP2 pads to 3 on each rank
+    ranks = launch({}, tmp_path, module="tests.distributed.fsdp_ledger_worker", timeout=90)
+    assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
+    for k, result in enumerate(ranks.results):
+        memory, params = result["memory"], result["params"]
+
+        def of(block, key, params=params):
+            return sum(p[key] for p in params.values() if p["block"] == block)
+
+        assert [of(2, "local_bytes"), of(2, "padded_bytes")] == [[4 * (3 * 24 + 3)] * 2, [4 * (2 * 24 + 2),
+                                                                                             4 * (3 * 24 + 3)]][k]
+        blocks, buckets = memory["blocks"], memory["buckets"]
+        assert blocks["frozen"] == [True, False, False]
+        # the rank's own shards: exactly numel * itemsize of each local shard, half of each whole parameter
+        for block in (0, 1):
+            assert blocks["params"][block] == of(block, "local_bytes") == of(block, "whole_bytes") // 2
+        assert blocks["params"][2] == of(2, "padded_bytes")  # what FSDP2 allocated: the padding too
+        assert buckets["params_frozen"] == of(0, "local_bytes")
+        assert buckets["params_trainable"] == of(1, "local_bytes") + of(2, "padded_bytes")
+        whole = sum(p["whole_bytes"] for p in params.values())
+        assert buckets["params_trainable"] + buckets["params_frozen"] < whole
+        # gradients: one reduce-scatter output per trainable block's group, padded like its parameters; the frozen
+        # block's group has none
+        assert blocks["grads"] == [0, of(1, "local_bytes"), of(2, "padded_bytes")] and buckets["grads"] == sum(
+            blocks["grads"])
+        # AdamW: exp_avg and exp_avg_sq the size of the local shard (no padding), a 4-byte step per trained tensor
+        assert blocks["optimizer"] == [0, 2 * of(1, "local_bytes") + 8, 2 * of(2, "local_bytes") + 8]
+        assert buckets["optimizer"] == sum(blocks["optimizer"])
+        assert result["summary"]["samples"] == 2

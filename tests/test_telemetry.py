@@ -215,3 +215,19 @@ def test_summary_table_shows_only_present_keys() -> None:
     print_summary({"strategy": "none", "peak_memory_bytes": 200 * 2**20}, console=console)
     out = console.export_text()
     assert "layerfreeze run" in out and "none" in out and "200.0 MiB" in out
+
+
+def test_summary_table_of_a_distributed_run_names_each_ranks_tensor_peak() -> None:
+    def memory(peak: int, step: int) -> dict:
+        return {"ledger": True, "tensor_peak_bytes": peak, "tensor_peak_step": step,
+                "buckets": {"params_trainable": {"peak_bytes": peak // 2, "step": step}}}
+
+    summary = {"memory": memory(3 * 2**20, 7),
+               "ranks": [{"rank": 0, "memory": memory(3 * 2**20, 7)}, {"rank": 1, "memory": memory(2**20, 9)}]}
+    text = _render(summary_table(summary))
+    assert "tensor peak (rank 0)" in text and "memory by bucket (peak, rank 0)" in text
+    assert "tensor peak per rank" in text
+    assert "rank 0: 3.00 MiB at step 7" in text and "rank 1: 1.00 MiB at step 9" in text
+    # a ledger off on the ranks, or one process: the plain rows
+    off = _render(summary_table({"memory": memory(2**20, 1), "ranks": [{"rank": 0}, {"rank": 1}]}))
+    assert "per rank" not in off and "tensor peak " in off and "(rank 0)" not in off

@@ -282,6 +282,24 @@ class CheckpointStore:
             shutil.rmtree(old, ignore_errors=True)
         return path
 
+    def save_full(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, freezer: Freezer | None = None,
+                  scheduler: Any = None, extra: dict[str, Any] | None = None) -> Path | None:
+        """:meth:`save` of a sharded (FSDP2) model: its full state gathered on rank 0
+        (:func:`gather_full_state`), written there as the store's next checkpoint; read it back with
+        ``load_latest(..., loader=load_full_checkpoint)``. Collective: every rank calls it; it returns once the
+        checkpoint is complete.
+
+        Returns:
+            The checkpoint folder on rank 0, None on the other ranks.
+        """
+        model_state, optim_state = gather_full_state(model, optimizer)
+        path = None
+        if torch.distributed.get_rank() == 0:
+            path = self.save(step, model, None, freezer, scheduler, extra, model_state=model_state,
+                             optimizer_state=optim_state)
+        torch.distributed.barrier()
+        return path
+
     def _point_link(self, path: Path) -> None:
         if self.link.exists() and not self.link.is_symlink():
             return  # a legacy checkpoint/ folder: leave it
@@ -329,6 +347,23 @@ class CheckpointStore:
         raise CheckpointError(f"no usable checkpoint in {self.dir}: " + "; ".join(problems))
 
 
+def gather_full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """The full (unsharded) model state on rank 0's CPU and the optimizer state keyed by parameter name, of a
+    sharded (FSDP2) model: what :func:`save_full_checkpoint` writes.
+
+    Collective: every rank calls it. The model state is gathered through ``torch.distributed.checkpoint``
+    (``full_state_dict=True, cpu_offload=True``: rank 0 gets it, the other ranks an empty dict); the optimizer
+    state by :func:`~layerfreeze.distributed.fsdp.full_optimizer_state` (every rank gets it).
+
+    Returns:
+        ``(model_state, optimizer_state)`` for ``save_checkpoint(..., model_state=, optimizer_state=)``.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model_state = get_model_state_dict(model, options=full_state_options(cpu_offload=True))
+    return model_state, full_optimizer_state(model, optimizer)
+
+
 def save_full_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, freezer: Any,
                          scheduler: Any = None, extra: dict[str, Any] | None = None) -> Path:
     """Gather the full model and optimizer state on rank 0 and write a checkpoint folder there.
@@ -339,10 +374,7 @@ def save_full_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.op
     Returns:
         The checkpoint folder (written by rank 0 only; the others return the same path once it is complete).
     """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    model_state = get_model_state_dict(model, options=full_state_options(cpu_offload=True))
-    optim_state = full_optimizer_state(model, optimizer)
+    model_state, optim_state = gather_full_state(model, optimizer)
     path = Path(path)
     if torch.distributed.get_rank() == 0:
         save_checkpoint(path, model, None, freezer, scheduler, extra, model_state=model_state,

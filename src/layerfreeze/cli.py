@@ -42,6 +42,7 @@ TRAIN_FLAGS = {
     "limit_test": "data.limit_test",
     "run_dir": "run.dir",
     "device": "run.device",
+    "parallel": "run.parallel",
     "memory_budget": "freeze.memory_budget",
 }
 
@@ -68,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--memory-budget", metavar="BUDGET",
                        help="tensor-peak budget (3GiB, 800MiB, or 0.6 of the peak with nothing frozen): freeze the "
                        "shortest prefix that fits from the start and never thaw it (`layerfreeze plan` shows it)")
+    train.add_argument("--parallel", help="under torchrun: ddp (default: every rank holds the whole model) or fsdp "
+                       "(FSDP2: every rank holds a shard of each parameter)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its checkpoint")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files")
@@ -195,6 +198,21 @@ def _overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[dict[str
     return out
 
 
+def _check_resume_parallel(run_dir: Path, saved: dict[str, Any], parallel: str) -> None:
+    """A run saved under DDP (or in one process) resumes unsharded: its checkpoint's optimizer state is
+    ``optimizer.state_dict()``, which a sharded model cannot take. (An FSDP2 run's full checkpoint resumes either
+    way.)
+
+    Raises:
+        ConfigError: ``run.parallel`` is fsdp and the saved run's is not.
+    """
+    was = (saved.get("run") or {}).get("parallel", "ddp")
+    if parallel == "fsdp" and was != "fsdp":
+        raise ConfigError(f"--resume {run_dir}: the run was saved with run.parallel {was} (its optimizer state is "
+                          "not the by-name one of an FSDP2 checkpoint); resume it with --parallel ddp, or start a new "
+                          "run with --parallel fsdp")
+
+
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from layerfreeze.engine.integrity import FrozenWeightsChangedError, UnfrozenParameterError
     from layerfreeze.runs.summary import print_summary
@@ -220,6 +238,8 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
                               "(drop --strategy, or start a new run)")
         overrides = [saved, *overrides]
     config = load_config(config_path, overrides)
+    if args.resume:
+        _check_resume_parallel(Path(args.resume), saved, config.run.parallel)
     world = launched_world_size()
     main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 alone speaks
     shown: list[bool] = []

@@ -3,7 +3,8 @@
 The launcher (:func:`tests.distributed.launch.launch`) sets RANK, WORLD_SIZE and LAYERFREEZE_FILE_STORE. The spec
 says what to train (the CLI trainer on a tiny MLP task, or the README's own-loop example) and where this rank writes
 its record: per step, the SHA-256 of every weight and the frozen set; at the end, the final weights and the freeze
-history. ``kill_at_step`` makes this rank SIGKILL itself after that step (a lost rank).
+history (whole weights: under ``run.parallel: fsdp`` every rank gathers them). ``kill_at_step`` makes this rank
+SIGKILL itself after that step (a lost rank).
 """
 
 from __future__ import annotations
@@ -35,9 +36,13 @@ def mlp_task(dropout: float = 0.0) -> Task:
                 image_forward)
 
 
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with whole tensors (a collective for a sharded model: every rank gathers each one)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}
+
+
 def weight_hashes(model: nn.Module) -> dict[str, str]:
-    return {k: hashlib.sha256(v.detach().contiguous().numpy().tobytes()).hexdigest()
-            for k, v in model.state_dict().items()}
+    return {k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest() for k, v in full_state(model).items()}
 
 
 def run_trainer(spec: dict, rank: int, out: Path) -> None:
@@ -64,7 +69,7 @@ def run_trainer(spec: dict, rank: int, out: Path) -> None:
         result["interrupted"] = True
     result["steps"] = steps
     result["history"] = trainer.freezer.history
-    result["weights"] = {k: v.tolist() for k, v in trainer.model.state_dict().items()}
+    result["weights"] = {k: v.tolist() for k, v in full_state(trainer.model).items()}
     out.write_text(json.dumps(result))
     if "summary" in result or trainer.stopped_together:  # finished, or every rank stopped after the same step
         close_distributed()

@@ -59,6 +59,8 @@ from layerfreeze.compute.determinism import (
     check_prefix_deterministic,
 )
 from layerfreeze.compute.store import ActivationCache, pad_dim0
+from layerfreeze.distributed import comm
+from layerfreeze.distributed.fsdp import fsdp_modules, reshard_all, root_parameters
 from layerfreeze.models.blocks import Block
 from layerfreeze.models.discovery import split_for
 from layerfreeze.models.forward_split import ModelSplit
@@ -224,6 +226,16 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
+class _Plan:
+    """One batch's lookups and how its misses are computed (:meth:`CachedPrefix._plan`)."""
+
+    def __init__(self, indices: list[int], found: list[Any], miss: list[int], device: torch.device) -> None:
+        self.indices, self.found, self.miss, self.device = indices, found, miss, device
+        self.start = 0  # boundary the misses are extended from; 0: the prefix from the inputs
+        self.old: torch.Tensor | None = None  # the misses' states at ``start``
+        self.compute_only = False  # FSDP2: run the computation another rank needs, keep nothing of it
+
+
 class CachedPrefix:
     """The model's forward with the frozen prefix's output read from an
     :class:`~layerfreeze.compute.store.ActivationCache`.
@@ -264,10 +276,22 @@ class CachedPrefix:
     samples extended from an older boundary ``a``, the cost up to ``a``. It leaves out the cache's own overhead
     (lookups, copies, checks), which the trainer's measured step times include.
 
+    Under FSDP2 (a model sharded over several ranks, e.g. by :func:`~layerfreeze.distributed.shard_blocks`) every
+    block's forward is a collective (the all-gather of its shards), so every rank must run the same blocks: each
+    call, the ranks agree (one ``all_gather_object``) on what all of them run. Only hits anywhere: the prefix runs
+    nowhere (what saves its all-gathers). Misses on some rank: every rank runs the same computation (an extension
+    from an older boundary when every rank can extend from the same one, else the prefix from the inputs; a rank
+    without misses drops the result), which gives each row the same bits as computing it alone (see "Equality").
+    A refusal on any rank (a stochastic prefix, changed inputs) turns the cache off on every rank, or raises on
+    every rank. The first call runs the model's own forward once (no grad, eval mode, modes restored after; see
+    :meth:`warm_up`), because FSDP2 needs its root module to run first.
+
     Raises (constructor):
         ValueError: neither ``blocks`` nor ``freezer``; the model's family has no split
             (:func:`~layerfreeze.models.discovery.split_for`); an ``input_key`` the model's family does not read (its
-            input keys are fixed).
+            input keys are fixed); a sharded model whose root FSDP2 group holds parameters
+            (:func:`~layerfreeze.distributed.fsdp.root_parameters`: only the root module's forward gathers them,
+            and the split runs the blocks one by one).
     """
 
     def __init__(
@@ -314,6 +338,17 @@ class CachedPrefix:
         self._fingerprints: dict[int, torch.Tensor] = {}
         self._print_bytes = 0  # bytes of the fingerprints (each its own storage)
         self._signatures: dict[int, tuple[tuple[int, int], ...]] = {}
+        #: FSDP2 over several ranks: every call is agreed on by all ranks (see the class docstring).
+        self.sharded = bool(fsdp_modules(model)) and comm.is_distributed()
+        self._warm = not self.sharded
+        if self.sharded:
+            held = root_parameters(model)
+            if held:
+                raise ValueError(
+                    f"the model's root FSDP2 group holds parameters ({', '.join(held[:4])}): only the root module's "
+                    "forward gathers them, and the cached forward runs the blocks one by one. Shard each block's "
+                    "modules (layerfreeze.distributed.shard_blocks) with every parameter inside a block's modules, "
+                    "or train without the cache")
 
     def __call__(self, batch: dict[str, Any], depth: int | None = None) -> torch.Tensor:
         return self.forward(batch, depth)
@@ -338,11 +373,16 @@ class CachedPrefix:
         self._check_input_keys(batch)
         if depth == 0 or self.disabled is not None:
             self.full_forwards += 1
+            self._warm = True
             return self.split.full(self.model, batch)
         if "index" not in batch:
             raise ValueError("the batch has no 'index' (each sample's position in its dataset, e.g. "
                              f"{{'index': i}} in the dataset's items); its keys: {', '.join(map(str, batch))}. The "
                              "activation cache is keyed by it")
+        if not self._warm:
+            self.warm_up(batch)
+        refused: CacheRefused | None = None
+        plan: _Plan | None = None
         try:
             self._check_prefix(depth)
             self._check_weights(depth)
@@ -351,14 +391,40 @@ class CachedPrefix:
                 self._prune()
             indices = sample_indices(batch["index"])
             self._check_inputs(indices, batch)
+            plan = self._plan(batch, indices, depth)
         except CacheRefused as exc:
+            refused = exc
+        if self.sharded:
+            refused, plan = self._agree(refused, plan)
+        if refused is not None:
             if not self.fallback:
-                raise
-            self._turn_off(str(exc))
+                raise refused
+            self._turn_off(str(refused))
             self.full_forwards += 1
             return self.split.full(self.model, batch)
-        state = self._states(batch, indices, depth)
+        state = self._states(batch, plan, depth)
         return self.split.suffix(self.model, state, batch, depth)
+
+    @torch.no_grad()
+    def warm_up(self, batch: dict[str, Any]) -> None:
+        """Run the model's own forward on ``batch`` once, without grad, in eval mode (every module's mode restored
+        after), then reshard every FSDP2 module: FSDP2 takes the first of its modules to run forward as its root,
+        and refuses a forward of the real root after one of an inner module ("FSDP requires running forward
+        through the root module first"), which the split's stages are. A no-op unsharded or once done; the first
+        call of :meth:`forward` does it otherwise (call it yourself before measuring a step). A collective under
+        FSDP2: every rank calls it at the same point."""
+        if self._warm:
+            return
+        self._check_input_keys(batch)
+        modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+        try:
+            self.split.full(self.model, batch)
+        finally:
+            for m, training in modes:
+                m.training = training
+        reshard_all(fsdp_modules(self.model))
+        self._warm = True
 
     # ---- checks --------------------------------------------------------------------------------------------
 
@@ -461,14 +527,60 @@ class CachedPrefix:
 
     # ---- states --------------------------------------------------------------------------------------------
 
-    def _states(self, batch: dict[str, Any], indices: list[int], depth: int) -> torch.Tensor:
-        """The boundary states ``(B, ...)`` of the batch: hits from the cache, misses computed and stored."""
-        size = len(indices)
+    def _plan(self, batch: dict[str, Any], indices: list[int], depth: int) -> _Plan:
+        """Look the batch up (hits counted here, once) and decide how its misses would be computed: from the
+        entries of one common older boundary (``start > 0``, their states read now), else from the inputs."""
         first = batch[self.split.input_keys[0]]
         device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
-        pad_to = self.split.padded_length(batch, depth)
         found = self.cache.lookup(indices, depth)
         miss = [p for p, t in enumerate(found) if t is None]
+        plan = _Plan(indices, found, miss, device)
+        if not miss:
+            return plan
+        # Misses are computed at the whole batch's shape, never on a sub-batch of the misses: a kernel may round a
+        # row differently when the number of rows (or the padded length) changes, and which rows miss depends on
+        # the cache's history -- a resumed run starts cold where the uninterrupted one extended from an older
+        # boundary. At the batch's shape a row's state depends on that row only, so a cached, an uncached and a
+        # resumed run compute every state alike (bit for bit in float32; tests/test_faults.py). When every miss has
+        # an entry at the same older boundary, one extension from it at the batch's shape serves them; otherwise
+        # (a miss without any entry, or misses at different boundaries) one prefix of the whole batch does, whose
+        # rows equal the extensions' (split.extend's contract). Either way a batch costs at most one prefix.
+        starts = {max((d for d in self.cache.depths(indices[p]) if d < depth), default=0) for p in miss}
+        start = starts.pop() if len(starts) == 1 else 0
+        if start > 0:
+            plan.old = self.cache.get_batch([indices[p] for p in miss], start, device=device, count=False,
+                                            pad_to=self.split.padded_length(batch, start))
+            plan.start = start if plan.old is not None else 0  # lost to a corrupt shard just now: from the inputs
+        return plan
+
+    def _agree(self, refused: CacheRefused | None, plan: _Plan | None) -> tuple[CacheRefused | None, _Plan | None]:
+        """What every rank does this call (FSDP2: each prefix block's forward is a collective). One
+        ``all_gather_object`` of each rank's refusal (or None) and need (None: only hits; else the boundary its
+        misses would start from, 0 for the inputs). A refusal anywhere is everybody's; else the prefix runs nowhere
+        (only hits), everywhere from one common boundary (every rank has misses and the same start), or everywhere
+        from the inputs (a rank with nothing to compute computes and drops it, ``plan.compute_only``)."""
+        need = None if plan is None or not plan.miss else plan.start
+        votes = comm.all_gather_object((None if refused is None else str(refused), need))
+        for r, (reason, _) in enumerate(votes):
+            if reason is not None:
+                return (refused if refused is not None else CacheRefused(f"rank {r}: {reason}")), None
+        needs = [n for _, n in votes]
+        assert plan is not None
+        if all(n is None for n in needs):
+            return None, plan
+        starts = set(needs)
+        plan.start = starts.pop() if len(starts) == 1 else 0  # every rank the same start: extend; else the inputs
+        if plan.start == 0:
+            plan.old = None
+        plan.compute_only = not plan.miss
+        return None, plan
+
+    def _states(self, batch: dict[str, Any], plan: _Plan, depth: int) -> torch.Tensor:
+        """The boundary states ``(B, ...)`` of the batch: hits from the cache, misses computed (as ``plan`` says)
+        and stored."""
+        indices, found, miss, device = plan.indices, plan.found, plan.miss, plan.device
+        size = len(indices)
+        pad_to = self.split.padded_length(batch, depth)
         hit = [p for p, t in enumerate(found) if t is not None]
         hit_states = None
         if hit:
@@ -481,35 +593,24 @@ class CachedPrefix:
                 for p in hit:
                     if not self.policy.read_again(indices[p]):
                         self.policy.freed += self.cache.drop(indices[p], depth)
-            if not miss:
+            if not miss and not plan.compute_only:
                 return hit_states
-        # Misses are computed at the whole batch's shape, never on a sub-batch of the misses: a kernel may round a
-        # row differently when the number of rows (or the padded length) changes, and which rows miss depends on
-        # the cache's history -- a resumed run starts cold where the uninterrupted one extended from an older
-        # boundary. At the batch's shape a row's state depends on that row only, so a cached, an uncached and a
-        # resumed run compute every state alike (bit for bit in float32; tests/test_faults.py). When every miss has
-        # an entry at the same older boundary, one extension from it at the batch's shape serves them; otherwise
-        # (a miss without any entry, or misses at different boundaries) one prefix of the whole batch does, whose
-        # rows equal the extensions' (split.extend's contract). Either way a batch costs at most one prefix.
-        starts = {max((d for d in self.cache.depths(indices[p]) if d < depth), default=0) for p in miss}
-        start = starts.pop() if len(starts) == 1 else 0
-        rows = torch.tensor(miss, device=device)
+        rows = torch.tensor(miss, device=device, dtype=torch.long)
         t0 = _now(device)
-        old = None
-        if start > 0:
-            old = self.cache.get_batch([indices[p] for p in miss], start, device=device, count=False,
-                                       pad_to=self.split.padded_length(batch, start))
-        if old is not None:
+        if plan.start > 0 and plan.old is not None:
+            old = plan.old
             filler = old[:1].expand(size, *old.shape[1:]).clone()  # the other rows: any state, then dropped
             filler[rows] = old
-            states = self.split.extend(self.model, filler, batch, start, depth)
+            states = self.split.extend(self.model, filler, batch, plan.start, depth)
             self.extend_samples += len(miss)
-            base = self._cost.get(start, 0.0)
+            base = self._cost.get(plan.start, 0.0)
             self.saved_seconds += len(miss) * base
         else:  # no common older entry (or it was lost to a corrupt shard just now): the whole batch's prefix
             states = self.split.prefix(self.model, batch, depth)
             self.prefix_samples += len(miss)
             base = 0.0
+        if plan.compute_only:  # FSDP2: computed because another rank had misses; this rank's rows are all hits
+            return hit_states
         self._record_cost(depth, base + (_now(device) - t0) / size)
         lengths = self.split.lengths(batch, depth)
         keep = miss
@@ -620,7 +721,8 @@ def build_cached_prefix(model: nn.Module, blocks: Sequence[Block], dataset: Any,
         policy: What the cache keeps (:class:`CachePolicy`), used with ``mode="auto"`` (``on`` stores every miss).
 
     Raises:
-        CacheRefused: ``mode="on"`` and the model or data cannot be cached (the message says why).
+        CacheRefused: ``mode="on"`` and the model or data cannot be cached (the message says why: a family without
+            a split, random augmentation, a sharded model whose root FSDP2 group holds parameters).
         ValueError: an unknown ``mode``.
     """
     if mode not in CACHE_MODES:
@@ -630,13 +732,14 @@ def build_cached_prefix(model: nn.Module, blocks: Sequence[Block], dataset: Any,
     try:
         split = split_for(model, blocks, input_key=input_key)
         check_deterministic(dataset)
-    except ValueError as exc:  # CacheRefused is a ValueError; so is split_for's "no split for this family"
+        cache = ActivationCache(budget_bytes, dtype, directory=directory,
+                                **({} if shard_bytes is None else {"shard_bytes": shard_bytes}))
+        return CachedPrefix(model, blocks, split, cache, freezer=freezer, fallback=mode == "auto",
+                            on_disable=on_disable, policy=policy if mode == "auto" else None)
+    except ValueError as exc:  # CacheRefused is a ValueError; so are split_for's "no split for this family" and
+        # CachedPrefix's refusal of a sharded model whose root group holds parameters
         if mode == "on":
             raise CacheRefused(str(exc)) from None
         if on_disable is not None:
             on_disable(str(exc))
         return None
-    cache = ActivationCache(budget_bytes, dtype, directory=directory,
-                            **({} if shard_bytes is None else {"shard_bytes": shard_bytes}))
-    return CachedPrefix(model, blocks, split, cache, freezer=freezer, fallback=mode == "auto", on_disable=on_disable,
-                        policy=policy if mode == "auto" else None)

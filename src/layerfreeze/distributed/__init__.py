@@ -6,7 +6,8 @@ named, not a hang.
 * :mod:`~layerfreeze.distributed.ddp` -- :class:`FreezeDDP` and :func:`rebuild_ddp` (DDP re-initialized in place
   around the trainable parameters; the Lightning/HF callbacks use the same function), :class:`GradientBytes`;
 * :mod:`~layerfreeze.distributed.fsdp` -- FSDP2: :func:`shard_blocks` (one ``fully_shard`` group per block), the
-  full-state helpers behind :func:`~layerfreeze.checkpoint.save_full_checkpoint`.
+  full-state helpers behind :func:`~layerfreeze.checkpoint.save_full_checkpoint`, the
+  :class:`~layerfreeze.distributed.fsdp.Mirror` a weight-reading strategy observes on rank 0.
 
 Freeze decisions are the same on every rank because only rank 0 runs the strategy and the
 :class:`~layerfreeze.engine.Freezer` broadcasts each decision (:func:`~layerfreeze.engine.freezer.share_decision`).

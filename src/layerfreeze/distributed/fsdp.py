@@ -19,8 +19,17 @@ no gradient memory). What that gives with the :class:`~layerfreeze.engine.Freeze
   ``get_optimizer_state_dict``: with one param group per block, frozen blocks leave empty param groups, which DCP's
   loader refuses.)
 
-Order, as with any sharded model: build the model (same initial weights on every rank), :func:`shard_blocks`, then
-the optimizer (over the sharded parameters), then the Freezer.
+* a strategy runs on rank 0 only, which holds one shard of each parameter: a gradient-based one (``autofreeze``)
+  gets its per-block gradient norms from every rank's shards (``Freezer.after_backward`` sums them locally, then one
+  all-reduce); one that reads the weights (``smartfrz``, ``egeria``) observes a :class:`Mirror`, an unsharded copy
+  the Freezer keeps equal to the shards (``Freezer(mirror=...)``);
+* the activation cache (:class:`~layerfreeze.compute.cache.CachedPrefix`) runs the blocks one by one, each block's
+  forward a collective: the ranks agree on every call on what all of them run, and the root group must hold no
+  parameter (:func:`root_parameters`).
+
+Order, as with any sharded model: build the model (same initial weights on every rank), (a :class:`Mirror` copy for
+a weight-reading strategy), :func:`shard_blocks`, then the optimizer (over the sharded parameters), then the Freezer.
+The CLI trainer does exactly this with ``run.parallel: fsdp`` (:mod:`layerfreeze.train.trainer`).
 
 Any ``fully_shard`` layout works (root only, one group per block, one per transformer layer and the root). One thing
 the Freezer must take care of: FSDP2 registers a group's *unsharded* parameters on its modules while they run, and
@@ -78,6 +87,128 @@ def shard_blocks(model: nn.Module, blocks: Sequence[Block], **fully_shard_kwargs
     for block in blocks:  # fully_shard replaced the parameters modules hold directly: a block's own ones too
         block.params = [(name, model.get_parameter(name)) for name, _ in block.params]
     return model
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (``DTensor``) tensor, any other tensor as it is. Local: no collective."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def root_parameters(model: nn.Module) -> list[str]:
+    """Names of the parameters the *root* FSDP2 group of ``model`` holds: those no inner ``fully_shard`` module
+    holds (with :func:`shard_blocks`, a block's parameters kept outside its modules, such as a ViT's class token;
+    with ``fully_shard(model)`` alone, every parameter). Empty for a model whose root is not sharded.
+
+    Why it matters: the root group's parameters are all-gathered by the root module's forward only, so code that
+    runs a model's blocks one by one (the activation cache's forward split) sees them still sharded.
+    """
+    modules = fsdp_modules(model)
+    if not modules or modules[0] is not model:
+        return []
+    held = {id(p) for m in modules[1:] for p in m.parameters()}
+    return [n for n, p in model.named_parameters() if id(p) not in held]
+
+
+def broadcast_buffers(buffers: Sequence[torch.Tensor], src: int = 0) -> None:
+    """Give every rank rank ``src``'s values of ``buffers`` (in place; a collective: every rank passes the same
+    buffers in the same order).
+
+    Why: FSDP2 shards parameters only; buffers (BatchNorm running statistics) stay per rank and each rank's
+    forward updates them with its own share of the batch, so they drift apart and a checkpoint (rank 0's) could
+    not restore the other ranks. DDP broadcasts rank 0's buffers before every forward (``broadcast_buffers``);
+    the CLI trainer does the same under FSDP2 with this.
+    """
+    for b in buffers:
+        torch.distributed.broadcast(b, src)
+
+
+class Mirror:
+    """An unsharded copy of a sharded model, kept equal to it, for code that must read whole weights on one rank.
+
+    Why: a freezing strategy runs on rank 0 only (:class:`~layerfreeze.engine.Freezer`), and under FSDP2 rank 0
+    holds one shard of each parameter; reading a whole weight (SmartFRZ's weight samples, Egeria's reference copy)
+    would need a collective the other ranks never join. So the strategy observes this mirror: a plain model of the
+    same architecture on the CPU, whose parameters :meth:`refresh` sets to the sharded model's full values (every
+    rank gathers each parameter, ``DTensor.full_tensor``, one at a time; rank 0 keeps it), and whose root forward
+    pre-hooks see the sharded model's inputs (:meth:`forward_inputs`; Egeria takes its probe batch from one).
+
+    Args:
+        model: The sharded model.
+        mirror: On the rank that reads it, an unsharded model with the same parameter and module names (e.g.
+            ``copy.deepcopy(model)`` taken before sharding: FSDP2 modules cannot be deep-copied); None on the other
+            ranks, which only take part in the gathers.
+
+    Raises:
+        ValueError: the mirror is sharded, or lacks a parameter of the model.
+    """
+
+    def __init__(self, model: nn.Module, mirror: nn.Module | None) -> None:
+        self.model = model
+        self.mirror = mirror
+        self._hook: Any = None
+        if mirror is not None:
+            if is_sharded(mirror) or fsdp_modules(mirror):
+                raise ValueError("the mirror must be an unsharded copy of the model (copy.deepcopy(model) before "
+                                 "fully_shard / shard_blocks), not the sharded model")
+            have = dict(mirror.named_parameters())
+            missing = [n for n, _ in model.named_parameters() if n not in have]
+            if missing:
+                raise ValueError(f"the mirror has no parameter {', '.join(missing[:4])}: it must be a copy of the same "
+                                 "model (same parameter names)")
+            mirror.requires_grad_(False)
+
+    def blocks(self, blocks: Sequence[Block]) -> list[Block]:
+        """``blocks`` of the model as blocks of the mirror (the same names, the mirror's modules and parameters)."""
+        m = self.mirror
+        return [Block(b.name, b.index, [(n, m.get_submodule(n)) for n, _ in b.modules], b.is_head,
+                      [(n, m.get_parameter(n)) for n, _ in b.params], dict(b.tied)) for b in blocks]
+
+    @torch.no_grad()
+    def refresh(self, trainable_only: bool = False) -> None:
+        """Copy the model's current weights into the mirror: the parameters gathered whole (a collective: every
+        rank calls it at the same point), then this rank's buffers (FSDP2 does not shard them).
+
+        Args:
+            trainable_only: Gather only the parameters that require grad (the others have not changed since the
+                last full refresh: a frozen block's weights stay bitwise as they were).
+        """
+        mine = dict(self.mirror.named_parameters()) if self.mirror is not None else {}
+        for name, p in self.model.named_parameters():  # the same names, in the same order, on every rank
+            if trainable_only and not p.requires_grad:
+                continue
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            if self.mirror is not None:
+                mine[name].copy_(full.detach().to(mine[name].device, mine[name].dtype))
+        if self.mirror is not None:
+            mine_buffers = dict(self.mirror.named_buffers())
+            for name, b in self.model.named_buffers():
+                if name in mine_buffers:
+                    mine_buffers[name].copy_(b.detach().to(mine_buffers[name].device, mine_buffers[name].dtype))
+
+    def forward_inputs(self) -> None:
+        """Call the mirror's root forward pre-hooks with the inputs of each forward of the model (and set the
+        mirror's ``training`` flag to the model's first): a hook that observes the model's input (Egeria's probe
+        capture) sees the batches the model trains on. The hooks must not change the inputs (strategies never do)."""
+        if self.mirror is None or self._hook is not None:
+            return
+        mirror = self.mirror
+
+        def replay(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            mirror.training = module.training
+            with_kwargs = mirror._forward_pre_hooks_with_kwargs
+            for hid, hook in list(mirror._forward_pre_hooks.items()):
+                if hid in with_kwargs:
+                    hook(mirror, args, kwargs)
+                else:
+                    hook(mirror, args)
+
+        self._hook = self.model.register_forward_pre_hook(replay, with_kwargs=True)
+
+    def close(self) -> None:
+        """Stop :meth:`forward_inputs`."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:

@@ -56,9 +56,11 @@ from torch import nn
 
 from layerfreeze.distributed import comm
 from layerfreeze.distributed.fsdp import (
+    Mirror,
     check_blocks_hold_model_parameters,
     check_optimizer_holds_sharded_parameters,
     fsdp_modules,
+    local_tensor,
     reshard_all,
 )
 from layerfreeze.engine.demote import Demoter, Demotion
@@ -133,6 +135,16 @@ class Freezer:
             threads and signals); the other ranks apply what it decided. Every rank must create the Freezer and
             call :meth:`step`, :meth:`epoch_end` and :meth:`report_metric` at the same points (they are
             collectives then).
+        mirror: For a sharded model (FSDP2) and a strategy that observes the model itself (its ``attach`` reads
+            weights or activations: ``smartfrz``, ``egeria``): an unsharded copy of the model, e.g.
+            ``copy.deepcopy(model)`` taken *before* ``fully_shard`` / :func:`~layerfreeze.distributed.shard_blocks`
+            (FSDP2 modules cannot be copied), ideally on the CPU. Rank 0's strategy observes it instead of the
+            sharded model (whose rank-0 shards it could not read whole without a collective the other ranks never
+            join): the Freezer sets its parameters to the model's full values before every freezing stage (the
+            trainable ones; all of them at the start and after :meth:`load_state_dict`), gathered by every rank
+            (:class:`~layerfreeze.distributed.fsdp.Mirror`), and passes the model's forward inputs to its root
+            forward pre-hooks (Egeria's probe). Needed on rank 0 only (None elsewhere); ignored for an unsharded
+            model or a strategy that does not observe the model.
 
     The strategy's start stage runs in the constructor, so blocks a strategy freezes from the start are frozen
     before the first forward pass, and learning-rate factors it sets apply to the first step (create the LR
@@ -140,8 +152,9 @@ class Freezer:
 
     Raises:
         BlockDiscoveryError: blocks cannot be discovered (see :func:`~layerfreeze.models.discovery.discover_blocks`).
-        UnknownStrategyError / ValueError: bad strategy name or parameters; ``demote`` with ``train_bn=True`` (the
-            BatchNorm layers of frozen blocks keep training in float32) or with an FSDP2-sharded model.
+        UnknownStrategyError / ValueError: bad strategy name or parameters; a sharded model with a strategy that
+            observes the model and no ``mirror`` on rank 0 (raised on every rank); ``demote`` with ``train_bn=True``
+            (the BatchNorm layers of frozen blocks keep training in float32) or with an FSDP2-sharded model.
         RuntimeError: the strategy needs ``total_steps`` and none was given (the message says to pass it).
         ValueError: a ``floor`` block that is the head.
 
@@ -165,6 +178,7 @@ class Freezer:
         guard: StabilityGuard | None = None,
         distributed: bool | None = None,
         on_unfrozen: str = "warn",
+        mirror: nn.Module | None = None,
         demote: Demotion | dict[str, Any] | None = None,
         floor: Sequence[int | str] | None = None,
     ) -> None:
@@ -211,7 +225,10 @@ class Freezer:
                                "more than one rank")
         #: Whether this process runs the strategy: always in one process, on rank 0 only when distributed.
         self.decides = not self.distributed or comm.rank() == 0
+        if self._fsdp and self.distributed:  # checksums of shards: the same on every rank (integrity.checksum)
+            self.integrity.gather = comm.all_gather_object
         self._check_parameters(registered)
+        self._mirror = self._make_mirror(mirror)
         #: The :class:`~layerfreeze.engine.demote.Demoter` of ``demote`` (None without it): also a byte source of
         #: the memory ledger (master copies, offloaded weights).
         self.demoter: Demoter | None = None
@@ -225,7 +242,11 @@ class Freezer:
                                  "shard_blocks frees the memory of frozen blocks another way")
             self.demoter = Demoter(spec, self.blocks)
         if self.decides:
-            self.strategy.attach(model, self.blocks)
+            if self._mirror is not None:
+                self.strategy.attach(self._mirror.mirror, self._mirror.blocks(self.blocks))
+                self._mirror.forward_inputs()
+            else:
+                self.strategy.attach(model, self.blocks)
         try:
             if floor:
                 self.pin(floor)
@@ -511,6 +532,8 @@ class Freezer:
         """
         if self.decides:
             self.strategy.detach()
+        if self._mirror is not None:
+            self._mirror.close()
         if self.demoter is not None:
             self.demoter.close()
 
@@ -529,15 +552,26 @@ class Freezer:
         """
         self._backward_calls += 1
         self.integrity.check_gradients(self)
-        if "grad_l1" not in self.strategy.signals or not self.decides:
-            return  # off rank 0 no strategy reads it (gradients are all-reduced, so rank 0's sums are global)
+        if "grad_l1" not in self.strategy.signals:
+            return
+        sharded = bool(self._fsdp) and self.distributed
+        if not self.decides and not sharded:
+            return  # off rank 0 no strategy reads it (DDP all-reduced the gradients: rank 0's sums are global)
+        # Under FSDP2 each rank holds one shard of every gradient (a DTensor): reading a whole one's sum on rank 0
+        # alone would be a collective the other ranks never join (a hang). Every rank sums its own shards, then one
+        # all-reduce adds them up.
+        sums = [0.0] * len(self.blocks)
         with torch.no_grad():
             for block in self.blocks:
                 if self.frozen[block.index]:
                     continue
-                grads = [p.grad for p in block.parameters() if p.grad is not None]
+                grads = [local_tensor(p.grad) for p in block.parameters() if p.grad is not None]
                 if grads:
-                    self._grad_l1[block.index] += float(sum(g.abs().sum() for g in grads))
+                    sums[block.index] = float(sum(g.abs().sum() for g in grads))
+        if sharded:
+            sums = comm.all_reduce_sum(sums)
+        for i, value in enumerate(sums):
+            self._grad_l1[i] += value
 
     def step(self) -> Decision | None:
         """Call once after each ``optimizer.step()``; runs a freezing stage every ``strategy.stage_every`` steps.
@@ -656,6 +690,8 @@ class Freezer:
         self._backward_calls = state["backward_calls"]
         self._lr_scale = {int(k): v for k, v in state["lr_scale"].items()}
         self._lr_written = {int(k): tuple(v) for k, v in state["lr_written"].items()}
+        if self._mirror is not None:  # the strategy's state may be rebuilt from the weights (egeria): the loaded ones
+            self._mirror.refresh()
         if self.decides:
             self.strategy.load_state_dict(state["strategy"]["state"])
         if self.guard is not None and state.get("guard") is not None:
@@ -665,6 +701,28 @@ class Freezer:
                 (self.strategy.stage_every, self.strategy.at_epoch_end))
 
     # ---- internals -----------------------------------------------------------------------------------------
+
+    def _make_mirror(self, mirror: nn.Module | None) -> Mirror | None:
+        """The :class:`~layerfreeze.distributed.fsdp.Mirror` rank 0's strategy observes, or None when the model is
+        not sharded or the strategy does not observe it (:attr:`~layerfreeze.strategies.Strategy.reads_model`).
+        Collective when it is made (a full refresh; under ``distributed``, whether rank 0 has one).
+
+        Raises:
+            ValueError: on every rank, when rank 0 gave no ``mirror``; on rank 0, a mirror that does not fit.
+        """
+        if not self._fsdp or not self.strategy.reads_model:
+            return None
+        missing = self.decides and mirror is None
+        if self.distributed:
+            missing = comm.broadcast_object(missing)
+        if missing:
+            raise ValueError(
+                f"strategy {self.strategy.name!r} reads the model's weights on rank 0, and FSDP2 holds one shard of "
+                "each on every rank: give rank 0's Freezer mirror=copy.deepcopy(model) taken before fully_shard / "
+                "shard_blocks (an unsharded copy, ideally on the CPU), which it keeps equal to the sharded model")
+        made = Mirror(self.model, mirror if self.decides else None)
+        made.refresh()
+        return made
 
     def _sharded(self) -> None:
         """Register the sharded parameters on every FSDP2 module of the model again, when a group kept its unsharded
@@ -735,6 +793,8 @@ class Freezer:
     def _stage(self, event: str) -> Decision:
         decision = Decision()
         error: str | None = None
+        if self._mirror is not None and event != "start":  # the start stage follows the full refresh at creation
+            self._mirror.refresh(trainable_only=True)
         if self.decides:
             try:
                 decision = self._admissible(self.strategy.decide(self._context(event)))

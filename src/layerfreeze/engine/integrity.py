@@ -81,9 +81,28 @@ class _Probe:
         return not torch.equal(now, self.values)
 
 
-def checksum(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    """``{name: BLAKE2b-128 hex digest of the tensor's bytes}`` (bitwise: any change of any element changes it)."""
-    return {name: hashlib.blake2b(_local(t).numpy().tobytes(), digest_size=16).hexdigest() for name, t in named}
+def checksum(named: Iterable[tuple[str, torch.Tensor]],
+             gather: Callable[[Any], list[Any]] | None = None) -> dict[str, str]:
+    """``{name: BLAKE2b-128 hex digest of the tensor's bytes}`` (bitwise: any change of any element changes it).
+
+    Args:
+        gather: For sharded tensors (FSDP2): a collective that returns every rank's object in rank order
+            (:func:`~layerfreeze.distributed.all_gather_object`). Each rank hashes its own shard, and the digests of
+            all ranks are hashed together into one, ``"shards<N>:<hex>"``, the same on every rank (so a checkpoint
+            written by rank 0 holds what every rank verifies against). The ``shards<N>`` tag names the layout: a
+            digest taken on another number of ranks is not comparable (:meth:`FrozenSet.load_state_dict`).
+    """
+    local = {name: hashlib.blake2b(_local(t).numpy().tobytes(), digest_size=16).hexdigest() for name, t in named}
+    if gather is None:
+        return local
+    ranks = gather(local)
+    return {name: f"shards{len(ranks)}:" + hashlib.blake2b("".join(r[name] for r in ranks).encode(),
+                                                            digest_size=16).hexdigest() for name in local}
+
+
+def _layout(digest: str) -> str:
+    """``"shards<N>"`` for a digest of :func:`checksum` with ``gather``, ``""`` for one of whole tensors."""
+    return digest.split(":", 1)[0] if ":" in digest else ""
 
 
 class FrozenSet:
@@ -99,11 +118,15 @@ class FrozenSet:
     """
 
     def __init__(self, on_unfrozen: str = "warn",
-                 warn: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+                 warn: Callable[[str, dict[str, Any]], None] | None = None,
+                 gather: Callable[[Any], list[Any]] | None = None) -> None:
         if on_unfrozen not in ("warn", "error"):
             raise ValueError(f"on_unfrozen must be 'warn' or 'error', got {on_unfrozen!r}")
         self.on_unfrozen = on_unfrozen
         self._warn = warn or (lambda message, record: warnings.warn(message, stacklevel=3))
+        #: Sharded parameters (FSDP2): the collective that makes checksums the same on every rank (see
+        #: :func:`checksum`); :meth:`on_freeze` and :meth:`verify_checksums` are collectives then.
+        self.gather = gather
         self.params: dict[int, dict[str, nn.Parameter]] = {}  # block index -> name -> the frozen object
         self.checksums: dict[int, dict[str, str]] = {}
         self.gradients_pending = True  # check the next backward (the run starts with a new frozen set)
@@ -112,7 +135,7 @@ class FrozenSet:
 
     def on_freeze(self, index: int, named: list[tuple[str, nn.Parameter]]) -> None:
         self.params[index] = dict(named)
-        self.checksums[index] = checksum(named)
+        self.checksums[index] = checksum(named, self.gather)
         self.gradients_pending = True
         self.switched_on.discard(index)
         self.awaiting_update.pop(index, None)
@@ -163,7 +186,7 @@ class FrozenSet:
         for index, expected in self.checksums.items():
             block = freezer.blocks[index]
             kept = getattr(freezer, "kept_frozen_parameters", freezer.named_frozen_parameters)
-            now = checksum(kept(block))
+            now = checksum(kept(block), self.gather)
             moved = sorted(n for n in expected if now.get(n) != expected[n])
             mismatched = getattr(freezer, "demotion_mismatches", lambda b: [])(block)
             if mismatched:
@@ -254,7 +277,15 @@ class FrozenSet:
         return {str(i): dict(c) for i, c in self.checksums.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take the saved checksums (the weights at freeze time), for blocks frozen in this run too."""
+        """Take the saved checksums (the weights at freeze time), for blocks frozen in this run too.
+
+        A block whose saved checksums were taken on another layout (sharded over another number of ranks, or
+        unsharded: :func:`checksum`) keeps the ones its re-freeze just took from the loaded weights (which the
+        checkpoint's SHA-256 verified): digests of other shards are not comparable."""
         for key, sums in state.items():
-            if int(key) in self.checksums:
-                self.checksums[int(key)] = dict(sums)
+            mine = self.checksums.get(int(key))
+            if mine is None:
+                continue
+            if {_layout(d) for d in sums.values()} != {_layout(d) for d in mine.values()}:
+                continue
+            self.checksums[int(key)] = dict(sums)

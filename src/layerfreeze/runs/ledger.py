@@ -53,8 +53,13 @@ counted again as an activation. This module imports nothing above :mod:`layerfre
 the freezer are duck-typed (see :class:`MemoryLedger`).
 
 **Devices.** A tensor counts on its own device (``str(tensor.device)``: ``"cpu"``, ``"cuda:1"``); a DTensor (FSDP2)
-counts its local shard, so under ``torch.distributed`` each rank's ledger is that rank's. A storage is counted whole
-(a saved slice keeps its whole storage alive) and once per snapshot.
+counts its local shard, so under ``torch.distributed`` each rank's ledger is that rank's: a parameter of ``N`` bytes
+sharded over ``W`` ranks counts ``N / W`` on each when its first dimension divides by ``W``. A storage is counted whole
+(a saved slice keeps its whole storage alive) and once per snapshot, so what FSDP2 allocates is what counts: each
+parameter's shard is padded to ``ceil(dim0 / W)`` rows on every rank (a rank with fewer rows holds the padding too);
+the gradients of one ``fully_shard`` group are views of one reduce-scatter output (padded the same way; counted once,
+for the block of the group's first parameter with a gradient); Adam's moments are the shard's own size (no
+padding); Adam's ``step`` is a plain 4-byte tensor per parameter on every rank.
 
 **Stability.** The bucket names (:class:`Bucket`), :meth:`LedgerSnapshot.to_record`'s fields (a ``metrics.jsonl``
 step record's ``memory``) and :meth:`LedgerPeaks.summary`'s keys (``summary.json``'s ``memory``) are what the trainer
@@ -394,7 +399,8 @@ def memory_change_by_device(before: LedgerSnapshot, after: LedgerSnapshot) -> di
 def _storage(t: torch.Tensor) -> tuple[Any, int, str] | None:
     """``(key, bytes, device)`` of the storage behind ``t``: the key identifies the storage (so a storage shared by
     several tensors, views included, counts once), the bytes are the whole storage's (what keeping it alive costs).
-    A DTensor (FSDP2) counts its local shard. None for a tensor without memory (meta)."""
+    A DTensor (FSDP2) counts its local shard's storage (FSDP2's padding included). None for a tensor without memory
+    (meta)."""
     if type(t) is not torch.Tensor and type(t) is not nn.Parameter:
         local = getattr(t, "_local_tensor", None)
         if isinstance(local, torch.Tensor):

@@ -12,6 +12,8 @@ A training run folder::
     checkpoints/       NNNNNN-stepSSSSSSSSS/ checkpoint folders (the last run.keep_checkpoints)
     checkpoint         a symbolic link to the newest checkpoint
     cache/[rankN/]     the frozen-prefix cache's shards (freeze.cache)
+    ranks/rankN/       distributed runs: rank N's own metrics.jsonl (step records of what each rank holds and
+                       sends: peak memory, parameter and optimizer-state bytes, collective bytes; see the trainer)
     summary.json       written when the run ends: its presence marks a finished run
     report/            index.html and its PNGs (``layerfreeze report``)
 
@@ -49,6 +51,7 @@ TENSORBOARD_DIR = "tensorboard"
 CHECKPOINTS_DIR = "checkpoints"
 CHECKPOINT_LINK = "checkpoint"
 CACHE_DIR = "cache"
+RANKS_DIR = "ranks"
 DEMOTED_DIR = "demoted"
 SUMMARY_FILE = "summary.json"
 REPORT_DIR = "report"
@@ -85,6 +88,12 @@ class Event(enum.StrEnum):
 def cache_dir(run_dir: Path, rank: int | None = None) -> Path:
     """Where the frozen-prefix cache of a run keeps its shards (one folder per rank when distributed)."""
     return run_dir / CACHE_DIR / (f"rank{rank}" if rank is not None else "")
+
+
+def rank_dir(run_dir: Path, rank: int) -> Path:
+    """Where rank ``rank`` of a distributed run writes its own records (a ``metrics.jsonl`` of step records, read
+    with :func:`read_metrics` like a run's, the replay rule included)."""
+    return run_dir / RANKS_DIR / f"rank{rank}"
 
 
 def demoted_dir(run_dir: Path, rank: int | None = None) -> Path:

@@ -7,7 +7,7 @@ benchmarks format with the same functions.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -15,7 +15,8 @@ from rich.table import Table
 
 from layerfreeze.runs.ledger import DISK, bucket_label
 
-__all__ = ["format_bytes", "format_flops", "format_seconds", "memory_lines", "print_summary", "summary_table"]
+__all__ = ["format_bytes", "format_flops", "format_seconds", "memory_lines", "print_summary", "rank_memory_lines",
+           "summary_table"]
 
 
 def _scaled(value: float, base: float, units: list[str]) -> tuple[str, str]:
@@ -124,7 +125,8 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
     decimals), ``test_perplexity`` (language models), ``test_loss``, ``epochs``, ``steps``, ``wall_time_s``,
     ``train_time_s`` (seconds), ``time_per_epoch_s`` (list of seconds),
     ``flops_total``, ``flops_per_step_first``, ``flops_per_step_last``
-    (FLOPs), ``peak_memory_bytes`` (bytes), ``memory`` (the memory ledger's peaks, :func:`memory_lines`),
+    (FLOPs), ``peak_memory_bytes`` (bytes), ``memory`` (the memory ledger's peaks, :func:`memory_lines`; in a
+    distributed run rank 0's, and each rank's tensor peak from ``ranks``, :func:`rank_memory_lines`),
     ``cache`` (the trainer's activation-cache summary) and
     ``freeze_timeline`` (list of
     ``{"block", "step", "epoch", "action"}``; rendered one line per entry as
@@ -171,9 +173,13 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
         table.add_row("peak memory", format_bytes(get("peak_memory_bytes")))
     if get("memory") is not None:
         lines = memory_lines(get("memory"))
-        table.add_row("tensor peak", lines[0])
+        per_rank = rank_memory_lines(get("ranks") or [])
+        table.add_row("tensor peak (rank 0)" if per_rank else "tensor peak", lines[0])
+        if per_rank:
+            table.add_row("tensor peak per rank", "\n".join(per_rank))
         if len(lines) > 1:
-            table.add_row("memory by bucket (peak)", "\n".join(lines[1:]))
+            table.add_row("memory by bucket (peak, rank 0)" if per_rank else "memory by bucket (peak)",
+                          "\n".join(lines[1:]))
     if get("cache") is not None:
         table.add_row("activation cache", _format_cache(get("cache")))
     timeline = get("freeze_timeline")
@@ -201,6 +207,20 @@ def memory_lines(memory: Mapping[str, Any]) -> list[str]:
     lines = [head]
     for bucket, p in buckets.items():
         lines.append(f"{bucket_label(bucket).ljust(width)}  {format_bytes(p['peak_bytes']):>10}  (step {p['step']})")
+    return lines
+
+
+def rank_memory_lines(ranks: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per rank of a distributed run's summary (``ranks``, each with its own ledger's ``memory``):
+    ``"rank 1: 45.2 MiB at step 12"``, what that rank's tensors peaked at (under FSDP2 its shards of the parameters,
+    gradients and optimizer state); empty when the ranks carry no ledger."""
+    lines = []
+    for r in ranks:
+        memory = r.get("memory") or {}
+        if memory.get("tensor_peak_bytes") is None:
+            return []
+        lines.append(f"rank {r.get('rank')}: {format_bytes(memory['tensor_peak_bytes'])} at step "
+                     f"{memory.get('tensor_peak_step')}")
     return lines
 
 

@@ -134,6 +134,13 @@ class Strategy:
     def validate(self, num_blocks: int) -> None:
         """Check the parameters against the model's number of blocks; raise ValueError with what to change."""
 
+    @property
+    def reads_model(self) -> bool:
+        """True for a strategy that observes the model itself (it overrides :meth:`attach`: SmartFRZ reads weight
+        samples, Egeria copies the weights and runs them). Under FSDP2 the engine then gives it an unsharded mirror
+        of the model to observe (:class:`~layerfreeze.distributed.fsdp.Mirror`)."""
+        return type(self).attach is not Strategy.attach
+
     def attach(self, model: Any, blocks: list[Any]) -> None:
         """Called once by the engine before the start stage, for strategies that observe the model themselves
         (weights, activations). They must not change the model, the optimizer or ``requires_grad``."""

@@ -222,6 +222,11 @@ class FreezeConfig(_Section):
 class RunConfig(_Section):
     """Where results go and how the run behaves.
 
+    ``parallel``: how a run launched by ``torchrun`` on several ranks is data-parallel: ``ddp`` (every rank holds the
+    whole model, :class:`~layerfreeze.distributed.FreezeDDP`) or ``fsdp`` (FSDP2: each rank holds one shard of every
+    parameter, :func:`~layerfreeze.distributed.shard_blocks`; full checkpoints gathered on rank 0). In one process
+    ``ddp`` trains the plain model and ``fsdp`` is refused (there is nothing to shard over).
+
     Checkpoints (:class:`~layerfreeze.checkpoint.CheckpointStore`) are written at every epoch end, every
     ``checkpoint_every_steps`` steps and every ``checkpoint_every_minutes`` minutes (after the step that passes it),
     and on Ctrl-C or an exception; the last ``keep_checkpoints`` complete ones are kept.
@@ -251,6 +256,7 @@ class RunConfig(_Section):
         100, ge=1, description="stop when the loss sits at chance level for this many steps (null: never)")
     resume: str | None = None
     dist_timeout_s: float = Field(300, gt=0, description="seconds a collective waits for a peer rank (torchrun runs)")
+    parallel: Literal["ddp", "fsdp"] = "ddp"
     ledger: bool = True
     ledger_every: int = Field(10, ge=1, description="the memory ledger samples one step in N (and the first step, "
                                                       "and the step after every freeze or thaw)")
@@ -534,6 +540,8 @@ KEY_NOTES: dict[str, str] = {
     "run.tensorboard": "TensorBoard event files",
     "run.checkpoint": "write resumable checkpoints",
     "run.resume": "a run folder to continue (what --resume sets)",
+    "run.parallel": "under torchrun, each rank holds the whole model (ddp) or a shard of every parameter (fsdp: "
+                    "FSDP2, refused in one process)",
     "run.ledger": "the memory ledger: bytes per bucket (parameters, gradients, optimizer state, saved activations, "
                   "cache) in metrics.jsonl, TensorBoard and the summary",
 }

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from layerfreeze.distributed import comm as dist_
 from layerfreeze.train.tasks import Task
@@ -40,10 +42,23 @@ def evaluate(task: Task, model: nn.Module, device: torch.device, batch_size: int
 
 
 def evaluate_sharded(task: Task, model: nn.Module, device: torch.device, batch_size: int, dataset: Dataset | None,
-                     rank: int, world: int) -> tuple[float, float]:
+                     rank: int, world: int, same_batches: bool = False) -> tuple[float, float]:
     """:func:`evaluate` of a distributed run: each rank takes every world-th sample and the sums are all-reduced,
-    so every rank gets the whole set's loss and metric."""
+    so every rank gets the whole set's loss and metric.
+
+    Args:
+        same_batches: Every rank runs as many forward passes as the rank with the most samples (a sharded model,
+            FSDP2: each forward is a collective). A rank with fewer batches runs the missing ones on the set's first
+            sample and drops their output.
+    """
     dataset = task.test_set if dataset is None else dataset
     part = Subset(dataset, range(rank, len(dataset), world))
     sums = evaluate_sums(task, model, device, batch_size, part) if len(part) else (0.0, 0.0, 0)
+    if same_batches and len(dataset):
+        most = math.ceil(math.ceil(len(dataset) / world) / batch_size)
+        filler = {k: v.to(device, non_blocking=True) for k, v in default_collate([dataset[0]]).items()}
+        model.eval()
+        with torch.no_grad():
+            for _ in range(most - math.ceil(len(part) / batch_size)):
+                task.forward(model, filler)
     return task.objective.finish(*dist_.all_reduce_sum(list(sums)))

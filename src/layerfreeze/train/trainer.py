@@ -22,11 +22,31 @@ run follows the single-process trajectory up to float rounding); the model train
 decides every freeze, loss and evaluation are all-reduced, and rank 0 alone writes telemetry, checkpoints (with
 every rank's RNG state) and the summary. A rank that dies makes the others stop with
 :class:`~layerfreeze.distributed.RankLostError` naming it; the last checkpoint stays resumable.
+
+With ``run.parallel: fsdp`` the model is sharded instead (FSDP2): blocks are discovered, then
+:func:`~layerfreeze.distributed.shard_blocks` puts each block's modules in its own ``fully_shard`` group (and the root
+in one), then the optimizer is built over the sharded parameters; no DDP wrapper. The batches, loss weighting and
+rank-0 decisions are the DDP path's (FSDP2's reduce-scatter averages the gradients as DDP's all-reduce does).
+What differs: checkpoints are full ones (:meth:`~layerfreeze.checkpoint.CheckpointStore.save_full`: every weight and
+the by-name optimizer state gathered on rank 0, in the same store), read back with
+:func:`~layerfreeze.checkpoint.load_full_checkpoint`; rank 0's buffers (BatchNorm statistics) are broadcast before
+every forward, as DDP does, so the checkpoint holds what every rank runs with; every evaluation runs the same number of
+forward passes on every rank (each is a collective); a strategy that reads the model (``smartfrz``, ``egeria``)
+observes an unsharded CPU mirror on rank 0 (``Freezer(mirror=...)``); the activation cache agrees with the other
+ranks before each forward what all of them run (:class:`~layerfreeze.compute.cache.CachedPrefix`).
+
+Each rank of a distributed run also writes its own step records (``ranks/rankN/metrics.jsonl``,
+:meth:`Trainer.rank_record`): its peak memory, the bytes of its parameters (its shards under FSDP2) and optimizer
+state, the bytes its collectives sent, and at the ledger's sampled steps its own memory ledger (``memory``: under
+FSDP2 the bytes of its shards, :mod:`layerfreeze.runs.ledger`); the summary lists each rank's (``ranks``, each with
+its ledger's peaks in ``memory``; the summary's own ``memory`` and ``metrics.jsonl``'s are rank 0's). Every checkpoint
+holds each rank's ledger peaks, and a resumed rank restores its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import signal
@@ -38,15 +58,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 from tqdm.auto import tqdm
 
 from layerfreeze import distributed as dist_
 from layerfreeze.budget.plan import MemoryPlan, plan_memory
-from layerfreeze.checkpoint import CheckpointStore, load_checkpoint, rng_state, set_rng_state
+from layerfreeze.checkpoint import CheckpointStore, load_checkpoint, load_full_checkpoint, rng_state, set_rng_state
 from layerfreeze.compute.cache import CachedPrefix, CachePolicy, CacheRefused, build_cached_prefix
 from layerfreeze.compute.determinism import check_deterministic
 from layerfreeze.compute.store import auto_budget_bytes
+from layerfreeze.distributed.ddp import frozen_state_names
+from layerfreeze.distributed.fsdp import CollectiveBytes, broadcast_buffers, fsdp_modules, local_tensor, reshard_all
 from layerfreeze.engine.demote import Demotion
 from layerfreeze.engine.freezer import Freezer
 from layerfreeze.engine.guard import StabilityGuard
@@ -93,6 +115,13 @@ class Trainer:
             ``freezer``, ``total_steps``, ``device`` and ``progress``, and must leave the model (weights, train/eval
             modes), the optimizer and the global RNG as they found them, so the run is the same with or without
             them. Example: recording each block's output on a probe batch every few steps (the benchmark oracle).
+            Under ``run.parallel: fsdp`` they run on every rank at the same points, so they may gather the sharded
+            weights (``DTensor.full_tensor``, a collective).
+
+    Attributes:
+        rank_fields: Callables ``f(trainer) -> dict`` whose fields join each rank's per-step record
+            (:meth:`rank_record`, ``ranks/rankN/metrics.jsonl``) in a distributed run, called on every rank after
+            every step. The hook for per-rank measurements such as a memory ledger's buckets.
 
     Raises:
         ConfigError: at construction, when the run folder already holds a run and the config does not resume it,
@@ -110,27 +139,39 @@ class Trainer:
         self.run_dir = Path(run_dir or config.run.dir or f"runs/{config.task}-{config.freeze.strategy}-{stamp}")
         rundir.check_run_dir(self.run_dir, resuming=bool(config.run.resume))
         self.distributed = False  # set by setup() when the launcher describes several ranks
+        self.fsdp = False  # set by setup(): distributed with run.parallel fsdp
         self._stop_agreed = False  # distributed: some rank got a Ctrl-C (all-reduced in every step)
+        self.rank_fields: list[Callable[[Trainer], dict[str, Any]]] = []
+        self.rank_telemetry: tm.Telemetry | tm.NullTelemetry = tm.NullTelemetry()
+        self._collective_bytes: dict[str, int] = {}  # FSDP2: bytes of the last step's all-gathers / reduce-scatters
 
     # ------------------------------------------------------------------------------------------------------
 
     def setup(self, plan_only: bool = False) -> None:
-        """Build everything a run trains with: process group, seed, task, blocks, strategy, optimizer, LR schedule,
-        memory plan, Freezer, cache, DDP wrapper, run folder. :meth:`run` calls it; call it yourself only to drive
-        :meth:`train_step` by hand (``benchmarks/smartfrz_overhead.py`` times steps that way).
+        """Build everything a run trains with: process group, seed, task, blocks, strategy, sharding (FSDP2),
+        optimizer, LR schedule, memory plan, Freezer, cache, DDP wrapper, run folder. :meth:`run` calls it; call it
+        yourself only to drive :meth:`train_step` by hand (``benchmarks/smartfrz_overhead.py`` times steps that way).
 
         Args:
             plan_only: Stop after the memory plan (``freeze.memory_budget``: :attr:`memory_plan`), before anything
                 is written (``layerfreeze plan``).
 
         Raises:
-            ConfigError, AssetMissingError, BlockDiscoveryError: bad config, missing asset, undiscoverable blocks.
+            ConfigError, AssetMissingError, BlockDiscoveryError: bad config (``run.parallel: fsdp`` in one process
+                too), missing asset, undiscoverable blocks.
             BudgetError: ``freeze.memory_budget`` cannot be met (before the run folder is created).
         """
         cfg = self.config
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.distributed = dist_.init_distributed(cfg.run.dist_timeout_s)
+        if cfg.run.parallel == "fsdp" and not self.distributed:
+            raise ConfigError(
+                "run.parallel is fsdp (--parallel fsdp): FSDP2 shards the model over the ranks torchrun starts, and "
+                "this is one process. Launch it with `torchrun --nproc_per_node N -m layerfreeze train ...` (N >= 2), "
+                "or train unsharded with --parallel ddp (which also resumes an fsdp run here: its full checkpoint "
+                "loads into the unsharded model)")
+        self.fsdp = self.distributed and cfg.run.parallel == "fsdp"
         self.rank, self.world = dist_.rank(), dist_.world_size()
         self.is_main = self.rank == 0
         self.device = dist_.local_device(resolve_device(cfg.run.device))
@@ -141,9 +182,17 @@ class Trainer:
         if self.task is None:
             self.task = build_task(cfg)
         seed_everything(cfg.train.seed)
-        model = self.task.model.to(self.device)
-        blocks = discover_blocks(model, cfg.model.blocks)
+        model = self.task.model
+        blocks = discover_blocks(model, cfg.model.blocks)  # the module and parameter objects survive .to(device)
         strategy = build_strategy(cfg, len(blocks))
+        mirror = None
+        if self.fsdp and self.is_main and strategy.reads_model:  # FSDP2 modules cannot be copied: before sharding
+            mirror = copy.deepcopy(model).to("cpu")
+        model = model.to(self.device)
+        if self.fsdp:  # one fully_shard group per block, then the root; blocks updated to the sharded parameters
+            from torch.distributed.device_mesh import init_device_mesh
+
+            dist_.shard_blocks(model, blocks, mesh=init_device_mesh(self.device.type, (self.world,)))
         self.optimizer = build_optimizer(cfg, model, blocks)
         self.train_set, self.val_set, self.guard = self.task.train_set, None, None
         if cfg.freeze.guard is not None:
@@ -163,6 +212,8 @@ class Trainer:
                                                                             tensorboard=cfg.run.tensorboard)
         else:
             self.telemetry = tm.NullTelemetry()
+        if self.distributed:
+            self.rank_telemetry = tm.Telemetry(rundir.rank_dir(self.run_dir, self.rank), tensorboard=False)
         demote = None
         if cfg.freeze.demote is not None:
             d = cfg.freeze.demote
@@ -170,7 +221,8 @@ class Trainer:
                               directory=rundir.demoted_dir(self.run_dir, self.rank if self.distributed else None))
         self.freezer = Freezer(
             model, self.optimizer, strategy, blocks=blocks, train_bn=cfg.freeze.train_bn, scheduler=self.scheduler,
-            total_steps=self.total_steps, steps_per_epoch=self.batches_per_epoch, guard=self.guard, demote=demote,
+            total_steps=self.total_steps, steps_per_epoch=self.batches_per_epoch, guard=self.guard, mirror=mirror,
+            demote=demote,
             floor=self.memory_plan.floor if self.memory_plan is not None else None,
         )
         self.visits = VisitPlan(sample_keys(self.train_set), cfg.train.batch_size, cfg.train.seed, cfg.train.epochs,
@@ -183,7 +235,8 @@ class Trainer:
         self._memory_before: LedgerSnapshot | None = None  # the ledger's last sample before a freeze/thaw
         self._memory_changes: list[dict[str, Any]] = []  # freezes/thaws since that sample
         self.ddp = None
-        if self.distributed:
+        self._synced_for: tuple[bool, ...] | None = None
+        if self.distributed and not self.fsdp:
             forward = self.runner if self.runner is not None else (lambda batch: self.task.forward(model, batch))
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = dist_.FreezeDDP(model, self.freezer, forward, device_ids=device_ids,
@@ -345,12 +398,17 @@ class Trainer:
         self.progress["cache_counts"] = self._cache_counts()
         if self.ledger is not None:
             self.progress["ledger"] = self.ledger.peaks.state_dict()
+        if self.distributed and self.ledger is not None:  # each rank's ledger peaks (its shards under FSDP2)
+            self.progress["ledger_ranks"] = dist_.all_gather_object(self.ledger.peaks.state_dict())
         extra = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "progress": dict(self.progress),
                  "config": self.config.model_dump(mode="json"), "world_size": self.world}
         if self.distributed:
             extra["rng_ranks"] = dist_.all_gather_object(rng_state())
         path = None
-        if self.is_main:
+        if self.fsdp:  # every weight and the by-name optimizer state, gathered on rank 0 (collective)
+            path = self.store.save_full(self.progress["step"], self.model, self.optimizer, self.freezer,
+                                        self.scheduler, extra=extra)
+        elif self.is_main:
             path = self.store.save(self.progress["step"], self.model, self.optimizer, self.freezer, self.scheduler,
                                    extra=extra)
         if self.distributed:
@@ -370,14 +428,15 @@ class Trainer:
         Returns:
             ``(epoch, batch_in_epoch)`` to continue from.
         """
+        loader = load_full_checkpoint if self.fsdp else load_checkpoint  # FSDP2: re-sharded on every rank
         try:
             if (path / "state.pt").is_file() and not (path / rundir.CHECKPOINT_LINK).exists():
-                ckpt, extra = path, load_checkpoint(path, self.model, self.optimizer, self.freezer, self.scheduler)
+                ckpt, extra = path, loader(path, self.model, self.optimizer, self.freezer, self.scheduler)
             else:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     ckpt, extra = CheckpointStore(path, self.config.run.keep_checkpoints).load_latest(
-                        self.model, self.optimizer, self.freezer, self.scheduler)
+                        self.model, self.optimizer, self.freezer, self.scheduler, loader=loader)
                 for w in caught:
                     if self.is_main:
                         tqdm.write(f"resume: {w.message}")
@@ -387,6 +446,7 @@ class Trainer:
                 tqdm.write(f"resume: {path} has no checkpoint yet (the run stopped before its first one): "
                            "starting it again from the beginning")
             self.telemetry.log_event(Event.RESUMED, 0, epoch=0, path=None, from_start=True)
+            self.rank_telemetry.log_event(Event.RESUMED, 0, epoch=0, path=None, from_start=True)
             return 0, 0
         rngs = extra.get("rng_ranks")
         if self.distributed and rngs is not None and len(rngs) == self.world:
@@ -395,6 +455,7 @@ class Trainer:
         self.progress.update(extra["progress"])
         self.telemetry.log_event(Event.RESUMED, self.progress["step"], epoch=extra["epoch"], path=str(ckpt),
                                  world_size=self.world, saved_world_size=saved_world)
+        self.rank_telemetry.log_event(Event.RESUMED, self.progress["step"], epoch=extra["epoch"], path=str(ckpt))
         if saved_world != self.world:
             tqdm.write(f"resuming a run saved on {saved_world} rank(s) on {self.world}: same global batches and "
                        "frozen set, but the per-rank random streams (dropout) differ from the interrupted run")
@@ -420,8 +481,10 @@ class Trainer:
             start_epoch, skip = self._resume(Path(cfg.run.resume))
             self._place()  # the resumed frozen set's prefix, offloaded as the interrupted run had it
         self._cache_base = dict(self.progress.get("cache_counts") or {})
-        if self.ledger is not None and self.progress.get("ledger"):
-            self.ledger.peaks.load_state_dict(self.progress["ledger"])  # a resumed run's peaks cover the whole run
+        if self.ledger is not None and self.progress.get("ledger"):  # a resumed run's peaks cover the whole run
+            per_rank = self.progress.get("ledger_ranks") or []
+            own = per_rank[self.rank] if self.distributed and len(per_rank) == self.world else self.progress["ledger"]
+            self.ledger.peaks.load_state_dict(own)  # each rank its own (FSDP2: its shards' bytes)
         if not cfg.run.resume or self.progress["step"] == 0:
             for record in self.freezer.history:  # blocks frozen at the start stage
                 self._on_freeze_event(record)
@@ -430,6 +493,8 @@ class Trainer:
             callback(self)
         if self.ddp is not None:
             self.ddp.sync()  # the first build's bytes/time are logged before step 1, a resume's rebuild too
+        if self.fsdp and self.runner is not None:  # FSDP2's root module must run first; not inside a measured step
+            self.runner.warm_up(_to(default_collate([self.train_set[0]]), self.device))
         measure.reset_peak_memory(self.device)
         wall_start = time.perf_counter()
         measured_for: tuple[Any, ...] | None = None
@@ -482,7 +547,11 @@ class Trainer:
                     step_time = time.perf_counter() - t0
                     comm = {}
                     due = self._due
-                    if self.distributed:
+                    if self.fsdp:
+                        comm = {"all_gather_bytes": self._collective_bytes["all_gather"],
+                                "reduce_scatter_bytes": self._collective_bytes["reduce_scatter"],
+                                "world_size": self.world}
+                    elif self.distributed:
                         comm = {"grad_bytes_allreduced": self.ddp.bytes_per_step(), "world_size": self.world}
                     done_in_epoch += 1
                     self.progress["step"] += 1
@@ -494,16 +563,18 @@ class Trainer:
                     # the epoch's sums so far go into every checkpoint (periodic, Ctrl-C, exception)
                     self.progress["epoch_partial"] = {"epoch": epoch, "time": epoch_time, "loss": epoch_loss,
                                                       "n": epoch_n}
+                    memory = self._memory_fields()  # this rank's ledger: rank 0's in metrics.jsonl, each rank's own
                     self.telemetry.log_step(
                         self.progress["step"], loss=loss, lr=self.optimizer.param_groups[-1]["lr"],
                         step_time_s=step_time, samples_per_s=n / step_time,
                         flops_per_step=self.progress["flops_per_step"], flops_total=self.progress["flops_total"],
                         frozen_count=sum(self.freezer.frozen), frozen_prefix=self.freezer.frozen_prefix,
                         peak_memory_bytes=measure.peak_memory_bytes(self.device), **tm.signals_of(decision), **comm,
-                        **self._memory_fields(),
+                        **memory,
                     )
+                    self.rank_telemetry.log_step(self.progress["step"], **self.rank_record(), **comm, **memory)
                     if comm:
-                        self._track_comm(comm["grad_bytes_allreduced"])
+                        self._track_comm(comm.get("grad_bytes_allreduced", comm.get("reduce_scatter_bytes")))
                     self._check_stuck(loss)
                     bar.set_postfix(loss=f"{loss:.4f}", frozen=f"{sum(self.freezer.frozen)}/{len(self.freezer.blocks)}")
                     for callback in self.step_callbacks:
@@ -531,6 +602,7 @@ class Trainer:
             self.telemetry.log_event(Event.INTERRUPTED, self.progress["step"], epoch=epoch, error=repr(exc),
                                      checkpoint=str(path) if path else None)
             self.telemetry.close()
+            self.rank_telemetry.close()
             lost = None if coordinated or self.watchdog is None else self.watchdog.explain(exc)
             if lost is not None:
                 raise lost from exc
@@ -550,6 +622,7 @@ class Trainer:
         self.freezer.verify_frozen_weights()
         summary = self._summary(time.perf_counter() - wall_start, cache_at_end, demote_at_end)
         self.telemetry.close()
+        self.rank_telemetry.close()
         return summary
 
     @property
@@ -601,20 +674,30 @@ class Trainer:
         over this rank's ``local_count`` counted samples when distributed (the caller all-reduces it into the global
         mean)."""
         batch = _to(batch, self.device)
-        if self.ddp is not None:
-            logits = self.ddp(batch)
-            losses = self.task.objective.sample_losses(logits, batch)
-            local = local_count  # 0 for a padded rank (see _local_batches)
-            losses = losses[:local]
-            loss_sum = losses.sum()
-            # one all-reduce per step, before backward: the global loss (checked below), a Ctrl-C on any rank, a
-            # periodic checkpoint due by rank 0's clock, so every rank stops or checkpoints at the same step
-            total, stops, due = dist_.all_reduce_sum(
-                [float(loss_sum.detach()), float(self._stop_requested), float(self._checkpoint_due() and self.is_main)])
-            self._stop_agreed, self._due = stops > 0, due > 0
-            value = total / global_count
-            self._check_finite(value)
-            (loss_sum * dist_.loss_scale(local, global_count)).backward()
+        if self.distributed:
+            counter = CollectiveBytes() if self.fsdp else contextlib.nullcontext()
+            with counter:  # FSDP2: the bytes its all-gathers and reduce-scatters send in this forward and backward
+                if self.fsdp:
+                    self._sync_buffers()
+                    logits = self.runner(batch) if self.runner is not None else self.task.forward(self.model, batch)
+                else:
+                    logits = self.ddp(batch)
+                losses = self.task.objective.sample_losses(logits, batch)
+                local = local_count  # 0 for a padded rank (see _local_batches)
+                losses = losses[:local]
+                loss_sum = losses.sum()
+                # one all-reduce per step, before backward: the global loss (checked below), a Ctrl-C on any rank, a
+                # periodic checkpoint due by rank 0's clock, so every rank stops or checkpoints at the same step
+                total, stops, due = dist_.all_reduce_sum(
+                    [float(loss_sum.detach()), float(self._stop_requested),
+                     float(self._checkpoint_due() and self.is_main)])
+                self._stop_agreed, self._due = stops > 0, due > 0
+                value = total / global_count
+                self._check_finite(value)
+                # FSDP2's reduce-scatter averages the gradients over the ranks as DDP's all-reduce does
+                (loss_sum * dist_.loss_scale(local, global_count)).backward()
+            if self.fsdp:
+                self._collective_bytes = dict(counter.bytes)
         else:
             logits = self.runner(batch) if self.runner is not None else self.task.forward(self.model, batch)
             loss = self.task.loss(logits, batch)
@@ -680,7 +763,44 @@ class Trainer:
         bs = self.config.train.eval_batch_size
         if not self.distributed:
             return evaluate(self.task, self.model, self.device, bs, dataset)
-        return evaluate_sharded(self.task, self.model, self.device, bs, dataset, self.rank, self.world)
+        if self.fsdp:
+            self._sync_buffers()  # every rank evaluates the model the checkpoint holds
+        result = evaluate_sharded(self.task, self.model, self.device, bs, dataset, self.rank, self.world,
+                                  same_batches=self.fsdp)
+        if self.fsdp:  # the root group keeps its gathered parameters after a forward without backward
+            reshard_all(fsdp_modules(self.model))
+        return result
+
+    def _sync_buffers(self) -> None:
+        """FSDP2: rank 0's buffers on every rank (what DDP's ``broadcast_buffers`` does before each forward), except
+        the buffers of frozen blocks (unless ``freeze.train_bn``: then their BatchNorm statistics still change), the
+        same set DDP leaves out (:func:`~layerfreeze.distributed.frozen_state_names`). A collective."""
+        frozen = tuple(self.freezer.frozen)
+        if frozen != self._synced_for:
+            skip = set(frozen_state_names(self.model, self.freezer))
+            self._sync_list = [b for n, b in self.model.named_buffers() if n not in skip]
+            self._synced_for = frozen
+        broadcast_buffers(self._sync_list)
+
+    def rank_record(self) -> dict[str, Any]:
+        """This rank's fields of its per-step record (``ranks/rankN/metrics.jsonl`` in a distributed run):
+        ``rank``; ``peak_memory_bytes`` (this process: the CUDA allocator's peak on a GPU, peak RSS on the CPU);
+        ``param_bytes`` and ``trainable_param_bytes`` (the parameters this rank holds: its shards under FSDP2, the
+        whole model under DDP); ``optimizer_state_bytes`` (the optimizer state it holds, sharded like its
+        parameters under FSDP2); then the fields of every :attr:`rank_fields` callable. The step loop adds the
+        bytes of the step's collectives (``grad_bytes_allreduced``, or ``all_gather_bytes`` and
+        ``reduce_scatter_bytes``)."""
+        params = [local_tensor(p) for p in self.model.parameters()]
+        trainable = [local_tensor(p) for p in self.model.parameters() if p.requires_grad]
+        state = [local_tensor(v) for st in self.optimizer.state.values() for v in st.values()
+                 if isinstance(v, torch.Tensor)]
+        record = {"rank": self.rank, "peak_memory_bytes": measure.peak_memory_bytes(self.device),
+                  "param_bytes": sum(t.numel() * t.element_size() for t in params),
+                  "trainable_param_bytes": sum(t.numel() * t.element_size() for t in trainable),
+                  "optimizer_state_bytes": sum(t.numel() * t.element_size() for t in state)}
+        for fields in self.rank_fields:
+            record.update(fields(self))
+        return record
 
     def _end_epoch(self, epoch: int, epoch_time: float, train_loss: float) -> None:
         eval_start = time.perf_counter()
@@ -772,8 +892,11 @@ class Trainer:
         if self.memory_plan is not None:
             summary["memory_plan"] = self._plan_summary(summary["tensor_peak_bytes"])
         if self.distributed:
-            summary.update(grad_bytes_phases=p.get("comm_phases", []), ddp_rebuilds=self.ddp.rebuilds,
-                           ddp_rebuild_s=list(self.ddp.rebuild_seconds))
+            memory = self.ledger.summary() if self.ledger is not None else {"ledger": False}
+            summary.update(parallel=cfg.run.parallel, grad_bytes_phases=p.get("comm_phases", []),
+                           ranks=dist_.all_gather_object({**self.rank_record(), "memory": memory}))
+            if self.ddp is not None:
+                summary.update(ddp_rebuilds=self.ddp.rebuilds, ddp_rebuild_s=list(self.ddp.rebuild_seconds))
         if self.is_main:
             rundir.write_summary(self.run_dir, summary)
         return summary

@@ -31,9 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
-from benchmarks.memory_table import markdown
+from benchmarks.memory_table import markdown, rich_table
 from benchmarks.memory_table import task_config as memory_task_config
 from benchmarks.suite import SIZE_FIELDS, TASKS, base_config, dataset_sizes, row_settings, task_spec, total_steps
 from layerfreeze.runs.rundir import finite
@@ -183,12 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         head, cells = table(results["tasks"][task]["rows"])
         title = (f"{task}: demoted ({args.dtype}" + (f", offload {args.offload}" if args.offload else "")
                  + f") vs not, {args.seeds} seed(s)")
-        rich = Table(title=title)
-        for col in head:
-            rich.add_column(col, justify="left" if col == "row" else "right")
-        for row in cells:
-            rich.add_row(*row)
-        console.print(rich)
+        console.print(rich_table(title, head, cells))
         md += [f"**{title}**", "", markdown(head, cells)]
     out.mkdir(parents=True, exist_ok=True)
     (out / "demote.md").write_text("\n".join(md))

@@ -145,6 +145,16 @@ def markdown(head: list[str], cells: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in cells]) + "\n"
 
 
+def rich_table(title: str, head: list[str], cells: list[list[str]]) -> Table:
+    """``head`` / ``cells`` as a rich table for the console: the ``row`` column left-aligned, numbers right."""
+    table = Table(title=title)
+    for col in head:
+        table.add_column(col, justify="left" if col == "row" else "right")
+    for row in cells:
+        table.add_row(*row)
+    return table
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", default="fmnist,default-job", help="comma-separated: fmnist, default-job")
@@ -195,12 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         for title, h, c in ((f"{task}: peak bytes per bucket (memory ledger), tensor peak, process RSS", head, cells),
                             (f"{task}: what the freezes gave back (sum over memory events; negative: taken)",
                              back_head, back)):
-            table = Table(title=title)
-            for col in h:
-                table.add_column(col, justify="left" if col == "row" else "right")
-            for row in c:
-                table.add_row(*row)
-            console.print(table)
+            console.print(rich_table(title, h, c))
             md += [f"**{title}**", "", markdown(h, c)]
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(results, indent=2))

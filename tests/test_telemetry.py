@@ -231,3 +231,16 @@ def test_summary_table_of_a_distributed_run_names_each_ranks_tensor_peak() -> No
     # a ledger off on the ranks, or one process: the plain rows
     off = _render(summary_table({"memory": memory(2**20, 1), "ranks": [{"rank": 0}, {"rank": 1}]}))
     assert "per rank" not in off and "tensor peak " in off and "(rank 0)" not in off
+
+
+def test_summary_table_says_what_a_resumed_distributed_budgeted_run_counts() -> None:
+    # a newcomer read "wall time 1m 31.9s, train time 1m 49.3s" after a resume, and FSDP's per-rank FLOPs unlabelled
+    plan = {"budget_bytes": 3 * 2**20, "predicted_peak_bytes": 2 * 2**20, "k": 2, "measured_peak_bytes": 2**21 - 2**14,
+            "error": -2**14 / 2**21, "within_budget": True}
+    text = _render(summary_table({"wall_time_s": 91.9, "train_time_s": 109.3, "resumed_from_step": 2,
+                                  "world_size": 2, "flops_per_step_first": 3.3e10, "memory_plan": plan}))
+    assert "wall time (this process, from step 2)" in text and "train time (whole run)" in text
+    assert "FLOPs/step per rank (first)" in text
+    assert "predicted peak 2.00 MiB" in text and "(-0.8%)" in text and "within the budget" in text
+    plain = _render(summary_table({"wall_time_s": 1.0, "train_time_s": 0.5, "flops_per_step_first": 1e9}))
+    assert "wall time " in plain and "from step" not in plain and "FLOPs/step (first)" in plain

@@ -67,7 +67,7 @@ def test_run_writes_metrics_tensorboard_summary_and_flops_drop_with_frozen_prefi
     assert (tmp_path / "static" / "summary.json").is_file()
 
 
-def test_ctrl_c_leaves_a_checkpoint_and_resume_matches_the_uninterrupted_run(tmp_path):
+def test_ctrl_c_leaves_a_checkpoint_and_resume_matches_the_uninterrupted_run(tmp_path, capsys):
     ref_summary = Trainer(config(tmp_path, "ref"), task=blob_task()).run()
 
     def press_ctrl_c(fetches):
@@ -85,6 +85,8 @@ def test_ctrl_c_leaves_a_checkpoint_and_resume_matches_the_uninterrupted_run(tmp
     resumed.run.resume = str(tmp_path / "cut")
     summary = Trainer(resumed, task=blob_task()).run()
     assert summary["steps"] == 12
+    assert summary["resumed_from_step"] == 9 and ref_summary["resumed_from_step"] is None
+    assert "resumed from" in capsys.readouterr().out
     # the memory ledger's peaks cover the whole run: sampled at steps 1 (before the cut, kept in the checkpoint) and 10
     assert summary["memory"]["samples"] == ref_summary["memory"]["samples"] == 2
     for bucket in ("params_trainable", "params_frozen", "grads", "optimizer", "activations"):

@@ -127,6 +127,8 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
     ``flops_total``, ``flops_per_step_first``, ``flops_per_step_last``
     (FLOPs), ``peak_memory_bytes`` (bytes), ``memory`` (the memory ledger's peaks, :func:`memory_lines`; in a
     distributed run rank 0's, and each rank's tensor peak from ``ranks``, :func:`rank_memory_lines`),
+    ``world_size`` (FLOPs are rank 0's), ``resumed_from_step`` (wall time is then this process's),
+    ``memory_plan`` (``freeze.memory_budget``: budget, predicted and measured tensor peak),
     ``cache`` (the trainer's activation-cache summary) and
     ``freeze_timeline`` (list of
     ``{"block", "step", "epoch", "action"}``; rendered one line per entry as
@@ -152,23 +154,27 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
     for key in ("epochs", "steps"):
         if get(key) is not None:
             table.add_row(key, f"{int(get(key)):,}")
-    if get("wall_time_s") is not None:
-        table.add_row("wall time", format_seconds(get("wall_time_s")))
+    resumed = get("resumed_from_step")
+    if get("wall_time_s") is not None:  # this process's; train time sums every process of a resumed run
+        label = "wall time" if resumed is None else f"wall time (this process, from step {int(resumed):,})"
+        table.add_row(label, format_seconds(get("wall_time_s")))
     if get("train_time_s") is not None:
-        table.add_row("train time", format_seconds(get("train_time_s")))
+        table.add_row("train time" if resumed is None else "train time (whole run)", format_seconds(get("train_time_s")))
     if get("time_per_epoch_s") is not None:
         table.add_row("time per epoch", _format_epoch_times(list(get("time_per_epoch_s"))))
     if get("flops_total") is not None:
         table.add_row("training FLOPs", format_flops(get("flops_total")))
     first, last = get("flops_per_step_first"), get("flops_per_step_last")
+    # counted on rank 0, on its share of the global batch
+    each = " per rank" if (get("world_size") or 1) > 1 else ""
     if first is not None:
-        table.add_row("FLOPs/step (first)", format_flops(first))
+        table.add_row(f"FLOPs/step{each} (first)", format_flops(first))
     if last is not None:
         text = format_flops(last)
         if first is not None and float(first) > 0:
             change = 100.0 * (float(last) - float(first)) / float(first)
             text += f" ({change:+.1f}% vs first)"
-        table.add_row("FLOPs/step (last)", text)
+        table.add_row(f"FLOPs/step{each} (last)", text)
     if get("peak_memory_bytes") is not None:
         table.add_row("peak memory", format_bytes(get("peak_memory_bytes")))
     if get("memory") is not None:
@@ -180,6 +186,14 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
         if len(lines) > 1:
             table.add_row("memory by bucket (peak, rank 0)" if per_rank else "memory by bucket (peak)",
                           "\n".join(lines[1:]))
+    plan = get("memory_plan")
+    if plan and plan.get("predicted_peak_bytes") is not None:
+        text = (f"{format_bytes(plan['budget_bytes'])}: predicted peak {format_bytes(plan['predicted_peak_bytes'])}, "
+                f"{plan.get('k', 0)} block(s) frozen from the start")
+        if plan.get("measured_peak_bytes") is not None:
+            text += (f"\nmeasured {format_bytes(plan['measured_peak_bytes'])} ({100 * plan['error']:+.1f}%), "
+                     + ("within the budget" if plan.get("within_budget") else "OVER the budget"))
+        table.add_row("memory budget", text)
     if get("cache") is not None:
         table.add_row("activation cache", _format_cache(get("cache")))
     timeline = get("freeze_timeline")

@@ -136,6 +136,19 @@ def build_strategy(config: Config, num_blocks: int | None = None) -> Strategy:
         raise ConfigError(f"freeze.params: {exc}") from None
 
 
+def check_strategy_fits(strategy: Strategy, num_blocks: int) -> None:
+    """Check a strategy built by :func:`build_strategy` without ``num_blocks`` against the model's block count.
+
+    Raises:
+        ConfigError: a parameter that does not fit the model (``freeze.params: ...``, e.g. ``static``'s k leaving no
+            trainable head); the message says what to change.
+    """
+    try:
+        strategy.validate(num_blocks)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"freeze.params: {exc}") from None
+
+
 def build_optimizer(config: Config, model: nn.Module, blocks: list[Block]) -> torch.optim.Optimizer:
     """``train.optimizer`` (AdamW or SGD) over one param group per block (:func:`block_param_groups`: LR decayed
     by ``train.lr_decay`` per block from the head down, no weight decay for biases and norms)."""

@@ -88,6 +88,7 @@ from layerfreeze.train.setup import (
     build_optimizer,
     build_scheduler,
     build_strategy,
+    check_strategy_fits,
     epoch_batches,
     holdout,
     resolve_device,
@@ -144,6 +145,7 @@ class Trainer:
         self.rank_fields: list[Callable[[Trainer], dict[str, Any]]] = []
         self.rank_telemetry: tm.Telemetry | tm.NullTelemetry = tm.NullTelemetry()
         self._collective_bytes: dict[str, int] = {}  # FSDP2: bytes of the last step's all-gathers / reduce-scatters
+        self.resumed_from_step: int | None = None  # set by a resume: the step the checkpoint held
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -179,12 +181,15 @@ class Trainer:
         if self.distributed:
             torch.distributed.barrier()  # every rank has checked the run folder before rank 0 writes into it
         seed_everything(cfg.train.seed)
+        # Built before the model and data load, so a bad parameter value fails in seconds, not after the load; its
+        # fit to the model (static's k below the head, ...) is checked once the blocks are known.
+        strategy = build_strategy(cfg)
         if self.task is None:
             self.task = build_task(cfg)
         seed_everything(cfg.train.seed)
         model = self.task.model
         blocks = discover_blocks(model, cfg.model.blocks)  # the module and parameter objects survive .to(device)
-        strategy = build_strategy(cfg, len(blocks))
+        check_strategy_fits(strategy, len(blocks))
         mirror = None
         if self.fsdp and self.is_main and strategy.reads_model:  # FSDP2 modules cannot be copied: before sharding
             mirror = copy.deepcopy(model).to("cpu")
@@ -456,6 +461,9 @@ class Trainer:
         self.telemetry.log_event(Event.RESUMED, self.progress["step"], epoch=extra["epoch"], path=str(ckpt),
                                  world_size=self.world, saved_world_size=saved_world)
         self.rank_telemetry.log_event(Event.RESUMED, self.progress["step"], epoch=extra["epoch"], path=str(ckpt))
+        self.resumed_from_step = int(self.progress["step"])
+        if self.is_main:
+            tqdm.write(f"resumed from {ckpt} (step {self.resumed_from_step}, epoch {extra['epoch'] + 1})")
         if saved_world != self.world:
             tqdm.write(f"resuming a run saved on {saved_world} rank(s) on {self.world}: same global batches and "
                        "frozen set, but the per-rank random streams (dropout) differ from the interrupted run")
@@ -870,6 +878,7 @@ class Trainer:
             "steps": p["step"],
             "wall_time_s": wall_time,
             "train_time_s": p["train_time_s"],
+            "resumed_from_step": self.resumed_from_step,
             "time_per_epoch_s": list(p["epoch_times_s"]),
             "flops_total": p["flops_total"],
             "flops_per_step_first": p["flops_first"],

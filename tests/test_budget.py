@@ -310,6 +310,11 @@ def test_cli_plan_prints_every_prefix_checks_the_plan_and_refuses_an_impossible_
     plan = MemoryPlan.from_dict(json.loads(out_json.read_text()))
     assert plan.block_names[0] == "bert.embeddings" and plan.k >= 1 and plan.measured.cache is not None
     assert "predicted peak" in out and "gives up:" in out and "settings: freeze.memory_budget: 0.5" in out
+    lines = out.splitlines()  # the header first, then the budget's one-line summary, then the table
+    assert lines[0].startswith("layerfreeze plan text-csv |") and lines[1].startswith("memory budget 0.5 (")
+    plan_part = lines[:next(i for i, line in enumerate(lines) if line.startswith("settings:"))]  # before --check
+    assert "gives up" in lines[1] and sum(line.startswith("memory budget") for line in plan_part) == 1
+    assert "…" not in out and f" {plan.block_names[plan.k - 1]} " in out  # block names whole, not cut by rich
     summary = json.loads((tmp_path / "check" / "summary.json").read_text())
     samples = plan.measured.cache.samples
     assert samples == 38 and summary["steps"] == 5 and summary["memory_plan"]["k"] == plan.k  # one epoch, batch 8

@@ -195,12 +195,13 @@ def test_the_readme_budget_snippet_runs(capsys):
     """README, "### Memory budgets: what to freeze to fit": the impossible budget, the plan, the Freezer keeping it."""
     from tests.conftest import readme_block
 
-    batch = (_batch()["x"], _batch()["labels"])
-    ns = {"model": _stack(), "batch": batch}
+    ns = {}  # the snippet builds its own tiny model and batch
     exec(compile(readme_block("### Memory budgets: what to freeze to fit"), "README.md", "exec"), ns)  # noqa: S102
     plan = ns["plan"]
     assert plan.k == 2 and plan.frozen_from_start == ["0", "2"] and plan.predicted_peak_bytes <= plan.budget_bytes
     assert ns["freezer"].floor == [0, 1]
+    assert [tuple(p.shape) for p in ns["model"].parameters()] == [tuple(p.shape) for p in _stack().parameters()]
+    assert ns["batch"][0].shape == (B, 8)
     assert capsys.readouterr().out.splitlines()[0] == str(plan.candidates[2].least_bytes)  # the smallest peak
 
 

@@ -50,6 +50,23 @@ def readme_block(marker: str) -> str:
     return found.group(1)
 
 
+def readme_setup(block: str) -> tuple[str, str]:
+    """A README block split at its ``# end of setup`` line: ``(setup, rest)``; the setup (from its ``# setup:``
+    comment) builds the tiny model and data the rest uses, so the block runs as written. A test that runs the rest
+    with other data execs ``imports + rest`` (``readme_without_setup``)."""
+    head, sep, rest = block.partition("# end of setup\n")
+    assert sep and "# setup:" in head, "the block has no marked setup"
+    return head, rest
+
+
+def readme_without_setup(block: str) -> str:
+    """The block with its marked setup lines left out (its imports kept): for a test that brings other data."""
+    head, rest = readme_setup(block)
+    lines = head.splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if "# setup:" in line)
+    return "".join(lines[:start]) + rest
+
+
 def readme_blocks() -> list[str]:
     """Every Python code block of the README, in order."""
     return re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)

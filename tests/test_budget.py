@@ -195,12 +195,13 @@ def test_the_readme_budget_snippet_runs(capsys):
     """README, "### Memory budgets: what to freeze to fit": the impossible budget, the plan, the Freezer keeping it."""
     from tests.conftest import readme_block
 
-    batch = (_batch()["x"], _batch()["labels"])
-    ns = {"model": _stack(), "batch": batch}
+    ns = {}  # the snippet builds its own tiny model and batch
     exec(compile(readme_block("### Memory budgets: what to freeze to fit"), "README.md", "exec"), ns)  # noqa: S102
     plan = ns["plan"]
     assert plan.k == 2 and plan.frozen_from_start == ["0", "2"] and plan.predicted_peak_bytes <= plan.budget_bytes
     assert ns["freezer"].floor == [0, 1]
+    assert [tuple(p.shape) for p in ns["model"].parameters()] == [tuple(p.shape) for p in _stack().parameters()]
+    assert ns["batch"][0].shape == (B, 8)
     assert capsys.readouterr().out.splitlines()[0] == str(plan.candidates[2].least_bytes)  # the smallest peak
 
 
@@ -310,6 +311,11 @@ def test_cli_plan_prints_every_prefix_checks_the_plan_and_refuses_an_impossible_
     plan = MemoryPlan.from_dict(json.loads(out_json.read_text()))
     assert plan.block_names[0] == "bert.embeddings" and plan.k >= 1 and plan.measured.cache is not None
     assert "predicted peak" in out and "gives up:" in out and "settings: freeze.memory_budget: 0.5" in out
+    lines = out.splitlines()  # the header first, then the budget's one-line summary, then the table
+    assert lines[0].startswith("layerfreeze plan text-csv |") and lines[1].startswith("memory budget 0.5 (")
+    plan_part = lines[:next(i for i, line in enumerate(lines) if line.startswith("settings:"))]  # before --check
+    assert "gives up" in lines[1] and sum(line.startswith("memory budget") for line in plan_part) == 1
+    assert "…" not in out and f" {plan.block_names[plan.k - 1]} " in out  # block names whole, not cut by rich
     summary = json.loads((tmp_path / "check" / "summary.json").read_text())
     samples = plan.measured.cache.samples
     assert samples == 38 and summary["steps"] == 5 and summary["memory_plan"]["k"] == plan.k  # one epoch, batch 8

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import layerfreeze
 from layerfreeze import DEFAULT_STRATEGY, CachedPrefix, Freezer
+from tests.conftest import readme_without_setup
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,12 +52,11 @@ def mlp() -> nn.Sequential:
 
 
 def run_example(monkeypatch) -> dict:
-    """Exec the README block with ``model`` and ``loader`` defined; counts ``Freezer.close`` calls."""
+    """Exec the README block as written (its own tiny model and loader); counts ``Freezer.close`` calls."""
     closed = []
     close = Freezer.close
     monkeypatch.setattr(Freezer, "close", lambda self: (closed.append(self), close(self))[1])
-    loader = DataLoader(Blobs(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
-    namespace = {"model": mlp(), "loader": loader}
+    namespace = {}
     exec(compile(own_loop_example(), str(README), "exec"), namespace)  # noqa: S102 - our own README
     namespace["closed"] = closed
     return namespace
@@ -142,7 +142,7 @@ def list_index_collate(items):
 
 @pytest.mark.parametrize("collate", [None, list_index_collate], ids=["default-collate", "index-a-list"])
 def test_the_readme_own_loop_with_an_nn_sequential_whose_input_is_batch_x(monkeypatch, collate):
-    """Issue 32: the README loop copied with an nn.Sequential and ``batch["x"]`` (the cache found no
+    """Issue 32: the README loop (its setup left out) with an nn.Sequential and ``batch["x"]`` (the cache found no
     "pixel_values"); an "index" as torch's default collate makes it (a tensor) or as a list of ints."""
 
     class Static(Freezer):
@@ -153,7 +153,7 @@ def test_the_readme_own_loop_with_an_nn_sequential_whose_input_is_batch_x(monkey
     loader = DataLoader(XBlobs(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0),
                         collate_fn=collate)
     namespace = {"model": mlp(), "loader": loader}
-    exec(compile(own_loop_example(), str(README), "exec"), namespace)  # noqa: S102 - our own README
+    exec(compile(readme_without_setup(own_loop_example()), str(README), "exec"), namespace)  # noqa: S102
     forward = namespace["forward"]
     assert forward.split.input_keys == ("x",)  # found in the first batch: its one input tensor
     assert forward.prefix_samples == 48 and forward.cache.hits == 2 * 48 and forward.full_forwards == 0
@@ -161,6 +161,6 @@ def test_the_readme_own_loop_with_an_nn_sequential_whose_input_is_batch_x(monkey
     monkeypatch.setattr(layerfreeze, "CachedPrefix", lambda model, **kw: lambda batch: model(batch["x"]))
     plain = {"model": mlp(), "loader": DataLoader(XBlobs(), batch_size=8, shuffle=True,
                                                   generator=torch.Generator().manual_seed(0), collate_fn=collate)}
-    exec(compile(own_loop_example(), str(README), "exec"), plain)  # noqa: S102 - our own README
+    exec(compile(readme_without_setup(own_loop_example()), str(README), "exec"), plain)  # noqa: S102
     for (name, a), b in zip(namespace["model"].state_dict().items(), plain["model"].state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

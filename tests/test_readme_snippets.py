@@ -11,13 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import layerfreeze
-from tests.conftest import README, readme_block, readme_blocks
-
-from .integration_models import TokenDataset, blobs, mlp, tiny_bert
+from tests.conftest import README, readme_block, readme_blocks, readme_setup
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,9 +34,25 @@ RUNNERS = {
 
 
 def run(marker: str, namespace: dict) -> dict:
-    """Exec the README snippet after ``marker`` in ``namespace`` (the user's model and data); returns it."""
+    """Exec the README snippet after ``marker`` as written (it builds its own tiny model and data) in
+    ``namespace``; returns it."""
     exec(compile(readme_block(marker), f"{README}#{marker}", "exec"), namespace)  # noqa: S102 - our own README
     return namespace
+
+
+def run_setup(setup: str) -> dict:
+    """Exec a snippet's marked setup alone (see ``readme_setup``): what the snippet starts from."""
+    namespace: dict = {}
+    exec(compile(setup, f"{README}#setup", "exec"), namespace)  # noqa: S102 - our own README
+    return namespace
+
+
+def test_every_snippet_that_needs_a_model_or_data_builds_it_in_a_marked_setup():
+    """Each snippet runs as written: one that uses a model or data the user brings builds a tiny one first, in
+    lines marked ``# setup:`` ... ``# end of setup`` (or, Lightning's, a class marked setup)."""
+    for block in readme_blocks():
+        if any(name in block for name in ("model", "loader", "train_set", "batch")) and "class Tower" not in block:
+            assert "# setup:" in block or "setup: your LightningModule" in block, block[:200]
 
 
 def test_every_readme_snippet_is_run_by_a_test():
@@ -82,70 +94,26 @@ def test_the_names_the_readme_imports_and_names_exist():
 # ---- Frozen compute ---------------------------------------------------------------------------------------------
 
 
-class Texts(Dataset):
-    """Token ids with a label and the item's position under "index" (an int), as the snippet says."""
-
-    def __init__(self, n: int = 40):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(1, 100, (n, 12), generator=g)
-        self.labels = torch.randint(0, 3, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.labels[i], "index": i}
-
-
-class Denoiser(nn.Module):
-    """A base model the ControlNet's residual feeds: ``forward(x, residual)``."""
-
-    def __init__(self):
-        super().__init__()
-        self.inner = nn.Linear(8, 8)
-
-    def forward(self, x, residual):
-        return self.inner(x + residual)
-
-
-class ControlNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(16, 8)
-
-    def forward(self, x, hint):
-        return self.proj(torch.cat([x, hint], 1))
-
-
 def test_the_frozen_compute_snippet():
-    from transformers import BertConfig, BertModel
-
     torch.manual_seed(0)
-    device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    text_encoder = BertModel(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                        intermediate_size=64), add_pooling_layer=False)
-    head, controlnet, unet = nn.Linear(32, 3).to(device), ControlNet().to(device), Denoiser()
-    unet_before = unet.inner.weight.detach().clone()
-    head_before = head.weight.detach().clone()
-    train_set = Texts()
-    ns = run("## Frozen compute", {
-        "text_encoder": text_encoder, "head": head, "controlnet": controlnet, "unet": unet, "train_set": train_set,
-        "loader": DataLoader(train_set, batch_size=8),
-        "optimizer": torch.optim.SGD([*head.parameters(), *controlnet.parameters()], lr=0.1),
-        "noisy": torch.randn(4, 8, device=device), "hint": torch.randn(4, 8, device=device),
-        "target": torch.randn(4, 8, device=device)})
-    assert ns["device"] == device and ns["side"] == ("cuda:1" if torch.cuda.device_count() > 1 else device)
+    setup, _ = readme_setup(readme_block("## Frozen compute"))
+    before = run_setup(setup)  # the same seed: the weights the snippet starts from
+    ns = run("## Frozen compute", {})
+    device, train_set, head = ns["device"], ns["train_set"], ns["head"]
+    assert device == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert ns["side"] == ("cuda:1" if torch.cuda.device_count() > 1 else device)
     # precompute stored one output per item; PrecomputedDataset gives it back under "features"
-    assert len(ns["store"]) == len(train_set)
+    assert len(ns["store"]) == len(train_set) == 40
     item = ns["PrecomputedDataset"](train_set, ns["store"])[5]
-    direct = ns["embed"]({"input_ids": train_set.ids[:8]})[5]
+    direct = ns["embed"]({"input_ids": ns["ids"][:8]})[5]
     assert item["features"].dtype == torch.float32 and item["index"] == 5
     torch.testing.assert_close(item["features"].to(device), direct, rtol=2e-2, atol=2e-2)  # bf16, other batch
-    assert not torch.equal(head.weight.detach(), head_before)  # both loops trained the head
+    assert not torch.equal(head.weight.detach(), before["head"].weight.detach())  # both loops trained the head
     # the gradient went through the frozen bfloat16 denoiser into the ControlNet, in float32; the denoiser got none
-    assert controlnet.proj.weight.grad is not None and controlnet.proj.weight.grad.dtype == torch.float32
-    assert unet.inner.weight.grad is None and torch.equal(unet.inner.weight.float().cpu(), unet_before.bfloat16()
-                                                         .float())
+    controlnet, unet = ns["controlnet"], ns["unet"].module
+    assert controlnet.weight.grad is not None and controlnet.weight.grad.dtype == torch.float32
+    assert unet.weight.grad is None and unet.weight.dtype == torch.bfloat16
+    assert torch.equal(unet.weight.float().cpu(), before["unet"].weight.detach().bfloat16().float())
 
 
 # ---- torchrun / DDP ---------------------------------------------------------------------------------------------
@@ -167,29 +135,10 @@ def test_the_ddp_own_loop_snippet_on_two_ranks(tmp_path):
 
 
 def test_the_lightning_snippet(tmp_path, monkeypatch):
-    L = pytest.importorskip("lightning.pytorch")
-
-    class Module(L.LightningModule):
-        """The user's LightningModule: the network is ``self.model``."""
-
-        def __init__(self):
-            super().__init__()
-            self.model = mlp()
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return nn.functional.cross_entropy(self.model(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=0.01)
-
-        def train_dataloader(self):
-            return DataLoader(TensorDataset(*blobs(64)), batch_size=8)
-
+    pytest.importorskip("lightning.pytorch")
     monkeypatch.chdir(tmp_path)  # Lightning writes lightning_logs/ here
-    module = Module()
-    ns = run("**Lightning**", {"module": module})
-    trainer = ns["trainer"]
+    ns = run("**Lightning**", {})
+    trainer, module = ns["trainer"], ns["module"]
     freeze = next(cb for cb in trainer.callbacks if type(cb).__name__ == "LayerFreeze")
     assert trainer.current_epoch == 3 and trainer.global_step == 24
     assert freeze.freezer.strategy.name == "smartfrz" and freeze.freezer.step_count == 24
@@ -203,7 +152,7 @@ def test_the_hugging_face_trainer_snippet(tmp_path, monkeypatch):
 
     hf_logging.set_verbosity_error()
     monkeypatch.chdir(tmp_path)  # TrainingArguments("out", ...) writes out/
-    ns = run("**Hugging Face `Trainer`**", {"model": tiny_bert(), "train_set": TokenDataset()})
+    ns = run("**Hugging Face `Trainer`**", {})
     trainer = ns["trainer"]
     callback = next(cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ == "LayerFreezeCallback")
     assert callback.trainer is trainer and trainer.state.global_step == 18  # 3 epochs of 48 samples, batch 8
@@ -223,11 +172,7 @@ def test_the_accelerate_snippet():
 
     AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton: start and end clean
     try:
-        model = mlp()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-        loader = DataLoader(TensorDataset(*blobs(64)), batch_size=8)
-        ns = run("**accelerate**", {"model": model, "optimizer": optimizer, "loader": loader, "steps": len(loader),
-                                    "loss_fn": nn.functional.cross_entropy})
+        ns = run("**accelerate**", {})
         assert ns["accelerator"].mixed_precision == "bf16"
         assert ns["freezer"].step_count == 8 and torch.isfinite(ns["loss"])
     finally:

@@ -170,3 +170,32 @@ def test_missing_or_unrecognised_folder_raises_a_clear_error(tmp_path):
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="metrics.jsonl.*compare.json"):
         write_report(empty)
+
+
+def test_a_run_with_one_ledger_sample_draws_it_and_one_label_per_freeze_step(compare_dir, tmp_path, monkeypatch):
+    """A short run's memory.png: one sample has no width as a stacked area, so each sample gets a marker; the
+    freezes at one step (static k=2 freezes two blocks at step 0) share one label instead of overprinting."""
+    from layerfreeze.runs.report import plots
+    from layerfreeze.runs.report.read import load_run
+
+    short = tmp_path / "short"
+    short.mkdir()
+    kept = []
+    for line in (compare_dir / "static" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["type"] == "step" and record["step"] > 1:
+            break
+        kept.append(line)
+    (short / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    assert len(load_run(short).memory_step) == 1
+    figures = {}
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (figures.setdefault(path.name, fig), save(fig, path))[1])
+    _, links = _check_page(write_report(short))
+    assert "memory.png" in _img_names(links)
+    top, bottom = figures["memory.png"].axes[:2]
+    for ax in (top, bottom):  # every drawn series shows its one sample as a visible marker
+        shown = [ln for ln in ax.lines if len(ln.get_xdata()) == 1 and ln.get_marker() == "o" and ln.get_markersize()]
+        assert shown and all(float(ln.get_ydata()[0]) > 0 for ln in shown)
+    freezes = [t.get_text() for t in top.texts if "freeze" in t.get_text()]
+    assert freezes == [" freeze 2 blocks (0..)"]  # blocks 0 and 1 at step 0: one label

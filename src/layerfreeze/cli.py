@@ -355,7 +355,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
     from layerfreeze.runs.summary import format_bytes
-    from layerfreeze.train.trainer import Trainer
+    from layerfreeze.train.trainer import Trainer, plan_headline
 
     overrides = [*_overrides(args, TRAIN_FLAGS), {"freeze": {"memory_budget": args.memory}}]
     config = load_config(args.config, overrides)
@@ -369,6 +369,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     console.print(f"[bold]layerfreeze plan[/] {config.task} | {trainer.task.model_name} ({len(plan.block_names)} "
                   f"blocks) | batch {measured.batch_size} | strategy {config.freeze.strategy} | cache "
                   + (f"on ({cache.samples} samples, {cache.dtype})" if cache is not None else "off"), highlight=False)
+    console.print(plan_headline(plan), highlight=False)
     b = measured.buckets
     console.print(f"measured on {measured.steps} real steps with nothing frozen: tensor peak "
                   f"{format_bytes(plan.none_peak_bytes)} (parameters {format_bytes(b.get('params_trainable', 0))}, "
@@ -379,7 +380,10 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     head, cells = plan.rows()
     table = Table(title=f"each frozen prefix under a budget of {format_bytes(plan.budget_bytes)} (tensor peak)")
     for col in head:
-        table.add_column(col, justify="left" if col == "frozen up to" else "right")
+        if col == "frozen up to":  # block names are long (bert.encoder.layer.11): folded, never cut with "…"
+            table.add_column(col, justify="left", overflow="fold", min_width=min(32, max(map(len, plan.block_names))))
+        else:
+            table.add_column(col, justify="right")
     for row in cells:
         table.add_row(*row)
     console.print(table)

@@ -102,6 +102,13 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def plan_headline(plan: MemoryPlan) -> str:
+    """The memory plan in one line: the budget, what it gives up, the predicted tensor peak."""
+    return (f"memory budget {plan.budget} ({format_bytes(plan.budget_bytes)} of tensor peak; nothing frozen: "
+            f"{format_bytes(plan.none_peak_bytes)}): gives up {plan.gives_up()}; predicted tensor peak "
+            f"{format_bytes(plan.predicted_peak_bytes)}")
+
+
 class Trainer:
     """Runs one configured training with freezing.
 
@@ -208,7 +215,8 @@ class Trainer:
         planned = self.batches_per_epoch * cfg.train.epochs
         self.total_steps = min(planned, cfg.train.max_steps) if cfg.train.max_steps else planned
         self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
-        self.memory_plan = self._plan_memory(model, blocks) if cfg.freeze.memory_budget is not None else None
+        self.memory_plan = (self._plan_memory(model, blocks, announce=not plan_only)
+                            if cfg.freeze.memory_budget is not None else None)
         if plan_only:
             return
         if self.is_main:
@@ -249,11 +257,12 @@ class Trainer:
         if self.is_main:
             rundir.write_config(self.run_dir, cfg.model_dump(mode="json"))
 
-    def _plan_memory(self, model: torch.nn.Module, blocks: list) -> MemoryPlan:
+    def _plan_memory(self, model: torch.nn.Module, blocks: list, announce: bool = True) -> MemoryPlan:
         """The memory budget's plan (``freeze.memory_budget``, :func:`~layerfreeze.budget.plan.plan_memory`): two real
         steps on the first batch of epoch 1 with nothing frozen (the model, its buffers and the RNG come back as they
         were), the activation cache's bytes for the training set when the run will keep one, and the shortest frozen
-        prefix that fits. Runs before the run folder exists.
+        prefix that fits. Runs before the run folder exists. ``announce``: write :func:`plan_headline` (``layerfreeze
+        plan`` prints it itself, under its own header).
 
         Raises:
             BudgetError: no frozen prefix fits (exit code 2; the message names the smallest reachable peak).
@@ -283,10 +292,8 @@ class Trainer:
                            optimizer=self.optimizer, blocks=blocks, cache_dataset=cache_set, cache_dtype=cache_dtype,
                            cache_budget_bytes=cache_cap, strategy_freezes=cfg.freeze.strategy != "none",
                            train_bn=cfg.freeze.train_bn)
-        if self.is_main:
-            tqdm.write(f"memory budget {plan.budget} ({format_bytes(plan.budget_bytes)} of tensor peak; nothing "
-                       f"frozen: {format_bytes(plan.none_peak_bytes)}): gives up {plan.gives_up()}; predicted tensor "
-                       f"peak {format_bytes(plan.predicted_peak_bytes)}")
+        if announce and self.is_main:
+            tqdm.write(plan_headline(plan))
         return plan
 
     def _make_cache_runner(self, blocks: list) -> CachedPrefix | None:

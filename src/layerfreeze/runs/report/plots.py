@@ -354,17 +354,25 @@ def _plot_memory(run: Run, out: Path) -> str | None:
     div, unit = _byte_scale(float(np.nanmax(total)) if np.isfinite(total).any() else 0.0)
     ax.stackplot(steps, np.nan_to_num(series) / div, labels=[bucket_label(b) for b in buckets], step="post",
                  colors=[f"C{i % 10}" for i in range(len(buckets))], alpha=0.85)
+    # a marker at each sample (a stack over one sample has no width: a short run's plot would be blank)
+    marker = {"marker": "o", "ms": 4 if len(steps) <= 20 else 0, "clip_on": False}
+    for i, top in enumerate(np.cumsum(np.nan_to_num(series), axis=0) / div):
+        ax.plot(steps, top, linestyle="none", color=f"C{i % 10}", markeredgecolor="0.2", markeredgewidth=0.5,
+                zorder=4, **marker)
     if np.isfinite(disk).any() and np.nanmax(disk) > 0:
         ax.plot(steps, disk / div, color="0.3", linestyle="--", linewidth=1.2, drawstyle="steps-post",
                 label="activation cache on disk (not in the total)")
     events = [e for e in run.freeze_events if finite(e.get("step"))]
-    for i, e in enumerate(events):
-        color = "0.25" if e.get("kind") == Event.FREEZE else "C3"
-        ax.axvline(float(e["step"]), color=color, linestyle=":", linewidth=1.0, zorder=3)
-        if len(events) <= 12:
-            verb = "freeze" if e.get("kind") == Event.FREEZE else "thaw"
-            ax.text(float(e["step"]), 1.0, f" {verb} {_short(str(e['block']), 18)}", rotation=90, va="top",
-                    ha="left", fontsize=6.5, color=color, transform=ax.get_xaxis_transform(), clip_on=True)
+    labels: dict[tuple[float, bool], list[str]] = {}  # one label per step and kind: events at one step share it
+    for e in events:
+        labels.setdefault((float(e["step"]), e.get("kind") == Event.FREEZE), []).append(str(e["block"]))
+    for (step, freeze), blocks in labels.items():
+        color = "0.25" if freeze else "C3"
+        ax.axvline(step, color=color, linestyle=":", linewidth=1.0, zorder=3)
+        if len(labels) <= 12:
+            names = _short(blocks[0], 18) if len(blocks) == 1 else f"{len(blocks)} blocks ({_short(blocks[0], 12)}..)"
+            ax.text(step, 1.0 if freeze else 0.55, f" {'freeze' if freeze else 'thaw'} {names}", rotation=90,
+                    va="top", ha="left", fontsize=6.5, color=color, transform=ax.get_xaxis_transform(), clip_on=True)
     ax.set_ylabel(f"tensor bytes ({unit})")
     ax.set_ylim(bottom=0)
     ax.set_title(f"Memory by bucket (the memory ledger) — {run.strategy}")
@@ -373,12 +381,12 @@ def _plot_memory(run: Run, out: Path) -> str | None:
     ax2 = axes[1, 0]
     high = [a for a in (rss, allocated, reserved, total) if np.isfinite(a).any()]
     div2, unit2 = _byte_scale(max(float(np.nanmax(a)) for a in high) if high else 0.0)
-    ax2.plot(steps, total / div2, color="black", linewidth=1.5, drawstyle="steps-post", label="tensor total")
+    ax2.plot(steps, total / div2, color="black", linewidth=1.5, drawstyle="steps-post", **marker, label="tensor total")
     if np.isfinite(rss).any():
-        ax2.plot(steps, rss / div2, color="C4", linewidth=1.2, drawstyle="steps-post", label="process RSS")
+        ax2.plot(steps, rss / div2, color="C4", linewidth=1.2, drawstyle="steps-post", **marker, label="process RSS")
     if np.isfinite(allocated).any():
-        ax2.plot(steps, allocated / div2, color="C1", linewidth=1.2, drawstyle="steps-post", label="CUDA allocated")
-        ax2.plot(steps, reserved / div2, color="C1", linestyle="--", linewidth=1.0, drawstyle="steps-post",
+        ax2.plot(steps, allocated / div2, color="C1", linewidth=1.2, drawstyle="steps-post", **marker, label="CUDA allocated")
+        ax2.plot(steps, reserved / div2, color="C1", linestyle="--", linewidth=1.0, drawstyle="steps-post", **marker,
                  label="CUDA reserved")
     ax2.set_ylabel(unit2)
     ax2.set_ylim(bottom=0)

@@ -5,14 +5,8 @@
 #   2. the ControlNet demo with the trainer on cuda:0 and the frozen models on cuda:1 (cuda:0 when there is one GPU),
 #      full size (stage 1 trained on the GPU), every placement; the table goes to $OUT (or runs/) with the report.
 # Usage: bash scripts/gpu_controlnet_check.sh            (from the repository root, after scripts/setup.sh)
-set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
-OUT=${OUT:-runs}
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi --query-gpu=index,name,memory.total --format=csv || true
-NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
-[ "$NGPU" -ge 1 ] || { echo "gpu check: no CUDA device visible" >&2; exit 2; }
+CHECK="gpu check"
+source "$(dirname "$0")/gpu_prelude.sh"
 FROZEN=cuda:$(( NGPU > 1 ? 1 : 0 ))
 echo "gpu check: $NGPU GPU(s); trainer on cuda:0, frozen models on $FROZEN"
 $PY -m pytest -q -rs tests/test_frozen.py tests/test_controlnet.py

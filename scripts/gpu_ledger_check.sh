@@ -14,14 +14,8 @@
 #      beside torch.cuda.max_memory_allocated of each device; results in $OUT/controlnet-ledger-gpu (table.md,
 #      results.json). With one GPU it is skipped with a message (scripts/gpu_controlnet_check.sh runs the demo there).
 # Usage: bash scripts/gpu_ledger_check.sh            (from the repository root, after scripts/setup.sh)
-set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
-OUT=${OUT:-runs}
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi --query-gpu=index,name,memory.total --format=csv || true
-NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
-[ "$NGPU" -ge 1 ] || { echo "gpu ledger check: no CUDA device visible" >&2; exit 2; }
+CHECK="gpu ledger check"
+source "$(dirname "$0")/gpu_prelude.sh"
 mkdir -p "$OUT"
 $PY -m pytest -q -rs tests/test_ledger.py
 $PY -m benchmarks.memory_table --tasks fmnist,default-job --device cuda:0 --out "$OUT/memory-gpu" 2>&1 \

@@ -41,6 +41,17 @@ def one_process(tmp_path, s):
     return json.loads((out / "rank0.json").read_text())
 
 
+def assert_resumed_equals(resumed, ref, from_step):
+    """A resumed run (rank 0's result) starts at ``from_step`` and equals the uninterrupted ``ref`` step by step
+    (weight hashes), in its evaluation history and final accuracy."""
+    assert resumed["steps"][0]["step"] == from_step
+    by_step = {x["step"]: x["hashes"] for x in ref["steps"]}
+    for x in resumed["steps"]:
+        assert x["hashes"] == by_step[x["step"]], f"resumed run differs from the uninterrupted one at {x['step']}"
+    assert resumed["history"] == ref["history"]
+    assert resumed["summary"]["test_accuracy"] == ref["summary"]["test_accuracy"]
+
+
 def assert_ranks_agree(ranks):
     assert ranks.returncodes == [0, 0], "\n".join(o[-2000:] for o in ranks.outputs)
     a, b = ranks.results
@@ -161,12 +172,7 @@ def test_resume_on_two_ranks_equals_the_uninterrupted_two_rank_run(tmp_path):
     cut["config"]["run"]["resume"] = str(tmp_path / "cut")
     cut.pop("interrupt_at_step")
     resumed = assert_ranks_agree(launch(cut, tmp_path / "resumed-ranks"))
-    assert resumed["steps"][0]["step"] == 9
-    by_step = {x["step"]: x["hashes"] for x in ref["steps"]}
-    for x in resumed["steps"]:
-        assert x["hashes"] == by_step[x["step"]], f"resumed run differs from the uninterrupted one at {x['step']}"
-    assert resumed["history"] == ref["history"]
-    assert resumed["summary"]["test_accuracy"] == ref["summary"]["test_accuracy"]
+    assert_resumed_equals(resumed, ref, from_step=9)
 
 
 def test_a_killed_rank_stops_the_other_with_its_name_and_the_last_checkpoint_resumes(tmp_path):

@@ -31,7 +31,7 @@ from layerfreeze.compute.determinism import CacheRefused, check_prefix_determini
 from layerfreeze.engine.mechanics import set_eval_mode
 from layerfreeze.models.blocks import Block
 from layerfreeze.models.discovery import discover_blocks, split_for
-from layerfreeze.runs.ledger import BLOCK_BUCKETS, DISK, Bucket, MemoryLedger
+from layerfreeze.runs.ledger import BLOCK_BUCKETS, DISK, Bucket, MemoryLedger, innermost_optimizer
 
 __all__ = ["BlockBytes", "CacheBytes", "default_loss", "measure_blocks", "measure_cache"]
 
@@ -189,10 +189,10 @@ def _twin_optimizer(optimizer: Any, params: list[nn.Parameter]) -> torch.optim.O
     """An optimizer of the same kind over ``params``, its own (empty) state, every learning rate 0.
 
     ``optimizer``: None (AdamW), a ``torch.optim.Optimizer`` (its class and each group's settings; a framework's
-    wrapper holding one as ``.optimizer``: the one inside), or a class / factory called with the parameter list."""
+    wrapper holding one: the one inside, :func:`~layerfreeze.runs.ledger.innermost_optimizer`), or a class / factory
+    called with the parameter list."""
     held = {id(p) for p in params}
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer  # a framework's wrapper, itself an Optimizer (accelerate's)
+    optimizer = innermost_optimizer(optimizer)  # a framework's wrapper: the optimizer inside
     if optimizer is None:
         twin = torch.optim.AdamW(params, lr=0.0)
     elif isinstance(optimizer, torch.optim.Optimizer):

@@ -425,18 +425,25 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def innermost_optimizer(optimizer: Any) -> Any:
+    """What a framework's optimizer wrapper holds, unwrapped through ``.optimizer`` / ``._optimizer`` (accelerate's
+    ``AcceleratedOptimizer``, itself an Optimizer subclass; Lightning's ``LightningOptimizer``); anything without
+    one (an optimizer, a class, a factory) is returned as it is."""
+    while True:
+        inner = getattr(optimizer, "optimizer", None)
+        inner = inner if inner is not None else getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer or isinstance(inner, (list, tuple, dict)):
+            return optimizer
+        optimizer = inner
+
+
 def _inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     """The ``torch.optim`` optimizers behind ``optimizer`` (one, a sequence, or a framework's wrapper)."""
     if optimizer is None:
         return []
     if isinstance(optimizer, (list, tuple)):
         return [o for item in optimizer for o in _inner_optimizers(item)]
-    while True:  # the innermost: a wrapper may itself subclass Optimizer (accelerate's AcceleratedOptimizer)
-        inner = getattr(optimizer, "optimizer", None)
-        inner = inner if inner is not None else getattr(optimizer, "_optimizer", None)
-        if inner is None or inner is optimizer or isinstance(inner, (list, tuple, dict)):
-            break
-        optimizer = inner
+    optimizer = innermost_optimizer(optimizer)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"MemoryLedger: optimizer must be a torch.optim.Optimizer (or a framework's wrapper of one), "
                         f"got {type(optimizer).__qualname__}")

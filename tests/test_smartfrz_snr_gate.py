@@ -245,3 +245,22 @@ def test_checkpoint_without_the_gate_resumed_with_it_says_so(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         freezer3.load_state_dict(state)  # gate off on both sides: silent
+
+
+def test_gate_without_adam_moments_says_once_that_the_predictor_decides_alone(tmp_path):
+    # SGD keeps no exp_avg/exp_avg_sq: the default gate has no verdict, the freezes are the predictor's own (those of
+    # snr_gate=None), and the run is told so once, not at every stage
+    path = save_predictor(tmp_path / "p.safetensors", _biased_predictor(10.0), window=3)  # p = 1 everywhere
+    steps = {}
+    for gate in (0.9, None):
+        model = stack()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        strategy = SmartFRZ(predictor=str(path), snapshot_every=1, snr_gate=gate)
+        freezer = Freezer(model, opt, strategy=strategy, total_steps=10)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _train(model, freezer, opt, 4)
+        said = [w for w in caught if "found no Adam moments" in str(w.message)]
+        assert len(said) == (1 if gate else 0)
+        steps[gate] = {r["index"]: r["step"] for r in freezer.history if r["kind"] == "freeze"}
+    assert steps[0.9] == steps[None] == {0: 2, 1: 2, 2: 2}

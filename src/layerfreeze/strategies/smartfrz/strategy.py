@@ -104,6 +104,7 @@ class SmartFRZ(Strategy):
         self.snr_noise = None if snr_noise is None else float(snr_noise)
         self.gate: SNRGate | None = None
         self._moments: AdamMoments | None = None
+        self._warned_no_moments = False
         self.model = None
         self.window = self.min_window = 0
         self.recorder = None
@@ -169,8 +170,17 @@ class SmartFRZ(Strategy):
         if self._moments is None:  # the recorder's sampled positions, at the first stage (as it reads them)
             self._moments = AdamMoments([s.picks for s in self.recorder.samples], self.sample_size)
         active = [b.index for b in ctx.blocks if not b.frozen and not b.is_head]
-        for i, (z, step) in self._moments.z(active, ctx.optimizer_state).items():
+        got = self._moments.z(active, ctx.optimizer_state)
+        for i, (z, step) in got.items():
             self.gate.observe(i, z, step)
+        if active and not got and not self._warned_no_moments:
+            # the default is on, so a run whose optimizer the gate cannot read must not differ from what the user
+            # reads in the docs without a word: say once that the predictor decides alone here
+            self._warned_no_moments = True
+            warnings.warn("smartfrz: the gradient SNR gate (snr_gate, on by default) found no Adam moments for the "
+                          "blocks it watches (an optimizer without exp_avg/exp_avg_sq such as SGD, no optimizer, or "
+                          "FSDP2-sharded state read through a mirror); the predictor decides alone in this run. "
+                          "-p snr_gate=null turns the gate off and this warning with it.", stacklevel=2)
 
     def predict(self, index: int, num_blocks: int, total_steps: int) -> float:
         """``p(freeze now)`` of block ``index`` from its recorded window, its depth ``index / (num_blocks - 1)`` and

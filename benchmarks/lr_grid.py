@@ -3,19 +3,22 @@
 For each task (the suite's jobs and sizes, ``benchmarks.suite.SIZES``; by default ``bbc`` and
 ``fmnist-mobilenet``), learning-rate factor (x0.3, x1, x3 of the suite's), run length (1, 2, 4 epochs) and seed,
 one :func:`layerfreeze.train.compare.compare` process trains `none` and the rows beside it (same seed, data order
-and budget): `smartfrz` (the strategy's defaults, the gradient signal-to-noise gate off) and `smartfrz-gate` (the
-same with the gate on, ``snr_gate=0.9``; :mod:`layerfreeze.strategies.smartfrz.snr_gate`). The grid decides whether
-the gate becomes SmartFRZ's default. ``--oracle`` adds an untimed `none` run with the CKA oracle's probe recorder per
-cell (``benchmarks.oracle``) and records its freeze steps beside.
+and budget): `smartfrz` (the strategy's defaults: the gradient signal-to-noise gate on, ``snr_gate=0.9``;
+:mod:`layerfreeze.strategies.smartfrz.snr_gate`) and `smartfrz-nogate` (the same with the gate off, the predictor
+alone: the ablation). The grid made the gate SmartFRZ's default. ``--oracle`` adds an untimed `none` run with the CKA
+oracle's probe recorder per cell (``benchmarks.oracle``) and records its freeze steps beside.
 
     python -m benchmarks.lr_grid                                   # the whole grid: 2 tasks x 9 cells x 3 seeds
     python -m benchmarks.lr_grid --tasks bbc --lrs 0.3 --epochs 2 --seeds 0,1,2
     python -m benchmarks.lr_grid --quick --tasks fmnist-mobilenet --lrs 1 --epochs 1 --seeds 0   # a smoke test
     python -m benchmarks.lr_grid --from-json runs/bench-lr-grid/results.json   # only the table
+    python -m benchmarks.lr_grid --from-json a/results.json b/results.json --out runs/bench-lr-grid  # merged
 
 Outputs ``OUT/results.json`` (rewritten after every cell and seed; ``--resume`` skips the ones it holds) and
 ``OUT/lr_grid.md``: per task and cell, `none`'s accuracy and per row the mean Δ points [worst seed], FLOPs and time
-ratios. Accuracy and FLOPs do not depend on timing; time ratios need the machine to itself.
+ratios, and a second table of freeze schedules (non-head blocks frozen at the end and the first freeze step, median
+over seeds) for each row and the oracle. Accuracy and FLOPs do not depend on timing; time ratios need each process
+to have its cores to itself (``--threads``: run two one-thread processes on two cores, e.g. one per task).
 """
 
 from __future__ import annotations
@@ -34,11 +37,11 @@ from rich.console import Console
 from benchmarks import suite  # the suite's task specs and base config: the same jobs
 from layerfreeze.strategies import STRATEGIES, register_strategy
 
-#: Row name -> (strategy, params). ``smartfrz-gate``: SmartFRZ with the gradient signal-to-noise gate on at the
-#: value measured on issue 29's research branch (kappa 0.9; snr_noise its default 1.35).
+#: Row name -> (strategy, params). ``smartfrz``: the default (the gradient signal-to-noise gate on, kappa 0.9 and
+#: snr_noise 1.35, the values measured on issue 29's research branch); ``smartfrz-nogate``: the predictor alone.
 ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "smartfrz": ("smartfrz", {}),
-    "smartfrz-gate": ("smartfrz", {"snr_gate": 0.9}),
+    "smartfrz-nogate": ("smartfrz", {"snr_gate": None}),
 }
 
 
@@ -53,7 +56,7 @@ def row_strategy(name: str) -> type:
 
 
 def run_cell(task: str, lr_factor: float, epochs: int, seed: int, rows: list[str], out: Path, oracle: bool,
-             console: Console, quick: bool = False) -> dict[str, Any]:
+             console: Console, quick: bool = False, threads: int | None = None) -> dict[str, Any]:
     """One seed of one cell: `none` and ``rows`` in one compare process, in ``OUT/<task>/lr<f>-ep<n>/seed<s>``
     (cleared first). Returns the cell's record: `none`'s test accuracy (a fraction), per row its accuracy, FLOPs and
     time ratios to `none`, freeze steps (block name -> step) and ``stopped`` (why a diverged row stopped, or None)."""
@@ -61,7 +64,7 @@ def run_cell(task: str, lr_factor: float, epochs: int, seed: int, rows: list[str
 
     spec = suite.task_spec(task, quick)
     spec = replace(spec, epochs=epochs, lr=spec.lr * lr_factor)
-    base = suite.base_config(spec, seed, None)
+    base = suite.base_config(spec, seed, threads)
     folder = out / task / f"lr{lr_factor:g}-ep{epochs}" / f"seed{seed}"
     shutil.rmtree(folder, ignore_errors=True)  # this script's own folder from an earlier run
     for r in rows:
@@ -95,18 +98,24 @@ def oracle_steps(base: dict[str, Any], folder: Path, pretrained: bool) -> dict[s
     return dict(zip(recorder.blocks, oracle_freeze_steps(recorder.cka(), recorder.steps, recorder.head, tau=tau)))
 
 
-def markdown(results: dict[str, Any]) -> str:
-    """The grid's table: one line per (task, lr factor, epochs), its seeds averaged; per row the mean Δ accuracy
-    points vs `none` [the worst seed's], the mean FLOPs and time ratios; ``-`` where no seed of the row finished."""
+def _group(results: dict[str, Any]) -> dict[tuple, list[dict[str, Any]]]:
+    """The cells' seeds grouped by (task, lr factor, epochs), sorted."""
     cells: dict[tuple, list[dict[str, Any]]] = {}
     for c in results["cells"]:
         cells.setdefault((c["task"], c["lr_factor"], c["epochs"]), []).append(c)
+    return dict(sorted(cells.items()))
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The grid's table: one line per (task, lr factor, epochs), its seeds averaged; per row the mean Δ accuracy
+    points vs `none` [the worst seed's], the mean FLOPs and time ratios; ``-`` where no seed of the row finished.
+    Then :func:`schedules`."""
     rows = results["rows"]
     head = ["task", "lr", "epochs", "steps", "seeds", "none acc %"]
     for r in rows:
         head += [f"{r} Δ pts mean [worst]", f"{r} FLOPs", f"{r} time"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (task, lr, ep), cs in sorted(cells.items()):
+    for (task, lr, ep), cs in _group(results).items():
         line = [task, f"x{lr:g}", str(ep), str(cs[0]["steps"]), ",".join(str(c["seed"]) for c in cs),
                 f"{100 * statistics.fmean(c['none_accuracy'] for c in cs):.2f}"]
         for r in rows:
@@ -118,6 +127,37 @@ def markdown(results: dict[str, Any]) -> str:
             line += [f"{statistics.fmean(deltas):+.2f} [{min(deltas):+.2f}]",
                      f"{statistics.fmean(g['flops_ratio'] for g, _ in got):.3f}",
                      f"{statistics.fmean(g['time_ratio'] for g, _ in got):.3f}"]
+        lines.append("| " + " | ".join(line) + " |")
+    return "\n".join(lines) + "\n\n" + schedules(results)
+
+
+def schedule_cell(steps: list[dict[str, int | None]]) -> str:
+    """``k @ s``: over seeds (each a block -> freeze step map, None = not frozen), the median number of blocks
+    frozen at the end and the median of each seed's first freeze step (``-`` when no seed froze anything)."""
+    counts = [sum(v is not None for v in s.values()) for s in steps]
+    firsts = [min(v for v in s.values() if v is not None) for s in steps if any(v is not None for v in s.values())]
+    first = f"{statistics.median(firsts):g}" if firsts else "-"
+    return f"{statistics.median(counts):g} @ {first}"
+
+
+def schedules(results: dict[str, Any]) -> str:
+    """Freeze schedules beside the CKA oracle's: per cell and row (and the oracle, where ``--oracle`` recorded it),
+    ``k @ s`` from :func:`schedule_cell` (blocks frozen at the end of the run, and the first freeze step; medians
+    over seeds). A block a row thawed again does not count (the rows' ``freeze_steps`` hold the blocks frozen at the
+    end)."""
+    rows = results["rows"]
+    has_oracle = any("oracle" in c for c in results["cells"])
+    head = ["task", "lr", "epochs", "steps", *(f"{r}: frozen @ first" for r in rows),
+            *(["oracle: frozen @ first"] if has_oracle else [])]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (task, lr, ep), cs in _group(results).items():
+        line = [task, f"x{lr:g}", str(ep), str(cs[0]["steps"])]
+        for r in rows:
+            got = [c["rows"][r]["freeze_steps"] for c in cs if r in c["rows"]]
+            line.append(schedule_cell(got) if got else "-")
+        if has_oracle:
+            got = [c["oracle"] for c in cs if "oracle" in c]
+            line.append(schedule_cell(got) if got else "-")
         lines.append("| " + " | ".join(line) + " |")
     return "\n".join(lines) + "\n"
 
@@ -143,12 +183,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--oracle", action="store_true", help="also the CKA oracle's freeze steps (one more none run)")
     p.add_argument("--out", type=Path, default=suite.ROOT / "runs" / "bench-lr-grid")
     p.add_argument("--resume", action="store_true", help="skip the (cell, seed) results.json already holds")
-    p.add_argument("--from-json", type=Path, help="only regenerate the table")
+    p.add_argument("--from-json", type=Path, nargs="+", help="only regenerate the table, from one results.json or "
+                   "several merged (written to OUT/results.json and OUT/lr_grid.md)")
+    p.add_argument("--threads", type=int, help="torch threads per run (default: torch's)")
     p.add_argument("--quick", action="store_true", help="the suite's QUICK_SIZES (a smoke test, not a measurement)")
     args = p.parse_args(argv)
     console = Console(width=160)
     if args.from_json:
-        results = json.loads(args.from_json.read_text())
+        parts = [json.loads(f.read_text()) for f in args.from_json]
+        results = {"rows": list(dict.fromkeys(r for part in parts for r in part["rows"])),
+                   "cells": [c for part in parts for c in part["cells"]]}
+        if len(parts) > 1:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "results.json").write_text(json.dumps(results, indent=2))
     else:
         unknown = [r for r in args.rows if r not in ROWS]
         if unknown:
@@ -171,10 +218,10 @@ def main(argv: list[str] | None = None) -> int:
                             continue
                         console.rule(f"{task} lr x{lr:g} {ep} epochs seed {seed}")
                         results["cells"].append(run_cell(task, lr, ep, seed, args.rows, args.out, args.oracle,
-                                                         console, args.quick))
+                                                         console, args.quick, args.threads))
                         path.write_text(json.dumps(results, indent=2))
     table = markdown(results)
-    if not args.from_json:
+    if not args.from_json or len(args.from_json) > 1:
         (args.out / "lr_grid.md").write_text(table)
     print(table)
     return 0

@@ -8,7 +8,7 @@ freeze, and (b) every non-head block: the worst case (``prefix=False``, or a sta
 Overhead = stage time / (stage interval x step time), with the strategy's default interval
 ``max(1, round(total_steps / 150))`` (``--every N`` to set it). Once blocks freeze the steps get cheaper, but so do
 the stages (frozen blocks are neither recorded nor predicted). The gradient signal-to-noise gate's part of a stage
-(``snr_gate``, off by default; issue 29) is timed apart: Adam's moments read at every block's sampled positions.
+(``snr_gate``, on by default since issue 29) is timed apart: Adam's moments read at every block's sampled positions.
 
     python -m benchmarks.smartfrz_overhead                     # MiniLM-L6 / BBC News and MobileNetV2 / F-MNIST
     python -m benchmarks.smartfrz_overhead --tasks bbc-news --steps 20
@@ -113,7 +113,7 @@ def main() -> None:
     out = Path(args.out)
     rows = [measure(t, TASKS[t], args.steps, args.every, out) for t in args.tasks.split(",")]
     table = Table(title="SmartFRZ online cost per stage: every block recorded; predicted: the front block (prefix "
-                        "rule, the usual stage) / every non-head block (worst case); the SNR gate (snr_gate, off by "
+                        "rule, the usual stage) / every non-head block (worst case); the SNR gate (snr_gate, on by "
                         "default) per stage")
     for col in ("task", "blocks", "train step", "stage, front block", "stage, all blocks", "stage every",
                 "overhead", "overhead, worst", "SNR gate", "overhead with gate"):

@@ -18,34 +18,59 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def grid():
     with benchmark_module("lr_grid") as module:
         yield module
-    if "smartfrz-gate" in STRATEGIES:  # registered by the module's rows: gone with it
-        unregister_strategy("smartfrz-gate")
+    if "smartfrz-nogate" in STRATEGIES:  # registered by the module's rows: gone with it
+        unregister_strategy("smartfrz-nogate")
 
 
-def test_rows_are_smartfrz_without_and_with_the_gate(grid):
-    assert list(grid.ROWS) == ["smartfrz", "smartfrz-gate"]
+def test_rows_are_the_default_with_the_gate_and_its_ablation_without(grid):
+    assert list(grid.ROWS) == ["smartfrz", "smartfrz-nogate"]
     assert grid.row_strategy("smartfrz") is STRATEGIES["smartfrz"]
-    cls = grid.row_strategy("smartfrz-gate")
-    assert grid.row_strategy("smartfrz-gate") is cls  # again: a no-op
-    assert STRATEGIES["smartfrz-gate"] is cls and issubclass(cls, STRATEGIES["smartfrz"])
-    assert STRATEGIES["smartfrz"]().snr_gate is None  # the default: off
-    assert cls(**grid.ROWS["smartfrz-gate"][1]).snr_gate == 0.9
+    cls = grid.row_strategy("smartfrz-nogate")
+    assert grid.row_strategy("smartfrz-nogate") is cls  # again: a no-op
+    assert STRATEGIES["smartfrz-nogate"] is cls and issubclass(cls, STRATEGIES["smartfrz"])
+    assert STRATEGIES["smartfrz"]().snr_gate == 0.9  # the default: on (issue 29)
+    assert cls(**grid.ROWS["smartfrz-nogate"][1]).snr_gate is None
 
 
 def test_table_averages_seeds_and_names_the_worst(grid):
     def cell(seed, none, acc, flops):
         return {"task": "bbc", "lr_factor": 0.3, "epochs": 2, "seed": seed, "steps": 104, "none_accuracy": none,
-                "rows": {"smartfrz": {"accuracy": acc, "flops_ratio": flops, "time_ratio": flops}}}
+                "rows": {"smartfrz": {"accuracy": acc, "flops_ratio": flops, "time_ratio": flops, "freeze_steps": {}}}}
 
-    results = {"rows": ["smartfrz", "smartfrz-gate"],
+    results = {"rows": ["smartfrz", "smartfrz-nogate"],
                "cells": [cell(0, 0.80, 0.75, 0.7), cell(1, 0.70, 0.71, 0.9)]}
     lines = grid.markdown(results).splitlines()
-    assert len(lines) == 3
     assert lines[2] == "| bbc | x0.3 | 2 | 104 | 0,1 | 75.00 | -2.00 [-5.00] | 0.800 | 0.800 | - | - | - |"
+    assert lines[3] == ""  # then the schedules table
+
+
+def test_schedules_table_gives_medians_beside_the_oracle(grid, tmp_path, capsys):
+    def cell(seed, steps, oracle):
+        return {"task": "bbc", "lr_factor": 1.0, "epochs": 1, "seed": seed, "steps": 52, "none_accuracy": 0.9,
+                "rows": {"smartfrz": {"accuracy": 0.9, "flops_ratio": 1.0, "time_ratio": 1.0, "freeze_steps": steps}},
+                "oracle": oracle}
+
+    cells = [cell(0, {"a": 7, "b": 30}, {"a": 6, "b": 39, "c": None}),
+             cell(1, {}, {"a": 8, "b": None, "c": None}),
+             cell(2, {"a": 11}, {"a": 4, "b": 40, "c": 41})]
+    table = grid.schedules({"rows": ["smartfrz", "smartfrz-nogate"], "cells": cells}).splitlines()
+    assert table[0] == "| task | lr | epochs | steps | smartfrz: frozen @ first | smartfrz-nogate: frozen @ first | " \
+                       "oracle: frozen @ first |"
+    # smartfrz: frozen counts 2, 0, 1 -> 1; first steps 7, 11 (seed 1 froze nothing) -> 9. oracle: 2, 1, 3 -> 2;
+    # firsts 6, 8, 4 -> 6
+    assert table[2] == "| bbc | x1 | 1 | 52 | 1 @ 9 | - | 2 @ 6 |"
+    # two results files merged into one table (one process per task)
+    for i, part in enumerate((cells[:1], cells[1:])):
+        (tmp_path / f"{i}.json").write_text(json.dumps({"rows": ["smartfrz"], "cells": part}))
+    assert grid.main(["--from-json", str(tmp_path / "0.json"), str(tmp_path / "1.json"),
+                      "--out", str(tmp_path / "merged")]) == 0
+    merged = json.loads((tmp_path / "merged" / "results.json").read_text())
+    assert [c["seed"] for c in merged["cells"]] == [0, 1, 2]
+    assert "| bbc | x1 | 1 | 52 | 1 @ 9 | 2 @ 6 |" in (tmp_path / "merged" / "lr_grid.md").read_text()
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--rows", "smartfrz,nogate"], "unknown rows ['nogate']"),
+    (["--rows", "smartfrz,gate"], "unknown rows ['gate']"),
     (["--tasks", "cifar"], "unknown tasks ['cifar']"),
     (["--lrs", "0.3,x"], "comma-separated float"),
     (["--epochs", "0"], "--epochs integers >= 1"),
@@ -67,7 +92,7 @@ def test_quick_cell_trains_none_and_both_rows_on_one_stream(grid, tmp_path, caps
     (cell,) = results["cells"]
     assert (cell["task"], cell["lr_factor"], cell["epochs"], cell["seed"], cell["steps"]) == (
         "fmnist-mobilenet", 1.0, 1, 0, 4)
-    for name in ("smartfrz", "smartfrz-gate"):
+    for name in ("smartfrz", "smartfrz-nogate"):
         row = cell["rows"][name]
         # 4 steps: fewer than the predictor's 8 snapshots, nothing freezes, so the row is `none` step for step
         assert row["freeze_steps"] == {} and row["stopped"] is None

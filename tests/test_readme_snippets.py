@@ -155,9 +155,10 @@ def test_the_hugging_face_trainer_snippet(tmp_path, monkeypatch):
     ns = run("**Hugging Face `Trainer`**", {})
     trainer = ns["trainer"]
     callback = next(cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ == "LayerFreezeCallback")
-    assert callback.trainer is trainer and trainer.state.global_step == 18  # 3 epochs of 48 samples, batch 8
-    assert callback.freezer.strategy.name == "smartfrz" and callback.freezer.step_count == 18
-    # smartfrz froze blocks mid-run, and each freeze reached the Trainer's log at its step (through trainer.log)
+    assert callback.trainer is trainer and trainer.state.global_step == 48  # 8 epochs of 48 samples, batch 8
+    assert callback.freezer.strategy.name == "smartfrz" and callback.freezer.step_count == 48
+    # smartfrz froze blocks mid-run (its gradient SNR gate waits for the Adam step to peak and fall: 8 epochs, not
+    # 3), and each freeze reached the Trainer's log at its step (through trainer.log)
     events = [(h["step"], h["block"]) for h in callback.freezer.history]
     assert events and all(step > 0 for step, _ in events)
     logged = [(h["step"], k.removeprefix("layerfreeze/frozen/")) for h in trainer.state.log_history for k in h

@@ -5,6 +5,7 @@ state). The engine's optimizer-state view it reads: tests/test_engine.py."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -137,12 +138,13 @@ def _train(model: nn.Module, freezer: Freezer, opt: torch.optim.Optimizer, steps
         freezer.step()
 
 
-def test_gate_is_off_by_default_and_then_changes_nothing(tmp_path):
+def test_gate_is_on_by_default_and_off_changes_nothing(tmp_path):
     path = save_predictor(tmp_path / "p.safetensors", _biased_predictor(10.0), window=3)  # p = 1 everywhere
+    default = SmartFRZ(predictor=str(path))
+    assert default.snr_gate == 0.9 and default.snr_noise == 1.35  # on by default since issue 29's grid
     model = stack()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    strategy = SmartFRZ(predictor=str(path), snapshot_every=1)
-    assert strategy.snr_gate is None and strategy.snr_noise == 1.35
+    strategy = SmartFRZ(predictor=str(path), snapshot_every=1, snr_gate=None)
     freezer = Freezer(model, opt, strategy=strategy, total_steps=10)
     _train(model, freezer, opt, 4)
     assert strategy.gate is None and "gate" not in strategy.state_dict()  # a checkpoint holds what it held before
@@ -219,3 +221,46 @@ def test_gate_resumes_to_the_uninterrupted_run(tmp_path):
     assert got == want and any(s > 12 for s in want.values()), (got, want)
     assert strategy2.state_dict()["gate"] == ref_strategy.state_dict()["gate"]
     assert all(torch.equal(a, b) for a, b in zip(model2.state_dict().values(), ref_model.state_dict().values()))
+
+
+def test_checkpoint_without_the_gate_resumed_with_it_says_so(tmp_path):
+    # a run checkpointed with the gate off (as every run before issue 29 made it the default) and resumed with it
+    # on: the gate has seen none of the earlier steps, which the user is told, with the way to resume exactly
+    path = save_predictor(tmp_path / "p.safetensors", _biased_predictor(10.0), window=3)
+    model = stack()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    old = SmartFRZ(predictor=str(path), snapshot_every=1, snr_gate=None)
+    freezer = Freezer(model, opt, strategy=old, total_steps=60)
+    _train(model, freezer, opt, 3)
+    state = freezer.state_dict()
+    assert "gate" not in old.state_dict()
+    fresh = SmartFRZ(predictor=str(path), snapshot_every=1)
+    m2 = stack()
+    freezer2 = Freezer(m2, torch.optim.AdamW(m2.parameters(), lr=1e-2), strategy=fresh, total_steps=60)
+    with pytest.warns(UserWarning, match="snr_gate=null"):
+        freezer2.load_state_dict(state)
+    same = SmartFRZ(predictor=str(path), snapshot_every=1, snr_gate=None)
+    m3 = stack()
+    freezer3 = Freezer(m3, torch.optim.AdamW(m3.parameters(), lr=1e-2), strategy=same, total_steps=60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        freezer3.load_state_dict(state)  # gate off on both sides: silent
+
+
+def test_gate_without_adam_moments_says_once_that_the_predictor_decides_alone(tmp_path):
+    # SGD keeps no exp_avg/exp_avg_sq: the default gate has no verdict, the freezes are the predictor's own (those of
+    # snr_gate=None), and the run is told so once, not at every stage
+    path = save_predictor(tmp_path / "p.safetensors", _biased_predictor(10.0), window=3)  # p = 1 everywhere
+    steps = {}
+    for gate in (0.9, None):
+        model = stack()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        strategy = SmartFRZ(predictor=str(path), snapshot_every=1, snr_gate=gate)
+        freezer = Freezer(model, opt, strategy=strategy, total_steps=10)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _train(model, freezer, opt, 4)
+        said = [w for w in caught if "found no Adam moments" in str(w.message)]
+        assert len(said) == (1 if gate else 0)
+        steps[gate] = {r["index"]: r["step"] for r in freezer.history if r["kind"] == "freeze"}
+    assert steps[0.9] == steps[None] == {0: 2, 1: 2, 2: 2}

@@ -9,7 +9,7 @@ reverse.
 * :mod:`~layerfreeze.strategies.smartfrz.recorder` -- a fixed random sample of each block's weights, recorded;
 * :mod:`~layerfreeze.strategies.smartfrz.features` -- the predictor's input, per snapshot of a window;
 * :mod:`~layerfreeze.strategies.smartfrz.predictor` -- the attention network, its file format and loading;
-* :mod:`~layerfreeze.strategies.smartfrz.snr_gate` -- the gradient signal-to-noise gate (issue 29; off by default);
+* :mod:`~layerfreeze.strategies.smartfrz.snr_gate` -- the gradient signal-to-noise gate (issue 29; on by default);
 * :mod:`~layerfreeze.strategies.smartfrz.strategy` -- :class:`SmartFRZ`.
 """
 

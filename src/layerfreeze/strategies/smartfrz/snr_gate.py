@@ -1,9 +1,10 @@
-"""SmartFRZ's gradient signal-to-noise gate (issue 29, off by default): never freeze a block whose gradient is still
+"""SmartFRZ's gradient signal-to-noise gate (issue 29, on by default): never freeze a block whose gradient is still
 getting *more* consistent.
 
-Turned on with the strategy parameter ``snr_gate`` (``kappa`` below; ``-p snr_gate=0.9`` in the CLI, the value
-measured here); off (None) by default until issue 29's grid (``python -m benchmarks.lr_grid``: lr x0.3/x1/x3, 1/2/4
-epochs, 3 seeds, rows `none`, `smartfrz`, `smartfrz-gate`) decides whether it becomes the default.
+The strategy parameter ``snr_gate`` is ``kappa`` below (default 0.9, the value measured here; ``-p snr_gate=null``
+turns the gate off). It became the default from issue 29's grid (``python -m benchmarks.lr_grid``: lr x0.3/x1/x3,
+1/2/4 epochs, 3 seeds, rows `none`, `smartfrz` and `smartfrz-nogate`; BENCHMARKS.md "The default at other learning
+rates").
 
 Why: the predictor reads how little a block's weights move, and weights move little for two reasons: the block has
 converged, or the learning rate is small. At lr x0.3 of the suite's BBC job (MiniLM-L6, 2 epochs; `none` ends at
@@ -41,7 +42,7 @@ Results so far (issue 29's research branch, the suite's sizes; Δ = accuracy poi
 -> on): BBC lr x0.3 2 epochs -5.78 -> +0.08 (3 seeds) at FLOPs ratio 0.766 -> 0.991 (it freezes almost nothing
 there); BBC lr x1 1 epoch -1.73 -> +0.00 (3 seeds, FLOPs 0.854 -> 0.995); BBC lr x1 2 epochs -0.23 -> -0.38
 (3 seeds, noise) at FLOPs 0.811 -> 0.821; MobileNetV2 lr x1 -0.18 -> +0.07 (3 seeds) at 0.893 -> 0.905; ResNet-18
--0.30 -> -0.10 at 0.925 -> 0.940 (1 seed). The whole grid has not been run yet.
+-0.30 -> -0.10 at 0.925 -> 0.940 (1 seed). The whole grid: BENCHMARKS.md.
 """
 
 from __future__ import annotations

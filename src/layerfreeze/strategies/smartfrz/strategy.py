@@ -10,6 +10,7 @@ representational-similarity labels decide which layers to freeze (sec. 3.3-3.4).
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from layerfreeze.strategies.registry import register_strategy
 from layerfreeze.strategies.smartfrz.features import window_features
 from layerfreeze.strategies.smartfrz.predictor import load_predictor
 from layerfreeze.strategies.smartfrz.recorder import WeightRecorder
-from layerfreeze.strategies.smartfrz.snr_gate import DEFAULT_NOISE, AdamMoments, SNRGate
+from layerfreeze.strategies.smartfrz.snr_gate import DEFAULT_KAPPA, DEFAULT_NOISE, AdamMoments, SNRGate
 
 
 @register_strategy("smartfrz")
@@ -37,7 +38,7 @@ class SmartFRZ(Strategy):
     ``p >= threshold`` and, with ``prefix=True`` (default), every earlier block is frozen; the first block that is
     not frozen ends the visit (prefix rule). The head is never frozen. A window with NaN/Inf weights gives no
     decision for that block and is reported in the signals (``nonfinite``). With the gradient signal-to-noise gate
-    (``snr_gate``, off by default; issue 29) a block is frozen only when, besides ``p >= threshold``, its
+    (``snr_gate``, on by default since issue 29's grid) a block is frozen only when, besides ``p >= threshold``, its
     Adam-normalized step has stopped strengthening (:mod:`layerfreeze.strategies.smartfrz.snr_gate`): weights that
     move little because the learning rate is small look converged to the predictor, and this signal tells the two
     apart.
@@ -52,12 +53,12 @@ class SmartFRZ(Strategy):
         prefix: Only freeze a block when all earlier blocks are frozen.
         seed: Seed of the sampled positions.
         snr_gate: ``kappa`` of the gradient signal-to-noise gate (:mod:`layerfreeze.strategies.smartfrz.snr_gate`;
-            the signal is Adam's ``m_hat / sqrt(v_hat)``, Kingma & Ba 2015 sec. 2.1), in (0, 1], or None (default:
-            off, the predictor alone). On (0.9 is the measured value: ``-p snr_gate=0.9``), a block the predictor
-            would freeze waits until its smoothed Adam-normalized step has fallen to ``kappa`` times its peak (or is
-            about noise and not rising), so a block still learning faster and faster (a small learning rate, a run
-            far from converged) is not frozen. No effect without Adam moments (SGD, sharded FSDP state). Off by
-            default until issue 29's grid (``python -m benchmarks.lr_grid``) decides the default.
+            the signal is Adam's ``m_hat / sqrt(v_hat)``, Kingma & Ba 2015 sec. 2.1), in (0, 1], or None (off, the
+            predictor alone: ``-p snr_gate=null``). Default 0.9, the value measured on issue 29's grid
+            (``python -m benchmarks.lr_grid``; BENCHMARKS.md "The default at other learning rates"): a block the
+            predictor would freeze waits until its smoothed Adam-normalized step has fallen to ``kappa`` times its
+            peak (or is about noise and not rising), so a block still learning faster and faster (a small learning
+            rate, a run far from converged) is not frozen. No effect without Adam moments (SGD, sharded FSDP state).
         snr_noise: The gate's second branch, a number > 0 or None: a block whose smoothed z (its step over Adam's
             noise floor; 1 = pure noise) is at most this and not rising may freeze; None: only the fall from the
             peak opens the gate. Default 1.35 (a mean gradient about a fifth of its noise std). Used only with
@@ -75,7 +76,7 @@ class SmartFRZ(Strategy):
     """
 
     def __init__(self, predictor: str | None = None, threshold: float | None = None, snapshot_every: int | None = None,
-                 sample_size: int = 1024, prefix: bool = True, seed: int = 0, snr_gate: float | None = None,
+                 sample_size: int = 1024, prefix: bool = True, seed: int = 0, snr_gate: float | None = DEFAULT_KAPPA,
                  snr_noise: float | None = DEFAULT_NOISE) -> None:
         super().__init__()
         if threshold is not None and (not is_number(threshold) or not 0 < threshold < 1):
@@ -103,6 +104,7 @@ class SmartFRZ(Strategy):
         self.snr_noise = None if snr_noise is None else float(snr_noise)
         self.gate: SNRGate | None = None
         self._moments: AdamMoments | None = None
+        self._warned_no_moments = False
         self.model = None
         self.window = self.min_window = 0
         self.recorder = None
@@ -168,8 +170,17 @@ class SmartFRZ(Strategy):
         if self._moments is None:  # the recorder's sampled positions, at the first stage (as it reads them)
             self._moments = AdamMoments([s.picks for s in self.recorder.samples], self.sample_size)
         active = [b.index for b in ctx.blocks if not b.frozen and not b.is_head]
-        for i, (z, step) in self._moments.z(active, ctx.optimizer_state).items():
+        got = self._moments.z(active, ctx.optimizer_state)
+        for i, (z, step) in got.items():
             self.gate.observe(i, z, step)
+        if active and not got and not self._warned_no_moments:
+            # the default is on, so a run whose optimizer the gate cannot read must not differ from what the user
+            # reads in the docs without a word: say once that the predictor decides alone here
+            self._warned_no_moments = True
+            warnings.warn("smartfrz: the gradient SNR gate (snr_gate, on by default) found no Adam moments for the "
+                          "blocks it watches (an optimizer without exp_avg/exp_avg_sq such as SGD, no optimizer, or "
+                          "FSDP2-sharded state read through a mirror); the predictor decides alone in this run. "
+                          "-p snr_gate=null turns the gate off and this warning with it.", stacklevel=2)
 
     def predict(self, index: int, num_blocks: int, total_steps: int) -> float:
         """``p(freeze now)`` of block ``index`` from its recorded window, its depth ``index / (num_blocks - 1)`` and
@@ -196,6 +207,13 @@ class SmartFRZ(Strategy):
             self.recorder.load_state_dict(state["recorder"])
         if self.gate is not None and state.get("gate") is not None:
             self.gate.load_state_dict(state["gate"])
+        elif self.gate is not None and state.get("recorder") is not None:
+            # a checkpoint written without the gate (off, or layerfreeze before it was the default) resumed with it:
+            # the gate has seen none of the steps before the resume, so its peaks start here; say so
+            warnings.warn("smartfrz: this checkpoint was written without the gradient SNR gate (snr_gate off, or a "
+                          "layerfreeze from before it was on by default); the gate starts observing at the resume, "
+                          "so freezes may come later than in one uninterrupted run. Resume with -p snr_gate=null "
+                          "to continue exactly as the checkpoint's run did.", stacklevel=2)
 
     def __repr__(self) -> str:
         return f"SmartFRZ(threshold={self.threshold}, snapshot_every={self.snapshot_every}, snr_gate={self.snr_gate})"

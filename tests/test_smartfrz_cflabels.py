@@ -155,6 +155,7 @@ def test_cli_label_counterfactual_end_to_end(runs, tmp_path, capsys):
     assert lab["first_freezable_step"] == [next((plain["act_steps"][a] for a, f in enumerate(row) if f), None)
                                            for row in want]
     assert lab["counterfactual"]["available"] and lab["counterfactual"]["cells"] == len(cf["grid"])
+    assert lab["counterfactual"]["replay_matches_record"] and "did not reach" not in out
     assert f"1 of 4 runs had a counterfactual.json, {n} (block, snapshot) labels turned" in out
     assert "3 runs without one kept their CKA labels" in out and out.count("no counterfactual") == 3
     for other in ("mlp-digits_s0_lr0.02", "mlp-digits_s0_lr0.024", "mlp-digits_s0_lr0.08"):
@@ -163,8 +164,10 @@ def test_cli_label_counterfactual_end_to_end(runs, tmp_path, capsys):
 
     # every grid cell losing everything: every covered block's label goes (depths 1..3 cover blocks 0..2)
     cf["grid"] = [{**c, "accuracy": 0.0} for c in cf["grid"]]
+    cf["baseline"] = {**cf["baseline"], "matches_record": False}
     (run / COUNTERFACTUAL_FILE).write_text(json.dumps(cf))
     assert _cli(["predictor", "label", str(corpus), "--counterfactual", "--tau-scratch", "0.5"]) == 0
+    assert "mlp-digits_s0_lr0.006's counterfactual replay did not reach" in " ".join(capsys.readouterr().out.split())
     lab = json.loads((run / LABELS_FILE).read_text())
     assert not any(any(row) for row in lab["freezable"]) and lab["first_freezable_step"] == [None] * 4
     assert lab["counterfactual"]["corrected"] == sum(map(sum, plain["freezable"])) > 0

@@ -28,9 +28,11 @@ The correction, per run that has a ``counterfactual.json`` (:func:`correct_freez
 4. The prefix rule is applied again: a block is freezable only when every earlier block still is.
 
 Runs without a ``counterfactual.json`` keep their CKA labels exactly. Every run labelled in this mode records
-``"counterfactual": {"eps_points", "available", "corrected", "cells", "fractions", "null_orders", "depths"}`` in its
-``labels.json`` (``available``: the run had a counterfactual file; ``corrected``: the ``(block, snapshot)`` labels
-turned from freezable to not, the prefix rule's included); ``first_freezable_step`` is recomputed from the corrected
+``"counterfactual": {"eps_points", "available", "corrected", "cells", "replay_matches_record", "fractions",
+"null_orders", "depths"}`` in its ``labels.json`` (``available``: the run had a counterfactual file; ``corrected``:
+the ``(block, snapshot)`` labels turned from freezable to not, the prefix rule's included; ``replay_matches_record``:
+the counterfactual's unfrozen replay reached the recorded accuracy, so its costs are of the recorded trajectory; the
+last four only with a file); ``first_freezable_step`` is recomputed from the corrected
 flags (same meaning: the first snapshot at which the block is freezable).
 """
 
@@ -148,7 +150,9 @@ def label_run_corrected(run_dir: str | Path, tau: float = DEFAULT_TAU, delta: fl
         lab["freezable"] = flags
         lab["first_freezable_step"] = [next((lab["act_steps"][a] for a, f in enumerate(row) if f), None)
                                        for row in flags]
-        info.update(corrected=corrected, cells=len(cf["grid"]), fractions=cf.get("fractions"),
+        info.update(corrected=corrected, cells=len(cf["grid"]),
+                    replay_matches_record=bool(cf.get("baseline", {}).get("matches_record")),
+                    fractions=cf.get("fractions"),
                     null_orders=cf.get("null_orders", len(cf.get("null", []))),
                     depths=sorted({c["depth"] for c in cf["grid"]}))
     lab["counterfactual"] = info

@@ -280,6 +280,9 @@ def _label(args: argparse.Namespace, console: Console) -> int:
             with_cf += info["available"]
             corrected += info["corrected"]
             row.append(str(info["corrected"]) if info["available"] else "no counterfactual")
+            if info["available"] and not info["replay_matches_record"]:
+                console.print(f"note: {d.name}'s counterfactual replay did not reach the recorded accuracy (another "
+                              "machine or thread count?): its costs are of a nearby trajectory", highlight=False)
         table.add_row(*row)
     console.print(table)
     if args.counterfactual:

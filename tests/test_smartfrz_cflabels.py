@@ -30,24 +30,25 @@ CKA = [[T, T, T, T, T, T],   # block 0
        [F, F, F, F, F, F]]   # block 3, the head
 
 
-def test_a_costly_cell_removes_the_label_from_its_step_to_the_next_and_before_the_first():
-    # grid steps 20 and 40, depths 1 and 3: block 0 is looked up at depth 1, blocks 1 and 2 at depth 3
+def test_a_costly_cell_vetoes_every_freeze_no_later_and_no_shorter():
+    # grid steps 20 and 40, depths 1 and 3
     cheap = {(20, 1): F, (40, 1): T, (20, 3): T, (40, 3): F}
     flags, corrected = correct_freezable(CKA, STEPS, cheap)
-    # block 0: (20, 1) costs -> not freezable at 20 and 30 (last grid step <= s is 20) and at 0, 10 (before the
-    # first grid step, which is 20); (40, 1) free -> kept at 40, 50.
-    # blocks 1, 2 on their own: (40, 3) costs -> removed at 40, 50; kept at 10-30 by (20, 3). The prefix rule then
-    # removes them wherever block 0 is not freezable: nothing is left.
-    assert flags == [[F, F, F, F, T, T], [F] * 6, [F] * 6, [F] * 6]
-    assert corrected == 4 + 5 + 4
+    # (20, 1) costs: freezing block 0 (or a longer prefix) at or before step 20 costs at least as much -> every
+    # block's label at 0, 10, 20 goes. (40, 3) costs: blocks 2 and deeper at or before 40 -> block 2 at 30, 40.
+    # (40, 1) free and (20, 3) free remove nothing; step 50, after the last grid step, keeps every CKA label.
+    assert flags == [[F, F, F, T, T, T], [F, F, F, T, T, T], [F, F, F, F, F, T], [F] * 6]
+    assert corrected == 3 + 2 + 3
     assert CKA[0] == [T] * 6  # the input is not modified
 
 
-def test_a_block_deeper_than_every_grid_depth_keeps_its_label():
-    cheap = {(20, 1): T, (40, 1): F}  # only depth 1 measured: blocks 1 and 2 are not covered
-    flags, corrected = correct_freezable(CKA, STEPS, cheap)
-    assert flags == [[T, T, T, T, F, F], [F, T, T, T, F, F], [F, F, T, T, F, F], [F] * 6]  # prefix rule at 40, 50
-    assert corrected == 2 + 2 + 2
+def test_a_costly_cell_says_nothing_about_a_shorter_prefix_or_a_later_step():
+    flags, corrected = correct_freezable(CKA, STEPS, {(40, 3): F})  # only depth 3 measured, costly at 40
+    assert flags == [CKA[0], CKA[1], [F, F, F, F, F, T], CKA[3]]  # blocks 0, 1 untouched; block 2 after 40 too
+    assert corrected == 3
+    flags, corrected = correct_freezable(CKA, STEPS, {(20, 1): T, (40, 1): F})  # the shallowest prefix costs at 40
+    assert flags == [[F, F, F, F, F, T], [F, F, F, F, F, T], [F, F, F, F, F, T], [F] * 6]
+    assert corrected == 5 + 4 + 3
 
 
 def test_the_counterfactual_never_adds_a_freezable_label():
@@ -162,15 +163,18 @@ def test_cli_label_counterfactual_end_to_end(runs, tmp_path, capsys):
         got = json.loads((corpus / other / LABELS_FILE).read_text())
         assert got["freezable"] == label_run(corpus / other, tau_scratch=0.5, write=False)["freezable"]
 
-    # every grid cell losing everything: every covered block's label goes (depths 1..3 cover blocks 0..2)
+    # every grid cell losing everything: every label at or before the last grid step goes; after it, CKA's stay
     cf["grid"] = [{**c, "accuracy": 0.0} for c in cf["grid"]]
     cf["baseline"] = {**cf["baseline"], "matches_record": False}
     (run / COUNTERFACTUAL_FILE).write_text(json.dumps(cf))
     assert _cli(["predictor", "label", str(corpus), "--counterfactual", "--tau-scratch", "0.5"]) == 0
     assert "mlp-digits_s0_lr0.006's counterfactual replay did not reach" in " ".join(capsys.readouterr().out.split())
     lab = json.loads((run / LABELS_FILE).read_text())
-    assert not any(any(row) for row in lab["freezable"]) and lab["first_freezable_step"] == [None] * 4
-    assert lab["counterfactual"]["corrected"] == sum(map(sum, plain["freezable"])) > 0
+    last = max(c["t"] for c in cf["grid"])
+    after = [a for a, s in enumerate(plain["act_steps"]) if s > last]
+    assert lab["freezable"] == [[f and a in after for a, f in enumerate(row)] for row in plain["freezable"]]
+    gone = sum(f for row in plain["freezable"] for a, f in enumerate(row) if a not in after)
+    assert lab["counterfactual"]["corrected"] == gone > 0
     assert lab["counterfactual"]["eps_points"] == 0.2  # the default
 
     (run / COUNTERFACTUAL_FILE).write_text(json.dumps({**cf, "run": "another"}))

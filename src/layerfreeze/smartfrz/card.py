@@ -69,10 +69,9 @@ def _correction_lines(cf: dict[str, Any] | None) -> list[str]:
         f"Counterfactual correction: used, eps = {_fmt(cf['eps_points'])} points. "
         f"{cf['runs_with_counterfactual']} of {cf['runs']} runs (training and held-out) had a `counterfactual.json` "
         "(`layerfreeze predictor counterfactual`: the run replayed and trained on with blocks 0..d-1 frozen from "
-        "step t). In those, a block stays freezable at a snapshot only if freezing the smallest measured prefix "
-        "covering it, at the last grid step at or before the snapshot (the first grid step for a snapshot before "
-        "the grid), lost at most eps points beyond the unfrozen continuations; the correction only removes CKA "
-        "labels, never adds one. "
+        "step t). In those, a grid cell (t, d) that lost more than eps points beyond the unfrozen continuations "
+        "removes the label of blocks d-1 and deeper at every snapshot up to step t (a freeze no later and no "
+        "shorter costs at least as much); the correction only removes CKA labels, never adds one. "
         f"{cf['corrected']} of the CKA rule's {cf['freezable_cka']} freezable (block, snapshot) labels "
         f"({100 * share:.1f}%) were turned to not freezable; {cf['runs'] - cf['runs_with_counterfactual']} runs "
         "without counterfactuals keep their CKA labels. See `layerfreeze.smartfrz.cflabels`.",

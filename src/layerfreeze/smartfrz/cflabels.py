@@ -8,24 +8,21 @@ trains the run on with blocks ``0 .. d-1`` frozen from ``t`` and compares the fi
 continuations (:func:`~layerfreeze.smartfrz.counterfactual.counterfactual_labels`: ``(t, d)`` *costs nothing* when
 it loses at most ``eps_points`` beyond the lowest unfrozen continuation).
 
-The correction, per run that has a ``counterfactual.json`` (:func:`correct_freezable`):
+The correction, per run that has a ``counterfactual.json`` (:func:`correct_freezable`), rests on two assumptions
+about a freeze's cost: freezing *earlier* is never cheaper (the frozen prefix misses more updates), and freezing a
+*longer* prefix is never cheaper (more blocks miss them). Labelling block ``b`` freezable at snapshot ``s`` says that
+freezing the prefix ``0 .. b`` (depth ``b + 1``, the prefix rule of :mod:`.labels`) at step ``s`` costs nothing. A
+grid cell ``(t, d)`` that costs something therefore proves a cost for every freeze that is no later and no shorter:
 
-1. Block ``b`` at snapshot ``s`` is looked up at grid depth ``d_b``, the smallest grid depth ``>= b + 1``:
-   freezing ``b`` means freezing the prefix ``0 .. b`` (the prefix rule of :mod:`.labels`), depth ``b + 1``; the
-   smallest measured depth covering it is the nearest measured prefix that contains it. No grid depth ``>= b + 1``
-   (a grid of shallow depths only): nothing is known about ``b``, its CKA label stays.
-2. ...at grid step ``t_k``, the last grid step ``<= s``, or ``t_1`` when ``s < t_1``. Assumption: freezing later
-   is never costlier than freezing earlier (the frozen prefix misses fewer updates), so a freeze at ``s >= t_k``
-   costs at most what freezing at ``t_k`` costs and a freeze at ``s < t_1`` at least what freezing at ``t_1`` costs.
-   The lookup is therefore exact in one direction only: a costly ``(t_k, d_b)`` with ``t_k <= s`` does not prove
-   that ``s`` is costly (it is at most as costly), which is why the correction only removes labels where CKA and a
-   grid cell no later than ``s`` (or the first one) disagree, the conservative reading for a predictor whose
-   promise is "freezing now costs nothing".
-3. If ``(t_k, d_b)`` costs something, ``b`` is not freezable at ``s``. If it costs nothing, the CKA label stays:
-   the counterfactual only removes "freezable" labels, it never adds one CKA did not give (it says "not free",
-   never "free" against CKA: a grid of six steps is too coarse to place a freeze between its cells, and the
-   continuations are lower bounds on a schedule's cost, :mod:`.counterfactual`).
-4. The prefix rule is applied again: a block is freezable only when every earlier block still is.
+1. A costly cell ``(t, d)`` (``d >= 1``) removes the label of every block ``b >= d - 1`` at every snapshot
+   ``s <= t``. This is the only inference the two assumptions allow in this direction; a costly cell says nothing
+   about a later snapshot (it may be cheaper) or a shorter prefix.
+2. A cell that costs nothing removes nothing, and the counterfactual never adds a label CKA did not give: "free at
+   ``(t, d)``" would have to be carried to other steps against the same assumptions (a grid of six steps is too
+   coarse to place a freeze between its cells), and the continuations are lower bounds on a schedule's cost
+   (:mod:`.counterfactual`). So where CKA and the counterfactual disagree, the label takes the counterfactual's side
+   only when it says "not free"; snapshots after the last grid step keep their CKA labels.
+3. The prefix rule holds by construction (a veto of block ``b`` vetoes every deeper block) and is applied again.
 
 Runs without a ``counterfactual.json`` keep their CKA labels exactly. Every run labelled in this mode records
 ``"counterfactual": {"eps_points", "available", "corrected", "cells", "replay_matches_record", "fractions",
@@ -38,7 +35,6 @@ flags (same meaning: the first snapshot at which the block is freezable).
 
 from __future__ import annotations
 
-import bisect
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -75,27 +71,16 @@ def correct_freezable(freezable: Sequence[Sequence[bool]], act_steps: Sequence[i
         ``(corrected flags, number of (block, snapshot) labels turned from True to False)``; the input is not
         modified. Never turns a False into True.
     """
-    steps = sorted({t for t, d in cheap if d >= 1})
-    depths = sorted({d for _, d in cheap if d >= 1})
-    n_blocks = len(freezable)
+    costly = [(t, d) for (t, d), free in cheap.items() if d >= 1 and free is False]
     out = [list(map(bool, row)) for row in freezable]
-    if not steps:
-        return out, 0
-    for b in range(n_blocks):
-        i = bisect.bisect_left(depths, b + 1)
-        if i == len(depths):
-            continue  # no measured prefix covers block b
-        d = depths[i]
-        for a, s in enumerate(act_steps):
-            if not out[b][a]:
-                continue
-            k = bisect.bisect_right(steps, s) - 1
-            t = steps[max(k, 0)]
-            if cheap.get((t, d)) is False:
-                out[b][a] = False
+    for t, d in costly:
+        for b in range(d - 1, len(out)):
+            for a, s in enumerate(act_steps):
+                if s <= t:
+                    out[b][a] = False
     for a in range(len(act_steps)):  # the prefix rule again
         closed = True
-        for b in range(n_blocks):
+        for b in range(len(out)):
             closed = closed and out[b][a]
             out[b][a] = closed
     corrected = sum(bool(x) and not y for row, new in zip(freezable, out) for x, y in zip(row, new))

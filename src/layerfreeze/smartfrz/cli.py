@@ -123,9 +123,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help=f"activation snapshots in the stability window (default {DEFAULT_WINDOW})")
     lab.add_argument("--counterfactual", action="store_true",
                      help="correct the CKA labels of every run that has a counterfactual.json (`predictor "
-                     "counterfactual`): a grid cell (t, d) that costs accuracy removes the label of blocks d-1 and deeper "
-                     "at every snapshot up to t (an earlier or longer freeze costs at least as much); runs without "
-                     "one keep their CKA labels (layerfreeze.smartfrz.cflabels)")
+                     "counterfactual`): a grid cell (t, d) that costs accuracy removes the label of blocks d-1 and "
+                     "deeper at every snapshot up to t (an earlier or longer freeze costs at least as much); runs "
+                     "without one keep their CKA labels (layerfreeze.smartfrz.cflabels)")
     lab.add_argument("--eps-points", type=_number(float, 0), default=DEFAULT_EPS_POINTS,
                      help="with --counterfactual: accuracy points a freeze may lose beyond the unfrozen continuations "
                      f"and still cost nothing (default {DEFAULT_EPS_POINTS})")

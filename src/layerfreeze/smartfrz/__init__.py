@@ -10,6 +10,7 @@
   :mod:`~layerfreeze.smartfrz.lofo` -- leave one architecture family out; :mod:`~layerfreeze.smartfrz.ship` --
   the predictor file and its card (:mod:`~layerfreeze.smartfrz.card`);
 * :mod:`~layerfreeze.smartfrz.counterfactual` -- what freezing at step t really costs, to check the labels;
+  :mod:`~layerfreeze.smartfrz.cflabels` -- CKA labels corrected by those costs (``label --counterfactual``);
 * :mod:`~layerfreeze.smartfrz.runs` -- the runs folder's format; :mod:`~layerfreeze.smartfrz.cli` -- the CLI.
 
 The strategy that uses the shipped predictor at run time is :mod:`layerfreeze.strategies.smartfrz`.

@@ -59,6 +59,42 @@ def _lofo_section(lofo: dict[str, Any]) -> list[str]:
     return [*lines, *_table(header, rows), ""]
 
 
+def _correction_lines(cf: dict[str, Any] | None) -> list[str]:
+    """The Labels section's paragraph on the counterfactual correction (``card["labels"]["counterfactual"]``,
+    :func:`~layerfreeze.smartfrz.cflabels.correction_summary`)."""
+    if not cf:
+        return ["Counterfactual correction: not used (plain CKA labels).", ""]
+    share = cf["corrected"] / cf["freezable_cka"] if cf.get("freezable_cka") else 0.0
+    return [
+        f"Counterfactual correction: used, eps = {_fmt(cf['eps_points'])} points. "
+        f"{cf['runs_with_counterfactual']} of {cf['runs']} runs (training and held-out) had a `counterfactual.json` "
+        "(`layerfreeze predictor counterfactual`: the run replayed and trained on with blocks 0..d-1 frozen from "
+        "step t). In those, a grid cell (t, d) that lost more than eps points beyond the unfrozen continuations "
+        "removes the label of blocks d-1 and deeper at every snapshot up to step t (a freeze no later and no "
+        "shorter costs at least as much); the correction only removes CKA labels, never adds one. "
+        f"{cf['corrected']} of the CKA rule's {cf['freezable_cka']} freezable (block, snapshot) labels "
+        f"({100 * share:.1f}%) were turned to not freezable; {cf['runs'] - cf['runs_with_counterfactual']} runs "
+        "without counterfactuals keep their CKA labels. See `layerfreeze.smartfrz.cflabels`.",
+        "",
+    ]
+
+
+def _lr_spread_section(spread: dict[str, Any]) -> list[str]:
+    """The "Learning-rate spread" section from ``card["lr_spread"]`` (:func:`~layerfreeze.smartfrz.ship.lr_spread`):
+    per recipe, the corpus's learning rates and their factors against the recipe's lowest registered rate."""
+    rows = [[name, ", ".join(f"{x:g}" for x in s["registered"]) if s.get("registered") else "-",
+             ", ".join(f"{x:g}" for x in s["lrs"]),
+             ", ".join(f"x{f:g}" for f in s["factors"]) if s.get("factors") else "-", s.get("runs")]
+            for name, s in spread.items()]
+    lows = [f for s in spread.values() for f in (s.get("factors") or [])]
+    span = f"factors from x{min(lows):g} to x{max(lows):g}" if lows else "no registered recipe"
+    return ["## Learning-rate spread", "",
+            "The learning rates of every run above (training and held-out), per recipe; factor = the rate over the "
+            f"recipe's lowest registered rate (`collect --lr-factors` scales the registered rates). Over the corpus: "
+            f"{span}.", "",
+            *_table(["recipe", "registered rates", "corpus rates", "factors", "runs"], rows), ""]
+
+
 def render_card(card: dict[str, Any]) -> str:
     """The card as Markdown text."""
     labels = card.get("labels", {})
@@ -88,6 +124,7 @@ def render_card(card: dict[str, Any]) -> str:
         f"(max - min) over the last window = {labels.get('window')} activation snapshots, and every earlier block is "
         "freezable too; the head never is. See `layerfreeze.smartfrz.labels` for why these values.",
         "",
+        *_correction_lines(labels.get("counterfactual")),
         "## Training",
         "",
         f"- examples: {training.get('examples')} windows ({training.get('positives')} freezable, "
@@ -119,6 +156,8 @@ def render_card(card: dict[str, Any]) -> str:
         lines.append("")
     if card.get("lofo"):
         lines += _lofo_section(card["lofo"])
+    if card.get("lr_spread"):
+        lines += _lr_spread_section(card["lr_spread"])
     lines += ["## Training runs", "", *_runs_table(card.get("train_runs", [])), "",
               "## Held-out runs", "", *_runs_table(card.get("heldout_runs", [])), "",
               "## Reproduce", "",

@@ -10,6 +10,8 @@ pipeline.
     layerfreeze predictor train runs/smartfrz --lofo              # + leave-one-family-out metrics in the card
     layerfreeze predictor counterfactual runs/smartfrz --recipes mlp-digits   # what freezing at t really costs
     layerfreeze predictor calibrate runs/smartfrz                 # CKA rules against those costs
+    layerfreeze predictor label runs/smartfrz --counterfactual    # CKA labels those costs do not contradict
+    layerfreeze predictor collect --out runs/smartfrz --lr-factors 0.3,1   # + every recipe at x0.3 of its rates
 
 Then ``freeze.params.predictor: predictor.safetensors`` (or ``SmartFRZ(predictor=...)``) uses it.
 
@@ -68,6 +70,29 @@ def _number(kind: type, low: float, high: float | None = None, low_open: bool = 
 _PROBABILITY = _number(float, 0, 1, low_open=True, high_open=True)
 
 
+def _factors(text: str) -> list[float]:
+    """argparse type of ``--lr-factors``: comma-separated finite numbers > 0 (a usage error, exit 2, otherwise)."""
+    one = _number(float, 0, low_open=True)
+    out = []
+    for x in text.split(","):
+        if not x.strip():
+            continue
+        try:
+            value = one(x.strip())
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"each learning-rate factor {exc} (e.g. --lr-factors 0.3,1)") from None
+        if value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"each learning-rate factor must be finite, got {x.strip()}")
+        out.append(value)
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected comma-separated factors > 0, got {text!r}")
+    return out
+
+
+_LR_FACTORS_HELP = ("multiply each learning rate (--lrs or each recipe's own) by each of these factors, duplicates "
+                    "dropped, e.g. 0.3,1 adds x0.3 of every rate; each run's meta.json records lr_factor")
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``predictor`` and its sub-commands to the main CLI's sub-parsers."""
     p = subparsers.add_parser(
@@ -82,6 +107,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--recipes", type=_csv(str), help=f"comma-separated recipes (default all: {', '.join(RECIPES)})")
     c.add_argument("--seeds", type=_csv(int), default=[0, 1], help="comma-separated seeds (default 0,1)")
     c.add_argument("--lrs", type=_csv(float), help="learning rates overriding each recipe's own pair")
+    c.add_argument("--lr-factors", type=_factors, help=_LR_FACTORS_HELP)
     c.add_argument("--quick", action="store_true", help="shrink every recipe to a few seconds (tests, CI)")
     c.add_argument("--list", action="store_true", help="list the recipes and exit")
 
@@ -95,6 +121,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help=f"max CKA change over the window (default {DEFAULT_DELTA})")
     lab.add_argument("--window", type=_number(int, 1), default=DEFAULT_WINDOW,
                      help=f"activation snapshots in the stability window (default {DEFAULT_WINDOW})")
+    lab.add_argument("--counterfactual", action="store_true",
+                     help="correct the CKA labels of every run that has a counterfactual.json (`predictor "
+                     "counterfactual`): a grid cell (t, d) that costs accuracy removes the label of blocks d-1 and "
+                     "deeper at every snapshot up to t (an earlier or longer freeze costs at least as much); runs "
+                     "without one keep their CKA labels (layerfreeze.smartfrz.cflabels)")
+    lab.add_argument("--eps-points", type=_number(float, 0), default=DEFAULT_EPS_POINTS,
+                     help="with --counterfactual: accuracy points a freeze may lose beyond the unfrozen continuations "
+                     f"and still cost nothing (default {DEFAULT_EPS_POINTS})")
 
     t = sub.add_parser("train", help="fit the predictor on the non-held-out runs; evaluate on the held-out ones")
     t.add_argument("runs_dir", metavar="RUNS_DIR")
@@ -134,6 +168,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     cf.add_argument("--recipes", type=_csv(str), required=True, help="comma-separated recipes (collected in RUNS_DIR)")
     cf.add_argument("--seeds", type=_csv(int), default=[0], help="comma-separated seeds (default 0)")
     cf.add_argument("--lrs", type=_csv(float), help="learning rates (default each recipe's own pair)")
+    cf.add_argument("--lr-factors", type=_factors, help="the runs collected with `collect --lr-factors`: "
+                    + _LR_FACTORS_HELP.split(", e.g.")[0])
     cf.add_argument("--fractions", type=_csv(float), default=list(DEFAULT_FRACTIONS),
                     help="grid steps as fractions of the run, each in (0, 1), moved to the next activation snapshot "
                     f"(default {','.join(f'{f:g}' for f in DEFAULT_FRACTIONS)})")
@@ -186,8 +222,11 @@ def _collect(args: argparse.Namespace, console: Console) -> int:
         for r in recipes:
             console.print(f"  [bold]{r.name}[/]: {r.description}")
         return 0
-    n_runs = sum(len(args.seeds) * len(args.lrs or r.lrs) for r in recipes)
-    est = sum(len(args.seeds) * len(args.lrs or r.lrs) * r.minutes for r in recipes)
+    from layerfreeze.smartfrz.collect import scaled_lrs
+
+    plan = {r.name: scaled_lrs(args.lrs or r.lrs, args.lr_factors, r.name) for r in recipes}
+    n_runs = sum(len(args.seeds) * len(plan[r.name]) for r in recipes)
+    est = sum(len(args.seeds) * len(plan[r.name]) * r.minutes for r in recipes)
     console.print(f"collecting {n_runs} runs into {args.out}" + ("" if args.quick else f" (~{est:.0f} min)"))
     from layerfreeze.smartfrz.runs import collapsed
 
@@ -205,36 +244,66 @@ def _collect(args: argparse.Namespace, console: Console) -> int:
             extra = f"at step {meta.get('diverged_at_step')}: excluded"
         console.print(f"  {name}: {status} {extra}")
 
-    collect(args.out, [r.name for r in recipes], args.seeds, args.lrs, args.quick, on_run=on_run)
+    collect(args.out, [r.name for r in recipes], args.seeds, args.lrs, args.quick, on_run=on_run,
+            lr_factors=args.lr_factors)
     console.print(f"done: {done['complete']} recorded, {done['skipped']} already there, {done['diverged']} diverged")
     return 0
 
 
 def _label(args: argparse.Namespace, console: Console) -> int:
+    from layerfreeze.smartfrz.cflabels import label_run_corrected
     from layerfreeze.smartfrz.labels import label_run
     from layerfreeze.smartfrz.runs import list_runs
 
     runs = list_runs(args.runs_dir)
     if not runs:
         raise PipelineError(f"no complete runs in {args.runs_dir}")
+    mode = (f"; corrected by counterfactual costs, eps {args.eps_points:g} points" if args.counterfactual else "")
     table = Table(title=f"CKA labels (tau {args.tau}, from scratch {args.tau_scratch}, delta {args.delta}, window "
-                        f"{args.window}): first freezable "
+                        f"{args.window}{mode}): first freezable "
                         "step per block, fraction of training")
     table.add_column("run")
     table.add_column("first freezable (front to back; - never; head omitted)")
+    if args.counterfactual:
+        table.add_column("corrected", justify="right")
+    with_cf = corrected = 0
     for d in runs:
-        lab = label_run(d, args.tau, args.delta, args.window, tau_scratch=args.tau_scratch)
+        if args.counterfactual:
+            lab = label_run_corrected(d, args.tau, args.delta, args.window, args.tau_scratch, args.eps_points)
+        else:
+            lab = label_run(d, args.tau, args.delta, args.window, tau_scratch=args.tau_scratch)
         firsts = [("-" if s is None else f"{s / lab['steps']:.2f}") for i, s in enumerate(lab["first_freezable_step"])
                   if i != lab["head"]]
-        table.add_row(d.name, " ".join(firsts))
+        row = [d.name, " ".join(firsts)]
+        if args.counterfactual:
+            info = lab["counterfactual"]
+            with_cf += info["available"]
+            corrected += info["corrected"]
+            row.append(str(info["corrected"]) if info["available"] else "no counterfactual")
+            if info["available"] and not info["replay_matches_record"]:
+                console.print(f"note: {d.name}'s counterfactual replay did not reach the recorded accuracy (another "
+                              "machine or thread count?): its costs are of a nearby trajectory", highlight=False)
+        table.add_row(*row)
     console.print(table)
+    if args.counterfactual:
+        console.print(f"counterfactual correction (eps {args.eps_points:g} points): {with_cf} of {len(runs)} runs "
+                      f"had a counterfactual.json, {corrected} (block, snapshot) labels turned from freezable to not; "
+                      f"{len(runs) - with_cf} runs without one kept their CKA labels", highlight=False)
     return 0
 
 
 def _reproduce_command(runs: list[Any], runs_dir: str, args: argparse.Namespace) -> str:
     recipes = sorted({r.recipe for r in runs}, key=lambda n: list(RECIPES).index(n) if n in RECIPES else 999)
+    from layerfreeze.smartfrz.collect import scaled_lrs
+
     lrs = sorted({float(r.meta["lr"]) for r in runs})
     default_lrs = all(float(r.meta["lr"]) in RECIPES[r.recipe].lrs for r in runs if r.recipe in RECIPES)
+    factors = sorted({float(r.meta.get("lr_factor", 1.0)) for r in runs})
+    lr_flag = f" --lrs {','.join(f'{x:g}' for x in lrs)}"
+    if not default_lrs and all(r.recipe in RECIPES for r in runs) and all(
+            {float(r.meta["lr"]) for r in runs if r.recipe == name}
+            == {lr for lr, _, _ in scaled_lrs(RECIPES[name].lrs, factors, name)} for name in recipes):
+        lr_flag = f" --lr-factors {','.join(f'{x:g}' for x in factors)}"  # every recipe's own rates, scaled
     quick = any(r.meta.get("quick") for r in runs)
     lab = label_rule(runs[0].labels)
     q = shlex.quote
@@ -245,17 +314,43 @@ def _reproduce_command(runs: list[Any], runs_dir: str, args: argparse.Namespace)
         collect = "\n".join(
             f"layerfreeze predictor collect --out {q(runs_dir)} "
             f"--recipes {','.join(n for n in recipes if seeds_of[n] == group)} --seeds {','.join(map(str, group))}"
-            + ("" if default_lrs else f" --lrs {','.join(f'{x:g}' for x in lrs)}")
+            + ("" if default_lrs else lr_flag)
             + (" --quick" if quick else "")
             for group in sorted(set(seeds_of.values())))
     label = (f"layerfreeze predictor label {q(runs_dir)} --tau {lab['tau']} "
              f"--tau-scratch {lab['tau_scratch']} --delta {lab['delta']} "
              f"--window {lab['window']}")
+    if lab.get("counterfactual_eps") is not None:
+        label += f" --counterfactual --eps-points {lab['counterfactual_eps']:g}"
+        label = "\n".join([*_counterfactual_commands(runs, runs_dir, quick), label])
     train = (f"layerfreeze predictor train {q(runs_dir)} --seed {args.seed} --history {args.history} "
              f"--min-history {args.min_history} --epochs {args.epochs} --threshold {args.threshold} "
              f"--holdout {q(','.join(args.holdout))}" + (" --lofo" if getattr(args, "lofo", False) else "")
              + f" --out {q(str(args.out))}")
     return f"{collect}\n{label}\n{train}"
+
+
+def _counterfactual_commands(runs: list[Any], runs_dir: str, quick: bool) -> list[str]:
+    """The ``predictor counterfactual`` lines that computed the runs' ``counterfactual.json`` (as their corrected
+    labels record the grid): one per recipe, seed and grid, naming the learning rates."""
+    groups: dict[tuple, list[float]] = {}
+    for r in runs:
+        info = (r.labels or {}).get("counterfactual") or {}
+        if not info.get("available"):
+            continue
+        key = (r.recipe, int(r.meta["seed"]), tuple(info.get("fractions") or ()), info.get("null_orders"),
+               tuple(info.get("depths") or ()))
+        groups.setdefault(key, []).append(float(r.meta["lr"]))
+    q = shlex.quote
+    lines = []
+    for (recipe, seed, fractions, null_orders, depths), rates in sorted(groups.items(), key=str):
+        lines.append(f"layerfreeze predictor counterfactual {q(runs_dir)} --recipes {recipe} --seeds {seed} "
+                     f"--lrs {','.join(f'{x:g}' for x in sorted(rates))}"
+                     + (f" --fractions {','.join(f'{f:g}' for f in fractions)}" if fractions else "")
+                     + ("" if null_orders is None else f" --null-orders {null_orders}")
+                     + (f" --depths {','.join(map(str, depths))}" if depths else "")
+                     + (" --quick" if quick else ""))
+    return lines
 
 
 def _metrics_table(title: str, rows: list[tuple[str, dict[str, Any]]], first: str = "recipe",
@@ -403,7 +498,8 @@ def _counterfactual(args: argparse.Namespace, console: Console) -> int:
 
     results = counterfactual_for(args.runs_dir, args.recipes, args.seeds, quick=args.quick, fractions=args.fractions,
                                  lrs=args.lrs, depths=args.depths, null_orders=args.null_orders,
-                                 progress=lambda line: console.print(f"  {line}", highlight=False))
+                                 progress=lambda line: console.print(f"  {line}", highlight=False),
+                                 lr_factors=args.lr_factors)
     table = Table(title="Counterfactual cost of freezing blocks 0..d-1 at step t (accuracy points lost at the end; "
                         "null: unfrozen continuations on other data orders)")
     depths = sorted({c["depth"] for cf in results for c in cf["grid"]})

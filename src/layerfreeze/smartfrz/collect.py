@@ -15,7 +15,9 @@ On-disk format (``RUN_FORMAT_VERSION`` 1), one folder per run, ``<out>/<recipe>_
 
 ``meta.json``
     ``format`` ("layerfreeze-smartfrz-run"), ``format_version``, ``status`` ("complete" or "diverged"), ``run``,
-    ``recipe``, ``arch``, ``dataset``, ``mode`` ("scratch" or "finetune"), ``seed``, ``lr``, ``optimizer`` (name, weight
+    ``recipe``, ``arch``, ``dataset``, ``mode`` ("scratch" or "finetune"), ``seed``, ``lr``, ``lr_factor`` and
+    ``lr_base`` (``lr = lr_base * lr_factor``: ``collect --lr-factors``; runs recorded before issue 29 have
+    neither), ``optimizer`` (name, weight
     decay, momentum, grad clip), ``schedule`` ("cosine", "linear" or "constant", after a linear warm-up of ``warmup``, a
     fraction of the run: 5% in every recipe), ``batch_size``, ``steps`` (optimizer steps), ``snapshot_every``,
     ``act_every``, ``blocks`` (names, front to back), ``block_params`` (parameter counts), ``head`` (index of the head
@@ -47,9 +49,10 @@ label`` / ``train`` work on the folder as on ours.
 
 from __future__ import annotations
 
+import math
 import platform
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +181,56 @@ def run_name(recipe_name: str, seed: int, lr: float) -> str:
     return f"{recipe_name}_s{seed}_lr{lr:g}"
 
 
+def check_lr_factors(factors: Sequence[float] | None) -> None:
+    """Raises PipelineError unless every learning-rate factor is a finite number > 0 (None: no factors, fine)."""
+    if factors is None:
+        return
+    bad = [f for f in factors if not (isinstance(f, (int, float)) and math.isfinite(f) and f > 0)]
+    if bad or not factors:
+        raise PipelineError(f"learning-rate factors (--lr-factors) must be finite numbers > 0, got "
+                            f"{list(factors) if not bad else bad} (e.g. --lr-factors 0.3,1)")
+
+
+def scaled_lrs(rates: Sequence[float], factors: Sequence[float] | None = None,
+               recipe_name: str = "run") -> list[tuple[float, float, float]]:
+    """The learning rates a recipe is collected at: each rate times each factor, deduplicated.
+
+    Args:
+        rates: The recipe's rates (its registered ``lrs``, or ``--lrs``).
+        factors: Multipliers (None: ``(1,)``, the rates themselves). ``--lr-factors 0.3,1`` on a recipe registered
+            at ``(0.02, 0.08)`` gives 0.006, 0.02, 0.024, 0.08 (issue 29: a corpus with "small movement because small
+            learning rate" in it).
+        recipe_name: For the run-name collision message.
+
+    Returns:
+        ``[(lr, factor, base rate)]`` sorted by ``lr``. Each product is rounded to 12 significant digits (so
+        ``0.1 * 0.3`` is 0.03, the rate ``--lrs 0.03`` names); a rate reached twice keeps the factor nearest 1 (the
+        registered rate itself when it is one).
+
+    Raises:
+        PipelineError: a factor that is not a finite number > 0, or two different rates with the same run name
+            (:func:`run_name` prints 6 significant digits).
+    """
+    check_lr_factors(factors)
+    best: dict[float, tuple[float, float, float]] = {}
+    for base in rates:
+        for f in (factors or (1.0,)):
+            lr = float(f"{base * f:.12g}")
+            cand = (lr, float(f), float(base))
+            old = best.get(lr)
+            if old is None or abs(math.log(cand[1])) < abs(math.log(old[1])):
+                best[lr] = cand
+    out = sorted(best.values())
+    names: dict[str, float] = {}
+    for lr, _, _ in out:
+        name = run_name(recipe_name, 0, lr)
+        if name in names:
+            raise PipelineError(f"{recipe_name}: learning rates {names[name]!r} and {lr!r} would share the run name "
+                                f"{name!r}; pick factors that give rates differing in the first 6 digits")
+        names[name] = lr
+    return out
+
+
 def record_run(setup: Setup, out_dir: str | Path, *, lr: float, seed: int, info: dict[str, Any] | None = None,
                sample_size: int = SAMPLE_SIZE, act_features: int = ACT_FEATURES,
                progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
@@ -288,7 +341,8 @@ def _diverged(out_dir: Path, meta: dict[str, Any], step: int, t0: float) -> dict
 
 def collect(out: str | Path, recipes: list[str] | None = None, seeds: list[int] = (0, 1),
             lrs: list[float] | None = None, quick: bool = False,
-            on_run: Callable[[str, str, dict[str, Any] | None], None] | None = None) -> list[dict[str, Any]]:
+            on_run: Callable[[str, str, dict[str, Any] | None], None] | None = None,
+            lr_factors: Sequence[float] | None = None) -> list[dict[str, Any]]:
     """Record every (recipe, seed, learning rate) run into ``out``, skipping finished ones.
 
     Args:
@@ -298,16 +352,24 @@ def collect(out: str | Path, recipes: list[str] | None = None, seeds: list[int] 
         lrs: Learning rates overriding each recipe's own pair (None: the recipe's).
         quick: Shrink every recipe to a few seconds (tests, CI).
         on_run: Called as ``on_run(run_name, "skipped" | "complete" | "diverged", meta)``.
+        lr_factors: Collect each rate (``lrs`` or the recipe's) times each factor (:func:`scaled_lrs`); each run's
+            ``meta.json`` records ``lr``, ``lr_factor`` and ``lr_base`` (the rate it scaled). None: the rates as
+            they are (``lr_factor`` 1).
 
     Returns:
         The meta of every run (recorded now or earlier), in order.
+
+    Raises:
+        PipelineError: an unknown recipe or a bad factor (:func:`scaled_lrs`), before any run is recorded.
     """
     out = Path(out)
+    chosen = get_recipes(list(recipes) if recipes else None)
+    plan = {r.name: scaled_lrs(lrs or r.lrs, lr_factors, r.name) for r in chosen}  # every error before a run
     out.mkdir(parents=True, exist_ok=True)
     metas = []
-    for r in get_recipes(list(recipes) if recipes else None):
+    for r in chosen:
         for seed in seeds:
-            for lr in (lrs or r.lrs):
+            for lr, factor, base in plan[r.name]:
                 name = run_name(r.name, seed, lr)
                 run_dir = out / name
                 if is_finished(run_dir):
@@ -317,7 +379,8 @@ def collect(out: str | Path, recipes: list[str] | None = None, seeds: list[int] 
                         on_run(name, "skipped", meta)
                     continue
                 setup = r.build(seed, quick, out)
-                info = {"recipe": r.name, "arch": r.arch, "dataset": r.dataset, "mode": r.mode, "quick": quick}
+                info = {"recipe": r.name, "arch": r.arch, "dataset": r.dataset, "mode": r.mode, "quick": quick,
+                        "lr_factor": factor, "lr_base": base}
                 meta = record_run(setup, run_dir, lr=lr, seed=seed, info=info)
                 metas.append(meta)
                 if on_run:

@@ -42,7 +42,7 @@ import torch
 from layerfreeze.engine.mechanics import frozen_parameters, set_eval_mode
 from layerfreeze.engine.optim import remove_from_optimizer
 from layerfreeze.models.discovery import discover_blocks
-from layerfreeze.smartfrz.collect import batch_order, evaluate_test, run_name
+from layerfreeze.smartfrz.collect import batch_order, evaluate_test, run_name, scaled_lrs
 from layerfreeze.smartfrz.labels import freezable_from_cka, label_run
 from layerfreeze.smartfrz.recipes import get_recipes
 from layerfreeze.smartfrz.runs import PipelineError, read_meta, write_json_atomic
@@ -246,24 +246,34 @@ def run_counterfactuals(setup_fn: Callable[[], Setup], run_dir: str | Path, *, l
 def counterfactual_for(runs_dir: str | Path, recipe_names: Sequence[str], seeds: Sequence[int], *, quick: bool = False,
                        fractions: Sequence[float] = DEFAULT_FRACTIONS, lrs: Sequence[float] | None = None,
                        depths: Sequence[int] | None = None, null_orders: int = DEFAULT_NULL_ORDERS,
-                       progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                       progress: Callable[[str], None] | None = None,
+                       lr_factors: Sequence[float] | None = None) -> list[dict[str, Any]]:
     """:func:`run_counterfactuals` for every collected (recipe, seed, learning rate) run in ``runs_dir``; runs that
     already have a ``counterfactual.json`` with the same grid (fractions, depths, null orders) are skipped (so an
     interrupted job resumes).
 
+    The runs are named as :func:`~layerfreeze.smartfrz.collect.collect` named them: each rate (``lrs`` or the
+    recipe's) times each of ``lr_factors`` (:func:`~layerfreeze.smartfrz.collect.scaled_lrs`); a run is replayed at
+    the learning rate its ``meta.json`` records (bit for bit the rate it was trained at).
+
     Raises:
-        PipelineError: a fraction outside (0, 1), the runs folder is missing, or a named run was not collected.
+        PipelineError: a fraction outside (0, 1) or a bad factor, the runs folder is missing, or a named run was not
+            collected.
     """
 
     check_fractions(fractions)  # before a run is replayed
+    plan = {r.name: scaled_lrs(lrs or r.lrs, lr_factors, r.name) for r in get_recipes(list(recipe_names))}
     if not Path(runs_dir).is_dir():
         raise PipelineError(f"{runs_dir} does not exist: collect the runs first (`layerfreeze predictor collect --out "
                             f"{runs_dir} --recipes {','.join(recipe_names)}`)")
     out = []
     for recipe in get_recipes(list(recipe_names)):
         for seed in seeds:
-            for lr in (lrs or recipe.lrs):
+            for lr, _, _ in plan[recipe.name]:
                 run_dir = Path(runs_dir) / run_name(recipe.name, seed, lr)
+                recorded = read_meta(run_dir)
+                if recorded is not None and recorded.get("lr") is not None:
+                    lr = float(recorded["lr"])
                 done = run_dir / COUNTERFACTUAL_FILE
                 if done.is_file():
                     old = json.loads(done.read_text())

@@ -134,9 +134,16 @@ def tau_for(mode: str | None, tau: float = DEFAULT_TAU, tau_scratch: float = DEF
 
 def label_rule(labels: dict[str, Any]) -> dict[str, Any]:
     """The rule ``{"tau", "tau_scratch", "delta", "window"}`` a ``labels.json`` (or a predictor card's ``labels``)
-    was written with; labels written before ``tau_scratch`` existed used ``tau`` for both regimes."""
-    return {"tau": labels["tau"], "tau_scratch": labels.get("tau_scratch", labels["tau"]), "delta": labels["delta"],
+    was written with; labels written before ``tau_scratch`` existed used ``tau`` for both regimes. Labels corrected
+    by counterfactual costs (:mod:`.cflabels`) add ``"counterfactual_eps"`` (their ``eps_points``), so a corpus
+    mixing corrected and plain CKA labels is told apart."""
+    rule = {"tau": labels["tau"], "tau_scratch": labels.get("tau_scratch", labels["tau"]), "delta": labels["delta"],
             "window": labels["window"]}
+    if labels.get("counterfactual_eps") is not None:  # a card's labels (label_settings)
+        rule["counterfactual_eps"] = labels["counterfactual_eps"]
+    elif labels.get("counterfactual") is not None:  # a labels.json written by cflabels
+        rule["counterfactual_eps"] = labels["counterfactual"]["eps_points"]
+    return rule
 
 
 def label_run(run_dir: str | Path, tau: float = DEFAULT_TAU, delta: float = DEFAULT_DELTA,

@@ -14,6 +14,7 @@ import torch
 
 from layerfreeze._version import __version__
 from layerfreeze.smartfrz.card import write_card
+from layerfreeze.smartfrz.cflabels import correction_summary
 from layerfreeze.smartfrz.fit import (
     DEFAULT_THRESHOLD,
     TrainConfig,
@@ -25,8 +26,31 @@ from layerfreeze.smartfrz.fit import (
     train_predictor,
 )
 from layerfreeze.smartfrz.lofo import family_folds, leave_one_family_out
+from layerfreeze.smartfrz.recipes import RECIPES
 from layerfreeze.smartfrz.runs import PipelineError, RunData
 from layerfreeze.strategies.smartfrz.predictor import save_predictor
+
+
+def lr_spread(runs: Iterable[RunData]) -> dict[str, dict[str, Any]]:
+    """The learning rates of a corpus per recipe, against the recipe's registered rates (issue 29: a corpus needs
+    "small movement because small learning rate" in it).
+
+    Returns:
+        ``{recipe: {"registered": [rates] or None, "lrs": [rates in the corpus, ascending], "factors": [lr / lowest
+        registered rate, per lr] or None, "runs": number of runs}}``; ``registered`` and ``factors`` are None for a
+        recipe recorded outside the registry (:func:`~layerfreeze.smartfrz.collect.record_run`).
+    """
+    by_recipe: dict[str, list[float]] = {}
+    for r in runs:
+        by_recipe.setdefault(r.recipe, []).append(float(r.meta["lr"]))
+    out = {}
+    for name, rates in by_recipe.items():
+        registered = sorted(RECIPES[name].lrs) if name in RECIPES else None
+        lrs = sorted(set(rates))
+        out[name] = {"registered": registered, "lrs": lrs,
+                     "factors": None if registered is None else [float(f"{x / registered[0]:.4g}") for x in lrs],
+                     "runs": len(rates)}
+    return out
 
 
 def train_and_save(runs: list[RunData], out: str | Path, holdout: Iterable[str], config: TrainConfig | None = None,
@@ -56,7 +80,7 @@ def train_and_save(runs: list[RunData], out: str | Path, holdout: Iterable[str],
     train_runs, held_runs = split_runs(runs, holdout)
     if not train_runs:
         raise PipelineError(f"every run belongs to a held-out recipe ({', '.join(holdout)}); nothing to train on")
-    labels = label_settings(runs)
+    labels = {**label_settings(runs), "counterfactual": correction_summary([r.labels for r in runs])}
     if lofo:
         family_folds(runs)  # a corpus LOFO cannot split fails before anything is trained
     model, info = train_predictor(train_runs, cfg)
@@ -74,7 +98,7 @@ def train_and_save(runs: list[RunData], out: str | Path, holdout: Iterable[str],
         "training": info,
         "train_recipes": sorted({r.recipe for r in train_runs}), "heldout_recipes": holdout,
         "train_runs": [run_summary(r) for r in train_runs], "heldout_runs": [run_summary(r) for r in held_runs],
-        "heldout_metrics": metrics, "lofo": lofo_metrics, "command": command,
+        "heldout_metrics": metrics, "lofo": lofo_metrics, "lr_spread": lr_spread(runs), "command": command,
     }
     path = save_predictor(out, model, cfg.history, card=card, min_window=cfg.min_history)
     write_card(card, card_path or Path(out).with_name("PREDICTOR_CARD.md"))

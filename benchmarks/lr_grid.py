@@ -5,8 +5,11 @@ For each task (the suite's jobs and sizes, ``benchmarks.suite.SIZES``; by defaul
 one :func:`layerfreeze.train.compare.compare` process trains `none` and the rows beside it (same seed, data order
 and budget): `smartfrz` (the strategy's defaults: the gradient signal-to-noise gate on, ``snr_gate=0.9``;
 :mod:`layerfreeze.strategies.smartfrz.snr_gate`) and `smartfrz-nogate` (the same with the gate off, the predictor
-alone: the ablation). The grid made the gate SmartFRZ's default. ``--oracle`` adds an untimed `none` run with the CKA
-oracle's probe recorder per cell (``benchmarks.oracle``) and records its freeze steps beside.
+alone: the ablation). The grid made the gate SmartFRZ's default. ``--rows`` may add `smartfrz-guard` (the default
+with the stability guard, ``freeze.guard``, checked 8 times a run: issue 29's safety-net question; each row records
+its wall and train seconds and thaws, so the guard's held-out evaluations can be costed). ``--oracle`` adds an
+untimed `none` run with the CKA oracle's probe recorder per cell (``benchmarks.oracle``) and records its freeze steps
+beside.
 
     python -m benchmarks.lr_grid                                   # the whole grid: 2 tasks x 9 cells x 3 seeds
     python -m benchmarks.lr_grid --tasks bbc --lrs 0.3 --epochs 2 --seeds 0,1,2
@@ -42,7 +45,15 @@ from layerfreeze.strategies import STRATEGIES, register_strategy
 ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "smartfrz": ("smartfrz", {}),
     "smartfrz-nogate": ("smartfrz", {"snr_gate": None}),
+    "smartfrz-guard": ("smartfrz", {}),
 }
+#: Rows that train with the stability guard (:mod:`layerfreeze.engine.guard`, ``freeze.guard``; issue 29 item 3):
+#: its defaults (5% worse held-out loss, patience 1, cooldown 2, 10% of the training data held out), checked at
+#: every epoch end and every ``GUARD_CHECKS``-th of the run.
+GUARD_ROWS = ("smartfrz-guard",)
+GUARD_CHECKS = 8
+#: The rows ``python -m benchmarks.lr_grid`` runs when ``--rows`` is not given (the guard row on request).
+DEFAULT_ROWS = ["smartfrz", "smartfrz-nogate"]
 
 
 def row_strategy(name: str) -> type:
@@ -69,15 +80,21 @@ def run_cell(task: str, lr_factor: float, epochs: int, seed: int, rows: list[str
     shutil.rmtree(folder, ignore_errors=True)  # this script's own folder from an earlier run
     for r in rows:
         row_strategy(r)
+    every = max(1, suite.total_steps(spec, suite.dataset_sizes(spec)[0]) // GUARD_CHECKS)
+    guard = {"freeze": {"guard": {"every_steps": every}}}
     none, *trained = compare(base, ["none", *rows], folder, console=console,
-                             row_params={r: ROWS[r][1] for r in rows})
+                             row_params={r: ROWS[r][1] for r in rows},
+                             row_overrides={r: guard for r in rows if r in GUARD_ROWS})
     cell: dict[str, Any] = {"task": task, "lr_factor": lr_factor, "lr": spec.lr, "epochs": epochs, "seed": seed,
                             "quick": quick, "steps": none.get("steps"), "none_accuracy": none["test_accuracy"],
+                            "none_wall_s": none.get("wall_time_s"), "none_train_s": none.get("train_time_s"),
                             "rows": {}}
     for name, r in zip(rows, trained):
         cell["rows"][name] = {"accuracy": r.get("test_accuracy"), "flops_ratio": r.get("flops_ratio"),
                               "time_ratio": r.get("time_ratio"), "freeze_steps": r.get("freeze_steps", {}),
-                              "stopped": r.get("stopped")}
+                              "stopped": r.get("stopped"), "wall_s": r.get("wall_time_s"),
+                              "train_s": r.get("train_time_s"),
+                              "thaws": sum(e["action"] == "thaw" for e in r.get("freeze_timeline", []))}
     if oracle:
         cell["oracle"] = oracle_steps(base, folder, spec.pretrained)
     return cell
@@ -179,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lrs", type=_csv(float), default=[0.3, 1.0, 3.0], help="learning-rate factors")
     p.add_argument("--epochs", type=_csv(int), default=[1, 2, 4])
     p.add_argument("--seeds", type=_csv(int), default=[0, 1, 2])
-    p.add_argument("--rows", type=_csv(str), default=list(ROWS), help=f"from {', '.join(ROWS)} (`none` always runs)")
+    p.add_argument("--rows", type=_csv(str), default=DEFAULT_ROWS,
+                   help=f"from {', '.join(ROWS)} (default {','.join(DEFAULT_ROWS)}; `none` always runs)")
     p.add_argument("--oracle", action="store_true", help="also the CKA oracle's freeze steps (one more none run)")
     p.add_argument("--out", type=Path, default=suite.ROOT / "runs" / "bench-lr-grid")
     p.add_argument("--resume", action="store_true", help="skip the (cell, seed) results.json already holds")

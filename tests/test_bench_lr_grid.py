@@ -18,12 +18,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def grid():
     with benchmark_module("lr_grid") as module:
         yield module
-    if "smartfrz-nogate" in STRATEGIES:  # registered by the module's rows: gone with it
-        unregister_strategy("smartfrz-nogate")
+    for row in ("smartfrz-nogate", "smartfrz-guard"):
+        if row in STRATEGIES:  # registered by the module's rows: gone with it
+            unregister_strategy(row)
 
 
 def test_rows_are_the_default_with_the_gate_and_its_ablation_without(grid):
-    assert list(grid.ROWS) == ["smartfrz", "smartfrz-nogate"]
+    assert list(grid.ROWS) == ["smartfrz", "smartfrz-nogate", "smartfrz-guard"]
+    assert grid.DEFAULT_ROWS == ["smartfrz", "smartfrz-nogate"] and grid.GUARD_ROWS == ("smartfrz-guard",)
     assert grid.row_strategy("smartfrz") is STRATEGIES["smartfrz"]
     cls = grid.row_strategy("smartfrz-nogate")
     assert grid.row_strategy("smartfrz-nogate") is cls  # again: a no-op
@@ -86,7 +88,7 @@ def test_quick_cell_trains_none_and_both_rows_on_one_stream(grid, tmp_path, caps
 
     _load.cache_clear()  # the first smartfrz row in a process reads the predictor file (issue 29's RNG bug)
     argv = ["--quick", "--tasks", "fmnist-mobilenet", "--lrs", "1", "--epochs", "1", "--seeds", "0",
-            "--out", str(tmp_path)]
+            "--rows", "smartfrz,smartfrz-nogate,smartfrz-guard", "--out", str(tmp_path)]
     assert grid.main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     (cell,) = results["cells"]
@@ -98,3 +100,13 @@ def test_quick_cell_trains_none_and_both_rows_on_one_stream(grid, tmp_path, caps
         assert row["freeze_steps"] == {} and row["stopped"] is None
         assert row["accuracy"] == cell["none_accuracy"] and row["flops_ratio"] == 1.0
     assert "| fmnist-mobilenet | x1 | 1 | 4 | 0 |" in (tmp_path / "lr_grid.md").read_text()
+    # the guard row: the default strategy with freeze.guard checked every max(1, 4 // 8) steps on a held-out tenth
+    guard = cell["rows"]["smartfrz-guard"]
+    assert guard["stopped"] is None and guard["thaws"] == 0 and guard["freeze_steps"] == {}
+    assert guard["wall_s"] > guard["train_s"] > 0
+    config = json.loads((tmp_path / "fmnist-mobilenet" / "lr1-ep1" / "seed0" / "smartfrz-guard" / "config.json")
+                        .read_text())
+    assert config["freeze"]["guard"]["every_steps"] == 1 and config["freeze"]["guard"]["val_fraction"] == 0.1
+    held_out = [r for r in map(json.loads, (tmp_path / "fmnist-mobilenet" / "lr1-ep1" / "seed0" / "smartfrz-guard"
+                                            / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+    assert [r["step"] for r in held_out][:4] == [1, 2, 3, 4]  # a held-out evaluation after every step

@@ -145,6 +145,24 @@ def test_guard_holds_out_validation_data_and_reports_val_loss(tmp_path):
     assert all(r["val_loss"] > 0 for r in val)
 
 
+def test_a_guard_thaw_is_a_line_of_the_runs_output(tmp_path, capsys):
+    # random labels: the training loss falls as the trainable blocks memorise, the held-out loss rises, and the guard
+    # thaws the frozen prefix back one block at a time; each thaw is said on the console, not only in metrics.jsonl
+    task = blob_task()
+    task.train_set.labels = torch.randint(0, 4, (96,), generator=torch.Generator().manual_seed(5))
+    cfg = config(tmp_path, "guard-says", freeze={"strategy": "static", "params": {"k": 2},
+                                                 "guard": {"tolerance": 0.01, "every_steps": 2, "cooldown": 100}},
+                 epochs=8, lr=0.05)
+    cfg.run.divergence_window_steps = None
+    Trainer(cfg, task=task).run()
+    thaws = [r for r in read_metrics(tmp_path / "guard-says") if r.get("kind") == "thaw"]
+    assert [t["block"] for t in thaws] == ["1", "0"] and all(t["reason"].startswith("guard:") for t in thaws)
+    out = capsys.readouterr().out
+    for t in thaws:
+        assert (f"stability guard: thawed {t['block']} at step {t['step']} (held-out "
+                f"{t['reason'].removeprefix('guard: ')})") in out
+
+
 def test_frozen_prefix_cache_is_on_by_default_gives_the_same_losses_and_skips_prefix_flops(tmp_path, capsys):
     cfg = config(tmp_path, "plain", epochs=3)
     cfg.freeze.cache = {"mode": "off"}

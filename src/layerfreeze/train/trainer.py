@@ -383,6 +383,11 @@ class Trainer:
             self._memory_changes.append({"kind": record["kind"], "block": record["block"]})
             self.ledger.request()  # the next step is sampled: what the change gave back
         self.telemetry.log_event(record["kind"], record["step"], **fields)
+        reason = str(record.get("reason") or "")
+        if record["kind"] == Event.THAW and reason.startswith("guard:") and self.is_main:
+            # a safety net that acts in silence is one the user cannot judge (issue 29): every guard thaw is a line
+            tqdm.write(f"stability guard: thawed {record.get('block')} at step {record['step']} "
+                       f"(held-out {reason.removeprefix('guard: ')})")
 
     def _on_rebuild(self, record: dict[str, Any]) -> None:
         """Telemetry of a DDP rebuild (its time counts in the step that triggered it)."""

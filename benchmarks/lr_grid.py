@@ -6,8 +6,9 @@ one :func:`layerfreeze.train.compare.compare` process trains `none` and the rows
 and budget): `smartfrz` (the strategy's defaults: the gradient signal-to-noise gate on, ``snr_gate=0.9``;
 :mod:`layerfreeze.strategies.smartfrz.snr_gate`) and `smartfrz-nogate` (the same with the gate off, the predictor
 alone: the ablation). The grid made the gate SmartFRZ's default. ``--rows`` may add `smartfrz-guard` (the default
-with the stability guard, ``freeze.guard``, checked 8 times a run: issue 29's safety-net question; each row records
-its wall and train seconds and thaws, so the guard's held-out evaluations can be costed). ``--oracle`` adds an
+with the stability guard, ``freeze.guard``, checked 8 times a run: issue 29's safety-net question) and
+`none-heldout` (`none` holding out the guard's tenth of the training data: its control). Each row records its wall
+and train seconds and its thaws, so the guard's held-out evaluations can be costed. ``--oracle`` adds an
 untimed `none` run with the CKA oracle's probe recorder per cell (``benchmarks.oracle``) and records its freeze steps
 beside.
 
@@ -46,11 +47,13 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "smartfrz": ("smartfrz", {}),
     "smartfrz-nogate": ("smartfrz", {"snr_gate": None}),
     "smartfrz-guard": ("smartfrz", {}),
+    "none-heldout": ("none", {}),
 }
 #: Rows that train with the stability guard (:mod:`layerfreeze.engine.guard`, ``freeze.guard``; issue 29 item 3):
 #: its defaults (5% worse held-out loss, patience 1, cooldown 2, 10% of the training data held out), checked at
-#: every epoch end and every ``GUARD_CHECKS``-th of the run.
-GUARD_ROWS = ("smartfrz-guard",)
+#: every epoch end and every ``GUARD_CHECKS``-th of the run. ``none-heldout``: `none` under the same guard, which
+#: then never acts but still holds out its tenth of the data: the guard's cost apart from its thaws.
+GUARD_ROWS = ("smartfrz-guard", "none-heldout")
 GUARD_CHECKS = 8
 #: The rows ``python -m benchmarks.lr_grid`` runs when ``--rows`` is not given (the guard row on request).
 DEFAULT_ROWS = ["smartfrz", "smartfrz-nogate"]

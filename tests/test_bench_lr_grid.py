@@ -18,14 +18,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def grid():
     with benchmark_module("lr_grid") as module:
         yield module
-    for row in ("smartfrz-nogate", "smartfrz-guard"):
+    for row in ("smartfrz-nogate", "smartfrz-guard", "none-heldout"):
         if row in STRATEGIES:  # registered by the module's rows: gone with it
             unregister_strategy(row)
 
 
 def test_rows_are_the_default_with_the_gate_and_its_ablation_without(grid):
-    assert list(grid.ROWS) == ["smartfrz", "smartfrz-nogate", "smartfrz-guard"]
-    assert grid.DEFAULT_ROWS == ["smartfrz", "smartfrz-nogate"] and grid.GUARD_ROWS == ("smartfrz-guard",)
+    assert list(grid.ROWS) == ["smartfrz", "smartfrz-nogate", "smartfrz-guard", "none-heldout"]
+    assert grid.DEFAULT_ROWS == ["smartfrz", "smartfrz-nogate"]
+    assert grid.GUARD_ROWS == ("smartfrz-guard", "none-heldout")
     assert grid.row_strategy("smartfrz") is STRATEGIES["smartfrz"]
     cls = grid.row_strategy("smartfrz-nogate")
     assert grid.row_strategy("smartfrz-nogate") is cls  # again: a no-op
@@ -88,7 +89,7 @@ def test_quick_cell_trains_none_and_both_rows_on_one_stream(grid, tmp_path, caps
 
     _load.cache_clear()  # the first smartfrz row in a process reads the predictor file (issue 29's RNG bug)
     argv = ["--quick", "--tasks", "fmnist-mobilenet", "--lrs", "1", "--epochs", "1", "--seeds", "0",
-            "--rows", "smartfrz,smartfrz-nogate,smartfrz-guard", "--out", str(tmp_path)]
+            "--rows", "smartfrz,smartfrz-nogate,smartfrz-guard,none-heldout", "--out", str(tmp_path)]
     assert grid.main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     (cell,) = results["cells"]
@@ -100,13 +101,21 @@ def test_quick_cell_trains_none_and_both_rows_on_one_stream(grid, tmp_path, caps
         assert row["freeze_steps"] == {} and row["stopped"] is None
         assert row["accuracy"] == cell["none_accuracy"] and row["flops_ratio"] == 1.0
     assert "| fmnist-mobilenet | x1 | 1 | 4 | 0 |" in (tmp_path / "lr_grid.md").read_text()
-    # the guard row: the default strategy with freeze.guard checked every max(1, 4 // 8) steps on a held-out tenth
-    guard = cell["rows"]["smartfrz-guard"]
-    assert guard["stopped"] is None and guard["thaws"] == 0 and guard["freeze_steps"] == {}
-    assert guard["wall_s"] > guard["train_s"] > 0
-    config = json.loads((tmp_path / "fmnist-mobilenet" / "lr1-ep1" / "seed0" / "smartfrz-guard" / "config.json")
-                        .read_text())
-    assert config["freeze"]["guard"]["every_steps"] == 1 and config["freeze"]["guard"]["val_fraction"] == 0.1
-    held_out = [r for r in map(json.loads, (tmp_path / "fmnist-mobilenet" / "lr1-ep1" / "seed0" / "smartfrz-guard"
-                                            / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
-    assert [r["step"] for r in held_out][:4] == [1, 2, 3, 4]  # a held-out evaluation after every step
+    # the guard rows: the default strategy (and its control, none) with freeze.guard checked every max(1, 4 // 8)
+    # steps on a held-out tenth of the training data
+    for name in ("smartfrz-guard", "none-heldout"):
+        guard = cell["rows"][name]
+        assert guard["stopped"] is None and guard["thaws"] == 0 and guard["freeze_steps"] == {}
+        assert guard["wall_s"] > guard["train_s"] > 0
+        folder = tmp_path / "fmnist-mobilenet" / "lr1-ep1" / "seed0" / name
+        config = json.loads((folder / "config.json").read_text())
+        assert config["freeze"]["guard"]["every_steps"] == 1 and config["freeze"]["guard"]["val_fraction"] == 0.1
+        held_out = [r for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+        assert [r["step"] for r in held_out][:4] == [1, 2, 3, 4]  # a held-out evaluation after every step
+    # 26 of the 256 samples held out: the control trains on other batches than `none` from its first step
+
+    def losses(name):
+        metrics = (tmp_path / "fmnist-mobilenet" / "lr1-ep1" / "seed0" / name / "metrics.jsonl").read_text()
+        return [r["loss"] for r in map(json.loads, metrics.splitlines()) if r["type"] == "step" and "loss" in r]
+
+    assert len(losses("none-heldout")) == len(losses("none")) == 4 and losses("none-heldout") != losses("none")

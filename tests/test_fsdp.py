@@ -185,10 +185,10 @@ def test_fsdp2_autofreeze_sums_sharded_gradients_on_every_rank_instead_of_hangin
 
 
 @pytest.mark.parametrize("strategy,params,signal", [
-    # a sample of each block's weights at every stage. The gradient SNR gate off: under FSDP2 Adam's moments are
-    # shards the mirror does not hold, so the gate has no verdict there (the run is told so) while the unsharded
-    # run's gate has one; what this test checks is the mirror's weights
-    ("smartfrz", {"snr_gate": None}, "p_freeze"),
+    ("smartfrz", {"snr_gate": None}, "p_freeze"),  # a sample of each block's weights at every stage
+    # the gradient SNR gate (on by default) reads Adam's moments: each rank holds a shard of them, gathered whole
+    # into the mirror at every stage as the weights are, so the gate's z is the unsharded run's
+    ("smartfrz", {}, "snr_z"),
     ("egeria", {"interval": 2, "patience": 1, "probe_size": 8, "synchronous": True}, "plasticity"),  # whole copies
 ])
 def test_fsdp2_strategies_that_read_weights_observe_a_mirror_kept_equal_to_the_sharded_model(tmp_path, strategy,

@@ -44,7 +44,7 @@ resizable"). So the Freezer reshards every FSDP module (:func:`reshard_all`) bef
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -145,6 +145,7 @@ class Mirror:
     def __init__(self, model: nn.Module, mirror: nn.Module | None) -> None:
         self.model = model
         self.mirror = mirror
+        self.moments: dict[str, dict[str, Any]] | None = None  # refresh_moments: by parameter name, on this rank
         self._hook: Any = None
         if mirror is not None:
             if is_sharded(mirror) or fsdp_modules(mirror):
@@ -184,6 +185,55 @@ class Mirror:
             for name, b in self.model.named_buffers():
                 if name in mine_buffers:
                     mine_buffers[name].copy_(b.detach().to(mine_buffers[name].device, mine_buffers[name].dtype))
+
+    @torch.no_grad()
+    def refresh_moments(self, optimizer: torch.optim.Optimizer,
+                        keys: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> None:
+        """Gather the optimizer's ``keys`` state (Adam's first and second moments) of every trainable parameter
+        whole, as :meth:`refresh` gathers the weights (a collective: every rank calls it at the same point), and
+        keep it on the mirror's rank, by parameter name, with the state's ``step``: what a strategy that reads the
+        optimizer state (:attr:`~layerfreeze.strategies.Strategy.reads_optimizer_state`, SmartFRZ's gradient SNR
+        gate) reads under FSDP2, where each rank holds one shard of each moment.
+
+        A parameter whose state lacks a key (no step taken yet, or an optimizer without those moments) is skipped on
+        every rank alike (the state is created on the same step on every rank). Costs, at each stage: the gathers
+        of ``len(keys)`` times the trainable parameters, and that many bytes of host memory on the mirror's rank.
+        """
+        moments: dict[str, dict[str, Any]] = {}
+        for name, p in self.model.named_parameters():  # the same names, in the same order, on every rank
+            if not p.requires_grad:
+                continue
+            state = optimizer.state.get(p)
+            if not state or any(k not in state for k in keys):
+                continue
+            got: dict[str, Any] = {}
+            for k in keys:
+                t = state[k]
+                full = t.full_tensor() if hasattr(t, "full_tensor") else t
+                if self.mirror is not None:
+                    got[k] = full.detach().to("cpu", copy=True).reshape(p.shape)
+            if self.mirror is not None:
+                step = state.get("step")
+                got["step"] = float(step) if step is not None else None
+                moments[name] = got
+        self.moments = moments if self.mirror is not None else None
+
+    def optimizer_view(self, optimizer: torch.optim.Optimizer) -> Callable[[nn.Parameter], Any]:
+        """``view(mirror_parameter)`` -> ``(its gathered state, the model parameter's param group)``, or None (not
+        trainable, or no state yet): :attr:`~layerfreeze.strategies.base.StageContext.optimizer_state` for a strategy
+        that observes the mirror, from the last :meth:`refresh_moments`."""
+        names = {id(p): n for n, p in self.mirror.named_parameters()} if self.mirror is not None else {}
+        params = dict(self.model.named_parameters())
+        groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        moments = self.moments or {}
+
+        def view(param: nn.Parameter) -> Any:
+            name = names.get(id(param))
+            state = moments.get(name) if name is not None else None
+            group = groups.get(id(params[name])) if state is not None else None
+            return None if group is None else (state, group)
+
+        return view
 
     def forward_inputs(self) -> None:
         """Call the mirror's root forward pre-hooks with the inputs of each forward of the model (and set the

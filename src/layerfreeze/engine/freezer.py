@@ -777,7 +777,8 @@ class Freezer:
         block_lrs = optimizer_state = None
         if self.optimizer is not None:
             block_lrs = [base_lr(self.optimizer, block_groups(self._origin, b), self._lr_written) for b in self.blocks]
-            optimizer_state = _optimizer_state_view(self.optimizer)
+            optimizer_state = (self._mirror.optimizer_view(self.optimizer) if self._mirror is not None
+                               else _optimizer_state_view(self.optimizer))
         return StageContext(
             step=self.step_count,
             epoch=self.epoch,
@@ -795,6 +796,8 @@ class Freezer:
         error: str | None = None
         if self._mirror is not None and event != "start":  # the start stage follows the full refresh at creation
             self._mirror.refresh(trainable_only=True)
+            if self.strategy.reads_optimizer_state and self.optimizer is not None:
+                self._mirror.refresh_moments(self.optimizer)  # Adam's moments whole, as the weights (a collective)
         if self.decides:
             try:
                 decision = self._admissible(self.strategy.decide(self._context(event)))

@@ -141,6 +141,14 @@ class Strategy:
         of the model to observe (:class:`~layerfreeze.distributed.fsdp.Mirror`)."""
         return type(self).attach is not Strategy.attach
 
+    @property
+    def reads_optimizer_state(self) -> bool:
+        """True for a strategy that reads the optimizer's per-parameter state through
+        :attr:`StageContext.optimizer_state` (SmartFRZ's gradient signal-to-noise gate reads Adam's moments). Under
+        FSDP2 the engine then gathers that state whole into the mirror at every stage
+        (:meth:`~layerfreeze.distributed.fsdp.Mirror.refresh_moments`), as it gathers the weights."""
+        return False
+
     def attach(self, model: Any, blocks: list[Any]) -> None:
         """Called once by the engine before the start stage, for strategies that observe the model themselves
         (weights, activations). They must not change the model, the optimizer or ``requires_grad``."""

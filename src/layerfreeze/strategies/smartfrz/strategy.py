@@ -110,6 +110,11 @@ class SmartFRZ(Strategy):
         self.recorder = None
         self.stage_every = snapshot_every
 
+    @property
+    def reads_optimizer_state(self) -> bool:
+        """The gate reads Adam's moments (under FSDP2 gathered into the mirror at each stage)."""
+        return self.snr_gate is not None
+
     def attach(self, model: Any, blocks: list[Any]) -> None:
         self.model, meta = self._loaded
         self.window, self.min_window = meta["window"], meta["min_window"]
@@ -178,8 +183,8 @@ class SmartFRZ(Strategy):
             # reads in the docs without a word: say once that the predictor decides alone here
             self._warned_no_moments = True
             warnings.warn("smartfrz: the gradient SNR gate (snr_gate, on by default) found no Adam moments for the "
-                          "blocks it watches (an optimizer without exp_avg/exp_avg_sq such as SGD, no optimizer, or "
-                          "FSDP2-sharded state read through a mirror); the predictor decides alone in this run. "
+                          "blocks it watches (an optimizer without exp_avg/exp_avg_sq such as SGD, or no optimizer); "
+                          "the predictor decides alone in this run. "
                           "-p snr_gate=null turns the gate off and this warning with it.", stacklevel=2)
 
     def predict(self, index: int, num_blocks: int, total_steps: int) -> float:

@@ -83,11 +83,12 @@ def run_cell(task: str, lr_factor: float, epochs: int, seed: int, rows: list[str
     shutil.rmtree(folder, ignore_errors=True)  # this script's own folder from an earlier run
     for r in rows:
         row_strategy(r)
-    every = max(1, suite.total_steps(spec, suite.dataset_sizes(spec)[0]) // GUARD_CHECKS)
-    guard = {"freeze": {"guard": {"every_steps": every}}}
+    overrides = {}
+    if any(r in GUARD_ROWS for r in rows):  # the run length, for the guard's interval (BBC: reads the data)
+        every = max(1, suite.total_steps(spec, suite.dataset_sizes(spec)[0]) // GUARD_CHECKS)
+        overrides = {r: {"freeze": {"guard": {"every_steps": every}}} for r in rows if r in GUARD_ROWS}
     none, *trained = compare(base, ["none", *rows], folder, console=console,
-                             row_params={r: ROWS[r][1] for r in rows},
-                             row_overrides={r: guard for r in rows if r in GUARD_ROWS})
+                             row_params={r: ROWS[r][1] for r in rows}, row_overrides=overrides)
     cell: dict[str, Any] = {"task": task, "lr_factor": lr_factor, "lr": spec.lr, "epochs": epochs, "seed": seed,
                             "quick": quick, "steps": none.get("steps"), "none_accuracy": none["test_accuracy"],
                             "none_wall_s": none.get("wall_time_s"), "none_train_s": none.get("train_time_s"),

@@ -199,24 +199,18 @@ class Mirror:
         every rank alike (the state is created on the same step on every rank). Costs, at each stage: the gathers
         of ``len(keys)`` times the trainable parameters, and that many bytes of host memory on the mirror's rank.
         """
+        keep = self.mirror is not None  # the other ranks only take part in the gathers
         moments: dict[str, dict[str, Any]] = {}
         for name, p in self.model.named_parameters():  # the same names, in the same order, on every rank
-            if not p.requires_grad:
-                continue
-            state = optimizer.state.get(p)
+            state = optimizer.state.get(p) if p.requires_grad else None
             if not state or any(k not in state for k in keys):
                 continue
-            got: dict[str, Any] = {}
-            for k in keys:
-                t = state[k]
-                full = t.full_tensor() if hasattr(t, "full_tensor") else t
-                if self.mirror is not None:
-                    got[k] = full.detach().to("cpu", copy=True).reshape(p.shape)
-            if self.mirror is not None:
+            full = {k: state[k].full_tensor() if hasattr(state[k], "full_tensor") else state[k] for k in keys}
+            if keep:
                 step = state.get("step")
-                got["step"] = float(step) if step is not None else None
-                moments[name] = got
-        self.moments = moments if self.mirror is not None else None
+                moments[name] = {**{k: v.detach().to("cpu", copy=True).reshape(p.shape) for k, v in full.items()},
+                                 "step": float(step) if step is not None else None}
+        self.moments = moments if keep else None
 
     def optimizer_view(self, optimizer: torch.optim.Optimizer) -> Callable[[nn.Parameter], Any]:
         """``view(mirror_parameter)`` -> ``(its gathered state, the model parameter's param group)``, or None (not

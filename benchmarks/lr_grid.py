@@ -7,7 +7,8 @@ and budget): `smartfrz` (the strategy's defaults: the gradient signal-to-noise g
 :mod:`layerfreeze.strategies.smartfrz.snr_gate`) and `smartfrz-nogate` (the same with the gate off, the predictor
 alone: the ablation). The grid made the gate SmartFRZ's default. ``--rows`` may add `smartfrz-guard` (the default
 with the stability guard, ``freeze.guard``, checked 8 times a run: issue 29's safety-net question) and
-`none-heldout` (`none` holding out the guard's tenth of the training data: its control). Each row records its wall
+`none-heldout` (`none` holding out the guard's tenth of the training data: its control), and `none-reseed` (`none`
+with other dropout noise from the middle of the run on: the cell's noise floor). Each row records its wall
 and train seconds and its thaws, so the guard's held-out evaluations can be costed. ``--oracle`` adds an
 untimed `none` run with the CKA oracle's probe recorder per cell (``benchmarks.oracle``) and records its freeze steps
 beside.
@@ -48,6 +49,7 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "smartfrz-nogate": ("smartfrz", {"snr_gate": None}),
     "smartfrz-guard": ("smartfrz", {}),
     "none-heldout": ("none", {}),
+    "none-reseed": ("none", {}),
 }
 #: Rows that train with the stability guard (:mod:`layerfreeze.engine.guard`, ``freeze.guard``; issue 29 item 3):
 #: its defaults (5% worse held-out loss, patience 1, cooldown 2, 10% of the training data held out), checked at
@@ -55,6 +57,14 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
 #: then never acts but still holds out its tenth of the data: the guard's cost apart from its thaws.
 GUARD_ROWS = ("smartfrz-guard", "none-heldout")
 GUARD_CHECKS = 8
+#: ``none-reseed``: `none` again, its global RNG (dropout; the data order has its own seeded generator) reseeded
+#: at the middle step of the run: the same initialisation, data and schedule, other dropout noise from there on. Its
+#: Δ to `none` is the cell's noise floor, what a perturbation that freezes nothing moves the final accuracy (the
+#: counterfactual labels' "unfrozen, other orders" null, issue 16). Measured on BBC lr x3 4 epochs (seed 0 / 2):
+#: reseeding at step 104 or 150 of 208 moved `none` by -0.45 / -1.13 and +0.00 / +0.68 points.
+RESEED_ROWS = ("none-reseed",)
+#: Seed of the reseeded RNG is this plus the run's seed.
+RESEED_BASE = 7919
 #: The rows ``python -m benchmarks.lr_grid`` runs when ``--rows`` is not given (the guard row on request).
 DEFAULT_ROWS = ["smartfrz", "smartfrz-nogate"]
 
@@ -67,6 +77,19 @@ def row_strategy(name: str) -> type:
     if name != strategy:
         register_strategy(name)(cls)
     return cls
+
+
+def reseed_at_half(seed: int) -> Any:
+    """A trainer step callback (``Trainer(step_callbacks=...)``) that reseeds the global RNG with ``RESEED_BASE +
+    seed`` once, after step ``total_steps // 2``: the `none-reseed` row. It breaks the callbacks' contract (leave
+    the global RNG as found) on purpose: that is the perturbation measured."""
+    import torch
+
+    def callback(trainer: Any) -> None:
+        if trainer.progress["step"] == trainer.total_steps // 2:
+            torch.manual_seed(RESEED_BASE + seed)
+
+    return callback
 
 
 def run_cell(task: str, lr_factor: float, epochs: int, seed: int, rows: list[str], out: Path, oracle: bool,
@@ -87,8 +110,10 @@ def run_cell(task: str, lr_factor: float, epochs: int, seed: int, rows: list[str
     if any(r in GUARD_ROWS for r in rows):  # the run length, for the guard's interval (BBC: reads the data)
         every = max(1, suite.total_steps(spec, suite.dataset_sizes(spec)[0]) // GUARD_CHECKS)
         overrides = {r: {"freeze": {"guard": {"every_steps": every}}} for r in rows if r in GUARD_ROWS}
+    callbacks = {r: [reseed_at_half(seed)] for r in rows if r in RESEED_ROWS}
     none, *trained = compare(base, ["none", *rows], folder, console=console,
-                             row_params={r: ROWS[r][1] for r in rows}, row_overrides=overrides)
+                             row_params={r: ROWS[r][1] for r in rows}, row_overrides=overrides,
+                             row_callbacks=callbacks)
     cell: dict[str, Any] = {"task": task, "lr_factor": lr_factor, "lr": spec.lr, "epochs": epochs, "seed": seed,
                             "quick": quick, "steps": none.get("steps"), "none_accuracy": none["test_accuracy"],
                             "none_wall_s": none.get("wall_time_s"), "none_train_s": none.get("train_time_s"),
@@ -117,6 +142,31 @@ def oracle_steps(base: dict[str, Any], folder: Path, pretrained: bool) -> dict[s
     Trainer(build_config(row_config(base, "none", folder / "oracle")), step_callbacks=[recorder]).run()
     tau = tau_for("finetune" if pretrained else "scratch")
     return dict(zip(recorder.blocks, oracle_freeze_steps(recorder.cka(), recorder.steps, recorder.head, tau=tau)))
+
+
+def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several results files as one: the rows of every part, and one cell per (task, lr factor, epochs, seed) with
+    the rows of every part that ran it (runs are deterministic, so each part's `none` of a cell is the same run;
+    a part whose `none` accuracy differs is refused, as it is not the same cell).
+
+    Raises:
+        ValueError: two parts hold the same cell and seed with different `none` accuracies."""
+    rows = list(dict.fromkeys(r for part in parts for r in part["rows"]))
+    cells: dict[tuple, dict[str, Any]] = {}
+    for part in parts:
+        for c in part["cells"]:
+            key = (c["task"], c["lr_factor"], c["epochs"], c["seed"])
+            if key not in cells:
+                cells[key] = {**c, "rows": dict(c["rows"])}
+                continue
+            old = cells[key]
+            if old["none_accuracy"] != c["none_accuracy"]:
+                raise ValueError(f"{key}: two results hold this cell and seed with different `none` accuracies "
+                                 f"({old['none_accuracy']} and {c['none_accuracy']}): not the same runs")
+            old["rows"].update(c["rows"])
+            if "oracle" in c:
+                old.setdefault("oracle", c["oracle"])
+    return {"rows": rows, "cells": list(cells.values())}
 
 
 def _group(results: dict[str, Any]) -> dict[tuple, list[dict[str, Any]]]:
@@ -212,10 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     console = Console(width=160)
     if args.from_json:
-        parts = [json.loads(f.read_text()) for f in args.from_json]
-        results = {"rows": list(dict.fromkeys(r for part in parts for r in part["rows"])),
-                   "cells": [c for part in parts for c in part["cells"]]}
-        if len(parts) > 1:
+        try:
+            results = merge([json.loads(f.read_text()) for f in args.from_json])
+        except ValueError as e:
+            p.error(str(e))
+        if len(args.from_json) > 1:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "results.json").write_text(json.dumps(results, indent=2))
     else:

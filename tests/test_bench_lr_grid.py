@@ -18,13 +18,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def grid():
     with benchmark_module("lr_grid") as module:
         yield module
-    for row in ("smartfrz-nogate", "smartfrz-guard", "none-heldout"):
+    for row in ("smartfrz-nogate", "smartfrz-guard", "none-heldout", "none-reseed"):
         if row in STRATEGIES:  # registered by the module's rows: gone with it
             unregister_strategy(row)
 
 
 def test_rows_are_the_default_with_the_gate_and_its_ablation_without(grid):
-    assert list(grid.ROWS) == ["smartfrz", "smartfrz-nogate", "smartfrz-guard", "none-heldout"]
+    assert list(grid.ROWS) == ["smartfrz", "smartfrz-nogate", "smartfrz-guard", "none-heldout", "none-reseed"]
     assert grid.DEFAULT_ROWS == ["smartfrz", "smartfrz-nogate"]
     assert grid.GUARD_ROWS == ("smartfrz-guard", "none-heldout")
     assert grid.row_strategy("smartfrz") is STRATEGIES["smartfrz"]
@@ -72,6 +72,27 @@ def test_schedules_table_gives_medians_beside_the_oracle(grid, tmp_path, capsys)
     assert "| bbc | x1 | 1 | 52 | 1 @ 9 | 2 @ 6 |" in (tmp_path / "merged" / "lr_grid.md").read_text()
 
 
+def test_merge_joins_the_rows_of_one_cell_run_in_two_processes_and_refuses_different_runs(grid, tmp_path, capsys):
+    def cell(none, rows):
+        return {"task": "bbc", "lr_factor": 3.0, "epochs": 4, "seed": 0, "steps": 208, "none_accuracy": none,
+                "rows": rows}
+
+    row = {"accuracy": 0.95, "flops_ratio": 0.8, "time_ratio": 0.7, "freeze_steps": {}}
+    first = {"rows": ["smartfrz"], "cells": [cell(0.96, {"smartfrz": row})]}
+    later = {"rows": ["none-reseed"], "cells": [cell(0.96, {"none-reseed": {**row, "accuracy": 0.955}})]}
+    merged = grid.merge([first, later])
+    assert merged["rows"] == ["smartfrz", "none-reseed"] and len(merged["cells"]) == 1
+    assert set(merged["cells"][0]["rows"]) == {"smartfrz", "none-reseed"}
+    assert "| bbc | x3 | 4 | 208 | 0 | 96.00 | -1.00 [-1.00] | 0.800 | 0.700 | -0.50 [-0.50] |" in grid.markdown(merged)
+    assert first["cells"][0]["rows"] == {"smartfrz": row}  # the parts are left as they were
+    other = {"rows": ["none-reseed"], "cells": [cell(0.97, {"none-reseed": row})]}
+    for i, part in enumerate((first, other)):
+        (tmp_path / f"{i}.json").write_text(json.dumps(part))
+    with pytest.raises(SystemExit) as exc:
+        grid.main(["--from-json", str(tmp_path / "0.json"), str(tmp_path / "1.json"), "--out", str(tmp_path / "m")])
+    assert exc.value.code == 2 and "different `none` accuracies" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--rows", "smartfrz,gate"], "unknown rows ['gate']"),
     (["--tasks", "cifar"], "unknown tasks ['cifar']"),
@@ -89,7 +110,7 @@ def test_quick_cell_trains_none_and_both_rows_on_one_stream(grid, tmp_path, caps
 
     _load.cache_clear()  # the first smartfrz row in a process reads the predictor file (issue 29's RNG bug)
     argv = ["--quick", "--tasks", "fmnist-mobilenet", "--lrs", "1", "--epochs", "1", "--seeds", "0",
-            "--rows", "smartfrz,smartfrz-nogate,smartfrz-guard,none-heldout", "--out", str(tmp_path)]
+            "--rows", "smartfrz,smartfrz-nogate,smartfrz-guard,none-heldout,none-reseed", "--out", str(tmp_path)]
     assert grid.main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     (cell,) = results["cells"]
@@ -119,3 +140,6 @@ def test_quick_cell_trains_none_and_both_rows_on_one_stream(grid, tmp_path, caps
         return [r["loss"] for r in map(json.loads, metrics.splitlines()) if r["type"] == "step" and "loss" in r]
 
     assert len(losses("none-heldout")) == len(losses("none")) == 4 and losses("none-heldout") != losses("none")
+    # the noise floor: `none` to its middle step (2 of 4), then other dropout draws (MobileNetV2's classifier)
+    reseed = losses("none-reseed")
+    assert reseed[:2] == losses("none")[:2] and reseed[2] != losses("none")[2]

@@ -43,12 +43,10 @@ from benchmarks import suite  # the suite's task specs and base config: the same
 from layerfreeze.strategies import STRATEGIES, register_strategy
 
 #: Row name -> (strategy, params). ``smartfrz``: the default (the gradient signal-to-noise gate on, kappa 0.9 and
-#: snr_noise 1.35, the values measured on issue 29's research branch, and its floor, snr_floor 1.0);
-#: ``smartfrz-nogate``: the predictor alone; ``smartfrz-nofloor``: the gate without its floor (the default before).
+#: snr_noise 1.35, the values measured on issue 29's research branch); ``smartfrz-nogate``: the predictor alone.
 ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "smartfrz": ("smartfrz", {}),
     "smartfrz-nogate": ("smartfrz", {"snr_gate": None}),
-    "smartfrz-nofloor": ("smartfrz", {"snr_floor": None}),
     "smartfrz-guard": ("smartfrz", {}),
     "none-heldout": ("none", {}),
     "none-reseed": ("none", {}),

@@ -18,14 +18,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def grid():
     with benchmark_module("lr_grid") as module:
         yield module
-    for row in ("smartfrz-nogate", "smartfrz-nofloor", "smartfrz-guard", "none-heldout", "none-reseed"):
+    for row in ("smartfrz-nogate", "smartfrz-guard", "none-heldout", "none-reseed"):
         if row in STRATEGIES:  # registered by the module's rows: gone with it
             unregister_strategy(row)
 
 
 def test_rows_are_the_default_with_the_gate_and_its_ablation_without(grid):
-    assert list(grid.ROWS) == ["smartfrz", "smartfrz-nogate", "smartfrz-nofloor", "smartfrz-guard", "none-heldout",
-                               "none-reseed"]
+    assert list(grid.ROWS) == ["smartfrz", "smartfrz-nogate", "smartfrz-guard", "none-heldout", "none-reseed"]
     assert grid.DEFAULT_ROWS == ["smartfrz", "smartfrz-nogate"]
     assert grid.GUARD_ROWS == ("smartfrz-guard", "none-heldout")
     assert grid.row_strategy("smartfrz") is STRATEGIES["smartfrz"]
@@ -34,8 +33,6 @@ def test_rows_are_the_default_with_the_gate_and_its_ablation_without(grid):
     assert STRATEGIES["smartfrz-nogate"] is cls and issubclass(cls, STRATEGIES["smartfrz"])
     assert STRATEGIES["smartfrz"]().snr_gate == 0.9  # the default: on (issue 29)
     assert cls(**grid.ROWS["smartfrz-nogate"][1]).snr_gate is None
-    assert STRATEGIES["smartfrz"]().snr_floor == 1.0  # the gate's floor: on by default
-    assert grid.row_strategy("smartfrz-nofloor")(**grid.ROWS["smartfrz-nofloor"][1]).snr_floor is None
 
 
 def test_table_averages_seeds_and_names_the_worst(grid):

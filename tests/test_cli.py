@@ -166,7 +166,7 @@ def test_help_and_strategies_list(capsys):
     assert main(["strategies"]) == 0
     out = capsys.readouterr().out
     assert "smartfrz  (default)" in out and "k=1" in out
-    assert "seed=0, snr_gate=0.9, snr_noise=1.35, snr_floor=1.0" in out  # the SNR gate: on by default (issue 29)
+    assert "seed=0, snr_gate=0.9, snr_noise=1.35" in out  # the gradient SNR gate: on by default (issue 29)
     assert "lisa  params: gamma=2, k=20, seed=None" in out
     assert "badam  params: k=50, order='ascending', start_block=None, include_embedding=False, seed=None" in out
 

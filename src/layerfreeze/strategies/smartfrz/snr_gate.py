@@ -66,11 +66,6 @@ DEFAULT_BURN_IN = 8
 #: 0.7-1.3 where the predictor freezes them (free there), 1.25 kept a block at 1.27-1.30 trainable for the rest of
 #: the lr x3 run; BBC lr x0.3's layers are at 1.46-2.8 where the predictor would freeze them (-6.5 points).
 DEFAULT_NOISE = 1.35
-#: Smoothed z under which a block that has shown signal (its peak at least ``noise``) stays trainable: under 1 is
-#: under the i.i.d. noise floor itself (see :class:`SNRGate`). Measured on issue 29's grid (seed 0-3, the suite's
-#: sizes): MiniLM-L6 / BBC lr x3 4 epochs froze layers 1-5 and the pooler at z 0.22-0.92 after peaks of 1.5-1.8 and
-#: lost 1.35 points on the mean; every other cell froze its signal blocks at z >= 1.07.
-DEFAULT_FLOOR = 1.0
 #: "Rising": the smoothed z is above (1 + this) times its value ``smooth`` stages earlier.
 DEFAULT_RISE = 0.05
 
@@ -192,15 +187,12 @@ class SNRGate:
         noise: A block whose smoothed z is at most this and not rising may freeze too; None: only the fall from the
             peak opens the gate.
         rise: "Rising": the smoothed z above ``(1 + rise)`` times its value ``smooth`` stages earlier.
-        floor: A block whose peak reached ``noise`` (:data:`DEFAULT_NOISE` when ``noise`` is None) stays closed
-            while its smoothed z is under this; None: no floor.
     """
 
     def __init__(self, num_blocks: int, kappa: float = DEFAULT_KAPPA, smooth: int = DEFAULT_SMOOTH,
                  burn_in: int = DEFAULT_BURN_IN, noise: float | None = DEFAULT_NOISE,
-                 rise: float = DEFAULT_RISE, floor: float | None = DEFAULT_FLOOR) -> None:
+                 rise: float = DEFAULT_RISE) -> None:
         self.kappa, self.smooth, self.burn_in, self.noise, self.rise = kappa, smooth, burn_in, noise, rise
-        self.floor = floor
         self.recent: list[deque[float]] = [deque(maxlen=smooth) for _ in range(num_blocks)]
         self.trail: list[deque[float]] = [deque(maxlen=smooth + 1) for _ in range(num_blocks)]  # smoothed values
         self.peak = [math.nan] * num_blocks
@@ -240,9 +232,6 @@ class SNRGate:
         if math.isnan(self.peak[index]):
             return False
         s = self.smoothed(index)
-        signal = self.noise if self.noise is not None else DEFAULT_NOISE
-        if self.floor is not None and s < self.floor and self.peak[index] >= signal:
-            return False  # under the noise floor after real signal: a few large gradients still come (see floor)
         if s <= self.kappa * self.peak[index]:
             return True
         return self.noise is not None and s <= self.noise and not self.rising(index)

@@ -22,7 +22,7 @@ from layerfreeze.strategies.registry import register_strategy
 from layerfreeze.strategies.smartfrz.features import window_features
 from layerfreeze.strategies.smartfrz.predictor import load_predictor
 from layerfreeze.strategies.smartfrz.recorder import WeightRecorder
-from layerfreeze.strategies.smartfrz.snr_gate import DEFAULT_FLOOR, DEFAULT_KAPPA, DEFAULT_NOISE, AdamMoments, SNRGate
+from layerfreeze.strategies.smartfrz.snr_gate import DEFAULT_KAPPA, DEFAULT_NOISE, AdamMoments, SNRGate
 
 
 @register_strategy("smartfrz")
@@ -63,10 +63,6 @@ class SmartFRZ(Strategy):
             noise floor; 1 = pure noise) is at most this and not rising may freeze; None: only the fall from the
             peak opens the gate. Default 1.35 (a mean gradient about a fifth of its noise std). Used only with
             ``snr_gate``.
-        snr_floor: A block whose smoothed z once reached ``snr_noise`` stays trainable while its z is under this,
-            a number > 0 or None (no floor). Default 1.0, the noise floor itself: a z under it after real signal
-            means a few large gradients still come among many small ones (MiniLM-L6 / BBC at lr x3 for 4 epochs,
-            where freezing then cost 1.35 points). Used only with ``snr_gate``.
 
     Raises:
         ValueError: a parameter outside its range, or a predictor file (given or shipped) that is missing, corrupt
@@ -81,7 +77,7 @@ class SmartFRZ(Strategy):
 
     def __init__(self, predictor: str | None = None, threshold: float | None = None, snapshot_every: int | None = None,
                  sample_size: int = 1024, prefix: bool = True, seed: int = 0, snr_gate: float | None = DEFAULT_KAPPA,
-                 snr_noise: float | None = DEFAULT_NOISE, snr_floor: float | None = DEFAULT_FLOOR) -> None:
+                 snr_noise: float | None = DEFAULT_NOISE) -> None:
         super().__init__()
         if threshold is not None and (not is_number(threshold) or not 0 < threshold < 1):
             raise ValueError(f"smartfrz: threshold must be in (0, 1) (probability to freeze), got {threshold!r}")
@@ -97,9 +93,6 @@ class SmartFRZ(Strategy):
         if snr_noise is not None and (not is_number(snr_noise) or snr_noise <= 0):
             raise ValueError(f"smartfrz: snr_noise must be a number > 0 (1 = pure noise; 1.35 measured) or null, got "
                              f"{snr_noise!r}")
-        if snr_floor is not None and (not is_number(snr_floor) or snr_floor <= 0):
-            raise ValueError(f"smartfrz: snr_floor must be a number > 0 (1 = the noise floor, measured) or null, got "
-                             f"{snr_floor!r}")
         try:  # a missing/corrupt/other-version file fails here, at config time, before anything runs
             self._loaded = load_predictor(Path(predictor) if predictor is not None else None)
         except PredictorError as exc:
@@ -109,7 +102,6 @@ class SmartFRZ(Strategy):
         self.prefix, self.seed = prefix, seed
         self.snr_gate = None if snr_gate is None else float(snr_gate)
         self.snr_noise = None if snr_noise is None else float(snr_noise)
-        self.snr_floor = None if snr_floor is None else float(snr_floor)
         self.gate: SNRGate | None = None
         self._moments: AdamMoments | None = None
         self._warned_no_moments = False
@@ -130,7 +122,7 @@ class SmartFRZ(Strategy):
             self.threshold = float(meta["card"].get("threshold", 0.5))
         self.recorder = WeightRecorder(blocks, self.sample_size, self.window, self.seed)
         if self.snr_gate is not None:
-            self.gate = SNRGate(len(blocks), kappa=self.snr_gate, noise=self.snr_noise, floor=self.snr_floor)
+            self.gate = SNRGate(len(blocks), kappa=self.snr_gate, noise=self.snr_noise)
 
     def decide(self, ctx: StageContext) -> Decision:
         if ctx.event == "start":

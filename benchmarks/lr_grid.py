@@ -18,6 +18,7 @@ beside.
     python -m benchmarks.lr_grid --quick --tasks fmnist-mobilenet --lrs 1 --epochs 1 --seeds 0   # a smoke test
     python -m benchmarks.lr_grid --from-json runs/bench-lr-grid/results.json   # only the table
     python -m benchmarks.lr_grid --from-json a/results.json b/results.json --out runs/bench-lr-grid  # merged
+    python -m benchmarks.lr_grid --predictor runs/p/predictor.safetensors --tasks bbc --lrs 0.3   # a candidate
 
 Outputs ``OUT/results.json`` (rewritten after every cell and seed; ``--resume`` skips the ones it holds) and
 ``OUT/lr_grid.md``: per task and cell, `none`'s accuracy and per row the mean Δ points [worst seed], FLOPs and time
@@ -40,7 +41,9 @@ from typing import Any
 from rich.console import Console
 
 from benchmarks import suite  # the suite's task specs and base config: the same jobs
+from layerfreeze.errors import PredictorError
 from layerfreeze.strategies import STRATEGIES, register_strategy
+from layerfreeze.strategies.smartfrz import load_predictor
 
 #: Row name -> (strategy, params). ``smartfrz``: the default (the gradient signal-to-noise gate on, kappa 0.9 and
 #: snr_noise 1.35, the values measured on issue 29's research branch); ``smartfrz-nogate``: the predictor alone.
@@ -92,11 +95,20 @@ def reseed_at_half(seed: int) -> Any:
     return callback
 
 
+def row_params(rows: list[str], predictor: str | None = None) -> dict[str, dict[str, Any]]:
+    """Each row's strategy parameters; ``predictor`` (a file from ``layerfreeze predictor train``) replaces the
+    shipped predictor in every row whose strategy is `smartfrz`."""
+    extra = {"predictor": predictor} if predictor else {}
+    return {r: {**ROWS[r][1], **(extra if ROWS[r][0] == "smartfrz" else {})} for r in rows}
+
+
 def run_cell(task: str, lr_factor: float, epochs: int, seed: int, rows: list[str], out: Path, oracle: bool,
-             console: Console, quick: bool = False, threads: int | None = None) -> dict[str, Any]:
+             console: Console, quick: bool = False, threads: int | None = None,
+             predictor: str | None = None) -> dict[str, Any]:
     """One seed of one cell: `none` and ``rows`` in one compare process, in ``OUT/<task>/lr<f>-ep<n>/seed<s>``
-    (cleared first). Returns the cell's record: `none`'s test accuracy (a fraction), per row its accuracy, FLOPs and
-    time ratios to `none`, freeze steps (block name -> step) and ``stopped`` (why a diverged row stopped, or None)."""
+    (cleared first); ``predictor``: see :func:`row_params`. Returns the cell's record: `none`'s test accuracy (a
+    fraction), per row its accuracy, FLOPs and time ratios to `none`, freeze steps (block name -> step) and
+    ``stopped`` (why a diverged row stopped, or None)."""
     from layerfreeze.train.compare import compare
 
     spec = suite.task_spec(task, quick)
@@ -112,7 +124,7 @@ def run_cell(task: str, lr_factor: float, epochs: int, seed: int, rows: list[str
         overrides = {r: {"freeze": {"guard": {"every_steps": every}}} for r in rows if r in GUARD_ROWS}
     callbacks = {r: [reseed_at_half(seed)] for r in rows if r in RESEED_ROWS}
     none, *trained = compare(base, ["none", *rows], folder, console=console,
-                             row_params={r: ROWS[r][1] for r in rows}, row_overrides=overrides,
+                             row_params=row_params(rows, predictor), row_overrides=overrides,
                              row_callbacks=callbacks)
     cell: dict[str, Any] = {"task": task, "lr_factor": lr_factor, "lr": spec.lr, "epochs": epochs, "seed": seed,
                             "quick": quick, "steps": none.get("steps"), "none_accuracy": none["test_accuracy"],
@@ -259,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                    "several merged (written to OUT/results.json and OUT/lr_grid.md)")
     p.add_argument("--threads", type=int, help="torch threads per run (default: torch's)")
     p.add_argument("--quick", action="store_true", help="the suite's QUICK_SIZES (a smoke test, not a measurement)")
+    p.add_argument("--predictor", type=Path, help="a predictor file (`layerfreeze predictor train --out`) for the "
+                   "smartfrz rows instead of the shipped one: a candidate measured on the grid before it ships")
     args = p.parse_args(argv)
     console = Console(width=160)
     if args.from_json:
@@ -278,10 +292,20 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown tasks {bad_tasks}; choose from {list(suite.TASKS)}")
         if any(f <= 0 for f in args.lrs) or any(e < 1 for e in args.epochs):
             p.error(f"--lrs are factors > 0 and --epochs integers >= 1, got {args.lrs} and {args.epochs}")
+        predictor = None
+        if args.predictor is not None:
+            predictor = str(args.predictor.resolve())
+            try:
+                load_predictor(predictor)
+            except PredictorError as e:  # before any training: a missing or corrupt file
+                p.error(f"--predictor {args.predictor}: {e}")
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / "results.json"
         results = json.loads(path.read_text()) if args.resume and path.exists() else {"cells": []}
+        if args.resume and results.get("predictor") != predictor:
+            p.error(f"--resume: {path} was run with predictor {results.get('predictor')}, not {predictor}")
         results["rows"] = args.rows
+        results["predictor"] = predictor
         done = {(c["task"], c["lr_factor"], c["epochs"], c["seed"]) for c in results["cells"]}
         for task in args.tasks:
             for lr in args.lrs:
@@ -291,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                             continue
                         console.rule(f"{task} lr x{lr:g} {ep} epochs seed {seed}")
                         results["cells"].append(run_cell(task, lr, ep, seed, args.rows, args.out, args.oracle,
-                                                         console, args.quick, args.threads))
+                                                         console, args.quick, args.threads, predictor))
                         path.write_text(json.dumps(results, indent=2))
     table = markdown(results)
     if not args.from_json or len(args.from_json) > 1:

@@ -98,6 +98,8 @@ def test_merge_joins_the_rows_of_one_cell_run_in_two_processes_and_refuses_diffe
     (["--tasks", "cifar"], "unknown tasks ['cifar']"),
     (["--lrs", "0.3,x"], "comma-separated float"),
     (["--epochs", "0"], "--epochs integers >= 1"),
+    (["--predictor", "no/such/predictor.safetensors"], "--predictor no/such/predictor.safetensors: SmartFRZ "
+     "predictor file"),
 ])
 def test_bad_arguments_are_parser_errors_before_training(grid, argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
@@ -105,14 +107,29 @@ def test_bad_arguments_are_parser_errors_before_training(grid, argv, message, ca
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_candidate_predictor_goes_to_the_smartfrz_rows_only(grid):
+    params = grid.row_params(["smartfrz", "smartfrz-nogate", "none-reseed"], "/p.safetensors")
+    assert params == {"smartfrz": {"predictor": "/p.safetensors"},
+                      "smartfrz-nogate": {"snr_gate": None, "predictor": "/p.safetensors"}, "none-reseed": {}}
+    assert grid.row_params(["smartfrz-nogate"]) == {"smartfrz-nogate": {"snr_gate": None}}
+
+
 def test_quick_cell_trains_none_and_both_rows_on_one_stream(grid, tmp_path, capsys):
-    from layerfreeze.strategies.smartfrz.predictor import _load
+    from layerfreeze.strategies.smartfrz.predictor import DEFAULT_PREDICTOR, _load
 
     _load.cache_clear()  # the first smartfrz row in a process reads the predictor file (issue 29's RNG bug)
     argv = ["--quick", "--tasks", "fmnist-mobilenet", "--lrs", "1", "--epochs", "1", "--seeds", "0",
-            "--rows", "smartfrz,smartfrz-nogate,smartfrz-guard,none-heldout,none-reseed", "--out", str(tmp_path)]
+            "--rows", "smartfrz,smartfrz-nogate,smartfrz-guard,none-heldout,none-reseed", "--out", str(tmp_path),
+            "--predictor", str(DEFAULT_PREDICTOR)]  # named: the shipped one, so the rows train as by default
     assert grid.main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
+    assert results["predictor"] == str(DEFAULT_PREDICTOR.resolve())
+    for name, expected in (("smartfrz", str(DEFAULT_PREDICTOR.resolve())), ("none-reseed", None)):
+        config = json.loads((tmp_path / "fmnist-mobilenet" / "lr1-ep1" / "seed0" / name / "config.json").read_text())
+        assert config["freeze"]["params"].get("predictor") == expected
+    with pytest.raises(SystemExit) as exc:  # resuming the file with another predictor: not the same grid
+        grid.main([*argv[:-2], "--resume"])
+    assert exc.value.code == 2 and "was run with predictor" in capsys.readouterr().err
     (cell,) = results["cells"]
     assert (cell["task"], cell["lr_factor"], cell["epochs"], cell["seed"], cell["steps"]) == (
         "fmnist-mobilenet", 1.0, 1, 0, 4)

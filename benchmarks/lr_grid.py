@@ -162,7 +162,12 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
     a part whose `none` accuracy differs is refused, as it is not the same cell).
 
     Raises:
-        ValueError: two parts hold the same cell and seed with different `none` accuracies."""
+        ValueError: two parts hold the same cell and seed with different `none` accuracies, or were run with
+            different predictors (``--predictor``)."""
+    predictors = {part.get("predictor") for part in parts}
+    if len(predictors) > 1:
+        raise ValueError(f"the results were run with different predictors ({sorted(map(str, predictors))}): "
+                         "merge the results of one predictor at a time")
     rows = list(dict.fromkeys(r for part in parts for r in part["rows"]))
     cells: dict[tuple, dict[str, Any]] = {}
     for part in parts:
@@ -178,7 +183,7 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
             old["rows"].update(c["rows"])
             if "oracle" in c:
                 old.setdefault("oracle", c["oracle"])
-    return {"rows": rows, "cells": list(cells.values())}
+    return {"rows": rows, "cells": list(cells.values()), "predictor": predictors.pop()}
 
 
 def _group(results: dict[str, Any]) -> dict[tuple, list[dict[str, Any]]]:

@@ -91,6 +91,9 @@ def test_merge_joins_the_rows_of_one_cell_run_in_two_processes_and_refuses_diffe
     with pytest.raises(SystemExit) as exc:
         grid.main(["--from-json", str(tmp_path / "0.json"), str(tmp_path / "1.json"), "--out", str(tmp_path / "m")])
     assert exc.value.code == 2 and "different `none` accuracies" in capsys.readouterr().err
+    assert merged["predictor"] is None
+    with pytest.raises(ValueError, match="different predictors"):  # a candidate's rows are not the shipped one's
+        grid.merge([first, {**later, "predictor": "/candidate.safetensors"}])
 
 
 @pytest.mark.parametrize(("argv", "message"), [

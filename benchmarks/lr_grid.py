@@ -306,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                 p.error(f"--predictor {args.predictor}: {e}")
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / "results.json"
-        results = json.loads(path.read_text()) if args.resume and path.exists() else {"cells": []}
-        if args.resume and results.get("predictor") != predictor:
+        resumed = args.resume and path.exists()
+        results = json.loads(path.read_text()) if resumed else {"cells": []}
+        if resumed and results.get("predictor") != predictor:
             p.error(f"--resume: {path} was run with predictor {results.get('predictor')}, not {predictor}")
         results["rows"] = args.rows
         results["predictor"] = predictor

@@ -180,6 +180,10 @@ def test_cli_label_counterfactual_end_to_end(runs, tmp_path, capsys):
     (run / COUNTERFACTUAL_FILE).write_text(json.dumps({**cf, "run": "another"}))
     assert _cli(["predictor", "label", str(corpus), "--counterfactual"]) == 2
     assert "not of 'mlp-digits_s0_lr0.006'" in " ".join(capsys.readouterr().out.split())
+    v1 = {k: v for k, v in cf.items() if k != "version"}  # computed before the optimizer-state copy: costs wrong
+    (run / COUNTERFACTUAL_FILE).write_text(json.dumps(v1))
+    assert _cli(["predictor", "label", str(corpus), "--counterfactual"]) == 2
+    assert "recompute it with `layerfreeze predictor counterfactual`" in " ".join(capsys.readouterr().out.split())
     with pytest.raises(SystemExit):
         _cli(["predictor", "label", str(corpus), "--counterfactual", "--eps-points", "-1"])
 

@@ -14,7 +14,9 @@ from layerfreeze.models.discovery import discover_blocks
 from layerfreeze.smartfrz.collect import collect
 from layerfreeze.smartfrz.counterfactual import (
     COUNTERFACTUAL_FILE,
+    PARTIAL_FILE,
     _freeze_prefix,
+    _read_partial,
     calibrate,
     counterfactual_for,
     counterfactual_labels,
@@ -79,8 +81,10 @@ def test_freeze_prefix_stops_updates_and_drops_optimizer_state():
 def test_continuations_replay_the_run_and_continue_it_frozen(runs):
     run_dir = runs / "mlp-digits_s0_lr0.02"
     recipe = RECIPES["mlp-digits"]
+    # depth 0 after the others at each grid step: the kept optimizer state must be copied, not aliased (a
+    # continuation's AdamW steps used to move the moments and step count every later one started from)
     cf = run_counterfactuals(lambda: recipe.build(0, True, runs), run_dir, lr=0.02, seed=0, fractions=[0.3, 0.6],
-                             depths=[0, 1, 2, 3], null_orders=1)
+                             depths=[3, 1, 2, 0], null_orders=1)
     assert cf["baseline"]["matches_record"]  # the replay is the recorded run, bit for bit
     ts = sorted({c["t"] for c in cf["grid"]})
     assert len(ts) == 2 and len(cf["grid"]) == 8 and len(cf["null"]) == 2
@@ -93,6 +97,58 @@ def test_continuations_replay_the_run_and_continue_it_frozen(runs):
     assert all(c["loss"] != base["loss"] for c in deep)  # freezing everything but the head changes the result
     assert all(n["loss"] != base["loss"] for n in cf["null"])  # another data order does too
     assert json.loads((run_dir / COUNTERFACTUAL_FILE).read_text())["grid"] == cf["grid"]
+
+
+class _Killed(Exception):
+    pass
+
+
+def _rows(cf):
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in cf["grid"] + cf["null"]]
+
+
+def test_a_killed_grid_resumes_from_its_partial_file_and_trains_only_what_it_lacks(runs, tmp_path):
+    """A counterfactual grid of a real run is hours; a job killed near its end used to lose every continuation."""
+    import shutil
+
+    run_dir = tmp_path / "mlp-digits_s0_lr0.02"
+    shutil.copytree(runs / "mlp-digits_s0_lr0.02", run_dir)
+    (run_dir / COUNTERFACTUAL_FILE).unlink(missing_ok=True)
+    recipe = RECIPES["mlp-digits"]
+    kw = {"lr": 0.02, "seed": 0, "fractions": [0.3, 0.6], "depths": [1, 3], "null_orders": 1}
+    lines: list[str] = []
+
+    def killed_after_three(line: str) -> None:
+        lines.append(line)
+        if sum("t=" in x for x in lines) == 3:
+            raise _Killed
+    with pytest.raises(_Killed):
+        run_counterfactuals(lambda: recipe.build(0, True, runs), run_dir, progress=killed_after_three, **kw)
+    assert not (run_dir / COUNTERFACTUAL_FILE).exists()
+    assert len(json.loads((run_dir / PARTIAL_FILE).read_text())["rows"]) == 3
+
+    lines.clear()
+    resumed = run_counterfactuals(lambda: recipe.build(0, True, runs), run_dir, progress=lines.append, **kw)
+    trained = [x for x in lines if " t=" in x]
+    assert len(trained) == 6 - 3 and any("3 continuations kept" in x for x in lines)
+    assert not (run_dir / PARTIAL_FILE).exists()
+    (run_dir / COUNTERFACTUAL_FILE).unlink()
+    fresh = run_counterfactuals(lambda: recipe.build(0, True, runs), run_dir, **kw)
+    assert _rows(resumed) == _rows(fresh)  # the kept rows are the rows an uninterrupted grid computes
+
+    # a corrupt partial file, or one of another grid, is reported and not used
+    (run_dir / COUNTERFACTUAL_FILE).unlink()
+    (run_dir / PARTIAL_FILE).write_text('{"format": "layerfreeze-smartfrz-counterfactual-partial", "rows": [')
+    lines.clear()
+    again = run_counterfactuals(lambda: recipe.build(0, True, runs), run_dir, progress=lines.append, **kw)
+    assert "cannot be read" in lines[0] and sum(" t=" in x for x in lines) == 6
+    assert _rows(again) == _rows(fresh)
+    part = {"format": "layerfreeze-smartfrz-counterfactual-partial", "rows": [], "spec": {"depths": [1, 3]}}
+    (run_dir / PARTIAL_FILE).write_text(json.dumps(part))
+    lines.clear()
+    assert _read_partial(run_dir / PARTIAL_FILE, {"depths": [1, 2]}, lines.append) is None
+    assert "another grid" in lines[0]
+    assert _read_partial(run_dir / PARTIAL_FILE, {"depths": [1, 3]}, lines.append) == part
 
 
 def test_labels_judge_a_cost_against_the_unfrozen_continuations():
@@ -127,6 +183,13 @@ def test_cli_counterfactual_and_calibrate(runs, tmp_path, capsys):
                  "--fractions", "0.3,0.6", "--null-orders", "1"]) == 0
     out = capsys.readouterr().out
     assert "mlp-digits_s0_lr0.02" in out and "yes" in out
+    path = runs / "mlp-digits_s0_lr0.02" / COUNTERFACTUAL_FILE
+    v1 = {k: v for k, v in json.loads(path.read_text()).items() if k != "version"}
+    path.write_text(json.dumps(v1))  # a file of before the optimizer-state copy is recomputed, not reused
+    assert _cli(["predictor", "counterfactual", str(runs), "--recipes", "mlp-digits", "--lrs", "0.02", "--quick",
+                 "--fractions", "0.3,0.6", "--null-orders", "1"]) == 0
+    assert "is of version 1 (its costs are wrong): recomputing it" in " ".join(capsys.readouterr().out.split())
+    assert json.loads(path.read_text())["version"] == 2
     assert _cli(["predictor", "calibrate", str(runs), "--taus", "0.99,0.999"]) == 0
     assert "0.999" in capsys.readouterr().out
     assert _cli(["predictor", "counterfactual", str(runs), "--recipes", "mlp-digits", "--fractions", "1.5"]) == 2

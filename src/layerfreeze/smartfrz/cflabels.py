@@ -42,8 +42,8 @@ from typing import Any
 
 from layerfreeze.smartfrz.counterfactual import (
     COUNTERFACTUAL_FILE,
-    COUNTERFACTUAL_FORMAT,
     DEFAULT_EPS_POINTS,
+    check_counterfactual,
     counterfactual_labels,
 )
 from layerfreeze.smartfrz.labels import (
@@ -91,14 +91,12 @@ def read_counterfactual(run_dir: str | Path) -> dict[str, Any] | None:
     """A run folder's ``counterfactual.json``, or None when it has none.
 
     Raises:
-        PipelineError: the file is not a counterfactual file or belongs to another run.
+        PipelineError: the file is not a counterfactual file of the current version, or belongs to another run.
     """
     path = Path(run_dir) / COUNTERFACTUAL_FILE
     if not path.is_file():
         return None
-    cf = json.loads(path.read_text())
-    if cf.get("format") != COUNTERFACTUAL_FORMAT:
-        raise PipelineError(f"{path}: not a {COUNTERFACTUAL_FORMAT} file")
+    cf = check_counterfactual(json.loads(path.read_text()), path)
     if cf.get("run") != Path(run_dir).name:
         raise PipelineError(f"{path} is the counterfactual of run {cf.get('run')!r}, not of {Path(run_dir).name!r} "
                             f"(recompute it with `layerfreeze predictor counterfactual`)")

@@ -19,12 +19,18 @@ the same freeze inside a schedule whose earlier freezes also cost something; the
 predictor's are.
 
 File ``<run_dir>/counterfactual.json`` (written atomically): ``format`` "layerfreeze-smartfrz-counterfactual",
-``run``, ``recipe``, ``seed``, ``lr``, ``steps``, ``blocks``, ``head``, ``baseline`` (``accuracy``, ``loss`` of the
-replayed unfrozen run; ``matches_record``: its accuracy equals the run's recorded ``test_accuracy``, i.e. the
-replay followed the recorded trajectory), ``test_size``, ``grid``: one row per continuation ``{"t", "depth",
-"accuracy", "loss", "cost_points", "cost_loss", "seconds"}`` (``seconds``: wall-clock seconds of the continuation);
-``null``: the same rows for the unfrozen continuations on other data orders (``depth`` 0, with their
-``order_seed``), the noise floor.
+``version`` (:data:`COUNTERFACTUAL_VERSION`), ``run``, ``recipe``, ``seed``, ``lr``, ``steps``, ``blocks``,
+``head``, ``baseline`` (``accuracy``, ``loss`` of the replayed unfrozen run; ``matches_record``: its accuracy
+equals the run's recorded ``test_accuracy``, i.e. the replay followed the recorded trajectory), ``test_size``,
+``grid``: one row per continuation ``{"t", "depth", "accuracy", "loss", "cost_points", "cost_loss", "seconds"}``
+(``seconds``: wall-clock seconds of the continuation); ``null``: the same rows for the unfrozen continuations on
+other data orders (``depth`` 0, with their ``order_seed``), the noise floor.
+
+While a grid runs, every finished continuation is also kept in ``<run_dir>/counterfactual.partial.json`` (written
+atomically after each one; removed when ``counterfactual.json`` is written), so a killed job loses one continuation,
+not the run's grid: the next call replays the run and, when the replay ends on the same baseline (bit for bit) and
+the grid is the same, trains only the continuations the partial file lacks. A partial file of another grid or
+another replay, or one that cannot be read, is reported and not used.
 """
 
 from __future__ import annotations
@@ -51,6 +57,12 @@ from layerfreeze.train.loop import lr_lambda, train_steps, warmup_steps
 
 COUNTERFACTUAL_FILE = "counterfactual.json"
 COUNTERFACTUAL_FORMAT = "layerfreeze-smartfrz-counterfactual"
+#: 2: every continuation starts from a copy of the kept optimizer state. Version 1 files (no ``version``) were
+#: computed with the state aliased: each continuation after the first at a grid step started from the AdamW moments
+#: and step count the previous one ended with, so their costs (all but the first depth at each step) are wrong.
+COUNTERFACTUAL_VERSION = 2
+PARTIAL_FILE = "counterfactual.partial.json"
+PARTIAL_FORMAT = "layerfreeze-smartfrz-counterfactual-partial"
 #: Grid steps as fractions of the run; each is moved to the run's first activation snapshot at or after it.
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
 #: Most prefix depths per run: all non-head depths up to this many, else this many spread evenly (always the
@@ -121,6 +133,43 @@ def _freeze_prefix(model: torch.nn.Module, blocks: list, depth: int, optimizer: 
             set_eval_mode(module)
 
 
+def check_counterfactual(cf: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``cf`` (the content of ``path``) when it is a counterfactual file of the current version.
+
+    Raises:
+        PipelineError: not a counterfactual file, or one of version 1 (its costs are wrong: see
+            :data:`COUNTERFACTUAL_VERSION`).
+    """
+    if cf.get("format") != COUNTERFACTUAL_FORMAT:
+        raise PipelineError(f"{path}: not a {COUNTERFACTUAL_FORMAT} file")
+    if cf.get("version") != COUNTERFACTUAL_VERSION:
+        raise PipelineError(f"{path} was computed before version {COUNTERFACTUAL_VERSION} (a continuation started "
+                            "from the optimizer state the previous one had moved, so its costs are wrong): "
+                            "recompute it with `layerfreeze predictor counterfactual`")
+    return cf
+
+
+def _read_partial(path: Path, spec: dict[str, Any],
+                  progress: Callable[[str], None] | None) -> dict[str, Any] | None:
+    """The partial file's content when it holds rows of the same grid (``spec``), else None (reported)."""
+    if not path.is_file():
+        return None
+    try:
+        old = json.loads(path.read_text())
+        ok = old.get("format") == PARTIAL_FORMAT and isinstance(old.get("rows"), list)
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        why = "cannot be read (corrupt or not a partial counterfactual file)"
+    elif old.get("spec") != spec:
+        why = "is of another grid or learning rate"
+    else:
+        return old
+    if progress is not None:
+        progress(f"{path}: {why}: not used, the grid starts over")
+    return None
+
+
 def run_counterfactuals(setup_fn: Callable[[], Setup], run_dir: str | Path, *, lr: float, seed: int,
                         fractions: Sequence[float] = DEFAULT_FRACTIONS, depths: Sequence[int] | None = None,
                         null_orders: int = DEFAULT_NULL_ORDERS,
@@ -170,6 +219,10 @@ def run_counterfactuals(setup_fn: Callable[[], Setup], run_dir: str | Path, *, l
         raise PipelineError(f"{run_dir}: prefix depths {bad} out of range: this run has {len(blocks)} blocks, so a "
                             f"prefix that leaves the head training has 0..{deepest} blocks")
     n_train = len(setup.train_y)
+    spec = {"run": meta["run"], "lr": lr, "seed": seed, "steps": steps, "ts": ts, "depths": ds,
+            "null_orders": null_orders}
+    partial_path = run_dir / PARTIAL_FILE
+    partial = _read_partial(partial_path, spec, progress)
 
     def loss_of(idx: torch.Tensor) -> torch.Tensor:
         return setup.loss_fn(setup.forward(model, {k: v[idx] for k, v in setup.train_x.items()}), setup.train_y[idx])
@@ -179,8 +232,11 @@ def run_counterfactuals(setup_fn: Callable[[], Setup], run_dir: str | Path, *, l
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lr_lambda(steps, warmup_steps(steps, setup.warmup, rounding="round"), setup.schedule))
         if opt_state is not None:
-            opt.load_state_dict(opt_state)
-            sched.load_state_dict(sched_state)
+            # a copy: Optimizer.load_state_dict keeps the given tensors when dtype and device already match
+            # (``Tensor.to`` returns self), so AdamW's moments and step count would be updated in place and every
+            # later continuation from this grid step would start from where the previous one ended
+            opt.load_state_dict(copy.deepcopy(opt_state))
+            sched.load_state_dict(copy.deepcopy(sched_state))
         return opt, sched
 
     # 1. the replay: the unfrozen run, keeping the state at each grid step
@@ -202,9 +258,25 @@ def run_counterfactuals(setup_fn: Callable[[], Setup], run_dir: str | Path, *, l
         raise PipelineError(f"{run_dir}: the recipe has no test subset to measure a cost on")
     base_acc, base_loss = baseline
     recorded = meta.get("test_accuracy")
+    done: dict[tuple[int, int, int | None], dict[str, Any]] = {}
+    if partial is not None:
+        if partial.get("baseline") == {"accuracy": base_acc, "loss": base_loss}:
+            done = {(r["t"], r["depth"], r.get("order_seed")): r for r in partial["rows"]}
+            if progress is not None:
+                progress(f"{meta['run']}: {len(done)} continuations kept from {partial_path.name}")
+        elif progress is not None:
+            progress(f"{partial_path}: its rows continue another replay (baseline {partial.get('baseline')}, this "
+                     f"replay's {base_acc}, {base_loss}): not used, the grid starts over")
+
+    def save_partial() -> None:
+        write_json_atomic(partial_path, {"format": PARTIAL_FORMAT, "spec": spec,
+                                         "baseline": {"accuracy": base_acc, "loss": base_loss},
+                                         "rows": list(done.values())})
 
     # 2. the continuations: every depth on the run's own batches, and depth 0 (nothing frozen) on other orders
     def continue_from(t: int, depth: int, order_seed: int | None) -> dict[str, Any]:
+        if (t, depth, order_seed) in done:
+            return done[(t, depth, order_seed)]
         t0 = time.perf_counter()
         for p in model.parameters():
             p.requires_grad_(True)
@@ -224,6 +296,8 @@ def run_counterfactuals(setup_fn: Callable[[], Setup], run_dir: str | Path, *, l
                "seconds": round(time.perf_counter() - t0, 2)}
         if order_seed is not None:
             row["order_seed"] = order_seed
+        done[(t, depth, order_seed)] = row
+        save_partial()
         if progress is not None:
             what = f"depth={depth}" if order_seed is None else f"nothing frozen, data order {order_seed}"
             progress(f"{meta['run']}: t={t}/{steps} {what}: acc {acc:.4f} (cost {row['cost_points']:+.2f} points), "
@@ -234,12 +308,14 @@ def run_counterfactuals(setup_fn: Callable[[], Setup], run_dir: str | Path, *, l
     null = [continue_from(t, 0, _NULL_SEED_BASE + seed * 100 + j) for t in ts for j in range(null_orders)]
     for p in model.parameters():
         p.requires_grad_(True)
-    out = {"format": COUNTERFACTUAL_FORMAT, "run": meta["run"], "recipe": meta.get("recipe"), "seed": seed,
+    out = {"format": COUNTERFACTUAL_FORMAT, "version": COUNTERFACTUAL_VERSION, "run": meta["run"],
+           "recipe": meta.get("recipe"), "seed": seed,
            "lr": lr, "steps": steps, "blocks": meta["blocks"], "head": head, "test_size": len(setup.test_y),
            "baseline": {"accuracy": base_acc, "loss": base_loss,
                         "matches_record": recorded is not None and abs(recorded - base_acc) < 1e-12},
            "fractions": list(fractions), "null_orders": null_orders, "grid": grid, "null": null}
     write_json_atomic(run_dir / COUNTERFACTUAL_FILE, out)
+    partial_path.unlink(missing_ok=True)
     return out
 
 
@@ -277,15 +353,18 @@ def counterfactual_for(runs_dir: str | Path, recipe_names: Sequence[str], seeds:
                 done = run_dir / COUNTERFACTUAL_FILE
                 if done.is_file():
                     old = json.loads(done.read_text())
-                    same = (old.get("fractions") == list(fractions) and old.get("null_orders") == null_orders
+                    same = (old.get("version") == COUNTERFACTUAL_VERSION and old.get("fractions") == list(fractions)
+                            and old.get("null_orders") == null_orders
                             and (depths is None or sorted({c["depth"] for c in old["grid"]}) == sorted(depths)))
                     if same:
                         out.append(old)
                         continue
                     if progress is not None:
-                        progress(f"{run_dir.name}: its {COUNTERFACTUAL_FILE} has another grid (fractions "
-                                 f"{old.get('fractions')}, null orders {old.get('null_orders')}): recomputing it, "
-                                 "the new grid replaces it")
+                        why = (f"has another grid (fractions {old.get('fractions')}, null orders "
+                               f"{old.get('null_orders')})" if old.get("version") == COUNTERFACTUAL_VERSION else
+                               f"is of version {old.get('version', 1)} (its costs are wrong)")
+                        progress(f"{run_dir.name}: its {COUNTERFACTUAL_FILE} {why}: recomputing it, the new grid "
+                                 "replaces it")
                 out.append(run_counterfactuals(lambda r=recipe, s=seed: r.build(s, quick, Path(runs_dir)), run_dir,
                                                lr=lr, seed=seed, fractions=fractions, depths=depths,
                                                null_orders=null_orders, progress=progress))
@@ -296,14 +375,11 @@ def read_counterfactuals(runs_dir: str | Path) -> list[dict[str, Any]]:
     """Every ``counterfactual.json`` under ``runs_dir`` (one level down), sorted by run name.
 
     Raises:
-        PipelineError: a file that is not a counterfactual file.
+        PipelineError: a file that is not a counterfactual file of the current version.
     """
     out = []
     for path in sorted(Path(runs_dir).glob(f"*/{COUNTERFACTUAL_FILE}")):
-        data = json.loads(path.read_text())
-        if data.get("format") != COUNTERFACTUAL_FORMAT:
-            raise PipelineError(f"{path}: not a {COUNTERFACTUAL_FORMAT} file")
-        out.append(data)
+        out.append(check_counterfactual(json.loads(path.read_text()), path))
     return out
 
 

@@ -164,7 +164,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     cf = sub.add_parser("counterfactual", help="what freezing a prefix at step t costs: replay collected runs and "
                         "train on with blocks 0..d-1 frozen, for a grid of (t, d)")
-    cf.add_argument("runs_dir", metavar="RUNS_DIR", help="the collected runs (counterfactual.json goes into each)")
+    cf.add_argument("runs_dir", metavar="RUNS_DIR", help="the collected runs (counterfactual.json goes into each; a "
+                    "killed job resumes from each run's counterfactual.partial.json, finished runs are skipped)")
     cf.add_argument("--recipes", type=_csv(str), required=True, help="comma-separated recipes (collected in RUNS_DIR)")
     cf.add_argument("--seeds", type=_csv(int), default=[0], help="comma-separated seeds (default 0)")
     cf.add_argument("--lrs", type=_csv(float), help="learning rates (default each recipe's own pair)")

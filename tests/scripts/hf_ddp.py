@@ -13,6 +13,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging as hf_logging
 
+from layerfreeze.distributed import close_distributed
 from layerfreeze.integrations.hf import LayerFreezeCallback
 from tests.integration_models import Scripted, TokenDataset, state_hash, tiny_bert
 
@@ -51,6 +52,7 @@ def main(out: Path, checkpointing: bool, form: str) -> None:
         "frozen_unchanged": torch.equal(record.frozen, model.bert.embeddings.word_embeddings.weight),
         "thawed_changed": not torch.equal(record.thawed, model.bert.encoder.layer[0].output.dense.weight),
     }))
+    close_distributed()  # a rank that exits with the group alive can abort at shutdown (its docstring)
 
 
 if __name__ == "__main__":

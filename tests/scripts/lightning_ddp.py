@@ -12,6 +12,7 @@ import lightning.pytorch as L
 import torch
 from torch import nn
 
+from layerfreeze.distributed import close_distributed
 from layerfreeze.integrations.lightning import LayerFreeze
 from tests.integration_models import Scripted, blobs, mlp, state_hash
 
@@ -56,6 +57,7 @@ def main(out: Path) -> None:
         "frozen_unchanged": torch.equal(record.frozen0, net[0].weight),
         "thawed_changed": not torch.equal(record.thawed, net[2].weight),
     }))
+    close_distributed()  # a rank that exits with the group alive can abort at shutdown (its docstring)
 
 
 if __name__ == "__main__":

@@ -143,7 +143,8 @@ def test_a_killed_grid_resumes_from_its_partial_file_and_trains_only_what_it_lac
     again = run_counterfactuals(lambda: recipe.build(0, True, runs), run_dir, progress=lines.append, **kw)
     assert "cannot be read" in lines[0] and sum(" t=" in x for x in lines) == 6
     assert _rows(again) == _rows(fresh)
-    part = {"format": "layerfreeze-smartfrz-counterfactual-partial", "rows": [], "spec": {"depths": [1, 3]}}
+    part = {"format": "layerfreeze-smartfrz-counterfactual-partial", "rows": [], "spec": {"depths": [1, 3]},
+            "baseline": {}}
     (run_dir / PARTIAL_FILE).write_text(json.dumps(part))
     lines.clear()
     assert _read_partial(run_dir / PARTIAL_FILE, {"depths": [1, 2]}, lines.append) is None
@@ -188,7 +189,8 @@ def test_cli_counterfactual_and_calibrate(runs, tmp_path, capsys):
     path.write_text(json.dumps(v1))  # a file of before the optimizer-state copy is recomputed, not reused
     assert _cli(["predictor", "counterfactual", str(runs), "--recipes", "mlp-digits", "--lrs", "0.02", "--quick",
                  "--fractions", "0.3,0.6", "--null-orders", "1"]) == 0
-    assert "is of version 1 (its costs are wrong): recomputing it" in " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().out.split())
+    assert "was computed before version 2" in out and "recomputing it" in out
     assert json.loads(path.read_text())["version"] == 2
     assert _cli(["predictor", "calibrate", str(runs), "--taus", "0.99,0.999"]) == 0
     assert "0.999" in capsys.readouterr().out

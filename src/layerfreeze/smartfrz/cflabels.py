@@ -35,7 +35,6 @@ flags (same meaning: the first snapshot at which the block is freezable).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,8 +42,8 @@ from typing import Any
 from layerfreeze.smartfrz.counterfactual import (
     COUNTERFACTUAL_FILE,
     DEFAULT_EPS_POINTS,
-    check_counterfactual,
     counterfactual_labels,
+    load_counterfactual,
 )
 from layerfreeze.smartfrz.labels import (
     DEFAULT_DELTA,
@@ -96,7 +95,7 @@ def read_counterfactual(run_dir: str | Path) -> dict[str, Any] | None:
     path = Path(run_dir) / COUNTERFACTUAL_FILE
     if not path.is_file():
         return None
-    cf = check_counterfactual(json.loads(path.read_text()), path)
+    cf = load_counterfactual(path)
     if cf.get("run") != Path(run_dir).name:
         raise PipelineError(f"{path} is the counterfactual of run {cf.get('run')!r}, not of {Path(run_dir).name!r} "
                             f"(recompute it with `layerfreeze predictor counterfactual`)")
@@ -147,8 +146,16 @@ def label_run_corrected(run_dir: str | Path, tau: float = DEFAULT_TAU, delta: fl
 def label_runs_corrected(runs_dir: str | Path, tau: float = DEFAULT_TAU, delta: float = DEFAULT_DELTA,
                          window: int = DEFAULT_WINDOW, tau_scratch: float = DEFAULT_TAU_SCRATCH,
                          eps_points: float = DEFAULT_EPS_POINTS) -> list[dict[str, Any]]:
-    """:func:`label_run_corrected` for every complete run under ``runs_dir`` (rewrites each ``labels.json``)."""
-    return [label_run_corrected(d, tau, delta, window, tau_scratch, eps_points) for d in list_runs(runs_dir)]
+    """:func:`label_run_corrected` for every complete run under ``runs_dir`` (rewrites each ``labels.json``).
+
+    Every run is labelled before any ``labels.json`` is written, so a bad counterfactual file in one run leaves the
+    corpus's labels as they were, not half of them relabelled.
+    """
+    labels = [(d, label_run_corrected(d, tau, delta, window, tau_scratch, eps_points, write=False))
+              for d in list_runs(runs_dir)]
+    for d, lab in labels:
+        write_json_atomic(Path(d) / LABELS_FILE, lab)
+    return [lab for _, lab in labels]
 
 
 def correction_summary(labels: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:

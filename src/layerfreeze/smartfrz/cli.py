@@ -38,13 +38,21 @@ from layerfreeze.strategies.smartfrz.predictor import PredictorError
 DEFAULT_RUNS_DIR = "runs/smartfrz"
 
 
-def _csv(kind: type) -> Any:
+def _csv(kind: type, allow_empty: bool = False, positive: bool = False) -> Any:
+    """argparse type of a comma-separated list of ``kind``: at least one value unless ``allow_empty`` (an empty
+    ``--recipes ''`` would otherwise mean "every recipe"), each finite and > 0 when ``positive``."""
     def parse(text: str) -> list[Any]:
         try:
-            return [kind(x) for x in text.split(",") if x.strip()]
+            out = [kind(x) for x in text.split(",") if x.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"expected a comma-separated list of {kind.__name__}, got {text!r}") from None
+        if not out and not allow_empty:
+            raise argparse.ArgumentTypeError(f"expected at least one {kind.__name__} value, got {text!r}")
+        bad = [x for x in out if positive and not (0 < x < float("inf"))]
+        if bad:
+            raise argparse.ArgumentTypeError(f"each value must be a finite number > 0, got {', '.join(map(str, bad))}")
+        return out
     return parse
 
 
@@ -106,7 +114,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "are skipped, so an interrupted collection resumes")
     c.add_argument("--recipes", type=_csv(str), help=f"comma-separated recipes (default all: {', '.join(RECIPES)})")
     c.add_argument("--seeds", type=_csv(int), default=[0, 1], help="comma-separated seeds (default 0,1)")
-    c.add_argument("--lrs", type=_csv(float), help="learning rates overriding each recipe's own pair")
+    c.add_argument("--lrs", type=_csv(float, positive=True), help="learning rates overriding each recipe's own "
+                   "pair")
     c.add_argument("--lr-factors", type=_factors, help=_LR_FACTORS_HELP)
     c.add_argument("--quick", action="store_true", help="shrink every recipe to a few seconds (tests, CI)")
     c.add_argument("--list", action="store_true", help="list the recipes and exit")
@@ -134,7 +143,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("runs_dir", metavar="RUNS_DIR")
     t.add_argument("--out", default="predictor.safetensors", help="predictor file (PREDICTOR_CARD.md goes beside it)")
     t.add_argument("--seed", type=int, default=0, help="seed of initialisation and batches (default 0)")
-    t.add_argument("--holdout", type=_csv(str), default=list(DEFAULT_HOLDOUT),
+    t.add_argument("--holdout", type=_csv(str, allow_empty=True), default=list(DEFAULT_HOLDOUT),
                    help=f"recipes never trained on (default {','.join(DEFAULT_HOLDOUT)}; '' for none)")
     t.add_argument("--history", type=_number(int, 3), default=DEFAULT_HISTORY,
                    help=f"weight snapshots in the predictor's window, >= 3 (default {DEFAULT_HISTORY})")
@@ -154,7 +163,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     e.add_argument("runs_dir", metavar="RUNS_DIR")
     e.add_argument("--predictor", help="predictor file (default: the one shipped with layerfreeze)")
     e.add_argument("--threshold", type=_PROBABILITY, help="decision threshold in (0, 1) (default: the card's, "
-                   "else 0.5)")
+                   f"else {DEFAULT_THRESHOLD})")
     e.add_argument("--recipes", type=_csv(str), help="only these recipes (default: every recipe the predictor was "
                    "not trained on)")
     e.add_argument("--lofo", action="store_true", help="leave-one-family-out instead: per architecture family, "
@@ -168,7 +177,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "killed job resumes from each run's counterfactual.partial.json, finished runs are skipped)")
     cf.add_argument("--recipes", type=_csv(str), required=True, help="comma-separated recipes (collected in RUNS_DIR)")
     cf.add_argument("--seeds", type=_csv(int), default=[0], help="comma-separated seeds (default 0)")
-    cf.add_argument("--lrs", type=_csv(float), help="learning rates (default each recipe's own pair)")
+    cf.add_argument("--lrs", type=_csv(float, positive=True), help="learning rates (default each recipe's own "
+                    "pair)")
     cf.add_argument("--lr-factors", type=_factors, help="the runs collected with `collect --lr-factors`: "
                     + _LR_FACTORS_HELP.split(", e.g.")[0])
     cf.add_argument("--fractions", type=_csv(float), default=list(DEFAULT_FRACTIONS),
@@ -225,6 +235,8 @@ def _collect(args: argparse.Namespace, console: Console) -> int:
         return 0
     from layerfreeze.smartfrz.collect import scaled_lrs
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise PipelineError(f"--out {args.out} is a file: give a folder for the runs (made if missing)")
     plan = {r.name: scaled_lrs(args.lrs or r.lrs, args.lr_factors, r.name) for r in recipes}
     n_runs = sum(len(args.seeds) * len(plan[r.name]) for r in recipes)
     est = sum(len(args.seeds) * len(plan[r.name]) * r.minutes for r in recipes)
@@ -392,6 +404,9 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     from layerfreeze.smartfrz.runs import list_runs, read_run
     from layerfreeze.smartfrz.ship import train_and_save
 
+    if Path(args.out).is_dir() or str(args.out).endswith(("/", "\\")):
+        raise PipelineError(f"--out {args.out} is a folder: give the predictor's file, e.g. "
+                            f"{Path(args.out) / 'predictor.safetensors'} (PREDICTOR_CARD.md goes beside it)")
     runs = [read_run(d, need_labels=True) for d in list_runs(args.runs_dir)]
     if not runs:
         raise PipelineError(f"no complete runs in {args.runs_dir}")

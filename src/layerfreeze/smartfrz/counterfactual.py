@@ -51,7 +51,7 @@ from layerfreeze.models.discovery import discover_blocks
 from layerfreeze.smartfrz.collect import batch_order, evaluate_test, run_name, scaled_lrs
 from layerfreeze.smartfrz.labels import freezable_from_cka, label_run
 from layerfreeze.smartfrz.recipes import get_recipes
-from layerfreeze.smartfrz.runs import PipelineError, read_meta, write_json_atomic
+from layerfreeze.smartfrz.runs import PipelineError, read_json, read_meta, write_json_atomic
 from layerfreeze.smartfrz.setup import Setup, make_optimizer
 from layerfreeze.train.loop import lr_lambda, train_steps, warmup_steps
 
@@ -62,6 +62,7 @@ COUNTERFACTUAL_FORMAT = "layerfreeze-smartfrz-counterfactual"
 #: and step count the previous one ended with, so their costs (all but the first depth at each step) are wrong.
 COUNTERFACTUAL_VERSION = 2
 PARTIAL_FILE = "counterfactual.partial.json"
+RECOMPUTE_HINT = "delete it and recompute it with `layerfreeze predictor counterfactual`"
 PARTIAL_FORMAT = "layerfreeze-smartfrz-counterfactual-partial"
 #: Grid steps as fractions of the run; each is moved to the run's first activation snapshot at or after it.
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
@@ -86,7 +87,9 @@ def act_steps_of(setup: Setup) -> list[int]:
 
 
 def check_fractions(fractions: Sequence[float]) -> None:
-    """Raises PipelineError (a ValueError) unless every grid fraction is in (0, 1)."""
+    """Raises PipelineError (a ValueError) unless there is a grid fraction and every one is in (0, 1)."""
+    if not fractions:
+        raise PipelineError("no grid fractions (--fractions): give at least one, each in (0, 1)")
     bad = [f for f in fractions if not 0 < f < 1]
     if bad:
         raise PipelineError(f"grid fractions (--fractions) must each be in (0, 1), got {bad}")
@@ -146,7 +149,40 @@ def check_counterfactual(cf: dict[str, Any], path: Path) -> dict[str, Any]:
         raise PipelineError(f"{path} was computed before version {COUNTERFACTUAL_VERSION} (a continuation started "
                             "from the optimizer state the previous one had moved, so its costs are wrong): "
                             "recompute it with `layerfreeze predictor counterfactual`")
+    bad = _bad_rows(cf.get("grid"), "grid") or _bad_rows(cf.get("null"), "null")
+    base = cf.get("baseline")
+    if bad is None and not (isinstance(base, dict) and _is_number(base.get("accuracy"))):
+        bad = "its baseline has no accuracy"
+    if bad is None and not isinstance(cf.get("steps"), int):
+        bad = "it has no step count"
+    if bad is not None:
+        raise PipelineError(f"{path} is damaged ({bad}): {RECOMPUTE_HINT}")
     return cf
+
+
+def load_counterfactual(path: Path) -> dict[str, Any]:
+    """The content of a ``counterfactual.json``, checked (:func:`check_counterfactual`).
+
+    Raises:
+        PipelineError: it cannot be read or parsed, or fails :func:`check_counterfactual`.
+    """
+    return check_counterfactual(read_json(path, RECOMPUTE_HINT), path)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _bad_rows(rows: Any, what: str) -> str | None:
+    """Why ``rows`` is not a list of continuation rows (``t``, ``depth`` integers; ``accuracy``, ``loss``,
+    ``cost_points`` numbers), or None."""
+    if not isinstance(rows, list):
+        return f"no {what} rows"
+    for r in rows:
+        if not (isinstance(r, dict) and all(isinstance(r.get(k), int) for k in ("t", "depth"))
+                and all(_is_number(r.get(k)) for k in ("accuracy", "loss", "cost_points"))):
+            return f"a {what} row without t, depth, accuracy, loss or cost_points: {str(r)[:80]}"
+    return None
 
 
 def _read_partial(path: Path, spec: dict[str, Any],
@@ -156,11 +192,12 @@ def _read_partial(path: Path, spec: dict[str, Any],
         return None
     try:
         old = json.loads(path.read_text())
-        ok = old.get("format") == PARTIAL_FORMAT and isinstance(old.get("rows"), list)
+        ok = (isinstance(old, dict) and old.get("format") == PARTIAL_FORMAT and _bad_rows(old.get("rows"), "") is None
+              and isinstance(old.get("baseline"), dict))
     except (OSError, ValueError):
         ok = False
     if not ok:
-        why = "cannot be read (corrupt or not a partial counterfactual file)"
+        why = "cannot be read (corrupt, damaged rows, or not a partial counterfactual file)"
     elif old.get("spec") != spec:
         why = "is of another grid or learning rate"
     else:
@@ -352,17 +389,23 @@ def counterfactual_for(runs_dir: str | Path, recipe_names: Sequence[str], seeds:
                     lr = float(recorded["lr"])
                 done = run_dir / COUNTERFACTUAL_FILE
                 if done.is_file():
-                    old = json.loads(done.read_text())
+                    try:
+                        old = load_counterfactual(done)
+                    except PipelineError as exc:  # damaged or of an old version: recomputed, not used
+                        old = {"damaged": str(exc)}
+                    wanted = sorted(depths) if depths is not None else (
+                        grid_depths(len(recorded["blocks"]), recorded.get("head")) if recorded else None)
                     same = (old.get("version") == COUNTERFACTUAL_VERSION and old.get("fractions") == list(fractions)
                             and old.get("null_orders") == null_orders
-                            and (depths is None or sorted({c["depth"] for c in old["grid"]}) == sorted(depths)))
+                            and sorted({c["depth"] for c in old["grid"]}) == wanted)
                     if same:
                         out.append(old)
                         continue
                     if progress is not None:
                         why = (f"has another grid (fractions {old.get('fractions')}, null orders "
-                               f"{old.get('null_orders')})" if old.get("version") == COUNTERFACTUAL_VERSION else
-                               f"is of version {old.get('version', 1)} (its costs are wrong)")
+                               f"{old.get('null_orders')}, depths {sorted({c['depth'] for c in old['grid']})})"
+                               if old.get("version") == COUNTERFACTUAL_VERSION else
+                               f"cannot be used ({old['damaged']})")
                         progress(f"{run_dir.name}: its {COUNTERFACTUAL_FILE} {why}: recomputing it, the new grid "
                                  "replaces it")
                 out.append(run_counterfactuals(lambda r=recipe, s=seed: r.build(s, quick, Path(runs_dir)), run_dir,
@@ -379,7 +422,7 @@ def read_counterfactuals(runs_dir: str | Path) -> list[dict[str, Any]]:
     """
     out = []
     for path in sorted(Path(runs_dir).glob(f"*/{COUNTERFACTUAL_FILE}")):
-        out.append(check_counterfactual(json.loads(path.read_text()), path))
+        out.append(load_counterfactual(path))
     return out
 
 

@@ -23,7 +23,14 @@ from typing import Any
 
 import torch
 
-from layerfreeze.smartfrz.runs import LABELS_FILE, list_runs, read_activations, read_meta, write_json_atomic
+from layerfreeze.smartfrz.runs import (
+    LABELS_FILE,
+    PipelineError,
+    list_runs,
+    read_activations,
+    read_meta,
+    write_json_atomic,
+)
 
 #: CKA to the final representation a block must reach. Chosen from the recorded curves of the digits runs (MLP,
 #: CNN, and the Fashion-MNIST CNN fine-tuned on digits, two learning rates each, seed 0; the sensitivity numbers
@@ -161,6 +168,8 @@ def label_run(run_dir: str | Path, tau: float = DEFAULT_TAU, delta: float = DEFA
     """
     run_dir = Path(run_dir)
     meta = read_meta(run_dir)
+    if meta is None:
+        raise PipelineError(f"{run_dir} is not a recorded run (no meta.json): collect it first")
     applied = tau_for(meta.get("mode"), tau, tau_scratch)
     acts, act_steps = read_activations(run_dir)
     head = meta.get("head")

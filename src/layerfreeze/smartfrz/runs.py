@@ -33,15 +33,37 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def read_json(path: Path, fix: str, keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A JSON object file of the pipeline, checked: it parses, is an object and has ``keys``.
+
+    Raises:
+        PipelineError: it cannot be read, does not parse, is not an object or lacks one of ``keys`` (the message
+            names the file and ends with ``fix``, what to do).
+    """
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PipelineError(f"{path} cannot be read ({exc}): {fix}") from None
+    if not isinstance(obj, dict):
+        raise PipelineError(f"{path} is not a JSON object: {fix}")
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        raise PipelineError(f"{path} lacks {', '.join(missing)}: {fix}")
+    return obj
+
+
 def read_meta(run_dir: str | Path) -> dict[str, Any] | None:
-    """``meta.json`` of a run folder, or None when it has none (an unfinished run)."""
+    """``meta.json`` of a run folder, or None when it has none (an unfinished run).
+
+    Raises:
+        PipelineError: the file exists but is corrupt (it is written atomically, so something else damaged it): the
+            run is not skipped in silence.
+    """
     path = Path(run_dir) / META_FILE
     if not path.is_file():
         return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
+    return read_json(path, f"delete the run folder {Path(run_dir).name} and collect it again (`layerfreeze "
+                           "predictor collect` skips the finished runs)")
 
 
 def is_finished(run_dir: str | Path) -> bool:
@@ -136,7 +158,8 @@ def read_run(run_dir: str | Path, need_labels: bool = False) -> RunData:
     w = load_file(str(run_dir / WEIGHTS_FILE))
     labels = None
     if (run_dir / LABELS_FILE).is_file():
-        labels = json.loads((run_dir / LABELS_FILE).read_text())
+        labels = read_json(run_dir / LABELS_FILE, f"label the runs again (`layerfreeze predictor label "
+                           f"{run_dir.parent}`)", keys=("tau", "delta", "window", "freezable", "first_freezable_step"))
     elif need_labels:
         raise PipelineError(f"{run_dir} has no {LABELS_FILE}: run `layerfreeze predictor label {run_dir.parent}`")
     return RunData(run_dir, meta, w["samples"], w["mask"].bool(), w["steps"], labels)

@@ -133,3 +133,11 @@ def test_mistaken_flags_are_usage_errors(runs, tmp_path, capsys):
     assert predictor_cli(["predictor", "train", str(runs), "--holdout", "", "--epochs", "1",
                           "--out", str(tmp_path)]) == 2
     assert "is a folder: give the predictor's file" in _out(capsys)
+
+
+def test_evaluate_names_a_recipe_typo_and_an_empty_folder(runs, tmp_path, capsys):
+    assert predictor_cli(["predictor", "evaluate", str(runs), "--recipes", "mlp-digit"]) == 2
+    assert "--recipes names recipes with no runs in" in _out(capsys)
+    (tmp_path / "empty").mkdir()
+    assert predictor_cli(["predictor", "evaluate", str(tmp_path / "empty")]) == 2
+    assert "no complete runs in" in _out(capsys)

@@ -416,7 +416,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     unknown = sorted(set(args.holdout) - {r.recipe for r in runs})
     if unknown:
         raise PipelineError(f"--holdout names recipes with no runs in {args.runs_dir}: {', '.join(unknown)} (its "
-                            f"recipes: {', '.join(sorted({r.recipe for r in runs}))})")
+                            f"recipes: {', '.join(sorted({r.recipe for r in runs}))}; --holdout '' holds out none)")
     cfg = TrainConfig(seed=args.seed, history=args.history, min_history=args.min_history, epochs=args.epochs)
     command = _reproduce_command(runs, str(args.runs_dir), args)
     path, card = train_and_save(runs, args.out, args.holdout, cfg, args.threshold, command=command, lofo=args.lofo)
@@ -450,10 +450,19 @@ def _note_labels(runs: list[Any], card: dict[str, Any], console: Console) -> Non
 
 def _evaluate(args: argparse.Namespace, console: Console) -> int:
     from layerfreeze.smartfrz.fit import evaluate
-    from layerfreeze.smartfrz.runs import list_runs, read_run
+    from layerfreeze.smartfrz.runs import list_runs, read_meta, read_run
     from layerfreeze.strategies.smartfrz.predictor import load_predictor
 
     runs_dirs = list_runs(args.runs_dir)  # a bad folder is reported before the predictor is loaded
+    if not runs_dirs:
+        raise PipelineError(f"no complete runs in {args.runs_dir} (a folder made by `layerfreeze predictor collect "
+                            "--out DIR`, then labelled with `layerfreeze predictor label DIR`)")
+    if args.recipes:
+        present = {read_meta(d)["recipe"] for d in runs_dirs}
+        missing = sorted(set(args.recipes) - present)
+        if missing:
+            raise PipelineError(f"--recipes names recipes with no runs in {args.runs_dir}: {', '.join(missing)} "
+                                f"(its recipes: {', '.join(sorted(present))})")
     model, meta = load_predictor(args.predictor)
     card = meta.get("card") or {}
     threshold = args.threshold if args.threshold is not None else card.get("threshold", DEFAULT_THRESHOLD)

@@ -137,11 +137,12 @@ def _freeze_prefix(model: torch.nn.Module, blocks: list, depth: int, optimizer: 
 
 
 def check_counterfactual(cf: dict[str, Any], path: Path) -> dict[str, Any]:
-    """``cf`` (the content of ``path``) when it is a counterfactual file of the current version.
+    """``cf`` (the content of ``path``) when it is an intact counterfactual file of the current version.
 
     Raises:
-        PipelineError: not a counterfactual file, or one of version 1 (its costs are wrong: see
-            :data:`COUNTERFACTUAL_VERSION`).
+        PipelineError: not a counterfactual file; one of version 1 (its costs are wrong: see
+            :data:`COUNTERFACTUAL_VERSION`); or damaged (a row without its numbers, no baseline accuracy, no step
+            count).
     """
     if cf.get("format") != COUNTERFACTUAL_FORMAT:
         raise PipelineError(f"{path}: not a {COUNTERFACTUAL_FORMAT} file")

@@ -141,3 +141,12 @@ def test_evaluate_names_a_recipe_typo_and_an_empty_folder(runs, tmp_path, capsys
     (tmp_path / "empty").mkdir()
     assert predictor_cli(["predictor", "evaluate", str(tmp_path / "empty")]) == 2
     assert "no complete runs in" in _out(capsys)
+
+
+def test_labels_with_nothing_freezable_do_not_train_a_never_freezing_predictor(runs, tmp_path, capsys):
+    assert predictor_cli(["predictor", "label", str(runs), "--window", "100"]) == 0  # longer than the runs
+    capsys.readouterr()
+    out_file = tmp_path / "p.safetensors"
+    assert predictor_cli(["predictor", "train", str(runs), "--holdout", "", "--epochs", "1",
+                          "--out", str(out_file)]) == 2
+    assert "no run in" in _out(capsys) and not out_file.exists()

@@ -121,7 +121,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--list", action="store_true", help="list the recipes and exit")
 
     lab = sub.add_parser("label", help="CKA labels: when each block of each run became freezable")
-    lab.add_argument("runs_dir", metavar="RUNS_DIR")
+    lab.add_argument("runs_dir", metavar="RUNS_DIR",
+                     help="the runs folder of `predictor collect --out` (labels.json goes into each run)")
     lab.add_argument("--tau", type=_number(float, 0, 1, low_open=True), default=DEFAULT_TAU,
                      help=f"CKA to the final state, in (0, 1], for fine-tuned runs (default {DEFAULT_TAU})")
     lab.add_argument("--tau-scratch", type=_number(float, 0, 1, low_open=True), default=DEFAULT_TAU_SCRATCH,
@@ -140,7 +141,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                      f"and still cost nothing (default {DEFAULT_EPS_POINTS})")
 
     t = sub.add_parser("train", help="fit the predictor on the non-held-out runs; evaluate on the held-out ones")
-    t.add_argument("runs_dir", metavar="RUNS_DIR")
+    t.add_argument("runs_dir", metavar="RUNS_DIR", help="the labelled runs folder (`predictor label RUNS_DIR` first)")
     t.add_argument("--out", default="predictor.safetensors", help="predictor file (PREDICTOR_CARD.md goes beside it)")
     t.add_argument("--seed", type=int, default=0, help="seed of initialisation and batches (default 0)")
     t.add_argument("--holdout", type=_csv(str, allow_empty=True), default=list(DEFAULT_HOLDOUT),
@@ -160,7 +161,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "family)")
 
     e = sub.add_parser("evaluate", help="precision/recall/F1 and freeze-step error on runs the predictor never saw")
-    e.add_argument("runs_dir", metavar="RUNS_DIR")
+    e.add_argument("runs_dir", metavar="RUNS_DIR", help="the labelled runs folder (`predictor label RUNS_DIR` first)")
     e.add_argument("--predictor", help="predictor file (default: the one shipped with layerfreeze)")
     e.add_argument("--threshold", type=_PROBABILITY, help="decision threshold in (0, 1) (default: the card's, "
                    f"else {DEFAULT_THRESHOLD})")
@@ -194,7 +195,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="score CKA labelling rules (tau, window, delta) against the "
                          "counterfactual costs: precision, recall, the cost and the savings of following each")
-    cal.add_argument("runs_dir", metavar="RUNS_DIR")
+    cal.add_argument("runs_dir", metavar="RUNS_DIR",
+                     help="the runs folder with counterfactual.json files (`predictor counterfactual RUNS_DIR` first)")
     cal.add_argument("--taus", type=_csv(float), default=[0.99, 0.995, 0.998, 0.999, 0.9995],
                      help="CKA thresholds (default 0.99,0.995,0.998,0.999,0.9995)")
     cal.add_argument("--windows", type=_csv(int), default=[DEFAULT_WINDOW],
@@ -417,6 +419,10 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     if unknown:
         raise PipelineError(f"--holdout names recipes with no runs in {args.runs_dir}: {', '.join(unknown)} (its "
                             f"recipes: {', '.join(sorted({r.recipe for r in runs}))}; --holdout '' holds out none)")
+    if not any(any(map(bool, row)) for r in runs for row in r.labels["freezable"]):
+        raise PipelineError(f"no run in {args.runs_dir} has a freezable label, so the predictor would learn never to "
+                            "freeze: relabel with a shorter --window or a lower --tau (`layerfreeze predictor label "
+                            f"{args.runs_dir}`)")
     cfg = TrainConfig(seed=args.seed, history=args.history, min_history=args.min_history, epochs=args.epochs)
     command = _reproduce_command(runs, str(args.runs_dir), args)
     path, card = train_and_save(runs, args.out, args.holdout, cfg, args.threshold, command=command, lofo=args.lofo)

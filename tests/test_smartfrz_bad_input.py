@@ -150,3 +150,12 @@ def test_labels_with_nothing_freezable_do_not_train_a_never_freezing_predictor(r
     assert predictor_cli(["predictor", "train", str(runs), "--holdout", "", "--epochs", "1",
                           "--out", str(out_file)]) == 2
     assert "no run in" in _out(capsys) and not out_file.exists()
+
+
+def test_evaluate_counts_a_quick_run_as_unseen_though_a_full_run_of_its_name_was_trained_on(runs, capsys):
+    # the shipped predictor was trained on the full-size mlp-digits_s0_lr0.02 and _lr0.08 (450 steps); these are
+    # quick runs of the same names, other runs
+    assert predictor_cli(["predictor", "label", str(runs)]) == 0
+    capsys.readouterr()
+    assert predictor_cli(["predictor", "evaluate", str(runs), "--recipes", "mlp-digits"]) == 0
+    assert "on 2 unseen runs" in _out(capsys)

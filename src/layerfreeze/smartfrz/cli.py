@@ -474,9 +474,13 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     threshold = args.threshold if args.threshold is not None else card.get("threshold", DEFAULT_THRESHOLD)
     if args.lofo:
         return _evaluate_lofo(args, console, [read_run(d, need_labels=True) for d in runs_dirs], meta, threshold)
-    trained_runs = {r["run"] for r in card.get("train_runs", [])}
+    # a run is one the predictor saw when its name and length match the card's (a --quick run shares its name with
+    # the full-size one, and is another run)
+    trained_runs = {r["run"]: r.get("steps") for r in card.get("train_runs", [])}
     trained_recipes = set(card.get("train_recipes", []))
-    runs = [read_run(d, need_labels=True) for d in runs_dirs if d.name not in trained_runs]
+    runs = [read_run(d, need_labels=True) for d in runs_dirs]
+    runs = [r for r in runs if r.name not in trained_runs
+            or trained_runs[r.name] not in (None, r.meta.get("steps"))]
     if args.recipes:
         seen = sorted(set(args.recipes) & trained_recipes)
         if seen:

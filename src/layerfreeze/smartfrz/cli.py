@@ -463,8 +463,9 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     if not runs_dirs:
         raise PipelineError(f"no complete runs in {args.runs_dir} (a folder made by `layerfreeze predictor collect "
                             "--out DIR`, then labelled with `layerfreeze predictor label DIR`)")
+    metas = {d: read_meta(d) for d in runs_dirs}
     if args.recipes:
-        present = {read_meta(d)["recipe"] for d in runs_dirs}
+        present = {m["recipe"] for m in metas.values()}
         missing = sorted(set(args.recipes) - present)
         if missing:
             raise PipelineError(f"--recipes names recipes with no runs in {args.runs_dir}: {', '.join(missing)} "
@@ -478,9 +479,8 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     # the full-size one, and is another run)
     trained_runs = {r["run"]: r.get("steps") for r in card.get("train_runs", [])}
     trained_recipes = set(card.get("train_recipes", []))
-    runs = [read_run(d, need_labels=True) for d in runs_dirs]
-    runs = [r for r in runs if r.name not in trained_runs
-            or trained_runs[r.name] not in (None, r.meta.get("steps"))]
+    runs = [read_run(d, need_labels=True) for d in runs_dirs
+            if d.name not in trained_runs or trained_runs[d.name] not in (None, metas[d].get("steps"))]
     if args.recipes:
         seen = sorted(set(args.recipes) & trained_recipes)
         if seen:

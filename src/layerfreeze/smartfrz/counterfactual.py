@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -148,8 +147,8 @@ def check_counterfactual(cf: dict[str, Any], path: Path) -> dict[str, Any]:
         raise PipelineError(f"{path}: not a {COUNTERFACTUAL_FORMAT} file")
     if cf.get("version") != COUNTERFACTUAL_VERSION:
         raise PipelineError(f"{path} was computed before version {COUNTERFACTUAL_VERSION} (a continuation started "
-                            "from the optimizer state the previous one had moved, so its costs are wrong): "
-                            "recompute it with `layerfreeze predictor counterfactual`")
+                            f"from the optimizer state the previous one had moved, so its costs are wrong): "
+                            f"{RECOMPUTE_HINT}")
     bad = _bad_rows(cf.get("grid"), "grid") or _bad_rows(cf.get("null"), "null")
     base = cf.get("baseline")
     if bad is None and not (isinstance(base, dict) and _is_number(base.get("accuracy"))):
@@ -192,10 +191,10 @@ def _read_partial(path: Path, spec: dict[str, Any],
     if not path.is_file():
         return None
     try:
-        old = json.loads(path.read_text())
-        ok = (isinstance(old, dict) and old.get("format") == PARTIAL_FORMAT and _bad_rows(old.get("rows"), "") is None
+        old = read_json(path, "")
+        ok = (old.get("format") == PARTIAL_FORMAT and _bad_rows(old.get("rows"), "") is None
               and isinstance(old.get("baseline"), dict))
-    except (OSError, ValueError):
+    except PipelineError:
         ok = False
     if not ok:
         why = "cannot be read (corrupt, damaged rows, or not a partial counterfactual file)"

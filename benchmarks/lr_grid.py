@@ -19,6 +19,7 @@ beside.
     python -m benchmarks.lr_grid --from-json runs/bench-lr-grid/results.json   # only the table
     python -m benchmarks.lr_grid --from-json a/results.json b/results.json --out runs/bench-lr-grid  # merged
     python -m benchmarks.lr_grid --predictor runs/p/predictor.safetensors --tasks bbc --lrs 0.3   # a candidate
+    python -m benchmarks.lr_grid --variant smartfrz-t95:threshold=0.95 --rows smartfrz,smartfrz-t95   # a setting
 
 Outputs ``OUT/results.json`` (rewritten after every cell and seed; ``--resume`` skips the ones it holds) and
 ``OUT/lr_grid.md``: per task and cell, `none`'s accuracy and per row the mean Δ points [worst seed], FLOPs and time
@@ -260,6 +261,24 @@ def _csv(kind):
     return parse
 
 
+def variant(text: str) -> tuple[str, dict[str, Any]]:
+    """``NAME:KEY=VALUE[,KEY=VALUE]`` -> ``(NAME, {KEY: VALUE})``, each value read as JSON (``null``, ``0.95``)."""
+    name, sep, body = text.partition(":")
+    params: dict[str, Any] = {}
+    for item in body.split(",") if body else []:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise argparse.ArgumentTypeError(f"--variant {text!r}: parameters are KEY=VALUE, got {item!r}")
+        try:
+            params[key] = json.loads(value)
+        except json.JSONDecodeError:
+            raise argparse.ArgumentTypeError(f"--variant {text!r}: {key}'s value {value!r} is not JSON "
+                                             f"(a number, true/false, null or a quoted string)") from None
+    if not name or not sep or not params:
+        raise argparse.ArgumentTypeError(f"--variant takes NAME:KEY=VALUE[,KEY=VALUE], got {text!r}")
+    return name, params
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tasks", type=_csv(str), default=["bbc", "fmnist-mobilenet"],
@@ -278,7 +297,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="the suite's QUICK_SIZES (a smoke test, not a measurement)")
     p.add_argument("--predictor", type=Path, help="a predictor file (`layerfreeze predictor train --out`) for the "
                    "smartfrz rows instead of the shipped one: a candidate measured on the grid before it ships")
+    p.add_argument("--variant", type=variant, action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="one more `smartfrz` row named NAME with these strategy parameters (values as JSON; "
+                   "repeatable), e.g. smartfrz-t95:threshold=0.95; then name it in --rows")
     args = p.parse_args(argv)
+    for name, params in args.variant:
+        if name in ROWS:
+            p.error(f"--variant {name}: a row of that name exists; choose another")
+        try:  # a parameter the strategy refuses fails here, before any training
+            STRATEGIES["smartfrz"](**params)
+        except (TypeError, ValueError) as e:
+            p.error(f"--variant {name}: {e}")
+        ROWS[name] = ("smartfrz", params)
     console = Console(width=160)
     if args.from_json:
         try:
@@ -310,8 +340,13 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(path.read_text()) if resumed else {"cells": []}
         if resumed and results.get("predictor") != predictor:
             p.error(f"--resume: {path} was run with predictor {results.get('predictor')}, not {predictor}")
+        variants = {name: ROWS[name][1] for name, _ in args.variant}
+        if resumed and {k: v for k, v in results.get("variants", {}).items() if k in variants} != {
+                k: v for k, v in variants.items() if k in results.get("variants", {})}:
+            p.error(f"--resume: {path} ran the variants {results.get('variants')}, not {variants}")
         results["rows"] = args.rows
         results["predictor"] = predictor
+        results["variants"] = {**results.get("variants", {}), **variants}
         done = {(c["task"], c["lr_factor"], c["epochs"], c["seed"]) for c in results["cells"]}
         for task in args.tasks:
             for lr in args.lrs:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def grid():
     with benchmark_module("lr_grid") as module:
         yield module
-    for row in ("smartfrz-nogate", "smartfrz-guard", "none-heldout", "none-reseed"):
+    for row in ("smartfrz-nogate", "smartfrz-guard", "none-heldout", "none-reseed", "smartfrz-t95"):
         if row in STRATEGIES:  # registered by the module's rows: gone with it
             unregister_strategy(row)
 
@@ -103,11 +103,44 @@ def test_merge_joins_the_rows_of_one_cell_run_in_two_processes_and_refuses_diffe
     (["--epochs", "0"], "--epochs integers >= 1"),
     (["--predictor", "no/such/predictor.safetensors"], "--predictor no/such/predictor.safetensors: SmartFRZ "
      "predictor file"),
+    (["--variant", "smartfrz-t95"], "--variant takes NAME:KEY=VALUE"),
+    (["--variant", "smartfrz-t95:threshold"], "parameters are KEY=VALUE, got 'threshold'"),
+    (["--variant", "smartfrz-t95:threshold=high"], "threshold's value 'high' is not JSON"),
+    (["--variant", "smartfrz-t95:threshold=2"], "--variant smartfrz-t95: smartfrz: threshold must be in (0, 1)"),
+    (["--variant", "smartfrz-t95:thresh=0.9"], "--variant smartfrz-t95: "),
+    (["--variant", "smartfrz-nogate:threshold=0.9"], "a row of that name exists"),
 ])
 def test_bad_arguments_are_parser_errors_before_training(grid, argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         grid.main([*argv, "--out", str(tmp_path)])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_variant_is_a_smartfrz_row_with_its_parameters_recorded_and_checked_on_resume(grid, tmp_path, capsys,
+                                                                                       monkeypatch):
+    seen = []
+
+    def fake_cell(task, lr, ep, seed, rows, out, oracle, console, quick, threads, predictor):
+        seen.append((rows, {r: grid.row_params([r])[r] for r in rows}))
+        return {"task": task, "lr_factor": lr, "epochs": ep, "seed": seed, "steps": 4, "none_accuracy": 0.5,
+                "rows": {r: {"accuracy": 0.5, "flops_ratio": 1.0, "time_ratio": 1.0, "freeze_steps": {}}
+                         for r in rows}}
+
+    monkeypatch.setattr(grid, "run_cell", fake_cell)
+    monkeypatch.setattr(grid, "ROWS", dict(grid.ROWS))  # the variants registered below leave with the test
+    argv = ["--tasks", "bbc", "--lrs", "1", "--epochs", "1", "--seeds", "0", "--out", str(tmp_path),
+            "--rows", "smartfrz,smartfrz-t95", "--variant", "smartfrz-t95:threshold=0.95,snr_gate=null"]
+    assert grid.main(argv) == 0
+    assert seen == [(["smartfrz", "smartfrz-t95"], {"smartfrz": {}, "smartfrz-t95": {"threshold": 0.95,
+                                                                                      "snr_gate": None}})]
+    assert grid.row_strategy("smartfrz-t95")(**grid.ROWS["smartfrz-t95"][1]).threshold == 0.95
+    recorded = json.loads((tmp_path / "results.json").read_text())
+    assert recorded["variants"] == {"smartfrz-t95": {"threshold": 0.95, "snr_gate": None}}
+    monkeypatch.setattr(grid, "ROWS", {k: v for k, v in grid.ROWS.items() if k != "smartfrz-t95"})
+    with pytest.raises(SystemExit) as exc:  # the same name with other parameters is another grid
+        grid.main([*argv[:-1], "smartfrz-t95:threshold=0.9", "--resume", "--seeds", "0,1"])
+    assert exc.value.code == 2 and "ran the variants" in capsys.readouterr().err
+    assert len(seen) == 1
 
 
 def test_a_candidate_predictor_goes_to_the_smartfrz_rows_only(grid):

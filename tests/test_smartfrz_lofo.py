@@ -234,3 +234,29 @@ def test_reproduce_command_collects_each_seed_set_once():
     assert lines[2] == "layerfreeze predictor label runs/x --tau 0.9995 --tau-scratch 0.998 --delta 0.01 --window 3"
     assert lines[3].startswith("layerfreeze predictor train runs/x --seed 0") and lines[3].endswith(
         "--holdout cnn-digits --lofo --out p.safetensors") and len(lines) == 4
+
+
+def test_reproduce_command_names_each_recipes_own_rates_when_no_factor_set_explains_them():
+    """A corpus whose recipes were collected at rates of their own (issue 29's: x0.3 of a recipe's lower rate only,
+    one recipe missing a rate) is reproduced by one collect line per set of rates. The union of every recipe's
+    rates on one line would collect every recipe at all of them (21 rates in issue 29's card)."""
+    from types import SimpleNamespace
+
+    from layerfreeze.smartfrz.cli import _reproduce_command
+
+    labels = {"tau": 0.9995, "tau_scratch": 0.998, "delta": 0.01, "window": 3}
+
+    def run(recipe: str, lr: float, factor: float = 1.0):
+        return SimpleNamespace(recipe=recipe, meta={"seed": 0, "lr": lr, "lr_factor": factor}, labels=labels)
+
+    runs = [run("cnn-digits", 0.006, 0.3), run("cnn-digits", 0.02), run("cnn-digits", 0.1),
+            run("mlp-digits", 0.006, 0.3), run("mlp-digits", 0.02), run("mlp-digits", 0.08),
+            run("cnn-fmnist-short", 0.0003, 0.3), run("cnn-fmnist-short", 0.001)]
+    args = argparse.Namespace(seed=0, history=30, min_history=8, epochs=40, threshold=0.85, holdout=["cnn-digits"],
+                              lofo=False, out="p.safetensors")
+    lines = _reproduce_command(runs, "runs/x", args).splitlines()
+    assert lines[:3] == [
+        "layerfreeze predictor collect --out runs/x --recipes mlp-digits --seeds 0 --lrs 0.006,0.02,0.08",
+        "layerfreeze predictor collect --out runs/x --recipes cnn-digits --seeds 0 --lrs 0.006,0.02,0.1",
+        "layerfreeze predictor collect --out runs/x --recipes cnn-fmnist-short --seeds 0 --lrs 0.0003,0.001"]
+    assert lines[3].startswith("layerfreeze predictor label runs/x") and len(lines) == 5

@@ -311,27 +311,31 @@ def _reproduce_command(runs: list[Any], runs_dir: str, args: argparse.Namespace)
     recipes = sorted({r.recipe for r in runs}, key=lambda n: list(RECIPES).index(n) if n in RECIPES else 999)
     from layerfreeze.smartfrz.collect import scaled_lrs
 
-    lrs = sorted({float(r.meta["lr"]) for r in runs})
     default_lrs = all(float(r.meta["lr"]) in RECIPES[r.recipe].lrs for r in runs if r.recipe in RECIPES)
     factors = sorted({float(r.meta.get("lr_factor", 1.0)) for r in runs})
-    lr_flag = f" --lrs {','.join(f'{x:g}' for x in lrs)}"
-    if not default_lrs and all(r.recipe in RECIPES for r in runs) and all(
-            {float(r.meta["lr"]) for r in runs if r.recipe == name}
-            == {lr for lr, _, _ in scaled_lrs(RECIPES[name].lrs, factors, name)} for name in recipes):
-        lr_flag = f" --lr-factors {','.join(f'{x:g}' for x in factors)}"  # every recipe's own rates, scaled
+    lrs_of = {name: tuple(sorted({float(r.meta["lr"]) for r in runs if r.recipe == name})) for name in recipes}
+    scaled = not default_lrs and all(r.recipe in RECIPES for r in runs) and all(
+        set(lrs_of[name]) == {lr for lr, _, _ in scaled_lrs(RECIPES[name].lrs, factors, name)} for name in recipes)
+
+    def lr_flag(name: str) -> str:  # a corpus of other rates per recipe: one collect line per set of rates
+        if default_lrs:
+            return ""
+        if scaled:
+            return f" --lr-factors {','.join(f'{x:g}' for x in factors)}"  # every recipe's own rates, scaled
+        return f" --lrs {','.join(f'{x:g}' for x in lrs_of[name])}"
     quick = any(r.meta.get("quick") for r in runs)
     lab = label_rule(runs[0].labels)
     q = shlex.quote
     if not all(r.recipe in RECIPES for r in runs):
         collect = "# some runs were recorded outside the registered recipes (layerfreeze.smartfrz.collect.record_run)"
-    else:  # one collect line per set of seeds (a corpus may hold more seeds of some recipes)
-        seeds_of = {name: tuple(sorted({int(r.meta["seed"]) for r in runs if r.recipe == name})) for name in recipes}
+    else:  # one collect line per set of seeds and rates (a corpus may hold more seeds or rates of some recipes)
+        key_of = {name: (tuple(sorted({int(r.meta["seed"]) for r in runs if r.recipe == name})), lr_flag(name))
+                  for name in recipes}
         collect = "\n".join(
             f"layerfreeze predictor collect --out {q(runs_dir)} "
-            f"--recipes {','.join(n for n in recipes if seeds_of[n] == group)} --seeds {','.join(map(str, group))}"
-            + ("" if default_lrs else lr_flag)
-            + (" --quick" if quick else "")
-            for group in sorted(set(seeds_of.values())))
+            f"--recipes {','.join(n for n in recipes if key_of[n] == key)} --seeds {','.join(map(str, key[0]))}"
+            + key[1] + (" --quick" if quick else "")
+            for key in sorted(set(key_of.values()), key=lambda k: (k[0], [key_of[n] for n in recipes].index(k))))
     label = (f"layerfreeze predictor label {q(runs_dir)} --tau {lab['tau']} "
              f"--tau-scratch {lab['tau_scratch']} --delta {lab['delta']} "
              f"--window {lab['window']}")

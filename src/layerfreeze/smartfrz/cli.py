@@ -78,23 +78,8 @@ def _number(kind: type, low: float, high: float | None = None, low_open: bool = 
 _PROBABILITY = _number(float, 0, 1, low_open=True, high_open=True)
 
 
-def _factors(text: str) -> list[float]:
-    """argparse type of ``--lr-factors``: comma-separated finite numbers > 0 (a usage error, exit 2, otherwise)."""
-    one = _number(float, 0, low_open=True)
-    out = []
-    for x in text.split(","):
-        if not x.strip():
-            continue
-        try:
-            value = one(x.strip())
-        except argparse.ArgumentTypeError as exc:
-            raise argparse.ArgumentTypeError(f"each learning-rate factor {exc} (e.g. --lr-factors 0.3,1)") from None
-        if value != value or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"each learning-rate factor must be finite, got {x.strip()}")
-        out.append(value)
-    if not out:
-        raise argparse.ArgumentTypeError(f"expected comma-separated factors > 0, got {text!r}")
-    return out
+#: argparse type of ``--lr-factors``: comma-separated finite numbers > 0 (a usage error, exit 2, otherwise).
+_factors = _csv(float, positive=True)
 
 
 _LR_FACTORS_HELP = ("multiply each learning rate (--lrs or each recipe's own) by each of these factors, duplicates "

@@ -246,17 +246,21 @@ def test_reproduce_command_names_each_recipes_own_rates_when_no_factor_set_expla
 
     labels = {"tau": 0.9995, "tau_scratch": 0.998, "delta": 0.01, "window": 3}
 
-    def run(recipe: str, lr: float, factor: float = 1.0):
-        return SimpleNamespace(recipe=recipe, meta={"seed": 0, "lr": lr, "lr_factor": factor}, labels=labels)
+    def run(recipe: str, lr: float, factor: float = 1.0, seed: int = 0):
+        return SimpleNamespace(recipe=recipe, meta={"seed": seed, "lr": lr, "lr_factor": factor}, labels=labels)
 
     runs = [run("cnn-digits", 0.006, 0.3), run("cnn-digits", 0.02), run("cnn-digits", 0.1),
             run("mlp-digits", 0.006, 0.3), run("mlp-digits", 0.02), run("mlp-digits", 0.08),
-            run("cnn-fmnist-short", 0.0003, 0.3), run("cnn-fmnist-short", 0.001)]
+            run("cnn-fmnist-short", 0.0003, 0.3), run("cnn-fmnist-short", 0.001),
+            run("vit-fmnist-short", 0.0003, 0.3, seed=0), run("vit-fmnist-short", 0.001, seed=0),
+            run("vit-fmnist-short", 0.001, seed=1)]
     args = argparse.Namespace(seed=0, history=30, min_history=8, epochs=40, threshold=0.85, holdout=["cnn-digits"],
                               lofo=False, out="p.safetensors")
     lines = _reproduce_command(runs, "runs/x", args).splitlines()
-    assert lines[:3] == [
+    assert lines[:4] == [  # seed 1 of vit-fmnist-short has one rate only: a line of its own
         "layerfreeze predictor collect --out runs/x --recipes mlp-digits --seeds 0 --lrs 0.006,0.02,0.08",
         "layerfreeze predictor collect --out runs/x --recipes cnn-digits --seeds 0 --lrs 0.006,0.02,0.1",
-        "layerfreeze predictor collect --out runs/x --recipes cnn-fmnist-short --seeds 0 --lrs 0.0003,0.001"]
-    assert lines[3].startswith("layerfreeze predictor label runs/x") and len(lines) == 5
+        "layerfreeze predictor collect --out runs/x --recipes cnn-fmnist-short,vit-fmnist-short --seeds 0 "
+        "--lrs 0.0003,0.001",
+        "layerfreeze predictor collect --out runs/x --recipes vit-fmnist-short --seeds 1 --lrs 0.001"]
+    assert lines[4].startswith("layerfreeze predictor label runs/x") and len(lines) == 6

@@ -106,8 +106,11 @@ def render_card(card: dict[str, Any]) -> str:
         f"{card.get('min_window', card.get('window'))} to {card.get('window')} weight snapshots of a block (1,024 "
         "sampled weights, scale-free features, with the block's depth and the training progress), it gives the "
         "probability that the block can be frozen now. "
-        "Trained offline on CKA labels (SmartFRZ, Li et al., ICLR 2023); all metrics below are on held-out recipes "
-        "(network, dataset and training-mode combinations it was never trained on).",
+        "Trained offline on CKA labels (SmartFRZ, Li et al., ICLR 2023)"
+        + (", less the freezes that measured counterfactual costs refute (issue 29)"
+           if (labels.get("counterfactual") or {}).get("eps_points") is not None else "")
+        + "; all metrics below are on held-out recipes (network, dataset and training-mode combinations it was never "
+        "trained on).",
         "",
         f"- layerfreeze {card.get('layerfreeze_version')}, torch {card.get('torch_version')}",
         f"- window: {card.get('min_window', card.get('window'))}-{card.get('window')} snapshots (a decision needs at "

@@ -298,29 +298,37 @@ def _reproduce_command(runs: list[Any], runs_dir: str, args: argparse.Namespace)
 
     default_lrs = all(float(r.meta["lr"]) in RECIPES[r.recipe].lrs for r in runs if r.recipe in RECIPES)
     factors = sorted({float(r.meta.get("lr_factor", 1.0)) for r in runs})
-    lrs_of = {name: tuple(sorted({float(r.meta["lr"]) for r in runs if r.recipe == name})) for name in recipes}
+    rates = {name: {} for name in recipes}  # recipe -> seed -> its rates
+    for r in runs:
+        rates[r.recipe].setdefault(int(r.meta["seed"]), set()).add(float(r.meta["lr"]))
     scaled = not default_lrs and all(r.recipe in RECIPES for r in runs) and all(
-        set(lrs_of[name]) == {lr for lr, _, _ in scaled_lrs(RECIPES[name].lrs, factors, name)} for name in recipes)
+        set().union(*rates[name].values()) == {lr for lr, _, _ in scaled_lrs(RECIPES[name].lrs, factors, name)}
+        and len({frozenset(v) for v in rates[name].values()}) == 1 for name in recipes)
 
-    def lr_flag(name: str) -> str:  # a corpus of other rates per recipe: one collect line per set of rates
-        if default_lrs:
-            return ""
-        if scaled:
-            return f" --lr-factors {','.join(f'{x:g}' for x in factors)}"  # every recipe's own rates, scaled
-        return f" --lrs {','.join(f'{x:g}' for x in lrs_of[name])}"
+    def lines_of(name: str) -> list[tuple[tuple[int, ...], str]]:
+        """``(seeds, rate flag)`` per collect line the recipe needs: one for all its seeds, or one per seed when
+        its seeds were collected at different rates (the union on one line would collect runs it does not hold)."""
+        seeds = tuple(sorted(rates[name]))
+        if default_lrs or scaled:
+            flag = f" --lr-factors {','.join(f'{x:g}' for x in factors)}" if scaled else ""
+            return [(seeds, flag)]
+        flags = {s: f" --lrs {','.join(f'{x:g}' for x in sorted(rates[name][s]))}" for s in seeds}
+        if len(set(flags.values())) == 1:
+            return [(seeds, flags[seeds[0]])]
+        return [((s,), flags[s]) for s in seeds]
     quick = any(r.meta.get("quick") for r in runs)
     lab = label_rule(runs[0].labels)
     q = shlex.quote
     if not all(r.recipe in RECIPES for r in runs):
         collect = "# some runs were recorded outside the registered recipes (layerfreeze.smartfrz.collect.record_run)"
     else:  # one collect line per set of seeds and rates (a corpus may hold more seeds or rates of some recipes)
-        key_of = {name: (tuple(sorted({int(r.meta["seed"]) for r in runs if r.recipe == name})), lr_flag(name))
-                  for name in recipes}
+        keys = {name: lines_of(name) for name in recipes}
+        order = [k for name in recipes for k in keys[name]]
         collect = "\n".join(
             f"layerfreeze predictor collect --out {q(runs_dir)} "
-            f"--recipes {','.join(n for n in recipes if key_of[n] == key)} --seeds {','.join(map(str, key[0]))}"
+            f"--recipes {','.join(n for n in recipes if key in keys[n])} --seeds {','.join(map(str, key[0]))}"
             + key[1] + (" --quick" if quick else "")
-            for key in sorted(set(key_of.values()), key=lambda k: (k[0], [key_of[n] for n in recipes].index(k))))
+            for key in sorted(set(order), key=lambda k: (k[0], order.index(k))))
     label = (f"layerfreeze predictor label {q(runs_dir)} --tau {lab['tau']} "
              f"--tau-scratch {lab['tau_scratch']} --delta {lab['delta']} "
              f"--window {lab['window']}")

@@ -195,6 +195,14 @@ def test_the_card_reports_the_corrected_labels_and_the_lr_spread(runs, tmp_path)
                  "0.5"]) == 0
     n = json.loads((corpus / "mlp-digits_s0_lr0.006" / LABELS_FILE).read_text())["counterfactual"]["corrected"]
     cka = sum(sum(map(sum, label_run(d, tau_scratch=0.5, write=False)["freezable"])) for d in corpus.iterdir())
+    # two recorded runs the corpus leaves out, a diverged one and one that ended at chance level: the card says why
+    meta = json.loads((corpus / "mlp-digits_s0_lr0.02" / "meta.json").read_text())
+    (corpus / "mlp-digits_s0_lr0.5").mkdir()
+    (corpus / "mlp-digits_s0_lr0.5" / "meta.json").write_text(json.dumps(
+        {**meta, "run": "mlp-digits_s0_lr0.5", "lr": 0.5, "status": "diverged", "diverged_at_step": 7}))
+    shutil.copytree(corpus / "mlp-digits_s0_lr0.02", corpus / "mlp-digits_s1_lr0.02")
+    (corpus / "mlp-digits_s1_lr0.02" / "meta.json").write_text(json.dumps(
+        {**meta, "run": "mlp-digits_s1_lr0.02", "seed": 1, "test_accuracy": 0.1}))
     out = tmp_path / "p.safetensors"
     assert _cli(["predictor", "train", str(corpus), "--out", str(out), "--holdout", "", "--history", "4",
                  "--min-history", "3", "--epochs", "1"]) == 0
@@ -203,6 +211,9 @@ def test_the_card_reports_the_corrected_labels_and_the_lr_spread(runs, tmp_path)
     assert f"{n} of the CKA rule's {cka} freezable (block, snapshot) labels" in text
     assert "## Learning-rate spread" in text and "factors from x0.3 to x4" in text
     assert "| mlp-digits | 0.02, 0.08 | 0.006, 0.02, 0.024, 0.08 | x0.3, x1, x1.2, x4 | 4 |" in text
+    assert ("Recorded but not used (a diverged or collapsed run would teach the predictor that a broken network has "
+            "converged): mlp-digits_s0_lr0.5 (diverged at step 7); mlp-digits_s1_lr0.02 (collapsed: test accuracy "
+            "0.100).") in text
     # the reproduce commands: the factor collection, the counterfactual grid and the corrected labelling
     assert "--lr-factors 0.3,1 --quick" in text
     assert ("layerfreeze predictor counterfactual " + str(corpus) + " --recipes mlp-digits --seeds 0 --lrs 0.006 "

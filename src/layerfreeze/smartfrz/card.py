@@ -79,9 +79,10 @@ def _correction_lines(cf: dict[str, Any] | None) -> list[str]:
     ]
 
 
-def _lr_spread_section(spread: dict[str, Any]) -> list[str]:
+def _lr_spread_section(spread: dict[str, Any], excluded: list[dict[str, Any]] | None = None) -> list[str]:
     """The "Learning-rate spread" section from ``card["lr_spread"]`` (:func:`~layerfreeze.smartfrz.ship.lr_spread`):
-    per recipe, the corpus's learning rates and their factors against the recipe's lowest registered rate."""
+    per recipe, the corpus's learning rates and their factors against the recipe's lowest registered rate; then the
+    recorded runs left out (``card["excluded_runs"]``), which explain a rate missing from the table."""
     rows = [[name, ", ".join(f"{x:g}" for x in s["registered"]) if s.get("registered") else "-",
              ", ".join(f"{x:g}" for x in s["lrs"]),
              ", ".join(f"x{f:g}" for f in s["factors"]) if s.get("factors") else "-", s.get("runs")]
@@ -92,7 +93,10 @@ def _lr_spread_section(spread: dict[str, Any]) -> list[str]:
             "The learning rates of every run above (training and held-out), per recipe; factor = the rate over the "
             f"recipe's lowest registered rate (`collect --lr-factors` scales the registered rates). Over the corpus: "
             f"{span}.", "",
-            *_table(["recipe", "registered rates", "corpus rates", "factors", "runs"], rows), ""]
+            *_table(["recipe", "registered rates", "corpus rates", "factors", "runs"], rows), "",
+            *(["Recorded but not used (a diverged or collapsed run would teach the predictor that a broken network "
+               "has converged): " + "; ".join(f"{e['run']} ({e['why']})" for e in excluded) + ".", ""]
+              if excluded else [])]
 
 
 def render_card(card: dict[str, Any]) -> str:
@@ -160,7 +164,7 @@ def render_card(card: dict[str, Any]) -> str:
     if card.get("lofo"):
         lines += _lofo_section(card["lofo"])
     if card.get("lr_spread"):
-        lines += _lr_spread_section(card["lr_spread"])
+        lines += _lr_spread_section(card["lr_spread"], card.get("excluded_runs"))
     lines += ["## Training runs", "", *_runs_table(card.get("train_runs", [])), "",
               "## Held-out runs", "", *_runs_table(card.get("heldout_runs", [])), "",
               "## Reproduce", "",

@@ -400,7 +400,7 @@ def _lofo_table(title: str, lofo: dict[str, Any]) -> Table:
 
 
 def _train(args: argparse.Namespace, console: Console) -> int:
-    from layerfreeze.smartfrz.runs import list_runs, read_run
+    from layerfreeze.smartfrz.runs import excluded_runs, list_runs, read_run
     from layerfreeze.smartfrz.ship import train_and_save
 
     if Path(args.out).is_dir() or str(args.out).endswith(("/", "\\")):
@@ -422,7 +422,8 @@ def _train(args: argparse.Namespace, console: Console) -> int:
                             f"{args.runs_dir}`)")
     cfg = TrainConfig(seed=args.seed, history=args.history, min_history=args.min_history, epochs=args.epochs)
     command = _reproduce_command(runs, str(args.runs_dir), args)
-    path, card = train_and_save(runs, args.out, args.holdout, cfg, args.threshold, command=command, lofo=args.lofo)
+    path, card = train_and_save(runs, args.out, args.holdout, cfg, args.threshold, command=command, lofo=args.lofo,
+                                excluded=excluded_runs(args.runs_dir))
     info = card["training"]
     console.print(f"trained on {len(card['train_runs'])} runs ({', '.join(card['train_recipes'])}): "
                   f"{info['examples']} windows, {info['positives']} freezable; final loss {info['final_train_loss']}")

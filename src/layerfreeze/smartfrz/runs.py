@@ -110,6 +110,28 @@ def list_runs(runs_dir: str | Path, include_diverged: bool = False) -> list[Path
     return out
 
 
+def excluded_runs(runs_dir: str | Path) -> list[dict[str, Any]]:
+    """The finished runs under ``runs_dir`` that :func:`list_runs` leaves out, and why: ``[{"run", "recipe",
+    "lr", "seed", "why"}]`` with ``why`` "diverged at step N" or "collapsed: test accuracy X" (:func:`collapsed`).
+    A card lists them, so a learning rate missing from the corpus is explained (issue 29: MobileNetV2 at its
+    registered SGD rate 0.03 diverges).
+
+    Raises:
+        PipelineError: ``runs_dir`` is not a folder.
+    """
+    kept = set(list_runs(runs_dir))
+    out = []
+    for d in list_runs(runs_dir, include_diverged=True):
+        if d in kept:
+            continue
+        meta = read_meta(d)
+        why = (f"diverged at step {meta.get('diverged_at_step')}" if meta.get("status") == "diverged"
+               else f"collapsed: test accuracy {meta.get('test_accuracy'):.3f}")
+        out.append({"run": meta.get("run", d.name), "recipe": meta.get("recipe"), "lr": meta.get("lr"),
+                    "seed": meta.get("seed"), "why": why})
+    return out
+
+
 @dataclass
 class RunData:
     """One complete run, read back: its meta, the weight-sample trajectory and (when present) its labels.

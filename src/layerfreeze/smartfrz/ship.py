@@ -55,7 +55,7 @@ def lr_spread(runs: Iterable[RunData]) -> dict[str, dict[str, Any]]:
 
 def train_and_save(runs: list[RunData], out: str | Path, holdout: Iterable[str], config: TrainConfig | None = None,
                    threshold: float = DEFAULT_THRESHOLD, command: str = "", card_path: str | Path | None = None,
-                   lofo: bool = False) -> tuple[Path, dict[str, Any]]:
+                   lofo: bool = False, excluded: list[dict[str, Any]] | None = None) -> tuple[Path, dict[str, Any]]:
     """Split by recipe, train on the rest, evaluate on the held-out runs, save the predictor with its card.
 
     Args:
@@ -67,6 +67,8 @@ def train_and_save(runs: list[RunData], out: str | Path, holdout: Iterable[str],
         lofo: Also run :func:`~layerfreeze.smartfrz.lofo.leave_one_family_out` on all ``runs`` (held-out recipes
             included; one extra predictor trained per architecture family, none saved) and record it in the card
             under ``"lofo"`` (None otherwise).
+        excluded: The corpus's runs left out of ``runs`` (:func:`~layerfreeze.smartfrz.runs.excluded_runs`:
+            diverged or collapsed), recorded in the card beside the learning-rate spread.
 
     Returns:
         ``(predictor path, card dict)``.
@@ -99,6 +101,7 @@ def train_and_save(runs: list[RunData], out: str | Path, holdout: Iterable[str],
         "train_recipes": sorted({r.recipe for r in train_runs}), "heldout_recipes": holdout,
         "train_runs": [run_summary(r) for r in train_runs], "heldout_runs": [run_summary(r) for r in held_runs],
         "heldout_metrics": metrics, "lofo": lofo_metrics, "lr_spread": lr_spread(runs), "command": command,
+        "excluded_runs": list(excluded or []),
     }
     path = save_predictor(out, model, cfg.history, card=card, min_window=cfg.min_history)
     write_card(card, card_path or Path(out).with_name("PREDICTOR_CARD.md"))

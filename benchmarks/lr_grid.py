@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import sys
@@ -98,9 +99,9 @@ def reseed_at_half(seed: int) -> Any:
 
 def row_params(rows: list[str], predictor: str | None = None) -> dict[str, dict[str, Any]]:
     """Each row's strategy parameters; ``predictor`` (a file from ``layerfreeze predictor train``) replaces the
-    shipped predictor in every row whose strategy is `smartfrz`."""
+    shipped predictor in every row whose strategy is `smartfrz` (a ``--variant`` that names its own keeps it)."""
     extra = {"predictor": predictor} if predictor else {}
-    return {r: {**ROWS[r][1], **(extra if ROWS[r][0] == "smartfrz" else {})} for r in rows}
+    return {r: {**(extra if ROWS[r][0] == "smartfrz" else {}), **ROWS[r][1]} for r in rows}
 
 
 def run_cell(task: str, lr_factor: float, epochs: int, seed: int, rows: list[str], out: Path, oracle: bool,
@@ -163,12 +164,18 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
     a part whose `none` accuracy differs is refused, as it is not the same cell).
 
     Raises:
-        ValueError: two parts hold the same cell and seed with different `none` accuracies, or were run with
-            different predictors (``--predictor``)."""
+        ValueError: two parts hold the same cell and seed with different `none` accuracies, were run with
+            different predictors (``--predictor``), or name one ``--variant`` row with different parameters."""
     predictors = {part.get("predictor") for part in parts}
     if len(predictors) > 1:
         raise ValueError(f"the results were run with different predictors ({sorted(map(str, predictors))}): "
                          "merge the results of one predictor at a time")
+    variants: dict[str, Any] = {}
+    for part in parts:
+        for name, params in part.get("variants", {}).items():
+            if variants.setdefault(name, params) != params:
+                raise ValueError(f"the variant row {name} was run with different parameters ({variants[name]} and "
+                                 f"{params}): not the same row; rename one (--variant NAME:...)")
     rows = list(dict.fromkeys(r for part in parts for r in part["rows"]))
     cells: dict[tuple, dict[str, Any]] = {}
     for part in parts:
@@ -184,7 +191,7 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
             old["rows"].update(c["rows"])
             if "oracle" in c:
                 old.setdefault("oracle", c["oracle"])
-    return {"rows": rows, "cells": list(cells.values()), "predictor": predictors.pop()}
+    return {"rows": rows, "cells": list(cells.values()), "predictor": predictors.pop(), "variants": variants}
 
 
 def _group(results: dict[str, Any]) -> dict[tuple, list[dict[str, Any]]]:
@@ -264,11 +271,16 @@ def _csv(kind):
 def variant(text: str) -> tuple[str, dict[str, Any]]:
     """``NAME:KEY=VALUE[,KEY=VALUE]`` -> ``(NAME, {KEY: VALUE})``, each value read as JSON (``null``, ``0.95``)."""
     name, sep, body = text.partition(":")
+    if name and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: the row name {name!r} becomes a folder and a --rows "
+                                         "entry: letters, digits, '-', '_' and '.', starting with a letter or digit")
     params: dict[str, Any] = {}
     for item in body.split(",") if body else []:
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise argparse.ArgumentTypeError(f"--variant {text!r}: parameters are KEY=VALUE, got {item!r}")
+        if key in params:
+            raise argparse.ArgumentTypeError(f"--variant {text!r}: {key} is given twice")
         try:
             params[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -301,9 +313,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="one more `smartfrz` row named NAME with these strategy parameters (values as JSON; "
                    "repeatable), e.g. smartfrz-t95:threshold=0.95; then name it in --rows")
     args = p.parse_args(argv)
+    names = [name for name, _ in args.variant]
     for name, params in args.variant:
-        if name in ROWS:
-            p.error(f"--variant {name}: a row of that name exists; choose another")
+        if names.count(name) > 1:
+            p.error(f"--variant {name} is given twice; give each variant row its own name")
+        # a strategy of that name, unless an earlier grid in this process registered it as a smartfrz row
+        if name in ROWS or (name in STRATEGIES and not issubclass(STRATEGIES[name], STRATEGIES["smartfrz"])):
+            p.error(f"--variant {name}: a row or strategy of that name exists; choose another")
         try:  # a parameter the strategy refuses fails here, before any training
             STRATEGIES["smartfrz"](**params)
         except (TypeError, ValueError) as e:

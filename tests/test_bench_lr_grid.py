@@ -108,7 +108,13 @@ def test_merge_joins_the_rows_of_one_cell_run_in_two_processes_and_refuses_diffe
     (["--variant", "smartfrz-t95:threshold=high"], "threshold's value 'high' is not JSON"),
     (["--variant", "smartfrz-t95:threshold=2"], "--variant smartfrz-t95: smartfrz: threshold must be in (0, 1)"),
     (["--variant", "smartfrz-t95:thresh=0.9"], "--variant smartfrz-t95: "),
-    (["--variant", "smartfrz-nogate:threshold=0.9"], "a row of that name exists"),
+    (["--variant", "smartfrz-nogate:threshold=0.9"], "a row or strategy of that name exists"),
+    (["--variant", "none:threshold=0.9"], "a row or strategy of that name exists"),
+    (["--variant", "egeria:threshold=0.9"], "a row or strategy of that name exists"),
+    (["--variant", "../seed1:threshold=0.9"], "the row name '../seed1' becomes a folder"),
+    (["--variant", "a,b:threshold=0.9"], "the row name 'a,b' becomes a folder"),
+    (["--variant", "t:threshold=0.9,threshold=0.95"], "threshold is given twice"),
+    (["--variant", "t:threshold=0.9", "--variant", "t:threshold=0.95"], "--variant t is given twice"),
 ])
 def test_bad_arguments_are_parser_errors_before_training(grid, argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
@@ -141,6 +147,23 @@ def test_a_variant_is_a_smartfrz_row_with_its_parameters_recorded_and_checked_on
         grid.main([*argv[:-1], "smartfrz-t95:threshold=0.9", "--resume", "--seeds", "0,1"])
     assert exc.value.code == 2 and "ran the variants" in capsys.readouterr().err
     assert len(seen) == 1
+
+
+def test_merge_keeps_the_variants_and_refuses_one_name_with_two_settings(grid):
+    def part(threshold):
+        return {"rows": ["smartfrz-t"], "predictor": None, "variants": {"smartfrz-t": {"threshold": threshold}},
+                "cells": [{"task": "bbc", "lr_factor": 1.0, "epochs": 1, "seed": 0, "none_accuracy": 0.5,
+                           "rows": {"smartfrz-t": {"accuracy": 0.5}}}]}
+
+    assert grid.merge([part(0.95), part(0.95)])["variants"] == {"smartfrz-t": {"threshold": 0.95}}
+    with pytest.raises(ValueError, match="the variant row smartfrz-t was run with different parameters"):
+        grid.merge([part(0.95), part(0.5)])
+
+
+def test_a_variants_own_predictor_is_kept_beside_the_grids(grid, monkeypatch):
+    monkeypatch.setitem(grid.ROWS, "smartfrz-own", ("smartfrz", {"predictor": "/B", "threshold": 0.9}))
+    assert grid.row_params(["smartfrz", "smartfrz-own"], "/A") == {
+        "smartfrz": {"predictor": "/A"}, "smartfrz-own": {"predictor": "/B", "threshold": 0.9}}
 
 
 def test_a_candidate_predictor_goes_to_the_smartfrz_rows_only(grid):

@@ -223,9 +223,9 @@ def test_reproduce_command_collects_each_seed_set_once():
     def run(recipe: str, seed: int, lr: float):
         return SimpleNamespace(recipe=recipe, meta={"seed": seed, "lr": lr}, labels=labels)
 
-    lr = {name: RECIPES[name].lrs[0] for name in ("mlp-digits", "cnn-digits", "cnn-fmnist-short")}
-    runs = [run("cnn-fmnist-short", 1, lr["cnn-fmnist-short"]), run("cnn-digits", 0, lr["cnn-digits"]),
-            run("cnn-fmnist-short", 0, lr["cnn-fmnist-short"]), run("mlp-digits", 0, lr["mlp-digits"])]
+    runs = [run(name, seed, lr) for name, seeds in (("cnn-fmnist-short", (1, 0)), ("cnn-digits", (0,)),
+                                                     ("mlp-digits", (0,)))
+            for seed in seeds for lr in RECIPES[name].lrs]  # every registered rate: no --lrs needed
     args = argparse.Namespace(seed=0, history=30, min_history=8, epochs=40, threshold=0.85, holdout=["cnn-digits"],
                               lofo=True, out="p.safetensors")
     lines = _reproduce_command(runs, "runs/x", args).splitlines()
@@ -264,3 +264,28 @@ def test_reproduce_command_names_each_recipes_own_rates_when_no_factor_set_expla
         "--lrs 0.0003,0.001",
         "layerfreeze predictor collect --out runs/x --recipes vit-fmnist-short --seeds 1 --lrs 0.001"]
     assert lines[4].startswith("layerfreeze predictor label runs/x") and len(lines) == 6
+
+
+def test_reproduce_command_names_rates_a_seed_lacks_and_rates_to_12_digits():
+    """Registered rates but a seed with one of them only: that seed's line names its rate (a bare line would
+    collect the other registered rate too). A rate of more than 6 significant digits is printed whole (``:g``
+    named a nearby rate: a run of the same folder name and other weights)."""
+    from types import SimpleNamespace
+
+    from layerfreeze.smartfrz.cli import _reproduce_command
+
+    labels = {"tau": 0.9995, "tau_scratch": 0.998, "delta": 0.01, "window": 3}
+
+    def run(recipe: str, lr: float, seed: int = 0):
+        return SimpleNamespace(recipe=recipe, meta={"seed": seed, "lr": lr, "lr_factor": 1.0}, labels=labels)
+
+    args = argparse.Namespace(seed=0, history=30, min_history=8, epochs=40, threshold=0.85, holdout=["cnn-digits"],
+                              lofo=False, out="p.safetensors")
+    runs = [run("mlp-digits", 0.02), run("mlp-digits", 0.08), run("mlp-digits", 0.02, seed=1),
+            run("cnn-digits", 0.02), run("cnn-digits", 0.1)]
+    lines = _reproduce_command(runs, "runs/x", args).splitlines()
+    assert lines[:3] == ["layerfreeze predictor collect --out runs/x --recipes mlp-digits --seeds 0 --lrs 0.02,0.08",
+                         "layerfreeze predictor collect --out runs/x --recipes cnn-digits --seeds 0",
+                         "layerfreeze predictor collect --out runs/x --recipes mlp-digits --seeds 1 --lrs 0.02"]
+    lines = _reproduce_command([run("mlp-digits", 0.0123456789)], "runs/x", args).splitlines()
+    assert lines[0] == "layerfreeze predictor collect --out runs/x --recipes mlp-digits --seeds 0 --lrs 0.0123456789"

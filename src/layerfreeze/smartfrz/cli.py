@@ -307,12 +307,15 @@ def _reproduce_command(runs: list[Any], runs_dir: str, args: argparse.Namespace)
 
     def lines_of(name: str) -> list[tuple[tuple[int, ...], str]]:
         """``(seeds, rate flag)`` per collect line the recipe needs: one for all its seeds, or one per seed when
-        its seeds were collected at different rates (the union on one line would collect runs it does not hold)."""
+        its seeds were collected at different rates (the union on one line would collect runs it does not hold).
+        Rates are printed to 12 significant digits, as :func:`~layerfreeze.smartfrz.collect.scaled_lrs` rounds
+        them (``:g``'s 6 would name a nearby rate: a run of the same folder name and other weights)."""
         seeds = tuple(sorted(rates[name]))
-        if default_lrs or scaled:
+        every_seed_registered = name in RECIPES and all(v == set(RECIPES[name].lrs) for v in rates[name].values())
+        if (default_lrs and every_seed_registered) or scaled:
             flag = f" --lr-factors {','.join(f'{x:g}' for x in factors)}" if scaled else ""
             return [(seeds, flag)]
-        flags = {s: f" --lrs {','.join(f'{x:g}' for x in sorted(rates[name][s]))}" for s in seeds}
+        flags = {s: f" --lrs {','.join(f'{x:.12g}' for x in sorted(rates[name][s]))}" for s in seeds}
         if len(set(flags.values())) == 1:
             return [(seeds, flags[seeds[0]])]
         return [((s,), flags[s]) for s in seeds]

@@ -357,12 +357,12 @@ def main(argv: list[str] | None = None) -> int:
         if resumed and results.get("predictor") != predictor:
             p.error(f"--resume: {path} was run with predictor {results.get('predictor')}, not {predictor}")
         variants = {name: ROWS[name][1] for name, _ in args.variant}
-        if resumed and {k: v for k, v in results.get("variants", {}).items() if k in variants} != {
-                k: v for k, v in variants.items() if k in results.get("variants", {})}:
-            p.error(f"--resume: {path} ran the variants {results.get('variants')}, not {variants}")
+        ran = results.get("variants", {})
+        if resumed and any(ran[k] != v for k, v in variants.items() if k in ran):
+            p.error(f"--resume: {path} ran the variants {ran}, not {variants}")
         results["rows"] = args.rows
         results["predictor"] = predictor
-        results["variants"] = {**results.get("variants", {}), **variants}
+        results["variants"] = {**ran, **variants}
         done = {(c["task"], c["lr_factor"], c["epochs"], c["seed"]) for c in results["cells"]}
         for task in args.tasks:
             for lr in args.lrs:

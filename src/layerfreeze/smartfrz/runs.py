@@ -104,10 +104,14 @@ def list_runs(runs_dir: str | Path, include_diverged: bool = False) -> list[Path
     for d in sorted(p for p in runs_dir.iterdir() if p.is_dir()):
         if not is_finished(d):
             continue
-        meta = read_meta(d)
-        if include_diverged or (meta["status"] == "complete" and not collapsed(meta)):
+        if include_diverged or _usable(read_meta(d)):
             out.append(d)
     return out
+
+
+def _usable(meta: dict[str, Any]) -> bool:
+    """A finished run's meta is one the pipeline uses: complete and not :func:`collapsed`."""
+    return meta["status"] == "complete" and not collapsed(meta)
 
 
 def excluded_runs(runs_dir: str | Path) -> list[dict[str, Any]]:
@@ -119,12 +123,11 @@ def excluded_runs(runs_dir: str | Path) -> list[dict[str, Any]]:
     Raises:
         PipelineError: ``runs_dir`` is not a folder.
     """
-    kept = set(list_runs(runs_dir))
     out = []
     for d in list_runs(runs_dir, include_diverged=True):
-        if d in kept:
-            continue
         meta = read_meta(d)
+        if _usable(meta):
+            continue
         why = (f"diverged at step {meta.get('diverged_at_step')}" if meta.get("status") == "diverged"
                else f"collapsed: test accuracy {meta.get('test_accuracy'):.3f}")
         out.append({"run": meta.get("run", d.name), "recipe": meta.get("recipe"), "lr": meta.get("lr"),

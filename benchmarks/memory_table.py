@@ -44,7 +44,7 @@ from rich.table import Table
 
 from benchmarks.suite import QUICK_SIZES, SIZE_FIELDS, TASKS, base_config, row_settings, task_spec, total_steps
 from layerfreeze.runs import rundir
-from layerfreeze.runs.ledger import bucket_label
+from layerfreeze.runs.ledger_buckets import bucket_label
 from layerfreeze.runs.rundir import Event, finite
 from layerfreeze.runs.summary import format_bytes
 from layerfreeze.train.compare import compare

@@ -15,7 +15,8 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset, default_collate
 
 from layerfreeze import Freezer, discover_blocks
-from layerfreeze.compute.cache import CachedPrefix, CacheRefused, check_deterministic, check_prefix_deterministic
+from layerfreeze.compute.cache import CacheRefused, check_deterministic, check_prefix_deterministic
+from layerfreeze.compute.cached_prefix import CachedPrefix
 from layerfreeze.compute.store import ActivationCache
 from layerfreeze.models.discovery import split_for
 from layerfreeze.models.families.bert import BertSplit

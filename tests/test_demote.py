@@ -15,7 +15,8 @@ from torch import nn
 
 from layerfreeze import Freezer
 from layerfreeze.checkpoint import load_checkpoint, save_checkpoint
-from layerfreeze.compute.cache import CachedPrefix, CachePolicy
+from layerfreeze.compute.cache_policy import CachePolicy
+from layerfreeze.compute.cached_prefix import CachedPrefix
 from layerfreeze.engine.demote import DemotedWeightsError, Demotion
 from layerfreeze.engine.integrity import FrozenWeightsChangedError, checksum
 from layerfreeze.errors import ConfigError

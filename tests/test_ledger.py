@@ -14,7 +14,8 @@ from torch.nn import functional as F
 
 from layerfreeze import ActivationCache, Freezer, FrozenDifferentiable
 from layerfreeze.runs.compare_table import add_ratios, markdown_table, table_cells
-from layerfreeze.runs.ledger import LedgerPeaks, LedgerSnapshot, MemoryLedger, memory_change
+from layerfreeze.runs.ledger import MemoryLedger
+from layerfreeze.runs.ledger_records import LedgerPeaks, LedgerSnapshot, memory_change
 from layerfreeze.runs.rundir import read_metrics
 from layerfreeze.train.config import build_config
 from layerfreeze.train.trainer import Trainer

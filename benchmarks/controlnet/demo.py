@@ -38,7 +38,8 @@ from layerfreeze.compute.frozen import (
     precompute,
 )
 from layerfreeze.runs import measure
-from layerfreeze.runs.ledger import DISK, Bucket, MemoryLedger
+from layerfreeze.runs.ledger import MemoryLedger
+from layerfreeze.runs.ledger_buckets import DISK, Bucket
 
 
 def _param_bytes(modules: dict[str, nn.Module]) -> dict[str, int]:

@@ -31,7 +31,9 @@ from layerfreeze.compute.determinism import CacheRefused, check_prefix_determini
 from layerfreeze.engine.mechanics import set_eval_mode
 from layerfreeze.models.blocks import Block
 from layerfreeze.models.discovery import discover_blocks, split_for
-from layerfreeze.runs.ledger import BLOCK_BUCKETS, DISK, Bucket, MemoryLedger, innermost_optimizer
+from layerfreeze.runs.ledger import MemoryLedger
+from layerfreeze.runs.ledger_buckets import BLOCK_BUCKETS, DISK, Bucket
+from layerfreeze.runs.ledger_counting import innermost_optimizer
 
 __all__ = ["BlockBytes", "CacheBytes", "default_loss", "measure_blocks", "measure_cache"]
 
@@ -189,8 +191,8 @@ def _twin_optimizer(optimizer: Any, params: list[nn.Parameter]) -> torch.optim.O
     """An optimizer of the same kind over ``params``, its own (empty) state, every learning rate 0.
 
     ``optimizer``: None (AdamW), a ``torch.optim.Optimizer`` (its class and each group's settings; a framework's
-    wrapper holding one: the one inside, :func:`~layerfreeze.runs.ledger.innermost_optimizer`), or a class / factory
-    called with the parameter list."""
+    wrapper holding one: the one inside, :func:`~layerfreeze.runs.ledger_counting.innermost_optimizer`), or a class /
+    factory called with the parameter list."""
     held = {id(p) for p in params}
     optimizer = innermost_optimizer(optimizer)  # a framework's wrapper: the optimizer inside
     if optimizer is None:

@@ -45,7 +45,7 @@ from layerfreeze.budget.measure import BlockBytes, measure_blocks, measure_cache
 from layerfreeze.budget.parse import Budget, parse_budget
 from layerfreeze.errors import BudgetError
 from layerfreeze.models.blocks import Block
-from layerfreeze.runs.ledger import Bucket
+from layerfreeze.runs.ledger_buckets import Bucket
 from layerfreeze.runs.summary import format_bytes
 
 __all__ = ["MemoryPlan", "PrefixCost", "plan_memory", "plan_prefix"]

@@ -1,22 +1,37 @@
 """Frozen compute: the work a frozen part of training still costs, skipped or moved off the trainer's path.
 
-* :mod:`~layerfreeze.compute.cache` -- :class:`CachedPrefix`: the frozen prefix's per-sample output read from a
-  store instead of running the prefix (with the checks that keep it exact), and :func:`build_cached_prefix`, what
-  a run's ``freeze.cache`` mode builds;
-* :mod:`~layerfreeze.compute.store` -- :class:`ActivationCache`: checksummed per-sample storage, memory then
-  safetensors shards (the cache and :func:`precompute` write to it);
+The map, one line per module: what it holds and who may import it. The modules are listed top to bottom; inside the
+folder a module imports only modules listed below it (the ``compute-layers`` contract in ``pyproject.toml``; modules
+on one line of that contract import nothing from each other).
+
+* :mod:`~layerfreeze.compute.cache` -- the cache's overview and :func:`build_cached_prefix`, the cache a run's
+  ``freeze.cache`` mode (:data:`CACHE_MODES`) asks for; imported by the trainer (``layerfreeze.train``) and this face;
 * :mod:`~layerfreeze.compute.frozen` -- frozen models beside the trained one: :class:`FrozenModule`,
-  :class:`FrozenDifferentiable`, :class:`FrozenPipeline`, :func:`precompute` / :class:`PrecomputedDataset`.
+  :class:`FrozenDifferentiable`, :class:`FrozenPipeline`, :func:`precompute` / :class:`PrecomputedDataset`; imported
+  through this face (and by the ControlNet benchmark);
+* :mod:`~layerfreeze.compute.cached_prefix` -- :class:`CachedPrefix`: the frozen prefix's per-sample output read
+  from a store instead of running the prefix, with the checks that keep it exact; imported by ``cache``, ``frozen``
+  (``sample_indices``), the trainer and this face;
+* :mod:`~layerfreeze.compute.cache_policy` -- :class:`~layerfreeze.compute.cache_policy.CachePolicy`, what the cache
+  keeps, and the plan of one batch's lookups; imported by ``cache``, ``cached_prefix`` and the trainer;
+* :mod:`~layerfreeze.compute.determinism` -- :class:`CacheRefused`, :func:`check_deterministic`,
+  :func:`check_prefix_deterministic`: what would make a cache wrong; imported by ``cache``, ``cached_prefix``, the
+  trainer and the memory budget (``layerfreeze.budget``);
+* :mod:`~layerfreeze.compute.store` -- :class:`ActivationCache`: checksummed per-sample storage, memory then
+  safetensors shards (the cache and :func:`precompute` write to it); imported by ``cache``, ``cached_prefix``,
+  ``frozen``, the trainer and this face.
+
+Outside the folder, only the layers above ``layerfreeze.compute`` in the package's ``layers`` contract may import it.
 """
 
 from layerfreeze.compute.cache import (
     CACHE_MODES,
-    CachedPrefix,
     CacheRefused,
     build_cached_prefix,
     check_deterministic,
     check_prefix_deterministic,
 )
+from layerfreeze.compute.cached_prefix import CachedPrefix
 from layerfreeze.compute.frozen import (
     FrozenDifferentiable,
     FrozenModule,

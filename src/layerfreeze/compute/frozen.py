@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.data import Dataset
 
 from layerfreeze.compute.store import ActivationCache
-from layerfreeze.runs.ledger import Bucket
+from layerfreeze.runs.ledger_buckets import Bucket
 
 
 class NonFiniteOutputError(FloatingPointError):
@@ -448,7 +448,7 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
     """
     from torch.utils.data import DataLoader
 
-    from layerfreeze.compute.cache import sample_indices
+    from layerfreeze.compute.cached_prefix import sample_indices
 
     if len(dataset) > 0:  # type: ignore[arg-type]
         first = dataset[0]

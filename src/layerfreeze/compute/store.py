@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 import torch
 
-from layerfreeze.runs.ledger import DISK, Bucket
+from layerfreeze.runs.ledger_buckets import DISK, Bucket
 
 __all__ = ["ActivationCache", "pad_dim0"]
 

@@ -64,7 +64,7 @@ from torch import nn
 
 from layerfreeze.engine.integrity import FrozenWeightsChangedError, checksum
 from layerfreeze.models.blocks import Block
-from layerfreeze.runs.ledger import DISK, Bucket
+from layerfreeze.runs.ledger_buckets import DISK, Bucket
 
 __all__ = ["DEMOTE_DTYPES", "DemotedWeightsError", "Demoter", "Demotion"]
 

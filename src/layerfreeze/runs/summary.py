@@ -13,7 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from layerfreeze.runs.ledger import DISK, bucket_label
+from layerfreeze.runs.ledger_buckets import DISK, bucket_label
 
 __all__ = ["format_bytes", "format_flops", "format_seconds", "memory_lines", "print_summary", "rank_memory_lines",
            "summary_table"]

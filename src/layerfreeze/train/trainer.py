@@ -64,7 +64,9 @@ from tqdm.auto import tqdm
 from layerfreeze import distributed as dist_
 from layerfreeze.budget.plan import MemoryPlan, plan_memory
 from layerfreeze.checkpoint import CheckpointStore, load_checkpoint, load_full_checkpoint, rng_state, set_rng_state
-from layerfreeze.compute.cache import CachedPrefix, CachePolicy, CacheRefused, build_cached_prefix
+from layerfreeze.compute.cache import CacheRefused, build_cached_prefix
+from layerfreeze.compute.cache_policy import CachePolicy
+from layerfreeze.compute.cached_prefix import CachedPrefix
 from layerfreeze.compute.determinism import check_deterministic
 from layerfreeze.compute.store import auto_budget_bytes
 from layerfreeze.distributed.ddp import frozen_state_names
@@ -77,7 +79,8 @@ from layerfreeze.errors import ConfigError
 from layerfreeze.models.discovery import discover_blocks, split_for
 from layerfreeze.runs import measure, rundir
 from layerfreeze.runs import telemetry as tm
-from layerfreeze.runs.ledger import LedgerSnapshot, MemoryLedger, memory_change, memory_change_by_device
+from layerfreeze.runs.ledger import MemoryLedger
+from layerfreeze.runs.ledger_records import LedgerSnapshot, memory_change, memory_change_by_device
 from layerfreeze.runs.rundir import Event
 from layerfreeze.runs.summary import format_bytes
 from layerfreeze.train.config import Config

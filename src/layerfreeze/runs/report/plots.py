@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from layerfreeze.runs.compare_table import BASELINE
-from layerfreeze.runs.ledger import DISK, bucket_label
+from layerfreeze.runs.ledger_buckets import DISK, bucket_label
 from layerfreeze.runs.rundir import Event, finite
 from layerfreeze.runs.summary import format_seconds
 from layerfreeze.runs.report.read import Run, num

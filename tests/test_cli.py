@@ -283,11 +283,11 @@ def test_a_run_names_its_run_folder_once_it_exists(tmp_path, tiny_bert_dir, tiny
 
 def test_a_bad_parameter_value_fails_before_the_model_and_data_load(monkeypatch, tmp_path, capsys):
     # a newcomer waited 21 s (MiniLM-L6 and BBC News loading) for "k must be an integer": the strategy is built first
-    import layerfreeze.train.trainer as trainer_module
+    import layerfreeze.train.setup as setup_module
 
     def no_load(config):
         raise AssertionError("the task was built before the strategy's parameters were checked")
 
-    monkeypatch.setattr(trainer_module, "build_task", no_load)
+    monkeypatch.setattr(setup_module, "build_task", no_load)
     assert main(["train", "-s", "static", "-p", "k=banana", "--run-dir", str(tmp_path / "r")]) == 2
     assert "freeze.params: static: k must be an integer >= 0" in capsys.readouterr().err

@@ -17,7 +17,8 @@ from layerfreeze import CheckpointError, Freezer
 from layerfreeze.checkpoint import CheckpointStore
 from layerfreeze.engine.integrity import FrozenWeightsChangedError, UnfrozenParameterError
 from layerfreeze.runs.rundir import read_metrics
-from layerfreeze.train.trainer import DivergenceError, Trainer
+from layerfreeze.train.step import DivergenceError
+from layerfreeze.train.trainer import Trainer
 from tests.conftest import BlobDataset, blob_task
 from tests.test_trainer import config
 

@@ -216,7 +216,8 @@ def _check_resume_parallel(run_dir: Path, saved: dict[str, Any], parallel: str) 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from layerfreeze.engine.integrity import FrozenWeightsChangedError, UnfrozenParameterError
     from layerfreeze.runs.summary import print_summary
-    from layerfreeze.train.trainer import DivergenceError, Trainer
+    from layerfreeze.train.step import DivergenceError
+    from layerfreeze.train.trainer import Trainer
 
     overrides = _overrides(args, TRAIN_FLAGS)
     config_path = args.config
@@ -355,7 +356,8 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
     from layerfreeze.runs.summary import format_bytes
-    from layerfreeze.train.trainer import Trainer, plan_headline
+    from layerfreeze.train.setup import plan_headline
+    from layerfreeze.train.trainer import Trainer
 
     overrides = [*_overrides(args, TRAIN_FLAGS), {"freeze": {"memory_budget": args.memory}}]
     config = load_config(args.config, overrides)

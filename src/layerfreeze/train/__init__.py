@@ -1,13 +1,21 @@
 """The ``layerfreeze train`` / ``compare`` path: a config, a task, and the loop that trains it with freezing.
 
-* :mod:`~layerfreeze.train.config` -- the validated YAML/TOML config (:func:`~layerfreeze.train.config.load_config`);
-* :mod:`~layerfreeze.train.assets`, :mod:`~layerfreeze.train.data`, :mod:`~layerfreeze.train.loaders` -- the offline
-  assets, the datasets, the models loaded from local files;
-* :mod:`~layerfreeze.train.tasks`, :mod:`~layerfreeze.train.lm` -- model + data + objective per CLI task;
-* :mod:`~layerfreeze.train.setup` -- what a run is built from (seed, device, strategy, optimizer, LR schedule, epoch
-  batches, hold-out split); :mod:`~layerfreeze.train.loop` -- the LR schedule and the optimizer step;
-* :mod:`~layerfreeze.train.evaluation` -- a model's loss and metric on a dataset, in one process or over ranks;
-* :mod:`~layerfreeze.train.trainer` -- :class:`~layerfreeze.train.trainer.Trainer`: the train/eval loop
-  (checkpoints, resume, Ctrl-C, telemetry, summary), readable in one sitting;
-* :mod:`~layerfreeze.train.compare` -- ``layerfreeze compare``: several rows on one task, one table.
+The folder's map, one module a line, from the top down. A module imports only modules below it (the ``train-layers``
+contract in ``pyproject.toml``); outside the folder, the CLI (and ``smartfrz``, tests, benchmarks) may import any.
+
+* ``compare`` -- ``layerfreeze compare``: several rows on one task, one table; imported by no module here.
+* ``trainer`` -- :class:`~layerfreeze.train.trainer.Trainer`: the run's state and its epoch loop; imported by compare.
+* ``step`` -- one training step, its per-step records and checks, ``DivergenceError``; by trainer, compare.
+* ``summary`` -- ``summary.json``: what a run did (cache, ledger, memory plan, ranks); by trainer.
+* ``setup`` -- what a run is built from; the trainer's setup (memory plan, cache, ledger); by step, trainer, compare.
+* ``checkpointing`` -- when a checkpoint is due, writing one, resuming a run from it; by step, trainer.
+* ``evaluation`` -- a model's loss and metric, in one process or over ranks, and the trainer's; by trainer.
+* ``ranks`` -- distributed bookkeeping (batch shares, buffer sync, rank records); by setup, evaluation, step, trainer.
+* ``tasks`` -- model + data + objective per CLI task; by setup, evaluation, trainer, compare.
+* ``data`` -- the text and vision datasets; by tasks.
+* ``lm`` -- the language-model task's datasets, forward and next-token objective; by tasks.
+* ``loaders`` -- the models, loaded from local files; by tasks.
+* ``config`` -- the validated YAML/TOML config (:func:`~layerfreeze.train.config.load_config`); by any module above.
+* ``loop`` -- the LR schedule and the optimizer step, shared with the SmartFRZ collector; by setup, step.
+* ``assets`` -- the offline assets (where they are, whether they are there); by data, loaders, tasks.
 """

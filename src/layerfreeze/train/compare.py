@@ -128,7 +128,7 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
         row_overrides: Per-row config keys, e.g. ``{"lora": {"train": {"lr": 1e-3}}}`` (see :func:`row_config`).
         row_callbacks: Per-row trainer ``step_callbacks`` (see :class:`~layerfreeze.train.trainer.Trainer`).
 
-    A row whose training stops with a :class:`~layerfreeze.train.trainer.DivergenceError` (a non-finite loss, or a loss
+    A row whose training stops with a :class:`~layerfreeze.train.step.DivergenceError` (a non-finite loss, or a loss
     at chance level for ``run.divergence_window_steps`` steps) does not end the comparison: its result is
     ``{"row", "stopped": <the error's message>, "run_dir"}`` (no accuracy, time or FLOPs; the table says why), its
     run folder keeps what the trainer wrote (metrics, and the checkpoint to resume unless ``run.checkpoint`` is off),
@@ -137,7 +137,8 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
     Raises:
         ConfigError: a row's config is invalid (checked for every row before the first run starts).
     """
-    from layerfreeze.train.trainer import DivergenceError, Trainer
+    from layerfreeze.train.step import DivergenceError
+    from layerfreeze.train.trainer import Trainer
 
     console = console or Console()
     run_dir = Path(run_dir)

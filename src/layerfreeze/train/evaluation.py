@@ -1,15 +1,22 @@
-"""A model's loss and task metric on a dataset: in one process, or sharded over the ranks and all-reduced."""
+"""A model's loss and task metric on a dataset: in one process, or sharded over the ranks and all-reduced; and the
+trainer's evaluation of its model (:func:`evaluate_trainer`)."""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from layerfreeze.distributed import comm as dist_
+from layerfreeze.distributed.fsdp import fsdp_modules, reshard_all
+from layerfreeze.train.ranks import sync_buffers
 from layerfreeze.train.tasks import Task
+
+if TYPE_CHECKING:
+    from layerfreeze.train.trainer import Trainer
 
 
 @torch.no_grad()
@@ -62,3 +69,18 @@ def evaluate_sharded(task: Task, model: nn.Module, device: torch.device, batch_s
             for _ in range(most - math.ceil(len(part) / batch_size)):
                 task.forward(model, filler)
     return task.objective.finish(*dist_.all_reduce_sum(list(sums)))
+
+
+def evaluate_trainer(trainer: Trainer, dataset: Dataset | None = None) -> tuple[float, float]:
+    """:func:`evaluate` of a :class:`~layerfreeze.train.trainer.Trainer`'s model on ``dataset`` (default: the test
+    set); distributed, sharded over the ranks (:func:`evaluate_sharded`)."""
+    bs = trainer.config.train.eval_batch_size
+    if not trainer.distributed:
+        return evaluate(trainer.task, trainer.model, trainer.device, bs, dataset)
+    if trainer.fsdp:
+        sync_buffers(trainer)  # every rank evaluates the model the checkpoint holds
+    result = evaluate_sharded(trainer.task, trainer.model, trainer.device, bs, dataset, trainer.rank, trainer.world,
+                              same_batches=trainer.fsdp)
+    if trainer.fsdp:  # the root group keeps its gathered parameters after a forward without backward
+        reshard_all(fsdp_modules(trainer.model))
+    return result

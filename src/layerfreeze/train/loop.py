@@ -6,7 +6,8 @@ because the CLI trainer and the SmartFRZ collector have always rounded different
 trained on runs recorded with the collector's rounding. :func:`apply_step` is what follows a backward in both
 (clip, optimizer step, scheduler step, gradients dropped); :func:`train_steps` is the plain loop around it, without
 freezing, cache or checkpoints, that the collector records its runs with (the CLI trainer's loop,
-:class:`~layerfreeze.train.trainer.Trainer`, adds those around the same :func:`apply_step`).
+:class:`~layerfreeze.train.trainer.Trainer`, adds those around the same :func:`apply_step`, which its step,
+:func:`~layerfreeze.train.step.train_step`, calls).
 """
 
 from __future__ import annotations

@@ -1,26 +1,59 @@
-"""What a training run is built from: seed, device, optimizer, LR schedule, batches, hold-out split, strategy.
+"""What a training run is built from: seed, device, optimizer, LR schedule, batches, hold-out split, strategy; and
+the trainer's setup, which builds a run from them.
 
 The optimizer has one param group per block; each epoch's batches come from a fixed permutation (so a resumed run
 replays them); the hold-out split is the stability guard's validation set; the strategy is checked against the
 model's blocks before anything trains.
+
+:func:`setup_trainer` (:meth:`Trainer.setup <layerfreeze.train.trainer.Trainer.setup>`) builds everything a
+:class:`~layerfreeze.train.trainer.Trainer` trains with: the process group, the task and its blocks, FSDP2's
+sharding, the memory budget's plan (:func:`plan_run_memory`), the Freezer, the activation cache's runner
+(:func:`make_cache_runner`), the memory ledger (:func:`make_ledger`), the DDP wrapper and the run folder;
+:func:`place` keeps the frozen prefix the cache serves offloaded as the frozen set changes.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import random
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Subset
+from tqdm.auto import tqdm
 
+from layerfreeze import distributed as dist_
+from layerfreeze.budget.plan import MemoryPlan, plan_memory
+from layerfreeze.checkpoint import CheckpointStore
+from layerfreeze.compute.cache import build_cached_prefix
+from layerfreeze.compute.cache_policy import CachePolicy
+from layerfreeze.compute.cached_prefix import CachedPrefix
+from layerfreeze.compute.determinism import CacheRefused, check_deterministic
+from layerfreeze.compute.store import auto_budget_bytes
+from layerfreeze.engine.demote import Demotion
+from layerfreeze.engine.freezer import Freezer
+from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.optim import block_param_groups
 from layerfreeze.errors import ConfigError
 from layerfreeze.models.blocks import Block
+from layerfreeze.models.discovery import discover_blocks, split_for
+from layerfreeze.runs import rundir
+from layerfreeze.runs import telemetry as tm
+from layerfreeze.runs.ledger import MemoryLedger
+from layerfreeze.runs.rundir import Event
+from layerfreeze.runs.summary import format_bytes
 from layerfreeze.strategies import Strategy, UnknownStrategyError, create_strategy
 from layerfreeze.train.config import Config
 from layerfreeze.train.loop import lr_lambda, warmup_steps
+from layerfreeze.train.ranks import on_rebuild
+from layerfreeze.train.tasks import build_task
+
+if TYPE_CHECKING:
+    from layerfreeze.train.trainer import Trainer
 
 
 def seed_everything(seed: int) -> None:
@@ -167,3 +200,221 @@ def build_scheduler(config: Config, optimizer: torch.optim.Optimizer,
     """The LR schedule of ``train``: warm-up over ``warmup_fraction`` of ``total_steps``, then ``schedule``."""
     warmup = warmup_steps(total_steps, config.train.warmup_fraction, "floor")
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, warmup, config.train.schedule))
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A batch's tensors on ``device`` (copied without blocking the host where it can)."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def plan_headline(plan: MemoryPlan) -> str:
+    """The memory plan in one line: the budget, what it gives up, the predicted tensor peak."""
+    return (f"memory budget {plan.budget} ({format_bytes(plan.budget_bytes)} of tensor peak; nothing frozen: "
+            f"{format_bytes(plan.none_peak_bytes)}): gives up {plan.gives_up()}; predicted tensor peak "
+            f"{format_bytes(plan.predicted_peak_bytes)}")
+
+
+def setup_trainer(trainer: Trainer, plan_only: bool = False) -> None:
+    """:meth:`Trainer.setup <layerfreeze.train.trainer.Trainer.setup>`: build everything a run trains with (process
+    group, seed, task, blocks, strategy, sharding (FSDP2), optimizer, LR schedule, memory plan, Freezer, cache, DDP
+    wrapper, run folder) onto ``trainer``.
+
+    Args:
+        plan_only: Stop after the memory plan (``freeze.memory_budget``: ``trainer.memory_plan``), before anything
+            is written (``layerfreeze plan``).
+
+    Raises:
+        ConfigError, AssetMissingError, BlockDiscoveryError: bad config (``run.parallel: fsdp`` in one process
+            too), missing asset, undiscoverable blocks.
+        BudgetError: ``freeze.memory_budget`` cannot be met (before the run folder is created).
+    """
+    cfg = trainer.config
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    trainer.distributed = dist_.init_distributed(cfg.run.dist_timeout_s)
+    if cfg.run.parallel == "fsdp" and not trainer.distributed:
+        raise ConfigError(
+            "run.parallel is fsdp (--parallel fsdp): FSDP2 shards the model over the ranks torchrun starts, and "
+            "this is one process. Launch it with `torchrun --nproc_per_node N -m layerfreeze train ...` (N >= 2), "
+            "or train unsharded with --parallel ddp (which also resumes an fsdp run here: its full checkpoint "
+            "loads into the unsharded model)")
+    trainer.fsdp = trainer.distributed and cfg.run.parallel == "fsdp"
+    trainer.rank, trainer.world = dist_.rank(), dist_.world_size()
+    trainer.is_main = trainer.rank == 0
+    trainer.device = dist_.local_device(resolve_device(cfg.run.device))
+    trainer.watchdog = dist_.RankWatchdog() if trainer.distributed else None
+    if trainer.distributed:
+        torch.distributed.barrier()  # every rank has checked the run folder before rank 0 writes into it
+    seed_everything(cfg.train.seed)
+    # Built before the model and data load, so a bad parameter value fails in seconds, not after the load; its
+    # fit to the model (static's k below the head, ...) is checked once the blocks are known.
+    strategy = build_strategy(cfg)
+    if trainer.task is None:
+        trainer.task = build_task(cfg)
+    seed_everything(cfg.train.seed)
+    model = trainer.task.model
+    blocks = discover_blocks(model, cfg.model.blocks)  # the module and parameter objects survive .to(device)
+    check_strategy_fits(strategy, len(blocks))
+    mirror = None
+    if trainer.fsdp and trainer.is_main and strategy.reads_model:  # FSDP2 modules cannot be copied: before sharding
+        mirror = copy.deepcopy(model).to("cpu")
+    model = model.to(trainer.device)
+    if trainer.fsdp:  # one fully_shard group per block, then the root; blocks updated to the sharded parameters
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist_.shard_blocks(model, blocks, mesh=init_device_mesh(trainer.device.type, (trainer.world,)))
+    trainer.optimizer = build_optimizer(cfg, model, blocks)
+    trainer.train_set, trainer.val_set, trainer.guard = trainer.task.train_set, None, None
+    if cfg.freeze.guard is not None:
+        g = cfg.freeze.guard
+        trainer.guard = StabilityGuard(g.tolerance, g.patience, g.cooldown)
+        trainer.train_set, trainer.val_set = holdout(trainer.task.train_set, g.val_fraction, cfg.data.split_seed)
+    trainer.batches_per_epoch = math.ceil(len(trainer.train_set) / cfg.train.batch_size)
+    planned = trainer.batches_per_epoch * cfg.train.epochs
+    trainer.total_steps = min(planned, cfg.train.max_steps) if cfg.train.max_steps else planned
+    trainer.scheduler = build_scheduler(cfg, trainer.optimizer, trainer.total_steps)
+    trainer.memory_plan = (plan_run_memory(trainer, model, blocks, announce=not plan_only)
+                           if cfg.freeze.memory_budget is not None else None)
+    if plan_only:
+        return
+    if trainer.is_main:
+        trainer.run_dir.mkdir(parents=True, exist_ok=True)
+        trainer.telemetry = tm.Telemetry(trainer.run_dir, tensorboard=cfg.run.tensorboard)
+    else:
+        trainer.telemetry = tm.NullTelemetry()
+    if trainer.distributed:
+        trainer.rank_telemetry = tm.Telemetry(rundir.rank_dir(trainer.run_dir, trainer.rank), tensorboard=False)
+    demote = None
+    if cfg.freeze.demote is not None:
+        d = cfg.freeze.demote
+        demote = Demotion(d.dtype, d.offload, d.master,
+                          directory=rundir.demoted_dir(trainer.run_dir, trainer.rank if trainer.distributed else None))
+    trainer.freezer = Freezer(
+        model, trainer.optimizer, strategy, blocks=blocks, train_bn=cfg.freeze.train_bn, scheduler=trainer.scheduler,
+        total_steps=trainer.total_steps, steps_per_epoch=trainer.batches_per_epoch, guard=trainer.guard,
+        mirror=mirror, demote=demote,
+        floor=trainer.memory_plan.floor if trainer.memory_plan is not None else None,
+    )
+    trainer.visits = VisitPlan(sample_keys(trainer.train_set), cfg.train.batch_size, cfg.train.seed,
+                               cfg.train.epochs, trainer.total_steps)
+    trainer.model = model
+    trainer.store = CheckpointStore(trainer.run_dir, cfg.run.keep_checkpoints)
+    trainer.runner = make_cache_runner(trainer, blocks)
+    place(trainer)
+    trainer.ledger = make_ledger(trainer)
+    trainer._memory_before = None  # the ledger's last sample before a freeze/thaw (a LedgerSnapshot)
+    trainer._memory_changes = []  # freezes/thaws since that sample
+    trainer.ddp = None
+    trainer._synced_for = None
+    if trainer.distributed and not trainer.fsdp:
+        forward = trainer.runner if trainer.runner is not None else (lambda batch: trainer.task.forward(model, batch))
+        device_ids = [trainer.device.index] if trainer.device.type == "cuda" else None
+        trainer.ddp = dist_.FreezeDDP(model, trainer.freezer, forward, device_ids=device_ids,
+                                      on_rebuild=functools.partial(on_rebuild, trainer))
+    if trainer.is_main:
+        rundir.write_config(trainer.run_dir, cfg.model_dump(mode="json"))
+
+
+def plan_run_memory(trainer: Trainer, model: nn.Module, blocks: list, announce: bool = True) -> MemoryPlan:
+    """The memory budget's plan (``freeze.memory_budget``, :func:`~layerfreeze.budget.plan.plan_memory`): two real
+    steps on the first batch of epoch 1 with nothing frozen (the model, its buffers and the RNG come back as they
+    were), the activation cache's bytes for the training set when the run will keep one, and the shortest frozen
+    prefix that fits. Runs before the run folder exists. ``announce``: write :func:`plan_headline` (``layerfreeze
+    plan`` prints it itself, under its own header).
+
+    Raises:
+        BudgetError: no frozen prefix fits (exit code 2; the message names the smallest reachable peak).
+        ConfigError: under torchrun (one process per rank: not supported yet).
+    """
+    cfg = trainer.config
+    if trainer.distributed:
+        raise ConfigError("freeze.memory_budget is not supported under torchrun yet (each rank's share of the "
+                          "batch and DDP's gradient buckets are not planned); run it in one process, or use "
+                          "`layerfreeze plan` there and freeze its prefix with -s static -p k=N")
+    first = epoch_batches(len(trainer.train_set), cfg.train.batch_size, cfg.train.seed, 0)[0]
+    loader = DataLoader(trainer.train_set, batch_sampler=[first], generator=torch.Generator())
+    batch = to_device(next(iter(loader)), trainer.device)
+    cache_set, cache_dtype, cache_cap = None, None, None
+    cache = cfg.freeze.cache
+    if cache.mode != "off":
+        try:
+            split_for(model, blocks)
+            check_deterministic(trainer.train_set)
+            cache_set = trainer.train_set
+        except ValueError:  # no cache in this run (auto says why when it builds the runner; on refuses there)
+            pass
+        cache_dtype = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[cache.dtype]
+        cache_cap = auto_budget_bytes() if cache.budget_mb is None else int(cache.budget_mb * 2**20)
+    task = trainer.task
+    plan = plan_memory(model, batch, cfg.freeze.memory_budget, loss=lambda m, b: task.loss(task.forward(m, b), b),
+                       optimizer=trainer.optimizer, blocks=blocks, cache_dataset=cache_set, cache_dtype=cache_dtype,
+                       cache_budget_bytes=cache_cap, strategy_freezes=cfg.freeze.strategy != "none",
+                       train_bn=cfg.freeze.train_bn)
+    if announce and trainer.is_main:
+        tqdm.write(plan_headline(plan))
+    return plan
+
+
+def make_cache_runner(trainer: Trainer, blocks: list) -> CachedPrefix | None:
+    """The cached forward (``freeze.cache``, :func:`~layerfreeze.compute.cache.build_cached_prefix`), or None to
+    use the task's plain forward.
+
+    Raises:
+        ConfigError: ``mode: on`` and the data or the model's family does not allow a cache.
+    """
+    cfg = trainer.config.freeze.cache
+    dtype = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[cfg.dtype]
+    directory = rundir.cache_dir(trainer.run_dir, trainer.rank if trainer.distributed else None)
+    now = functools.partial(current_step, trainer)
+    policy = CachePolicy(now=now, next_visit=lambda key: trainer.visits.next_visit(key, now()),
+                         boundary_since=lambda: trainer.freezer.prefix_since)
+    budget_bytes = None if cfg.budget_mb is None else int(cfg.budget_mb * 2**20)
+    shard_bytes = None
+    plan = trainer.memory_plan
+    if plan is not None and plan.cache_budget_bytes is not None:  # what the memory budget leaves the cache
+        budget_bytes, shard_bytes = plan.cache_budget_bytes, 0  # no write buffer above it: spill batch by batch
+    try:
+        runner = build_cached_prefix(
+            trainer.model, blocks, trainer.train_set, mode=cfg.mode, dtype=dtype, directory=directory,
+            budget_bytes=budget_bytes, shard_bytes=shard_bytes, freezer=trainer.freezer,
+            on_disable=functools.partial(cache_off, trainer), policy=policy)
+    except CacheRefused as exc:
+        raise ConfigError(f"freeze.cache.mode is on but the frozen prefix cannot be cached: {exc}") from None
+    if runner is not None and trainer.is_main:
+        tqdm.write(f"cache: {cfg.mode}, frozen-prefix outputs kept in up to "
+                   f"{format_bytes(runner.cache.budget_bytes)} of memory, then in checksummed shards under "
+                   f"{directory}")
+    return runner
+
+
+def current_step(trainer: Trainer) -> int:
+    """The step being computed (1-based): what the cache policy's visits are counted in."""
+    return getattr(trainer, "progress", {}).get("step", 0) + 1
+
+
+def cache_off(trainer: Trainer, reason: str) -> None:
+    """One ``cache_off`` event and one console line: the run goes on without the cache (``mode: auto``)."""
+    trainer.telemetry.log_event(Event.CACHE_OFF, getattr(trainer, "progress", {}).get("step", 0),
+                                reason=reason)
+    if trainer.is_main:
+        tqdm.write(f"cache: off, training runs the full forward ({reason})")
+    if hasattr(trainer, "freezer"):
+        trainer.freezer.offload_prefix(0)  # nothing is served: offloaded weights come back
+
+
+def place(trainer: Trainer) -> None:
+    """Offload the frozen prefix the cache serves, bring back the rest (``freeze.demote.offload``; else no-op)."""
+    served = trainer.runner is not None and trainer.runner.disabled is None
+    trainer.freezer.offload_prefix(trainer.freezer.frozen_prefix if served else 0)
+
+
+def make_ledger(trainer: Trainer) -> MemoryLedger | None:
+    """The memory ledger over the model, its optimizer, the Freezer's blocks and the byte sources the run has (the
+    cache, a strategy holding memory of its own), or None when ``run.ledger`` is off."""
+    run = trainer.config.run
+    if not run.ledger:
+        return None
+    sources = [s for s in (trainer.runner, trainer.freezer.strategy, trainer.freezer.demoter)
+               if hasattr(s, "ledger_bytes")]
+    return MemoryLedger(trainer.model, trainer.optimizer, freezer=trainer.freezer, sources=sources,
+                        every=run.ledger_every, device=trainer.device)

@@ -1,0 +1,106 @@
+"""The trainer's distributed bookkeeping (DDP and FSDP2 under ``torchrun``; in one process each is a no-op or absent).
+
+Each rank's share of every global batch (:func:`local_batches`), rank 0's buffers broadcast under FSDP2
+(:func:`sync_buffers`), each rank's per-step record (:func:`rank_record`) and the bytes its collectives sent
+(:func:`step_comm`, :func:`track_comm`), a DDP rebuild's event (:func:`on_rebuild`), and whether a Ctrl-C stopped
+every rank at the same step (:func:`stopped_together`). Each takes the :class:`~layerfreeze.train.trainer.Trainer`
+whose state it reads and keeps.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from layerfreeze import distributed as dist_
+from layerfreeze.distributed.ddp import frozen_state_names
+from layerfreeze.distributed.fsdp import broadcast_buffers, local_tensor
+from layerfreeze.runs import measure
+from layerfreeze.runs.rundir import Event
+
+if TYPE_CHECKING:
+    from layerfreeze.train.trainer import Trainer
+
+
+def local_batches(trainer: Trainer, batches: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """This rank's share of each global batch and how many of its samples count (all of it in one process).
+
+    Without the cache a rank takes every world-th position of the batch (DistributedSampler's interleaving).
+    With the cache a sample always goes to the same rank (``index % world``): each rank caches the prefix output
+    of its own samples, so from the second epoch on every sample is a hit (interleaving would move a sample to
+    another rank's cache about half the time on 2 ranks); the shares then vary a little from step to step,
+    which the loss weighting keeps exact. A rank whose share would be empty gets the batch's first sample with
+    zero loss weight: every rank must run the step.
+    """
+    if not trainer.distributed:
+        return batches, [len(b) for b in batches]
+    if trainer.runner is not None:
+        shares = [[i for i in b if i % trainer.world == trainer.rank] for b in batches]
+    else:
+        shares = [dist_.shard(b) for b in batches]
+    return [s or b[:1] for s, b in zip(shares, batches)], [len(s) for s in shares]
+
+
+def stopped_together(trainer: Trainer) -> bool:
+    """True after a Ctrl-C that every rank agreed on (all stopped after the same step and checkpointed), or
+    any Ctrl-C on one process: then no rank is left inside a collective."""
+    return trainer._stop_agreed if trainer.distributed else True
+
+
+def sync_buffers(trainer: Trainer) -> None:
+    """FSDP2: rank 0's buffers on every rank (what DDP's ``broadcast_buffers`` does before each forward), except
+    the buffers of frozen blocks (unless ``freeze.train_bn``: then their BatchNorm statistics still change), the
+    same set DDP leaves out (:func:`~layerfreeze.distributed.frozen_state_names`). A collective."""
+    frozen = tuple(trainer.freezer.frozen)
+    if frozen != trainer._synced_for:
+        skip = set(frozen_state_names(trainer.model, trainer.freezer))
+        trainer._sync_list = [b for n, b in trainer.model.named_buffers() if n not in skip]
+        trainer._synced_for = frozen
+    broadcast_buffers(trainer._sync_list)
+
+
+def rank_record(trainer: Trainer) -> dict[str, Any]:
+    """This rank's fields of its per-step record (``ranks/rankN/metrics.jsonl`` in a distributed run):
+    ``rank``; ``peak_memory_bytes`` (this process: the CUDA allocator's peak on a GPU, peak RSS on the CPU);
+    ``param_bytes`` and ``trainable_param_bytes`` (the parameters this rank holds: its shards under FSDP2, the
+    whole model under DDP); ``optimizer_state_bytes`` (the optimizer state it holds, sharded like its
+    parameters under FSDP2); then the fields of every ``trainer.rank_fields`` callable. The step loop adds the
+    bytes of the step's collectives (``grad_bytes_allreduced``, or ``all_gather_bytes`` and
+    ``reduce_scatter_bytes``)."""
+    params = [local_tensor(p) for p in trainer.model.parameters()]
+    trainable = [local_tensor(p) for p in trainer.model.parameters() if p.requires_grad]
+    state = [local_tensor(v) for st in trainer.optimizer.state.values() for v in st.values()
+             if isinstance(v, torch.Tensor)]
+    record = {"rank": trainer.rank, "peak_memory_bytes": measure.peak_memory_bytes(trainer.device),
+              "param_bytes": sum(t.numel() * t.element_size() for t in params),
+              "trainable_param_bytes": sum(t.numel() * t.element_size() for t in trainable),
+              "optimizer_state_bytes": sum(t.numel() * t.element_size() for t in state)}
+    for fields in trainer.rank_fields:
+        record.update(fields(trainer))
+    return record
+
+
+def step_comm(trainer: Trainer) -> dict[str, Any]:
+    """The bytes the last step's collectives sent, for its records: FSDP2's all-gathers and reduce-scatters, DDP's
+    all-reduced gradient bytes, with the world size; nothing in one process."""
+    if trainer.fsdp:
+        return {"all_gather_bytes": trainer._collective_bytes["all_gather"],
+                "reduce_scatter_bytes": trainer._collective_bytes["reduce_scatter"],
+                "world_size": trainer.world}
+    if trainer.distributed:
+        return {"grad_bytes_allreduced": trainer.ddp.bytes_per_step(), "world_size": trainer.world}
+    return {}
+
+
+def track_comm(trainer: Trainer, nbytes: int) -> None:
+    """Phases of gradient bytes all-reduced per step: a new phase whenever the per-step count changes."""
+    phases = trainer.progress.setdefault("comm_phases", [])
+    if not phases or phases[-1]["grad_bytes_per_step"] != nbytes:
+        phases.append({"from_step": trainer.progress["step"], "grad_bytes_per_step": nbytes,
+                       "frozen_blocks": len(trainer.freezer.frozen_blocks)})
+
+
+def on_rebuild(trainer: Trainer, record: dict[str, Any]) -> None:
+    """Telemetry of a DDP rebuild (its time counts in the step that triggered it)."""
+    trainer.telemetry.log_event(Event.DDP_REBUILD, record["step"], **{k: v for k, v in record.items() if k != "step"})

@@ -61,11 +61,12 @@ def time_gate(strategy, freezer, repeats: int) -> float:
     """Median seconds of the gradient signal-to-noise gate's part of a stage (issue 29; off by default, timed here
     as if on): read Adam's moments at every active block's sampled positions and compute each block's z
     (:meth:`SmartFRZ._observe_snr`), from the optimizer state the timed steps left."""
+    from layerfreeze.engine.stages import context
     from layerfreeze.strategies.smartfrz.snr_gate import SNRGate
 
     if strategy.gate is None:
         strategy.gate = SNRGate(len(freezer.blocks))
-    ctx = freezer._context("step")
+    ctx = context(freezer, "step")
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

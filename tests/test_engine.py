@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from layerfreeze import Freezer, block_param_groups, discover_blocks
+from layerfreeze.engine.stages import context
 from layerfreeze.strategies import Decision, StageContext, Strategy
 
 OPTIMIZERS = {
@@ -262,11 +263,11 @@ def test_stage_context_gives_a_read_only_view_of_the_optimizer_state():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     freezer = Freezer(model, opt, strategy="none", total_steps=10)
     train_steps(model, opt, 2, freezer)
-    ctx = freezer._context("step")
+    ctx = context(freezer, "step")
     first = next(model.parameters())
     state, group = ctx.optimizer_state(first)
     assert float(state["step"]) == 2 and state["exp_avg"].shape == first.shape and group["betas"] == (0.9, 0.999)
     assert state is opt.state[first] and any(p is first for p in group["params"])
     freezer.freeze(0)
-    assert freezer._context("step").optimizer_state(first) is None  # a frozen block's parameters left the optimizer
-    assert Freezer(make_net(), None, strategy="none")._context("step").optimizer_state is None
+    assert context(freezer, "step").optimizer_state(first) is None  # a frozen block's parameters left the optimizer
+    assert context(Freezer(make_net(), None, strategy="none"), "step").optimizer_state is None

@@ -10,7 +10,7 @@ named, not a hang.
   :class:`~layerfreeze.distributed.fsdp.Mirror` a weight-reading strategy observes on rank 0.
 
 Freeze decisions are the same on every rank because only rank 0 runs the strategy and the
-:class:`~layerfreeze.engine.Freezer` broadcasts each decision (:func:`~layerfreeze.engine.freezer.share_decision`).
+:class:`~layerfreeze.engine.Freezer` broadcasts each decision (:func:`~layerfreeze.engine.stages.share_decision`).
 """
 
 from layerfreeze.distributed.comm import (

@@ -1,21 +1,28 @@
 """The freezing engine: strategies decide, the engine applies (:class:`Freezer`).
 
-* :mod:`~layerfreeze.engine.freezer` -- :class:`Freezer` (freeze/thaw, stages, LR factors, checkpointable state, rank
-  0's decisions shared with every rank, a floor of blocks that stay frozen: :class:`PinnedBlockError`);
-* :mod:`~layerfreeze.engine.mechanics` -- the stateless mechanics it is made of (:func:`frozen_parameters`,
-  :func:`set_eval_mode`);
-* :mod:`~layerfreeze.engine.optim` -- the optimizer surgery: one param group per block
-  (:func:`block_param_groups`), frozen parameters out of the param groups (state freed) and back;
-* :mod:`~layerfreeze.engine.guard` -- :class:`StabilityGuard`, thawing a freeze that hurt validation;
-* :mod:`~layerfreeze.engine.integrity` -- the frozen set stays frozen (re-wrapped parameters, checksums), every
-  trainable block gets a gradient.
+The folder's map: one mechanism per module, top to bottom; each imports only modules below it (the contract
+``engine-layers`` in pyproject.toml). "Anyone" means code outside the engine too (names in an ``__all__``).
+
+* ``freezer`` -- :class:`Freezer`, the facade (freeze, thaw, the floor, the loop's hooks), PinnedBlockError; anyone.
+* ``steps`` -- a step's bookkeeping: after_backward / step / epoch_end (integrity checks, grad_l1); only freezer.py.
+* ``state`` -- the checkpointable state: state_dict / load_state_dict, STATE_VERSION; only freezer.py.
+* ``stages`` -- a stage: context, admissible decisions, rank 0's shared (share_decision: anyone); freezer.py, steps.py.
+* ``lr_factors`` -- per-block LRs: the strategies' LR factors, a thaw's LR; freezer.py, steps.py, stages.py.
+* ``sharding`` -- the FSDP2 wiring: reshard, parameter checks, the mirror; freezer.py, steps.py, state.py.
+* ``demote`` -- the Demoter: demoted weights, master copies, offload, hooks; freezer.py (its ``__all__``: anyone).
+* ``demotion`` -- the demotion spec: Demotion, DemotedWeightsError, the casts; demote.py, freezer.py.
+* ``guard`` -- :class:`StabilityGuard`, thawing a freeze that hurt validation; anyone.
+* ``integrity`` -- the frozen set stays frozen (checksums), trainable blocks get gradients; anyone.
+* ``mechanics`` -- the stateless freeze mechanics (:func:`frozen_parameters`, :func:`set_eval_mode`); anyone.
+* ``optim`` -- the optimizer surgery: frozen parameters out of the param groups and back, one group per block; anyone.
 """
 
-from layerfreeze.engine.freezer import Freezer, PinnedBlockError, share_decision
+from layerfreeze.engine.freezer import Freezer, PinnedBlockError
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenWeightsChangedError, UnfrozenParameterError
 from layerfreeze.engine.mechanics import frozen_parameters, set_eval_mode
 from layerfreeze.engine.optim import block_param_groups
+from layerfreeze.engine.stages import share_decision
 
 __all__ = [
     "Freezer",

@@ -55,109 +55,18 @@ import tempfile
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from layerfreeze.engine.integrity import FrozenWeightsChangedError, checksum
+from layerfreeze.engine.demotion import DEMOTE_DTYPES, DemotedWeightsError, Demotion, cast_floating
+from layerfreeze.engine.integrity import checksum
 from layerfreeze.models.blocks import Block
 from layerfreeze.runs.ledger_buckets import DISK, Bucket
 
 __all__ = ["DEMOTE_DTYPES", "DemotedWeightsError", "Demoter", "Demotion"]
-
-#: The dtypes a frozen block may be demoted to, by name.
-DEMOTE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-#: Where an offloaded block's weights go.
-OFFLOAD_TARGETS = ("cpu",)
-#: Where a demoted block's float32 master copy is kept: ``memory`` (host RAM), ``disk`` (a checksummed safetensors
-#: file), ``auto`` (host memory when training on an accelerator, disk when training on the CPU).
-MASTER_PLACES = ("auto", "memory", "disk")
-
-
-class DemotedWeightsError(FrozenWeightsChangedError):
-    """A demoted block's master copy (on disk, or in memory) does not match its checksums: its float32 weights cannot
-    be restored exactly. A subclass of :class:`~layerfreeze.engine.integrity.FrozenWeightsChangedError`."""
-
-
-@dataclass(frozen=True)
-class Demotion:
-    """What to do with a frozen block's weights while it is frozen (module docstring).
-
-    Attributes:
-        dtype: ``"bfloat16"`` / ``"float16"`` (or the torch dtype): cast the block's floating weights when it
-            freezes; None: keep their dtype.
-        offload: ``"cpu"``: move the weights of the frozen prefix the cache serves to host memory
-            (:meth:`Demoter.offload_prefix`); None: keep them on the training device.
-        master: Where the float32 master copy of a demoted block goes: ``"memory"`` (host RAM), ``"disk"`` (a
-            safetensors file in ``directory``, checksummed), ``"auto"`` (memory unless the block trains on the CPU).
-        directory: Where master files go (a fresh sub-directory is made in it, deleted when the Demoter is closed or
-            collected); None: the system temp directory.
-
-    Raises:
-        ValueError: an unknown dtype, offload target or master place, or neither ``dtype`` nor ``offload`` (nothing
-            to do).
-    """
-
-    dtype: str | torch.dtype | None = None
-    offload: str | None = None
-    master: str = "auto"
-    directory: str | Path | None = field(default=None, compare=False)
-
-    def __post_init__(self) -> None:
-        dtype = self.dtype
-        if isinstance(dtype, torch.dtype):
-            names = {v: k for k, v in DEMOTE_DTYPES.items()}
-            if dtype not in names:
-                raise ValueError(f"demotion dtype must be one of {', '.join(DEMOTE_DTYPES)}, got {dtype}")
-            object.__setattr__(self, "dtype", names[dtype])
-        elif dtype is not None and dtype not in DEMOTE_DTYPES:
-            raise ValueError(f"demotion dtype must be one of {', '.join(DEMOTE_DTYPES)} (or None), got {dtype!r}")
-        if self.offload is not None and self.offload not in OFFLOAD_TARGETS:
-            raise ValueError(f"demotion offload must be one of {', '.join(OFFLOAD_TARGETS)} (or None), got "
-                             f"{self.offload!r}")
-        if self.master not in MASTER_PLACES:
-            raise ValueError(f"demotion master must be one of {', '.join(MASTER_PLACES)}, got {self.master!r}")
-        if self.dtype is None and self.offload is None:
-            raise ValueError("a Demotion needs a dtype (bfloat16, float16), an offload target (cpu), or both")
-
-    @property
-    def torch_dtype(self) -> torch.dtype | None:
-        """The demoted dtype as a torch dtype (None: not cast)."""
-        return None if self.dtype is None else DEMOTE_DTYPES[str(self.dtype)]
-
-    def to_dict(self) -> dict[str, Any]:
-        """``{"dtype", "offload", "master"}`` as plain values (a checkpoint's record; what a resume must match)."""
-        return {"dtype": self.dtype, "offload": self.offload, "master": self.master}
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Casting nested inputs and outputs
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _cast(obj: Any, to: torch.dtype, only: torch.dtype | None = None) -> Any:
-    """``obj`` with every floating tensor in it (nested in tuples, lists, dicts) cast to ``to``; with ``only``, just
-    the tensors of dtype ``only``. Other values are returned as they are; a dict subclass (a Hugging Face
-    ``ModelOutput``) is updated in place, a plain dict or sequence is rebuilt."""
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() and obj.dtype != to and (only is None or obj.dtype == only):
-            return obj.to(to)
-        return obj
-    if isinstance(obj, tuple):
-        items = [_cast(o, to, only) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items) if type(obj) is tuple else obj
-    if type(obj) is list:
-        return [_cast(o, to, only) for o in obj]
-    if isinstance(obj, dict):
-        if type(obj) is dict:
-            return {k: _cast(v, to, only) for k, v in obj.items()}
-        for k in list(obj.keys()):
-            obj[k] = _cast(obj[k], to, only)
-        return obj
-    return obj
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -538,7 +447,7 @@ class Demoter:
             if m.offloaded:
                 self._bring(m)
             if m.demoted and self.dtype is not None:
-                return _cast(args, self.dtype), _cast(kwargs, self.dtype)
+                return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
             return None
         return hook
 
@@ -547,7 +456,7 @@ class Demoter:
             if m.offloaded:
                 self._release(m)
             if m.demoted and self.dtype is not None:
-                return _cast(output, m.out_dtype, only=self.dtype)
+                return cast_floating(output, m.out_dtype, only=self.dtype)
             return None
         return hook
 

@@ -47,7 +47,7 @@ freeze more but its thaws of them are dropped (a warning per block), the stabili
 
 from __future__ import annotations
 
-import warnings
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,41 +55,26 @@ import torch
 from torch import nn
 
 from layerfreeze.distributed import comm
-from layerfreeze.distributed.fsdp import (
-    Mirror,
-    check_blocks_hold_model_parameters,
-    check_optimizer_holds_sharded_parameters,
-    fsdp_modules,
-    local_tensor,
-    reshard_all,
-)
-from layerfreeze.engine.demote import Demoter, Demotion
+from layerfreeze.distributed.fsdp import check_optimizer_holds_sharded_parameters, fsdp_modules
+from layerfreeze.engine import state as checkpoint_state
+from layerfreeze.engine import steps
+from layerfreeze.engine.demote import Demoter
+from layerfreeze.engine.demotion import Demotion
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
+from layerfreeze.engine.lr_factors import apply_lr_scales, check_lr_scales, set_block_lr
 from layerfreeze.engine.mechanics import frozen_parameters, set_eval_mode
-from layerfreeze.engine.optim import (
-    add_to_optimizer,
-    base_lr,
-    block_groups,
-    exclusive_groups,
-    group_origin,
-    load_param_groups,
-    remove_from_optimizer,
-    scale_group_lrs,
-    set_group_lr,
-)
+from layerfreeze.engine.optim import add_to_optimizer, group_origin, remove_from_optimizer
+from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
+from layerfreeze.engine.stages import FLOOR_REASON, report_metric, start
 from layerfreeze.models.blocks import Block
 from layerfreeze.models.discovery import discover_blocks
-from layerfreeze.strategies import DEFAULT_STRATEGY, Decision, StageContext, Strategy, create_strategy
-from layerfreeze.strategies.base import BlockView
-
-STATE_VERSION = 1
-#: The reason recorded for a block the floor freezes.
-FLOOR_REASON = "memory budget"
+from layerfreeze.strategies import DEFAULT_STRATEGY, Decision, Strategy, create_strategy
 
 
 class PinnedBlockError(RuntimeError):
     """A thaw of a block the Freezer's floor keeps frozen (a memory budget's plan)."""
+
 
 # --------------------------------------------------------------------------------------------------------------
 # The Freezer
@@ -192,7 +177,7 @@ class Freezer:
         self.guard = guard
         self._fsdp = fsdp_modules(model)
         registered = dict(model.named_parameters()) if self._fsdp else {}
-        self._sharded()  # blocks, names and optimizer origins are read from the sharded parameters
+        sharded(self._fsdp)  # blocks, names and optimizer origins are read from the sharded parameters
         if blocks and isinstance(blocks[0], Block):
             self.blocks: list[Block] = list(blocks)  # type: ignore[arg-type]
         else:
@@ -212,7 +197,7 @@ class Freezer:
         if optimizer is not None:
             self._origin = group_origin(optimizer)
         self._hooks: dict[int, list[Any]] = {}
-        self.integrity = FrozenSet(on_unfrozen, warn=self._integrity_warning)
+        self.integrity = FrozenSet(on_unfrozen, warn=functools.partial(steps.integrity_warning, self))
         self._grad_l1 = [0.0] * len(self.blocks)
         self._backward_calls = 0
         self._lr_scale: dict[int, float] = {}
@@ -227,8 +212,9 @@ class Freezer:
         self.decides = not self.distributed or comm.rank() == 0
         if self._fsdp and self.distributed:  # checksums of shards: the same on every rank (integrity.checksum)
             self.integrity.gather = comm.all_gather_object
-        self._check_parameters(registered)
-        self._mirror = self._make_mirror(mirror)
+        check_parameters(model, self.blocks, optimizer, registered)
+        self._mirror = make_mirror(model, self.strategy, mirror, fsdp=self._fsdp, decides=self.decides,
+                                   distributed=self.distributed)
         #: The :class:`~layerfreeze.engine.demote.Demoter` of ``demote`` (None without it): also a byte source of
         #: the memory ledger (master copies, offloaded weights).
         self.demoter: Demoter | None = None
@@ -248,10 +234,7 @@ class Freezer:
             else:
                 self.strategy.attach(model, self.blocks)
         try:
-            if floor:
-                self.pin(floor)
-            self._stage(event="start")
-            self._apply_lr_scales()  # LR factors from the start stage already apply to the first step
+            start(self, floor)  # the floor, then the start stage; its LR factors already apply to the first step
         except BaseException:
             self.close()  # nobody holds this Freezer to close it: release the strategy's hooks and threads here
             raise
@@ -312,7 +295,7 @@ class Freezer:
         block = self.block(key)
         if self.frozen[block.index]:
             return False
-        self._sharded()
+        sharded(self._fsdp)
         params = frozen_parameters(block, self.train_bn)
         for p in params:
             p.requires_grad_(False)
@@ -384,7 +367,7 @@ class Freezer:
                 "activations. Raise the budget (or plan without it) to train it")
         was_frozen = self.frozen[block.index]
         if was_frozen:
-            self._sharded()
+            sharded(self._fsdp)
             if self.demoter is not None:  # the float32 weights, exactly as they froze, before anything else
                 self.demoter.on_thaw(block)
             for handle in self._hooks.pop(block.index, []):
@@ -414,9 +397,7 @@ class Freezer:
         block = key if isinstance(key, Block) else self.block(key)
         if self.optimizer is None or lr <= 0:
             raise ValueError(f"set_block_lr needs an optimizer and lr > 0 (got lr={lr})")
-        for gi in exclusive_groups(self.optimizer, self._origin, block, "its own learning rate"):
-            set_group_lr(self.optimizer, gi, lr, self.scheduler)
-            self._lr_written.pop(gi, None)
+        set_block_lr(self.optimizer, self._origin, block, lr, self.scheduler, self._lr_written)
 
     def named_frozen_parameters(self, block: Block) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` pairs that freezing ``block`` stops training (see :func:`frozen_parameters`)."""
@@ -483,21 +464,8 @@ class Freezer:
 
         Under FSDP2 every rank calls it (it may reshard the model: :meth:`step`).
         """
-        self._sharded()
+        sharded(self._fsdp)
         self.integrity.verify_checksums(self)
-
-    def _integrity_warning(self, message: str, record: dict[str, Any]) -> None:
-        warnings.warn(message, stacklevel=4)
-        if self.on_event is not None:
-            self.on_event({**record, "step": self.step_count, "message": message})
-
-    def _apply_lr_scales(self) -> None:
-        """Multiply each scaled block's scheduled LR by its factor
-        (:func:`~layerfreeze.engine.optim.scale_group_lrs`)."""
-        if self.optimizer is not None:
-            scales = {gi: scale for index, scale in self._lr_scale.items()
-                      for gi in block_groups(self._origin, self.blocks[index])}
-            scale_group_lrs(self.optimizer, scales, self._lr_written)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:
         """Give a Freezer built with ``optimizer=None`` the optimizer a framework creates after the initial freeze.
@@ -515,16 +483,15 @@ class Freezer:
         if scheduler is not None:
             self.scheduler = scheduler
         registered = dict(self.model.named_parameters()) if self._fsdp else {}
-        self._sharded()
+        sharded(self._fsdp)
         check_optimizer_holds_sharded_parameters(self.model, optimizer, registered)
         self._origin = group_origin(optimizer)
         for block in self.blocks:
             if self.frozen[block.index]:
                 remove_from_optimizer(optimizer, frozen_parameters(block, self.train_bn))
-        for i in self._lr_scale:
-            exclusive_groups(optimizer, self._origin, self.blocks[i], "a learning-rate factor")
+        check_lr_scales(optimizer, self._origin, self.blocks, self._lr_scale)
         self._lr_written = {}
-        self._apply_lr_scales()
+        apply_lr_scales(optimizer, self.blocks, self._origin, self._lr_scale, self._lr_written)
 
     def close(self) -> None:
         """Release what the strategy attached (hooks, background threads) and give demoted blocks their float32
@@ -550,28 +517,7 @@ class Freezer:
 
         Only needed when the strategy lists ``"grad_l1"`` in its ``signals``; cheap otherwise (returns at once).
         """
-        self._backward_calls += 1
-        self.integrity.check_gradients(self)
-        if "grad_l1" not in self.strategy.signals:
-            return
-        sharded = bool(self._fsdp) and self.distributed
-        if not self.decides and not sharded:
-            return  # off rank 0 no strategy reads it (DDP all-reduced the gradients: rank 0's sums are global)
-        # Under FSDP2 each rank holds one shard of every gradient (a DTensor): reading a whole one's sum on rank 0
-        # alone would be a collective the other ranks never join (a hang). Every rank sums its own shards, then one
-        # all-reduce adds them up.
-        sums = [0.0] * len(self.blocks)
-        with torch.no_grad():
-            for block in self.blocks:
-                if self.frozen[block.index]:
-                    continue
-                grads = [local_tensor(p.grad) for p in block.parameters() if p.grad is not None]
-                if grads:
-                    sums[block.index] = float(sum(g.abs().sum() for g in grads))
-        if sharded:
-            sums = comm.all_reduce_sum(sums)
-        for i, value in enumerate(sums):
-            self._grad_l1[i] += value
+        steps.after_backward(self)
 
     def step(self) -> Decision | None:
         """Call once after each ``optimizer.step()``; runs a freezing stage every ``strategy.stage_every`` steps.
@@ -580,20 +526,11 @@ class Freezer:
         (:func:`layerfreeze.distributed.fsdp.reshard_all`), as :meth:`freeze`, :meth:`thaw` and
         :meth:`verify_frozen_weights` do: every rank calls them at the same point.
         """
-        self.step_count += 1
-        self._sharded()
-        self.integrity.check(self)
-        self.integrity.check_updated(self)  # a block thawed before this step must have been updated by it
-        every = self.strategy.stage_every
-        decision = self._stage(event="step") if every and self.step_count % every == 0 else None
-        self._apply_lr_scales()
-        return decision
+        return steps.step(self)
 
     def epoch_end(self) -> Decision | None:
         """Call at the end of each epoch; runs an epoch-end stage if the strategy wants one."""
-        decision = self._stage(event="epoch_end") if self.strategy.at_epoch_end else None
-        self.epoch += 1
-        return decision
+        return steps.epoch_end(self)
 
     def report_metric(self, value: float) -> int | None:
         """Give the stability guard a validation value (loss by default); it may thaw the latest frozen block.
@@ -601,21 +538,7 @@ class Freezer:
         Returns:
             The index of the block the guard thawed, or None (also None without a guard).
         """
-        if self.guard is None:
-            return None
-        index, reference = None, float("nan")
-        if self.decides:
-            self.guard.release(self._floor)
-            index = self.guard.observe(float(value), list(self.frozen))
-            if self.guard.reference is not None:
-                reference = self.guard.reference
-        if self.distributed:
-            index, reference, value = comm.broadcast_object((index, reference, value))
-        if index is not None and index in self._floor:  # never: the guard does not watch the floor
-            index = None
-        if index is not None:
-            self.thaw(index, reason=f"guard: metric {value:.4g} worse than {reference:.4g} before the freeze")
-        return index
+        return report_metric(self, value)
 
     # ---- checkpoint ----------------------------------------------------------------------------------------
 
@@ -625,28 +548,7 @@ class Freezer:
         Save it beside ``optimizer.state_dict()``; on resume call :meth:`load_state_dict` *before*
         ``optimizer.load_state_dict`` so the param groups match (see :mod:`layerfreeze.checkpoint`).
         """
-        state: dict[str, Any] = {
-            "version": STATE_VERSION,
-            "blocks": [b.name for b in self.blocks],
-            "frozen": list(self.frozen),
-            "step": self.step_count,
-            "epoch": self.epoch,
-            "history": list(self.history),
-            "strategy": {"name": self.strategy.name, "state": self.strategy.state_dict()},
-            "grad_l1": list(self._grad_l1),
-            "backward_calls": self._backward_calls,
-            "train_bn": self.train_bn,
-            "lr_scale": dict(self._lr_scale),
-            "lr_written": dict(self._lr_written),
-            "guard": self.guard.state_dict() if self.guard is not None else None,
-            "frozen_checksums": self.integrity.state_dict(),
-            "demote": self.demoter.spec.to_dict() if self.demoter is not None else None,
-            "floor": self.floor,
-        }
-        if self.optimizer is not None:
-            state["param_groups"] = [[self._names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
-            state["origin"] = {self._names[i]: gi for i, gi in self._origin.items() if i in self._names}
-        return state
+        return checkpoint_state.state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`: re-freezes/thaws blocks and rebuilds the optimizer's param groups.
@@ -655,90 +557,9 @@ class Freezer:
             ValueError: the state is from another version, another set of blocks, another strategy, or an
                 optimizer with a different number of param groups.
         """
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"Freezer state version {state.get('version')!r} != {STATE_VERSION}; cannot resume it")
-        names = [b.name for b in self.blocks]
-        if state["blocks"] != names:
-            raise ValueError(f"Checkpoint blocks {state['blocks']} do not match this model's blocks {names}")
-        if state["strategy"]["name"] != self.strategy.name:
-            raise ValueError(
-                f"Checkpoint was written by strategy {state['strategy']['name']!r}, this run uses "
-                f"{self.strategy.name!r}; resume with the same strategy"
-            )
-        self.train_bn = state.get("train_bn", self.train_bn)
-        mine = self.demoter.spec.to_dict() if self.demoter is not None else None
-        if state.get("demote") != mine:
-            raise ValueError(f"Checkpoint was written with demote={state.get('demote')!r}, this run has "
-                             f"demote={mine!r}; resume with the same demotion (freeze.demote) so frozen blocks hold "
-                             "the same weights")
-        self._sharded()
-        self._floor |= {int(i) for i in state.get("floor", [])}
-        for block, frozen in zip(self.blocks, state["frozen"]):
-            if (frozen or block.index in self._floor) and not self.frozen[block.index]:
-                self.freeze(block.index, reason="resume")
-            elif not frozen and self.frozen[block.index] and block.index not in self._floor:
-                self.thaw(block.index, reason="resume")
-        if self.optimizer is not None and "param_groups" in state:
-            by_name = dict(self.model.named_parameters())
-            load_param_groups(self.optimizer, state["param_groups"], by_name)
-            self._origin = {id(by_name[n]): gi for n, gi in state["origin"].items()}
-        self.integrity.load_state_dict(state.get("frozen_checksums", {}))
-        self.step_count = state["step"]
-        self.epoch = state["epoch"]
-        self.history = list(state["history"])
-        self._grad_l1 = list(state["grad_l1"])
-        self._backward_calls = state["backward_calls"]
-        self._lr_scale = {int(k): v for k, v in state["lr_scale"].items()}
-        self._lr_written = {int(k): tuple(v) for k, v in state["lr_written"].items()}
-        if self._mirror is not None:  # the strategy's state may be rebuilt from the weights (egeria): the loaded ones
-            self._mirror.refresh()
-        if self.decides:
-            self.strategy.load_state_dict(state["strategy"]["state"])
-        if self.guard is not None and state.get("guard") is not None:
-            self.guard.load_state_dict(state["guard"])
-        if self.distributed:  # the stage cadence may come from the strategy's state (smartfrz): take rank 0's
-            self.strategy.stage_every, self.strategy.at_epoch_end = comm.broadcast_object(
-                (self.strategy.stage_every, self.strategy.at_epoch_end))
+        checkpoint_state.load_state_dict(self, state)
 
     # ---- internals -----------------------------------------------------------------------------------------
-
-    def _make_mirror(self, mirror: nn.Module | None) -> Mirror | None:
-        """The :class:`~layerfreeze.distributed.fsdp.Mirror` rank 0's strategy observes, or None when the model is
-        not sharded or the strategy does not observe it (:attr:`~layerfreeze.strategies.Strategy.reads_model`).
-        Collective when it is made (a full refresh; under ``distributed``, whether rank 0 has one).
-
-        Raises:
-            ValueError: on every rank, when rank 0 gave no ``mirror``; on rank 0, a mirror that does not fit.
-        """
-        if not self._fsdp or not self.strategy.reads_model:
-            return None
-        missing = self.decides and mirror is None
-        if self.distributed:
-            missing = comm.broadcast_object(missing)
-        if missing:
-            raise ValueError(
-                f"strategy {self.strategy.name!r} reads the model's weights on rank 0, and FSDP2 holds one shard of "
-                "each on every rank: give rank 0's Freezer mirror=copy.deepcopy(model) taken before fully_shard / "
-                "shard_blocks (an unsharded copy, ideally on the CPU), which it keeps equal to the sharded model")
-        made = Mirror(self.model, mirror if self.decides else None)
-        made.refresh()
-        return made
-
-    def _sharded(self) -> None:
-        """Register the sharded parameters on every FSDP2 module of the model again, when a group kept its unsharded
-        ones after a forward with no backward (an evaluation pass under ``no_grad``; the root group does not
-        reshard after forward). Until then a block's parameters, read through its modules, are FSDP's all-gather
-        buffers: freezing or thawing them would be undone by the next all-gather, they would enter the optimizer,
-        and a checksum's ``.numpy()`` would pin their storage so FSDP's next reshard fails. No-op unsharded."""
-        if self._fsdp:
-            reshard_all(self._fsdp)
-
-    def _check_parameters(self, registered: dict[str, nn.Parameter]) -> None:
-        """The blocks and the optimizer hold the model's (sharded) parameters, not stand-ins (FSDP2; see
-        :func:`~layerfreeze.distributed.fsdp.check_blocks_hold_model_parameters`)."""
-        check_blocks_hold_model_parameters(self.model, self.blocks)
-        if self.optimizer is not None:
-            check_optimizer_holds_sharded_parameters(self.model, self.optimizer, registered)
 
     def _eval_hook(self, module: nn.Module, args: Any) -> None:
         # model.train() flips frozen blocks back to training mode; undo it before they run.
@@ -761,144 +582,3 @@ class Freezer:
             self.history.append(record)
         if self.on_event is not None:
             self.on_event(record)
-
-    def _context(self, event: str) -> StageContext:
-        views = [
-            BlockView(b.name, b.index, self.frozen[b.index], b.is_head, b.num_parameters()) for b in self.blocks
-        ]
-        signals: dict[str, Any] = {}
-        if "grad_l1" in self.strategy.signals and event != "start":
-            if self._backward_calls == 0:
-                raise RuntimeError(
-                    f"Strategy {self.strategy.name!r} needs gradients, but freezer.after_backward() was never called. "
-                    "Call it after loss.backward() and before optimizer.zero_grad()."
-                )
-            signals["grad_l1"] = list(self._grad_l1)
-        block_lrs = optimizer_state = None
-        if self.optimizer is not None:
-            block_lrs = [base_lr(self.optimizer, block_groups(self._origin, b), self._lr_written) for b in self.blocks]
-            optimizer_state = (self._mirror.optimizer_view(self.optimizer) if self._mirror is not None
-                               else _optimizer_state_view(self.optimizer))
-        return StageContext(
-            step=self.step_count,
-            epoch=self.epoch,
-            event=event,
-            blocks=views,
-            total_steps=self.total_steps,
-            steps_per_epoch=self.steps_per_epoch,
-            signals=signals,
-            block_lrs=block_lrs,
-            optimizer_state=optimizer_state,
-        )
-
-    def _stage(self, event: str) -> Decision:
-        decision = Decision()
-        error: str | None = None
-        if self._mirror is not None and event != "start":  # the start stage follows the full refresh at creation
-            self._mirror.refresh(trainable_only=True)
-            if self.strategy.reads_optimizer_state and self.optimizer is not None:
-                self._mirror.refresh_moments(self.optimizer)  # Adam's moments whole, as the weights (a collective)
-        if self.decides:
-            try:
-                decision = self._admissible(self.strategy.decide(self._context(event)))
-            except Exception as exc:
-                if not self.distributed:
-                    raise
-                error = f"{type(exc).__name__}: {exc}"
-                share_decision(self.strategy, decision, error)  # the other ranks raise too instead of waiting
-                raise
-            self.last_signals = dict(decision.signals)
-        if self.distributed:
-            decision = share_decision(self.strategy, decision, error)
-        self._grad_l1 = [0.0] * len(self.blocks)
-        self._backward_calls = 0
-        for i in decision.freeze:
-            if self.freeze(i, reason=decision.reason or self.strategy.name) and self.guard is not None:
-                self.guard.on_freeze(i)
-        for i in decision.thaw:
-            self.thaw(i, lr=decision.thaw_lr.get(i), reason=decision.reason or self.strategy.name)
-        for i, scale in decision.lr_scale.items():
-            if self.optimizer is not None:  # without one yet, attach_optimizer checks and applies the factors
-                exclusive_groups(self.optimizer, self._origin, self.blocks[i], "a learning-rate factor")
-            if scale == 1.0:
-                self._lr_scale.pop(i, None)
-            else:
-                self._lr_scale[i] = float(scale)
-        return decision
-
-    def _admissible(self, decision: Decision) -> Decision:
-        """``decision`` without freezes the stability guard holds back (cooling down after a guard thaw), and
-        without thaws of the floor (:meth:`pin`).
-
-        Raises:
-            RuntimeError: the strategy tried to freeze the head.
-        """
-        for i in decision.freeze:
-            if self.blocks[i].is_head:
-                raise RuntimeError(f"Strategy {self.strategy.name!r} tried to freeze the head ({self.blocks[i].name})")
-        if self.guard is not None:
-            decision.freeze = [i for i in decision.freeze if not self.guard.blocks_freeze(i)]
-        refused = [i for i in decision.thaw if i in self._floor]
-        if refused:
-            decision.thaw = [i for i in decision.thaw if i not in self._floor]
-            decision.thaw_lr = {i: lr for i, lr in decision.thaw_lr.items() if i not in self._floor}
-            new = [i for i in refused if i not in self._refused]
-            self._refused.update(refused)
-            if new:
-                warnings.warn(f"strategy {self.strategy.name!r} asked to thaw "
-                              f"{', '.join(self.blocks[i].name for i in new)}, in the Freezer's floor "
-                              f"({FLOOR_REASON}): they stay frozen", stacklevel=4)
-        return decision
-
-
-def share_decision(strategy: Strategy, decision: Decision, error: str | None = None) -> Decision:
-    """Rank 0's freeze decision (and the strategy's stage cadence) on every rank; a collective.
-
-    Why: strategies read signals that can differ across ranks (a background thread finishing at another step,
-    float noise in a local statistic); applying rank 0's decision everywhere keeps the frozen sets, and so the
-    DDP wrappers and the weights, identical. Only rank 0 runs the strategy; its ``decision`` and ``error``
-    (the strategy's exception as text, or None) are what count, the other ranks' arguments are ignored. The
-    decision's signals stay on rank 0, which logs them; ``strategy.stage_every`` / ``at_epoch_end`` take rank 0's
-    values on every rank (smartfrz sets its cadence at the start stage).
-
-    Returns:
-        ``decision`` on rank 0; on the other ranks a :class:`~layerfreeze.strategies.Decision` with rank 0's
-        freezes, thaws, reason, thaw LRs and LR factors (no signals).
-
-    Raises:
-        RuntimeError: on the other ranks, when the strategy failed on rank 0 (the message carries its error);
-            rank 0 gets ``decision`` back and re-raises its own exception.
-    """
-    payload = None
-    if comm.rank() == 0:
-        payload = {"error": error, "freeze": list(decision.freeze), "thaw": list(decision.thaw),
-                   "reason": decision.reason, "thaw_lr": dict(decision.thaw_lr),
-                   "lr_scale": dict(decision.lr_scale), "stage_every": strategy.stage_every,
-                   "at_epoch_end": strategy.at_epoch_end}
-    payload = comm.broadcast_object(payload)
-    if payload["error"] is not None:
-        if comm.rank() == 0:
-            return decision
-        raise RuntimeError(f"the freezing strategy failed on rank 0: {payload['error']}")
-    strategy.stage_every, strategy.at_epoch_end = payload["stage_every"], payload["at_epoch_end"]
-    if comm.rank() == 0:
-        return decision
-    return Decision(freeze=payload["freeze"], thaw=payload["thaw"], reason=payload["reason"],
-                    thaw_lr=payload["thaw_lr"], lr_scale=payload["lr_scale"])
-
-
-def _optimizer_state_view(optimizer: torch.optim.Optimizer) -> Callable[[nn.Parameter], Any]:
-    """``view(param)`` -> ``(optimizer.state[param], its param group)``, or None when the optimizer does not hold
-    ``param`` (a frozen block's parameters leave it) or keeps no state for it yet: what a strategy may read of the
-    optimizer (:attr:`~layerfreeze.strategies.base.StageContext.optimizer_state`). The parameter -> group map is
-    built on first use, once per stage (freezes and thaws move parameters between groups between stages)."""
-    groups: dict[int, dict[str, Any]] = {}
-
-    def view(param: nn.Parameter) -> Any:
-        if not groups:
-            groups.update({id(p): g for g in optimizer.param_groups for p in g["params"]})
-        group = groups.get(id(param))
-        state = optimizer.state.get(param)
-        return None if group is None or not state else (state, group)
-
-    return view

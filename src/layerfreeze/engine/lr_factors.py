@@ -1,0 +1,77 @@
+"""Learning rates per block: the factors a strategy sets on a block's LR, and the LR a thaw sets.
+
+A strategy's :class:`~layerfreeze.strategies.Decision` may carry ``lr_scale`` (block -> factor): the Freezer keeps
+them (``Freezer._lr_scale``, a factor of 1 drops the entry) and, after every step, multiplies each scaled block's
+scheduled LR by its factor (:func:`apply_lr_scales`, after the scheduler set this step's LR). ``Freezer._lr_written``
+maps a param group to ``(unscaled LR, LR written here last time)``, so a factor is not compounded when no scheduler
+rewrote the LR (:func:`~layerfreeze.engine.optim.scale_group_lrs`); a thaw's own LR (:func:`set_block_lr`) drops
+that record. A factor or an LR of its own needs param groups holding only the block's parameters
+(:func:`~layerfreeze.engine.optim.exclusive_groups`). These are plain functions over the Freezer's parts (the
+optimizer, the blocks, the parameter -> param-group origin and the two dicts above), which they read and update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from layerfreeze.engine.optim import base_lr, block_groups, exclusive_groups, scale_group_lrs, set_group_lr
+from layerfreeze.models.blocks import Block
+
+
+def apply_lr_scales(optimizer: torch.optim.Optimizer | None, blocks: Sequence[Block], origin: Mapping[int, int],
+                    lr_scale: Mapping[int, float], lr_written: dict[int, tuple[float, float]]) -> None:
+    """Multiply each scaled block's scheduled LR by its factor
+    (:func:`~layerfreeze.engine.optim.scale_group_lrs`); no-op without an optimizer."""
+    if optimizer is not None:
+        scales = {gi: scale for index, scale in lr_scale.items() for gi in block_groups(origin, blocks[index])}
+        scale_group_lrs(optimizer, scales, lr_written)
+
+
+def set_lr_scales(lr_scale: dict[int, float], factors: Mapping[int, float], optimizer: torch.optim.Optimizer | None,
+                  origin: Mapping[int, int], blocks: Sequence[Block]) -> None:
+    """Take a stage's LR ``factors`` (block index -> factor) into ``lr_scale`` (a factor of 1 removes the block).
+
+    Raises:
+        ValueError: a factor on a block whose param group holds other blocks too (checked when there is an
+            optimizer; without one yet, :func:`check_lr_scales` checks them when it is attached).
+    """
+    for i, scale in factors.items():
+        if optimizer is not None:  # without one yet, attach_optimizer checks and applies the factors
+            exclusive_groups(optimizer, origin, blocks[i], "a learning-rate factor")
+        if scale == 1.0:
+            lr_scale.pop(i, None)
+        else:
+            lr_scale[i] = float(scale)
+
+
+def check_lr_scales(optimizer: torch.optim.Optimizer, origin: Mapping[int, int], blocks: Sequence[Block],
+                    lr_scale: Mapping[int, float]) -> None:
+    """Every scaled block's param groups hold that block only (the factors set before ``optimizer`` was attached).
+
+    Raises:
+        ValueError: a group that also holds other blocks' parameters.
+    """
+    for i in lr_scale:
+        exclusive_groups(optimizer, origin, blocks[i], "a learning-rate factor")
+
+
+def set_block_lr(optimizer: torch.optim.Optimizer, origin: Mapping[int, int], block: Block, lr: float,
+                 scheduler: Any, lr_written: dict[int, tuple[float, float]]) -> None:
+    """Set the LR of ``block``'s param groups (and the scheduler's base LR), forgetting what a factor wrote there.
+
+    Raises:
+        ValueError: a group that also holds other blocks' parameters.
+    """
+    for gi in exclusive_groups(optimizer, origin, block, "its own learning rate"):
+        set_group_lr(optimizer, gi, lr, scheduler)
+        lr_written.pop(gi, None)
+
+
+def block_lrs(optimizer: torch.optim.Optimizer, origin: Mapping[int, int], blocks: Sequence[Block],
+              lr_written: Mapping[int, tuple[float, float]]) -> list[float | None]:
+    """Each block's LR before any factor (:func:`~layerfreeze.engine.optim.base_lr`; None for a block with no
+    param group): what a strategy reads as :attr:`~layerfreeze.strategies.StageContext.block_lrs`."""
+    return [base_lr(optimizer, block_groups(origin, b), lr_written) for b in blocks]

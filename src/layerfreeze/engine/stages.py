@@ -1,0 +1,234 @@
+"""Freezing stages: what the strategy is shown, what of its decision is admissible, rank 0's decision shared with
+every rank, and how it is applied.
+
+A *stage* is one call of the strategy's :meth:`~layerfreeze.strategies.Strategy.decide`: at the start (the
+Freezer's constructor, :func:`start`), every ``strategy.stage_every`` steps and at an epoch's end if the strategy
+wants one (:mod:`layerfreeze.engine.steps` decides when). :func:`stage` runs one:
+
+1. under FSDP2, the mirror rank 0's strategy observes is refreshed from the sharded model (a collective);
+2. on the deciding rank (always in one process, rank 0 when distributed), the strategy gets a
+   :class:`~layerfreeze.strategies.StageContext` (:func:`context`: the blocks, the gradient signals summed since the
+   last stage, each block's LR, a read-only view of the optimizer state) and its decision is made admissible (no
+   freeze of the head, none the stability guard holds back, no thaw of the Freezer's floor);
+3. under ``distributed``, rank 0's decision goes to every rank (:func:`share_decision`), so all ranks freeze and
+   thaw the same blocks at the same step;
+4. the gradient signals start over, the decision's freezes and thaws are applied (the Freezer's ``freeze`` /
+   ``thaw``) and its LR factors are kept (:mod:`layerfreeze.engine.lr_factors`).
+
+The stability guard's verdict on a validation metric is decided and shared the same way (:func:`report_metric`).
+The functions take the :class:`~layerfreeze.engine.freezer.Freezer` whose stage they run, read its parts and apply
+the decision through its ``freeze`` / ``thaw``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from layerfreeze.distributed import comm
+from layerfreeze.engine.lr_factors import apply_lr_scales, block_lrs, set_lr_scales
+from layerfreeze.strategies import Decision, StageContext, Strategy
+from layerfreeze.strategies.base import BlockView
+
+if TYPE_CHECKING:  # the stages run a Freezer's strategy; the Freezer calls them, never the other way round
+    from layerfreeze.engine.freezer import Freezer
+
+#: The reason recorded for a block the floor freezes.
+FLOOR_REASON = "memory budget"
+
+
+def start(freezer: Freezer, floor: Sequence[int | str] | None) -> None:
+    """The start stage, run by the Freezer's constructor: freeze the ``floor`` (``Freezer.pin``), run the strategy's
+    start stage, and apply the LR factors it set, so they already apply to the first step."""
+    if floor:
+        freezer.pin(floor)
+    stage(freezer, event="start")
+    apply_lr_scales(freezer.optimizer, freezer.blocks, freezer._origin, freezer._lr_scale, freezer._lr_written)
+
+
+def stage(freezer: Freezer, event: str) -> Decision:
+    """Run one freezing stage (``event``: ``"start"``, ``"step"`` or ``"epoch_end"``) and apply its decision (module
+    docstring). Collective under ``distributed`` and under FSDP2 with a mirror: every rank calls it at the same point.
+
+    Returns:
+        The decision applied (on ranks other than 0, rank 0's, without its signals).
+
+    Raises:
+        RuntimeError: the strategy needs gradients and ``after_backward`` was never called; the strategy tried to
+            freeze the head; on ranks other than 0, the strategy failed on rank 0. The strategy's own exception is
+            re-raised (on rank 0 only when distributed, after the other ranks were told).
+    """
+    decision = Decision()
+    error: str | None = None
+    if freezer._mirror is not None and event != "start":  # the start stage follows the full refresh at creation
+        freezer._mirror.refresh(trainable_only=True)
+        if freezer.strategy.reads_optimizer_state and freezer.optimizer is not None:
+            freezer._mirror.refresh_moments(freezer.optimizer)  # Adam's moments whole, as the weights (a collective)
+    if freezer.decides:
+        try:
+            decision = _admissible(freezer, freezer.strategy.decide(context(freezer, event)))
+        except Exception as exc:
+            if not freezer.distributed:
+                raise
+            error = f"{type(exc).__name__}: {exc}"
+            share_decision(freezer.strategy, decision, error)  # the other ranks raise too instead of waiting
+            raise
+        freezer.last_signals = dict(decision.signals)
+    if freezer.distributed:
+        decision = share_decision(freezer.strategy, decision, error)
+    freezer._grad_l1 = [0.0] * len(freezer.blocks)
+    freezer._backward_calls = 0
+    for i in decision.freeze:
+        if freezer.freeze(i, reason=decision.reason or freezer.strategy.name) and freezer.guard is not None:
+            freezer.guard.on_freeze(i)
+    for i in decision.thaw:
+        freezer.thaw(i, lr=decision.thaw_lr.get(i), reason=decision.reason or freezer.strategy.name)
+    set_lr_scales(freezer._lr_scale, decision.lr_scale, freezer.optimizer, freezer._origin, freezer.blocks)
+    return decision
+
+
+def context(freezer: Freezer, event: str) -> StageContext:
+    """What the strategy sees at a stage: the blocks (frozen or not), the step and epoch, the signals it asked for
+    (``grad_l1``: each block's gradient L1 norm summed since the last stage by
+    :func:`~layerfreeze.engine.steps.after_backward`), each block's LR before factors and a read-only view of the
+    optimizer state (None without an optimizer; under FSDP2 the mirror's, with whole moments).
+
+    Raises:
+        RuntimeError: the strategy needs ``grad_l1`` and ``after_backward`` was never called since the last stage.
+    """
+    views = [
+        BlockView(b.name, b.index, freezer.frozen[b.index], b.is_head, b.num_parameters()) for b in freezer.blocks
+    ]
+    signals: dict[str, Any] = {}
+    if "grad_l1" in freezer.strategy.signals and event != "start":
+        if freezer._backward_calls == 0:
+            raise RuntimeError(
+                f"Strategy {freezer.strategy.name!r} needs gradients, but freezer.after_backward() was never called. "
+                "Call it after loss.backward() and before optimizer.zero_grad()."
+            )
+        signals["grad_l1"] = list(freezer._grad_l1)
+    lrs = optimizer_state = None
+    if freezer.optimizer is not None:
+        lrs = block_lrs(freezer.optimizer, freezer._origin, freezer.blocks, freezer._lr_written)
+        optimizer_state = (freezer._mirror.optimizer_view(freezer.optimizer) if freezer._mirror is not None
+                           else _optimizer_state_view(freezer.optimizer))
+    return StageContext(
+        step=freezer.step_count,
+        epoch=freezer.epoch,
+        event=event,
+        blocks=views,
+        total_steps=freezer.total_steps,
+        steps_per_epoch=freezer.steps_per_epoch,
+        signals=signals,
+        block_lrs=lrs,
+        optimizer_state=optimizer_state,
+    )
+
+
+def _admissible(freezer: Freezer, decision: Decision) -> Decision:
+    """``decision`` without freezes the stability guard holds back (cooling down after a guard thaw), and
+    without thaws of the floor (``Freezer.pin``).
+
+    Raises:
+        RuntimeError: the strategy tried to freeze the head.
+    """
+    for i in decision.freeze:
+        if freezer.blocks[i].is_head:
+            raise RuntimeError(
+                f"Strategy {freezer.strategy.name!r} tried to freeze the head ({freezer.blocks[i].name})")
+    if freezer.guard is not None:
+        decision.freeze = [i for i in decision.freeze if not freezer.guard.blocks_freeze(i)]
+    refused = [i for i in decision.thaw if i in freezer._floor]
+    if refused:
+        decision.thaw = [i for i in decision.thaw if i not in freezer._floor]
+        decision.thaw_lr = {i: lr for i, lr in decision.thaw_lr.items() if i not in freezer._floor}
+        new = [i for i in refused if i not in freezer._refused]
+        freezer._refused.update(refused)
+        if new:
+            # stacklevel 5: this function, stage(), start() / steps.step() / steps.epoch_end(), the Freezer's
+            # constructor / step() / epoch_end(), and the training loop that called it
+            warnings.warn(f"strategy {freezer.strategy.name!r} asked to thaw "
+                          f"{', '.join(freezer.blocks[i].name for i in new)}, in the Freezer's floor "
+                          f"({FLOOR_REASON}): they stay frozen", stacklevel=5)
+    return decision
+
+
+def report_metric(freezer: Freezer, value: float) -> int | None:
+    """The stability guard's verdict on a validation ``value``, decided on the deciding rank and shared with every
+    rank (a collective under ``distributed``), applied as a thaw (``Freezer.report_metric``).
+
+    Returns:
+        The index of the block the guard thawed, or None (also None without a guard).
+    """
+    if freezer.guard is None:
+        return None
+    index, reference = None, float("nan")
+    if freezer.decides:
+        freezer.guard.release(freezer._floor)
+        index = freezer.guard.observe(float(value), list(freezer.frozen))
+        if freezer.guard.reference is not None:
+            reference = freezer.guard.reference
+    if freezer.distributed:
+        index, reference, value = comm.broadcast_object((index, reference, value))
+    if index is not None and index in freezer._floor:  # never: the guard does not watch the floor
+        index = None
+    if index is not None:
+        freezer.thaw(index, reason=f"guard: metric {value:.4g} worse than {reference:.4g} before the freeze")
+    return index
+
+
+def share_decision(strategy: Strategy, decision: Decision, error: str | None = None) -> Decision:
+    """Rank 0's freeze decision (and the strategy's stage cadence) on every rank; a collective.
+
+    Why: strategies read signals that can differ across ranks (a background thread finishing at another step,
+    float noise in a local statistic); applying rank 0's decision everywhere keeps the frozen sets, and so the
+    DDP wrappers and the weights, identical. Only rank 0 runs the strategy; its ``decision`` and ``error``
+    (the strategy's exception as text, or None) are what count, the other ranks' arguments are ignored. The
+    decision's signals stay on rank 0, which logs them; ``strategy.stage_every`` / ``at_epoch_end`` take rank 0's
+    values on every rank (smartfrz sets its cadence at the start stage).
+
+    Returns:
+        ``decision`` on rank 0; on the other ranks a :class:`~layerfreeze.strategies.Decision` with rank 0's
+        freezes, thaws, reason, thaw LRs and LR factors (no signals).
+
+    Raises:
+        RuntimeError: on the other ranks, when the strategy failed on rank 0 (the message carries its error);
+            rank 0 gets ``decision`` back and re-raises its own exception.
+    """
+    payload = None
+    if comm.rank() == 0:
+        payload = {"error": error, "freeze": list(decision.freeze), "thaw": list(decision.thaw),
+                   "reason": decision.reason, "thaw_lr": dict(decision.thaw_lr),
+                   "lr_scale": dict(decision.lr_scale), "stage_every": strategy.stage_every,
+                   "at_epoch_end": strategy.at_epoch_end}
+    payload = comm.broadcast_object(payload)
+    if payload["error"] is not None:
+        if comm.rank() == 0:
+            return decision
+        raise RuntimeError(f"the freezing strategy failed on rank 0: {payload['error']}")
+    strategy.stage_every, strategy.at_epoch_end = payload["stage_every"], payload["at_epoch_end"]
+    if comm.rank() == 0:
+        return decision
+    return Decision(freeze=payload["freeze"], thaw=payload["thaw"], reason=payload["reason"],
+                    thaw_lr=payload["thaw_lr"], lr_scale=payload["lr_scale"])
+
+
+def _optimizer_state_view(optimizer: torch.optim.Optimizer) -> Callable[[nn.Parameter], Any]:
+    """``view(param)`` -> ``(optimizer.state[param], its param group)``, or None when the optimizer does not hold
+    ``param`` (a frozen block's parameters leave it) or keeps no state for it yet: what a strategy may read of the
+    optimizer (:attr:`~layerfreeze.strategies.base.StageContext.optimizer_state`). The parameter -> group map is
+    built on first use, once per stage (freezes and thaws move parameters between groups between stages)."""
+    groups: dict[int, dict[str, Any]] = {}
+
+    def view(param: nn.Parameter) -> Any:
+        if not groups:
+            groups.update({id(p): g for g in optimizer.param_groups for p in g["params"]})
+        group = groups.get(id(param))
+        state = optimizer.state.get(param)
+        return None if group is None or not state else (state, group)
+
+    return view

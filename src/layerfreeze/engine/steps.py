@@ -1,0 +1,111 @@
+"""What the training-loop hooks do every time they run: a step's bookkeeping, all in one place.
+
+The :class:`~layerfreeze.engine.freezer.Freezer`'s ``after_backward()``, ``step()`` and ``epoch_end()`` call the
+functions of the same name here:
+
+* :func:`after_backward`, after every ``loss.backward()``: counts the backward, checks the first one since the frozen
+  set changed (every trainable block got a gradient: ``FrozenSet.check_gradients``) and, when the strategy asks for
+  ``grad_l1``, adds each trainable block's gradient L1 norm to ``Freezer._grad_l1`` (the gradient signal a stage
+  hands the strategy, then starts over: :func:`~layerfreeze.engine.stages.stage`);
+* :func:`step`, after every ``optimizer.step()`` (and the scheduler's): counts the step, reshards under FSDP2, checks
+  that the frozen set is still frozen and that a block thawed before the step was updated by it
+  (:mod:`layerfreeze.engine.integrity`), runs a freezing stage every ``strategy.stage_every`` steps
+  (:mod:`layerfreeze.engine.stages`) and applies the LR factors to this step's LR
+  (:mod:`layerfreeze.engine.lr_factors`);
+* :func:`epoch_end`: an epoch-end stage if the strategy wants one, and the epoch count.
+
+:func:`integrity_warning` is where the integrity checks' warnings go (``warnings`` and the Freezer's ``on_event``).
+The functions take the :class:`~layerfreeze.engine.freezer.Freezer` whose hook runs, and read and update its parts.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from layerfreeze.distributed import comm
+from layerfreeze.distributed.fsdp import local_tensor
+from layerfreeze.engine.lr_factors import apply_lr_scales
+from layerfreeze.engine.sharding import sharded
+from layerfreeze.engine.stages import stage
+from layerfreeze.strategies import Decision
+
+if TYPE_CHECKING:  # the hooks' work on a Freezer; the Freezer calls it, never the other way round
+    from layerfreeze.engine.freezer import Freezer
+
+
+def after_backward(freezer: Freezer) -> None:
+    """Count a backward, check its gradients if due, and add the per-block gradient L1 norms to
+    ``freezer._grad_l1`` when the strategy lists ``"grad_l1"`` in its ``signals`` (returns at once otherwise).
+
+    Off rank 0 nothing is summed (no strategy reads it there), except under FSDP2, where every rank sums its own
+    shards and one all-reduce adds them up (a collective then). A trainable block that got no gradient is a
+    warning (:func:`integrity_warning`).
+    """
+    freezer._backward_calls += 1
+    freezer.integrity.check_gradients(freezer)
+    if "grad_l1" not in freezer.strategy.signals:
+        return
+    on_shards = bool(freezer._fsdp) and freezer.distributed
+    if not freezer.decides and not on_shards:
+        return  # off rank 0 no strategy reads it (DDP all-reduced the gradients: rank 0's sums are global)
+    # Under FSDP2 each rank holds one shard of every gradient (a DTensor): reading a whole one's sum on rank 0
+    # alone would be a collective the other ranks never join (a hang). Every rank sums its own shards, then one
+    # all-reduce adds them up.
+    sums = [0.0] * len(freezer.blocks)
+    with torch.no_grad():
+        for block in freezer.blocks:
+            if freezer.frozen[block.index]:
+                continue
+            grads = [local_tensor(p.grad) for p in block.parameters() if p.grad is not None]
+            if grads:
+                sums[block.index] = float(sum(g.abs().sum() for g in grads))
+    if on_shards:
+        sums = comm.all_reduce_sum(sums)
+    for i, value in enumerate(sums):
+        freezer._grad_l1[i] += value
+
+
+def step(freezer: Freezer) -> Decision | None:
+    """Count an optimizer step, reshard under FSDP2, run the integrity checks, a freezing stage when one is due
+    (every ``strategy.stage_every`` steps) and apply the LR factors.
+
+    Returns:
+        The stage's decision, or None when no stage ran.
+
+    Raises:
+        UnfrozenParameterError: a frozen block's parameter was replaced or made trainable and the Freezer was built
+            with ``on_unfrozen="error"``.
+        RuntimeError: from the stage (:func:`~layerfreeze.engine.stages.stage`).
+    """
+    freezer.step_count += 1
+    sharded(freezer._fsdp)
+    freezer.integrity.check(freezer)
+    freezer.integrity.check_updated(freezer)  # a block thawed before this step must have been updated by it
+    every = freezer.strategy.stage_every
+    decision = stage(freezer, event="step") if every and freezer.step_count % every == 0 else None
+    apply_lr_scales(freezer.optimizer, freezer.blocks, freezer._origin, freezer._lr_scale, freezer._lr_written)
+    return decision
+
+
+def epoch_end(freezer: Freezer) -> Decision | None:
+    """Run an epoch-end stage if the strategy wants one (``strategy.at_epoch_end``), then count the epoch.
+
+    Returns:
+        The stage's decision, or None when no stage ran.
+    """
+    decision = stage(freezer, event="epoch_end") if freezer.strategy.at_epoch_end else None
+    freezer.epoch += 1
+    return decision
+
+
+def integrity_warning(freezer: Freezer, message: str, record: dict[str, Any]) -> None:
+    """Where the integrity checks (:class:`~layerfreeze.engine.integrity.FrozenSet`) send a warning: to
+    ``warnings`` and, with this step's count, to the Freezer's ``on_event`` (the CLI logs it as an event)."""
+    # stacklevel 5: this function, the FrozenSet check, after_backward() / step() here, the Freezer's hook, and the
+    # training loop that called it
+    warnings.warn(message, stacklevel=5)
+    if freezer.on_event is not None:
+        freezer.on_event({**record, "step": freezer.step_count, "message": message})

@@ -141,7 +141,8 @@ def compare(before: Path, after: Path, jobs: list[str]) -> int:
             print(f"{job:18s} DIFFERENT: {diff}")
         else:
             print(f"{job:18s} identical: {counted} records")
-    print(f"left out: clock keys ({', '.join(sorted(CLOCK_KEYS))}, *_s, *_seconds, *_ms); process keys ({', '.join(sorted(PROCESS_KEYS))}); "
+    print(f"left out: clock keys ({', '.join(sorted(CLOCK_KEYS))}, *_s, *_seconds, *_ms); "
+          f"process keys ({', '.join(sorted(PROCESS_KEYS))}); "
           f"place keys ({', '.join(sorted(PLACE_KEYS))})")
     return 1 if failed else 0
 

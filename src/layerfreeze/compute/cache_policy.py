@@ -25,7 +25,7 @@ class CachePolicy:
 
     An entry costs its bytes from the step it is stored to the step it is dropped, and pays only when it is read:
     at its sample's next visit, as a hit (the boundary has not moved) or as the start of an extension (the boundary
-    moved deeper: blocks up to the old boundary are not recomputed). Measured on SmartFRZ runs (BENCHMARKS.md "Where
+    moved deeper: blocks up to the old boundary are not recomputed). Measured on SmartFRZ runs (HISTORY.md "Where
     the memory goes"), a cache that stores every miss holds most of its bytes for entries that are never read: written
     in the last epoch, or for a boundary that moved right after, so that 85 MiB of MobileNetV2's shallowest outputs
     made its tensor peak 1.25x that of not freezing. Two rules, both from what the run measures, none from timing (so

@@ -82,7 +82,9 @@ class Event(enum.StrEnum):
     RESUMED = "resumed"  # the run continued from a checkpoint (path), or restarted (from_start)
     CACHE_OFF = "cache_off"  # the frozen-prefix cache was refused (reason)
     DDP_REBUILD = "ddp_rebuild"  # distributed: FreezeDDP was rebuilt after a freeze/thaw
-    MEMORY = "memory"  # the ledger's first sample after a freeze/thaw: returned_bytes per bucket, returned_devices per device and bucket, params_dtype after (changes, before_step)
+    # the ledger's first sample after a freeze/thaw: returned_bytes per bucket, returned_devices per device and
+    # bucket, params_dtype after (changes, before_step)
+    MEMORY = "memory"
 
 
 def cache_dir(run_dir: Path, rank: int | None = None) -> Path:

@@ -159,7 +159,8 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
         label = "wall time" if resumed is None else f"wall time (this process, from step {int(resumed):,})"
         table.add_row(label, format_seconds(get("wall_time_s")))
     if get("train_time_s") is not None:
-        table.add_row("train time" if resumed is None else "train time (whole run)", format_seconds(get("train_time_s")))
+        table.add_row("train time" if resumed is None else "train time (whole run)",
+                      format_seconds(get("train_time_s")))
     if get("time_per_epoch_s") is not None:
         table.add_row("time per epoch", _format_epoch_times(list(get("time_per_epoch_s"))))
     if get("flops_total") is not None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime as _dt
 import enum
 import json
-import math
 import numbers
 import os
 import time
@@ -33,8 +32,6 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
 from layerfreeze.runs import rundir
 from layerfreeze.runs.rundir import Event, Record

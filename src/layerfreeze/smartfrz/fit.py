@@ -57,17 +57,17 @@ DEFAULT_MIN_HISTORY = 8
 #: 64 / 59 / 50 / 41 / 32% of the blocks before their label (the costly mistake: accuracy). Re-checked for the shipped
 #: 41-run corpus by leave-one-family-out (2026-12-01): 0.7 / 0.8 / 0.85 / 0.9 / 0.95 give pooled step errors 0.120 /
 #: 0.122 / 0.124 / 0.130 / 0.146, 42 / 35 / 31 / 25 / 19% of blocks early, and on the 8 runs with counterfactual
-#: continuations (BENCHMARKS "Labels against counterfactual costs") the predicted schedules cost +0.32 / +0.37 /
+#: continuations (HISTORY.md "Labels against counterfactual costs") the predicted schedules cost +0.32 / +0.37 /
 #: +0.37 / +0.38 / +0.33 points per prefix depth for 45 / 43 / 41 / 39 / 36% of the run frozen (the CKA oracle:
 #: +0.18 for 42%; those continuation costs had the optimizer-state bug fixed in 33e02da and are not recomputed here).
 #: 0.85 stays: within 0.004 of the lowest error, and nothing above it buys accuracy until 0.95 gives
 #: up a tenth of the saving. Kept when the labels moved to tau 0.9995 (issue 16): the predictor retrained on them (46
 #: runs) gives held-out step errors 0.065 / 0.056 / 0.060 / 0.062 / 0.091 and 64 / 50 / 36 / 36 / 23% of blocks early
 #: at 0.6 / 0.7 / 0.8 / 0.85 / 0.9 (F1 0.848 at 0.85; leave-one-family-out pooled 0.777); at 0.85 the benchmark suite
-#: stays within 0.5 points of no freezing on its three tasks (BENCHMARKS.md "Labels at CKA >= 0.9995"). Kept again
+#: stays within 0.5 points of no freezing on its three tasks (HISTORY.md "Labels at CKA >= 0.9995"). Kept again
 #: when runs from scratch got their own tau 0.998 (the same corpus relabelled): held-out step errors 0.104 / 0.125 /
 #: 0.139 / 0.155 at 0.7 / 0.8 / 0.85 / 0.9 (the held-out recipes are both from scratch, and the predictor freezes
-#: them later than their new labels); the suite ran at 0.85 and meets its criteria there (BENCHMARKS.md "One tau
+#: them later than their new labels); the suite ran at 0.85 and meets its criteria there (HISTORY.md "One tau
 #: per training regime").
 DEFAULT_THRESHOLD = 0.85
 

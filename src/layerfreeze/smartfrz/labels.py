@@ -42,14 +42,14 @@ from layerfreeze.smartfrz.runs import (
 #: freezable record) lost 1.8 and 2.5 points against no freezing (seeds 0, 1); at 0.995 0.7 and 2.3; at 0.998 0.0
 #: and 1.4, at 0.56x of the time. The front blocks that carry most of the savings (embeddings, first layers, CKA
 #: >= 0.999 from the start) are labelled as early as before; 0.998 mostly moves the middle and last blocks later.
-#: Checked against counterfactual costs (:mod:`.counterfactual`, BENCHMARKS.md "Labels against counterfactual
+#: Checked against counterfactual costs (:mod:`.counterfactual`, HISTORY.md "Labels against counterfactual
 #: costs"): over 193 (run, step, prefix) continuations of 8 runs, following 0.998 costs +0.18 points per prefix at
 #: its first freezable grid step (0.995: +0.23 for a quarter more of the run frozen; 0.999: +0.15 for a fifth less).
 #: Those continuations had an optimizer-state bug (fixed in 33e02da, 2026-12-04); recomputed over 206 continuations
 #: of 8 runs (MiniLM at 1.5e-4 in place of BERT-tiny): 0.998 costs +0.19 per prefix at a precision of 0.75, 0.9995
 #: +0.14 at 0.79 for 33% of the run frozen per depth.
 #: Raised to 0.9995 (issue 16) after training the oracle's own schedule on the benchmark suite's three tasks (3
-#: seeds each, activation cache on; BENCHMARKS.md "The CKA oracle's own schedule trained ..."): at 0.998 it lost
+#: seeds each, activation cache on; HISTORY.md "The CKA oracle's own schedule trained ..."): at 0.998 it lost
 #: 0.53 points on MiniLM-L6 / BBC News and 0.90 on MobileNetV2 / Fashion-MNIST, more than the predictor trained on
 #: its labels did; at 0.9995 it lost 0.30 / gained 0.05 / lost 0.20 (BBC / MobileNetV2 / ResNet-18) for 0.77 / 0.86
 #: / 0.94 of full training's FLOPs instead of 0.70 / 0.78 / 0.90. On the counterfactual grid 0.9995 has the highest
@@ -58,12 +58,12 @@ from layerfreeze.smartfrz.runs import (
 DEFAULT_TAU = 0.9995
 #: ``tau`` for a run trained from scratch (``mode: scratch``; issue 16). A network trained from random weights keeps
 #: changing its first blocks' representation long after freezing them costs nothing: its later blocks adapt to
-#: whatever the frozen prefix computes. On the counterfactual grid (BENCHMARKS.md "Labels against counterfactual
+#: whatever the frozen prefix computes. On the counterfactual grid (HISTORY.md "Labels against counterfactual
 #: costs") freezing the from-scratch CNN's prefix was free at 0.07-0.37 of the run while CKA >= 0.998 allowed it only
 #: at 0.20-0.73, whereas on the fine-tuned CNN CKA >= 0.998 came too early (0.23-0.63 against 0.37-0.77). Recomputed
 #: after the optimizer-state fix (33e02da): from scratch, free at 0.07-0.37 against CKA >= 0.998 at 0.27-0.63; the
 #: fine-tuned CNN, free at 0.07-0.77 against CKA >= 0.9995 at 0.33-0.73 (no longer consistently early). Trained for
-#: real on the suite's ResNet-18 (from scratch, 3 seeds, BENCHMARKS.md "One tau per training regime"), the oracle's
+#: real on the suite's ResNet-18 (from scratch, 3 seeds, HISTORY.md "One tau per training regime"), the oracle's
 #: schedule at 0.998 gained 0.20 points at 0.898 of the FLOPs, at 0.999 it lost 0.38 at 0.922, and at 0.9995 it lost
 #: 0.20 at 0.943; on the two fine-tuned tasks 0.998 lost 0.53 and 0.90 points (so ``DEFAULT_TAU`` stays 0.9995).
 DEFAULT_TAU_SCRATCH = 0.998

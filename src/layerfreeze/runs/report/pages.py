@@ -15,8 +15,6 @@ import numpy as np
 
 from layerfreeze.runs import rundir
 from layerfreeze.runs.compare_table import BASELINE, HEADERS, table_cells
-from layerfreeze.runs.rundir import Event, finite
-from layerfreeze.runs.summary import format_bytes, format_flops, format_seconds, memory_lines
 from layerfreeze.runs.report.plots import (
     ACCURACY,
     ACCURACY_VS_TIME,
@@ -32,6 +30,8 @@ from layerfreeze.runs.report.plots import (
     plot_run,
 )
 from layerfreeze.runs.report.read import Run, find_row_dir, load_compare, load_run, num
+from layerfreeze.runs.rundir import Event, finite
+from layerfreeze.runs.summary import format_bytes, format_flops, format_seconds, memory_lines
 
 
 def _fmt_flops(x: Any) -> str:

@@ -10,9 +10,9 @@ import numpy as np
 
 from layerfreeze.runs.compare_table import BASELINE
 from layerfreeze.runs.ledger_buckets import DISK, bucket_label
+from layerfreeze.runs.report.read import Run, num
 from layerfreeze.runs.rundir import Event, finite
 from layerfreeze.runs.summary import format_seconds
-from layerfreeze.runs.report.read import Run, num
 
 FIGSIZE = (8.0, 4.5)
 DPI = 110
@@ -385,7 +385,8 @@ def _plot_memory(run: Run, out: Path) -> str | None:
     if np.isfinite(rss).any():
         ax2.plot(steps, rss / div2, color="C4", linewidth=1.2, drawstyle="steps-post", **marker, label="process RSS")
     if np.isfinite(allocated).any():
-        ax2.plot(steps, allocated / div2, color="C1", linewidth=1.2, drawstyle="steps-post", **marker, label="CUDA allocated")
+        ax2.plot(steps, allocated / div2, color="C1", linewidth=1.2, drawstyle="steps-post", **marker,
+                 label="CUDA allocated")
         ax2.plot(steps, reserved / div2, color="C1", linestyle="--", linewidth=1.0, drawstyle="steps-post", **marker,
                  label="CUDA reserved")
     ax2.set_ylabel(unit2)

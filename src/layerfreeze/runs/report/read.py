@@ -224,8 +224,8 @@ def load_run(run_dir: Path) -> Run:
 
 def load_compare(compare_dir: Path) -> list[dict[str, Any]]:
     """The rows of a comparison folder's ``compare.json``, each named (``row``) and with its ratios to ``none``
-    (:func:`layerfreeze.runs.compare_table.add_ratios`: compare.json is rewritten after every row, and the ratios appear in
-    it only once all rows are done).
+    (:func:`layerfreeze.runs.compare_table.add_ratios`: compare.json is rewritten after every row, and the ratios
+    appear in it only once all rows are done).
 
     Raises:
         ValueError: ``compare.json`` is malformed.

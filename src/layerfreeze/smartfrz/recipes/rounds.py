@@ -373,7 +373,7 @@ def _llama_bbc(seed: int, quick: bool, cache_dir: Path) -> Setup:
 # (step 7) of the suite's BBC runs (label: ~step 39); offline, one of them calls it freezable at step 7 of a run with
 # a 10% warm-up (p 0.94) but not of the same run with 5% (0.75). And every from-scratch run above is 450-3,000
 # steps: the only runs of about 100-150 steps were fine-tunes, whose front blocks are done early, and a predictor
-# trained on them froze a from-scratch ResNet's stem at step 7 of 144 (BENCHMARKS "The shipped predictor since
+# trained on them froze a from-scratch ResNet's stem at step 7 of 144 (HISTORY.md "The shipped predictor since
 # 2026-12-01 evening"). These recipes train with
 # the trainer's schedule (10% warm-up, linear decay): MiniLM-L6 as minilm-bbc otherwise, and the suite's kind of
 # short run from scratch (AdamW, batch 128, ~3 epochs of a 6k subset, a snapshot every step) on the families the

@@ -42,7 +42,8 @@ Results so far (issue 29's research branch, the suite's sizes; Δ = accuracy poi
 -> on): BBC lr x0.3 2 epochs -5.78 -> +0.08 (3 seeds) at FLOPs ratio 0.766 -> 0.991 (it freezes almost nothing
 there); BBC lr x1 1 epoch -1.73 -> +0.00 (3 seeds, FLOPs 0.854 -> 0.995); BBC lr x1 2 epochs -0.23 -> -0.38
 (3 seeds, noise) at FLOPs 0.811 -> 0.821; MobileNetV2 lr x1 -0.18 -> +0.07 (3 seeds) at 0.893 -> 0.905; ResNet-18
--0.30 -> -0.10 at 0.925 -> 0.940 (1 seed). The whole grid: BENCHMARKS.md.
+-0.30 -> -0.10 at 0.925 -> 0.940 (1 seed): benchmarks/HISTORY.md "The default at other learning rates: SmartFRZ's
+gradient signal-to-noise gate". The whole grid: BENCHMARKS.md.
 """
 
 from __future__ import annotations

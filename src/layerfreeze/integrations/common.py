@@ -240,7 +240,8 @@ class FreezeSession:
                  ddp_built_for: tuple[bool, ...] | None = None, ledger_every: int | None = None) -> None:
         self.freezer = freezer
         self.ledger = None if ledger_every is None else MemoryLedger(
-            freezer.model, freezer.optimizer, freezer=freezer, every=ledger_every)
+            freezer.model, freezer.optimizer, freezer=freezer, every=ledger_every,
+            sources=[s for s in (freezer.strategy, freezer.demoter) if s is not None])
         self._ledger_open = False
         self.events: list[dict[str, Any]] = []
         freezer.on_event = self._on_event

@@ -18,6 +18,8 @@ bucket               what it counts (bytes of tensor storage, each storage once)
 ``params_master``    float32 master copies of demoted frozen blocks (host memory, or ``"disk"``; a byte source:
                      :class:`~layerfreeze.engine.demote.Demoter`)
 ``params_offloaded`` frozen blocks' parameters moved off the training device (host memory; the same byte source)
+``strategy``         what the freezing strategy itself holds (recorder buffers, copies, reference models; a byte
+                     source: :meth:`~layerfreeze.strategies.base.Strategy.ledger_bytes`)
 ==================== ===================================================================================================
 
 plus, beside them, the CUDA caching allocator's figures and the process's resident set size
@@ -66,6 +68,7 @@ class Bucket(enum.StrEnum):
     SIDE_MODELS = "side_models"
     PARAMS_MASTER = "params_master"
     PARAMS_OFFLOADED = "params_offloaded"
+    STRATEGY = "strategy"
 
 
 #: What each bucket is called in tables and plots.
@@ -81,6 +84,7 @@ BUCKET_LABELS: dict[str, str] = {
     Bucket.SIDE_MODELS: "frozen side models",
     Bucket.PARAMS_MASTER: "master copies (demoted)",
     Bucket.PARAMS_OFFLOADED: "parameters, offloaded",
+    Bucket.STRATEGY: "freezing strategy",
 }
 
 

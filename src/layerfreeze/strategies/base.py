@@ -56,6 +56,9 @@ class StageContext:
             of the parameter's shape), ``state["step"]``; ``group["betas"]``, ``group["eps"]``), or None (the
             parameter is not in the optimizer, e.g. a frozen block's, or has no state yet). A strategy must not
             change what it returns. None without an optimizer.
+        step_seconds: Median wall-clock seconds between two optimizer steps without a stage (the Freezer's clock,
+            host side, no device sync), or None until measured.
+        stage_step_seconds: The same for steps that ran a stage, or None until measured.
     """
 
     step: int
@@ -67,6 +70,8 @@ class StageContext:
     signals: dict[str, Any] = field(default_factory=dict)
     block_lrs: list[float] | None = None
     optimizer_state: Callable[[Any], Any] | None = None
+    step_seconds: float | None = None
+    stage_step_seconds: float | None = None
 
     @property
     def progress(self) -> float | None:
@@ -155,6 +160,30 @@ class Strategy:
 
     def detach(self) -> None:
         """Release what :meth:`attach` set up (hooks, threads). Called by ``Freezer.close()``."""
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors the strategy itself holds (recorder buffers, copies, reference models' weights), for the
+        memory ledger's ``strategy`` bucket (:meth:`ledger_bytes`). Default: none."""
+        return []
+
+    def ledger_tensors(self) -> list[torch.Tensor]:
+        """:meth:`held_tensors`: the memory ledger never counts them as saved activations."""
+        return self.held_tensors()
+
+    def ledger_bytes(self) -> dict[str, dict[str, int]]:
+        """The memory ledger's byte-source report (:class:`~layerfreeze.runs.ledger_buckets.ByteSource`):
+        ``{"strategy": {device: bytes}}`` of :meth:`held_tensors`, each storage once, or ``{}`` when it holds
+        none."""
+        seen: set[tuple[str, int]] = set()
+        out: dict[str, int] = {}
+        for t in self.held_tensors():
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if key in seen or storage.nbytes() == 0:
+                continue
+            seen.add(key)
+            out[key[0]] = out.get(key[0], 0) + int(storage.nbytes())
+        return {"strategy": out} if out else {}
 
     def decide(self, ctx: StageContext) -> Decision:
         """Return the blocks to freeze / thaw at this stage. The head is never frozen (the engine enforces it)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from layerfreeze.strategies.base import Decision, StageContext, Strategy, is_int
 from layerfreeze.strategies.egeria.plasticity import (
@@ -322,6 +322,16 @@ class Egeria(Strategy):
         return (f"Egeria(interval={self.interval}, refresh_every={self.refresh_every}, tolerance={self.tolerance:g}, "
                 f"patience={self.patience}, probe_size={self.probe_size}, synchronous={self.synchronous}, "
                 f"reference_quantization={self.reference_quantization!r})")
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What Egeria holds (the memory ledger's ``strategy`` bucket), all on the host: the shadow copy of the
+        model's weights, the int8 reference's tensors and the probe batch."""
+        held = list(self._shadow_state.values())
+        if self._reference is not None:
+            held += [t for t in self._reference.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
+        if self._probe is not None:
+            held += [t for part in self._probe for t in tree_flatten(part)[0] if isinstance(t, torch.Tensor)]
+        return held
 
     # ---- internals ----------------------------------------------------------------------------------------
 

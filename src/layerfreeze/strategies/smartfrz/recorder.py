@@ -6,18 +6,23 @@ size. Positions are drawn once per block with a seeded generator and spread over
 proportion to their sizes. A block with fewer weights than the sample size contributes all of them and the rest is
 padding (zeros, with ``mask == False``), which the features ignore.
 
-Cost per snapshot: one gather of ``sample_size`` values per active block (``torch.take`` on each tensor), copied
-into a preallocated ``(window, sample_size)`` float32 buffer; frozen blocks are not recorded.
+Cost per snapshot: one gather of ``sample_size`` values per active block, on the weights' device, brought to the
+host by :class:`~layerfreeze.strategies.smartfrz.reader.StageReader` in one copy with no host synchronisation
+(:meth:`WeightRecorder.picks` says what to read, :meth:`WeightRecorder.record` files a read's values into the
+preallocated ``(window, sample_size)`` float32 ring buffers; :meth:`WeightRecorder.snapshot` does both at once);
+frozen blocks are not recorded.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from layerfreeze.models.blocks import Block
+from layerfreeze.strategies.smartfrz.reader import Pick, StageReader
 
 
 class BlockSample:
@@ -52,18 +57,17 @@ class BlockSample:
                 self.picks.append((p, positions))
         self.mask[:] = True
 
-    def gather(self, out: torch.Tensor) -> None:
-        """Write the current sampled values into ``out`` (``(sample_size,)`` float32, CPU); padding stays as is
-        (zero in the recorder's buffers, which are never written there)."""
-        start = 0
+    def picks_into(self, row: int, source: Callable[[nn.Parameter], torch.Tensor | None] | None = None) -> list[Pick]:
+        """What to read for this block into ``row`` of a :class:`~.reader.StageReader` read: the sampled positions
+        of each parameter (``source`` maps a parameter to the tensor read at its positions, e.g. an Adam moment; a
+        parameter it maps to None is left out; default: the parameter's own values)."""
+        out, start = [], 0
         for p, idx in self.picks:
-            n = idx.numel()
-            flat = p.detach().reshape(-1)
-            if flat.dtype == out.dtype and flat.device == out.device:  # the common case: no temporary
-                torch.index_select(flat, 0, idx, out=out[start:start + n])
-            else:
-                out[start:start + n] = flat[idx.to(flat.device)].to(out.dtype).cpu()
-            start += n
+            tensor = p.detach() if source is None else source(p)
+            if tensor is not None:
+                out.append(Pick(tensor, idx, row, start))
+            start += idx.numel()
+        return out
 
 
 class WeightRecorder:
@@ -87,17 +91,30 @@ class WeightRecorder:
         self.buffers = torch.zeros(len(blocks), window, sample_size)
         self.steps = torch.zeros(len(blocks), window, dtype=torch.int64)  # optimizer step of each snapshot
         self.counts = [0] * len(blocks)  # snapshots taken per block (not capped)
+        self._reader: StageReader | None = None  # snapshot()'s own reader, made at its first call
+
+    def picks(self, active: list[bool]) -> list[Pick]:
+        """The reads of one snapshot: every active block's sampled weights into the row of its index."""
+        return [pick for i, sample in enumerate(self.samples) if active[i] for pick in sample.picks_into(i)]
+
+    def record(self, values: torch.Tensor, active: list[bool], step: int) -> None:
+        """File one snapshot: row ``i`` of ``values`` (``(>= num_blocks, sample_size)`` float32, host) is active
+        block ``i``'s sample, taken after optimizer step ``step``; inactive blocks are skipped."""
+        for i, on in enumerate(active):
+            if not on:
+                continue
+            slot = self.counts[i] % self.window
+            self.buffers[i, slot].copy_(values[i])
+            self.steps[i, slot] = step
+            self.counts[i] += 1
 
     def snapshot(self, active: list[bool], step: int = 0) -> None:
-        """Record the current sample of every active block (frozen blocks are skipped), taken after ``step``."""
-        with torch.no_grad():
-            for i, sample in enumerate(self.samples):
-                if not active[i]:
-                    continue
-                slot = self.counts[i] % self.window
-                sample.gather(self.buffers[i, slot])
-                self.steps[i, slot] = step
-                self.counts[i] += 1
+        """Record the current sample of every active block (frozen blocks are skipped), taken after ``step``: read
+        and filed at once (one synchronising read on an accelerator; SmartFRZ's stages read without one, a stage
+        later: :mod:`~layerfreeze.strategies.smartfrz.strategy`)."""
+        if self._reader is None:
+            self._reader = StageReader(len(self.samples), self.sample_size)
+        self.record(self._reader.launch(self.picks(active)).settle().values, active, step)
 
     def _oldest_first(self, ring: torch.Tensor, index: int) -> torch.Tensor:
         """Block ``index``'s row of ``ring`` (``buffers`` or ``steps``), oldest snapshot first, copied."""

@@ -51,9 +51,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from layerfreeze.strategies.smartfrz.reader import Pick, StageReader
 
 #: Fall from the peak of the smoothed z before a block may freeze.
 DEFAULT_KAPPA = 0.9
@@ -81,91 +84,117 @@ def adam_noise_floor(step: float, beta1: float) -> float:
     return math.sqrt((1 - b) ** 2 * (1 - b ** (2 * t)) / ((1 - b ** t) ** 2 * (1 - b ** 2)))
 
 
+@dataclass
+class MomentsRead:
+    """What one stage asked of the optimizer, kept until the read's values arrive (:meth:`AdamMoments.plan`).
+
+    Attributes:
+        picks: The reads: block ``k``'s ``exp_avg`` into row ``m_row + k``, its ``exp_avg_sq`` into ``v_row + k``.
+        blocks: Per block read: ``(block index, k, per pick whether it had Adam moments, (beta1, beta2, eps))``.
+        steps: Per block read, its Adam step: a number, a CPU tensor or a one-element device tensor (``fused=True``
+            keeps it on the device), read as one of the read's scalars.
+    """
+
+    picks: list[Pick]
+    blocks: list[tuple[int, int, list[bool], tuple[float, float, float]]]
+    steps: list[torch.Tensor | float]
+    m_row: int
+    v_row: int
+
+
 class AdamMoments:
-    """Adam's moments at the recorder's sampled positions, gathered into preallocated buffers (as the recorder
-    gathers weights), and the normalized z of every block gathered at one stage, computed in one vectorized pass.
+    """Adam's moments at the recorder's sampled positions and the normalized z of every block read at one stage,
+    computed in one vectorized pass on the host.
+
+    The reads themselves go through a :class:`~layerfreeze.strategies.smartfrz.reader.StageReader` (no host
+    synchronisation): :meth:`plan` says what to read, :meth:`z_from` turns the read's values into z; :meth:`z` does
+    both at once (one synchronising read on an accelerator).
 
     Args:
-        picks: Per block, the recorder's ``[(parameter, flat positions)]`` (:class:`~.recorder.BlockSample`).
+        picks: Per block, the recorder's sampled positions ``[(parameter, flat positions)]``
+            (:attr:`~.recorder.BlockSample.picks`).
         sample_size: Positions per block (the recorder's).
     """
 
     def __init__(self, picks: list[list[tuple[torch.nn.Parameter, torch.Tensor]]], sample_size: int) -> None:
-        n = len(picks)
-        self.m = torch.zeros(n, sample_size)
-        self.v = torch.zeros(n, sample_size)
-        self.valid = torch.zeros(n, sample_size, dtype=torch.bool)
-        # per block: (parameter, positions, its slices of m, v, valid), built once: slicing a tensor costs more
-        # than gathering 1,024 values, and a stage reads every pick of every active block
-        self.slots: list[list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = []
-        for i, block in enumerate(picks):
-            start, slots = 0, []
-            for p, idx in block:
-                k = idx.numel()
-                slots.append((p, idx, self.m[i, start:start + k], self.v[i, start:start + k],
-                              self.valid[i, start:start + k]))
-                start += k
-            self.slots.append(slots)
-        self.full: list[torch.Tensor] = []
-        for i, slots in enumerate(self.slots):
-            for *_, valid in slots:
-                valid.fill_(True)
-            self.full.append(self.valid[i].clone())  # every sampled position of the block (padding excluded)
-        self.ok: list[bool] = [True] * n  # every pick of the block had Adam moments at the last gather
+        self.picks, self.sample_size = picks, sample_size
+        self._reader: StageReader | None = None  # z()'s own reader
 
-    def _gather(self, index: int, optimizer_state: Callable[[Any], Any]) -> tuple[float, float, float, float] | None:
-        """Fill block ``index``'s rows; returns ``(step, beta1, beta2, eps)`` or None (no Adam moments at all)."""
-        found, flags = None, []
-        for p, idx, m_out, v_out, _ in self.slots[index]:
-            got = optimizer_state(p)
-            ok = False
-            if got is not None:
-                state, group = got
-                m, v = state.get("exp_avg"), state.get("exp_avg_sq")
-                # a plain tensor of the parameter's shape (FSDP's sharded DTensors, a subclass, give no verdict)
-                if type(m) is torch.Tensor and type(v) is torch.Tensor and m.shape == p.shape:
-                    for src, out in ((m, m_out), (v, v_out)):
-                        flat = src.view(-1) if src.is_contiguous() else src.reshape(-1)
-                        if flat.dtype == out.dtype and flat.device == out.device:
-                            torch.index_select(flat, 0, idx, out=out)
-                        else:
-                            out.copy_(flat[idx.to(flat.device)].to(out.dtype).cpu())
-                    ok = True
-                    if found is None and state.get("step") is not None and group.get("betas") is not None:
-                        betas = group["betas"]
-                        found = (float(state["step"]), float(betas[0]), float(betas[1]), float(group.get("eps", 1e-8)))
-            flags.append(ok)
-        all_ok = all(flags)
-        if all_ok and not self.ok[index]:
-            self.valid[index].copy_(self.full[index])
-        elif not all_ok:
-            for ok, (*_, valid) in zip(flags, self.slots[index]):
-                valid.fill_(ok)
-        self.ok[index] = all_ok
-        return found if found is not None and found[0] >= 1 else None
-
-    def z(self, indices: list[int], optimizer_state: Callable[[Any], Any] | None) -> dict[int, tuple[float, float]]:
-        """``{block: (z, adam_step)}`` for the blocks of ``indices`` whose Adam moments could be read."""
+    def plan(self, indices: list[int], optimizer_state: Callable[[Any], Any] | None, m_row: int = 0,
+             v_row: int | None = None) -> MomentsRead:
+        """The reads of the blocks ``indices`` whose Adam moments the optimizer holds (host work only: no device
+        tensor is read). Block ``indices[k]`` goes to rows ``m_row + k`` and ``v_row + k`` (default: right after
+        the ``m`` rows)."""
+        v_row = m_row + len(indices) if v_row is None else v_row
+        read = MomentsRead([], [], [], m_row, v_row)
         if optimizer_state is None:
-            return {}
-        rows, hyper = [], []
-        for i in indices:
-            got = self._gather(i, optimizer_state)
-            if got is not None:
-                rows.append(i)
-                hyper.append(got)
+            return read
+        for k, i in enumerate(indices):
+            found, flags, picks = None, [], []
+            start = 0
+            for p, idx in self.picks[i]:
+                got = optimizer_state(p)
+                ok = False
+                if got is not None:
+                    state, group = got
+                    m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+                    # a plain tensor of the parameter's shape (FSDP's sharded DTensors, a subclass, give no verdict)
+                    if type(m) is torch.Tensor and type(v) is torch.Tensor and m.shape == p.shape:
+                        picks += [Pick(m.detach(), idx, m_row + k, start), Pick(v.detach(), idx, v_row + k, start)]
+                        ok = True
+                        if found is None and state.get("step") is not None and group.get("betas") is not None:
+                            betas = group["betas"]
+                            found = (state["step"], (float(betas[0]), float(betas[1]), float(group.get("eps", 1e-8))))
+                flags.append(ok)
+                start += idx.numel()
+            if found is None:
+                continue
+            read.picks += picks
+            read.blocks.append((i, k, flags, found[1]))
+            step = found[0]
+            read.steps.append(step.detach() if isinstance(step, torch.Tensor) else float(step))
+        return read
+
+    def z_from(self, read: MomentsRead, values: torch.Tensor, steps: list[float]) -> dict[int, tuple[float, float]]:
+        """``{block: (z, adam_step)}`` from a settled read's ``values`` (host rows) and ``steps`` (its scalars, in
+        the order of ``read.steps``), for the blocks whose Adam step is >= 1."""
+        rows, hyper, keep = [], [], []
+        for (i, k, flags, (b1, b2, eps)), step in zip(read.blocks, steps):
+            if step < 1:
+                continue
+            rows.append(k)
+            hyper.append((step, b1, b2, eps))
+            keep.append((i, flags))
         if not rows:
             return {}
         h = torch.tensor(hyper, dtype=torch.float64)                      # (R, 4): step, beta1, beta2, eps
         step, b1, b2, eps = h.unbind(1)
-        m, v, valid = self.m[rows].double(), self.v[rows].double(), self.valid[rows]
+        valid = torch.zeros(len(rows), self.sample_size, dtype=torch.bool)
+        for r, (i, flags) in enumerate(keep):
+            start = 0
+            for ok, (_, idx) in zip(flags, self.picks[i]):
+                valid[r, start:start + idx.numel()] = ok
+                start += idx.numel()
+        index = torch.tensor(rows)
+        m = values[read.m_row + index].double()
+        v = values[read.v_row + index].double()
         u = (m / (1 - b1 ** step)[:, None]) / ((v / (1 - b2 ** step)[:, None]).sqrt() + eps[:, None])
         count = valid.sum(1).clamp(min=1)
         rms = ((u * u) * valid).sum(1).div(count).sqrt()
         out = {}
-        for k, i in enumerate(rows):
-            out[i] = (float(rms[k]) / adam_noise_floor(float(step[k]), float(b1[k])), float(step[k]))
+        for r, (i, _) in enumerate(keep):
+            out[i] = (float(rms[r]) / adam_noise_floor(float(step[r]), float(b1[r])), float(step[r]))
         return out
+
+    def z(self, indices: list[int], optimizer_state: Callable[[Any], Any] | None) -> dict[int, tuple[float, float]]:
+        """``{block: (z, adam_step)}`` for the blocks of ``indices`` whose Adam moments could be read, read now."""
+        read = self.plan(indices, optimizer_state)
+        if not read.blocks:
+            return {}
+        if self._reader is None:
+            self._reader = StageReader(2 * len(self.picks), self.sample_size, max_scalars=len(self.picks))
+        got = self._reader.launch(read.picks, read.steps).settle()
+        return self.z_from(read, got.values, got.scalars)
 
 
 def block_snr(picks: list[tuple[torch.nn.Parameter, torch.Tensor]],

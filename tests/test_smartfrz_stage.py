@@ -281,3 +281,18 @@ def test_the_ledger_counts_what_smartfrz_holds_in_the_strategy_bucket(tmp_path):
         F.cross_entropy(model(torch.randn(4, 8)), torch.randint(0, 4, (4,))).backward()
         opt.step()
     assert ledger.last.devices["cpu"]["strategy"] == sum(held.values())
+
+
+def test_egeria_reports_its_shadow_copy_and_reference_in_the_strategy_bucket():
+    from layerfreeze.strategies.registry import create_strategy
+
+    model = stack(width=64)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    strategy = create_strategy("egeria", {"interval": 2, "synchronous": True})
+    Freezer(model, opt, strategy=strategy, total_steps=8)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    report = strategy.ledger_bytes()
+    assert set(report) == {"strategy"} and set(report["strategy"]) == {"cpu"}
+    # the float32 shadow (every weight once) plus the int8 reference's tensors
+    assert report["strategy"]["cpu"] > weights
+    assert create_strategy("static", {"k": 1}).ledger_bytes() == {}  # a strategy that holds nothing reports nothing

@@ -276,3 +276,28 @@ def test_a_run_folder_holding_a_run_is_refused_unless_resumed(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="is a file, not a folder"):
         Trainer(config(tmp_path, "file"), task=blob_task())
+
+
+def test_a_run_frees_what_an_earlier_run_in_the_process_left_before_it_builds_anything(tmp_path):
+    """A finished trainer's model, optimizer and Freezer refer to each other, so ``del`` does not free them; only
+    the cyclic collector does. ``compare`` runs its rows one after another in one process: without
+    ``measure.release_garbage`` the second row's peak counted the first row's weights and Adam moments (+261 MiB on
+    an H200, issue 40). With the collector off, as it may be for a while between its passes, the earlier run's
+    objects must be gone when the next run builds its model."""
+    import gc
+    import weakref
+
+    first = Trainer(config(tmp_path, "first"), task=blob_task())
+    first.run()
+    refs = [weakref.ref(first.model), weakref.ref(first.optimizer), weakref.ref(first.freezer)]
+    seen: list[list[bool]] = []
+    gc.disable()
+    try:
+        del first
+        assert all(r() is not None for r in refs)  # the cycle: still alive after del
+        second = Trainer(config(tmp_path, "second"), task=blob_task(),
+                         step_callbacks=[lambda trainer: seen.append([r() is not None for r in refs])])
+        second.run()
+    finally:
+        gc.enable()
+    assert seen[0] == [False, False, False]  # the callbacks run first before step 1, after the build

@@ -167,6 +167,7 @@ class Trainer:
             KeyboardInterrupt: re-raised after writing a resumable checkpoint.
         """
         cfg = self.config
+        measure.release_garbage()  # an earlier run in this process (compare's rows) must not count in this one's peak
         self.setup()
         self.telemetry.log_config(cfg.model_dump(mode="json"))
         self.progress: dict[str, Any] = {

@@ -10,14 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from layerfreeze.checkpoint import load_checkpoint, save_checkpoint
 from layerfreeze.engine import Freezer
 from layerfreeze.models.discovery import discover_blocks
 from layerfreeze.runs.ledger import MemoryLedger
 from layerfreeze.strategies.base import BlockView, StageContext
-from layerfreeze.strategies.smartfrz import strategy as smartfrz_module
 from layerfreeze.strategies.smartfrz.predictor import save_predictor
 from layerfreeze.strategies.smartfrz.reader import Pick, StageReader
 from layerfreeze.strategies.smartfrz.strategy import COST_MIN_STAGES, PROBE_STAGES, SmartFRZ

@@ -32,14 +32,14 @@ the memory ledger's ``strategy`` bucket: about ``12 * rows * width`` bytes (floa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 __all__ = ["Pick", "Read", "StageReader"]
 
 
-@dataclass(frozen=True)
-class Pick:
+class Pick(NamedTuple):
     """Sampled values of one tensor that go into one row of a read.
 
     Attributes:
@@ -60,33 +60,43 @@ class Read:
     """A launched read: the values of every pick, in rows, once :meth:`settle` returns.
 
     Attributes:
-        values: ``(rows, width)`` float32 on the host (pinned for a CUDA read); zero where no pick wrote.
-        scalars: The scalars of the read, as floats, once settled.
-        event: CUDA event recorded after the copy (None: the values are there already).
+        values: ``(rows, width)`` float32 on the host, zero where no pick wrote; valid after :meth:`settle`.
+        scalars: The read's scalars, as floats, in the order given to :meth:`StageReader.launch`; valid after
+            :meth:`settle`.
         deferred: The caller should use the values at its next stage, not now (a CUDA read, or any read of a
             reader made with ``defer=True``); until then no other read of the same reader may be launched.
     """
 
     values: torch.Tensor
     scalars: list[float] = field(default_factory=list)
-    event: torch.cuda.Event | None = None
     deferred: bool = False
-    _pending_scalars: torch.Tensor | None = None
+    # per device read, its ``(rows + 1, width)`` host buffer (the last row: scalars) and the CUDA event recorded
+    # after its copy (None: already there); several parts (picks on several devices) add up (each position is
+    # written by one device only, the others hold zeros there)
+    _parts: list[tuple[torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
+    _device_scalars: list[int] = field(default_factory=list)  # which scalars were read on a device
 
     @property
     def ready(self) -> bool:
         """True when :meth:`settle` will not wait (never synchronises: ``event.query()``)."""
-        return self.event is None or bool(self.event.query())
+        return all(event is None or bool(event.query()) for _, event in self._parts)
 
     def settle(self) -> Read:
-        """Wait for the copy (a no-op when it is done: the caller settles a read one stage after launching it) and
-        fill :attr:`scalars`; returns self."""
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
-        if self._pending_scalars is not None:
-            self.scalars = [float(x) for x in self._pending_scalars.tolist()]  # host memory: no device sync
-            self._pending_scalars = None
+        """Wait for the copies (a no-op when they are done: the caller settles a read one stage after launching it)
+        and fill :attr:`values` and :attr:`scalars`; returns self."""
+        if not self._parts:
+            return self
+        for _, event in self._parts:
+            if event is not None:
+                event.synchronize()
+        hosts = [host for host, _ in self._parts]
+        total = hosts[0] if len(hosts) == 1 else torch.stack(hosts).sum(0)
+        self.values = total[:-1]
+        if self._device_scalars:
+            row = total[-1].tolist()  # host memory: no device sync
+            for j in self._device_scalars:
+                self.scalars[j] = float(row[j])
+        self._parts, self._device_scalars = [], []
         return self
 
 
@@ -99,9 +109,12 @@ class StageReader:
         width: Values per row (SmartFRZ's ``sample_size``).
         max_scalars: Scalars a read may carry besides its rows (read on the device into an extra row), ``<= width``.
         defer: Mark every read deferred (:attr:`Read.deferred`), also on the CPU: a CPU run then uses its reads a
-            stage late, as a CUDA run does (for tests and comparisons); None (default): deferred on CUDA only.
+            stage late, as a CUDA run does (for tests and comparisons); None (default): deferred when a pick or a
+            scalar is on a CUDA device.
 
-    A read's values live in the reader's buffers until its next launch: use them (or copy them) before that.
+    A read's values live in the reader's buffers until its next launch: use them (or copy them) before that. Picks
+    on several devices (a model split over GPUs, an optimizer state kept on the host) are read per device, one copy
+    each, and added up on the host.
 
     Shapes: a read's :attr:`Read.values` is ``(rows, width)`` float32.
 
@@ -114,97 +127,108 @@ class StageReader:
             raise ValueError(f"StageReader: rows and width must be >= 1 and max_scalars in [0, width], got "
                              f"{rows}, {width}, {max_scalars}")
         self.rows, self.width, self.max_scalars, self.defer = rows, width, max_scalars, defer
-        self._host_cpu = torch.zeros(rows, width)  # the CPU path's buffer (gathers write here directly)
+        self._host_cpu = torch.zeros(rows + 1, width)  # the CPU's part: gathers write here directly
         self._device: dict[torch.device, torch.Tensor] = {}  # per device: (rows + 1, width) gather buffer
         self._pinned: dict[torch.device, torch.Tensor] = {}  # per CUDA device: its pinned host twin
         self._positions: dict[tuple[int, torch.device], torch.Tensor] = {}  # positions moved to a device, once
+        self._views: dict[tuple[int, int, int, int], torch.Tensor] = {}  # (buffer, row, start, n) -> its slice
 
     def launch(self, picks: list[Pick], scalars: list[torch.Tensor | float] = ()) -> Read:
-        """Gather ``picks`` and ``scalars`` and start bringing them to the host; never synchronises on a device.
+        """Gather ``picks`` and ``scalars`` and start bringing them to the host; never synchronises on a CUDA
+        device (on ``mps``/``xpu``, which have no pinned memory or events here, the copy is a plain one).
 
-        All picks of a read must be on one device (the CPU or one accelerator); scalars are numbers, CPU tensors or
-        one-element tensors on that device.
+        Scalars are numbers, CPU tensors (read now) or one-element device tensors (read with the picks, e.g. the
+        step a fused Adam keeps on the device).
 
         Raises:
-            ValueError: picks on more than one device, a pick outside ``(rows, width)``, or more scalars than
-                ``max_scalars``.
+            ValueError: a pick outside ``(rows, width)``, or more scalars than ``max_scalars``.
         """
         if len(scalars) > self.max_scalars:
             raise ValueError(f"StageReader: {len(scalars)} scalars, at most {self.max_scalars}")
-        devices = {p.source.device for p in picks}
-        if len(devices) > 1:
-            raise ValueError(f"StageReader: one read per device, got picks on {sorted(map(str, devices))}")
-        device = devices.pop() if devices else torch.device("cpu")
+        by_device: dict[torch.device, list[Pick]] = {}
+        for pick in picks:
+            by_device.setdefault(pick.source.device, []).append(pick)
+        on_device: dict[torch.device, list[int]] = {}
+        host_scalars = [0.0] * len(scalars)
+        for j, value in enumerate(scalars):
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                on_device.setdefault(value.device, []).append(j)
+                by_device.setdefault(value.device, [])
+            else:
+                host_scalars[j] = float(value)  # a number or a CPU tensor: no device sync
+        read = Read(values=self._host_cpu[: self.rows], scalars=host_scalars)
         with torch.no_grad():
-            read = self._launch_cpu(picks, scalars) if device.type == "cpu" else self._launch_device(device, picks,
-                                                                                                    scalars)
-        read.deferred = read.event is not None if self.defer is None else bool(self.defer)
+            for device, group in by_device.items():
+                if device.type == "cpu":
+                    read._parts.append((self._gather_cpu(group), None))
+                else:
+                    read._parts.append(self._gather_device(device, group, [(j, scalars[j])
+                                                                            for j in on_device.get(device, [])]))
+        if not read._parts:
+            self._host_cpu.zero_()
+        read._device_scalars = [j for js in on_device.values() for j in js]
+        cuda = any(event is not None for _, event in read._parts)
+        read.deferred = cuda if self.defer is None else bool(self.defer)
+        if not read.deferred:
+            read.settle()
         return read
 
-    def _check(self, pick: Pick) -> None:
-        n = pick.positions.numel()
-        if not (0 <= pick.row < self.rows and 0 <= pick.start and pick.start + n <= self.width):
-            raise ValueError(f"StageReader: a pick of {n} values at row {pick.row}, column {pick.start} does not fit "
-                             f"({self.rows}, {self.width})")
+    def _view(self, buf: torch.Tensor, pick: Pick, n: int) -> torch.Tensor:
+        """``buf[row, start:start + n]``, made (and checked) once per place: a stage reads the same places."""
+        key = (id(buf), pick.row, pick.start, n)
+        view = self._views.get(key)
+        if view is None:
+            if not (0 <= pick.row < self.rows and 0 <= pick.start and pick.start + n <= self.width):
+                raise ValueError(f"StageReader: a pick of {n} values at row {pick.row}, column {pick.start} does not "
+                                 f"fit ({self.rows}, {self.width})")
+            view = self._views[key] = buf[pick.row, pick.start:pick.start + n]
+        return view
 
-    def _launch_cpu(self, picks: list[Pick], scalars: list[torch.Tensor | float]) -> Read:
+    def _gather_cpu(self, picks: list[Pick]) -> torch.Tensor:
         out = self._host_cpu
         out.zero_()
         for pick in picks:
-            self._check(pick)
             flat = pick.source.reshape(-1)
-            dst = out[pick.row, pick.start:pick.start + pick.positions.numel()]
+            dst = self._view(out, pick, pick.positions.numel())
             if flat.dtype == out.dtype:
                 torch.index_select(flat, 0, pick.positions, out=dst)  # the recorder's read before issue 40, bitwise
             else:
                 dst.copy_(flat[pick.positions])
-        return Read(values=out, scalars=[float(s) for s in scalars])
+        return out
 
-    def _launch_device(self, device: torch.device, picks: list[Pick], scalars: list[torch.Tensor | float]) -> Read:
+    def _gather_device(self, device: torch.device, picks: list[Pick],
+                       scalars: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         buf = self._device.get(device)
         if buf is None:
             buf = self._device[device] = torch.zeros(self.rows + 1, self.width, device=device)
         buf.zero_()
         for pick in picks:
-            self._check(pick)
             key = (id(pick.positions), device)
             idx = self._positions.get(key)
             if idx is None:
                 idx = self._positions[key] = pick.positions.to(device)
             flat = pick.source.reshape(-1)
-            dst = buf[pick.row, pick.start:pick.start + idx.numel()]
+            dst = self._view(buf, pick, idx.numel())
             if flat.dtype == buf.dtype:
                 torch.index_select(flat, 0, idx, out=dst)
             else:
                 dst.copy_(flat.index_select(0, idx))
-        host_scalars: list[float] = []
-        on_device = [s for s in scalars if isinstance(s, torch.Tensor) and s.device.type != "cpu"]
-        if on_device and len(on_device) != len(scalars):
-            raise ValueError("StageReader: scalars of one read are all on the device or all on the host")
-        if on_device:
-            buf[self.rows, :len(on_device)].copy_(torch.stack([s.reshape(()).float() for s in on_device]))
-        else:
-            host_scalars = [float(s) for s in scalars]  # numbers or CPU tensors: no device sync
+        for j, value in scalars:  # into the last row, at the scalar's own column
+            buf[self.rows, j:j + 1].copy_(value.reshape(1))
         if device.type != "cuda":  # mps, xpu: no pinned memory / events here; a plain (synchronising) copy
-            host = buf.to("cpu")
-            read = Read(values=host[: self.rows], scalars=host_scalars)
-            if on_device:
-                read.scalars = [float(x) for x in host[self.rows, :len(on_device)].tolist()]
-            return read
+            return buf.to("cpu"), None
         pinned = self._pinned.get(device)
         if pinned is None:
             pinned = self._pinned[device] = torch.zeros(self.rows + 1, self.width, pin_memory=True)
         pinned.copy_(buf, non_blocking=True)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
-        read = Read(values=pinned[: self.rows], scalars=host_scalars, event=event)
-        if on_device:
-            read._pending_scalars = pinned[self.rows, :len(on_device)]
-        return read
+        return pinned, event
 
     def forget_positions(self) -> None:
         """Drop the positions kept on devices (the picks' position tensors changed)."""
         self._positions.clear()
+        self._views.clear()
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors this reader holds: the gather buffers and positions on the devices, the host buffers (for

@@ -15,7 +15,6 @@ frozen blocks are not recorded.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,17 +56,14 @@ class BlockSample:
                 self.picks.append((p, positions))
         self.mask[:] = True
 
-    def picks_into(self, row: int, source: Callable[[nn.Parameter], torch.Tensor | None] | None = None) -> list[Pick]:
-        """What to read for this block into ``row`` of a :class:`~.reader.StageReader` read: the sampled positions
-        of each parameter (``source`` maps a parameter to the tensor read at its positions, e.g. an Adam moment; a
-        parameter it maps to None is left out; default: the parameter's own values)."""
-        out, start = [], 0
-        for p, idx in self.picks:
-            tensor = p.detach() if source is None else source(p)
-            if tensor is not None:
-                out.append(Pick(tensor, idx, row, start))
-            start += idx.numel()
-        return out
+
+def _offsets(picks: list[tuple[nn.Parameter, torch.Tensor]]) -> list[tuple[nn.Parameter, torch.Tensor, int]]:
+    """``picks`` with the column where each one's values start in its block's row."""
+    out, start = [], 0
+    for p, idx in picks:
+        out.append((p, idx, start))
+        start += idx.numel()
+    return out
 
 
 class WeightRecorder:
@@ -92,20 +88,27 @@ class WeightRecorder:
         self.steps = torch.zeros(len(blocks), window, dtype=torch.int64)  # optimizer step of each snapshot
         self.counts = [0] * len(blocks)  # snapshots taken per block (not capped)
         self._reader: StageReader | None = None  # snapshot()'s own reader, made at its first call
+        self._weight_picks: list[list[Pick]] | None = None  # per block, made at the first read
 
     def picks(self, active: list[bool]) -> list[Pick]:
-        """The reads of one snapshot: every active block's sampled weights into the row of its index."""
-        return [pick for i, sample in enumerate(self.samples) if active[i] for pick in sample.picks_into(i)]
+        """The reads of one snapshot: every active block's sampled weights into the row of its index (the
+        parameters themselves: read under ``no_grad``, whatever their data is at the time)."""
+        if self._weight_picks is None:
+            self._weight_picks = [[Pick(p, idx, i, start) for p, idx, start in _offsets(sample.picks)]
+                                  for i, sample in enumerate(self.samples)]
+        return [pick for i, on in enumerate(active) if on for pick in self._weight_picks[i]]
 
     def record(self, values: torch.Tensor, active: list[bool], step: int) -> None:
         """File one snapshot: row ``i`` of ``values`` (``(>= num_blocks, sample_size)`` float32, host) is active
         block ``i``'s sample, taken after optimizer step ``step``; inactive blocks are skipped."""
-        for i, on in enumerate(active):
-            if not on:
-                continue
-            slot = self.counts[i] % self.window
-            self.buffers[i, slot].copy_(values[i])
-            self.steps[i, slot] = step
+        rows = [i for i, on in enumerate(active) if on]
+        if not rows:
+            return
+        slots = [self.counts[i] % self.window for i in rows]
+        index = (torch.tensor(rows), torch.tensor(slots))
+        self.buffers.index_put_(index, values[index[0]])  # one copy for every active block
+        self.steps.index_put_(index, torch.tensor(step, dtype=self.steps.dtype))
+        for i in rows:
             self.counts[i] += 1
 
     def snapshot(self, active: list[bool], step: int = 0) -> None:

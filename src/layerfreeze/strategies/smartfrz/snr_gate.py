@@ -118,6 +118,18 @@ class AdamMoments:
 
     def __init__(self, picks: list[list[tuple[torch.nn.Parameter, torch.Tensor]]], sample_size: int) -> None:
         self.picks, self.sample_size = picks, sample_size
+        # per block: (parameter, positions, column of its first value), and the mask of its real positions
+        self._offsets: list[list[tuple[torch.nn.Parameter, torch.Tensor, int]]] = []
+        self._full: list[torch.Tensor] = []
+        for block in picks:
+            start, offsets = 0, []
+            for p, idx in block:
+                offsets.append((p, idx, start))
+                start += idx.numel()
+            self._offsets.append(offsets)
+            full = torch.zeros(sample_size, dtype=torch.bool)
+            full[:start] = True
+            self._full.append(full)
         self._reader: StageReader | None = None  # z()'s own reader
 
     def plan(self, indices: list[int], optimizer_state: Callable[[Any], Any] | None, m_row: int = 0,
@@ -131,8 +143,7 @@ class AdamMoments:
             return read
         for k, i in enumerate(indices):
             found, flags, picks = None, [], []
-            start = 0
-            for p, idx in self.picks[i]:
+            for p, idx, start in self._offsets[i]:
                 got = optimizer_state(p)
                 ok = False
                 if got is not None:
@@ -146,7 +157,6 @@ class AdamMoments:
                             betas = group["betas"]
                             found = (state["step"], (float(betas[0]), float(betas[1]), float(group.get("eps", 1e-8))))
                 flags.append(ok)
-                start += idx.numel()
             if found is None:
                 continue
             read.picks += picks
@@ -169,12 +179,7 @@ class AdamMoments:
             return {}
         h = torch.tensor(hyper, dtype=torch.float64)                      # (R, 4): step, beta1, beta2, eps
         step, b1, b2, eps = h.unbind(1)
-        valid = torch.zeros(len(rows), self.sample_size, dtype=torch.bool)
-        for r, (i, flags) in enumerate(keep):
-            start = 0
-            for ok, (_, idx) in zip(flags, self.picks[i]):
-                valid[r, start:start + idx.numel()] = ok
-                start += idx.numel()
+        valid = torch.stack([self._valid(i, flags) for i, flags in keep])
         index = torch.tensor(rows)
         m = values[read.m_row + index].double()
         v = values[read.v_row + index].double()
@@ -182,9 +187,18 @@ class AdamMoments:
         count = valid.sum(1).clamp(min=1)
         rms = ((u * u) * valid).sum(1).div(count).sqrt()
         out = {}
-        for r, (i, _) in enumerate(keep):
-            out[i] = (float(rms[r]) / adam_noise_floor(float(step[r]), float(b1[r])), float(step[r]))
+        for (i, _), r, t, b in zip(keep, rms.tolist(), step.tolist(), b1.tolist()):  # host tensors: no sync
+            out[i] = (r / adam_noise_floor(t, b), t)
         return out
+
+    def _valid(self, index: int, flags: list[bool]) -> torch.Tensor:
+        """``(sample_size,)`` bool: block ``index``'s positions whose pick had Adam moments."""
+        if all(flags):
+            return self._full[index]
+        valid = torch.zeros(self.sample_size, dtype=torch.bool)
+        for ok, (_, idx, start) in zip(flags, self._offsets[index]):
+            valid[start:start + idx.numel()] = ok
+        return valid
 
     def z(self, indices: list[int], optimizer_state: Callable[[Any], Any] | None) -> dict[int, tuple[float, float]]:
         """``{block: (z, adam_step)}`` for the blocks of ``indices`` whose Adam moments could be read, read now."""

@@ -18,6 +18,7 @@ table says so; the script stops otherwise).
 
     python -m benchmarks.flops_overhead                     # the default job's MiniLM-L6 / BBC News and MobileNetV2
     python -m benchmarks.flops_overhead --tasks fashion-mnist --steps 5 --batch-size 32   # a quick look
+    python -m benchmarks.flops_overhead --threads 1 --batch-size 8 --max-length 32   # steadier beside other jobs
 
 A task whose offline asset is not installed (``layerfreeze assets``) is left out with a note. The model trains on
 ``run.device`` = auto (a GPU when there is one; the clock waits for it). Prints a table and writes
@@ -79,7 +80,7 @@ def _counter(mode: str):
 
 
 def measure(name: str, overrides: dict, steps: int, out: Path, batch_size: int | None = None,
-            max_length: int | None = None) -> dict:
+            max_length: int | None = None, threads: int | None = None) -> dict:
     """Median seconds of a step per mode for one task (see the module docstring), the ops one step dispatches and
     the two counters' counts (FLOPs per step, equal)."""
     overrides = json.loads(json.dumps(overrides))
@@ -87,9 +88,10 @@ def measure(name: str, overrides: dict, steps: int, out: Path, batch_size: int |
         overrides.setdefault("train", {})["batch_size"] = batch_size
     if max_length:
         overrides.setdefault("model", {})["max_length"] = max_length
-    config = build_config({**overrides, "freeze": {"strategy": "none", "cache": {"mode": "off"}},
-                           "run": {"dir": str(out / name), "progress": False, "checkpoint": False,
-                                   "tensorboard": False, "ledger": False}})
+    run = {"dir": str(out / name), "progress": False, "checkpoint": False, "tensorboard": False, "ledger": False}
+    if threads:
+        run["threads"] = threads
+    config = build_config({**overrides, "freeze": {"strategy": "none", "cache": {"mode": "off"}}, "run": run})
     trainer = Trainer(config)
     trainer.setup()
     n = config.train.batch_size
@@ -126,7 +128,8 @@ def measure(name: str, overrides: dict, steps: int, out: Path, batch_size: int |
         raise AssertionError(f"{name}: the counts differ: {flops}")
     med = {m: statistics.median(v) for m, v in times.items()}
     over = {m: med[m] - med["normal"] for m in MODES[1:]}
-    return {"task": name, "device": str(trainer.device), "batch_size": n, "steps_per_mode": steps,
+    return {"task": name, "device": str(trainer.device), "threads": torch.get_num_threads(), "batch_size": n,
+            "steps_per_mode": steps,
             "ops_per_step": ops, "flops_per_step": flops["TotalFlopCounter"].pop(), "step_s": med,
             "overhead_s": over, "overhead_per_op_us": {m: 1e6 * over[m] / max(1, ops) for m in over}}
 
@@ -137,24 +140,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7, help="timed training steps per mode and task (>= 5)")
     parser.add_argument("--batch-size", type=int, help="instead of the task's (a quick look)")
     parser.add_argument("--max-length", type=int, help="tokens per text sample, instead of 128 (a quick look)")
+    parser.add_argument("--threads", type=int, help="CPU threads (run.threads; 1 is steadier on a shared machine)")
     parser.add_argument("--out", default="runs/bench-flops-overhead")
     args = parser.parse_args()
     out = Path(args.out)
     rows, missing = [], []
     for task in args.tasks.split(","):
         try:
-            rows.append(measure(task, TASKS[task], args.steps, out, args.batch_size, args.max_length))
+            rows.append(measure(task, TASKS[task], args.steps, out, args.batch_size, args.max_length,
+                                args.threads))
         except AssetMissingError as err:  # an offline asset not installed: the other tasks still run
             missing.append(f"{task}: {err}")
     table = Table(title="Counting a training step's FLOPs: median step (trainer's step, nothing frozen) without a "
                         "counter, under FlopCounterMode, under TotalFlopCounter (measure_flops); overhead over the "
                         "normal step, in all and per dispatched op")
-    for col in ("task", "device", "batch", "ops/step", "FLOPs/step (both)", "normal", "FlopCounterMode",
+    for col in ("task", "device", "threads", "batch", "ops/step", "FLOPs/step (both)", "normal", "FlopCounterMode",
                 "TotalFlopCounter", "overhead FCM", "overhead Total", "per op FCM", "per op Total"):
         table.add_column(col, justify="right")
     for r in rows:
         s, o, p = r["step_s"], r["overhead_s"], r["overhead_per_op_us"]
-        table.add_row(r["task"], r["device"], str(r["batch_size"]), str(r["ops_per_step"]),
+        table.add_row(r["task"], r["device"], str(r["threads"]), str(r["batch_size"]), str(r["ops_per_step"]),
                       f"{r['flops_per_step']:.4g}", *(f"{1000 * s[m]:.1f} ms" for m in MODES),
                       *(f"{1000 * o[m]:+.1f} ms" for m in MODES[1:]), *(f"{p[m]:.1f} us" for m in MODES[1:]))
     Console(width=180).print(table)

@@ -22,9 +22,10 @@ step, nothing frozen, on a 2-core CPU shared with other jobs, so indicative): Mi
 MobileNetV2, 2,111 ops: normal 52 ms, +80 ms (38 us per op) against +32 ms (15 us per op). In a second comparison
 (MiniLM-L6, batch 2, a plain forward/backward/AdamW loop, 1,927 ops) a dispatch mode that only passes each op on
 added 9.0 us per op, :class:`TotalFlopCounter` 9.4 and ``FlopCounterMode`` 32: what is left is that floor, one
-Python ``__torch_dispatch__`` per op of the step (forward, backward, clipping, optimizer). A meta-device copy of the model would pay the same per-op Python dispatch on the host (and meta kernels,
-many of them Python) on top of the real step, and it would have to copy the optimizer and the trainer's per-step
-state; it is not cheaper on a CPU and not simpler anywhere.
+Python ``__torch_dispatch__`` per op of the step (forward, backward, clipping, optimizer). A meta-device copy of the
+model would pay the same per-op Python dispatch on the host (and meta kernels, many of them Python) on top of the real
+step, and it would have to copy the optimizer and the trainer's per-step state; it is not cheaper on a CPU and not
+simpler anywhere.
 
 On CUDA (read from torch's code, not measured here): the counting costs host time only. The formulas read shapes and
 no op of the counter synchronises the device. The kernels are a normal step's: nothing decomposes in a transformer's

@@ -27,9 +27,11 @@ one line of that contract import nothing from each other). Outside the folder, e
   with the table of what each counts), their labels and order, ``DISK``, what a byte source reports; imported by
   every module that reports or reads bytes per bucket (``compute``, ``engine.demote``, ``budget``, ``summary``,
   ``report``);
-* :mod:`~layerfreeze.runs.measure` -- measured training FLOPs (``FlopCounterMode``), peak and current memory;
-  imported by the trainer;
+* :mod:`~layerfreeze.runs.measure` -- measured training FLOPs (``FlopCounterMode``'s count), peak and current
+  memory; imported by the trainer;
 * :mod:`~layerfreeze.runs.rundir` -- the run folder's layout, ``metrics.jsonl``'s record and event kinds, reading
   records back (:func:`~layerfreeze.runs.rundir.read_metrics`) and replaying a resumed run's records; imported by
-  ``telemetry``, ``compare_table``, ``report``, the CLI, the trainer and the checkpoints.
+  ``telemetry``, ``compare_table``, ``report``, the CLI, the trainer and the checkpoints;
+* :mod:`~layerfreeze.runs.flops` -- the FLOP counter (:class:`~layerfreeze.runs.flops.TotalFlopCounter`:
+  ``FlopCounterMode``'s total at less cost) and layerfreeze's formulas over torch's; imported by ``measure``.
 """

@@ -1,7 +1,7 @@
-"""Measurement of a training step: its FLOPs (``FlopCounterMode``) and the memory it takes.
+"""Measurement of a training step: its FLOPs (``FlopCounterMode``'s count) and the memory it takes.
 
-* Training FLOPs measured with :func:`measure_flops`
-  (:class:`torch.utils.flop_counter.FlopCounterMode`).
+* Training FLOPs measured with :func:`measure_flops` (:class:`torch.utils.flop_counter.FlopCounterMode`'s count,
+  taken by :class:`~layerfreeze.runs.flops.TotalFlopCounter`).
 * Peak memory: :func:`reset_peak_memory` / :func:`peak_memory_bytes`
   (CUDA allocator statistics on CUDA, process peak RSS otherwise); memory in use: :func:`current_memory_bytes`;
   what an earlier run in the same process left behind: :func:`release_garbage`.
@@ -13,11 +13,12 @@ import gc
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import psutil
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+
+from layerfreeze.runs.flops import TotalFlopCounter
 
 __all__ = ["current_memory_bytes", "measure_flops", "peak_memory_bytes", "release_garbage", "reset_peak_memory"]
 
@@ -30,39 +31,13 @@ _PROC_CLEAR_REFS = "/proc/self/clear_refs"
 # --------------------------------------------------------------------------- #
 # FLOPs
 # --------------------------------------------------------------------------- #
-def _conv_backward_flops(grad_out_shape: Any, x_shape: Any, w_shape: Any, _bias: Any, _stride: Any,
-                         _padding: Any, _dilation: Any, transposed: bool, _output_padding: Any, groups: int,
-                         output_mask: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    """FLOPs of ``aten.convolution_backward``: torch's formula with the weight gradient of a grouped convolution
-    divided by ``groups``.
-
-    Why: torch's ``conv_backward_flop`` (2.x) computes the weight gradient's count as a convolution of all input
-    channels with all output channels, ignoring groups, while each output channel only sees ``C_in / groups``
-    input channels. A depthwise convolution (``groups = channels``) had its weight gradient counted ``channels``
-    times too large: MobileNetV2's backward came out at 19x its forward, and freezing its depthwise convs looked
-    like a far larger saving than it is. The input gradient's count already uses the grouped weight shape.
-    """
-    from torch.utils.flop_counter import conv_flop_count
-
-    def t(shape: Any) -> list[int]:
-        return [shape[1], shape[0], *shape[2:]]
-
-    flops = 0
-    if output_mask[0]:  # grad_input as a transposed convolution of grad_output with the weight
-        flops += conv_flop_count(list(grad_out_shape), list(w_shape), list(out_shape[0]), not transposed)
-    if output_mask[1]:  # grad_weight as a convolution of the input with grad_output, per group
-        a, b = (grad_out_shape, x_shape) if transposed else (x_shape, grad_out_shape)
-        flops += conv_flop_count(t(a), t(b), t(out_shape[1]), transposed=False) // max(1, groups)
-    return flops
-
-
 def measure_flops(fn: Callable[[], T]) -> tuple[T, int]:
     """Run ``fn()`` once and count the floating-point operations it executes.
 
     ``fn`` should be a real training step (forward + backward, optionally the
-    optimizer step).  It runs inside
-    ``torch.utils.flop_counter.FlopCounterMode(display=False)``, which counts
-    the FLOPs of the matmul / convolution / attention ops that are *actually
+    optimizer step).  The count is the one
+    ``torch.utils.flop_counter.FlopCounterMode(display=False)`` gives: the
+    FLOPs of the matmul / convolution / attention ops that are *actually
     dispatched* (one multiply-add = 2 FLOPs).  Consequently backward work that
     autograd skips for frozen blocks is not counted: a frozen block computes no
     weight gradients, and blocks before the first trainable block compute no
@@ -71,9 +46,22 @@ def measure_flops(fn: Callable[[], T]) -> tuple[T, int]:
     optimizer updates) are not counted, so the number is a lower bound on the
     true arithmetic, dominated in practice by the matmuls/convs.
 
-    Convolution backward is counted with :func:`_conv_backward_flops`
-    (torch's formula, except that the weight gradient of a grouped convolution
-    is divided by ``groups``: torch counts it as a dense convolution).
+    Convolution backward is counted with
+    :func:`~layerfreeze.runs.flops.conv_backward_flops` (torch's formula,
+    except that the weight gradient of a grouped convolution is divided by
+    ``groups``: torch counts it as a dense convolution).
+
+    The counter is :class:`~layerfreeze.runs.flops.TotalFlopCounter`: torch's
+    ``FlopCounterMode`` and its formula registry, keeping the total only (no
+    per-module attribution, whose module hooks run on every module call and in
+    backward) and trying an op's decomposition only where one exists and can
+    count (``FlopCounterMode`` tries one for every op). Equal counts, as ints,
+    on transformer and convolutional training steps, frozen or not, in float32
+    and under bfloat16 autocast (``tests/test_flops_counter.py``); a cheaper
+    counted step (``python -m benchmarks.flops_overhead``). The step still
+    runs on its own device, every op through one Python dispatch call: on a
+    GPU the counted step is bound by the host, not by the kernels (see
+    :mod:`layerfreeze.runs.flops`).
 
     Args:
         fn: zero-argument callable to run.
@@ -85,8 +73,7 @@ def measure_flops(fn: Callable[[], T]) -> tuple[T, int]:
     Raises:
         Whatever ``fn`` raises; it is not caught.
     """
-    counter = FlopCounterMode(display=False,
-                              custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flops})
+    counter = TotalFlopCounter()
     with counter:
         result = fn()
     return result, int(counter.get_total_flops())

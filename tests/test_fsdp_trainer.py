@@ -194,6 +194,7 @@ def checkpoints_by_step(run_dir):
     return out
 
 
+@pytest.mark.assets("minilm")  # tiny_bert_dir: MiniLM's tokenizer
 def test_torchrun_train_parallel_fsdp_freezes_thaws_and_resumes_bitwise(tmp_path, tiny_bert_dir, tiny_csv):
     from safetensors.torch import load_file
 

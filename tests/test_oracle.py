@@ -93,7 +93,7 @@ def test_probe_recorder_records_at_start_every_few_steps_and_at_the_end(tmp_path
     assert not any(m._forward_hooks for m in trainer.model.modules())  # the probe's hooks live only in a record
 
 
-@pytest.mark.assets
+@pytest.mark.assets("fashion_mnist")
 def test_prefix_step_flops_match_what_the_trainer_measures(tmp_path, one_thread):
     def cfg(strategy, params=None):
         return build_config({

@@ -12,6 +12,7 @@ from tests.conftest import benchmark_module
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.mark.assets("fashion_mnist", "mobilenet_v2")
 def test_memory_table_adds_a_demoted_row_per_freezing_strategy(tmp_path, capsys):
     with benchmark_module("memory_table") as memory_table:
         memory_table.main(["--tasks", "fmnist", "--size", "tiny", "--rows", "none,static", "--demote", "bfloat16",
@@ -29,6 +30,7 @@ def test_memory_table_adds_a_demoted_row_per_freezing_strategy(tmp_path, capsys)
     assert "static+bf16" in out and "master copies (demoted)" in (tmp_path / "memory.md").read_text()
 
 
+@pytest.mark.assets("fashion_mnist", "mobilenet_v2")
 def test_demote_accuracy_pairs_each_row_with_its_demoted_run(tmp_path):
     with benchmark_module("demote_accuracy") as demote_accuracy:
         results = demote_accuracy.main(["--tasks", "fmnist-mobilenet", "--size", "tiny", "--seeds", "1",

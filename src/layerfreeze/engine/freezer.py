@@ -68,7 +68,7 @@ from layerfreeze.engine.optim import add_to_optimizer, group_origin, remove_from
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, report_metric, start
 from layerfreeze.models.blocks import Block
-from layerfreeze.models.discovery import discover_blocks
+from layerfreeze.models.discovery import discover_blocks, refuse_empty_parameters
 from layerfreeze.strategies import DEFAULT_STRATEGY, Decision, Strategy, create_strategy
 
 
@@ -137,6 +137,9 @@ class Freezer:
 
     Raises:
         BlockDiscoveryError: blocks cannot be discovered (see :func:`~layerfreeze.models.discovery.discover_blocks`).
+        EmptyParameterError: a block's parameter holds no elements (a DeepSpeed ZeRO-3 placeholder outside a gather,
+            axolotl#1687: its checksums and freezes would pass on nothing;
+            :func:`~layerfreeze.models.discovery.refuse_empty_parameters`).
         UnknownStrategyError / ValueError: bad strategy name or parameters; a sharded model with a strategy that
             observes the model and no ``mirror`` on rank 0 (raised on every rank); ``demote`` with ``train_bn=True``
             (the BatchNorm layers of frozen blocks keep training in float32) or with an FSDP2-sharded model.
@@ -182,6 +185,8 @@ class Freezer:
             self.blocks: list[Block] = list(blocks)  # type: ignore[arg-type]
         else:
             self.blocks = discover_blocks(model, blocks)  # type: ignore[arg-type]
+        # blocks given ready-made skip discovery's check: a 0-element placeholder would pass the checksums too
+        refuse_empty_parameters(((n, p) for b in self.blocks for n, p in b.named_parameters()), "Freezer")
         if isinstance(strategy, str):  # built and checked against the blocks here, once
             strategy = create_strategy(strategy, strategy_params, num_blocks=len(self.blocks))
         elif strategy_params:

@@ -202,6 +202,7 @@ class Freezer:
         if optimizer is not None:
             self._origin = group_origin(optimizer)
         self._hooks: dict[int, list[Any]] = {}
+        self._root_eval_hook: Any = None  # registered at the first freeze (_eval_frozen_blocks)
         self.integrity = FrozenSet(on_unfrozen, warn=functools.partial(steps.integrity_warning, self))
         self._grad_l1 = [0.0] * len(self.blocks)
         self._backward_calls = 0
@@ -310,6 +311,8 @@ class Freezer:
         for _, module in block.modules:
             set_eval_mode(module, self.train_bn)
             self._hooks.setdefault(block.index, []).append(module.register_forward_pre_hook(self._eval_hook))
+        if self._root_eval_hook is None and block.modules and block.modules[0][1] is not self.model:
+            self._root_eval_hook = self.model.register_forward_pre_hook(self._eval_frozen_blocks)
         self.frozen[block.index] = True
         named = self.named_frozen_parameters(block)
         self.integrity.on_freeze(block.index, named)  # the checksum of the float32 weights a thaw gives back
@@ -570,6 +573,24 @@ class Freezer:
         # model.train() flips frozen blocks back to training mode; undo it before they run.
         if module.training:
             set_eval_mode(module, self.train_bn)
+
+    def _eval_frozen_blocks(self, model: nn.Module, args: Any) -> None:
+        """Before the model's forward: every frozen block back in eval mode, before any block is called.
+
+        Why not the blocks' own pre-hooks alone: they run inside the block's ``__call__``, after a wrapper that reads
+        ``module.training`` there has decided. transformers up to 5.17 at least checkpoints a training-mode layer's
+        whole ``__call__`` (``GradientCheckpointingLayer``), so after the HF Trainer's ``model.train()`` a frozen
+        layer ran under a reentrant checkpoint, where the checkpointing boundary's hook (grad mode off there) could not
+        mark its output, and no checkpointed layer after it got a gradient (issue 41, transformers #21381's fault
+        again; found with transformers 5.17). One pass over the frozen blocks, only in training mode.
+        """
+        if not model.training:
+            return
+        for index, frozen in enumerate(self.frozen):
+            if frozen:
+                for _, module in self.blocks[index].modules:
+                    if module.training:
+                        set_eval_mode(module, self.train_bn)
 
     def _record(self, kind: str, block: Block, reason: str, **extra: Any) -> None:
         record = {

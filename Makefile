@@ -10,4 +10,4 @@ demo: setup
 test: setup
 	.venv/bin/ruff check src tests benchmarks examples
 	.venv/bin/lint-imports
-	.venv/bin/python -m pytest -q
+	LAYERFREEZE_REQUIRE_ASSETS=1 .venv/bin/python -m pytest -q

@@ -28,7 +28,7 @@ def _tiny_bert_for_bbc(path):
     return path
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm", "bbc_news")
 def test_quick_table_plans_trains_and_refuses_the_impossible_budget(tmp_path, one_thread):
     tiny_bert_dir = _tiny_bert_for_bbc(tmp_path / "tiny-bert")
     md = tmp_path / "BENCH.md"

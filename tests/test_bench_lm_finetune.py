@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import benchmark_module
 
 
-@pytest.mark.assets
+@pytest.mark.assets("bbc_news")
 def test_every_row_runs_and_trains_what_its_strategy_trains(tmp_path, one_thread, capsys):
     with benchmark_module("lm_finetune") as bench:
         assert bench.main(["--tiny", "--out", str(tmp_path / "out"), "--cache", str(tmp_path / "cache")]) == 0

@@ -199,6 +199,7 @@ def test_the_candidate_predictor_reaches_every_cell_and_a_resume_of_another_is_r
     assert grid.main(argv) == 0 and len(seen) == 2  # the same predictor: both seeds are there, nothing runs
 
 
+@pytest.mark.assets("fashion_mnist", "mobilenet_v2")
 def test_quick_cell_trains_none_and_both_rows_on_one_stream(grid, tmp_path, capsys):
     from layerfreeze.strategies.smartfrz.predictor import _load
 

@@ -13,6 +13,7 @@ def overhead():
         yield module
 
 
+@pytest.mark.assets("fashion_mnist")
 def test_measure_times_real_steps_and_a_stage_and_divides_by_the_strategy_interval(overhead, tmp_path):
     overrides = {"task": "fashion-mnist", "model": {"name_or_path": "resnet18", "pretrained": False},
                  "train": {"batch_size": 16, "epochs": 1}, "data": {"limit_train": 64, "limit_test": 16}}

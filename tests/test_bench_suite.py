@@ -164,6 +164,7 @@ def _stored_for_resume(suite, rows, seeds):
     return results
 
 
+@pytest.mark.assets("bbc_news")  # the BBC split's sizes
 def test_resume_refuses_other_rows_a_quick_run_or_no_results_before_training(suite, tmp_path, capsys):
     (tmp_path / "results.json").write_text(json.dumps(_stored_for_resume(suite, ["none", "static", "lora"], [0])))
     with pytest.raises(SystemExit):
@@ -178,6 +179,7 @@ def test_resume_refuses_other_rows_a_quick_run_or_no_results_before_training(sui
     assert not (tmp_path / "bbc").exists()  # nothing trained
 
 
+@pytest.mark.assets("bbc_news")  # the BBC split's sizes
 def test_resume_keeps_the_stored_seeds_and_runs_only_missing_ones(suite, tmp_path):
     """Every seed asked for is stored: nothing trains (no run folder), the seeds and their table are kept as they
     were, and the section says what the resumed command ran."""

@@ -300,6 +300,7 @@ def test_a_strategy_under_a_budget_freezes_beyond_the_floor_and_the_peak_stays_w
 # ---- layerfreeze plan ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.assets("minilm")  # tiny_bert_dir: MiniLM's tokenizer
 def test_cli_plan_prints_every_prefix_checks_the_plan_and_refuses_an_impossible_budget(tmp_path, tiny_bert_dir,
                                                                                       tiny_csv, capsys):
     flags = ["--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir), "--set",

@@ -73,14 +73,13 @@ def test_cache_mode_on_off_unquoted_in_yaml_and_set(tmp_path):
         load_config(None, [parse_override("freeze.cache.mode=yes please")])
 
 
-@pytest.mark.assets
 def test_missing_asset_names_the_install_command(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LAYERFREEZE_FASHION_MNIST_DIR", str(tmp_path))
     assert main(["train", "--task", "fashion-mnist", "--run-dir", str(tmp_path / "r")]) == 2
     assert "apt-get install dataset-fashion-mnist" in capsys.readouterr().err
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm")
 def test_static_k_reaching_the_head_and_bad_block_pattern_fail_before_training(tmp_path, tiny_bert_dir, tiny_csv,
                                                                                 capsys):
     base = ["train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir), "--no-progress"]
@@ -91,7 +90,7 @@ def test_static_k_reaching_the_head_and_bad_block_pattern_fail_before_training(t
     assert not (tmp_path / "a" / "metrics.jsonl").exists()
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm", "bbc_news")
 def test_bbc_news_minilm_short_real_run(tmp_path, capsys):
     """Two real optimizer steps of MiniLM-L6 on BBC News with the default strategy (SmartFRZ), end to end: its
     recorder snapshots every block, and with fewer than ``min_window`` snapshots nothing is frozen."""
@@ -109,7 +108,7 @@ def test_bbc_news_minilm_short_real_run(tmp_path, capsys):
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
 
-@pytest.mark.assets
+@pytest.mark.assets("fashion_mnist", "mobilenet_v2")
 def test_fashion_mnist_mobilenet_v2_short_real_run(tmp_path, capsys):
     run = tmp_path / "fm"
     args = ["train", "--task", "fashion-mnist", "--strategy", "static", "--epochs", "1", "--limit-train", "256",
@@ -126,7 +125,7 @@ def _cli(*args, **kw):
                             stderr=subprocess.STDOUT, text=True, **kw)
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm")
 def test_ctrl_c_in_a_real_process_then_resume_equals_the_uninterrupted_run(tmp_path, tiny_bert_dir, tiny_csv):
     common = ["train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir),
               "--epochs", "2", "--batch-size", "4", "--lr", "1e-3", "-s", "static", "-p", "k=1",
@@ -171,7 +170,7 @@ def test_help_and_strategies_list(capsys):
     assert "badam  params: k=50, order='ascending', start_block=None, include_embedding=False, seed=None" in out
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm")
 def test_csv_without_the_label_column_is_exit_2_naming_the_setting(tmp_path, tiny_bert_dir, capsys):
     path = tmp_path / "texts.csv"
     path.write_text("text,category\nhello world,a\nbye world,b\n")
@@ -198,7 +197,7 @@ def test_resume_refuses_finished_corrupt_and_restrategized_runs(tmp_path, capsys
     assert sorted(p.name for p in run.iterdir()) == ["config.json", "summary.json"]  # nothing written
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm")
 def test_too_small_or_one_class_data_is_a_config_error(tmp_path, tiny_bert_dir, capsys):
     one, two = tmp_path / "one.csv", tmp_path / "two.csv"
     one.write_text("text,label\n" + "".join(f"goal match {i},sport\n" for i in range(6)))
@@ -270,7 +269,7 @@ def test_a_train_that_fails_before_training_names_no_run_folder(tmp_path, capsys
     assert str(run) not in out and "run dir" not in out
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm")
 def test_a_run_names_its_run_folder_once_it_exists(tmp_path, tiny_bert_dir, tiny_csv, capsys):
     run = tmp_path / "run"
     assert main(["train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir),

@@ -11,7 +11,7 @@ from layerfreeze.cli import main
 from layerfreeze.train.compare import compare, lora_rank, row_config, unknown_rows
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm")
 def test_compare_rows_share_budget_and_report_ratios(tmp_path, tiny_bert_dir, tiny_csv, capsys):
     run = tmp_path / "cmp"
     args = ["compare", "--rows", "none,static,lisa,badam,lora", "--task", "text-csv", "--data", str(tiny_csv),
@@ -45,7 +45,7 @@ def test_compare_rows_share_budget_and_report_ratios(tmp_path, tiny_bert_dir, ti
     assert "FLOPs ratio" in capsys.readouterr().out
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm")
 def test_compare_checks_every_rows_blocks_and_folder_before_the_first_row(tmp_path, tiny_bert_dir, tiny_csv, capsys):
     base = ["compare", "--rows", "none,static", "--task", "text-csv", "--data", str(tiny_csv), "--model",
             str(tiny_bert_dir), "--max-steps", "1", "--no-progress", "--no-report", "--run-dir", str(tmp_path / "c")]
@@ -130,7 +130,7 @@ def test_a_bad_row_setting_names_the_row(tmp_path):
         compare({"task": "bbc-news"}, ["none", "lora"], tmp_path, row_overrides={"lora": {"train": {"nope": 1}}})
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm")
 def test_a_row_that_learns_nothing_is_reported_and_the_next_row_runs(tmp_path, tiny_bert_dir, tiny_csv, capsys):
     """With a learning rate of 1e-9 static's loss stays at its start, ln 2 on this 2-class task, and the stop for a
     loss at chance level (window 3 steps here) ends that row: compare records why, still trains the row after it,

@@ -23,7 +23,7 @@ def bbc():
 # ----------------------------------------------------------------------------- real assets
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm", "bbc_news", "mobilenet_v2", "fashion_mnist")
 def test_check_assets_finds_everything():
     report = assets.check_assets()
     assert set(report) == {"minilm", "bbc_news", "mobilenet_v2", "fashion_mnist"}
@@ -33,7 +33,7 @@ def test_check_assets_finds_everything():
         assert report[name] == str(locate())
 
 
-@pytest.mark.assets
+@pytest.mark.assets("bbc_news")
 def test_bbc_news_loads_all_articles(bbc):
     texts, labels, class_names = bbc
     assert len(texts) == len(labels) == 2225
@@ -45,7 +45,7 @@ def test_bbc_news_loads_all_articles(bbc):
     assert any("£15.8m signing" in t for t in texts)
 
 
-@pytest.mark.assets
+@pytest.mark.assets("bbc_news")
 def test_stratified_split_of_bbc_news(bbc):
     _, labels, _ = bbc
     train, test = data.stratified_split(labels, test_fraction=0.2, seed=0)
@@ -59,7 +59,7 @@ def test_stratified_split_of_bbc_news(bbc):
     assert data.stratified_split(labels, seed=1)[1] != test
 
 
-@pytest.mark.assets
+@pytest.mark.assets("fashion_mnist")
 def test_fashion_mnist_train_items():
     ds = data.load_fashion_mnist("train", size=32, limit=64)
     assert len(ds) == 64 and ds.num_classes == 10
@@ -84,14 +84,14 @@ def test_fashion_mnist_train_items():
     assert 0.2 < grey.mean() < 0.4
 
 
-@pytest.mark.assets
+@pytest.mark.assets("fashion_mnist")
 def test_fashion_mnist_test_split_size():
     ds = data.load_fashion_mnist("test", size=28)
     assert len(ds) == 10_000
     assert Counter(ds.labels.tolist()) == {k: 1000 for k in range(10)}
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm")
 def test_minilm_tokenized_dataset():
     transformers = pytest.importorskip("transformers")
     tokenizer = transformers.AutoTokenizer.from_pretrained(assets.minilm_dir())

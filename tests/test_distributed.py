@@ -21,6 +21,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def spec(tmp_path, name, strategy, params=None, epochs=3, **run):
+    """A run of the MLP task on the CPU (``run.device: cpu``): the ranks (gloo) are compared bit for bit with one
+    process, which must train on the CPU too, also where a GPU is visible."""
+    run = {"device": "cpu", **run}
     return {"config": {
         "train": {"epochs": epochs, "batch_size": 16, "lr": 0.01, "warmup_fraction": 0.0, "weight_decay": 0.0},
         "freeze": {"strategy": strategy, "params": params or {}},
@@ -204,6 +207,7 @@ def test_the_readme_own_loop_example_runs_on_two_ranks(tmp_path):
     assert last < first
 
 
+@pytest.mark.assets("minilm")  # tiny_bert_dir: MiniLM's tokenizer
 def test_torchrun_runs_the_cli_with_the_default_strategy_and_the_cache(tmp_path, tiny_bert_dir, tiny_csv):
     # the user's command: torchrun ... -m layerfreeze train (standalone rendezvous on a free local port)
     import subprocess
@@ -214,6 +218,7 @@ def test_torchrun_runs_the_cli_with_the_default_strategy_and_the_cache(tmp_path,
            "layerfreeze", "train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir),
            "--epochs", "2", "--batch-size", "8", "--no-progress", "--no-report", "--run-dir", str(run_dir),
            "--set", "freeze.cache.mode=auto", "--set", "run.dist_timeout_s=60", "--set", "model.max_length=32",
+           "--device", "cpu",  # gloo on the CPU, also on a GPU machine (NCCL was picked whenever CUDA was visible)
            # the gradient SNR gate off: it holds a freeze until a block's Adam step has peaked and fallen, longer
            # than this 10-step run (tests/test_smartfrz_snr_gate.py); the predictor alone freezes mid-run here
            "-p", "snr_gate=null"]

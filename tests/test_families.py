@@ -18,6 +18,7 @@ from layerfreeze.errors import BlockDiscoveryError
 from layerfreeze.models.blocks import unassigned_parameters
 from layerfreeze.models.discovery import split_for
 from layerfreeze.train.lm import lm_forward, next_token_loss
+from tests.conftest import DEVICES
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -324,10 +325,27 @@ def test_a_model_without_a_stack_still_gets_the_clear_error():
 
 # ---- the forward split through the real cache: cached logits == the model's own -------------------------------
 
+def same_logits(device: str):
+    """Equality of two forwards that run the same float32 ops on the same values. On the CPU it is exact (one thread:
+    the same kernel for the same shapes). On CUDA cuBLAS picks its algorithm by a heuristic that also reads the
+    operands' pointer alignment, and a cached state is a fresh allocation, so the two may sum in another order:
+    float32 rounding, a few ulps, which ``assert_close``'s float32 defaults (rtol 1.3e-6, atol 1e-5) allow; a split
+    that misses a mask, a position or a layer changes these logits by more than 1e-2."""
+    if device == "cpu":
+        return torch.equal
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        torch.testing.assert_close(a, b, rtol=1.3e-6, atol=1e-5)
+        return True
+
+    return close
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name, depth", [("llama", 2), ("qwen2", 3), ("mistral", 1), ("gemma", 2), ("gpt2", 2),
                                          ("hf_vit", 2), ("hf_deit", 3), ("tv_vit", 2)])
-def test_cached_and_uncached_forwards_give_the_same_logits(name, depth):
-    model = build(name)
+def test_cached_and_uncached_forwards_give_the_same_logits(name, depth, device):
+    model = build(name).to(device)
     kind = MODELS[name][1]
     blocks = discover_blocks(model)
     split = split_for(model, blocks)
@@ -335,20 +353,51 @@ def test_cached_and_uncached_forwards_give_the_same_logits(name, depth):
     freezer = Freezer(model, optimizer, "static", {"k": depth}, blocks=blocks)
     runner = CachedPrefix(model, blocks, split, ActivationCache(), freezer=freezer)
     model.eval()
-    batch = {k: v for k, v in make_batch(kind).items() if k != "labels"}
+    batch = {k: v.to(device) for k, v in make_batch(kind).items() if k != "labels"}
     if kind == "lm":
         own = lm_forward(model, batch)  # the text-lm task's forward
     else:
         out = model(batch["pixel_values"])
         own = getattr(out, "logits", out)
+    same = same_logits(device)
     cold = runner(batch)  # misses: the prefix runs and is stored
     warm = runner(batch)  # hits: the prefix is read back
     assert runner.cache.hits == 4 and runner.prefix_samples == 4
-    assert torch.equal(cold, own) and torch.equal(warm, own)
+    assert cold.device.type == own.device.type == device
+    assert same(cold, own) and same(warm, own)
     for d in range(1, split.max_depth + 1):  # every boundary, and carrying a cached state deeper
-        assert torch.equal(split.suffix(model, split.prefix(model, batch, d), batch, d), own), d
-    assert torch.equal(split.extend(model, split.prefix(model, batch, 1), batch, 1, split.max_depth),
-                       split.prefix(model, batch, split.max_depth))
+        assert same(split.suffix(model, split.prefix(model, batch, d), batch, d), own), d
+    assert same(split.extend(model, split.prefix(model, batch, 1), batch, 1, split.max_depth),
+                split.prefix(model, batch, split.max_depth))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_the_lm_splits_pass_no_kv_cache_under_the_name_the_installed_transformers_uses(name, monkeypatch):
+    """transformers 5.17 names the argument ``past_key_values`` where 5.2x names it ``cache``; the split passed
+    ``cache=None`` to ``create_causal_mask`` whatever the version, a TypeError on 5.17 (issue 41: every decoder LM's
+    cache test failed on a GPU machine that had 5.17). Here ``masking_utils``' mask functions take 5.17's
+    signature; the split's logits must still be the model's own, bit for bit."""
+    import transformers.masking_utils as mu
+
+    from layerfreeze.models.families.decoder_lm import _no_kv_cache
+
+    def old_signature(real):
+        def made(config, inputs_embeds, attention_mask, past_key_values, position_ids=None, **kw):
+            assert past_key_values is None
+            return real(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                        position_ids=position_ids, **_no_kv_cache(real), **kw)
+        return made
+
+    for fn in ("create_causal_mask", "create_sliding_window_causal_mask"):
+        monkeypatch.setattr(mu, fn, old_signature(getattr(mu, fn)))
+    assert _no_kv_cache(mu.create_causal_mask) == {"past_key_values": None}
+    assert _no_kv_cache(lambda hidden, **kwargs: None) == {}
+    model = build(name).eval()
+    blocks = discover_blocks(model)
+    split = split_for(model, blocks)
+    batch = {k: v for k, v in make_batch("lm").items() if k != "labels"}
+    own = lm_forward(model, batch)
+    assert torch.equal(split.suffix(model, split.prefix(model, batch, 2), batch, 2), own)
 
 
 @pytest.mark.parametrize("name", ["t5", "phi", "tv_swin", "hf_swin"])

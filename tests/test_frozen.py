@@ -187,7 +187,7 @@ def test_half_precision_frozen_model_never_gives_the_scaler_half_gradients():
     scaler.update()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_float16_frozen_model_beside_float32_trainable_under_cuda_grad_scaler():
     torch.manual_seed(0)
     trainable = nn.Linear(6, 8).cuda()

@@ -194,6 +194,7 @@ def checkpoints_by_step(run_dir):
     return out
 
 
+@pytest.mark.assets("minilm")  # tiny_bert_dir: MiniLM's tokenizer
 def test_torchrun_train_parallel_fsdp_freezes_thaws_and_resumes_bitwise(tmp_path, tiny_bert_dir, tiny_csv):
     from safetensors.torch import load_file
 
@@ -201,6 +202,7 @@ def test_torchrun_train_parallel_fsdp_freezes_thaws_and_resumes_bitwise(tmp_path
     args = ["train", "--parallel", "fsdp", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir),
             "--epochs", "3", "--batch-size", "8", "--lr", "1e-3", "-s", "autofreeze", "-p", "interval=2",
             "--no-progress", "--no-report", "--set", "freeze.cache.mode=on", "--set", "run.dist_timeout_s=60",
+            "--device", "cpu",  # gloo on the CPU, also where CUDA is visible: bitwise against the CPU resume
             "--set", "model.max_length=32", "--set", "run.checkpoint_every_steps=1", "--set",
             "run.keep_checkpoints=100", "--set",
             "freeze.guard={tolerance: 0.000001, patience: 1, cooldown: 0, every_steps: 4, val_fraction: 0.2}"]

@@ -56,7 +56,7 @@ def test_freezer_inside_an_accelerator_loop_with_bf16_autocast(fresh_accelerate_
     assert dtypes == {torch.bfloat16} and torch.isfinite(loss)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 autocast with a GradScaler needs CUDA")
+@pytest.mark.cuda  # fp16 autocast with a GradScaler needs CUDA
 def test_fp16_grad_scaler_with_a_half_precision_frozen_prefix():
     device = torch.device("cuda")
     model = mlp().to(device)

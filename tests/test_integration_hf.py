@@ -234,7 +234,7 @@ def test_torchrun_two_processes_identical_weights(tmp_path, checkpointing, form)
     assert ranks[0]["frozen_unchanged"] and ranks[0]["thawed_changed"]
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm", "bbc_news")
 def test_minilm_bbc_news_a_few_steps_with_a_frozen_prefix(tmp_path):
     from layerfreeze.train import assets, data
     from layerfreeze.train.loaders import load_text_model

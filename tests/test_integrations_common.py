@@ -104,3 +104,56 @@ def test_smartfrz_default_through_lightning(tmp_path):
     fit(tmp_path, callback, max_epochs=2)
     assert callback.freezer.strategy.name == "smartfrz" and callback.freezer.step_count == 16
     assert callback.freezer.strategy.recorder.counts[-1] == 17  # the head: the start snapshot + one per step
+
+
+class _CallCheckpointed(torch.nn.Sequential):
+    """A layer whose ``__call__`` reads ``training`` before its hooks run, as transformers' (<= 5.17)
+    ``GradientCheckpointingLayer.__call__`` does to choose a reentrant checkpoint of the whole call."""
+
+    seen: list[bool]
+
+    def __call__(self, *args, **kwargs):
+        self.seen.append(self.training)
+        if self.training and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(super().__call__, *args, use_reentrant=True, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+def test_a_frozen_block_is_in_eval_mode_before_a_wrapper_reads_training_and_checkpointed_layers_train():
+    """The frameworks call ``model.train()`` every step; the Freezer puts frozen blocks back in eval mode before the
+    model's forward, so a layer that decides in ``__call__`` does not checkpoint a frozen block (inside which the
+    boundary's hook, with grad mode off, could not mark its output: no gradient for any layer after it)."""
+    from layerfreeze.integrations.common import CheckpointBoundary
+
+    torch.manual_seed(0)
+    layers = [_CallCheckpointed(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(3)]
+    for layer in layers:
+        layer.seen = []
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(8, 2))
+    freezer = Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 1})
+    boundary = CheckpointBoundary()
+    boundary.update(freezer)
+    model.train()  # what the HF Trainer does before every step
+    model(torch.randn(4, 8)).sum().backward()
+    assert layers[0].seen == [False] and layers[1].seen == [True]  # the frozen block: eval before its __call__
+    assert layers[0][0].weight.grad is None
+    assert layers[1][0].weight.grad is not None and float(layers[1][0].weight.grad.abs().sum()) > 0
+    assert layers[2][0].weight.grad is not None
+    boundary.close()
+    freezer.close()
+
+
+def test_the_logged_timeline_skips_records_that_are_not_freezes_or_thaws():
+    """A warning record of the integrity check (no block) reached the callbacks' metrics, whose timeline read
+    ``event["block"]``: a KeyError in the HF callback's on_step_end (issue 41)."""
+    from layerfreeze.integrations.common import FreezeSession
+
+    model = mlp()
+    freezer = Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "none")
+    session = FreezeSession(freezer)
+    freezer.freeze(0)
+    session.events.append({"kind": "unfrozen", "message": "trainable block(s) got no gradient", "step": 1})
+    out = session.metrics(None)
+    assert out["layerfreeze/frozen_count"] == 1.0 and out[f"layerfreeze/frozen/{freezer.blocks[0].name}"] == 1.0
+    assert not any("unfrozen" in key for key in out)
+    session.close()

@@ -20,7 +20,7 @@ from benchmarks.oracle import (
 from layerfreeze.smartfrz.labels import linear_cka
 from layerfreeze.train.config import build_config
 from layerfreeze.train.trainer import Trainer
-from tests.conftest import blob_task
+from tests.conftest import DEVICES, blob_task
 
 
 @pytest.mark.parametrize("d1,d2", [(5, 7), (300, 40)])
@@ -93,15 +93,17 @@ def test_probe_recorder_records_at_start_every_few_steps_and_at_the_end(tmp_path
     assert not any(m._forward_hooks for m in trainer.model.modules())  # the probe's hooks live only in a record
 
 
-@pytest.mark.assets
-def test_prefix_step_flops_match_what_the_trainer_measures(tmp_path, one_thread):
+@pytest.mark.assets("fashion_mnist")
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefix_step_flops_match_what_the_trainer_measures(tmp_path, one_thread, device):
     def cfg(strategy, params=None):
         return build_config({
             "task": "fashion-mnist", "model": {"name_or_path": "resnet18", "pretrained": False},
             "data": {"limit_train": 8, "limit_test": 4},
             "train": {"batch_size": 4, "max_steps": 1, "epochs": 1},
             "freeze": {"strategy": strategy, "params": params or {}},
-            "run": {"dir": str(tmp_path / strategy), "progress": False, "tensorboard": False, "checkpoint": False}})
+            "run": {"dir": str(tmp_path / strategy), "progress": False, "tensorboard": False, "checkpoint": False,
+                    "device": device}})
 
     flops = prefix_step_flops(cfg("none"), [0, 3])
     assert flops[0] == Trainer(cfg("none")).run()["flops_per_step_first"]

@@ -166,7 +166,7 @@ def test_a_quick_recipe_run_records_the_old_histories(tmp_path):
         assert digest(run) == MLP_DIGITS_QUICK["digest"]
 
 
-@pytest.mark.assets
+@pytest.mark.assets("fashion_mnist")
 def test_the_fine_tune_recipe_and_its_pretraining_record_the_old_run(tmp_path):
     if not _on_reference_platform():
         pytest.skip("digest computed on another platform")

@@ -59,6 +59,7 @@ def result(runs):
     return leave_one_family_out(runs, CFG, THRESHOLD)
 
 
+@pytest.mark.assets("fashion_mnist")  # the corpus collects cnn-fmnist-to-digits and vit-fmnist
 def test_folds_hold_out_whole_families(runs, result):
     folds = family_folds(runs)
     assert list(folds) == ["cnn", "mlp", "vit"] and len(runs) == 8
@@ -76,6 +77,7 @@ def test_folds_hold_out_whole_families(runs, result):
     assert [len(result["families"][f]["eval_runs"]) for f in ("cnn", "mlp", "vit")] == [4, 2, 2]
 
 
+@pytest.mark.assets("fashion_mnist")  # the corpus collects cnn-fmnist-to-digits and vit-fmnist
 def test_each_fold_is_an_independent_train_then_evaluate(runs, result):
     """A fold's row is exactly what training on the other families and evaluating on the family gives."""
     train = [r for r in runs if r.meta["arch"] != "mlp"]
@@ -94,6 +96,7 @@ def test_each_fold_is_an_independent_train_then_evaluate(runs, result):
     assert result["threshold"] == THRESHOLD and (result["history"], result["min_history"]) == (6, 4)
 
 
+@pytest.mark.assets("fashion_mnist")  # the corpus collects cnn-fmnist-to-digits and vit-fmnist
 def test_pooled_counts_are_the_sums_of_the_folds(result):
     folds = [f["metrics"] for f in result["families"].values()]
     pooled = result["pooled"]
@@ -137,6 +140,7 @@ def test_a_fold_that_never_says_freeze_has_no_precision_rather_than_zero():
     assert _table(["precision", "recall"], [[never["precision"], never["recall"]]])[-1] == "| - | 0.000 |"
 
 
+@pytest.mark.assets("fashion_mnist")  # the corpus collects cnn-fmnist-to-digits and vit-fmnist
 def test_a_fold_never_evaluates_its_training_runs(runs, monkeypatch):
     mlp = [r for r in runs if r.meta["arch"] == "mlp"]
     others = [r for r in runs if r.meta["arch"] != "mlp"]
@@ -149,6 +153,7 @@ def test_a_fold_never_evaluates_its_training_runs(runs, monkeypatch):
         leave_one_family_out(runs, CFG, THRESHOLD)
 
 
+@pytest.mark.assets("fashion_mnist")  # the corpus collects cnn-fmnist-to-digits and vit-fmnist
 def test_lofo_input_errors(runs, tmp_path):
     cnn = [r for r in runs if r.meta["arch"] == "cnn"]
     with pytest.raises(PipelineError, match="at least two architecture families"):
@@ -166,6 +171,7 @@ def test_lofo_input_errors(runs, tmp_path):
         leave_one_family_out([unlabelled, *runs[1:]], CFG)
 
 
+@pytest.mark.assets("fashion_mnist")  # the corpus collects cnn-fmnist-to-digits and vit-fmnist
 def test_card_renders_the_section(result):
     card = {"threshold": THRESHOLD, "lofo": rounded(result), "heldout_metrics": None}
     text = render_card(card)
@@ -180,6 +186,7 @@ def test_card_renders_the_section(result):
     assert "## Leave-one-family-out" not in render_card({**card, "lofo": None})
 
 
+@pytest.mark.assets("fashion_mnist")  # the corpus collects cnn-fmnist-to-digits and vit-fmnist
 def test_cli_train_and_evaluate_lofo(corpus, runs, result, tmp_path):
     out = tmp_path / "p.safetensors"
     common = ["--holdout", "vit-fmnist", "--history", "6", "--min-history", "4", "--threshold", str(THRESHOLD)]

@@ -73,7 +73,7 @@ def test_the_new_recipes_are_registered_after_the_shipped_ones():
         assert len(r.lrs) == 2 and r.lrs[0] < r.lrs[1] and 0 < r.minutes <= 3 and r.description
 
 
-@pytest.mark.assets
+@pytest.mark.assets("fashion_mnist", "bbc_news", "minilm")  # quick_new collects every NEW recipe
 @pytest.mark.parametrize("name", list(NEW))
 def test_a_new_recipe_collects_in_quick_mode(quick_new, name):
     out, metas = quick_new
@@ -96,7 +96,7 @@ def test_a_new_recipe_collects_in_quick_mode(quick_new, name):
     assert labels["cka"][0][-1] == pytest.approx(1.0) and not any(labels["freezable"][-1])
 
 
-@pytest.mark.assets
+@pytest.mark.assets("fashion_mnist", "bbc_news", "minilm")  # quick_new collects every NEW recipe
 @pytest.mark.parametrize("name", ["gpt-bbc", "llama-bbc"])
 def test_the_lm_recipes_train_on_shifted_token_chunks(quick_new, name):
     _, metas = quick_new
@@ -112,7 +112,7 @@ def test_the_lm_recipes_train_on_shifted_token_chunks(quick_new, name):
     assert metas[name]["block_params"][-1] == (32 if name == "gpt-bbc" else 16 + 512 * 16)  # tied vs untied head
 
 
-@pytest.mark.assets
+@pytest.mark.assets("fashion_mnist", "bbc_news")
 def test_the_full_size_recipes_without_pretraining(tmp_path):
     from layerfreeze.models.discovery import find_blocks
 

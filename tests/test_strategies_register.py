@@ -90,6 +90,7 @@ def test_the_readme_strategy_passes_the_config_and_trains_in_the_cli_trainer(exa
         build_config({"freeze": {"strategy": "every-n", "params": {"k": 2}}})
 
 
+@pytest.mark.assets("minilm")  # tiny_bert_dir: MiniLM's tokenizer
 def test_the_readme_strategy_through_the_layerfreeze_command(example, tmp_path, tiny_bert_dir, tiny_csv, capsys):
     assert main(["strategies"]) == 0
     assert "every-n" in capsys.readouterr().out

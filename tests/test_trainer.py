@@ -14,14 +14,14 @@ from layerfreeze.errors import ConfigError
 from layerfreeze.runs.rundir import read_metrics
 from layerfreeze.train.config import build_config
 from layerfreeze.train.trainer import Trainer
-from tests.conftest import blob_task
+from tests.conftest import DEVICES, blob_task
 
 
-def config(tmp_path, name, freeze=None, **train):
+def config(tmp_path, name, freeze=None, device="auto", **train):
     return build_config({
         "train": {"epochs": 2, "batch_size": 16, "lr": 0.01, "warmup_fraction": 0.1, **train},
         "freeze": freeze or {"strategy": "static", "params": {"k": 2}},
-        "run": {"dir": str(tmp_path / name), "progress": False},
+        "run": {"dir": str(tmp_path / name), "progress": False, "device": device},
     })
 
 
@@ -248,21 +248,24 @@ def test_strategy_signals_reach_metrics_at_their_stages(tmp_path):
     assert [s["signal_target_frozen"] for s in stages] == [1, 1]  # floor(3 * (1 - (2/3)^T)) for T = 1, 2
 
 
-def test_step_callbacks_run_before_the_first_step_and_after_every_step_without_changing_the_run(tmp_path):
-    seen = []
+@pytest.mark.parametrize("device", DEVICES)
+def test_step_callbacks_run_before_the_first_step_and_after_every_step_without_changing_the_run(tmp_path, device):
+    seen, devices = [], set()
 
     def probe(trainer):  # what the benchmark oracle does: an eval-mode forward on a few samples, modes restored
         seen.append(trainer.progress["step"])
+        devices.add(next(trainer.model.parameters()).device.type)
         modes = [m.training for m in trainer.model.modules()]
         trainer.model.eval()
-        with torch.no_grad():
-            trainer.model(torch.stack([trainer.train_set[i]["pixel_values"] for i in range(4)]))
+        with torch.no_grad():  # the samples on the run's device (the test fed CPU tensors to a CUDA model)
+            trainer.model(torch.stack([trainer.train_set[i]["pixel_values"] for i in range(4)]).to(trainer.device))
         for m, mode in zip(trainer.model.modules(), modes):
             m.training = mode
 
     none = {"strategy": "none"}
-    plain = Trainer(config(tmp_path, "plain", none), task=blob_task()).run()
-    hooked = Trainer(config(tmp_path, "hooked", none), task=blob_task(), step_callbacks=[probe]).run()
+    plain = Trainer(config(tmp_path, "plain", none, device=device), task=blob_task()).run()
+    hooked = Trainer(config(tmp_path, "hooked", none, device=device), task=blob_task(), step_callbacks=[probe]).run()
+    assert devices == {device}
     assert seen == list(range(0, 13))  # start, then after each of the 12 steps
     assert hooked["test_loss"] == plain["test_loss"] and hooked["test_accuracy"] == plain["test_accuracy"]
 

@@ -44,6 +44,7 @@ from layerfreeze.distributed.fsdp import (
     load_full_optimizer_state,
 )
 from layerfreeze.errors import CheckpointError
+from layerfreeze.models.discovery import refuse_empty_parameters
 from layerfreeze.runs import rundir
 
 if TYPE_CHECKING:  # the checkpoint reads and restores a Freezer's state_dict, it never builds one
@@ -92,6 +93,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _refuse_empty_weights(model: nn.Module) -> None:
+    """Refuse a model whose parameters hold no elements, as the state dict would write them: a demoted block the
+    activation cache serves keeps a 0-element placeholder on the device while its state dict entry is the real
+    weight (:mod:`layerfreeze.engine.demote`), so only a parameter still empty in the state dict is refused. The
+    state dict is built only when some parameter is empty."""
+    empty = {name for name, p in model.named_parameters() if p.numel() == 0}
+    if empty:
+        state = model.state_dict()
+        refuse_empty_parameters(((n, state.get(n, p)) for n, p in model.named_parameters() if n in empty),
+                                "save_checkpoint")
+
+
 def save_checkpoint(
     path: str | Path,
     model: nn.Module,
@@ -112,7 +125,15 @@ def save_checkpoint(
 
     Returns:
         The checkpoint folder.
+
+    Raises:
+        EmptyParameterError: a weight to be written holds no elements (a DeepSpeed ZeRO-3 placeholder outside a
+            gather, DeepSpeed#5041); nothing is written.
     """
+    if model_state is not None:
+        refuse_empty_parameters(model_state.items(), "save_checkpoint")
+    else:
+        _refuse_empty_weights(model)
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

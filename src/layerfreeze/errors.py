@@ -7,7 +7,7 @@ trains (:class:`ConfigError`), a missing offline asset (:class:`AssetMissingErro
 found (:class:`BlockDiscoveryError`), an unknown strategy or parameter (:class:`UnknownStrategyError`), a checkpoint
 that is missing, corrupt or of another run (:class:`CheckpointError`), a SmartFRZ predictor file that is missing,
 corrupt or of another version (:class:`PredictorError`), a memory budget that is malformed or that no frozen set
-meets (:class:`BudgetError`).
+meets (:class:`BudgetError`), a parameter that holds no elements (:class:`EmptyParameterError`).
 """
 
 from __future__ import annotations
@@ -68,3 +68,15 @@ class BudgetError(UserError, ValueError):
     def __init__(self, message: str, smallest_bytes: int | None = None) -> None:
         super().__init__(message)
         self.smallest_bytes = smallest_bytes
+
+
+class EmptyParameterError(UserError, ValueError):
+    """A parameter holds no elements: a sharded placeholder (DeepSpeed ZeRO-3 outside a gather), not weights.
+
+    Attributes:
+        names: The qualified names of the 0-element parameters.
+    """
+
+    def __init__(self, message: str, names: list[str]) -> None:
+        super().__init__(message)
+        self.names = names

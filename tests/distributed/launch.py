@@ -1,4 +1,9 @@
-"""Launch a test's ranks as real processes: gloo, a FileStore in a temp folder (no ports), a short timeout."""
+"""Launch a test's ranks as real processes: gloo, a FileStore in a temp folder (no ports), a short timeout.
+
+The ranks train on the CPU: CUDA is hidden from them (``CUDA_VISIBLE_DEVICES=""``), so a test that compares ranks
+bit for bit with a one-process CPU run means the same on a GPU machine, where ``run.device: auto`` would otherwise put
+each rank on a GPU (or refuse two ranks on one GPU: :func:`layerfreeze.distributed.choose_rank_device`). A test about
+the GPU path passes ``cuda=True``."""
 
 from __future__ import annotations
 
@@ -22,8 +27,9 @@ class Ranks:
 
 
 def launch(spec: dict, tmp: Path, world: int = 2, timeout: float = 120, module: str = "tests.distributed.worker",
-           args: list[str] | None = None) -> Ranks:
-    """Run ``python -m module`` as ``world`` ranks; returns exit codes, combined output and each rank's JSON."""
+           args: list[str] | None = None, cuda: bool = False) -> Ranks:
+    """Run ``python -m module`` as ``world`` ranks (on the CPU unless ``cuda``: module docstring); returns exit
+    codes, combined output and each rank's JSON."""
     tmp.mkdir(parents=True, exist_ok=True)
     store = tmp / "store"
     if store.exists():
@@ -34,7 +40,11 @@ def launch(spec: dict, tmp: Path, world: int = 2, timeout: float = 120, module: 
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "LAYERFREEZE_FILE_STORE": str(store), "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
+               "LOCAL_WORLD_SIZE": str(world), "LAYERFREEZE_FILE_STORE": str(store), "OMP_NUM_THREADS": "1",
+               # the test session's own entries after this checkout's (hidden assets: tests/conftest.py)
+               "PYTHONPATH": os.pathsep.join(p for p in (PYTHONPATH, os.environ.get("PYTHONPATH", "")) if p)}
+        if not cuda:
+            env["CUDA_VISIBLE_DEVICES"] = ""
         log = open(tmp / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
         cmd = [sys.executable, "-m", module, *(args if args is not None else [str(spec_path)])]
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))

@@ -42,7 +42,8 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def weight_hashes(model: nn.Module) -> dict[str, str]:
-    return {k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest() for k, v in full_state(model).items()}
+    return {k: hashlib.sha256(v.cpu().contiguous().numpy().tobytes()).hexdigest()
+            for k, v in full_state(model).items()}
 
 
 def run_trainer(spec: dict, rank: int, out: Path) -> None:

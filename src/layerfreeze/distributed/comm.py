@@ -1,7 +1,9 @@
 """The process group and what every rank needs from it: joining and leaving it, small collectives (a decision, a
 loss sum), each rank's share of a global batch, and a lost rank named instead of a hang.
 
-* :func:`init_distributed` joins the group ``torchrun`` describes (gloo on CPU, NCCL on GPU);
+* :func:`rank_device` picks the device this rank trains on (``cuda:LOCAL_RANK`` with a GPU per rank, else the CPU) and
+  refuses two ranks on one GPU (:func:`choose_rank_device`, the decision itself, reads no state);
+  :func:`init_distributed` joins the group ``torchrun`` describes (gloo on the CPU, NCCL on GPUs);
   :func:`close_distributed` leaves it when every rank is done.
 * :func:`broadcast_object`, :func:`all_gather_object`, :func:`all_reduce_sum`: the few collectives layerfreeze
   uses (the :class:`~layerfreeze.engine.Freezer` broadcasts rank 0's decisions with the first).
@@ -25,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from layerfreeze.errors import ConfigError
 
 #: Environment variable naming a FileStore path for the rendezvous (tests, no ports); else torchrun's ``env://``.
 FILE_STORE_ENV = "LAYERFREEZE_FILE_STORE"
@@ -63,23 +67,102 @@ def launched_world_size() -> int:
         raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
 
 
-def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> bool:
+def choose_rank_device(requested: str, local_rank: int, local_world: int | None, cuda_count: int) -> torch.device:
+    """The device one rank trains on: the decision of :func:`rank_device`, from its inputs alone (no torch.cuda call).
+
+    ``requested`` is ``run.device``: ``cpu``; ``auto`` (CUDA when there is one, else the CPU); ``cuda`` or
+    ``cuda:N``. In one process (``local_world`` 1) ``auto``/``cuda`` is ``cuda`` and ``cuda:N`` is that device.
+    Under ``torchrun`` (``local_world`` ranks on this node) a CUDA rank trains on ``cuda:LOCAL_RANK``, torchrun's
+    and Lightning's convention of one process per GPU; NCCL cannot run two ranks of a group on one GPU (it stops
+    with "Duplicate GPU detected" or hangs), so more local ranks than CUDA devices are refused here, before any
+    process group exists, as Lightning refuses more devices than the machine has. The CPU is never chosen in
+    their place: a run a user launched on GPUs that silently trained on the CPU would be tens of times slower.
+
+    Args:
+        requested: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+        local_rank: ``LOCAL_RANK`` (0 in one process).
+        local_world: Ranks on this node (``LOCAL_WORLD_SIZE``; 1 in one process; None under a launcher that does
+            not say: then only a rank whose ``LOCAL_RANK`` has no GPU is refused).
+        cuda_count: CUDA devices this process sees (0 without CUDA).
+
+    Raises:
+        ConfigError: a CUDA device asked for where there is none, ``cuda:N`` beyond the devices, or fewer CUDA
+            devices than ranks on this node (the message names both counts and what to do); exit code 2 in the CLI.
+    """
+    requested = str(requested)
+    if requested == "cpu":
+        return torch.device("cpu")
+    if requested != "auto" and not requested.startswith("cuda"):
+        raise ConfigError(f"run.device must be auto, cpu or cuda[:N], got {requested!r}")
+    if cuda_count <= 0:
+        if requested == "auto":
+            return torch.device("cpu")
+        raise ConfigError(f"run.device is {requested!r} but CUDA is not available on this machine; use cpu or auto")
+    if local_world == 1:
+        device = torch.device("cuda" if requested == "auto" else requested)
+        if device.index is not None and device.index >= cuda_count:
+            raise ConfigError(f"run.device is {requested!r} but this machine has {cuda_count} CUDA device(s) "
+                              f"(cuda:0 to cuda:{cuda_count - 1})")
+        return device
+    ranks = max(local_world or 0, local_rank + 1)
+    if ranks > cuda_count:
+        at_least = "" if local_world else "at least "
+        raise ConfigError(
+            f"run.device is {requested!r} under torchrun with {at_least}{ranks} ranks on this node, but this node has "
+            f"{cuda_count} CUDA device(s): each rank needs a GPU of its own (NCCL cannot put two ranks on one "
+            f"device). Launch one rank per GPU (`torchrun --nproc_per_node {cuda_count} ...`), or train every rank "
+            "on the CPU with gloo (--device cpu; run.device: cpu)")
+    return torch.device("cuda", local_rank)
+
+
+def rank_device(requested: str = "auto") -> torch.device:
+    """The device this process trains on (:func:`choose_rank_device`, from ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``
+    and the CUDA devices visible). In your own torchrun loop, call it before :func:`init_distributed` and move the
+    model and each batch to it; the CLI trainer does the same with ``run.device``.
+
+    ``LOCAL_WORLD_SIZE`` is set by ``torchrun``; without it (another launcher) only the rank whose ``LOCAL_RANK``
+    has no GPU is refused, and its peers stop at their first collective, naming it.
+
+    Raises:
+        ConfigError: see :func:`choose_rank_device`.
+        ValueError: ``LOCAL_RANK`` or ``LOCAL_WORLD_SIZE`` is not an integer.
+    """
+    try:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ["LOCAL_WORLD_SIZE"]) if os.environ.get("LOCAL_WORLD_SIZE") else None
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={os.environ.get('LOCAL_RANK')!r} / LOCAL_WORLD_SIZE="
+                         f"{os.environ.get('LOCAL_WORLD_SIZE')!r} must be integers: launch with torchrun") from None
+    if launched_world_size() <= 1:
+        local_rank, local_world = 0, 1
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return choose_rank_device(requested, local_rank, local_world, cuda_count)
+
+
+def init_distributed(timeout_s: float = 300.0, backend: str | None = None,
+                     device: str | torch.device | None = None) -> bool:
     """Join the process group the launcher describes, if it describes one of more than one rank.
 
     ``torchrun`` sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (``env://``
     rendezvous). With ``LAYERFREEZE_FILE_STORE=<path>`` the rendezvous is a ``FileStore`` at that path instead (no
-    ports: what the tests use). The backend is NCCL when CUDA is available, else gloo. A process group that is
-    already initialized is used as it is.
+    ports: what the tests use). The backend follows the device the rank trains on (:func:`rank_device` of
+    ``device``): NCCL on ``cuda:LOCAL_RANK``, gloo on the CPU. Before issue 41 it was NCCL whenever CUDA was
+    visible, which broke ``run.device: cpu`` (and a model left on the CPU) on any GPU machine, and put two ranks on
+    one GPU where the machine had fewer GPUs than ranks. A process group that is already initialized is used as it
+    is.
 
     Args:
         timeout_s: Seconds a collective may wait for a peer before failing (seconds; it bounds every hang).
         backend: ``"gloo"`` or ``"nccl"``; default by device.
+        device: What the rank trains on, as ``run.device`` (``auto``, ``cpu``, ``cuda``) or the device
+            :func:`rank_device` returned; default ``auto``.
 
     Returns:
         True when this process is one of several ranks.
 
     Raises:
         ValueError: ``RANK`` missing or not an integer while ``WORLD_SIZE`` > 1.
+        ConfigError: more ranks on this node than CUDA devices for a CUDA device (:func:`choose_rank_device`).
     """
     if dist.is_initialized():
         return is_distributed()
@@ -90,9 +173,11 @@ def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> bo
         global_rank = int(os.environ["RANK"])
     except (KeyError, ValueError):
         raise ValueError(f"WORLD_SIZE={world} but RANK is missing or not an integer: launch with torchrun") from None
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    requested = "auto" if device is None else str(device)
+    if backend is None:
+        backend = "nccl" if rank_device(requested).type == "cuda" else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(rank_device(requested))
     timeout = timedelta(seconds=timeout_s)
     store_path = os.environ.get(FILE_STORE_ENV)
     if store_path:

@@ -68,7 +68,7 @@ from layerfreeze.engine.optim import add_to_optimizer, group_origin, remove_from
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, report_metric, start
 from layerfreeze.models.blocks import Block
-from layerfreeze.models.discovery import discover_blocks
+from layerfreeze.models.discovery import discover_blocks, refuse_empty_parameters
 from layerfreeze.strategies import DEFAULT_STRATEGY, Decision, Strategy, create_strategy
 
 
@@ -137,6 +137,9 @@ class Freezer:
 
     Raises:
         BlockDiscoveryError: blocks cannot be discovered (see :func:`~layerfreeze.models.discovery.discover_blocks`).
+        EmptyParameterError: a block's parameter holds no elements (a DeepSpeed ZeRO-3 placeholder outside a gather,
+            axolotl#1687: its checksums and freezes would pass on nothing;
+            :func:`~layerfreeze.models.discovery.refuse_empty_parameters`).
         UnknownStrategyError / ValueError: bad strategy name or parameters; a sharded model with a strategy that
             observes the model and no ``mirror`` on rank 0 (raised on every rank); ``demote`` with ``train_bn=True``
             (the BatchNorm layers of frozen blocks keep training in float32) or with an FSDP2-sharded model.
@@ -182,6 +185,8 @@ class Freezer:
             self.blocks: list[Block] = list(blocks)  # type: ignore[arg-type]
         else:
             self.blocks = discover_blocks(model, blocks)  # type: ignore[arg-type]
+        # blocks given ready-made skip discovery's check: a 0-element placeholder would pass the checksums too
+        refuse_empty_parameters(((n, p) for b in self.blocks for n, p in b.named_parameters()), "Freezer")
         if isinstance(strategy, str):  # built and checked against the blocks here, once
             strategy = create_strategy(strategy, strategy_params, num_blocks=len(self.blocks))
         elif strategy_params:
@@ -197,6 +202,7 @@ class Freezer:
         if optimizer is not None:
             self._origin = group_origin(optimizer)
         self._hooks: dict[int, list[Any]] = {}
+        self._root_eval_hook: Any = None  # registered at the first freeze (_eval_frozen_blocks)
         self.integrity = FrozenSet(on_unfrozen, warn=functools.partial(steps.integrity_warning, self))
         self._grad_l1 = [0.0] * len(self.blocks)
         self._backward_calls = 0
@@ -305,6 +311,8 @@ class Freezer:
         for _, module in block.modules:
             set_eval_mode(module, self.train_bn)
             self._hooks.setdefault(block.index, []).append(module.register_forward_pre_hook(self._eval_hook))
+        if self._root_eval_hook is None and block.modules and block.modules[0][1] is not self.model:
+            self._root_eval_hook = self.model.register_forward_pre_hook(self._eval_frozen_blocks)
         self.frozen[block.index] = True
         named = self.named_frozen_parameters(block)
         self.integrity.on_freeze(block.index, named)  # the checksum of the float32 weights a thaw gives back
@@ -565,6 +573,24 @@ class Freezer:
         # model.train() flips frozen blocks back to training mode; undo it before they run.
         if module.training:
             set_eval_mode(module, self.train_bn)
+
+    def _eval_frozen_blocks(self, model: nn.Module, args: Any) -> None:
+        """Before the model's forward: every frozen block back in eval mode, before any block is called.
+
+        Why not the blocks' own pre-hooks alone: they run inside the block's ``__call__``, after a wrapper that reads
+        ``module.training`` there has decided. transformers up to 5.17 at least checkpoints a training-mode layer's
+        whole ``__call__`` (``GradientCheckpointingLayer``), so after the HF Trainer's ``model.train()`` a frozen
+        layer ran under a reentrant checkpoint, where the checkpointing boundary's hook (grad mode off there) could not
+        mark its output, and no checkpointed layer after it got a gradient (issue 41, transformers #21381's fault
+        again; found with transformers 5.17). One pass over the frozen blocks, only in training mode.
+        """
+        if not model.training:
+            return
+        for index, frozen in enumerate(self.frozen):
+            if frozen:
+                for _, module in self.blocks[index].modules:
+                    if module.training:
+                        set_eval_mode(module, self.train_bn)
 
     def _record(self, kind: str, block: Block, reason: str, **extra: Any) -> None:
         record = {

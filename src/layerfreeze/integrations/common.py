@@ -318,8 +318,9 @@ class FreezeSession:
                         out[f"{name}/{block.name}"] = float(v)
             elif math.isfinite(value):
                 out[name] = float(value)
-        for event in events:
-            out[f"{LOG_PREFIX}frozen/{event['block']}"] = 1.0 if event["kind"] == "freeze" else 0.0
+        for event in events:  # the timeline: freezes and thaws (a warning record of the integrity check has no block)
+            if event.get("kind") in ("freeze", "thaw") and "block" in event:
+                out[f"{LOG_PREFIX}frozen/{event['block']}"] = 1.0 if event["kind"] == "freeze" else 0.0
         return out
 
     def close(self) -> None:

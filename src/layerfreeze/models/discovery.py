@@ -9,10 +9,12 @@ here too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+import torch
 from torch import nn
 
+from layerfreeze.errors import EmptyParameterError
 from layerfreeze.models import families  # noqa: F401 - importing the package registers every built-in family
 from layerfreeze.models.blocks import (
     Block,
@@ -24,6 +26,43 @@ from layerfreeze.models.blocks import (
 )
 from layerfreeze.models.forward_split import ModelSplit
 from layerfreeze.models.registry import discoverers, splits
+
+
+def _numel(p: torch.Tensor) -> int | None:
+    try:
+        return p.numel()
+    except (RuntimeError, ValueError):  # an uninitialized (lazy) parameter: its size is not known yet
+        return None
+
+
+def refuse_empty_parameters(named: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
+    """Raise :class:`~layerfreeze.errors.EmptyParameterError` when a parameter holds no elements, naming each one.
+
+    Why: DeepSpeed ZeRO-3 replaces every parameter, outside a ``GatheredParameters`` context, by a 0-element
+    placeholder (its real shape in ``ds_shape``). A freezing callback that reads the model there sees no weights at
+    all (axolotl#1687: "size mismatch ... torch.Size([0])"; DeepSpeed#5041: an empty state dict saved). Without
+    this check block discovery, the Freezer's checksums and ``save_checkpoint`` all pass on such a model, and the
+    checkpoint holds 0-element weights, without a word.
+
+    Args:
+        named: ``(qualified name, tensor)`` pairs to check.
+        where: What refuses, for the message (``"discover_blocks"``, ``"Freezer"``, ``"save_checkpoint"``).
+    """
+    empty = [(name, p) for name, p in named if _numel(p) == 0]
+    if not empty:
+        return
+    shown = []
+    for name, p in empty[:5]:
+        full = getattr(p, "ds_shape", None)  # DeepSpeed ZeRO-3 keeps the real shape beside the placeholder
+        shown.append(f"{name} (shape {tuple(p.shape)}" + (f", full shape {tuple(full)})" if full is not None else ")"))
+    more = f" and {len(empty) - 5} more" if len(empty) > 5 else ""
+    raise EmptyParameterError(
+        f"{where}: {len(empty)} parameter(s) of the model hold no elements: {', '.join(shown)}{more}. A parameter "
+        "with 0 elements is a sharded placeholder, not weights: DeepSpeed ZeRO-3 leaves every parameter so outside "
+        "a gather, and nothing read or saved from it is the model. Gather the parameters first (DeepSpeed: inside "
+        "`with deepspeed.zero.GatheredParameters(model.parameters())`, or ZeRO stage 2), or shard the model with "
+        "FSDP2 through layerfreeze (`layerfreeze.distributed.shard_blocks`; the CLI's --parallel fsdp), which "
+        "freezes sharded blocks itself", [name for name, _ in empty])
 
 
 def _merge_empty_head(blocks: list[Block]) -> bool:
@@ -49,7 +88,9 @@ def find_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> Disc
     Raises:
         BlockDiscoveryError: nothing could be discovered (the message names the top-level children and shows how
             to pass patterns), or a pattern matches nothing.
+        EmptyParameterError: a parameter holds no elements (a sharded placeholder: :func:`refuse_empty_parameters`).
     """
+    refuse_empty_parameters(model.named_parameters(), "discover_blocks")
     if patterns:
         blocks = blocks_from_patterns(model, patterns)
         return Discovery(blocks, "patterns", resolve_ties(blocks))
@@ -88,6 +129,7 @@ def discover_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> 
     Raises:
         BlockDiscoveryError: nothing could be discovered; the message names the top-level children and shows how
             to pass patterns.
+        EmptyParameterError: a parameter holds no elements (a DeepSpeed ZeRO-3 placeholder outside a gather).
     """
     return find_blocks(model, patterns).blocks
 

@@ -64,12 +64,9 @@ def seed_everything(seed: int) -> None:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` -> CUDA when available, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"run.device is {name!r} but CUDA is not available on this machine; use cpu or auto")
-    return torch.device(name)
+    """``auto`` -> CUDA when available, else CPU; for one process (the trainer under torchrun: ``rank_device``)."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return dist_.choose_rank_device(name, 0, 1, count)
 
 
 def no_weight_decay(name: str, param: nn.Parameter) -> bool:
@@ -231,7 +228,11 @@ def setup_trainer(trainer: Trainer, plan_only: bool = False) -> None:
     cfg = trainer.config
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    trainer.distributed = dist_.init_distributed(cfg.run.dist_timeout_s)
+    # the device first: it decides the backend (gloo on the CPU, NCCL on cuda:LOCAL_RANK), and a node with fewer GPUs
+    # than ranks is refused here, exit code 2, before any rank joins a process group (issue 41)
+    device = dist_.rank_device(cfg.run.device)
+    trainer.distributed = dist_.init_distributed(cfg.run.dist_timeout_s,
+                                                 backend="nccl" if device.type == "cuda" else "gloo")
     if cfg.run.parallel == "fsdp" and not trainer.distributed:
         raise ConfigError(
             "run.parallel is fsdp (--parallel fsdp): FSDP2 shards the model over the ranks torchrun starts, and "
@@ -241,7 +242,7 @@ def setup_trainer(trainer: Trainer, plan_only: bool = False) -> None:
     trainer.fsdp = trainer.distributed and cfg.run.parallel == "fsdp"
     trainer.rank, trainer.world = dist_.rank(), dist_.world_size()
     trainer.is_main = trainer.rank == 0
-    trainer.device = dist_.local_device(resolve_device(cfg.run.device))
+    trainer.device = device
     trainer.watchdog = dist_.RankWatchdog() if trainer.distributed else None
     if trainer.distributed:
         torch.distributed.barrier()  # every rank has checked the run folder before rank 0 writes into it

@@ -16,6 +16,7 @@ position, padded ones included.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +71,21 @@ def discover_decoder_lm(model: nn.Module) -> list[Block] | None:
         return make_blocks(entries + head_entry(after), head=False)
     head = head_entry(after + [(n, m) for n, m in model.named_children() if m is not base])
     return make_blocks(entries + head, head=bool(head))
+
+
+def _no_kv_cache(fn: Callable[..., Any]) -> dict[str, None]:
+    """The keyword that passes "no KV cache" to ``fn`` (``create_causal_mask``, a decoder layer's ``forward``), under
+    the name the installed transformers uses: ``cache`` in transformers 5.2x, ``past_key_values`` up to 5.17 at
+    least (issue 41: a GPU machine with transformers 5.17 got ``create_causal_mask() got an unexpected keyword
+    argument 'cache'`` from every LM split, so the cache's logits test failed for every decoder LM there)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature
+        return {}
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return {name: None}
+    return {}
 
 
 def _first(output: Any) -> torch.Tensor:
@@ -135,7 +151,7 @@ class LlamaStyleSplit(ModelSplit):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         kwargs = dict(config=base.config, inputs_embeds=hidden, attention_mask=batch.get("attention_mask"),
-                      cache=None, position_ids=position_ids)
+                      position_ids=position_ids, **_no_kv_cache(create_causal_mask))
         n = len(base.layers)
         if rule == "mistral" and base.config.sliding_window is not None:
             return [create_sliding_window_causal_mask(**kwargs)] * n
@@ -156,13 +172,15 @@ class LlamaStyleSplit(ModelSplit):
             return base.embed_tokens(batch["input_ids"])
 
         def layer_fn(i: int, layer: nn.Module) -> Callable[[Any, Batch, dict[str, Any]], Any]:
+            no_cache = _no_kv_cache(type(layer).forward)
+
             def run(hidden: torch.Tensor, batch: Batch, ctx: dict[str, Any]) -> torch.Tensor:
                 if "masks" not in ctx:
                     ctx["position_ids"] = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
                     ctx["masks"] = self._masks(base, rule, hidden, batch, ctx["position_ids"])
                     ctx["rotary"] = base.rotary_emb(hidden, position_ids=ctx["position_ids"])
                 return _first(layer(hidden, attention_mask=ctx["masks"][i], position_embeddings=ctx["rotary"],
-                                    position_ids=ctx["position_ids"], cache=None, use_cache=False))
+                                    position_ids=ctx["position_ids"], use_cache=False, **no_cache))
 
             return run
 
@@ -223,8 +241,9 @@ class GPT2Split(ModelSplit):
                 if "mask" not in ctx:
                     ctx["position_ids"] = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
                     ctx["mask"] = create_causal_mask(config=base.config, inputs_embeds=hidden,
-                                                     attention_mask=batch.get("attention_mask"), cache=None,
-                                                     position_ids=ctx["position_ids"])
+                                                     attention_mask=batch.get("attention_mask"),
+                                                     position_ids=ctx["position_ids"],
+                                                     **_no_kv_cache(create_causal_mask))
                 return _first(layer(hidden, None, ctx["mask"], None, encoder_attention_mask=None, use_cache=False,
                                     position_ids=ctx["position_ids"]))
 

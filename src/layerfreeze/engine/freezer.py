@@ -63,7 +63,7 @@ from layerfreeze.engine.demotion import Demotion
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
 from layerfreeze.engine.lr_factors import apply_lr_scales, check_lr_scales, set_block_lr
-from layerfreeze.engine.mechanics import frozen_parameters, set_eval_mode
+from layerfreeze.engine.mechanics import frozen_blocks_to_eval, frozen_parameters, set_eval_mode
 from layerfreeze.engine.optim import add_to_optimizer, group_origin, remove_from_optimizer
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, report_metric, start
@@ -575,22 +575,10 @@ class Freezer:
             set_eval_mode(module, self.train_bn)
 
     def _eval_frozen_blocks(self, model: nn.Module, args: Any) -> None:
-        """Before the model's forward: every frozen block back in eval mode, before any block is called.
-
-        Why not the blocks' own pre-hooks alone: they run inside the block's ``__call__``, after a wrapper that reads
-        ``module.training`` there has decided. transformers up to 5.17 at least checkpoints a training-mode layer's
-        whole ``__call__`` (``GradientCheckpointingLayer``), so after the HF Trainer's ``model.train()`` a frozen
-        layer ran under a reentrant checkpoint, where the checkpointing boundary's hook (grad mode off there) could not
-        mark its output, and no checkpointed layer after it got a gradient (issue 41, transformers #21381's fault
-        again; found with transformers 5.17). One pass over the frozen blocks, only in training mode.
-        """
-        if not model.training:
-            return
-        for index, frozen in enumerate(self.frozen):
-            if frozen:
-                for _, module in self.blocks[index].modules:
-                    if module.training:
-                        set_eval_mode(module, self.train_bn)
+        # before the model's forward, in training mode: why the blocks' own pre-hooks are not enough is in
+        # mechanics.frozen_blocks_to_eval (issue 41, transformers' GradientCheckpointingLayer)
+        if model.training:
+            frozen_blocks_to_eval(self.blocks, self.frozen, self.train_bn)
 
     def _record(self, kind: str, block: Block, reason: str, **extra: Any) -> None:
         record = {

@@ -60,13 +60,16 @@ from layerfreeze.engine import state as checkpoint_state
 from layerfreeze.engine import steps
 from layerfreeze.engine.demote import Demoter
 from layerfreeze.engine.demotion import Demotion
+from layerfreeze.engine.grad_signal import GradientSums
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
 from layerfreeze.engine.lr_factors import apply_lr_scales, check_lr_scales, set_block_lr
 from layerfreeze.engine.mechanics import frozen_parameters, set_eval_mode
 from layerfreeze.engine.optim import add_to_optimizer, group_origin, remove_from_optimizer
+from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, report_metric, start
+from layerfreeze.engine.timing import StepTimes
 from layerfreeze.models.blocks import Block
 from layerfreeze.models.discovery import discover_blocks
 from layerfreeze.strategies import DEFAULT_STRATEGY, Decision, Strategy, create_strategy
@@ -197,8 +200,12 @@ class Freezer:
         if optimizer is not None:
             self._origin = group_origin(optimizer)
         self._hooks: dict[int, list[Any]] = {}
-        self.integrity = FrozenSet(on_unfrozen, warn=functools.partial(steps.integrity_warning, self))
-        self._grad_l1 = [0.0] * len(self.blocks)
+        self.integrity = FrozenSet(on_unfrozen, warn=functools.partial(steps.integrity_warning, self),
+                                   quick=not self._fsdp)
+        #: Each block's parameters, walked once per structure change (every time on an FSDP2-sharded model).
+        self._params = BlockParams(self.blocks, cache=not self._fsdp)
+        self._grad_sums = GradientSums(len(self.blocks))  # the grad_l1 signal, on the device (grad_signal.py)
+        self._step_times = StepTimes()  # the step intervals the strategies read (timing.py)
         self._backward_calls = 0
         self._lr_scale: dict[int, float] = {}
         self._lr_written: dict[int, tuple[float, float]] = {}  # group -> (unscaled lr, lr we wrote)

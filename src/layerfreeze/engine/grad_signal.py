@@ -47,6 +47,14 @@ class GradientSums:
                 sums before they are added (FSDP2: each rank holds a shard of every gradient); a collective then, so
                 every rank calls :meth:`add`.
         """
+        if reduce is None:  # the common case, kept short: it runs on every backward
+            flat = [(index, p) for index, params in active for p in params]
+            grads = [p.grad for _, p in flat]
+            if grads and all(g is not None and type(g) is torch.Tensor for g in grads):
+                device = grads[0].device
+                if all(g.device == device for g in grads):
+                    self._add(device, grads, [index for index, _ in flat], None)
+                    return
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
         for index, params in active:
             for p in params:
@@ -60,23 +68,28 @@ class GradientSums:
         if reduce is not None and not by_device:
             by_device[torch.device("cpu")] = ([], [])  # a rank with no gradient still joins the collective
         for device, (grads, owners) in by_device.items():
-            acc = self._device.get(device)
-            if acc is None:
-                acc = self._device[device] = torch.zeros(self.num_blocks, dtype=torch.float64, device=device)
-            if not grads:
-                step = acc.new_zeros(self.num_blocks)
-                if reduce is not None:
-                    reduce(step)
-                    acc.add_(step)
-                continue
-            norms = _l1_norms(grads)
-            index = self._index_tensor(device, owners, acc)
-            if reduce is None:
-                acc.index_add_(0, index, norms)
-            else:
-                step = acc.new_zeros(self.num_blocks).index_add_(0, index, norms)
+            self._add(device, grads, owners, reduce)
+
+    def _add(self, device: torch.device, grads: list[torch.Tensor], owners: list[int],
+             reduce: Callable[[torch.Tensor], None] | None) -> None:
+        """Add the L1 norms of ``grads`` (all on ``device``) to the sums of their blocks (``owners``)."""
+        acc = self._device.get(device)
+        if acc is None:
+            acc = self._device[device] = torch.zeros(self.num_blocks, dtype=torch.float64, device=device)
+        if not grads:
+            step = acc.new_zeros(self.num_blocks)
+            if reduce is not None:
                 reduce(step)
                 acc.add_(step)
+            return
+        norms = _l1_norms(grads)
+        index = self._index_tensor(device, owners, acc)
+        if reduce is None:
+            acc.index_add_(0, index, norms)
+        else:
+            step = acc.new_zeros(self.num_blocks).index_add_(0, index, norms)
+            reduce(step)
+            acc.add_(step)
 
     def _index_tensor(self, device: torch.device, owners: list[int], like: torch.Tensor) -> torch.Tensor:
         """The block index of each gradient, as a tensor on ``device``, made once per pattern of blocks and filled
@@ -113,7 +126,9 @@ class GradientSums:
 def _l1_norms(grads: list[torch.Tensor]) -> torch.Tensor:
     """Each gradient's L1 norm, as one float64 tensor on their device: ``torch._foreach_norm`` for dense ones (one
     kernel on CUDA), ``abs().sum()`` for sparse ones."""
-    if all(g.layout == torch.strided for g in grads):
+    try:
         return torch.stack(torch._foreach_norm(grads, 1)).to(torch.float64)
+    except (RuntimeError, NotImplementedError):  # a sparse gradient (nn.Embedding(sparse=True))
+        pass
     return torch.stack([g.abs().sum() if g.layout != torch.strided else torch.linalg.vector_norm(g, 1)
                         for g in grads]).to(torch.float64)

@@ -220,9 +220,9 @@ class SyncCounter(TorchDispatchMode):
         return _run(func, args, kwargs or {}, self)
 
 
-def syncs(counts: Counter[str]) -> int:
+def syncs(counts: Counter[str] | dict[str, int]) -> int:
     """The number of synchronisations in ``counts`` (every kind but ``to_host_async``)."""
-    return sum(counts[k] for k in SYNC_KINDS)
+    return sum(counts.get(k, 0) for k in SYNC_KINDS)
 
 
 def to_device(t: torch.Tensor) -> DeviceTensor:

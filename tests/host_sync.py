@@ -267,6 +267,7 @@ class StepCount:
     step: int
     staged: bool
     counts: Counter[str] = field(default_factory=Counter)
+    froze: int = 0  # blocks the step's stage froze
 
     @property
     def syncs(self) -> int:
@@ -331,5 +332,6 @@ def count_freezer_steps(strategy: str, params: dict[str, Any] | None = None, ste
                     staged = decision is not None
                     if epoch_end:
                         staged = freezer.epoch_end() is not None or staged
-                out.append(StepCount(i + 1, staged, counts))
+                froze = sum(1 for r in freezer.history if r["kind"] == "freeze" and r["step"] == i + 1)
+                out.append(StepCount(i + 1, staged, counts, froze))
     return out

@@ -62,9 +62,10 @@ def tiny_model(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(WIDTH, CLASSES))
 
 
-def run(strategy: str, steps: int = STEPS, steps_per_epoch: int = STEPS_PER_EPOCH, seed: int = 0) -> dict[str, Any]:
-    """One run of ``strategy`` on the tiny model: per-step times (s) of the hooks, the forward and the whole step,
-    split into steps with a stage and without one.
+def run(strategy: str, steps: int = STEPS, steps_per_epoch: int = STEPS_PER_EPOCH, seed: int = 0,
+        params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One run of ``strategy`` (with ``params``, default its defaults) on the tiny model: per-step times (s) of the
+    hooks, the forward and the whole step, split into steps with a stage and without one.
 
     Returns:
         ``{"hooks": {"step": [...], "stage": [...]}, "forward": [...], "whole": [...], "stages": int}``.
@@ -79,7 +80,7 @@ def run(strategy: str, steps: int = STEPS, steps_per_epoch: int = STEPS_PER_EPOC
     forward: list[float] = []
     whole: list[float] = []
     clock = time.perf_counter
-    with Freezer(model, optimizer, strategy, blocks=blocks, total_steps=steps,
+    with Freezer(model, optimizer, strategy, params, blocks=blocks, total_steps=steps,
                  steps_per_epoch=steps_per_epoch) as freezer:
         for i in range(steps):
             x, y = data[i % len(data)]

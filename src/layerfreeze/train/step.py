@@ -47,13 +47,13 @@ def train_step(trainer: Trainer, batch: dict[str, torch.Tensor], global_count: i
     """:meth:`Trainer.train_step <layerfreeze.train.trainer.Trainer.train_step>`: one optimizer step; returns this
     rank's loss: the batch mean in one process, the *sum* over this rank's ``local_count`` counted samples when
     distributed (the caller all-reduces it into the global mean)."""
-    batch = to_device(batch, trainer.device)
+    host_batch, batch = batch, to_device(batch, trainer.device)
     if trainer.distributed:
         counter = CollectiveBytes() if trainer.fsdp else contextlib.nullcontext()
         with counter:  # FSDP2: the bytes its all-gathers and reduce-scatters send in this forward and backward
             if trainer.fsdp:
                 sync_buffers(trainer)
-                logits = (trainer.runner(batch) if trainer.runner is not None
+                logits = (trainer.runner(batch, host_batch=host_batch) if trainer.runner is not None
                           else trainer.task.forward(trainer.model, batch))
             else:
                 logits = trainer.ddp(batch)
@@ -74,7 +74,8 @@ def train_step(trainer: Trainer, batch: dict[str, torch.Tensor], global_count: i
         if trainer.fsdp:
             trainer._collective_bytes = dict(counter.bytes)
     else:
-        logits = trainer.runner(batch) if trainer.runner is not None else trainer.task.forward(trainer.model, batch)
+        logits = (trainer.runner(batch, host_batch=host_batch) if trainer.runner is not None
+                  else trainer.task.forward(trainer.model, batch))
         loss = trainer.task.loss(logits, batch)
         reading = HostScalar(loss)  # queued behind the forward; read once the backward is queued too
         trainer._due = checkpoint_due(trainer)

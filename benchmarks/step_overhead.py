@@ -1,7 +1,8 @@
 """What each freezing strategy adds to a training step on a tiny model, where host work is not hidden by compute.
 
-The issue-40 CPU proxy: a 9-block stack of tiny ``Linear`` layers (8 blocks of ``Linear(64, 64)`` + ``ReLU`` and a
-``Linear(64, 10)`` head, batch 32: the model's own forward, backward and AdamW step take ~0.5 ms on one core),
+The issue-40 CPU proxy: a 9-block stack of tiny ``Linear`` layers (8 blocks of ``Linear(32, 32)`` + ``ReLU`` and a
+``Linear(32, 10)`` head, batch 32: the model's own forward, backward and AdamW step take 0.5-1 ms on one core, mostly
+per-op overhead, as a small model's step on a GPU is),
 trained for ``--steps`` steps (default 168, ``total_steps`` the same, 4 epochs of 42 steps so the epoch-end
 strategies stage too) with every registered strategy, ``none`` first, one after another in one process with one
 thread (``torch.set_num_threads(1)``). Each strategy's run is repeated ``--repeats`` times (default 5) and the median
@@ -48,7 +49,7 @@ from layerfreeze.models.discovery import discover_blocks
 from layerfreeze.strategies import STRATEGIES
 
 #: The tiny model: ``BLOCKS`` blocks of width ``WIDTH``, batch ``BATCH``, ``CLASSES`` classes.
-BLOCKS, WIDTH, BATCH, CLASSES = 9, 64, 32, 10
+BLOCKS, WIDTH, BATCH, CLASSES = 9, 32, 32, 10
 #: Steps of a run (= ``total_steps``) and steps per epoch.
 STEPS, STEPS_PER_EPOCH = 168, 42
 #: Repetitions of each strategy's run (the median of their medians is reported).

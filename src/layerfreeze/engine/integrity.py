@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerfreeze.engine.params import structure_version
+from layerfreeze.engine.params import install_hooks, structure_version
 
 
 class FrozenWeightsChangedError(RuntimeError):
@@ -148,6 +148,8 @@ class FrozenSet:
         self.switched_on: set[int] = set()  # blocks thawed since the last gradient check
         self.awaiting_update: dict[int, list[_Probe]] = {}  # thawed blocks with gradients, until the next step
         self.quick = quick
+        if quick:
+            install_hooks()  # what structure_version counts
         self._changes = 0  # freezes, thaws and loads: a full check is due after each
         self._checked: tuple[Any, ...] | None = None  # what the last full check saw (_state)
         self._watched: list[nn.Parameter] = []  # the frozen parameters it found, for their requires_grad

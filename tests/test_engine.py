@@ -271,3 +271,48 @@ def test_stage_context_gives_a_read_only_view_of_the_optimizer_state():
     freezer.freeze(0)
     assert context(freezer, "step").optimizer_state(first) is None  # a frozen block's parameters left the optimizer
     assert context(Freezer(make_net(), None, strategy="none"), "step").optimizer_state is None
+
+
+class Timed(Strategy):
+    name = "timed"
+
+    def __init__(self):
+        super().__init__()
+        self.stage_every = 3
+        self.at_epoch_end = False
+        self.seen = []
+
+    def decide(self, ctx):
+        self.seen.append((ctx.event, ctx.step, ctx.step_seconds, ctx.stage_step_seconds))
+        return Decision()
+
+
+def test_stages_see_the_median_step_times_with_and_without_a_stage(monkeypatch):
+    """Issue 40 item 2: the intervals between step() calls (host clock), split by whether the step staged, last 16
+    of each; an epoch's end (evaluation, checkpoints) starts the measurement again."""
+    import layerfreeze.engine.timing as timing
+
+    clock = [100.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    strategy = Timed()
+    freezer = Freezer(make_net(), None, strategy)
+    assert strategy.seen == [("start", 0, None, None)]  # nothing measured before the first step
+    for k in range(1, 7):
+        clock[0] += 1.0 if k % 3 == 0 else 0.01 * k  # a stage step takes 1 s here, the others 0.01 * k
+        freezer.step()
+    # step 1 has no previous mark; at stage 3 only step 2 was measured, at stage 6 steps 2, 4, 5 and stage 3
+    assert strategy.seen[1] == ("step", 3, pytest.approx(0.02), None)
+    assert strategy.seen[2] == ("step", 6, pytest.approx(0.04), pytest.approx(1.0))
+    freezer.epoch_end()
+    clock[0] += 50.0  # the evaluation between epochs: not a step
+    freezer.step()  # step 7: the first mark after the restart, no interval
+    for k in (8, 9):
+        clock[0] += 1.0 if k % 3 == 0 else 0.01 * k
+        freezer.step()
+    assert strategy.seen[3] == ("step", 9, pytest.approx(0.045), pytest.approx(1.0))  # median of .02 .04 .05 .08
+    assert list(freezer._step_times.step) == pytest.approx([0.02, 0.04, 0.05, 0.08])
+    for _ in range(10, 40):
+        clock[0] += 0.5
+        freezer.step()
+    assert len(freezer._step_times.step) == 16 and len(freezer._step_times.stage) == 13  # the last 16 at most
+    assert freezer._step_times.medians() == (pytest.approx(0.5), pytest.approx(0.5))

@@ -228,3 +228,47 @@ def test_periodic_checkpoints_cost_is_reported(tmp_path):
     assert reasons == ["periodic", "epoch_end", "periodic", "periodic", "epoch_end"]  # steps 4, 6, 8, 12, 12
     assert summary["checkpoints"] == 5 and summary["checkpoint_time_s"] > 0
     assert len(list((tmp_path / "every" / "checkpoints").iterdir())) == 2
+
+
+def test_the_frozen_set_check_walks_only_when_something_could_have_changed():
+    # issue 40: the check runs after every step; walking every frozen block's parameters each time was the engine's
+    # per-step cost. It walks again after a freeze or thaw, any parameter/module registration, a change of the
+    # optimizer's parameter count, or a frozen parameter that requires grad again; otherwise it is skipped
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    freezer = Freezer(model, optimizer, "static", {"k": 2})
+    train_steps(model, optimizer, freezer, 1)
+    walks = freezer.integrity.full_checks
+    train_steps(model, optimizer, freezer, 3, seed=1)
+    assert freezer.integrity.full_checks == walks  # nothing changed: no walk
+    model[2].bias.requires_grad_(True)
+    with pytest.warns(UserWarning, match=r"'2.bias' of frozen block '2' requires grad again"):
+        freezer.step()
+    assert freezer.integrity.full_checks == walks + 1 and not model[2].bias.requires_grad
+    optimizer.add_param_group({"params": [model[0].weight]})  # a frozen parameter back in the optimizer
+    with pytest.warns(UserWarning, match=r"'0.weight' of frozen block '0' is back in the optimizer"):
+        freezer.step()
+    assert all(p is not model[0].weight for g in optimizer.param_groups for p in g["params"])
+    model[4].weight = nn.Parameter(model[4].weight.detach().clone())  # a registration anywhere: walk once
+    freezer.step()
+    freezer.step()
+    assert freezer.integrity.full_checks == walks + 3
+    freezer.thaw(1)
+    freezer.step()
+    assert freezer.integrity.full_checks == walks + 4
+
+
+def test_block_parameter_lists_are_walked_again_after_a_registration():
+    from layerfreeze.engine.params import BlockParams, structure_version
+    from layerfreeze.models.discovery import discover_blocks
+
+    model = mlp()
+    params = BlockParams(discover_blocks(model))
+    first = params.of(0)
+    assert first == [model[0].weight, model[0].bias] and params.of(0) is first  # kept
+    before = structure_version()
+    model[0].weight = nn.Parameter(torch.zeros(16, 8))
+    assert structure_version() > before
+    assert params.of(0) == [model[0].weight, model[0].bias] and params.of(0) is not first
+    walking = BlockParams(params.blocks, cache=False)  # FSDP2's choice: a new walk every call
+    assert walking.of(0) == params.of(0) and walking.of(0) is not walking.of(0) and walking.version() is None

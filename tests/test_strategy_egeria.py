@@ -157,7 +157,8 @@ def test_synchronous_run_captures_probe_uses_int8_reference_and_freezes_a_prefix
     decisions = train(model, optimizer, freezer, 40, g, batches)
     args, kwargs = strategy.probe
     assert torch.equal(args[0], batches[0][:4]) and kwargs == {}
-    assert len(model._forward_pre_hooks) == 0  # the capture hook removed itself
+    # the capture hook removed itself; what is left is the Freezer's own (frozen blocks back to eval mode)
+    assert list(model._forward_pre_hooks.values()) == [freezer._eval_frozen_blocks]
 
     assert [(r["block"], r["step"]) for r in freezer.history] == [("0", 15), ("2", 20), ("4", 25)]
     assert freezer.frozen == [True, True, True, False]  # a prefix, never the head

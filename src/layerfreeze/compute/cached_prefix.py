@@ -94,6 +94,12 @@ def _names_its_input(split: ModelSplit) -> bool:
     return type(split).create.__func__ is not ModelSplit.create.__func__  # type: ignore[attr-defined]
 
 
+def _on_device(positions: list[int], device: torch.device | str | None) -> torch.Tensor:
+    """``positions`` as a long tensor on ``device``, copied without blocking the host (``torch.tensor(...,
+    device=cuda)`` copies and then synchronises the stream: a host synchronisation per call)."""
+    return torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True)
+
+
 def sample_indices(index: Any) -> list[int]:
     """A batch's ``"index"`` as a list of ints: a tensor (what torch's default collate makes of ints, any shape),
     a list or tuple of ints or of 0-d tensors, or a NumPy array.
@@ -237,15 +243,21 @@ class CachedPrefix:
                     "modules (layerfreeze.distributed.shard_blocks) with every parameter inside a block's modules, "
                     "or train without the cache")
 
-    def __call__(self, batch: dict[str, Any], depth: int | None = None) -> torch.Tensor:
-        return self.forward(batch, depth)
+    def __call__(self, batch: dict[str, Any], depth: int | None = None, *,
+                 host_batch: dict[str, Any] | None = None) -> torch.Tensor:
+        return self.forward(batch, depth, host_batch=host_batch)
 
-    def forward(self, batch: dict[str, Any], depth: int | None = None) -> torch.Tensor:
+    def forward(self, batch: dict[str, Any], depth: int | None = None, *,
+                host_batch: dict[str, Any] | None = None) -> torch.Tensor:
         """Logits ``(B, num_classes)`` for ``batch``, with blocks ``0..depth-1`` served from the cache.
 
         Args:
             batch: A collated batch with ``"index"`` (``(B,)`` sample positions) and the model inputs.
             depth: Frozen prefix length; default ``freezer.frozen_prefix``. Depth 0 runs the full forward.
+            host_batch: The same batch as it was on the host before it was moved to the device (the CLI trainer
+                gives it): the inputs' fingerprints are taken from it, so the check of a hit reads nothing back from
+                the device (on a GPU that read is a host synchronisation every step, issue 40). Fingerprints taken
+                on the host and on the device agree to far better than the check's tolerance (float64 sums).
 
         Raises:
             CacheRefused: a stochastic prefix module, a trainable prefix parameter, or a sample whose inputs
@@ -277,7 +289,7 @@ class CachedPrefix:
                 self.cache.advance(depth)
                 self._prune()
             indices = sample_indices(batch["index"])
-            self._check_inputs(indices, batch)
+            self._check_inputs(indices, batch if host_batch is None else host_batch)
             plan = self._plan(batch, indices, depth)
         except CacheRefused as exc:
             refused = exc
@@ -475,14 +487,15 @@ class CachedPrefix:
             rows = [found[p] for p in hit]
             if pad_to is not None:
                 rows = [pad_dim0(t, pad_to) for t in rows]  # type: ignore[arg-type]
-            hit_states = torch.stack(rows).to(device)  # type: ignore[arg-type]
+            # non_blocking: a blocking copy to a GPU synchronises the stream (the rows stay alive until it is done)
+            hit_states = torch.stack(rows).to(device, non_blocking=True)  # type: ignore[arg-type]
             if self.policy is not None:  # a last read: its bytes go back now
                 for p in hit:
                     if not self.policy.read_again(indices[p]):
                         self.policy.freed += self.cache.drop(indices[p], depth)
             if not miss and not plan.compute_only:
                 return hit_states
-        rows = torch.tensor(miss, device=device, dtype=torch.long)
+        rows = _on_device(miss, device)
         t0 = _now(device)
         if plan.start > 0 and plan.old is not None:
             old = plan.old
@@ -508,12 +521,12 @@ class CachedPrefix:
                     for d in self.cache.depths(indices[p]):
                         self.policy.freed += self.cache.drop(indices[p], d)
         if keep:
-            at = torch.tensor(keep, device=device)
+            at = _on_device(keep, device)
             self.cache.put_batch([indices[p] for p in keep], depth, states[at],
                                  None if lengths is None else lengths[torch.tensor(keep)])
         if hit_states is not None:  # states holds every row at the batch's shape; the hits replace theirs
             states = states.clone()
-            states[torch.tensor(hit, device=states.device)] = hit_states.to(states.dtype)
+            states[_on_device(hit, states.device)] = hit_states.to(states.dtype)
         return states
 
     def _record_cost(self, depth: int, per_sample: float) -> None:

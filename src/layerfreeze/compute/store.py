@@ -242,7 +242,7 @@ class ActivationCache:
             lengths = [int(n) for n in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
             if len(lengths) != len(indices):
                 raise ValueError(f"{len(lengths)} lengths for {len(indices)} samples")
-        states = states.detach()
+        states = states.detach().to("cpu")  # one copy to the host for the batch (each row's would synchronise)
         for i, index in enumerate(indices):
             self._put(index, int(depth), states[i], None if lengths is None else lengths[i])
         self._maybe_flush()
@@ -450,7 +450,7 @@ class ActivationCache:
         if pad_to is not None:
             states = [pad_dim0(t, pad_to) for t in states]
         batch = torch.stack(states)  # type: ignore[arg-type]
-        return batch if device is None else batch.to(device)
+        return batch if device is None else batch.to(device, non_blocking=True)  # a blocking copy would sync a GPU
 
     def _read_shard(self, name: str, keys: list[tuple[int, int]]) -> list[torch.Tensor] | None:
         """The entries ``keys`` of shard ``name``, verified; None (and the shard dropped) if it is corrupt."""

@@ -5,8 +5,9 @@ loss sum), each rank's share of a global batch, and a lost rank named instead of
   refuses two ranks on one GPU (:func:`choose_rank_device`, the decision itself, reads no state);
   :func:`init_distributed` joins the group ``torchrun`` describes (gloo on the CPU, NCCL on GPUs);
   :func:`close_distributed` leaves it when every rank is done.
-* :func:`broadcast_object`, :func:`all_gather_object`, :func:`all_reduce_sum`: the few collectives layerfreeze
-  uses (the :class:`~layerfreeze.engine.Freezer` broadcasts rank 0's decisions with the first).
+* :func:`broadcast_object`, :func:`all_gather_object`, :func:`all_reduce_sum`, :func:`all_reduce_tensor`: the few
+  collectives layerfreeze uses (the :class:`~layerfreeze.engine.Freezer` broadcasts rank 0's decisions with the
+  first, and adds up the ranks' gradient sums under FSDP2 with the last, on the device).
 * :func:`shard` and :func:`loss_scale`: each rank's interleaved share of a global batch and the weight of its summed
   loss, so DDP's averaged gradient is the global batch's mean exactly.
 * :class:`RankWatchdog`: a rank that dies (OOM killer, preemption) makes the others fail inside a collective; a
@@ -242,6 +243,12 @@ def all_reduce_sum(values: Sequence[float], device: torch.device | None = None) 
     if is_distributed():
         dist.all_reduce(t)
     return t.tolist()
+
+
+def all_reduce_tensor(t: torch.Tensor) -> None:
+    """Sum ``t`` over all ranks, in place, on its device (no copy to the host; a no-op in one process)."""
+    if is_distributed():
+        dist.all_reduce(t)
 
 
 def shard(indices: Sequence[int], rank_: int | None = None, world: int | None = None) -> list[int]:

@@ -15,6 +15,10 @@ The folder's map: one mechanism per module, top to bottom; each imports only mod
 * ``integrity`` -- the frozen set stays frozen (checksums), trainable blocks get gradients; anyone.
 * ``mechanics`` -- the stateless freeze mechanics (:func:`frozen_parameters`, :func:`set_eval_mode`); anyone.
 * ``optim`` -- the optimizer surgery: frozen parameters out of the param groups and back, one group per block; anyone.
+* ``grad_signal`` -- GradientSums: the grad_l1 signal, summed on the device, read once per stage; freezer.py, steps.py.
+* ``timing`` -- StepTimes: step intervals with and without a stage, for the strategies' cadence; freezer.py, steps.py.
+* ``params`` -- BlockParams: each block's parameters walked once per structure change (torch's registration hooks);
+  freezer.py, integrity.py.
 """
 
 from layerfreeze.engine.freezer import Freezer, PinnedBlockError

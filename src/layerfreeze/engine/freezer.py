@@ -21,10 +21,9 @@ What freezing a block does, and why each part matters (each is a public fault se
 * The parameters leave the optimizer's param groups and their optimizer state is freed
   (:func:`~layerfreeze.engine.optim.remove_from_optimizer`: "frozen" weights would otherwise drift under momentum and
   weight decay, and their state keep its memory).
-* ``.grad`` is set to None so no stale gradient is applied or clipped later.
-* BatchNorm running statistics and dropout go to eval mode (a forward pre-hook re-applies it after every
-  ``model.train()``), unless ``train_bn=True`` (fastai / Lightning ``train_bn``): then BatchNorm layers keep
-  training, affine parameters included.
+* ``.grad`` is set to None so no stale gradient is applied or clipped later. BatchNorm running statistics and
+  dropout go to eval mode (a forward pre-hook re-applies it after every ``model.train()``), unless ``train_bn=True``
+  (fastai / Lightning ``train_bn``): then BatchNorm layers keep training, affine parameters included.
 
 Thawing reverses all of it and puts each parameter back into the param group it came from (the number of param
 groups never changes), with no optimizer state: a block switched on starts from fresh state (zero Adam moments),
@@ -36,13 +35,12 @@ first optimizer step after a thaw is checked to have changed the block
 block above a trainable one saves its weight gradients and optimizer state, while backward still runs through it
 (only a frozen prefix, :attr:`Freezer.frozen_prefix`, saves its backward and is what the activation cache serves).
 
-A learning rate for the thawed block may be given (discriminative LR); that needs param groups that hold only that
-block's parameters, which :func:`~layerfreeze.engine.optim.block_param_groups` builds.
-
-A **floor** (``Freezer(..., floor=plan.floor)``, :meth:`Freezer.pin`) is a set of blocks that must stay frozen: a
-memory budget's plan (:mod:`layerfreeze.budget`) freezes them before the first step, and from then on a strategy may
-freeze more but its thaws of them are dropped (a warning per block), the stability guard stops watching them, and
-:meth:`Freezer.thaw` refuses them (:class:`PinnedBlockError`): a thaw past the floor would break the budget.
+A thawed block's learning rate may be given (discriminative LR; param groups of one block each,
+:func:`~layerfreeze.engine.optim.block_param_groups`). A **floor** (``Freezer(..., floor=plan.floor)``,
+:meth:`Freezer.pin`) is a set of blocks that must stay frozen: a memory budget's plan (:mod:`layerfreeze.budget`)
+freezes them before the first step, and from then on a strategy may freeze more but its thaws of them are dropped (a
+warning per block), the stability guard stops watching them, and :meth:`Freezer.thaw` refuses them
+(:class:`PinnedBlockError`): a thaw past the floor would break the budget.
 """
 
 from __future__ import annotations
@@ -60,13 +58,16 @@ from layerfreeze.engine import state as checkpoint_state
 from layerfreeze.engine import steps
 from layerfreeze.engine.demote import Demoter
 from layerfreeze.engine.demotion import Demotion
+from layerfreeze.engine.grad_signal import GradientSums
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
 from layerfreeze.engine.lr_factors import apply_lr_scales, check_lr_scales, set_block_lr
 from layerfreeze.engine.mechanics import frozen_blocks_to_eval, frozen_parameters, set_eval_mode
 from layerfreeze.engine.optim import add_to_optimizer, group_origin, remove_from_optimizer
+from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, report_metric, start
+from layerfreeze.engine.timing import StepTimes
 from layerfreeze.models.blocks import Block
 from layerfreeze.models.discovery import discover_blocks, refuse_empty_parameters
 from layerfreeze.strategies import DEFAULT_STRATEGY, Decision, Strategy, create_strategy
@@ -137,9 +138,8 @@ class Freezer:
 
     Raises:
         BlockDiscoveryError: blocks cannot be discovered (see :func:`~layerfreeze.models.discovery.discover_blocks`).
-        EmptyParameterError: a block's parameter holds no elements (a DeepSpeed ZeRO-3 placeholder outside a gather,
-            axolotl#1687: its checksums and freezes would pass on nothing;
-            :func:`~layerfreeze.models.discovery.refuse_empty_parameters`).
+        EmptyParameterError: a block's parameter holds no elements (a ZeRO-3 placeholder outside a gather,
+            axolotl#1687: checksums and freezes would pass on nothing; ``discovery.refuse_empty_parameters``).
         UnknownStrategyError / ValueError: bad strategy name or parameters; a sharded model with a strategy that
             observes the model and no ``mirror`` on rank 0 (raised on every rank); ``demote`` with ``train_bn=True``
             (the BatchNorm layers of frozen blocks keep training in float32) or with an FSDP2-sharded model.
@@ -185,7 +185,7 @@ class Freezer:
             self.blocks: list[Block] = list(blocks)  # type: ignore[arg-type]
         else:
             self.blocks = discover_blocks(model, blocks)  # type: ignore[arg-type]
-        # blocks given ready-made skip discovery's check: a 0-element placeholder would pass the checksums too
+        # blocks given ready-made skip discovery's check
         refuse_empty_parameters(((n, p) for b in self.blocks for n, p in b.named_parameters()), "Freezer")
         if isinstance(strategy, str):  # built and checked against the blocks here, once
             strategy = create_strategy(strategy, strategy_params, num_blocks=len(self.blocks))
@@ -203,8 +203,11 @@ class Freezer:
             self._origin = group_origin(optimizer)
         self._hooks: dict[int, list[Any]] = {}
         self._root_eval_hook: Any = None  # registered at the first freeze (_eval_frozen_blocks)
-        self.integrity = FrozenSet(on_unfrozen, warn=functools.partial(steps.integrity_warning, self))
-        self._grad_l1 = [0.0] * len(self.blocks)
+        self.integrity = FrozenSet(on_unfrozen, warn=functools.partial(steps.integrity_warning, self),
+                                   quick=not self._fsdp)
+        self._params = BlockParams(self.blocks, cache=not self._fsdp)  # walked again after a structure change
+        self._grad_sums = GradientSums(len(self.blocks))  # the grad_l1 signal, on the device (grad_signal.py)
+        self._step_times = StepTimes()  # the step intervals the strategies read (timing.py)
         self._backward_calls = 0
         self._lr_scale: dict[int, float] = {}
         self._lr_written: dict[int, tuple[float, float]] = {}  # group -> (unscaled lr, lr we wrote)

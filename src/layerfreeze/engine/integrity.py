@@ -6,7 +6,8 @@ Four silent faults this module turns into warnings or errors (each seen in real 
   conversions, some loaders, weight tying done late) creates a new ``Parameter`` with ``requires_grad=True``: the
   frozen block silently gets gradients again and backward runs through the whole prefix. :meth:`FrozenSet.check`
   (every optimizer step, O(parameters), no tensor work) finds every frozen block's parameter that is not the object
-  frozen, requires grad, or is in the optimizer, re-freezes it and warns naming it (or raises, by option).
+  frozen, requires grad, or is in the optimizer, re-freezes it and warns naming it (or raises, by option). A step
+  where nothing could have changed skips the walk (the quick path below).
 * **A frozen weight that moved** (an in-place update outside the optimizer, a loader, a bug): a checksum of each
   frozen block (BLAKE2b of its parameters' bytes) is taken when it freezes and verified by
   :meth:`FrozenSet.verify_checksums` (the trainer calls it at every checkpoint and at the end of the run):
@@ -18,13 +19,22 @@ Four silent faults this module turns into warnings or errors (each seen in real 
   it and the usual causes (an input computed under ``no_grad`` or detached; reentrant gradient checkpointing whose
   input does not require grad because the prefix before it is frozen, transformers #21381; an unused module).
 * **A block switched on that the optimizer does not update**: after a thaw, the first backward records which of
-  the thawed block's parameters got a gradient (and a few of their values where the gradient is not zero), and the
+  the thawed block's parameters got a gradient (and a few of their values where the gradient is largest), and the
   next :meth:`FrozenSet.check_updated` (the Freezer's ``step()``, after ``optimizer.step()``) warns naming the block
   when none of them changed. The fault of an optimizer that does not hold what was switched on: DeepSpeed ZeRO-3
   builds its partitions once, so a layer switched on later was never updated (DeepSpeed#5639, under LISA and BAdam
   callbacks); a callback that froze layers before the Trainer built its optimizer trained nothing it switched on
   (LMFlow#726). The engine's own thaw puts a block back into its param group, so with a ``torch.optim`` optimizer
   this cannot happen; the check is for optimizers that keep their own copy of the parameter list.
+
+None of the checks reads a device tensor on the host on a step without a stage, except the last one's comparison
+after an optimizer step that left the version counters alone (fused optimizers; issue 40). :meth:`FrozenSet.check`
+runs every step, so it has a quick path: when no module of the process registered a parameter, submodule or buffer
+since the last full check (:func:`~layerfreeze.engine.params.structure_version`), the optimizer is the same object
+holding as many parameters, no block froze or thawed, and no frozen parameter requires grad, nothing it looks for can
+have happened and the walk is skipped. Not seen by the quick path until the next full check (a freeze, a thaw, any
+registration): a parameter swapped into a param group for another one (same count), a parameter written into
+``module._parameters`` directly. On an FSDP2-sharded model (which swaps parameters that way) every step walks.
 """
 
 from __future__ import annotations
@@ -37,6 +47,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from layerfreeze.engine.params import install_hooks, structure_version
 
 
 class FrozenWeightsChangedError(RuntimeError):
@@ -65,7 +77,8 @@ def _local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Probe:
-    """One parameter of a thawed block, as it was after the backward that gave it a gradient."""
+    """One parameter of a thawed block, as it was after the backward that gave it a gradient: its version counter
+    and its values at the positions of the largest gradients (``where``, on its device)."""
 
     param: nn.Parameter
     version: int
@@ -78,7 +91,7 @@ class _Probe:
         if self.param._version != self.version:
             return True
         now = _local_tensor(self.param).detach().reshape(-1)[self.where]
-        return not torch.equal(now, self.values)
+        return not torch.equal(now, self.values)  # a host read: only after a step that moved no version counter
 
 
 def checksum(named: Iterable[tuple[str, torch.Tensor]],
@@ -112,6 +125,8 @@ class FrozenSet:
         on_unfrozen: ``"warn"`` (re-freeze and warn) or ``"error"`` (raise :class:`UnfrozenParameterError`).
         warn: Where warnings go: ``warn(message, record)`` (the Freezer sends them to ``warnings`` and its
             ``on_event`` callback, so the CLI logs them as events).
+        quick: Let :meth:`check` skip its walk when nothing can have changed (the module docstring); False walks on
+            every call (the Freezer's choice on an FSDP2-sharded model).
 
     Raises:
         ValueError: an unknown ``on_unfrozen``.
@@ -119,7 +134,7 @@ class FrozenSet:
 
     def __init__(self, on_unfrozen: str = "warn",
                  warn: Callable[[str, dict[str, Any]], None] | None = None,
-                 gather: Callable[[Any], list[Any]] | None = None) -> None:
+                 gather: Callable[[Any], list[Any]] | None = None, quick: bool = True) -> None:
         if on_unfrozen not in ("warn", "error"):
             raise ValueError(f"on_unfrozen must be 'warn' or 'error', got {on_unfrozen!r}")
         self.on_unfrozen = on_unfrozen
@@ -132,8 +147,17 @@ class FrozenSet:
         self.gradients_pending = True  # check the next backward (the run starts with a new frozen set)
         self.switched_on: set[int] = set()  # blocks thawed since the last gradient check
         self.awaiting_update: dict[int, list[_Probe]] = {}  # thawed blocks with gradients, until the next step
+        self.quick = quick
+        if quick:
+            install_hooks()  # what structure_version counts
+        self._changes = 0  # freezes, thaws and loads: a full check is due after each
+        self._checked: tuple[Any, ...] | None = None  # what the last full check saw (_state)
+        self._watched: list[nn.Parameter] = []  # the frozen parameters it found, for their requires_grad
+        #: Full walks :meth:`check` did (the quick path skips the others; tests read it).
+        self.full_checks = 0
 
     def on_freeze(self, index: int, named: list[tuple[str, nn.Parameter]]) -> None:
+        self._changes += 1
         self.params[index] = dict(named)
         self.checksums[index] = checksum(named, self.gather)
         self.gradients_pending = True
@@ -141,6 +165,7 @@ class FrozenSet:
         self.awaiting_update.pop(index, None)
 
     def on_thaw(self, index: int) -> None:
+        self._changes += 1
         self.params.pop(index, None)
         self.checksums.pop(index, None)
         self.gradients_pending = True
@@ -155,6 +180,25 @@ class FrozenSet:
         Raises:
             UnfrozenParameterError: with ``on_unfrozen="error"``.
         """
+        if self.quick and self._checked is not None and self._checked == self._state(freezer) \
+                and not any(p.requires_grad for p in self._watched):
+            return []  # nothing it looks for can have happened since the last full check (module docstring)
+        fixed = self._full_check(freezer)
+        if self.quick:
+            self._checked = self._state(freezer)
+            self._watched = [p for frozen in self.params.values() for p in frozen.values()]
+        return fixed
+
+    def _state(self, freezer: Any) -> tuple[Any, ...]:
+        """What :meth:`check`'s quick path compares: the structure version, the optimizer and how many parameters it
+        holds, and the freezes and thaws so far."""
+        optimizer = freezer.optimizer
+        held = sum(len(g["params"]) for g in optimizer.param_groups) if optimizer is not None else 0
+        return structure_version(), id(optimizer), held, self._changes
+
+    def _full_check(self, freezer: Any) -> list[str]:
+        """:meth:`check`'s walk over every frozen block's parameters."""
+        self.full_checks += 1
         in_optimizer = ({id(p) for g in freezer.optimizer.param_groups for p in g["params"]}
                         if freezer.optimizer is not None else set())
         fixed = []
@@ -229,8 +273,9 @@ class FrozenSet:
 
     def _probe_switched_on(self, freezer: Any) -> None:
         """Remember, for each block thawed since the last check, its parameters that got a gradient: their version
-        counter and up to :data:`PROBE_VALUES` values where the gradient is not zero (what the next optimizer step
-        must change, unless its learning rate is 0)."""
+        counter and their values at the :data:`PROBE_VALUES` positions of the largest gradient magnitudes (what the
+        next optimizer step must change, unless its learning rate is 0). The positions are found on the device
+        (``topk``: a fixed shape; ``nonzero`` would read the count on the host, a synchronisation)."""
         for index in sorted(self.switched_on):
             if freezer.frozen[index]:
                 continue
@@ -238,8 +283,8 @@ class FrozenSet:
             for p in freezer.blocks[index].parameters():
                 if not p.requires_grad or p.grad is None:
                     continue
-                grad = _local_tensor(p.grad).reshape(-1)
-                where = torch.nonzero(grad, as_tuple=True)[0][:PROBE_VALUES]
+                grad = _local_tensor(p.grad).detach().reshape(-1)
+                where = torch.topk(grad.abs(), min(PROBE_VALUES, grad.numel()), sorted=False).indices
                 probes.append(_Probe(p, p._version, where, _local_tensor(p).detach().reshape(-1)[where].clone()))
             if probes:
                 self.awaiting_update[index] = probes
@@ -282,6 +327,7 @@ class FrozenSet:
         A block whose saved checksums were taken on another layout (sharded over another number of ranks, or
         unsharded: :func:`checksum`) keeps the ones its re-freeze just took from the loaded weights (which the
         checkpoint's SHA-256 verified): digests of other shards are not comparable."""
+        self._changes += 1
         for key, sums in state.items():
             mine = self.checksums.get(int(key))
             if mine is None:

@@ -80,7 +80,7 @@ def stage(freezer: Freezer, event: str) -> Decision:
         freezer.last_signals = dict(decision.signals)
     if freezer.distributed:
         decision = share_decision(freezer.strategy, decision, error)
-    freezer._grad_l1 = [0.0] * len(freezer.blocks)
+    freezer._grad_sums.reset()
     freezer._backward_calls = 0
     for i in decision.freeze:
         if freezer.freeze(i, reason=decision.reason or freezer.strategy.name) and freezer.guard is not None:
@@ -94,8 +94,9 @@ def stage(freezer: Freezer, event: str) -> Decision:
 def context(freezer: Freezer, event: str) -> StageContext:
     """What the strategy sees at a stage: the blocks (frozen or not), the step and epoch, the signals it asked for
     (``grad_l1``: each block's gradient L1 norm summed since the last stage by
-    :func:`~layerfreeze.engine.steps.after_backward`), each block's LR before factors and a read-only view of the
-    optimizer state (None without an optimizer; under FSDP2 the mirror's, with whole moments).
+    :func:`~layerfreeze.engine.steps.after_backward`; copied to the host here, once per stage), each block's LR
+    before factors, a read-only view of the optimizer state (None without an optimizer; under FSDP2 the mirror's,
+    with whole moments) and the medians of the recent step times (:mod:`layerfreeze.engine.timing`).
 
     Raises:
         RuntimeError: the strategy needs ``grad_l1`` and ``after_backward`` was never called since the last stage.
@@ -110,7 +111,8 @@ def context(freezer: Freezer, event: str) -> StageContext:
                 f"Strategy {freezer.strategy.name!r} needs gradients, but freezer.after_backward() was never called. "
                 "Call it after loss.backward() and before optimizer.zero_grad()."
             )
-        signals["grad_l1"] = list(freezer._grad_l1)
+        signals["grad_l1"] = freezer._grad_sums.values()  # one copy to the host per stage
+    step_seconds, stage_step_seconds = freezer._step_times.medians()
     lrs = optimizer_state = None
     if freezer.optimizer is not None:
         lrs = block_lrs(freezer.optimizer, freezer._origin, freezer.blocks, freezer._lr_written)
@@ -126,6 +128,8 @@ def context(freezer: Freezer, event: str) -> StageContext:
         signals=signals,
         block_lrs=lrs,
         optimizer_state=optimizer_state,
+        step_seconds=step_seconds,
+        stage_step_seconds=stage_step_seconds,
     )
 
 

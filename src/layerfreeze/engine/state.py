@@ -35,7 +35,7 @@ def state_dict(freezer: Freezer) -> dict[str, Any]:
         "epoch": freezer.epoch,
         "history": list(freezer.history),
         "strategy": {"name": freezer.strategy.name, "state": freezer.strategy.state_dict()},
-        "grad_l1": list(freezer._grad_l1),
+        "grad_l1": freezer._grad_sums.values(),  # a copy to the host (a checkpoint)
         "backward_calls": freezer._backward_calls,
         "train_bn": freezer.train_bn,
         "lr_scale": dict(freezer._lr_scale),
@@ -90,10 +90,11 @@ def load_state_dict(freezer: Freezer, state: dict[str, Any]) -> None:
     freezer.step_count = state["step"]
     freezer.epoch = state["epoch"]
     freezer.history = list(state["history"])
-    freezer._grad_l1 = list(state["grad_l1"])
+    freezer._grad_sums.reset(state["grad_l1"])
     freezer._backward_calls = state["backward_calls"]
     freezer._lr_scale = {int(k): v for k, v in state["lr_scale"].items()}
     freezer._lr_written = {int(k): tuple(v) for k, v in state["lr_written"].items()}
+    freezer._step_times.restart()
     if freezer._mirror is not None:  # the strategy's state may be rebuilt from the weights (egeria): the loaded ones
         freezer._mirror.refresh()
     if freezer.decides:

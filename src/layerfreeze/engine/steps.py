@@ -5,14 +5,17 @@ functions of the same name here:
 
 * :func:`after_backward`, after every ``loss.backward()``: counts the backward, checks the first one since the frozen
   set changed (every trainable block got a gradient: ``FrozenSet.check_gradients``) and, when the strategy asks for
-  ``grad_l1``, adds each trainable block's gradient L1 norm to ``Freezer._grad_l1`` (the gradient signal a stage
-  hands the strategy, then starts over: :func:`~layerfreeze.engine.stages.stage`);
+  ``grad_l1``, adds each trainable block's gradient L1 norm to ``Freezer._grad_sums`` on the device (the gradient
+  signal a stage reads and hands the strategy, then starts over: :func:`~layerfreeze.engine.stages.stage`);
 * :func:`step`, after every ``optimizer.step()`` (and the scheduler's): counts the step, reshards under FSDP2, checks
   that the frozen set is still frozen and that a block thawed before the step was updated by it
   (:mod:`layerfreeze.engine.integrity`), runs a freezing stage every ``strategy.stage_every`` steps
-  (:mod:`layerfreeze.engine.stages`) and applies the LR factors to this step's LR
-  (:mod:`layerfreeze.engine.lr_factors`);
+  (:mod:`layerfreeze.engine.stages`), applies the LR factors to this step's LR
+  (:mod:`layerfreeze.engine.lr_factors`) and marks the step's end on the clock (:mod:`layerfreeze.engine.timing`);
 * :func:`epoch_end`: an epoch-end stage if the strategy wants one, and the epoch count.
+
+None of them reads a device tensor on the host on a step without a stage (issue 40): the gradient sums stay on the
+device, the integrity checks look at Python objects (``tests/test_host_sync.py`` counts the synchronisations).
 
 :func:`integrity_warning` is where the integrity checks' warnings go (``warnings`` and the Freezer's ``on_event``).
 The functions take the :class:`~layerfreeze.engine.freezer.Freezer` whose hook runs, and read and update its parts.
@@ -26,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from layerfreeze.distributed import comm
-from layerfreeze.distributed.fsdp import local_tensor
 from layerfreeze.engine.lr_factors import apply_lr_scales
 from layerfreeze.engine.sharding import sharded
 from layerfreeze.engine.stages import stage
@@ -37,12 +39,13 @@ if TYPE_CHECKING:  # the hooks' work on a Freezer; the Freezer calls it, never t
 
 
 def after_backward(freezer: Freezer) -> None:
-    """Count a backward, check its gradients if due, and add the per-block gradient L1 norms to
-    ``freezer._grad_l1`` when the strategy lists ``"grad_l1"`` in its ``signals`` (returns at once otherwise).
+    """Count a backward, check its gradients if due, and add the per-block gradient L1 norms to the Freezer's
+    gradient sums (:class:`~layerfreeze.engine.grad_signal.GradientSums`, on the gradients' device: no host
+    synchronisation) when the strategy lists ``"grad_l1"`` in its ``signals`` (returns at once otherwise).
 
     Off rank 0 nothing is summed (no strategy reads it there), except under FSDP2, where every rank sums its own
-    shards and one all-reduce adds them up (a collective then). A trainable block that got no gradient is a
-    warning (:func:`integrity_warning`).
+    shards and one all-reduce of the per-block sums adds them up (a collective then, on the device). A trainable
+    block that got no gradient is a warning (:func:`integrity_warning`).
     """
     freezer._backward_calls += 1
     freezer.integrity.check_gradients(freezer)
@@ -54,18 +57,10 @@ def after_backward(freezer: Freezer) -> None:
     # Under FSDP2 each rank holds one shard of every gradient (a DTensor): reading a whole one's sum on rank 0
     # alone would be a collective the other ranks never join (a hang). Every rank sums its own shards, then one
     # all-reduce adds them up.
-    sums = [0.0] * len(freezer.blocks)
+    frozen, params = freezer.frozen, freezer._params
+    active = [(i, params.of(i)) for i in range(len(frozen)) if not frozen[i]]
     with torch.no_grad():
-        for block in freezer.blocks:
-            if freezer.frozen[block.index]:
-                continue
-            grads = [local_tensor(p.grad) for p in block.parameters() if p.grad is not None]
-            if grads:
-                sums[block.index] = float(sum(g.abs().sum() for g in grads))
-    if on_shards:
-        sums = comm.all_reduce_sum(sums)
-    for i, value in enumerate(sums):
-        freezer._grad_l1[i] += value
+        freezer._grad_sums.add(active, reduce=comm.all_reduce_tensor if on_shards else None)
 
 
 def step(freezer: Freezer) -> Decision | None:
@@ -86,7 +81,9 @@ def step(freezer: Freezer) -> Decision | None:
     freezer.integrity.check_updated(freezer)  # a block thawed before this step must have been updated by it
     every = freezer.strategy.stage_every
     decision = stage(freezer, event="step") if every and freezer.step_count % every == 0 else None
-    apply_lr_scales(freezer.optimizer, freezer.blocks, freezer._origin, freezer._lr_scale, freezer._lr_written)
+    if freezer._lr_scale:
+        apply_lr_scales(freezer.optimizer, freezer.blocks, freezer._origin, freezer._lr_scale, freezer._lr_written)
+    freezer._step_times.mark(staged=decision is not None)
     return decision
 
 
@@ -98,6 +95,7 @@ def epoch_end(freezer: Freezer) -> Decision | None:
     """
     decision = stage(freezer, event="epoch_end") if freezer.strategy.at_epoch_end else None
     freezer.epoch += 1
+    freezer._step_times.restart()  # evaluation and checkpoints happen between epochs: not a step's time
     return decision
 
 

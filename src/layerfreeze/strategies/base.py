@@ -56,9 +56,12 @@ class StageContext:
             of the parameter's shape), ``state["step"]``; ``group["betas"]``, ``group["eps"]``), or None (the
             parameter is not in the optimizer, e.g. a frozen block's, or has no state yet). A strategy must not
             change what it returns. None without an optimizer.
-        step_seconds: Median wall-clock seconds between two optimizer steps without a stage (the Freezer's clock,
-            host side, no device sync), or None until measured.
-        stage_step_seconds: The same for steps that ran a stage, or None until measured.
+        step_seconds: Median wall-clock seconds of the recent training steps that ran no stage (the last 16), as the
+            Freezer measured them between its ``step()`` calls on the host (``time.perf_counter``, no device
+            synchronisation; :mod:`layerfreeze.engine.timing`); None until measured. What a stage's cost is weighed
+            against when a strategy sets its cadence.
+        stage_step_seconds: The same for the recent steps that ran a stage (the stage's own time included); None until
+            measured.
     """
 
     step: int

@@ -199,9 +199,15 @@ def build_scheduler(config: Config, optimizer: torch.optim.Optimizer,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, warmup, config.train.schedule))
 
 
+#: Batch keys that stay on the host: sample positions are bookkeeping (the activation cache looks them up), never a
+#: model input, and reading them back from a GPU would be a host synchronisation every step (issue 40).
+HOST_KEYS = frozenset({"index"})
+
+
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """A batch's tensors on ``device`` (copied without blocking the host where it can)."""
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    """A batch's tensors on ``device`` (copied without blocking the host where it can), but for :data:`HOST_KEYS`,
+    which stay where they are."""
+    return {k: v if k in HOST_KEYS else v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def plan_headline(plan: MemoryPlan) -> str:

@@ -2,7 +2,9 @@
 
 :func:`train_step` is the step itself (forward, loss, backward, the Freezer's gradient stage, clip, optimizer and
 LR steps; distributed: the one all-reduce of the loss, a Ctrl-C and a due checkpoint), with the loss checked before
-it reaches the weights (:func:`check_finite`). :func:`timed_step` is what the epoch loop times around it: the
+it reaches the weights (:func:`check_finite`); in one process the loss is read once the backward is queued
+(:class:`HostScalar`), the step's one host read of a device value (issue 40; ``tests/test_host_sync.py``).
+:func:`timed_step` is what the epoch loop times around it: the
 memory ledger's sample, the training FLOPs measured on the step itself whenever the frozen set changes, the
 strategy's freezing stage, the frozen prefix's placement. :func:`record_step` counts the step and writes its records
 (``metrics.jsonl``, each rank's own); :func:`check_stuck` stops a run that learns nothing. :func:`on_freeze_event`
@@ -45,13 +47,13 @@ def train_step(trainer: Trainer, batch: dict[str, torch.Tensor], global_count: i
     """:meth:`Trainer.train_step <layerfreeze.train.trainer.Trainer.train_step>`: one optimizer step; returns this
     rank's loss: the batch mean in one process, the *sum* over this rank's ``local_count`` counted samples when
     distributed (the caller all-reduces it into the global mean)."""
-    batch = to_device(batch, trainer.device)
+    host_batch, batch = batch, to_device(batch, trainer.device)
     if trainer.distributed:
         counter = CollectiveBytes() if trainer.fsdp else contextlib.nullcontext()
         with counter:  # FSDP2: the bytes its all-gathers and reduce-scatters send in this forward and backward
             if trainer.fsdp:
                 sync_buffers(trainer)
-                logits = (trainer.runner(batch) if trainer.runner is not None
+                logits = (trainer.runner(batch, host_batch=host_batch) if trainer.runner is not None
                           else trainer.task.forward(trainer.model, batch))
             else:
                 logits = trainer.ddp(batch)
@@ -72,16 +74,50 @@ def train_step(trainer: Trainer, batch: dict[str, torch.Tensor], global_count: i
         if trainer.fsdp:
             trainer._collective_bytes = dict(counter.bytes)
     else:
-        logits = trainer.runner(batch) if trainer.runner is not None else trainer.task.forward(trainer.model, batch)
+        logits = (trainer.runner(batch, host_batch=host_batch) if trainer.runner is not None
+                  else trainer.task.forward(trainer.model, batch))
         loss = trainer.task.loss(logits, batch)
-        value = float(loss.detach())
+        reading = HostScalar(loss)  # queued behind the forward; read once the backward is queued too
         trainer._due = checkpoint_due(trainer)
-        check_finite(trainer, value)
         loss.backward()
+        value = reading.value()
+        check_finite(trainer, value)  # before the optimizer step: a non-finite loss still never reaches the weights
     trainer.freezer.after_backward()
     params = [p for g in trainer.optimizer.param_groups for p in g["params"] if p.grad is not None]
     apply_step(trainer.optimizer, trainer.scheduler, trainer.config.train.grad_clip, params)
     return value
+
+
+class HostScalar:
+    """A device scalar's value on the host, copied without stalling the device's queue: the one loss value per step the
+    trainer logs (issue 40: it budgets that read, and no other, on a step without a stage).
+
+    Made right after the forward: on a device other than the CPU the value is copied ``non_blocking`` into a host
+    buffer (pinned memory on CUDA, with an event recorded after the copy). :meth:`value` is called after the backward
+    has been queued: it waits for the event, i.e. for the forward only, while the backward keeps the device busy; the
+    host then queues the optimizer step without the device's queue having drained. Reading ``float(loss)`` before
+    ``backward()`` instead waits for the forward with nothing queued behind it, and the device idles while the host
+    queues the backward. On the CPU it is a plain read.
+    """
+
+    def __init__(self, t: torch.Tensor) -> None:
+        t = t.detach()
+        self._event = None
+        if t.device.type == "cpu":
+            self._host = t
+            return
+        cuda = t.device.type == "cuda"
+        self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+        self._host.copy_(t, non_blocking=True)
+        if cuda:
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(t.device))
+
+    def value(self) -> float:
+        """The value (waits for the copy on CUDA: for the work queued before it, not after)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return float(self._host)
 
 
 def check_finite(trainer: Trainer, loss: float) -> None:

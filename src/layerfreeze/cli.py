@@ -446,6 +446,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
     from rich.table import Table
 
+    from layerfreeze.budget.plan import ROW_NOTES
     from layerfreeze.runs.summary import format_bytes
     from layerfreeze.train.setup import plan_headline
     from layerfreeze.train.trainer import Trainer
@@ -476,10 +477,11 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         if col == "frozen up to":  # block names are long (bert.encoder.layer.11): folded, never cut with "…"
             table.add_column(col, justify="left", overflow="fold", min_width=min(32, max(map(len, plan.block_names))))
         else:
-            table.add_column(col, justify="right")
+            table.add_column(col, justify="right", no_wrap=True)
     for row in cells:
         table.add_row(*row)
     console.print(table)
+    console.print(ROW_NOTES, highlight=False)
     chosen = plan.chosen
     console.print(f"[bold]plan[/]: budget {plan.budget} = {format_bytes(plan.budget_bytes)}; predicted tensor peak "
                   f"{format_bytes(plan.predicted_peak_bytes)} ({format_bytes(chosen.model_bytes)} model"
@@ -501,11 +503,17 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         console.print(f"plan: {args.json}")
     if args.check is None:
         return 0
+    steps = args.check
+    if steps > trainer.total_steps:
+        console.print(f"check: --check {steps} is more than the run's {trainer.total_steps} steps "
+                      f"({config.train.epochs} epoch(s) of {trainer.batches_per_epoch}); checking all "
+                      f"{trainer.total_steps}", highlight=False)
+        steps = trainer.total_steps
     run_dir = Path(config.run.dir) if config.run.dir else Path(tempfile.mkdtemp(prefix="layerfreeze-plan-check-"))
-    checked = load_config(args.config, [*overrides, {"train": {"max_steps": args.check}, "run": {
+    checked = load_config(args.config, [*overrides, {"train": {"max_steps": steps}, "run": {
         "dir": str(run_dir), "ledger": True, "ledger_every": 1, "checkpoint": False, "tensorboard": False,
         "progress": not args.no_progress}}])
-    console.print(f"check: training {args.check} steps under the plan in {run_dir}", highlight=False)
+    console.print(f"check: training {steps} steps under the plan in {run_dir}", highlight=False)
     summary = Trainer(checked).run()
     got = summary["memory_plan"]
     seen = min(summary["steps"] * checked.train.batch_size, cache.samples) if cache is not None else 0

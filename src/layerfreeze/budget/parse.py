@@ -12,9 +12,9 @@ Two kinds, one rule each:
 Anything else (a bare number above 1, ``3G``, a negative or zero size) raises
 :class:`~layerfreeze.errors.BudgetError` with the accepted forms and, where one is likely, what was meant: ``60`` ->
 ``60%`` or ``60GiB``; ``1000000000`` -> ``1000000000B`` (bytes take a unit in a string: the command line's
-``--memory`` / ``--memory-budget`` always give a string, so ``60`` there is never 60 bytes); ``3G`` -> ``3GiB``. The budget is compared with the memory ledger's
-tensor peak (:mod:`layerfreeze.runs.ledger`: every bucket on every memory device, the disk left out), not with the
-process's RSS or the CUDA allocator's reserved bytes.
+``--memory`` / ``--memory-budget`` always give a string, so ``60`` there is never 60 bytes); ``3G`` -> ``3GiB``. The
+budget is compared with the memory ledger's tensor peak (:mod:`layerfreeze.runs.ledger`: every bucket on every memory
+device, the disk left out), not with the process's RSS or the CUDA allocator's reserved bytes.
 """
 
 from __future__ import annotations

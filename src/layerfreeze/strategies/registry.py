@@ -21,7 +21,7 @@ from layerfreeze.strategies.base import Strategy
 S = TypeVar("S", bound=type)
 
 #: Registered strategies: ``{name: Strategy subclass}`` in registration order (a read-only mapping).
-STRATEGIES: Registry[type[Strategy]] = Registry("strategy")
+STRATEGIES: Registry[type[Strategy]] = Registry("strategy", "layerfreeze.strategies.unregister_strategy({name!r})")
 
 
 def register_strategy(name: str) -> Callable[[S], S]:

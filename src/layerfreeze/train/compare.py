@@ -131,9 +131,8 @@ def rotation_summary(summary: dict[str, Any]) -> dict[str, Any]:
             i += 1
         trainable.append(len(blocks) - len(frozen))
     switches = len({e["step"] for e in events if e["action"] == "thaw" and e["step"] > 0})
-    return {"switches": switches,
-            "mean_trainable_fraction": sum(trainable) / (len(trainable) * len(blocks)) if trainable and blocks else None,
-            "most_trainable": max(trainable, default=None)}
+    mean = sum(trainable) / (len(trainable) * len(blocks)) if trainable and blocks else None
+    return {"switches": switches, "mean_trainable_fraction": mean, "most_trainable": max(trainable, default=None)}
 
 
 def _rotates(strategy: str) -> bool:

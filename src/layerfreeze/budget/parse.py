@@ -127,5 +127,5 @@ def _bare_hint(text: str, number: float) -> str:
     if number <= 100:
         return f" (did you mean {text}% of it, or a size such as {text}GiB?)"
     if number.is_integer() and number >= 1024:
-        return f" (did you mean {text}B, {format_bytes(int(number))}? bytes take the unit B)"
+        return f" (did you mean {text}B, that is {format_bytes(int(number))}? a size in bytes takes the unit B)"
     return f" (did you mean {text}MiB or {text}GiB?)"

@@ -68,12 +68,20 @@ class NextTokenPrediction:
         return mean, math.exp(min(mean, 50.0))
 
 
-def position_limit(config: Any) -> int | None:
-    """The most positions a Hugging Face model's config says it embeds (``max_position_embeddings``; GPT-2's
-    ``n_positions`` is the same attribute), or None when it names none (relative positions)."""
+def position_limit(model: nn.Module) -> int | None:
+    """The most positions a Hugging Face model can embed: the rows of its learned position embedding (GPT-2's
+    ``wpe``, ``n_positions`` rows; an ``nn.Embedding`` other than the token embedding with as many rows as the
+    config's ``max_position_embeddings``), or None when it has none (rotary or relative positions, as Llama's: those
+    run past ``max_position_embeddings``, which only says what the model was trained on)."""
+    config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(text, "max_position_embeddings", None)
-    return int(limit) if isinstance(limit, int) and limit > 0 else None
+    if not isinstance(limit, int) or limit <= 0:
+        return None
+    tokens = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    learned = any(isinstance(m, nn.Embedding) and m is not tokens and m.num_embeddings == limit
+                  for m in model.modules())
+    return limit if learned else None
 
 
 def check_causal_lm(model: nn.Module, path: Any, max_length: int | None = None) -> None:
@@ -84,18 +92,19 @@ def check_causal_lm(model: nn.Module, path: Any, max_length: int | None = None) 
       at every position and learns to copy. Checked on the model itself: its logits at the first positions of a
       short sequence must not change when a later token does (one forward of 8 tokens, twice, under ``no_grad``
       in eval mode; the train/eval mode comes back as it was).
-    * ``max_length`` (when given) above the positions the model embeds (:func:`position_limit`): GPT-2's position
-      embedding has ``n_positions`` rows, and a longer chunk fails inside the first forward with ``IndexError``.
+    * ``max_length`` (when given) above the positions the model has learned embeddings for (:func:`position_limit`):
+      GPT-2's position embedding has ``n_positions`` rows, and a longer chunk fails inside the first forward with
+      ``IndexError``.
 
     Raises:
         ConfigError: naming the setting (``model.name_or_path``, ``model.max_length``) and what to set.
     """
     config = getattr(model, "config", None)
-    limit = position_limit(config) if config is not None else None
+    limit = position_limit(model)
     if limit is not None and max_length is not None and max_length > limit:
         raise ConfigError(f"model.max_length {max_length} is more than the {limit} positions model.name_or_path "
-                          f"{path} embeds (max_position_embeddings / n_positions in its config.json); set "
-                          f"--set model.max_length={limit} or less")
+                          f"{path} has learned embeddings for (max_position_embeddings / n_positions in its "
+                          f"config.json); set --set model.max_length={limit} or less")
     vocab = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", 0) \
         if config is not None else 0
     if not vocab or vocab < 3:

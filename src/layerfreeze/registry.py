@@ -60,7 +60,8 @@ class Registry(Mapping[str, T], Generic[T]):
                     self._entries[i] = (o_order, count, n, obj)
                     return obj
                 how = self.replace_hint.format(name=name) if self.replace_hint else f"unregister({name!r})"
-                raise ValueError(f"a {self.kind} named {name!r} is already registered ({_definition(o) or o!r}); "
+                held = _definition(o) or repr(o)
+                raise ValueError(f"a {self.kind} named {name!r} is already registered ({held}); "
                                  f"to replace it, call {how} first, or register {_definition(obj) or 'yours'} "
                                  "under another name")
         self._entries.append((order, next(self._counter), name, obj))

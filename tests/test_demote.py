@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -287,7 +288,9 @@ def test_the_trainer_demotes_offloads_and_resumes_bitwise(tmp_path):
     ref = Trainer(_config(tmp_path, "ref", demote), task=blob_task()).run()
     assert ref["demote"] == {"dtype": "bfloat16", "offload": "cpu", "master": "auto",
                              "demoted_blocks": ["0", "1"], "offloaded_blocks": ["0", "1"], "skipped": {},
-                             "transfers": ref["demote"]["transfers"], "transfer_bytes": 0}
+                             "transfers": ref["demote"]["transfers"], "transfer_bytes": 0,
+                             # where the master copies were: on disk on the CPU (auto), in the run's demoted/
+                             "master_places": ["disk"], "master_dir": str(Path(ref["run_dir"]) / "demoted")}
     # block 0 (Linear 16->32) and block 1 (BatchNorm(32)) run only for epoch 1's misses and the evaluations
     assert ref["demote"]["transfers"] > 0
     assert _losses(tmp_path / "ref") != _losses(tmp_path / "plain")  # bfloat16 rounds the prefix's output

@@ -189,7 +189,7 @@ def test_a_strategy_preset_sized_for_the_tasks_model_does_not_reach_another_mode
 def test_compare_rows_on_resnet18_pass_the_block_check_and_a_bad_k_names_the_flag(tmp_path):
     from layerfreeze.train.compare import _check_block_params, row_config
 
-    base = {"task": "fashion-mnist", "model": {"name_or_path": "resnet18", "pretrained": False}}
+    base = {"task": "fashion-mnist", "model": {"name_or_path": "resnet18"}}  # from scratch: it has no weights here
     configs = [(row, build_config(row_config(base, row, tmp_path))) for row in ("none", "static")]
     _check_block_params(configs)  # the task's default rows on another model: no k=10 applied (the exit 2)
     bad = [("static", build_config(row_config({**base, "freeze": {"strategy": "static", "params": {"k": 10}}},
@@ -198,6 +198,10 @@ def test_compare_rows_on_resnet18_pass_the_block_check_and_a_bad_k_names_the_fla
         _check_block_params(bad)
     assert "row static: freeze.params: static: k=10 would freeze the head; this model has 6 blocks" in str(err.value)
     assert "set this row's parameter with -p static.NAME=VALUE" in str(err.value)
+    with pytest.raises(ConfigError, match="model.pretrained is true but resnet18 has no offline pretrained weights"):
+        _check_block_params([("static", build_config(row_config(
+            {"task": "fashion-mnist", "model": {"name_or_path": "resnet18", "pretrained": True}}, "static",
+            tmp_path)))])
 
 
 # ---- item 11: a model family registered twice ------------------------------------------------------------------

@@ -55,13 +55,15 @@ class ModelConfig(_Section):
     ``name_or_path``: a local Hugging Face model folder for text tasks (default: the installed MiniLM-L6; text-lm:
     a causal LM folder, required), or a
     torchvision architecture name for image tasks (``mobilenet_v2`` with the installed ImageNet weights,
-    ``resnet18`` from scratch). ``blocks``: module-name patterns overriding block discovery.
+    ``resnet18`` from scratch). ``blocks``: module-name patterns overriding block discovery. ``pretrained`` (image
+    tasks): start from the installed ImageNet weights; null (default): when the model has them (``mobilenet_v2``
+    yes, ``resnet18`` no, so ``--model resnet18`` trains from scratch without another flag).
     """
 
     name_or_path: str | None = None
     blocks: list[str] | None = None
     max_length: int = Field(128, ge=8, le=4096, description="tokens per text sample")
-    pretrained: bool = True
+    pretrained: bool | None = None
     lora: LoraConfig | None = None
 
 
@@ -561,7 +563,7 @@ KEY_NOTES: dict[str, str] = {
     "model.name_or_path": "local Hugging Face folder (text tasks; null: the installed MiniLM-L6), or mobilenet_v2 / "
                           "resnet18 (image tasks)",
     "model.blocks": "module-name patterns naming the blocks front to back (null: discovered)",
-    "model.pretrained": "image tasks: start from the installed ImageNet weights",
+    "model.pretrained": "image tasks: start from the installed ImageNet weights (null: when the model has them)",
     "model.lora": "LoRA adapters (peft) instead of full training",
     "model.lora.r": "adapter rank",
     "model.lora.alpha": "adapter scaling numerator (alpha / r)",

@@ -32,6 +32,7 @@ from typing import Any
 
 from rich.console import Console
 
+from benchmarks.jobs import parse_jobs
 from benchmarks.memory_table import markdown, rich_table
 from benchmarks.memory_table import task_config as memory_task_config
 from benchmarks.suite import SIZE_FIELDS, TASKS, base_config, dataset_sizes, row_settings, task_spec, total_steps
@@ -59,8 +60,6 @@ def task_config(task: str, size: str, seed: int, threads: int | None) -> tuple[d
             base = deep_merge(base, {"train": {"max_steps": 3}, "data": {"limit_train": 48, "limit_test": 32},
                                      "model": {"max_length": 32}})
         return base, params, overrides
-    if task not in TASKS:
-        raise SystemExit(f"unknown task {task!r}: choose from {', '.join(TASKS)}, default-job")
     spec = task_spec(task, quick=size == "quick")
     if size == "tiny":
         spec = replace(TASKS[task], **dict(zip(SIZE_FIELDS, TINY[task])))
@@ -162,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     demote = {"dtype": args.dtype, "offload": args.offload, "master": args.master}
     results: dict[str, Any] = {"rows": rows, "seeds": args.seeds, "size": args.size, "demote": demote, "tasks": {}}
     md = []
-    for task in args.tasks.split(","):
+    for task in parse_jobs(args.tasks, (*TASKS, "default-job")):
         per_seed: list[dict[str, dict[str, Any]]] = []
         for seed in range(args.seeds):
             base, params, overrides = task_config(task, args.size, seed, args.threads)

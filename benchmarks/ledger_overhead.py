@@ -15,7 +15,7 @@ run pays ``(sampled + (N - 1) * idle) / N``. The table also gives how many tenso
 call each) and the parameter count.
 
     python -m benchmarks.ledger_overhead                              # the default job's model and MobileNetV2
-    python -m benchmarks.ledger_overhead --tasks fashion-mnist --steps 4 --batch-size 32   # a quick look
+    python -m benchmarks.ledger_overhead --tasks fmnist-mobilenet --steps 4 --batch-size 32   # a quick look
 
 The model trains on ``run.device`` = auto (a GPU when there is one; the clock waits for it). Prints a table and
 writes ``--out/results.json``. Run it alone on the machine (other processes sharing the cores
@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils.data import DataLoader
 
+from benchmarks.jobs import CLI_CONFIG, parse_jobs
 from layerfreeze.runs.ledger import MemoryLedger
 from layerfreeze.train.config import build_config
 from layerfreeze.train.setup import epoch_batches
@@ -42,8 +43,10 @@ from layerfreeze.train.trainer import Trainer
 
 #: The default job (MiniLM-L6 / BBC News, 128 tokens, batch 32) and the suite's MobileNetV2 / Fashion-MNIST (batch 128).
 TASKS = {
-    "bbc-news": {"task": "bbc-news", "model": {"max_length": 128}, "train": {"batch_size": 32}},
-    "fashion-mnist": {"task": "fashion-mnist", "train": {"batch_size": 128}, "data": {"limit_train": 4096}},
+    # the benchmarks' job names (benchmarks/jobs.py): the default job's step, MobileNetV2 / Fashion-MNIST at batch 128
+    "default-job": {**CLI_CONFIG["default-job"], "model": {"max_length": 128}, "train": {"batch_size": 32}},
+    "fmnist-mobilenet": {**CLI_CONFIG["fmnist-mobilenet"], "train": {"batch_size": 128},
+                         "data": {"limit_train": 4096}},
 }
 MODES = ("off", "sampled", "idle")
 CADENCES = (1, 10)
@@ -128,7 +131,8 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench-ledger-overhead")
     args = parser.parse_args()
     out = Path(args.out)
-    rows = [measure(t, TASKS[t], args.steps, out, args.batch_size, args.max_length) for t in args.tasks.split(",")]
+    rows = [measure(t, TASKS[t], args.steps, out, args.batch_size, args.max_length)
+            for t in parse_jobs(args.tasks, tuple(TASKS))]
     table = Table(title="The memory ledger's cost per training step: median step time without a ledger, with one "
                         "sampling the step, with one attached but idle")
     for col in ("task", "batch", "saved tensors/step", "param tensors", "step, off", "step, sampled", "step, idle",

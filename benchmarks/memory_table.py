@@ -13,15 +13,18 @@ ledger sampling every step (``run.ledger_every=1``, ``--every`` to change it), t
   freeze or thaw against the last one before it) of each bucket's change (a freeze at step 0, before the first
   sample, shows only in the first table, against ``none``).
 
-Tasks: ``fmnist`` is the suite's MobileNetV2 / Fashion-MNIST at the suite's sizes (``benchmarks/suite.py`` SIZES:
-2 epochs of 9,600 images, batch 128, 150 steps; ``--size quick`` for QUICK_SIZES, ``--size small`` for 2 epochs of
-2,048 images); ``default-job`` is ``make demo`` (MiniLM-L6 / BBC News, 3 epochs, 128 tokens, batch 32).
+Tasks (the benchmarks' job names, :mod:`benchmarks.jobs`): ``fmnist-mobilenet`` is the suite's MobileNetV2 /
+Fashion-MNIST at the suite's sizes (``benchmarks/suite.py`` SIZES: 2 epochs of 9,600 images, batch 128, 150 steps);
+``default-job`` is ``make demo`` (MiniLM-L6 / BBC News, 3 epochs, 128 tokens, batch 32). ``--size`` applies to both:
+``suite`` (the sizes above), ``quick`` (the suite's QUICK_SIZES; the default job: 1 epoch of 256 articles, 64
+tokens), ``small`` (2 epochs of 2,048 images, 64 steps; the default job: 1 epoch of 640 articles), ``tiny`` (3 steps
+of 32 samples each: checks the script runs, not a measurement).
 
-    python -m benchmarks.memory_table              # fmnist and the default job: none, static, smartfrz
-    python -m benchmarks.memory_table --tasks fmnist --size small --threads 1
+    python -m benchmarks.memory_table              # fmnist-mobilenet and the default job: none, static, smartfrz
+    python -m benchmarks.memory_table --tasks fmnist-mobilenet --size small --threads 1
     python -m benchmarks.memory_table --demote bfloat16              # each strategy also demoted (rows static+bf16)
     python -m benchmarks.memory_table --demote bfloat16 --offload cpu --device cuda   # and offloaded off the GPU
-    python -m benchmarks.memory_table --tasks fmnist --size tiny --rows none,static --demote bfloat16   # seconds
+    python -m benchmarks.memory_table --size tiny --rows none,static --demote bfloat16   # seconds per task
 
 ``--demote DTYPE`` (``bfloat16``/``float16``) adds, after the rows, each freezing row again with
 ``freeze.demote.dtype`` set (``static+bf16``, ``smartfrz+bf16``; ``+offload`` with ``--offload cpu``, which moves the
@@ -42,6 +45,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.jobs import parse_jobs
 from benchmarks.suite import QUICK_SIZES, SIZE_FIELDS, TASKS, base_config, row_settings, task_spec, total_steps
 from layerfreeze.runs import rundir
 from layerfreeze.runs.ledger_buckets import bucket_label
@@ -53,8 +57,17 @@ from layerfreeze.train.config import deep_merge, parse_override
 ROWS = ("none", "static", "smartfrz")
 #: ``--size small``: the suite's MobileNetV2 task on fewer images (64 steps), for a run of a few minutes on one core;
 #: ``--size tiny``: 3 steps of 32 images, to check the script runs (its test), not a measurement.
-SMALL = {"fmnist": (2, 2048, 1000, None, 64, None)}
-TINY = {"fmnist": (1, 96, 32, None, 32, 3)}
+SMALL = {"fmnist-mobilenet": (2, 2048, 1000, None, 64, None)}
+TINY = {"fmnist-mobilenet": (1, 96, 32, None, 32, 3)}
+#: The default job at ``--size small``, ``quick`` and ``tiny`` (``suite``: the CLI's defaults as they are).
+DEFAULT_JOB_SIZES: dict[str, dict[str, Any]] = {
+    "small": {"train": {"epochs": 1}, "data": {"limit_train": 640, "limit_test": 256}},
+    "quick": {"train": {"epochs": 1}, "data": {"limit_train": 256, "limit_test": 128}, "model": {"max_length": 64}},
+    "tiny": {"train": {"epochs": 1, "max_steps": 3}, "data": {"limit_train": 96, "limit_test": 32},
+             "model": {"max_length": 32}},
+}
+#: The jobs this table runs.
+JOBS = ("fmnist-mobilenet", "default-job")
 #: The short names of demoted rows: ``static+bf16``.
 DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16"}
 
@@ -70,10 +83,10 @@ def task_config(task: str, size: str, seed: int, threads: int | None) -> tuple[d
         base = {"task": "bbc-news", "train": {"seed": seed},
                 "run": {"progress": False, "checkpoint": False, "tensorboard": False, "threads": threads,
                         "divergence_window_steps": None}}
-        return base, {}, {}
+        return deep_merge(base, DEFAULT_JOB_SIZES.get(size, {})), {}, {}
     spec = task_spec("fmnist-mobilenet", quick=size == "quick")
     if size in ("small", "tiny"):
-        sizes = (SMALL if size == "small" else TINY)["fmnist"]
+        sizes = (SMALL if size == "small" else TINY)["fmnist-mobilenet"]
         spec = replace(TASKS["fmnist-mobilenet"], **dict(zip(SIZE_FIELDS, sizes)))
     n_train = spec.limit_train or 60_000
     params, overrides = row_settings(spec, total_steps(spec, n_train))
@@ -146,10 +159,15 @@ def markdown(head: list[str], cells: list[list[str]]) -> str:
 
 
 def rich_table(title: str, head: list[str], cells: list[list[str]]) -> Table:
-    """``head`` / ``cells`` as a rich table for the console: the ``row`` column left-aligned, numbers right."""
+    """``head`` / ``cells`` as a rich table for the console: the ``row`` column left-aligned, numbers right; every
+    column at least as wide as its widest cell (a row name or a number is never cut), headers wrapped over lines
+    instead of cut with "…"."""
     table = Table(title=title)
-    for col in head:
-        table.add_column(col, justify="left" if col == "row" else "right")
+    for i, col in enumerate(head):
+        widest = max((len(row[i]) for row in cells), default=0)
+        longest_word = max((len(w) for w in col.split()), default=0)
+        table.add_column(col, justify="left" if col == "row" else "right", overflow="fold",
+                         min_width=max(widest, min(longest_word, 12)))
     for row in cells:
         table.add_row(*row)
     return table
@@ -157,10 +175,11 @@ def rich_table(title: str, head: list[str], cells: list[list[str]]) -> Table:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", default="fmnist,default-job", help="comma-separated: fmnist, default-job")
+    parser.add_argument("--tasks", default=",".join(JOBS), help=f"comma-separated jobs: {', '.join(JOBS)}")
     parser.add_argument("--rows", default=",".join(ROWS), help="strategies, none first")
     parser.add_argument("--size", choices=("suite", "small", "quick", "tiny"), default="suite",
-                        help="fmnist's sizes: the suite's (SIZES), 64 steps (small), QUICK_SIZES, 3 steps (tiny)")
+                        help="every task's sizes: the suite's / the CLI's (suite), a few minutes (small), QUICK_SIZES "
+                        "(quick), 3 steps (tiny)")
     parser.add_argument("--demote", choices=sorted(DTYPE_SHORT),
                         help="also run each freezing row with freeze.demote.dtype (rows static+bf16, ...)")
     parser.add_argument("--offload", choices=("cpu",), help="with --demote: freeze.demote.offload too")
@@ -173,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.offload and not args.demote:
         parser.error("--offload goes with --demote DTYPE (the demoted rows are the ones offloaded)")
+    tasks = parse_jobs(args.tasks, JOBS)
     out = Path(args.out)
     rows = args.rows.split(",")
     console = Console(width=200)
@@ -180,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
                                "demote": args.demote, "offload": args.offload,
                                "quick_sizes": QUICK_SIZES["fmnist-mobilenet"], "tasks": {}}
     md = []
-    for task in args.tasks.split(","):
+    for task in tasks:
         base, params, overrides = task_config(task, args.size, args.seed, args.threads)
         base = deep_merge(base, {"run": {"ledger": True, "ledger_every": args.every}})
         if args.device:

@@ -17,6 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.jobs import CLI_CONFIG, JOBS, parse_jobs
 from layerfreeze.runs.rundir import read_metrics
 from layerfreeze.runs.summary import format_bytes, format_flops
 from layerfreeze.train.config import build_config
@@ -25,17 +26,19 @@ from layerfreeze.train.trainer import Trainer
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", default="bbc-news")
+    parser.add_argument("--task", default="default-job", help=f"a benchmark job (benchmarks/jobs.py): "
+                        f"{', '.join(j for j in JOBS if j != 'bbc')}")
     parser.add_argument("--k", type=int, default=6)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--out", default="runs/bench-prefix-cache")
     args = parser.parse_args()
+    job = parse_jobs(args.task, tuple(j for j in JOBS if j != "bbc"), flag="--task")[0]
 
     rows = {}
     for mode in ("off", "on"):
         config = build_config({
-            "task": args.task, "train": {"epochs": args.epochs},
+            **CLI_CONFIG[job], "train": {"epochs": args.epochs},
             "freeze": {"strategy": "static", "params": {"k": args.k}, "cache": {"mode": mode, "dtype": args.dtype}},
             "run": {"dir": f"{args.out}/cache-{mode}", "progress": False, "checkpoint": False},
         })

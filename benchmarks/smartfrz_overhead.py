@@ -11,7 +11,7 @@ the stages (frozen blocks are neither recorded nor predicted). The gradient sign
 (``snr_gate``, on by default since issue 29) is timed apart: Adam's moments read at every block's sampled positions.
 
     python -m benchmarks.smartfrz_overhead                     # MiniLM-L6 / BBC News and MobileNetV2 / F-MNIST
-    python -m benchmarks.smartfrz_overhead --tasks bbc-news --steps 20
+    python -m benchmarks.smartfrz_overhead --tasks default-job --steps 20
 
 Prints a table and writes ``--out/results.json``. Run it alone on the machine (other torch processes share the
 cores and distort both timings).
@@ -30,13 +30,16 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils.data import DataLoader
 
+from benchmarks.jobs import CLI_CONFIG, parse_jobs
 from layerfreeze.train.config import build_config
 from layerfreeze.train.setup import epoch_batches
 from layerfreeze.train.trainer import Trainer
 
 TASKS = {
-    "bbc-news": {"task": "bbc-news", "model": {"max_length": 128}, "train": {"batch_size": 32}},
-    "fashion-mnist": {"task": "fashion-mnist", "train": {"batch_size": 128}, "data": {"limit_train": 4096}},
+    # the benchmarks' job names (benchmarks/jobs.py): the default job's step, MobileNetV2 / Fashion-MNIST at batch 128
+    "default-job": {**CLI_CONFIG["default-job"], "model": {"max_length": 128}, "train": {"batch_size": 32}},
+    "fmnist-mobilenet": {**CLI_CONFIG["fmnist-mobilenet"], "train": {"batch_size": 128},
+                         "data": {"limit_train": 4096}},
 }
 
 
@@ -112,7 +115,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench-smartfrz-overhead")
     args = parser.parse_args()
     out = Path(args.out)
-    rows = [measure(t, TASKS[t], args.steps, args.every, out) for t in args.tasks.split(",")]
+    rows = [measure(t, TASKS[t], args.steps, args.every, out) for t in parse_jobs(args.tasks, tuple(TASKS))]
     table = Table(title="SmartFRZ online cost per stage: every block recorded; predicted: the front block (prefix "
                         "rule, the usual stage) / every non-head block (worst case); the SNR gate (snr_gate, on by "
                         "default) per stage")

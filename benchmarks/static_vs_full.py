@@ -17,6 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.jobs import CLI_CONFIG, JOBS, parse_jobs
 from layerfreeze.runs.summary import format_bytes, format_flops
 from layerfreeze.train.config import build_config
 from layerfreeze.train.trainer import Trainer
@@ -24,7 +25,8 @@ from layerfreeze.train.trainer import Trainer
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", default="bbc-news")
+    parser.add_argument("--task", default="default-job", help=f"a benchmark job (benchmarks/jobs.py): "
+                        f"{', '.join(j for j in JOBS if j != 'bbc')}")
     parser.add_argument("--k", type=int, default=5, help="static: number of leading blocks frozen")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--limit-train", type=int)
@@ -32,11 +34,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/bench-static-vs-full")
     args = parser.parse_args()
+    job = parse_jobs(args.task, tuple(j for j in JOBS if j != "bbc"), flag="--task")[0]
 
     rows = []
     for strategy, params in (("none", {}), ("static", {"k": args.k})):
         config = build_config({
-            "task": args.task,
+            **CLI_CONFIG[job],
             "train": {"epochs": args.epochs, "seed": args.seed},
             "data": {"limit_train": args.limit_train, "limit_test": args.limit_test},
             "freeze": {"strategy": strategy, "params": params},

@@ -42,6 +42,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.jobs import parse_jobs
+
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
 
@@ -754,13 +756,10 @@ def main(argv: list[str] | None = None) -> int:
         write_outputs(results, Path(args.from_json).parent, markdown, console)
         return 0
 
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    unknown = [t for t in tasks if t not in TASKS]
+    tasks = parse_jobs(args.tasks, tuple(TASKS))
     rows = [r.strip() for r in args.rows.split(",")] if args.rows else \
         [r for r in DEFAULT_ROWS if r in STRATEGIES or r == "lora"]
     unknown_rows = [r for r in rows if r not in STRATEGIES and r != "lora"]
-    if unknown:
-        parser.error(f"unknown task(s) {', '.join(unknown)} (known: {', '.join(TASKS)})")
     if unknown_rows:
         parser.error(f"unknown row(s) {', '.join(unknown_rows)} (known: {', '.join(sorted(STRATEGIES))}, lora)")
     rows = ["none"] + [r for r in rows if r != "none"]

@@ -15,17 +15,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.assets("fashion_mnist", "mobilenet_v2")
 def test_memory_table_adds_a_demoted_row_per_freezing_strategy(tmp_path, capsys):
     with benchmark_module("memory_table") as memory_table:
-        memory_table.main(["--tasks", "fmnist", "--size", "tiny", "--rows", "none,static", "--demote", "bfloat16",
-                           "--threads", "1", "--out", str(tmp_path)])
+        memory_table.main(["--tasks", "fmnist-mobilenet", "--size", "tiny", "--rows", "none,static", "--demote",
+                           "bfloat16", "--threads", "1", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
-    rows = {r["row"]: r for r in results["tasks"]["fmnist"]}
+    rows = {r["row"]: r for r in results["tasks"]["fmnist-mobilenet"]}
     assert list(rows) == ["none", "static", "static+bf16"] and results["demote"] == "bfloat16"
     peak = lambda row, bucket: rows[row]["memory"]["buckets"].get(bucket, {}).get("peak_bytes", 0)  # noqa: E731
     assert peak("none", "params_frozen") == 0
     assert peak("static+bf16", "params_frozen") * 2 == peak("static", "params_frozen") > 0  # static k=10, bfloat16
     assert peak("static+bf16", "params_master") > peak("static", "params_frozen")  # float32 weights + BN statistics
     assert len(rows["static+bf16"]["demote"]["demoted_blocks"]) == 10 and rows["static"]["demote"] is None
-    assert (tmp_path / "fmnist-demote" / "static").is_dir()
+    assert (tmp_path / "fmnist-mobilenet-demote" / "static").is_dir()
     out = capsys.readouterr().out
     assert "static+bf16" in out and "master copies (demoted)" in (tmp_path / "memory.md").read_text()
 

@@ -42,7 +42,16 @@ def test_compare_rows_share_budget_and_report_ratios(tmp_path, tiny_bert_dir, ti
     assert lrs == {"none": 1e-3, "static": 1e-3, "lisa": 1e-3, "badam": 1e-3, "lora": 2e-3}  # only its row
     table = (run / "compare.md").read_text()
     assert table.startswith("| strategy | test acc %") and "| lora |" in table and "| tensor peak |" in table
-    assert "FLOPs ratio" in capsys.readouterr().out
+    # issue 43: the terminal table fits 120 columns (what froze when comes below it, one line per row), and a
+    # rotating strategy is summarized by its switches and its mean trainable share, not by block@step entries
+    out = capsys.readouterr().out
+    drawn = [line for line in out.splitlines() if line[:1] in "┏┃┡│└"]
+    assert drawn and max(map(len, drawn)) <= 120 and "FLOPs" in out and "…" not in out
+    assert rows["lisa"]["rotation"] == {"switches": 0, "mean_trainable_fraction": 0.8, "most_trainable": 4}
+    assert rows["badam"]["rotation"] == {"switches": 0, "mean_trainable_fraction": 0.4, "most_trainable": 2}
+    assert "rotation" not in rows["static"]
+    assert "lisa: rotates: 0 switches, 80% of blocks trainable on average" in out
+    assert "static: frozen block@step: bert.embeddings@0, bert.encoder.layer.0@0" in out
 
 
 @pytest.mark.assets("minilm")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -297,7 +298,10 @@ def test_the_trainer_demotes_offloads_and_resumes_bitwise(tmp_path, device):
     assert ref["demote"] == {"dtype": "bfloat16", "offload": "cpu", "master": "auto",
                              "demoted_blocks": ["0", "1"], "offloaded_blocks": ["0", "1"], "skipped": {},
                              "transfers": transfers,
-                             "transfer_bytes": 0 if device == "cpu" else transfers // 2 * per_forward}
+                             "transfer_bytes": 0 if device == "cpu" else transfers // 2 * per_forward,
+                             # where the master copies were: on disk for a CPU run (auto), in host memory for CUDA
+                             "master_places": ["disk" if device == "cpu" else "memory"],
+                             "master_dir": str(Path(ref["run_dir"]) / "demoted")}
     assert _losses(tmp_path / "ref") != _losses(tmp_path / "plain")  # bfloat16 rounds the prefix's output
     assert abs(ref["test_accuracy"] - plain["test_accuracy"]) <= 0.05
     mem = ref["memory"]["buckets"]

@@ -175,4 +175,46 @@ def test_lora_targets_of_decoder_lms_and_a_compare_row_of_an_lm(tiny_llama_dir, 
     row = {"row": "none", "test_accuracy": None, "test_perplexity": 17.79, "accuracy_delta": None,
            "train_time_s": 1.0, "time_ratio": 1.0, "flops_total": 1e6, "flops_ratio": 1.0,
            "peak_memory_bytes": 2**20, "freeze_steps": {}}
-    assert "| none | ppl 17.79 | - |" in markdown_table([row])
+    table = markdown_table([row])  # the columns follow the task's metric: perplexity (issue 43)
+    assert table.startswith("| strategy | test ppl | ppl ratio |") and "| none | 17.79 | - |" in table
+
+
+# ---- issue 43: what text-lm would train wrongly, refused before training; compare's columns follow perplexity ----
+
+
+def test_a_length_beyond_gpt2s_positions_and_an_encoder_are_refused_before_training(tmp_path, tiny_gpt2_dir, story,
+                                                                                     capsys):
+    run = tmp_path / "r"
+    args = ["train", "--task", "text-lm", "--data", str(story), "--run-dir", str(run), "--no-progress"]
+    assert main([*args, "--model", str(tiny_gpt2_dir)]) == 2  # the default model.max_length 128, n_positions 64
+    err = capsys.readouterr().err
+    assert "model.max_length 128 is more than the 64 positions model.name_or_path" in err
+    assert "set --set model.max_length=64 or less" in err and "IndexError" not in err
+    encoder = tmp_path / "encoder"
+    save_tokenizer(encoder)
+    torch.manual_seed(0)
+    transformers.BertModel(transformers.BertConfig(vocab_size=len(VOCAB), hidden_size=16, num_hidden_layers=1,
+                                                   num_attention_heads=2, intermediate_size=32,
+                                                   max_position_embeddings=64)).save_pretrained(encoder)
+    assert main([*args, "--model", str(encoder), "--set", "model.max_length=16"]) == 2
+    err = capsys.readouterr().err
+    assert f"model.name_or_path {encoder} is not a causal language model" in err
+    assert "(BertModel, loaded as BertLMHeadModel)" in err and "use --task text-csv" in err
+    assert not run.exists()  # nothing trained
+
+
+def test_compare_on_a_language_model_shows_perplexity_and_its_ratio(tmp_path, tiny_llama_dir, story, capsys):
+    run = tmp_path / "cmp"
+    assert main(["compare", "--task", "text-lm", "--model", str(tiny_llama_dir), "--data", str(story), "--rows",
+                 "none,static", "-p", "static.k=2", "--epochs", "1", "--batch-size", "8", "--lr", "3e-3",
+                 "--set", "model.max_length=16", "--set", "run.device=cpu", "--run-dir", str(run), "--no-progress",
+                 "--no-report"]) == 0
+    rows = {r["row"]: r for r in json.loads((run / "compare.json").read_text())}
+    none, static = rows["none"], rows["static"]
+    assert static["perplexity_ratio"] == pytest.approx(static["test_perplexity"] / none["test_perplexity"])
+    assert none["perplexity_ratio"] == 1.0 and static["accuracy_delta"] is None
+    table = (run / "compare.md").read_text()
+    assert table.startswith("| strategy | test ppl | ppl ratio |")
+    assert f"| static | {static['test_perplexity']:.2f} | {static['perplexity_ratio']:.3f} |" in table
+    out = capsys.readouterr().out
+    assert "ppl" in out and "acc" not in out.split("layerfreeze compare")[-1].split("table:")[0]

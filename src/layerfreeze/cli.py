@@ -10,12 +10,15 @@ checkpoint is resumable).
 from __future__ import annotations
 
 import argparse
+import difflib
 import inspect
 import json
 import os
+import re
 import sys
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console
 
@@ -23,6 +26,7 @@ from layerfreeze.distributed.comm import RankLostError, close_distributed, launc
 from layerfreeze.errors import ConfigError, UnknownStrategyError, UserError
 from layerfreeze.runs import rundir
 from layerfreeze.strategies import DEFAULT_STRATEGY, STRATEGIES, strategy_parameters
+from layerfreeze.strategies.registry import did_you_mean
 from layerfreeze.train.assets import check_assets
 from layerfreeze.train.compare import DEFAULT_ROWS, unknown_rows
 from layerfreeze.train.config import load_config, parse_override
@@ -47,14 +51,54 @@ TRAIN_FLAGS = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def _main_rank() -> bool:
+    """Whether this process speaks: rank 0 under torchrun (``RANK``), or the only process."""
+    return os.environ.get("RANK", "0").strip() in ("", "0")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, with errors that say what to do: an option's value that starts with ``-`` (``--memory
+    -1GiB``) is named with the ``--option=VALUE`` form, an unknown option gets the closest known one and the usage of
+    its own subcommand, and under torchrun only rank 0 prints (every rank exits with code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        found = re.search(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
+        if found:
+            message += (f" (a value that starts with '-' is written {found.group(1)}=VALUE, e.g. "
+                        f"{found.group(1)}=-1; see {self.prog} --help)")
+        if _main_rank():
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+    def unknown(self, extras: list[str]) -> NoReturn:
+        """Refuse arguments this (sub)command does not take, naming the closest option it has."""
+        known = [s for action in self._actions for s in action.option_strings]
+        hints = []
+        for item in extras:
+            flag = item.split("=", 1)[0]
+            if flag.startswith("-"):
+                close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+                if close:
+                    hints.append(f"{flag}: did you mean {close[0]}?")
+        self.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else "")
+                   + f"; {self.prog} --help lists the options")
+
+
+def _parser() -> _Parser:
+    parser = _Parser(
         prog="layerfreeze",
         description="Train neural networks cheaper by freezing blocks as they train.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.subcommands = {}  # type: ignore[attr-defined]  # name -> its parser (errors name their subcommand)
 
-    train = sub.add_parser(
+    def add(name: str, **kw: Any) -> _Parser:
+        p = sub.add_parser(name, **kw)
+        parser.subcommands[name] = p  # type: ignore[attr-defined]
+        return p
+
+    train = add(
         "train",
         help="train with a freezing strategy (no arguments: MiniLM-L6 on BBC News)",
         description="Train with a freezing strategy. With no arguments: fine-tune MiniLM-L6 on BBC News with the "
@@ -66,11 +110,10 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_run_arguments(train)
-    train.add_argument("--memory-budget", metavar="BUDGET",
-                       help="tensor-peak budget (3GiB, 800MiB, or 0.6 of the peak with nothing frozen): freeze the "
-                       "shortest prefix that fits from the start and never thaw it (`layerfreeze plan` shows it)")
-    train.add_argument("--parallel", help="under torchrun: ddp (default: every rank holds the whole model) or fsdp "
-                       "(FSDP2: every rank holds a shard of each parameter)")
+    train.add_argument("--memory-budget", metavar="BUDGET", help=MEMORY_BUDGET_HELP)
+    train.add_argument("--parallel", metavar="{ddp,fsdp}",
+                       help="under torchrun: ddp (default: every rank holds the whole model) or fsdp (FSDP2: every "
+                       "rank holds a shard of each parameter)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its checkpoint")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files")
@@ -78,101 +121,131 @@ def _parser() -> argparse.ArgumentParser:
                        help="no memory ledger (run.ledger: false; --set run.ledger_every=N sets its cadence)")
     train.add_argument("--no-report", action="store_true", help="no HTML report at the end")
 
-    comp = sub.add_parser(
+    comp = add(
         "compare",
         help="run several strategies (and a LoRA row) on one task with the same seed and budget, print a table",
         description="Run strategies one after another in one process, same seed, data order and budget; print and "
-        "save a table (accuracy, wall time and FLOPs with ratios to none, peak memory, freeze steps).",
-    )
-    comp.add_argument("--rows", help=f"comma-separated strategies, 'lora' for the LoRA row (rank 8), 'lora-r4' for "
-                      f"LoRA of rank 4 (default: {','.join(DEFAULT_ROWS)}, those registered)")
-    comp.add_argument("--config", "-c", help="YAML or TOML config file (its freeze.params apply to its strategy)")
-    for flag in ("task", "model", "data", "run-dir", "device"):
-        comp.add_argument(f"--{flag}")
-    for flag in ("epochs", "batch-size", "seed", "max-steps", "limit-train", "limit-test"):
-        comp.add_argument(f"--{flag}", type=int)
-    comp.add_argument("--lr", type=float)
+        "save a table (the task's metric: test accuracy, or perplexity for text-lm; wall time and FLOPs with ratios "
+        "to none, peak memory, what froze when).",
+        epilog="examples:\n  layerfreeze compare --epochs 3\n  layerfreeze compare --rows none,static,smartfrz "
+        "-p static.k=3\n  layerfreeze compare --rows none,lisa,badam,lora --row-set lora.train.lr=1e-3",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    comp.add_argument("--rows", help=f"comma-separated strategies, each once, 'lora' for the LoRA row (rank 8), "
+                      f"'lora-r4' for LoRA of rank 4 (default: {','.join(DEFAULT_ROWS)}, those registered)")
+    comp.add_argument("--config", "-c", help="YAML, TOML or JSON config file (its freeze.params apply to its "
+                      "strategy's row; a run's config.json works too)")
+    for flag, what in RUN_FLAG_HELP.items():
+        if flag not in ("strategy",):
+            comp.add_argument(f"--{flag}", type=RUN_FLAG_TYPES.get(flag), help=what)
+    comp.add_argument("--memory-budget", metavar="BUDGET", help=MEMORY_BUDGET_HELP + " (every row)")
     comp.add_argument("--row-param", "-p", action="append", default=[], metavar="ROW.NAME=VALUE",
                       help="a parameter of one row's strategy, e.g. -p autofreeze.interval=20 (repeatable)")
     comp.add_argument("--row-set", action="append", default=[], metavar="ROW.KEY=VALUE",
                       help="a config key of one row only, e.g. --row-set lora.train.lr=1e-3 (repeatable)")
-    comp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    comp.add_argument("--no-progress", action="store_true")
+    comp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="any config key, for every row, e.g. --set model.max_length=64 (repeatable)")
+    comp.add_argument("--no-progress", action="store_true", help="no progress bar")
     comp.add_argument("--no-report", action="store_true", help="no HTML report at the end")
 
-    plan = sub.add_parser(
+    plan = add(
         "plan", help="what to freeze to fit a memory budget: each block's bytes measured, the frozen prefix that fits",
         description="Measure each block's bytes in every bucket (parameters, gradients, optimizer state, saved "
         "activations, the activation cache) on two real training steps at the run's batch size with nothing frozen, "
         "predict every frozen prefix's tensor peak (the memory ledger's figure), and print the shortest prefix that "
         "fits the budget, its predicted peak and what it gives up. The task/model/data flags are train's; `layerfreeze "
         "train --memory-budget BUDGET` with the same flags applies the plan.",
-        epilog="examples:\n  layerfreeze plan --memory 3GiB\n  layerfreeze plan --memory 0.6 --task fashion-mnist "
+        epilog="examples:\n  layerfreeze plan --memory 3GiB\n  layerfreeze plan --memory 60% --task fashion-mnist "
         "--check 20\n  layerfreeze plan --memory 800MiB --set model.max_length=64 --json plan.json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     plan.add_argument("--memory", "-m", required=True, metavar="BUDGET",
-                      help="the budget: 3GiB, 800MiB, 2.5GB (a size), or 0.6 / 60%% (of the tensor peak with nothing "
-                      "frozen)")
-    plan.add_argument("--check", type=int, metavar="N", help="then train N steps under the plan and print the "
-                      "predicted against the measured tensor peak")
+                      help="the budget: 3GiB, 800MiB, 2.5GB, 1000000B (a size), or 0.6 / 60%% (of the tensor peak "
+                      "with nothing frozen)")
+    plan.add_argument("--check", type=int, metavar="N", help="then train N steps under the plan (at most the run's "
+                      "length) and print the predicted against the measured tensor peak")
     plan.add_argument("--json", metavar="FILE", help="also write the plan (every prefix's cost) as JSON")
     _add_run_arguments(plan)
     plan.add_argument("--no-progress", action="store_true", help="no progress bar (--check)")
 
-    blocks = sub.add_parser("blocks", help="show the blocks of a task's model (what strategies freeze)")
-    blocks.add_argument("--config", "-c")
-    blocks.add_argument("--task")
-    blocks.add_argument("--model")
-    blocks.add_argument("--data")
-    blocks.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    blocks = add("blocks", help="show the blocks of a task's model (what strategies freeze)",
+                 description="Build the task's model (no data is read) and list its blocks front to back, the rule "
+                 "that found them and the weights two blocks share.",
+                 epilog="examples:\n  layerfreeze blocks\n  layerfreeze blocks --task fashion-mnist --model resnet18\n"
+                 "  layerfreeze blocks --task text-lm --model path/to/causal-lm-folder",
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    blocks.add_argument("--config", "-c", help="YAML, TOML or JSON config file")
+    for flag in ("task", "model"):
+        blocks.add_argument(f"--{flag}", help=RUN_FLAG_HELP[flag])
+    blocks.add_argument("--data", help="not needed (no data is read); accepted for train's command lines")
+    blocks.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="any config key, e.g. --set model.blocks='[stem, layers.*, head]' (repeatable)")
 
-    rep = sub.add_parser("report", help="write an HTML report with PNG plots for a run or compare folder")
+    rep = add("report", help="write an HTML report with PNG plots for a run or compare folder",
+              description="Write report.html with PNG plots (loss, accuracy, what froze when, memory by bucket) for "
+              "a folder written by `layerfreeze train` or `compare` (needs matplotlib).")
     rep.add_argument("run_dir", metavar="RUN_DIR", help="a folder written by `layerfreeze train` or `compare`")
 
     from layerfreeze.smartfrz import cli as smartfrz_cli
 
-    smartfrz_cli.add_parser(sub)
+    parser.subcommands["predictor"] = smartfrz_cli.add_parser(sub)  # type: ignore[attr-defined]
 
-    conf = sub.add_parser(
+    conf = add(
         "config", help="print the full run configuration: every key with its default (YAML, a config file to edit)",
         description="Print every config key with its value and what it means, as a YAML config file: the defaults, "
-        "or what the given task, strategy, config file and --set make of them (presets filled in).",
-        epilog="examples:\n  layerfreeze config > run.yaml\n  layerfreeze config --task fashion-mnist -s static",
+        "or what the given task, strategy, config file and --set make of them (presets filled in). No data or model "
+        "is needed.",
+        epilog="examples:\n  layerfreeze config > run.yaml\n  layerfreeze config --task fashion-mnist -s static\n"
+        "  layerfreeze config --config runs/my-run/config.json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    conf.add_argument("--config", "-c", help="YAML or TOML config file to start from")
-    conf.add_argument("--task")
-    conf.add_argument("--model")
-    conf.add_argument("--data")
-    conf.add_argument("--strategy", "-s")
-    conf.add_argument("--param", "-p", action="append", default=[], metavar="NAME=VALUE")
-    conf.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    conf.add_argument("--config", "-c", help="YAML, TOML or JSON config file to start from")
+    for flag in ("task", "model", "data", "strategy"):
+        conf.add_argument(f"--{flag}", *(["-s"] if flag == "strategy" else []), help=RUN_FLAG_HELP[flag])
+    conf.add_argument("--param", "-p", action="append", default=[], metavar="NAME=VALUE",
+                      help="strategy parameter, e.g. -p k=5 (repeatable)")
+    conf.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="any config key, e.g. --set train.lr=3e-5 (repeatable)")
 
-    sub.add_parser("strategies", help="list the freezing strategies and their parameters")
-    sub.add_parser("assets", help="check the offline assets (models, datasets) and how to install missing ones")
+    add("strategies", help="list the freezing strategies and their parameters",
+        description="List every registered freezing strategy with its parameters and their defaults (set them with "
+        "-p NAME=VALUE) and the first line of its description; the default strategy is marked.")
+    add("assets", help="check the offline assets (models, datasets) and how to install missing ones",
+        description="Check which offline assets are installed (MiniLM-L6, BBC News, MobileNetV2 weights, "
+        "Fashion-MNIST) and print where each is, or the command that installs it; exit code 2 when one is missing.")
     return parser
+
+
+#: Help of the flags that configure a run (``train``, ``plan``; ``compare`` takes them but the strategy).
+RUN_FLAG_HELP = {
+    "task": "bbc-news (default), fashion-mnist, text-csv, image-folder, text-lm",
+    "model": "local Hugging Face model folder (text-lm: a causal LM), or mobilenet_v2 / resnet18",
+    "data": "CSV file (text-csv), image folder (image-folder), text or CSV file (text-lm)",
+    "strategy": f"freezing strategy (default {DEFAULT_STRATEGY}): {', '.join(sorted(STRATEGIES))}",
+    "epochs": "passes over the training data",
+    "batch-size": "samples per optimizer step (the global batch under torchrun)",
+    "lr": "learning rate of the head",
+    "seed": "seed of weights, data order and dropout",
+    "max-steps": "stop after this many optimizer steps",
+    "limit-train": "use only N training samples (a seeded subset)",
+    "limit-test": "use only N test samples (a seeded subset)",
+    "run-dir": "output folder (default runs/<task>-<strategy>-<time>)",
+    "device": "auto (default), cpu, cuda, cuda:N",
+}
+RUN_FLAG_TYPES: dict[str, Any] = {"epochs": int, "batch-size": int, "seed": int, "max-steps": int,
+                                  "limit-train": int, "limit-test": int, "lr": float}
+MEMORY_BUDGET_HELP = ("tensor-peak budget (3GiB, 800MiB, 1000000B, or 0.6 / 60%% of the peak with nothing frozen): "
+                      "freeze the shortest prefix that fits from the start and never thaw it (`layerfreeze plan` "
+                      "shows it)")
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that configure a run (``train`` and ``plan`` share them: :data:`TRAIN_FLAGS`, ``--param``,
     ``--set``)."""
-    parser.add_argument("--config", "-c", help="YAML or TOML config file")
-    parser.add_argument("--task", help="bbc-news (default), fashion-mnist, text-csv, image-folder, text-lm")
-    parser.add_argument("--model", help="local Hugging Face model folder (text-lm: a causal LM), or mobilenet_v2 / "
-                        "resnet18")
-    parser.add_argument("--data", help="CSV file (text-csv), image folder (image-folder), text or CSV file (text-lm)")
-    parser.add_argument("--strategy", "-s",
-                        help=f"freezing strategy (default {DEFAULT_STRATEGY}): {', '.join(sorted(STRATEGIES))}")
-    parser.add_argument("--param", "-p", action="append", default=[], metavar="NAME=VALUE",
-                        help="strategy parameter, e.g. -p k=5 (repeatable)")
-    parser.add_argument("--epochs", type=int)
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--lr", type=float, help="learning rate of the head")
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
-    parser.add_argument("--limit-train", type=int, help="use only the first N training samples")
-    parser.add_argument("--limit-test", type=int, help="use only the first N test samples")
-    parser.add_argument("--run-dir", help="output folder (default runs/<task>-<strategy>-<time>)")
-    parser.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    parser.add_argument("--config", "-c", help="YAML, TOML or JSON config file (a run's config.json works too)")
+    for flag, what in RUN_FLAG_HELP.items():
+        names = [f"--{flag}", "-s"] if flag == "strategy" else [f"--{flag}"]
+        parser.add_argument(*names, type=RUN_FLAG_TYPES.get(flag), help=what)
+        if flag == "strategy":
+            parser.add_argument("--param", "-p", action="append", default=[], metavar="NAME=VALUE",
+                                help="strategy parameter, e.g. -p k=5 (repeatable)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any config key, e.g. --set train.warmup_fraction=0.06 (repeatable)")
 
@@ -181,7 +254,9 @@ def _overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[dict[str
     out = []
     for attr, key in flags.items():
         value = getattr(args, attr, None)
-        if value is not None:
+        if attr == "memory_budget" and value is not None:  # a string, as written: "60" is never 60 bytes
+            out.append({"freeze": {"memory_budget": str(value)}})
+        elif value is not None:
             out.append(parse_override(f"{key}={value}"))
     for item in getattr(args, "param", []):
         name, sep, value = item.partition("=")
@@ -242,7 +317,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     if args.resume:
         _check_resume_parallel(Path(args.resume), saved, config.run.parallel)
     world = launched_world_size()
-    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 alone speaks
+    main_rank = _main_rank()  # under torchrun rank 0 alone speaks
     shown: list[bool] = []
 
     def show_run_dir(trainer: Trainer) -> None:
@@ -256,9 +331,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     checkpoint = trainer.run_dir / rundir.CHECKPOINT_LINK
     again = f"torchrun --nproc_per_node {world} -m layerfreeze" if world > 1 else "layerfreeze"
     if main_rank:
-        params = f" {config.freeze.params}" if config.freeze.params else ""
-        console.print(f"[bold]layerfreeze[/] {config.task} | strategy {config.freeze.strategy}{params}"
-                      + (f" | {world} ranks" if world > 1 else ""))
+        console.print(run_header(config, world), highlight=False)
     try:
         summary = trainer.run()
     except KeyboardInterrupt:
@@ -291,6 +364,23 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def run_header(config: Any, world: int = 1) -> str:
+    """The line ``layerfreeze train`` starts with: the task, the strategy and its parameters, and what else shapes
+    the run (its ranks and how they share the model, the memory budget, demotion and where its master copies go)."""
+    freeze = config.freeze
+    parts = [f"[bold]layerfreeze[/] {config.task}",
+             f"strategy {freeze.strategy}" + (f" {freeze.params}" if freeze.params else "")]
+    if world > 1:
+        parts.append(f"{world} ranks, " + ("FSDP2 (each holds a shard)" if config.run.parallel == "fsdp" else "DDP"))
+    if freeze.memory_budget is not None:
+        parts.append(f"memory budget {freeze.memory_budget}")
+    if freeze.demote is not None:
+        d = freeze.demote
+        what = " + ".join(x for x in (d.dtype, f"offload {d.offload}" if d.offload else None) if x)
+        parts.append(f"demote {what} (float32 master copies: {d.master})")
+    return " | ".join(parts)
+
+
 def _report(run_dir: Path | str, args: argparse.Namespace, console: Console) -> None:
     """The HTML report at the end of train/compare (skipped with --no-report or without matplotlib)."""
     if getattr(args, "no_report", False):
@@ -315,7 +405,8 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
         [r for r in DEFAULT_ROWS if r in STRATEGIES or r == "lora"]
     unknown = unknown_rows(rows)
     if unknown:
-        raise UnknownStrategyError(f"Unknown row(s) {', '.join(unknown)}; available: "
+        guesses = "".join(did_you_mean(r, [*STRATEGIES, "lora"]) for r in unknown)
+        raise UnknownStrategyError(f"Unknown row(s) {', '.join(unknown)}{guesses}; available: "
                                    f"{', '.join(sorted(STRATEGIES))}, lora (rank 8), lora-r<N> (rank N)")
     base: dict[str, Any] = read_config_file(args.config) if args.config else {}
     for override in _overrides(args, {k: v for k, v in TRAIN_FLAGS.items() if k != "strategy"}):
@@ -355,6 +446,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
     from rich.table import Table
 
+    from layerfreeze.budget.plan import ROW_NOTES
     from layerfreeze.runs.summary import format_bytes
     from layerfreeze.train.setup import plan_headline
     from layerfreeze.train.trainer import Trainer
@@ -385,10 +477,11 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         if col == "frozen up to":  # block names are long (bert.encoder.layer.11): folded, never cut with "…"
             table.add_column(col, justify="left", overflow="fold", min_width=min(32, max(map(len, plan.block_names))))
         else:
-            table.add_column(col, justify="right")
+            table.add_column(col, justify="right", no_wrap=True)
     for row in cells:
         table.add_row(*row)
     console.print(table)
+    console.print(ROW_NOTES, highlight=False)
     chosen = plan.chosen
     console.print(f"[bold]plan[/]: budget {plan.budget} = {format_bytes(plan.budget_bytes)}; predicted tensor peak "
                   f"{format_bytes(plan.predicted_peak_bytes)} ({format_bytes(chosen.model_bytes)} model"
@@ -410,11 +503,17 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         console.print(f"plan: {args.json}")
     if args.check is None:
         return 0
+    steps = args.check
+    if steps > trainer.total_steps:
+        console.print(f"check: --check {steps} is more than the run's {trainer.total_steps} steps "
+                      f"({config.train.epochs} epoch(s) of {trainer.batches_per_epoch}); checking all "
+                      f"{trainer.total_steps}", highlight=False)
+        steps = trainer.total_steps
     run_dir = Path(config.run.dir) if config.run.dir else Path(tempfile.mkdtemp(prefix="layerfreeze-plan-check-"))
-    checked = load_config(args.config, [*overrides, {"train": {"max_steps": args.check}, "run": {
+    checked = load_config(args.config, [*overrides, {"train": {"max_steps": steps}, "run": {
         "dir": str(run_dir), "ledger": True, "ledger_every": 1, "checkpoint": False, "tensorboard": False,
         "progress": not args.no_progress}}])
-    console.print(f"check: training {args.check} steps under the plan in {run_dir}", highlight=False)
+    console.print(f"check: training {steps} steps under the plan in {run_dir}", highlight=False)
     summary = Trainer(checked).run()
     got = summary["memory_plan"]
     seen = min(summary["steps"] * checked.train.batch_size, cache.samples) if cache is not None else 0
@@ -433,13 +532,13 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
 def _cmd_blocks(args: argparse.Namespace, console: Console) -> int:
     from layerfreeze.models.blocks import describe_blocks
     from layerfreeze.models.discovery import find_blocks
-    from layerfreeze.train.tasks import build_task
+    from layerfreeze.train.tasks import build_model
 
     config = load_config(args.config, _overrides(args, {"task": "task", "model": "model.name_or_path",
-                                                        "data": "data.path"}))
-    task = build_task(config)
-    found = find_blocks(task.model, config.model.blocks)
-    console.print(f"{task.model_name}: {len(found.blocks)} blocks (front to back; the last is the head)")
+                                                        "data": "data.path"}), inputs=False)
+    model, model_name = build_model(config)
+    found = find_blocks(model, config.model.blocks)
+    console.print(f"{model_name}: {len(found.blocks)} blocks (front to back; the last is the head)")
     console.print(f"rule: {found.rule}", highlight=False)
     console.print(describe_blocks(found.blocks), highlight=False)
     for line in found.ties:
@@ -451,7 +550,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from layerfreeze.train.config import config_yaml
 
     flags = {k: TRAIN_FLAGS[k] for k in ("task", "model", "data", "strategy")}
-    sys.stdout.write(config_yaml(load_config(args.config, _overrides(args, flags))))
+    sys.stdout.write(config_yaml(load_config(args.config, _overrides(args, flags), inputs=False)))
     return 0
 
 
@@ -473,42 +572,97 @@ def _cmd_assets(console: Console) -> int:
     return 0 if missing == 0 else 2
 
 
+def _subparser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)subcommand ``args`` was parsed by (``predictor collect``'s, ``train``'s, ...)."""
+    current = parser
+    while True:
+        found = None
+        for action in current._actions:  # argparse keeps its subparsers in these actions
+            if isinstance(action, argparse._SubParsersAction):
+                name = getattr(args, action.dest or "", None)
+                found = action.choices.get(name) if name else None
+        if found is None:
+            return current
+        current = found
+
+
+def _leave_process_group() -> None:
+    """After an error, destroy the process group torchrun's ranks joined, if any (no barrier: a peer may not reach
+    it), so the exit is a plain exit code and not gloo's "terminate called without an active exception"."""
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:
+    """The library's own warnings as one line for people (``layerfreeze: warning: ...``, rank 0 alone); other
+    packages' warnings as Python prints them."""
+    if "layerfreeze" not in Path(filename).parts:
+        _PYTHON_SHOWWARNING(message, category, filename, lineno, file, line)
+    elif _main_rank():
+        Console(stderr=True, soft_wrap=True).print(f"[bold yellow]layerfreeze: warning:[/] {message}",
+                                                   highlight=False)
+
+
+_PYTHON_SHOWWARNING = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``layerfreeze`` command; returns the exit code."""
+    """Entry point of the ``layerfreeze`` command; returns the exit code.
+
+    Every problem with the input is one line on stderr, ``layerfreeze: error: ...`` (under torchrun from rank 0
+    alone; every rank exits with the same code), and exit code 2, before anything trains.
+    """
     parser = _parser()
-    args = parser.parse_args(argv)
-    # Logs and pipes get 160 columns so tables are not folded; terminals keep their own width.
-    console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _subparser(parser, args).unknown(extras)  # type: ignore[attr-defined]
+    # Logs and pipes get 120 columns (tables fold to fit); terminals keep their own width.
+    console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 120)
     err = Console(stderr=True, soft_wrap=True)
     if args.command is None:
         parser.print_help()
         return 0
-    try:
-        if args.command == "train":
-            return _cmd_train(args, console)
-        if args.command == "compare":
-            return _cmd_compare(args, console)
-        if args.command == "plan":
-            return _cmd_plan(args, console)
-        if args.command == "blocks":
-            return _cmd_blocks(args, console)
-        if args.command == "report":
-            from layerfreeze.runs.report import write_report
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        try:
+            return _run(args, console)
+        except (UserError, FileNotFoundError) as exc:
+            if _main_rank():
+                err.print(f"[bold red]layerfreeze: error:[/] {exc}", highlight=False)
+            _leave_process_group()
+            return 2
 
-            console.print(f"report: {write_report(args.run_dir)}")
-            return 0
-        if args.command == "predictor":
-            from layerfreeze.smartfrz import cli as smartfrz_cli
 
-            return smartfrz_cli.run(args, console)
-        if args.command == "config":
-            return _cmd_config(args)
-        if args.command == "strategies":
-            return _cmd_strategies(console)
-        return _cmd_assets(console)
-    except (UserError, FileNotFoundError) as exc:
-        err.print(f"[bold red]layerfreeze: error:[/] {exc}", highlight=False)
-        return 2
+def _run(args: argparse.Namespace, console: Console) -> int:
+    """Run the subcommand ``args`` names; its exit code."""
+    if args.command == "train":
+        return _cmd_train(args, console)
+    if args.command == "compare":
+        return _cmd_compare(args, console)
+    if args.command == "plan":
+        return _cmd_plan(args, console)
+    if args.command == "blocks":
+        return _cmd_blocks(args, console)
+    if args.command == "report":
+        from layerfreeze.runs.report import write_report
+
+        console.print(f"report: {write_report(args.run_dir)}")
+        return 0
+    if args.command == "predictor":
+        from layerfreeze.smartfrz import cli as smartfrz_cli
+
+        return smartfrz_cli.run(args, console)
+    if args.command == "config":
+        return _cmd_config(args)
+    if args.command == "strategies":
+        return _cmd_strategies(console)
+    return _cmd_assets(console)
 
 
 if __name__ == "__main__":

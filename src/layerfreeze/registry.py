@@ -30,13 +30,18 @@ class Registry(Mapping[str, T], Generic[T]):
         kind: What is registered, for messages (``"strategy"``, ``"block discoverer"``).
     """
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, replace_hint: str = "") -> None:
         self.kind = kind
+        self.replace_hint = replace_hint
         self._entries: list[tuple[int, int, str, T]] = []
         self._counter = itertools.count()
 
     def add(self, name: str, obj: T, order: int = 500) -> T:
-        """Register ``obj`` under ``name`` and return it; registering the same object again is a no-op.
+        """Register ``obj`` under ``name`` and return it.
+
+        Registering the same object again is a no-op; registering a new definition of the same thing (an object
+        with the same module and qualified name as the registered one: a notebook cell run again,
+        ``importlib.reload``) replaces it in place, keeping its place in the lookup order.
 
         Args:
             name: The key it is looked up by.
@@ -44,13 +49,21 @@ class Registry(Mapping[str, T], Generic[T]):
             order: Lower comes first when the registry is iterated (then registration order).
 
         Raises:
-            ValueError: ``name`` is already registered to another object (unregister it first to replace it).
+            ValueError: ``name`` is already registered to another object (the message names both and how to
+                replace it).
         """
-        for _, _, n, o in self._entries:
+        for i, (o_order, count, n, o) in enumerate(self._entries):
             if n == name:
                 if o is obj:
                     return obj
-                raise ValueError(f"a {self.kind} named {name!r} is already registered")
+                if _definition(o) is not None and _definition(o) == _definition(obj):
+                    self._entries[i] = (o_order, count, n, obj)
+                    return obj
+                how = self.replace_hint.format(name=name) if self.replace_hint else f"unregister({name!r})"
+                held = _definition(o) or repr(o)
+                raise ValueError(f"a {self.kind} named {name!r} is already registered ({held}); "
+                                 f"to replace it, call {how} first, or register {_definition(obj) or 'yours'} "
+                                 "under another name")
         self._entries.append((order, next(self._counter), name, obj))
         self._entries.sort(key=lambda e: (e[0], e[1]))
         return obj
@@ -85,3 +98,9 @@ class Registry(Mapping[str, T], Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}: {', '.join(self)})"
+
+
+def _definition(obj: object) -> str | None:
+    """``module.qualname`` of a function or class (what identifies one definition across re-runs), else None."""
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    return f"{module}.{qualname}" if isinstance(module, str) and isinstance(qualname, str) else None

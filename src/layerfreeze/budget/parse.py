@@ -10,9 +10,11 @@ Two kinds, one rule each:
   (:mod:`layerfreeze.budget.plan`). A float in ``(0, 1]`` given to the library reads the same way.
 
 Anything else (a bare number above 1, ``3G``, a negative or zero size) raises
-:class:`~layerfreeze.errors.BudgetError` with the accepted forms. The budget is compared with the memory ledger's
-tensor peak (:mod:`layerfreeze.runs.ledger`: every bucket on every memory device, the disk left out), not with the
-process's RSS or the CUDA allocator's reserved bytes.
+:class:`~layerfreeze.errors.BudgetError` with the accepted forms and, where one is likely, what was meant: ``60`` ->
+``60%`` or ``60GiB``; ``1000000000`` -> ``1000000000B`` (bytes take a unit in a string: the command line's
+``--memory`` / ``--memory-budget`` always give a string, so ``60`` there is never 60 bytes); ``3G`` -> ``3GiB``. The
+budget is compared with the memory ledger's tensor peak (:mod:`layerfreeze.runs.ledger`: every bucket on every memory
+device, the disk left out), not with the process's RSS or the CUDA allocator's reserved bytes.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ def parse_budget(value: str | int | float | Budget) -> Budget:
         return Budget(fraction=value, text=f"{value:g}")
     if not isinstance(value, str):
         raise BudgetError(f"memory budget {value!r} ({type(value).__name__}): expected {_FORMS}")
+    if value.strip().startswith("-"):
+        raise BudgetError(f"memory budget {value!r}: a budget must be positive; expected {_FORMS}")
     found = _NUMBER.match(value)
     if found is None:
         raise BudgetError(f"memory budget {value!r}: expected {_FORMS}")
@@ -101,9 +105,9 @@ def parse_budget(value: str | int | float | Budget) -> Budget:
         return Budget(fraction=number / 100, text=text)
     if not unit:
         if not 0 < number <= 1:
-            hint = f" (did you mean {found.group(1)}GiB or {found.group(1)}MiB?)" if number > 1 else ""
             raise BudgetError(f"memory budget {value!r}: a number without a unit is a fraction of the tensor peak "
-                              f"with nothing frozen and must be in (0, 1]{hint}; expected {_FORMS}")
+                              f"with nothing frozen and must be in (0, 1]{_bare_hint(found.group(1), number)}; "
+                              f"expected {_FORMS}")
         return Budget(fraction=number, text=text)
     if unit not in UNITS:
         guess = {"k": "KiB", "m": "MiB", "g": "GiB", "t": "TiB"}.get(unit)
@@ -113,3 +117,15 @@ def parse_budget(value: str | int | float | Budget) -> Budget:
     if nbytes <= 0:
         raise BudgetError(f"memory budget {value!r}: must be at least one byte")
     return Budget(bytes=nbytes, text=text)
+
+
+def _bare_hint(text: str, number: float) -> str:
+    """What a bare number above 1 likely meant: a percentage (up to 100), else bytes (a whole number of at least a
+    KiB, with its size) or a size in GiB."""
+    if number <= 1:
+        return ""
+    if number <= 100:
+        return f" (did you mean {text}% of it, or a size such as {text}GiB?)"
+    if number.is_integer() and number >= 1024:
+        return f" (did you mean {text}B, that is {format_bytes(int(number))}? a size in bytes takes the unit B)"
+    return f" (did you mean {text}MiB or {text}GiB?)"

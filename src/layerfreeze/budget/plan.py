@@ -45,7 +45,6 @@ from layerfreeze.budget.measure import BlockBytes, measure_blocks, measure_cache
 from layerfreeze.budget.parse import Budget, parse_budget
 from layerfreeze.errors import BudgetError
 from layerfreeze.models.blocks import Block
-from layerfreeze.runs.ledger_buckets import Bucket
 from layerfreeze.runs.summary import format_bytes
 
 __all__ = ["MemoryPlan", "PrefixCost", "plan_memory", "plan_prefix"]
@@ -82,6 +81,14 @@ class PrefixCost:
     predicted_bytes: int
     least_bytes: int
     fits: bool
+
+
+#: What the columns of :meth:`MemoryPlan.rows` hold (``layerfreeze plan`` prints it under the table).
+ROW_NOTES = (
+    "gives back: the gradients, optimizer state and saved activations the frozen prefix returns; peak, no cache: "
+    "the predicted tensor peak of the model; cache in memory: what the activation cache keeps in host memory under "
+    "the budget (the rest spills to disk), sized for the deepest prefix the strategy may freeze from k on, so k=0 "
+    "has one when the strategy freezes later ('-': nothing cached); predicted peak: the two together")
 
 
 def _cost(measured: BlockBytes, k: int, budget: int, cache_cap: int | None, strategy_freezes: bool) -> PrefixCost:
@@ -174,20 +181,20 @@ class MemoryPlan:
 
     def rows(self) -> tuple[list[str], list[list[str]]]:
         """``(headers, cells)``: one row per prefix (``k`` blocks frozen from the start, up to the one named), for a
-        table; the chosen one is marked ``<-``."""
+        table that fits 120 columns with block names of 32 characters; the chosen one is marked ``<-``.
+        :data:`ROW_NOTES` says what each column holds (every bucket per prefix is in :meth:`to_dict`)."""
         cache = self.measured.cache is not None
-        head = ["k", "frozen up to", "gradients", "optimizer state", "saved activations", "peak, no cache"]
+        head = ["k", "frozen up to", "gives back", "peak, no cache"]
         if cache:
-            head += ["cache (all samples)", "cache kept in memory"]
+            head += ["cache in memory"]
         head += ["predicted peak", "fits"]
         cells = []
         for c in self.candidates:
             last = c.frozen[-1] if c.k else "-"
-            row = [str(c.k), last, format_bytes(c.buckets.get(Bucket.GRADS, 0)),
-                   format_bytes(c.buckets.get(Bucket.OPTIMIZER, 0)), format_bytes(c.buckets.get(Bucket.ACTIVATIONS, 0)),
+            row = [str(c.k), last, format_bytes(sum(c.returned.values())) if c.k else "-",
                    format_bytes(c.model_bytes)]
             if cache:
-                row += [format_bytes(c.cache_full_bytes), format_bytes(c.cache_bytes)]
+                row += [format_bytes(c.cache_bytes) if c.cache_full_bytes else "-"]
             row += [format_bytes(c.predicted_bytes), ("yes <-" if c.k == self.k else "yes") if c.fits else "no"]
             cells.append(row)
         return head, cells

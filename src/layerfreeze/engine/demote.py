@@ -150,6 +150,7 @@ class Demoter:
         self._managed: dict[int, _Managed] = {}
         self.transfer_bytes = 0
         self.transfers = 0
+        self.master_places: set[str] = set()  # where master copies were kept during the run: "memory", "disk"
         #: Thaws that gave a demoted block its float32 weights back. Each one replaced the dtype of trainable
         #: parameters' data, which resets their autograd gradient accumulators: a DDP wrapper built before it must be
         #: rebuilt even when the frozen set is the one it was built for (a block switched off and on again).
@@ -296,8 +297,11 @@ class Demoter:
 
     def summary(self) -> dict[str, Any]:
         """For a run's summary: the settings, the blocks demoted / offloaded now, those skipped and why, the transfer
-        count and bytes."""
+        count and bytes, and ``master_places``: where master copies were kept during the run (``memory``, ``disk``:
+        files under ``directory``, deleted by :meth:`close`)."""
         return {**self.spec.to_dict(), "demoted_blocks": self.demoted_blocks,
+                "master_places": sorted(self.master_places),
+                "master_dir": str(self.spec.directory) if self.spec.directory is not None else None,
                 "offloaded_blocks": self.offloaded_blocks,
                 "skipped": {self.blocks[i].name: why for i, why in sorted(self.skipped.items())},
                 "transfers": self.transfers, "transfer_bytes": self.transfer_bytes}
@@ -339,6 +343,7 @@ class Demoter:
         master = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in m.tensors}
         m.master_sums = checksum(master.items())
         m.master_bytes = sum(_nbytes(t) for t in master.values())
+        self.master_places.add(self._master_place(m))
         if self._master_place(m) == "disk":
             from safetensors.torch import save_file
 

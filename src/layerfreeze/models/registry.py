@@ -20,8 +20,9 @@ from layerfreeze.registry import Registry
 Discoverer = Callable[[nn.Module], Any]
 """``(model) -> list[Block] | (list[Block], rule) | None``."""
 
-DISCOVERERS: Registry[Discoverer] = Registry("block discoverer")
-SPLITS: Registry[type] = Registry("forward split")
+DISCOVERERS: Registry[Discoverer] = Registry("block discoverer",
+                                             "layerfreeze.models.registry.unregister({name!r})")
+SPLITS: Registry[type] = Registry("forward split", "layerfreeze.models.registry.unregister(<the split class>)")
 T = TypeVar("T")
 
 
@@ -35,9 +36,12 @@ def register_blocks(name: str, order: int = 500) -> Callable[[T], T]:
             35 timm, 40 ``nn.Sequential``, 1000 the generic fallback. Pick below a built-in family to take
             precedence over it.
 
+    Registering it again from the same definition (a notebook cell run again) replaces it.
+
     Raises:
         ValueError: ``name`` is already registered to another discoverer (a family file imported twice under two
-            names, or a clash).
+            module names, or a clash); the message says how to replace it
+            (``layerfreeze.models.registry.unregister(name)``).
     """
     return DISCOVERERS.register(name, order)  # type: ignore[return-value]
 

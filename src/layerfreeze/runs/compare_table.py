@@ -18,9 +18,10 @@ BASELINE = "none"
 
 def ratios(row: dict[str, Any], base: dict[str, Any] | None) -> dict[str, float | None]:
     """A row's ``time_ratio``, ``flops_ratio`` and ``tensor_peak_ratio`` (its memory ledger's tensor peak,
-    ``tensor_peak_bytes``, :mod:`layerfreeze.runs.ledger`) to the baseline row and its ``accuracy_delta`` (a
-    fraction); None where a side has no value (no baseline row, a language model's accuracy, a row that has not
-    run, a run without the ledger)."""
+    ``tensor_peak_bytes``, :mod:`layerfreeze.runs.ledger`) to the baseline row, its ``accuracy_delta`` (a fraction)
+    and, for a language model, its ``perplexity_ratio`` (test perplexity over the baseline's: below 1 is better);
+    None where a side has no value (no baseline row, a language model's accuracy, a classifier's perplexity, a row
+    that has not run, a run without the ledger)."""
     base = base or {}
 
     def ratio(key: str) -> float | None:
@@ -29,7 +30,7 @@ def ratios(row: dict[str, Any], base: dict[str, Any] | None) -> dict[str, float 
 
     acc, base_acc = row.get("test_accuracy"), base.get("test_accuracy")
     return {"time_ratio": ratio("train_time_s"), "flops_ratio": ratio("flops_total"),
-            "tensor_peak_ratio": ratio("tensor_peak_bytes"),
+            "tensor_peak_ratio": ratio("tensor_peak_bytes"), "perplexity_ratio": ratio("test_perplexity"),
             "accuracy_delta": acc - base_acc if finite(acc) and finite(base_acc) else None}
 
 
@@ -47,21 +48,33 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table_cells(r: dict[str, Any], missing: str = "-") -> list[str]:
-    """One row's cells under :data:`HEADERS` (the terminal, ``compare.md`` and the HTML report all show these),
-    ``missing`` where a value is absent (a row that has not run, no baseline row)."""
+    """One row's cells under :func:`headers` (the terminal, ``compare.md`` and the HTML report all show these),
+    ``missing`` where a value is absent (a row that has not run, no baseline row). The metric's two cells follow the
+    task: test accuracy in percent and its difference to the baseline in points, or (a language model) test
+    perplexity and its ratio to the baseline's. The last column lists the blocks frozen at the end with their step,
+    or for a rotating strategy (``lisa``, ``badam``: ``r["rotation"]``) how often the trained layers switched and
+    the mean share of blocks that trained."""
     def ratio(x: Any) -> str:
         return f"{x:.3f}" if finite(x) else missing
 
     def amount(x: Any, fmt: Callable[[Any], str]) -> str:
         return fmt(x) if finite(x) and x >= 0 else missing
 
-    delta = f"{100 * r['accuracy_delta']:+.2f}" if finite(r.get("accuracy_delta")) else missing
+    if is_language_model(r):
+        metric, change = f"{r['test_perplexity']:.2f}", ratio(r.get("perplexity_ratio"))
+    else:
+        metric = f"{100 * r['test_accuracy']:.2f}" if finite(r.get("test_accuracy")) else missing
+        change = f"{100 * r['accuracy_delta']:+.2f}" if finite(r.get("accuracy_delta")) else missing
     steps = r.get("freeze_steps") or {}
     frozen = ", ".join(f"{b}@{s}" for b, s in steps.items()) if isinstance(steps, dict) else str(steps)
+    rotation = r.get("rotation")
+    if isinstance(rotation, dict) and finite(rotation.get("mean_trainable_fraction")):
+        frozen = (f"rotates: {rotation['switches']} switches, {100 * rotation['mean_trainable_fraction']:.0f}% of "
+                  "blocks trainable on average")
     if r.get("stopped"):  # a row whose training stopped (compare): why, in the last column
         frozen = f"stopped: {str(r['stopped']).split(': ')[0]}"
     return [
-        str(r.get("row")), _metric(r, missing), delta,
+        str(r.get("row")), metric, change,
         f"{r['train_time_s']:.1f}" if finite(r.get("train_time_s")) else missing, ratio(r.get("time_ratio")),
         amount(r.get("flops_total"), format_flops), ratio(r.get("flops_ratio")),
         amount(r.get("peak_memory_bytes"), format_bytes), amount(r.get("tensor_peak_bytes"), format_bytes),
@@ -69,13 +82,9 @@ def table_cells(r: dict[str, Any], missing: str = "-") -> list[str]:
     ]
 
 
-
-def _metric(r: dict[str, Any], missing: str) -> str:
-    """Test accuracy in percent; a language model (text-lm) has none and shows its perplexity."""
-    if not finite(r.get("test_accuracy")):
-        return f"ppl {r['test_perplexity']:.2f}" if finite(r.get("test_perplexity")) else missing
-    return f"{100 * r['test_accuracy']:.2f}"
-
+def is_language_model(r: dict[str, Any]) -> bool:
+    """Whether a row is a language model's (``text-lm``): a perplexity and no accuracy."""
+    return not finite(r.get("test_accuracy")) and finite(r.get("test_perplexity"))
 
 
 #: The columns. ``peak mem``: the process's peak RSS (the CUDA allocator's peak on a GPU); ``tensor peak``: the memory
@@ -83,22 +92,45 @@ def _metric(r: dict[str, Any], missing: str) -> str:
 HEADERS = ["strategy", "test acc %", "Δ acc pts", "train s", "time ratio", "train FLOPs", "FLOPs ratio",
            "peak mem", "tensor peak", "peak ratio", "frozen block@step"]
 
+#: The columns of a language model's comparison (``text-lm``): its metric is perplexity (lower is better).
+LM_HEADERS = ["strategy", "test ppl", "ppl ratio", *HEADERS[3:]]
+
+
+def headers(results: list[dict[str, Any]]) -> list[str]:
+    """The columns of a comparison: :data:`LM_HEADERS` when its rows are a language model's (every row that ran
+    has a perplexity and no accuracy), else :data:`HEADERS`."""
+    ran = [r for r in results if finite(r.get("test_accuracy")) or finite(r.get("test_perplexity"))]
+    return LM_HEADERS if ran and all(is_language_model(r) for r in ran) else HEADERS
 
 
 def rich_table(results: list[dict[str, Any]]) -> Table:
-    """The comparison as a rich table for the terminal."""
-    table = Table(title="layerfreeze compare")
-    for h in HEADERS:
-        table.add_column(h, justify="left" if h in ("strategy", "frozen block@step") else "right",
-                         overflow="fold")
+    """The comparison as a rich table for the terminal: every column but the last (what froze when), which
+    :func:`frozen_lines` gives below the table, so the table fits 120 columns (headers over two lines, numbers never
+    broken)."""
+    table = Table(title="layerfreeze compare", padding=(0, 1))
+    for h in headers(results)[:-1]:
+        words = h.split(" ")
+        label = h if len(words) == 1 else " ".join(words[:-1]) + "\n" + words[-1]
+        table.add_column(label, justify="left" if h == "strategy" else "right", no_wrap=True)
     for r in results:
-        table.add_row(*table_cells(r))
+        table.add_row(*table_cells(r)[:-1])
     return table
 
+
+def frozen_lines(results: list[dict[str, Any]]) -> list[str]:
+    """The table's last column (:func:`table_cells`), one line per row: ``"static: features.0@0, ..."``, or a rotating
+    strategy's switches, or why a row stopped."""
+    lines = []
+    for r in results:
+        cell = table_cells(r)[-1]
+        plain = not cell.startswith(("rotates:", "stopped:"))
+        lines.append(f"{r.get('row')}: " + (f"frozen block@step: {cell}" if plain else cell))
+    return lines
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """The comparison as a Markdown table."""
-    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    head = headers(results)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(table_cells(r)) + " |" for r in results]
     return "\n".join(lines) + "\n"

@@ -108,8 +108,28 @@ class LedgerSnapshot:
         return record
 
     @classmethod
-    def from_record(cls, record: Mapping[str, Any], step: int = 0) -> LedgerSnapshot:
-        """A snapshot from :meth:`to_record`'s object (a step record's ``memory``)."""
+    def from_record(cls, record: Mapping[str, Any], step: int | None = None) -> LedgerSnapshot:
+        """A snapshot read back from ``metrics.jsonl``: a whole step record (its ``memory`` and its ``step``), or
+        :meth:`to_record`'s object alone (a step record's ``memory``; give ``step``, else 0).
+
+        Args:
+            record: A step record holding ``memory``, or the ``memory`` object itself.
+            step: The step it describes; default: the step record's ``step``.
+
+        Raises:
+            ValueError: ``record`` is neither (a step the ledger did not sample has no ``memory``; records with one
+                are those of the first step, every ``run.ledger_every`` steps, and the step after a freeze or thaw).
+        """
+        if "memory" in record and "devices" not in record:
+            if step is None and isinstance(record.get("step"), int):
+                step = record["step"]
+            record = record["memory"] or {}
+        if "devices" not in record:
+            where = f"step {record.get('step')}'s record" if "step" in record else "this record"
+            raise ValueError(f"{where} holds no memory ledger sample (no 'memory' field, or not its 'devices'): the "
+                             "ledger samples the first step, every run.ledger_every steps and the step after a freeze "
+                             "or thaw; pick a step record with 'memory' (or pass record['memory'])")
+        step = 0 if step is None else step
         blocks = dict(record.get("blocks") or {})
         names = list(blocks.pop("names", []))
         frozen = list(blocks.pop("frozen", []))

@@ -129,7 +129,7 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
     distributed run rank 0's, and each rank's tensor peak from ``ranks``, :func:`rank_memory_lines`),
     ``world_size`` (FLOPs are rank 0's), ``resumed_from_step`` (wall time is then this process's),
     ``memory_plan`` (``freeze.memory_budget``: budget, predicted and measured tensor peak),
-    ``cache`` (the trainer's activation-cache summary) and
+    ``cache`` (the trainer's activation-cache summary), ``demote`` (:func:`_format_demote`) and
     ``freeze_timeline`` (list of
     ``{"block", "step", "epoch", "action"}``; rendered one line per entry as
     ``"<block>  frozen at step N (epoch E)"``, blocks frozen from the start
@@ -197,6 +197,8 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
         table.add_row("memory budget", text)
     if get("cache") is not None:
         table.add_row("activation cache", _format_cache(get("cache")))
+    if get("demote"):
+        table.add_row("demotion", _format_demote(get("demote")))
     timeline = get("freeze_timeline")
     if timeline:
         table.add_section()
@@ -249,6 +251,25 @@ def _format_cache(c: Mapping[str, Any]) -> str:
     disk = f" + {format_bytes(c['disk_bytes'])} on disk" if c.get("disk_bytes") else ""
     return (f"{c['hits']:,} hits ({rate}), {format_bytes(c['memory_bytes'])} in memory{disk}, "
             f"~{format_seconds(c['saved_seconds'])} of prefix forward saved")
+
+
+def _format_demote(d: Mapping[str, Any]) -> str:
+    """The summary's ``demote`` entry (:meth:`~layerfreeze.engine.demote.Demoter.summary`) for people: what was cast
+    or offloaded, and where the float32 master copies were kept: on disk they are scratch files in the run folder's
+    ``demoted/``, deleted at the end, when every demoted block gets its float32 weights back."""
+    what = " + ".join(x for x in (d.get("dtype"), f"offload to {d['offload']}" if d.get("offload") else None) if x)
+    blocks = d.get("demoted_blocks") or []
+    text = f"{what or 'on'}: {len(blocks)} block(s) demoted at the end"
+    places = d.get("master_places") or []
+    if "disk" in places:
+        where = d.get("master_dir") or "a temporary folder"
+        text += (f"; float32 master copies on disk in {where} during the run (deleted at the end, the blocks given "
+                 "their float32 weights back)")
+    if "memory" in places:
+        text += "; float32 master copies in host memory"
+    if d.get("skipped"):
+        text += f"; not demoted: {', '.join(d['skipped'])}"
+    return text
 
 
 def print_summary(summary: Mapping[str, Any], console: Console | None = None) -> None:

@@ -190,6 +190,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     cal.add_argument("--eps", type=_number(float, 0), default=DEFAULT_EPS_POINTS,
                      help="accuracy points a freeze may lose beyond the unfrozen continuations' lowest and still "
                      f"count as costing nothing (default {DEFAULT_EPS_POINTS})")
+    for action in sub._choices_actions:  # each sub-command's --help opens with what it does
+        command = sub.choices[action.dest]
+        if command.description is None and action.help:
+            command.description = action.help[0].upper() + action.help[1:] + "."
     return p
 
 

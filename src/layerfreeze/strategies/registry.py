@@ -9,8 +9,9 @@ config (``freeze.strategy``), the CLI trainer and ``layerfreeze compare`` rows, 
 
 from __future__ import annotations
 
+import difflib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from layerfreeze.errors import UnknownStrategyError
@@ -20,7 +21,7 @@ from layerfreeze.strategies.base import Strategy
 S = TypeVar("S", bound=type)
 
 #: Registered strategies: ``{name: Strategy subclass}`` in registration order (a read-only mapping).
-STRATEGIES: Registry[type[Strategy]] = Registry("strategy")
+STRATEGIES: Registry[type[Strategy]] = Registry("strategy", "layerfreeze.strategies.unregister_strategy({name!r})")
 
 
 def register_strategy(name: str) -> Callable[[S], S]:
@@ -62,8 +63,15 @@ def _lookup(name: str) -> type[Strategy]:
         return STRATEGIES[name]
     except KeyError:
         raise UnknownStrategyError(
-            f"Unknown strategy {name!r}. Available: {', '.join(sorted(STRATEGIES))}. {OWN_STRATEGY_HINT}"
+            f"Unknown strategy {name!r}{did_you_mean(name, STRATEGIES)}. Available: {', '.join(sorted(STRATEGIES))}. "
+            f"{OWN_STRATEGY_HINT}"
         ) from None
+
+
+def did_you_mean(name: object, known: Iterable[str]) -> str:
+    """``" (did you mean 'smartfrz'?)"`` for the known name closest to a misspelt one (``difflib``), else ``""``."""
+    close = difflib.get_close_matches(str(name), list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 #: How a strategy of one's own becomes known (the README's "Register your own strategy").

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from layerfreeze.errors import ConfigError
 from layerfreeze.runs import rundir
-from layerfreeze.runs.compare_table import add_ratios, markdown_table, rich_table
+from layerfreeze.runs.compare_table import add_ratios, frozen_lines, markdown_table, rich_table
 from layerfreeze.strategies import BUILTIN_STRATEGIES, DEFAULT_STRATEGY
 from layerfreeze.train.config import build_config, deep_merge
 
@@ -87,7 +87,7 @@ def _check_block_params(configs: list[tuple[str, Any]]) -> None:
     from layerfreeze.models.discovery import discover_blocks
     from layerfreeze.strategies import STRATEGIES, Strategy
     from layerfreeze.train.setup import build_strategy
-    from layerfreeze.train.tasks import build_task
+    from layerfreeze.train.tasks import build_model
 
     counts: dict[str, int] = {}
     for row, cfg in configs:
@@ -96,11 +96,12 @@ def _check_block_params(configs: list[tuple[str, Any]]) -> None:
         key = json.dumps([cfg.task, cfg.model.model_dump(mode="json"), cfg.data.model_dump(mode="json")],
                          sort_keys=True)
         if key not in counts:
-            counts[key] = len(discover_blocks(build_task(cfg).model, cfg.model.blocks))
+            counts[key] = len(discover_blocks(build_model(cfg)[0], cfg.model.blocks))
         try:
             build_strategy(cfg, counts[key])
         except ConfigError as exc:
-            raise ConfigError(f"row {row}: {exc}") from None
+            raise ConfigError(f"row {row}: {exc}; set this row's parameter with -p {row}.NAME=VALUE (`layerfreeze "
+                              "strategies` lists them)") from None
 
 
 def freeze_steps(summary: dict[str, Any]) -> dict[str, int]:
@@ -114,11 +115,44 @@ def freeze_steps(summary: dict[str, Any]) -> dict[str, int]:
     return steps
 
 
+def rotation_summary(summary: dict[str, Any]) -> dict[str, Any]:
+    """How a rotating strategy (``lisa``, ``badam``) moved through the run, from its summary's freeze timeline:
+    ``switches`` (the steps after the start at which blocks switched on), ``mean_trainable_fraction`` (the share of
+    the blocks trainable during a step, averaged over the run's steps: the frozen set after step ``s``'s events is
+    the one step ``s + 1`` trains) and ``most_trainable`` (the most blocks trainable at once)."""
+    blocks = list(summary.get("blocks") or [])
+    steps = int(summary.get("steps") or 0)
+    events = sorted(summary.get("freeze_timeline") or [], key=lambda e: e["step"])
+    frozen: set[str] = set()
+    trainable, i = [], 0
+    for step in range(1, steps + 1):
+        while i < len(events) and events[i]["step"] < step:
+            (frozen.add if events[i]["action"] == "freeze" else frozen.discard)(events[i]["block"])
+            i += 1
+        trainable.append(len(blocks) - len(frozen))
+    switches = len({e["step"] for e in events if e["action"] == "thaw" and e["step"] > 0})
+    mean = sum(trainable) / (len(trainable) * len(blocks)) if trainable and blocks else None
+    return {"switches": switches, "mean_trainable_fraction": mean, "most_trainable": max(trainable, default=None)}
+
+
+def _rotates(strategy: str) -> bool:
+    """Whether a registered strategy rotates which layers train (a :class:`~layerfreeze.strategies.base.
+    LayerRotation`: ``lisa``, ``badam``), so a comparison summarizes its rotation rather than its freeze steps."""
+    from layerfreeze.strategies import STRATEGIES
+    from layerfreeze.strategies.base import LayerRotation
+
+    cls = STRATEGIES.get(strategy)
+    return isinstance(cls, type) and issubclass(cls, LayerRotation)
+
+
 def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console: Console | None = None,
             row_params: dict[str, dict[str, Any]] | None = None,
             row_overrides: dict[str, dict[str, Any]] | None = None,
             row_callbacks: dict[str, list[Callable[[Any], None]]] | None = None) -> list[dict[str, Any]]:
-    """Run every row and return one result dict per row (also written to ``run_dir/compare.json`` and ``.md``).
+    """Run every row and return one result dict per row (also written to ``run_dir/compare.json`` and ``.md``):
+    the row's summary, ``freeze_steps`` (:func:`freeze_steps`), for a rotating strategy ``rotation``
+    (:func:`rotation_summary`), and its ratios to the ``none`` row
+    (:func:`~layerfreeze.runs.compare_table.ratios`).
 
     Args:
         base: A user config dict (validated per row); ``freeze.params`` apply to the row of the same strategy.
@@ -135,13 +169,19 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
     and the next row runs.
 
     Raises:
-        ConfigError: a row's config is invalid (checked for every row before the first run starts).
+        ConfigError: a row named twice, or a row's config is invalid (checked for every row before the first run
+            starts).
     """
     from layerfreeze.train.step import DivergenceError
     from layerfreeze.train.trainer import Trainer
 
     console = console or Console()
     run_dir = Path(run_dir)
+    twice = sorted({r for r in rows if list(rows).count(r) > 1})
+    if twice:
+        raise ConfigError(f"rows: {', '.join(twice)} named more than once (--rows); each row runs once, in a run "
+                          "folder named after it. Name each row once; to compare one strategy under other settings, "
+                          "run another compare")
     configs = [(row, _row_build(row, row_config(base, row, run_dir, row_params, row_overrides)))
                for row in rows]  # validate first
     for row, _ in configs:
@@ -160,11 +200,14 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
             results.append({"row": row, "stopped": str(exc), "run_dir": str(config.run.dir)})
             rundir.write_compare(run_dir, results)
             continue
-        results.append({"row": row, **summary, "freeze_steps": freeze_steps(summary)})
+        results.append({"row": row, **summary, "freeze_steps": freeze_steps(summary),
+                        **({"rotation": rotation_summary(summary)} if _rotates(config.freeze.strategy) else {})})
         rundir.write_compare(run_dir, results)
     add_ratios(results)
     rundir.write_compare(run_dir, results, markdown_table(results))
     console.print(rich_table(results))
+    for line in frozen_lines(results):
+        console.print(line, highlight=False)
     return results
 
 

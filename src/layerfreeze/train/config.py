@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import tomllib
 import types
 import typing
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from layerfreeze.budget.parse import parse_budget
 from layerfreeze.errors import BudgetError, ConfigError
@@ -54,13 +55,15 @@ class ModelConfig(_Section):
     ``name_or_path``: a local Hugging Face model folder for text tasks (default: the installed MiniLM-L6; text-lm:
     a causal LM folder, required), or a
     torchvision architecture name for image tasks (``mobilenet_v2`` with the installed ImageNet weights,
-    ``resnet18`` from scratch). ``blocks``: module-name patterns overriding block discovery.
+    ``resnet18`` from scratch). ``blocks``: module-name patterns overriding block discovery. ``pretrained`` (image
+    tasks): start from the installed ImageNet weights; null (default): when the model has them (``mobilenet_v2``
+    yes, ``resnet18`` no, so ``--model resnet18`` trains from scratch without another flag).
     """
 
     name_or_path: str | None = None
     blocks: list[str] | None = None
     max_length: int = Field(128, ge=8, le=4096, description="tokens per text sample")
-    pretrained: bool = True
+    pretrained: bool | None = None
     lora: LoraConfig | None = None
 
 
@@ -185,6 +188,23 @@ class FreezeConfig(_Section):
     demote: DemoteConfig | None = None
     memory_budget: str | int | float | None = None
 
+    @field_validator("demote", mode="before")
+    @classmethod
+    def _demote_short_form(cls, value: Any) -> Any:
+        """``freeze.demote: bfloat16`` (``--set freeze.demote=bfloat16``) is short for ``{dtype: bfloat16}``; any
+        other non-mapping says how to write it."""
+        if isinstance(value, str):
+            if value in ("bfloat16", "float16"):
+                return {"dtype": value}
+            if value == "cpu":
+                return {"offload": "cpu"}
+            raise ValueError(f"freeze.demote {value!r}: write a dtype (bfloat16 or float16), which is short for "
+                             "{dtype: bfloat16}, or a mapping such as {dtype: bfloat16, offload: cpu, master: auto}")
+        if value is not None and not isinstance(value, (dict, DemoteConfig)):
+            raise ValueError(f"freeze.demote {value!r}: write a mapping such as {{dtype: bfloat16, offload: cpu}} "
+                             "(--set freeze.demote.dtype=bfloat16), or bfloat16 / float16 alone")
+        return value
+
     @field_validator("memory_budget")
     @classmethod
     def _check_budget(cls, value: Any) -> Any:
@@ -273,12 +293,17 @@ class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
-    def _check_task(self) -> Config:
-        if self.task in ("text-csv", "image-folder", "text-lm") and not self.data.path:
-            raise ValueError(f"task {self.task!r} needs data.path (a CSV file, an image folder or a text file)")
-        if self.task == "text-lm" and not self.model.name_or_path:
-            raise ValueError("task 'text-lm' needs model.name_or_path (--model): a local Hugging Face causal LM folder "
-                             "(no decoder LM weights install offline)")
+    def _check_task(self, info: ValidationInfo) -> Config:
+        """The inputs a task needs to train (unless validated with ``context={"inputs": False}``: ``layerfreeze
+        config`` prints a config without data, ``layerfreeze blocks`` builds only the model)."""
+        if (info.context or {}).get("inputs", True):
+            what = {"text-csv": "a CSV file (--data)", "image-folder": "a folder of class sub-folders (--data)",
+                    "text-lm": "a text or CSV file (--data)"}
+            if self.task in what and not self.data.path:
+                raise ValueError(f"task {self.task!r} needs data.path: {what[self.task]}")
+            if self.task == "text-lm" and not self.model.name_or_path:
+                raise ValueError("task 'text-lm' needs model.name_or_path (--model): a local Hugging Face causal LM "
+                                 "folder (no decoder LM weights install offline)")
         if self.run.device not in ("auto", "cpu") and not self.run.device.startswith("cuda"):
             raise ValueError(f"run.device must be auto, cpu or cuda[:N], got {self.run.device!r}")
         return self
@@ -308,6 +333,13 @@ STRATEGY_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "image-folder": {"static": {"k": 10}},
 }
 
+#: The model each task's :data:`STRATEGY_PRESETS` were sized for (``model.name_or_path``; None: the installed
+#: MiniLM-L6, the text tasks' default). With another model (``--model resnet18``: 6 blocks, where ``static``'s k=10
+#: would freeze the head) the strategy's own defaults apply; set them with ``-p`` (``compare``: ``-p static.k=3``).
+PRESET_MODELS: dict[str, tuple[str | None, ...]] = {
+    "bbc-news": (None,), "text-csv": (None,), "fashion-mnist": ("mobilenet_v2",), "image-folder": ("mobilenet_v2",),
+}
+
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     """``base`` updated recursively by ``override`` (new dict; neither input is changed)."""
@@ -321,7 +353,12 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Parse a ``.yaml``/``.yml`` or ``.toml`` file into a dict.
+    """Parse a ``.yaml``/``.yml``, ``.toml`` or ``.json`` file into a dict.
+
+    A run folder's own ``config.json`` (the record of a run: its ``run.dir`` is the file's folder) is a config to
+    start a new run from: its ``run.dir`` and ``run.resume``, which name that run, are left out, so the new run gets
+    its own folder (``--run-dir``, or ``runs/<task>-<strategy>-<time>``); ``--resume RUN_DIR`` continues the run
+    itself.
 
     Raises:
         ConfigError: missing file, unknown extension, a syntax error, or a top level that is not a mapping.
@@ -330,18 +367,32 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"Config file {path} does not exist")
     text = path.read_text(encoding="utf-8")
+    kind = {".yaml": "YAML", ".yml": "YAML", ".toml": "TOML", ".json": "JSON"}.get(path.suffix.lower())
     try:
-        if path.suffix in (".yaml", ".yml"):
+        if kind == "YAML":
             data = yaml.safe_load(text) or {}
-        elif path.suffix == ".toml":
+        elif kind == "TOML":
             data = tomllib.loads(text)
+        elif kind == "JSON":
+            data = json.loads(text)
         else:
-            raise ConfigError(f"Config file {path} must end in .yaml, .yml or .toml")
-    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"Config file {path} is not valid {path.suffix[1:].upper()}: {exc}") from None
+            raise ConfigError(f"Config file {path} must end in .yaml, .yml, .toml or .json")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"Config file {path} is not valid {kind}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"Config file {path} must hold a mapping at the top level, got {type(data).__name__}")
+    run = data.get("run")
+    if kind == "JSON" and isinstance(run, dict) and run.get("dir") and _same_folder(run["dir"], path.parent):
+        data = {**data, "run": {k: v for k, v in run.items() if k not in ("dir", "resume")}}
     return data
+
+
+def _same_folder(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name the same folder (a missing one compares by its absolute path)."""
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
 
 
 def parse_override(item: str) -> dict[str, Any]:
@@ -439,20 +490,45 @@ def suggest_key(loc: typing.Sequence[Any]) -> str | None:
 
 
 def _format_validation_error(exc: ValidationError) -> str:
+    """pydantic's errors in the config's words: one line per problem, each naming its key; an unknown key gets the
+    closest valid one (:func:`suggest_key`); our own validators' messages come without pydantic's ``Value error,``
+    prefix."""
     lines = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        where = ".".join(str(p) for p in err["loc"])
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             guess = suggest_key(err["loc"])
             hint = f"did you mean `{guess}`? " if guess else ""
             msg = f"unknown key ({hint}`layerfreeze config` prints every key with its default)"
-        lines.append(f"  {where}: {msg}")
+        elif err["type"] in ("value_error", "assertion_error") and "error" in (err.get("ctx") or {}):
+            msg = str(err["ctx"]["error"])
+        elif err["type"] == "model_type" and where:
+            msg = f"{msg}, got {err.get('input')!r}; write it as a mapping (`layerfreeze config` shows the keys)"
+        lines.append(f"  {where}: {msg}" if where else f"  {msg}")
     return "Invalid configuration:\n" + "\n".join(lines)
 
 
-def build_config(user: dict[str, Any] | None = None) -> Config:
-    """Validate a user config dict, after filling in the task preset.
+def strategy_preset(task: Any, strategy: Any, model: Any) -> dict[str, Any] | None:
+    """The parameters :data:`STRATEGY_PRESETS` gives ``strategy`` on ``task`` with ``model``
+    (``model.name_or_path``), or None: a preset sized for the task's default model (:data:`PRESET_MODELS`) does not
+    apply to another model, which gets the strategy's own defaults."""
+    if not (isinstance(task, str) and isinstance(strategy, str)):
+        return None
+    params = STRATEGY_PRESETS.get(task, {}).get(strategy)
+    if params and model not in PRESET_MODELS.get(task, (None,)):
+        return None
+    return params
+
+
+def build_config(user: dict[str, Any] | None = None, inputs: bool = True) -> Config:
+    """Validate a user config dict, after filling in the task preset (:data:`TASK_PRESETS`) and the strategy's
+    preset for the task's model (:func:`strategy_preset`).
+
+    Args:
+        user: The config as the user wrote it (a file's mapping merged with overrides).
+        inputs: Whether the task's inputs must be given (``data.path`` for text-csv, image-folder and text-lm;
+            text-lm's ``model.name_or_path``): True for a run; False for ``layerfreeze config`` and ``blocks``.
 
     Raises:
         ConfigError: with every problem found, one per line, each naming its key.
@@ -462,12 +538,14 @@ def build_config(user: dict[str, Any] | None = None) -> Config:
     preset = TASK_PRESETS.get(task, {}) if isinstance(task, str) else {}
     freeze = user.get("freeze")
     strategy = freeze.get("strategy", DEFAULT_STRATEGY) if isinstance(freeze, dict) else DEFAULT_STRATEGY
-    params = STRATEGY_PRESETS.get(task, {}).get(strategy) if isinstance(task, str) and isinstance(strategy, str) \
-        else None
+    model = user.get("model")
+    name = model.get("name_or_path") if isinstance(model, dict) and "name_or_path" in model else \
+        preset.get("model", {}).get("name_or_path")
+    params = strategy_preset(task, strategy, name)
     if params:
         preset = deep_merge(preset, {"freeze": {"params": params}})
     try:
-        return Config.model_validate(deep_merge(preset, user))
+        return Config.model_validate(deep_merge(preset, user), context={"inputs": inputs})
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc)) from None
 
@@ -485,7 +563,7 @@ KEY_NOTES: dict[str, str] = {
     "model.name_or_path": "local Hugging Face folder (text tasks; null: the installed MiniLM-L6), or mobilenet_v2 / "
                           "resnet18 (image tasks)",
     "model.blocks": "module-name patterns naming the blocks front to back (null: discovered)",
-    "model.pretrained": "image tasks: start from the installed ImageNet weights",
+    "model.pretrained": "image tasks: start from the installed ImageNet weights (null: when the model has them)",
     "model.lora": "LoRA adapters (peft) instead of full training",
     "model.lora.r": "adapter rank",
     "model.lora.alpha": "adapter scaling numerator (alpha / r)",
@@ -579,9 +657,15 @@ def config_yaml(config: Config | None = None) -> str:
     return "\n".join(head + _yaml_lines(config, "", "")) + "\n"
 
 
-def load_config(path: str | Path | None = None, overrides: list[dict[str, Any]] | None = None) -> Config:
-    """A validated :class:`Config` from an optional file plus overrides (later ones win)."""
+def load_config(path: str | Path | None = None, overrides: list[dict[str, Any]] | None = None,
+                inputs: bool = True) -> Config:
+    """A validated :class:`Config` from an optional file (:func:`read_config_file`) plus overrides (later ones
+    win); ``inputs`` as in :func:`build_config`.
+
+    Raises:
+        ConfigError: the file cannot be read, or the config is invalid (every problem, each naming its key).
+    """
     data = read_config_file(path) if path else {}
     for override in overrides or []:
         data = deep_merge(data, override)
-    return build_config(data)
+    return build_config(data, inputs=inputs)

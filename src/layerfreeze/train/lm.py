@@ -68,6 +68,67 @@ class NextTokenPrediction:
         return mean, math.exp(min(mean, 50.0))
 
 
+def position_limit(model: nn.Module) -> int | None:
+    """The most positions a Hugging Face model can embed: the rows of its learned position embedding (GPT-2's
+    ``wpe``, ``n_positions`` rows; an ``nn.Embedding`` other than the token embedding with as many rows as the
+    config's ``max_position_embeddings``), or None when it has none (rotary or relative positions, as Llama's: those
+    run past ``max_position_embeddings``, which only says what the model was trained on)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0:
+        return None
+    tokens = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    learned = any(isinstance(m, nn.Embedding) and m is not tokens and m.num_embeddings == limit
+                  for m in model.modules())
+    return limit if learned else None
+
+
+def check_causal_lm(model: nn.Module, path: Any, max_length: int | None = None) -> None:
+    """Refuse, before training, a model ``text-lm`` would train wrongly or not at all.
+
+    * A model that is not causal: next-token prediction trains a model to predict token ``t + 1`` from tokens
+      ``0..t``; an encoder (BERT, MiniLM: ``AutoModelForCausalLM`` loads it as ``BertLMHeadModel``) sees every token
+      at every position and learns to copy. Checked on the model itself: its logits at the first positions of a
+      short sequence must not change when a later token does (one forward of 8 tokens, twice, under ``no_grad``
+      in eval mode; the train/eval mode comes back as it was).
+    * ``max_length`` (when given) above the positions the model has learned embeddings for (:func:`position_limit`):
+      GPT-2's position embedding has ``n_positions`` rows, and a longer chunk fails inside the first forward with
+      ``IndexError``.
+
+    Raises:
+        ConfigError: naming the setting (``model.name_or_path``, ``model.max_length``) and what to set.
+    """
+    config = getattr(model, "config", None)
+    limit = position_limit(model)
+    if limit is not None and max_length is not None and max_length > limit:
+        raise ConfigError(f"model.max_length {max_length} is more than the {limit} positions model.name_or_path "
+                          f"{path} has learned embeddings for (max_position_embeddings / n_positions in its "
+                          f"config.json); set --set model.max_length={limit} or less")
+    vocab = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", 0) \
+        if config is not None else 0
+    if not vocab or vocab < 3:
+        return
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, int(vocab), (1, min(8, limit or 8)), generator=g)
+    changed = ids.clone()
+    changed[0, -1] = 1 + (int(ids[0, -1]) % (int(vocab) - 1))  # another token at the last position
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            a = model(input_ids=ids, use_cache=False).logits[0, :-1]
+            b = model(input_ids=changed, use_cache=False).logits[0, :-1]
+    finally:
+        model.train(was_training)
+    if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+        kind = ", ".join(getattr(config, "architectures", None) or [type(model).__name__])
+        raise ConfigError(f"model.name_or_path {path} is not a causal language model: its predictions at a position "
+                          f"change with the tokens after it ({kind}, loaded as {type(model).__name__}), so "
+                          "next-token training would teach it to copy. text-lm needs a decoder (GPT-2, Llama, Qwen2, "
+                          "...); for an encoder such as MiniLM use --task text-csv (classification)")
+
+
 class TokenChunks(Dataset):
     """Fixed-length chunks of a token stream.
 

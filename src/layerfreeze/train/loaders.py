@@ -50,10 +50,11 @@ def load_text_model(path: str | Path, num_labels: int) -> tuple[nn.Module, Any]:
 
 
 
-def load_vision_model(name: str, num_classes: int, pretrained: bool) -> nn.Module:
+def load_vision_model(name: str, num_classes: int, pretrained: bool | None = None) -> nn.Module:
     """A torchvision classifier with a new ``num_classes`` head.
 
-    ``mobilenet_v2`` loads the installed ImageNet weights when ``pretrained``; ``resnet18`` is from scratch.
+    ``mobilenet_v2`` loads the installed ImageNet weights when ``pretrained`` (None: yes); ``resnet18`` is from
+    scratch (None or False: it has no offline weights).
 
     Raises:
         ConfigError: unknown architecture, or ``pretrained`` for one without offline weights.
@@ -61,6 +62,8 @@ def load_vision_model(name: str, num_classes: int, pretrained: bool) -> nn.Modul
     """
     import torchvision
 
+    if pretrained is None:  # the weights a model has offline
+        pretrained = name == "mobilenet_v2"
     if name == "mobilenet_v2":
         model = torchvision.models.mobilenet_v2(num_classes=1000)
         if pretrained:
@@ -70,7 +73,8 @@ def load_vision_model(name: str, num_classes: int, pretrained: bool) -> nn.Modul
         return model
     if name == "resnet18":
         if pretrained:
-            raise ConfigError("resnet18 has no offline pretrained weights; set model.pretrained: false")
+            raise ConfigError("model.pretrained is true but resnet18 has no offline pretrained weights; leave "
+                              "model.pretrained out (or --set model.pretrained=false): it trains from scratch")
         return torchvision.models.resnet18(num_classes=num_classes)
     raise ConfigError(f"Unknown vision model {name!r}; use mobilenet_v2 or resnet18")
 

@@ -246,6 +246,7 @@ def setup_trainer(trainer: Trainer, plan_only: bool = False) -> None:
             "or train unsharded with --parallel ddp (which also resumes an fsdp run here: its full checkpoint "
             "loads into the unsharded model)")
     trainer.fsdp = trainer.distributed and cfg.run.parallel == "fsdp"
+    check_distributed_config(cfg, trainer.distributed)
     trainer.rank, trainer.world = dist_.rank(), dist_.world_size()
     trainer.is_main = trainer.rank == 0
     trainer.device = device
@@ -322,6 +323,29 @@ def setup_trainer(trainer: Trainer, plan_only: bool = False) -> None:
         rundir.write_config(trainer.run_dir, cfg.model_dump(mode="json"))
 
 
+def check_distributed_config(cfg: Config, distributed: bool) -> None:
+    """Refuse, before anything is built, what a run launched on several ranks (torchrun) cannot do: the same
+    check on every rank, so every rank stops with the same error (the CLI prints rank 0's).
+
+    Raises:
+        ConfigError: ``freeze.demote`` under ``run.parallel: fsdp`` (FSDP2's parameters are DTensor shards, which
+            demotion cannot cast or restore); ``freeze.memory_budget`` under torchrun (not planned per rank yet).
+    """
+    if not distributed:
+        return
+    if cfg.freeze.demote is not None and cfg.run.parallel == "fsdp":
+        raise ConfigError("freeze.demote does not work with run.parallel fsdp (--parallel fsdp): FSDP2 holds every "
+                          "parameter as a DTensor shard, which demotion cannot cast and restore, and a frozen block's "
+                          "shards already hold no gradient or optimizer state. Leave freeze.demote out, or train "
+                          "with --parallel ddp")
+    if cfg.freeze.memory_budget is not None:
+        what = ("each rank's shards and FSDP2's all-gathers" if cfg.run.parallel == "fsdp"
+                else "each rank's share of the batch and DDP's gradient buckets")
+        raise ConfigError(f"freeze.memory_budget (--memory-budget) is not supported under torchrun yet ({what} are "
+                          "not planned). Leave it out here; plan in one process with `layerfreeze plan --memory "
+                          "BUDGET` and freeze the prefix it prints with -s static -p k=N")
+
+
 def plan_run_memory(trainer: Trainer, model: nn.Module, blocks: list, announce: bool = True) -> MemoryPlan:
     """The memory budget's plan (``freeze.memory_budget``, :func:`~layerfreeze.budget.plan.plan_memory`): two real
     steps on the first batch of epoch 1 with nothing frozen (the model, its buffers and the RNG come back as they
@@ -334,10 +358,7 @@ def plan_run_memory(trainer: Trainer, model: nn.Module, blocks: list, announce: 
         ConfigError: under torchrun (one process per rank: not supported yet).
     """
     cfg = trainer.config
-    if trainer.distributed:
-        raise ConfigError("freeze.memory_budget is not supported under torchrun yet (each rank's share of the "
-                          "batch and DDP's gradient buckets are not planned); run it in one process, or use "
-                          "`layerfreeze plan` there and freeze its prefix with -s static -p k=N")
+    check_distributed_config(cfg, trainer.distributed)
     first = epoch_batches(len(trainer.train_set), cfg.train.batch_size, cfg.train.seed, 0)[0]
     loader = DataLoader(trainer.train_set, batch_sampler=[first], generator=torch.Generator())
     batch = to_device(next(iter(loader)), trainer.device)

@@ -28,7 +28,7 @@ from torch.utils.data import Dataset, Subset
 from layerfreeze.errors import ConfigError
 from layerfreeze.train import assets, data
 from layerfreeze.train.config import Config
-from layerfreeze.train.lm import NextTokenPrediction, lm_datasets, lm_forward
+from layerfreeze.train.lm import NextTokenPrediction, check_causal_lm, lm_datasets, lm_forward
 from layerfreeze.train.loaders import load_causal_lm, load_text_model, load_vision_model
 
 
@@ -184,6 +184,7 @@ def build_task(cfg: Config) -> Task:
     objective: Any = Classification()
     if cfg.task == "text-lm":
         model, tokenizer = load_causal_lm(cfg.model.name_or_path)
+        check_causal_lm(model, cfg.model.name_or_path, cfg.model.max_length)
         train_set, test_set = lm_datasets(cfg, tokenizer)
         classes = [None] * int(model.config.get_text_config().vocab_size)
         forward, model_name, objective = lm_forward, str(cfg.model.name_or_path), NextTokenPrediction()
@@ -235,3 +236,37 @@ def build_task(cfg: Config) -> Task:
         forward=forward,
         objective=objective,
     )
+
+
+def build_model(cfg: Config) -> tuple[nn.Module, str]:
+    """The model a config trains and its name, without its data (``layerfreeze blocks``; block counts for
+    ``compare``'s checks): the class count comes from the data when ``data.path`` is given and cheap to read (a
+    text CSV's label column, an image folder's sub-folders), else a placeholder of 2, which changes only the size of
+    the head's last layer, never the blocks.
+
+    Raises:
+        AssetMissingError: a built-in asset is not installed.
+        ConfigError: a model that cannot be loaded, or (text-lm) that is not a causal LM
+            (:func:`~layerfreeze.train.lm.check_causal_lm`; ``model.max_length`` is a run's, not checked here).
+    """
+    torch.manual_seed(cfg.train.seed)
+    if cfg.task == "text-lm":
+        model, _ = load_causal_lm(cfg.model.name_or_path)
+        check_causal_lm(model, cfg.model.name_or_path)
+        name = str(cfg.model.name_or_path)
+    elif cfg.task in ("bbc-news", "text-csv"):
+        classes = 5  # BBC News's topics
+        if cfg.task == "text-csv":
+            classes = len(_read_csv(cfg.data.path, cfg)[2]) if cfg.data.path and Path(cfg.data.path).is_file() else 2
+        name = cfg.model.name_or_path or str(assets.minilm_dir())
+        model, _ = load_text_model(name, num_labels=max(2, classes))
+    else:
+        classes = len(data.FASHION_MNIST_CLASSES)
+        if cfg.task == "image-folder":
+            folder = Path(cfg.data.path) if cfg.data.path else None
+            classes = len([d for d in folder.iterdir() if d.is_dir()]) if folder and folder.is_dir() else 2
+        name = cfg.model.name_or_path or "mobilenet_v2"
+        model = load_vision_model(name, max(2, classes), cfg.model.pretrained)
+    if cfg.model.lora is not None:
+        model = apply_lora(model, cfg)
+    return model, name

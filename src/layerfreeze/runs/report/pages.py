@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from layerfreeze.runs import rundir
-from layerfreeze.runs.compare_table import BASELINE, HEADERS, table_cells
+from layerfreeze.runs.compare_table import BASELINE, headers, table_cells
 from layerfreeze.runs.report.plots import (
     ACCURACY,
     ACCURACY_VS_TIME,
@@ -322,8 +322,8 @@ def write_compare_report(compare_dir: Path) -> Path:
     plots = plot_compare(rows, loaded, out)
     tasks = sorted({str(r.get("task")) for r in rows if r.get("task")})
     title = "layerfreeze compare" + (f" — {', '.join(tasks)}" if tasks else "")
-    headers = [*HEADERS, "run"]
-    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+    columns = [*headers(rows), "run"]
+    head = "".join(f"<th>{_e(h)}</th>" for h in columns)
     body_rows = []
     for r, link in zip(rows, links):
         cells = [_e(c) for c in table_cells(r, missing="–")]

@@ -1,0 +1,60 @@
+"""Issue 43: under torchrun, what the CLI refuses is refused before training, once: rank 0 prints one line, every
+rank exits with code 2, and no rank aborts ("terminate called without an active exception"). Real torch.distributed
+(gloo) on 2 processes: the user's torchrun command, and the same ranks launched one by one to read each one's exit
+code and output."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed.launch import PYTHONPATH, ROOT, launch
+
+pytestmark = pytest.mark.timeout(300)
+
+REFUSALS = [
+    (["--parallel", "fsdp", "--set", "freeze.demote=bfloat16"],
+     "layerfreeze: error: freeze.demote does not work with run.parallel fsdp (--parallel fsdp)"),
+    (["--parallel", "fsdp", "--memory-budget", "1KiB"],
+     "layerfreeze: error: freeze.memory_budget (--memory-budget) is not supported under torchrun yet (each rank's "
+     "shards and FSDP2's all-gathers are not planned)"),
+    (["--memory-budget", "60%"],
+     "layerfreeze: error: freeze.memory_budget (--memory-budget) is not supported under torchrun yet (each rank's "
+     "share of the batch and DDP's gradient buckets are not planned)"),
+]
+
+
+def _args(tmp_path, extra):
+    # a task whose model and data are not even read: the refusal comes first (a missing file would be another error)
+    return ["train", "--task", "text-csv", "--data", str(tmp_path / "never-read.csv"), "--model",
+            str(tmp_path / "never-loaded"), "--no-progress", "--run-dir", str(tmp_path / "run"), *extra]
+
+
+@pytest.mark.parametrize("extra, line", REFUSALS[:2], ids=["fsdp-demote", "fsdp-budget"])
+def test_torchrun_refusal_is_one_line_exit_2_and_no_abort(tmp_path, extra, line):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "layerfreeze", *_args(tmp_path, extra)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    both = proc.stdout + proc.stderr
+    assert proc.returncode != 0, both[-3000:]
+    errors = [x for x in both.splitlines() if "layerfreeze: error:" in x]
+    assert len(errors) == 1 and errors[0].startswith(line), both[-3000:]  # one line, from rank 0 alone
+    # torchrun's own report: both ranks exited with code 2, none was killed by a signal
+    assert both.count("exitcode  : 2") == 2, both[-3000:]
+    assert "terminate called" not in both and "Signal" not in both and "SIGABRT" not in both
+    assert "layerfreeze/" not in both  # no traceback through layerfreeze's code
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("extra, line", [REFUSALS[0], REFUSALS[2]], ids=["fsdp-demote", "ddp-budget"])
+def test_each_rank_exits_2_and_only_rank_0_speaks(tmp_path, extra, line):
+    ranks = launch({}, tmp_path / "ranks", module="layerfreeze", args=_args(tmp_path, extra), timeout=200)
+    assert ranks.returncodes == [2, 2], ranks.outputs
+    assert line in ranks.outputs[0] and ranks.outputs[0].count("layerfreeze: error:") == 1
+    assert "Traceback" not in ranks.outputs[0] and "terminate called" not in ranks.outputs[0]
+    assert ranks.outputs[1] == ""  # rank 1 exits quietly, with the same code
+    assert not (tmp_path / "run").exists()

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 import layerfreeze
-from layerfreeze import cli
+from layerfreeze.cli import commands as cli_commands
+from layerfreeze.cli import entry as cli_entry
 from layerfreeze.cli import main
+from layerfreeze.cli import parser as cli_parser
 from layerfreeze.errors import ConfigError
 from layerfreeze.runs.rundir import read_metrics
 from layerfreeze.train.config import build_config, load_config, parse_override
@@ -45,7 +47,7 @@ def _walk(parser: argparse.ArgumentParser, path: list[str]) -> list[str]:
 
 
 def test_every_subcommand_and_option_has_help_text(capsys):
-    parser = cli._parser()
+    parser = cli_parser.build_parser()
     assert _walk(parser, []) == []
     commands = set(parser.subcommands)
     assert {"train", "compare", "plan", "blocks", "report", "predictor", "config", "strategies", "assets"} <= commands
@@ -239,7 +241,7 @@ def test_the_librarys_warnings_print_as_one_line_and_others_as_python_prints_the
         warnings.warn_explicit("something of torch's", UserWarning, "/somewhere/torch/nn/module.py", 7)
         return 0
 
-    monkeypatch.setattr(cli, "_run", run)
+    monkeypatch.setattr(cli_entry, "_run", run)
     with pytest.warns(UserWarning, match="something of torch's") as seen:  # Python's own path (pytest records it)
         assert main(["strategies"]) == 0
     err = _err(capsys)
@@ -326,5 +328,6 @@ def test_a_demoted_run_names_demotion_up_front_and_where_its_master_copies_went(
 
 def test_run_header_names_the_ranks_sharding_and_budget():
     config = build_config({"freeze": {"strategy": "static", "memory_budget": "60%"}, "run": {"parallel": "fsdp"}})
-    assert cli.run_header(config, world=2) == ("[bold]layerfreeze[/] bbc-news | strategy static {'k': 5} | 2 ranks, "
-                                               "FSDP2 (each holds a shard) | memory budget 60%")
+    assert cli_commands.run_header(config, world=2) == (
+        "[bold]layerfreeze[/] bbc-news | strategy static {'k': 5} | 2 ranks, "
+        "FSDP2 (each holds a shard) | memory budget 60%")

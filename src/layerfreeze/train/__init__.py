@@ -15,6 +15,7 @@ contract in ``pyproject.toml``); outside the folder, the CLI (and ``smartfrz``, 
 * ``data`` -- the text and vision datasets; by tasks.
 * ``lm`` -- the language-model task's datasets, forward and next-token objective; by tasks.
 * ``loaders`` -- the models, loaded from local files; by tasks.
+* ``config_yaml`` -- the config as a commented YAML file (``layerfreeze config``); imported by the CLI only.
 * ``config`` -- the validated YAML/TOML config (:func:`~layerfreeze.train.config.load_config`); by any module above.
 * ``loop`` -- the LR schedule and the optimizer step, shared with the SmartFRZ collector; by setup, step.
 * ``assets`` -- the offline assets (where they are, whether they are there); by data, loaders, tasks.

@@ -1,0 +1,323 @@
+"""The subcommands: ``train``, ``compare``, ``plan``, ``blocks``, ``config``, ``strategies``, ``assets`` (each
+``cmd_NAME(args, console)`` -> exit code; ``report`` and ``predictor`` are dispatched by :mod:`layerfreeze.cli.entry`).
+Errors a user can fix are raised (:class:`~layerfreeze.errors.UserError`); the entry point prints them."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from layerfreeze.cli.parser import TRAIN_FLAGS, main_rank, overrides_of
+from layerfreeze.distributed.comm import RankLostError, close_distributed, launched_world_size
+from layerfreeze.errors import ConfigError, UnknownStrategyError
+from layerfreeze.runs import rundir
+from layerfreeze.strategies import DEFAULT_STRATEGY, STRATEGIES, strategy_parameters
+from layerfreeze.strategies.registry import did_you_mean
+from layerfreeze.train.assets import check_assets
+from layerfreeze.train.compare import DEFAULT_ROWS, unknown_rows
+from layerfreeze.train.config import load_config, parse_override
+
+
+def _check_resume_parallel(run_dir: Path, saved: dict[str, Any], parallel: str) -> None:
+    """A run saved under DDP (or in one process) resumes unsharded: its checkpoint's optimizer state is
+    ``optimizer.state_dict()``, which a sharded model cannot take. (An FSDP2 run's full checkpoint resumes either
+    way.)
+
+    Raises:
+        ConfigError: ``run.parallel`` is fsdp and the saved run's is not.
+    """
+    was = (saved.get("run") or {}).get("parallel", "ddp")
+    if parallel == "fsdp" and was != "fsdp":
+        raise ConfigError(f"--resume {run_dir}: the run was saved with run.parallel {was} (its optimizer state is "
+                          "not the by-name one of an FSDP2 checkpoint); resume it with --parallel ddp, or start a new "
+                          "run with --parallel fsdp")
+
+
+def cmd_train(args: argparse.Namespace, console: Console) -> int:
+    from layerfreeze.engine.integrity import FrozenWeightsChangedError, UnfrozenParameterError
+    from layerfreeze.runs.summary import print_summary
+    from layerfreeze.train.step import DivergenceError
+    from layerfreeze.train.trainer import Trainer
+
+    overrides = overrides_of(args, TRAIN_FLAGS)
+    config_path = args.config
+    if args.resume:
+        run_dir = Path(args.resume)
+        if not (run_dir / rundir.CONFIG_FILE).is_file():
+            raise ConfigError(f"--resume {run_dir}: not a layerfreeze run folder (no {rundir.CONFIG_FILE})")
+        try:
+            saved = json.loads((run_dir / rundir.CONFIG_FILE).read_text())
+            saved["run"].update(dir=str(run_dir), resume=str(run_dir))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"--resume {run_dir}: its {rundir.CONFIG_FILE} is not a saved layerfreeze config "
+                              f"({exc}); it cannot be resumed") from None
+        if config_path:
+            raise ConfigError("--resume takes the run's saved config; drop --config (use --set to change a key)")
+        saved_strategy = (saved.get("freeze") or {}).get("strategy")
+        if args.strategy is not None and args.strategy != saved_strategy:
+            raise ConfigError(f"--resume {run_dir}: the run's strategy is {saved_strategy!r}; a resumed run keeps it "
+                              "(drop --strategy, or start a new run)")
+        overrides = [saved, *overrides]
+    config = load_config(config_path, overrides)
+    if args.resume:
+        _check_resume_parallel(Path(args.resume), saved, config.run.parallel)
+    world = launched_world_size()
+    speaks = main_rank()  # under torchrun rank 0 alone speaks
+    shown: list[bool] = []
+
+    def show_run_dir(trainer: Trainer) -> None:
+        """Name the run folder once it exists (before the first step): a run that fails while it is being set up
+        (a missing asset, undiscoverable blocks) never creates it, so it must not be named before."""
+        if speaks and not shown and trainer.run_dir.is_dir():
+            shown.append(True)
+            console.print(f"run dir {trainer.run_dir}", highlight=False)
+
+    trainer = Trainer(config, step_callbacks=[show_run_dir])
+    checkpoint = trainer.run_dir / rundir.CHECKPOINT_LINK
+    again = f"torchrun --nproc_per_node {world} -m layerfreeze" if world > 1 else "layerfreeze"
+    if speaks:
+        console.print(run_header(config, world), highlight=False)
+    try:
+        summary = trainer.run()
+    except KeyboardInterrupt:
+        if trainer.stopped_together:
+            close_distributed()  # every rank stopped after the same step, checkpointed: none is in a collective
+        if speaks:
+            if (trainer.run_dir / rundir.CHECKPOINTS_DIR).is_dir():
+                console.print(f"\nInterrupted. A checkpoint is in {checkpoint}; continue with:\n"
+                              f"  {again} train --resume {trainer.run_dir}")
+            else:
+                console.print("\nInterrupted before the first checkpoint; nothing to resume.")
+        return 130
+    except (DivergenceError, FrozenWeightsChangedError, UnfrozenParameterError) as exc:
+        Console(stderr=True, soft_wrap=True).print(
+            f"[bold red]layerfreeze: run stopped:[/] {exc}\nThe last checkpoint is in {checkpoint} "
+            f"(continue with: {again} train --resume {trainer.run_dir})", highlight=False)
+        return 1
+    except RankLostError as exc:
+        Console(stderr=True, soft_wrap=True).print(
+            f"[bold red]layerfreeze: error:[/] {exc}\nThe last complete checkpoint in {checkpoint} "
+            f"is resumable: {again} train --resume {trainer.run_dir}", highlight=False)
+        return 1
+    close_distributed()  # every rank finished; a gloo group left alive can abort the exit (SIGABRT)
+    if not speaks:
+        return 0
+    print_summary(summary, console=console)
+    metrics = trainer.run_dir / rundir.METRICS_FILE
+    console.print(f"metrics: {metrics}   TensorBoard: tensorboard --logdir {trainer.run_dir}")
+    write_run_report(trainer.run_dir, args, console)
+    return 0
+
+
+def run_header(config: Any, world: int = 1) -> str:
+    """The line ``layerfreeze train`` starts with: the task, the strategy and its parameters, and what else shapes
+    the run (its ranks and how they share the model, the memory budget, demotion and where its master copies go)."""
+    freeze = config.freeze
+    parts = [f"[bold]layerfreeze[/] {config.task}",
+             f"strategy {freeze.strategy}" + (f" {freeze.params}" if freeze.params else "")]
+    if world > 1:
+        parts.append(f"{world} ranks, " + ("FSDP2 (each holds a shard)" if config.run.parallel == "fsdp" else "DDP"))
+    if freeze.memory_budget is not None:
+        parts.append(f"memory budget {freeze.memory_budget}")
+    if freeze.demote is not None:
+        d = freeze.demote
+        what = " + ".join(x for x in (d.dtype, f"offload {d.offload}" if d.offload else None) if x)
+        parts.append(f"demote {what} (float32 master copies: {d.master})")
+    return " | ".join(parts)
+
+
+def write_run_report(run_dir: Path | str, args: argparse.Namespace, console: Console) -> None:
+    """The HTML report at the end of train/compare (skipped with --no-report or without matplotlib)."""
+    if getattr(args, "no_report", False):
+        return
+    from layerfreeze.runs.report import write_report
+
+    try:
+        console.print(f"report: {write_report(run_dir)}")
+    except ImportError as exc:
+        console.print(f"report skipped: {exc}")
+
+
+def cmd_compare(args: argparse.Namespace, console: Console) -> int:
+    import time
+
+    from layerfreeze.train.compare import compare
+    from layerfreeze.train.config import deep_merge, read_config_file
+
+    if args.rows is not None and not args.rows.strip(", "):
+        raise ConfigError("--rows is empty; name the rows, e.g. --rows none,static,smartfrz (omit it for all)")
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else \
+        [r for r in DEFAULT_ROWS if r in STRATEGIES or r == "lora"]
+    unknown = unknown_rows(rows)
+    if unknown:
+        guesses = "".join(did_you_mean(r, [*STRATEGIES, "lora"]) for r in unknown)
+        raise UnknownStrategyError(f"Unknown row(s) {', '.join(unknown)}{guesses}; available: "
+                                   f"{', '.join(sorted(STRATEGIES))}, lora (rank 8), lora-r<N> (rank N)")
+    base: dict[str, Any] = read_config_file(args.config) if args.config else {}
+    for override in overrides_of(args, {k: v for k, v in TRAIN_FLAGS.items() if k != "strategy"}):
+        base = deep_merge(base, override)
+    task = base.get("task", "bbc-news")
+    run_dir = base.get("run", {}).get("dir") or f"runs/compare-{task}-{time.strftime('%Y%m%d-%H%M%S')}"
+    row_params: dict[str, dict[str, Any]] = {}
+    for item in args.row_param:
+        key, sep, _ = item.partition("=")
+        row, dot, name = key.partition(".")
+        if not sep or not dot or row not in rows:
+            raise ConfigError(f"--row-param {item!r} must look like ROW.NAME=VALUE with ROW one of {', '.join(rows)}")
+        row_params = deep_merge(row_params, parse_override(item))
+    row_overrides: dict[str, dict[str, Any]] = {}
+    for item in args.row_set:
+        key, sep, _ = item.partition("=")
+        row, dot, name = key.partition(".")
+        if not sep or "." not in name or row not in rows:
+            raise ConfigError(f"--row-set {item!r} must look like ROW.SECTION.KEY=VALUE with ROW one of "
+                              f"{', '.join(rows)}")
+        row_overrides = deep_merge(row_overrides, parse_override(item))
+    results = compare(base, rows, run_dir, console=console, row_params=row_params, row_overrides=row_overrides)
+    console.print(f"table: {Path(run_dir) / rundir.COMPARE_MD}   rows: {Path(run_dir) / rundir.COMPARE_JSON}   "
+                  f"({len(results)} runs)")
+    write_run_report(run_dir, args, console)
+    stopped = [r["row"] for r in results if r.get("stopped")]
+    if stopped:  # the table is complete for the others; the exit code says not every row finished
+        Console(stderr=True, soft_wrap=True).print(
+            f"[bold red]layerfreeze: rows stopped before their end:[/] {', '.join(stopped)} (why: the table's last "
+            f"column and compare.json; each one's run folder holds its last checkpoint)", highlight=False)
+        return 1
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    import tempfile
+
+    from rich.table import Table
+
+    from layerfreeze.budget.plan import ROW_NOTES
+    from layerfreeze.runs.summary import format_bytes
+    from layerfreeze.train.setup import plan_headline
+    from layerfreeze.train.trainer import Trainer
+
+    overrides = [*overrides_of(args, TRAIN_FLAGS), {"freeze": {"memory_budget": args.memory}}]
+    config = load_config(args.config, overrides)
+    if args.check is not None and args.check < 1:
+        raise ConfigError(f"--check {args.check}: give the number of training steps to check the plan on (>= 1)")
+    trainer = Trainer(config)
+    trainer.setup(plan_only=True)
+    plan = trainer.memory_plan
+    measured = plan.measured
+    cache = measured.cache
+    console.print(f"[bold]layerfreeze plan[/] {config.task} | {trainer.task.model_name} ({len(plan.block_names)} "
+                  f"blocks) | batch {measured.batch_size} | strategy {config.freeze.strategy} | cache "
+                  + (f"on ({cache.samples} samples, {cache.dtype})" if cache is not None else "off"), highlight=False)
+    console.print(plan_headline(plan), highlight=False)
+    b = measured.buckets
+    console.print(f"measured on {measured.steps} real steps with nothing frozen: tensor peak "
+                  f"{format_bytes(plan.none_peak_bytes)} (parameters {format_bytes(b.get('params_trainable', 0))}, "
+                  f"gradients {format_bytes(b.get('grads', 0))}, optimizer state "
+                  f"{format_bytes(b.get('optimizer', 0))}, "
+                  f"saved activations {format_bytes(b.get('activations', 0))}, buffers "
+                  f"{format_bytes(b.get('buffers', 0))})", highlight=False)
+    head, cells = plan.rows()
+    table = Table(title=f"each frozen prefix under a budget of {format_bytes(plan.budget_bytes)} (tensor peak)")
+    for col in head:
+        if col == "frozen up to":  # block names are long (bert.encoder.layer.11): folded, never cut with "…"
+            table.add_column(col, justify="left", overflow="fold", min_width=min(32, max(map(len, plan.block_names))))
+        else:
+            table.add_column(col, justify="right", no_wrap=True)
+    for row in cells:
+        table.add_row(*row)
+    console.print(table)
+    console.print(ROW_NOTES, highlight=False)
+    chosen = plan.chosen
+    console.print(f"[bold]plan[/]: budget {plan.budget} = {format_bytes(plan.budget_bytes)}; predicted tensor peak "
+                  f"{format_bytes(plan.predicted_peak_bytes)} ({format_bytes(chosen.model_bytes)} model"
+                  + (f" + {format_bytes(chosen.cache_bytes)} cache in memory, the rest of it on disk)"
+                     if chosen.cache_budget_bytes is not None else ")"), highlight=False)
+    console.print(f"gives up: {plan.gives_up()}", highlight=False)
+    settings = [f"freeze.memory_budget: {plan.budget} (train --memory-budget {plan.budget}) keeps blocks "
+                f"0..{plan.k - 1} frozen from the start; the strategy may freeze more, never thaw them" if plan.k else
+                f"freeze.memory_budget: {plan.budget} (train --memory-budget {plan.budget}): nothing frozen from the "
+                "start"]
+    if config.freeze.strategy == "static" and config.freeze.params.get("k", 0) < plan.k:
+        settings.append(f"static's k={config.freeze.params.get('k')} acts as k={plan.k}")
+    if chosen.cache_budget_bytes is not None:
+        settings.append(f"the activation cache keeps up to {format_bytes(chosen.cache_budget_bytes)} in memory "
+                        "(freeze.cache.budget_mb), spilling the rest to disk")
+    console.print("settings: " + "; ".join(settings), highlight=False)
+    if args.json:
+        Path(args.json).write_text(json.dumps(plan.to_dict(), indent=2))
+        console.print(f"plan: {args.json}")
+    if args.check is None:
+        return 0
+    steps = args.check
+    if steps > trainer.total_steps:
+        console.print(f"check: --check {steps} is more than the run's {trainer.total_steps} steps "
+                      f"({config.train.epochs} epoch(s) of {trainer.batches_per_epoch}); checking all "
+                      f"{trainer.total_steps}", highlight=False)
+        steps = trainer.total_steps
+    run_dir = Path(config.run.dir) if config.run.dir else Path(tempfile.mkdtemp(prefix="layerfreeze-plan-check-"))
+    checked = load_config(args.config, [*overrides, {"train": {"max_steps": steps}, "run": {
+        "dir": str(run_dir), "ledger": True, "ledger_every": 1, "checkpoint": False, "tensorboard": False,
+        "progress": not args.no_progress}}])
+    console.print(f"check: training {steps} steps under the plan in {run_dir}", highlight=False)
+    summary = Trainer(checked).run()
+    got = summary["memory_plan"]
+    seen = min(summary["steps"] * checked.train.batch_size, cache.samples) if cache is not None else 0
+    for_steps = plan.predicted_for_samples(seen)
+    measured_peak = got["measured_peak_bytes"]
+    console.print(
+        f"check: predicted tensor peak {format_bytes(for_steps)} for these {summary['steps']} steps"
+        + (f" (the cache holding {seen} of {cache.samples} samples; {format_bytes(plan.predicted_peak_bytes)} once "
+           "it holds them all)" if cache is not None and chosen.cache_budget_bytes is not None else "")
+        + f", measured {format_bytes(measured_peak)}: {100 * (measured_peak / for_steps - 1):+.1f}%; "
+        + ("within" if measured_peak <= plan.budget_bytes else "[bold red]over[/]")
+        + f" the budget of {format_bytes(plan.budget_bytes)}", highlight=False)
+    return 0
+
+
+def cmd_blocks(args: argparse.Namespace, console: Console) -> int:
+    from layerfreeze.models.blocks import describe_blocks
+    from layerfreeze.models.discovery import find_blocks
+    from layerfreeze.train.tasks import build_model
+
+    config = load_config(args.config, overrides_of(args, {"task": "task", "model": "model.name_or_path",
+                                                        "data": "data.path"}), inputs=False)
+    model, model_name = build_model(config)
+    found = find_blocks(model, config.model.blocks)
+    console.print(f"{model_name}: {len(found.blocks)} blocks (front to back; the last is the head)")
+    console.print(f"rule: {found.rule}", highlight=False)
+    console.print(describe_blocks(found.blocks), highlight=False)
+    for line in found.ties:
+        console.print(f"tied: {line}", highlight=False)
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from layerfreeze.train.config_yaml import config_yaml
+
+    flags = {k: TRAIN_FLAGS[k] for k in ("task", "model", "data", "strategy")}
+    sys.stdout.write(config_yaml(load_config(args.config, overrides_of(args, flags), inputs=False)))
+    return 0
+
+
+def cmd_strategies(console: Console) -> int:
+    for name, cls in sorted(STRATEGIES.items()):
+        params = ", ".join(f"{k}={v!r}" for k, v in strategy_parameters(name).items()) or "-"
+        doc = (inspect.getdoc(cls) or "").splitlines()[0]
+        default = "  (default)" if name == DEFAULT_STRATEGY else ""
+        console.print(f"[bold]{name}[/]{default}  params: {params}\n    {doc}", highlight=False)
+    return 0
+
+
+def cmd_assets(console: Console) -> int:
+    missing = 0
+    for name, status in check_assets().items():
+        ok = Path(status).exists()
+        missing += not ok
+        console.print(f"{'ok' if ok else 'MISSING':>7}  {name:<14} {status}", highlight=False)
+    return 0 if missing == 0 else 2

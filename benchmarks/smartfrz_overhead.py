@@ -61,19 +61,25 @@ def time_stage(strategy, blocks, repeats: int, predict: int | None = None) -> fl
 
 
 def time_gate(strategy, freezer, repeats: int) -> float:
-    """Median seconds of the gradient signal-to-noise gate's part of a stage (issue 29; off by default, timed here
-    as if on): read Adam's moments at every active block's sampled positions and compute each block's z
-    (:meth:`SmartFRZ._observe_snr`), from the optimizer state the timed steps left."""
+    """Median seconds of the gradient signal-to-noise gate's part of a stage (issue 29; on by default): plan the
+    read of Adam's moments at every watched block's sampled positions, gather and bring them to the host
+    (:class:`~layerfreeze.strategies.smartfrz.reader.StageReader`, the gate's rows alone here) and compute each
+    block's z into the gate, from the optimizer state the timed steps left."""
     from layerfreeze.engine.stages import context
     from layerfreeze.strategies.smartfrz.snr_gate import SNRGate
 
     if strategy.gate is None:
         strategy.gate = SNRGate(len(freezer.blocks))
     ctx = context(freezer, "step")
+    n = len(ctx.blocks)
+    watched = [b.index for b in ctx.blocks if not b.frozen and not b.is_head]
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        strategy._observe_snr(ctx)
+        moments = strategy._moments.plan(watched, ctx.optimizer_state, m_row=n, v_row=2 * n)
+        read = strategy.reader.launch(moments.picks, moments.steps).settle()
+        for i, (z, adam_step) in strategy._moments.z_from(moments, read.values, read.scalars).items():
+            strategy.gate.observe(i, z, adam_step)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

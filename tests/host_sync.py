@@ -124,8 +124,9 @@ def _kind(func: Any, args: Any, kwargs: dict[str, Any]) -> str | None:
         return None
     if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_):
         indices = args[1] if len(args) > 1 else kwargs.get("indices", [])
-        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices if i is not None):
-            return "mask_index"
+        if _is_device(args[0]) and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                       for i in indices if i is not None):
+            return "mask_index"  # a device tensor indexed by a mask: the result's shape needs the mask's values
     return None
 
 

@@ -54,7 +54,7 @@ def test_a_run_that_never_freezes_has_all_its_steps_before_and_one_frozen_from_t
     assert never["flops_extra_s"] == 0.0 and never["stage_every_median"] is None
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm", "bbc_news")
 def test_tiny_default_job_every_row_read_from_its_records(tmp_path, one_thread):
     with benchmark_module("device_default_job") as bench:
         assert bench.main(["--tiny", "--device", "cpu", "--out", str(tmp_path)]) == 0

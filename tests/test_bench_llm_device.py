@@ -61,7 +61,7 @@ def test_the_synthetic_text_follows_its_markov_chain():
     assert max(len(s) for s in pairs.values()) <= bench.SYNTHETIC_BRANCHING
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm", "bbc_news")
 def test_bbc_text_holds_out_every_tenth_article():
     from layerfreeze.train.data import load_bbc_news
 

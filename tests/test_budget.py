@@ -179,6 +179,28 @@ def test_the_plan_freezes_the_shortest_prefix_that_fits_and_names_the_smallest_p
     assert MemoryPlan.from_dict(json.loads(json.dumps(plan.to_dict()))).to_dict() == plan.to_dict()
 
 
+def test_what_the_strategy_holds_counts_in_every_prefix_and_not_in_nones_peak():
+    # SmartFRZ's recorder and reader are memory the run holds beside the model (the ledger's strategy bucket): a plan
+    # without them under-predicted the budget table's runs by 12%
+    from layerfreeze.models.discovery import discover_blocks
+    from layerfreeze.strategies import create_strategy
+
+    plain = plan_memory(_stack(), _batch(), "1MiB", loss=_loss)
+    held = plan_memory(_stack(), _batch(), "1MiB", loss=_loss, strategy="smartfrz")
+    twin = create_strategy("smartfrz")
+    model = _stack()
+    twin.attach(model, discover_blocks(model))
+    expected = sum(twin.ledger_bytes()["strategy"].values())
+    # the recorder's ring buffers and steps, and the reader's host buffer: (3 rows a block + 1, 1,024) float32
+    assert expected == 3 * twin.window * (1024 * F32 + 8) + (3 * 3 + 1) * 1024 * F32
+    assert held.measured.buckets["strategy"] == expected and "strategy" not in plain.measured.buckets
+    assert [h.predicted_bytes - p.predicted_bytes for h, p in zip(held.candidates, plain.candidates)] == [expected] * 3
+    assert held.none_peak_bytes == plain.none_peak_bytes  # a fraction is of the `none` row's peak
+    # on this tiny model the recorder is 30 times the model's peak: no fraction of it fits, and the refusal says why
+    with pytest.raises(BudgetError, match=r"the freezing strategy holds .* more in every prefix"):
+        plan_memory(_stack(), _batch(), "0.9", loss=_loss, strategy="smartfrz")
+
+
 def test_plan_memory_with_the_default_loss_and_a_freezer_that_keeps_it():
     model = _stack()
     batch = (_batch()["x"], _batch()["labels"])  # an (inputs, targets) pair: cross-entropy by default

@@ -278,14 +278,14 @@ def test_a_ledger_snapshot_reads_a_whole_step_record_back_with_its_step():
 # ---- items 2, 3, 7, 8, 13, 15, 19 on a tiny BERT --------------------------------------------------------------
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm")  # tiny_bert_dir: MiniLM's tokenizer
 def test_blocks_of_a_text_csv_model_need_no_data(tiny_bert_dir, capsys):
     assert main(["blocks", "--task", "text-csv", "--model", str(tiny_bert_dir)]) == 0
     out = capsys.readouterr().out
     assert "5 blocks" in out and "bert.encoder.layer.1" in out and "classifier" in out
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm")
 def test_plan_check_beyond_the_run_says_so_and_the_table_fits_120_columns(tmp_path, tiny_bert_dir, tiny_csv, capsys):
     flags = ["--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir), "--set",
              "model.max_length=16", "--batch-size", "8", "--max-steps", "2", "--no-progress"]
@@ -303,7 +303,7 @@ def test_plan_check_beyond_the_run_says_so_and_the_table_fits_120_columns(tmp_pa
     assert "k=0 has one when the strategy freezes later" in out
 
 
-@pytest.mark.assets
+@pytest.mark.assets("minilm")
 def test_a_demoted_run_names_demotion_up_front_and_where_its_master_copies_went(tmp_path, tiny_bert_dir, tiny_csv,
                                                                                capsys):
     run = tmp_path / "run"

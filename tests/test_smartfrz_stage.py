@@ -198,6 +198,8 @@ def _cadence_strategy(tmp_path, **params):
     strategy.attach(model, blocks)
     clock = _Clock()
     strategy._clock = clock
+    if strategy.stage_budget is not None:  # timed, as on an accelerator (this stack is on the CPU)
+        strategy._timed, strategy._phase = True, "measure"
     return strategy, clock, _contexts(blocks, 300)
 
 
@@ -242,6 +244,28 @@ def test_a_hidden_stage_returns_to_the_run_length_cadence(tmp_path):
         strategy.decide(ctx(step, step_seconds=0.020, stage_step_seconds=0.0199))  # no wall cost at all
         step += strategy.stage_every
     assert strategy._phase == "set" and strategy.stage_every == 2
+
+
+def test_on_the_cpu_the_cadence_is_the_run_lengths_whatever_the_clock_says(tmp_path):
+    # a model on the CPU: decisions must not depend on this machine's timings (a resumed run is the uninterrupted one)
+    path = tmp_path / "never.safetensors"
+    save_predictor(path, _biased_predictor(-10.0), window=4)
+    strategy = SmartFRZ(predictor=str(path), snr_gate=None)
+    model = stack()
+    strategy.attach(model, discover_blocks(model))
+    clock = _Clock()
+    strategy._clock, clock.stage_cost = clock, 0.5  # half a second of host time a stage, against 1 ms steps
+    ctx = _contexts(discover_blocks(model), 300)
+    strategy.decide(ctx(0))
+    for k in range(1, 20):
+        strategy.decide(ctx(2 * k, step_seconds=0.001, stage_step_seconds=0.5))
+    assert strategy._phase == "set" and strategy.stage_every == 2  # round(300 / 150)
+    assert strategy.state_dict()["cadence"]["host_seconds"] == []  # nothing timed: every run saves the same state
+    # a GPU run's calibration, resumed on the CPU: the cadence it reached is kept, no more timing
+    gpu_state = {**strategy.state_dict(), "stage_every": 5,
+                 "cadence": {"phase": "probe", "base_every": 2, "host_seconds": [0.003] * 4, "probed": 3}}
+    strategy.load_state_dict(gpu_state)
+    assert strategy._phase == "set" and strategy.stage_every == 5
 
 
 @pytest.mark.parametrize("params", [{"snapshot_every": 1}, {"stage_budget": None}])

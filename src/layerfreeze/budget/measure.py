@@ -181,7 +181,9 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
                     "targets) pair; pass loss=lambda model, batch: ... (a scalar tensor)")
 
 
-def _blocks(model: nn.Module, blocks: Sequence[str] | Sequence[Block] | None) -> list[Block]:
+def blocks_of(model: nn.Module, blocks: Sequence[str] | Sequence[Block] | None) -> list[Block]:
+    """``blocks`` as :class:`~layerfreeze.models.blocks.Block` objects (discovered from names or patterns, or
+    from the model when None)."""
     if blocks and isinstance(blocks[0], Block):
         return list(blocks)  # type: ignore[arg-type]
     return discover_blocks(model, blocks)  # type: ignore[arg-type]
@@ -290,7 +292,7 @@ def measure_blocks(model: nn.Module, batch: Any, *, loss: Callable[[nn.Module, A
     """
     if steps < 1:
         raise ValueError(f"measure_blocks: steps must be >= 1, got {steps}")
-    found = _blocks(model, blocks)
+    found = blocks_of(model, blocks)
     thawed = {id(p) for b in found for p in b.parameters()} if unfrozen else set()
     params = [p for p in model.parameters() if p.requires_grad or id(p) in thawed]
     if not params:
@@ -360,7 +362,7 @@ def measure_cache(model: nn.Module, batch: Mapping[str, Any], dataset: Any, *,
     Raises:
         ValueError: the model's family has no forward split (no cache for it).
     """
-    found = _blocks(model, blocks)
+    found = blocks_of(model, blocks)
     split = split_for(model, found, input_key=input_key)
     per_position, per_sample, has_length = [], [], []
     refused_from, refusal = None, None

@@ -34,18 +34,22 @@ allocator rounding; on a GPU the allocator's peak beside it shows those.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from layerfreeze.budget.measure import BlockBytes, measure_blocks, measure_cache
+from layerfreeze.budget.measure import BlockBytes, blocks_of, measure_blocks, measure_cache
 from layerfreeze.budget.parse import Budget, parse_budget
 from layerfreeze.errors import BudgetError
 from layerfreeze.models.blocks import Block
+from layerfreeze.runs.ledger_buckets import Bucket
 from layerfreeze.runs.summary import format_bytes
+from layerfreeze.strategies import Strategy, create_strategy
 
 __all__ = ["MemoryPlan", "PrefixCost", "plan_memory", "plan_prefix"]
 
@@ -118,7 +122,8 @@ class MemoryPlan:
     Attributes:
         budget: The budget as written (``"3GiB"``, ``"0.6"``).
         budget_bytes: The budget in bytes (a fraction taken of ``none_peak_bytes``).
-        none_peak_bytes: The tensor peak with nothing frozen (measured; the cache left out).
+        none_peak_bytes: The tensor peak with nothing frozen (measured; the cache and what the strategy holds left
+            out: the ``none`` row's peak, what a fraction is taken of).
         k: Blocks frozen from the start: blocks ``0..k-1``.
         block_names: Every block, front to back.
         predicted_peak_bytes: The predicted tensor peak of the run under the plan.
@@ -234,7 +239,8 @@ def plan_prefix(measured: BlockBytes, budget: str | int | float | Budget, *, cac
             block before the head frozen and the cache on disk; the message says what to change).
     """
     parsed = parse_budget(budget)
-    none_peak = measured.model_bytes(0)
+    held = measured.buckets.get(Bucket.STRATEGY, 0)  # what the strategy holds, in every prefix's peak
+    none_peak = measured.model_bytes(0) - held  # the `none` row's peak: what a fraction is taken of
     limit = parsed.resolve(none_peak)
     candidates = [_cost(measured, k, limit, cache_budget_bytes, strategy_freezes)
                   for k in range(measured.max_prefix + 1)]
@@ -245,8 +251,11 @@ def plan_prefix(measured: BlockBytes, budget: str | int | float | Budget, *, cac
             f"no frozen set fits a memory budget of {parsed.describe(none_peak)}: the smallest tensor peak reachable "
             f"is {format_bytes(best.least_bytes)} ({best.least_bytes} bytes; {best.k} of {len(measured.block_names)} "
             f"blocks frozen from the start, the head training) at batch size {measured.batch_size}, where nothing "
-            f"frozen needs {format_bytes(none_peak)}. Raise the budget to at least {format_bytes(best.least_bytes)}, "
-            "or lower train.batch_size (saved activations scale with it)", smallest_bytes=best.least_bytes)
+            f"frozen needs {format_bytes(none_peak)}"
+            + (f" and the freezing strategy holds {format_bytes(held)} more in every prefix (its own state: another "
+               "strategy may hold less)" if held else "")
+            + f". Raise the budget to at least {format_bytes(best.least_bytes)}, or lower train.batch_size (saved "
+            "activations scale with it)", smallest_bytes=best.least_bytes)
     chosen = fitting[0]
     return MemoryPlan(budget=str(parsed), budget_bytes=limit, none_peak_bytes=none_peak, k=chosen.k,
                       block_names=list(measured.block_names), predicted_peak_bytes=chosen.predicted_bytes,
@@ -259,7 +268,8 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
                 blocks: Sequence[str] | Sequence[Block] | None = None, steps: int = 2,
                 cache_dataset: Any = None, cache_dtype: torch.dtype | None = None,
                 cache_budget_bytes: int | None = None, strategy_freezes: bool = True,
-                sources: Sequence[Any] = (), train_bn: bool = False, unfrozen: bool = False) -> MemoryPlan:
+                sources: Sequence[Any] = (), train_bn: bool = False, unfrozen: bool = False,
+                strategy: str | Strategy | None = None, params: dict[str, Any] | None = None) -> MemoryPlan:
     """Measure ``model`` on ``batch`` and plan the frozen prefix that fits ``budget``.
 
     Two real training steps with nothing frozen (:func:`~layerfreeze.budget.measure.measure_blocks`: the model, its
@@ -287,6 +297,9 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
         train_bn: BatchNorm layers of frozen blocks keep training (the cache then refuses a prefix holding one).
         unfrozen: Measure as if no block were frozen (a Freezer already froze some; see
             :func:`~layerfreeze.budget.measure.measure_blocks`).
+        strategy / params: The run's strategy (a name and its parameters, or an instance not yet attached), or
+            None: what it holds (SmartFRZ's recorder, Egeria's shadow copy and reference: the ledger's ``strategy``
+            bucket) counts in every prefix's peak, measured on a twin of it attached to ``model`` for the steps.
 
     Returns:
         A :class:`MemoryPlan`: ``plan.floor``, ``plan.predicted_peak_bytes``, ``plan.gives_up()``, every prefix in
@@ -298,9 +311,30 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
             :func:`~layerfreeze.budget.measure.measure_cache`.
     """
     parsed = parse_budget(budget)  # a malformed budget fails before anything runs
-    measured = measure_blocks(model, batch, loss=loss, optimizer=optimizer, blocks=blocks, steps=steps,
-                              sources=sources, unfrozen=unfrozen)
+    if strategy is not None:
+        blocks = blocks_of(model, blocks)
+    with _attached_twin(strategy, params, model, blocks) as held:
+        measured = measure_blocks(model, batch, loss=loss, optimizer=optimizer, blocks=blocks, steps=steps,
+                                  sources=[*sources, *held], unfrozen=unfrozen)
     if cache_dataset is not None:
         measured.cache = measure_cache(model, batch, cache_dataset, blocks=blocks, dtype=cache_dtype,
                                        train_bn=train_bn)
     return plan_prefix(measured, parsed, cache_budget_bytes=cache_budget_bytes, strategy_freezes=strategy_freezes)
+
+
+@contextmanager
+def _attached_twin(strategy: str | Strategy | None, params: dict[str, Any] | None, model: nn.Module,
+                   blocks: Any) -> Iterator[list[Strategy]]:
+    """A twin of the run's strategy attached to ``model`` (the RNG untouched), detached afterwards: ``[twin]``, or
+    ``[]`` without a strategy."""
+    if strategy is None:
+        yield []
+        return
+    twin = copy.deepcopy(strategy) if isinstance(strategy, Strategy) else create_strategy(
+        strategy, params or None, num_blocks=len(blocks))
+    with torch.random.fork_rng(devices=[]):
+        twin.attach(model, blocks)
+    try:
+        yield [twin]
+    finally:
+        twin.detach()

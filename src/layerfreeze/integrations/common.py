@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -185,7 +185,8 @@ class CheckpointBoundary:
 def plan_on_first_batch(budget: Any, model: nn.Module, optimizer: Any, loader: Iterable[Any], *,
                         move: Callable[[Any], Any] = lambda batch: batch,
                         loss: Callable[[nn.Module, Any], torch.Tensor] | None = None, blocks: Any = None,
-                        unfrozen: bool = False) -> MemoryPlan:
+                        unfrozen: bool = False, strategy: Any = None, params: dict[str, Any] | None = None,
+                        sources: Sequence[Any] = ()) -> MemoryPlan:
     """The plan of a memory budget (:func:`~layerfreeze.budget.plan.plan_memory`) measured on the first batch of the
     framework's training loader, or ``budget`` itself when it is a ready :class:`~layerfreeze.budget.plan.MemoryPlan`.
 
@@ -200,6 +201,9 @@ def plan_on_first_batch(budget: Any, model: nn.Module, optimizer: Any, loader: I
         loss: ``loss(model, batch)`` -> scalar (default :func:`~layerfreeze.budget.measure.default_loss`).
         blocks: The blocks (a Freezer's), or None to discover them.
         unfrozen: Measure as if no block were frozen (the Freezer already froze its start stage's blocks).
+        strategy / params: The strategy a Freezer will get (not yet attached): a twin's bytes count
+            (:func:`~layerfreeze.budget.plan.plan_memory`).
+        sources: Byte sources already holding memory, e.g. a Freezer's attached strategy.
 
     Raises:
         BudgetError: the budget cannot be read or met.
@@ -213,7 +217,8 @@ def plan_on_first_batch(budget: Any, model: nn.Module, optimizer: Any, loader: I
         finally:
             random.setstate(states[0])
             np.random.set_state(states[1])
-    return plan_memory(model, move(batch), budget, loss=loss, optimizer=optimizer, blocks=blocks, unfrozen=unfrozen)
+    return plan_memory(model, move(batch), budget, loss=loss, optimizer=optimizer, blocks=blocks, unfrozen=unfrozen,
+                       strategy=strategy, params=params, sources=sources)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -195,6 +195,7 @@ class LayerFreezeCallback(transformers.TrainerCallback):
             device = next(model.parameters()).device
             self.memory_plan = plan_on_first_batch(
                 self.memory_budget, model, optimizer, train_dataloader, blocks=self.blocks,
+                strategy=self.strategy, params=self.params,
                 move=lambda batch: {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
         self.freezer = Freezer(model, optimizer, self.strategy, self.params or None, blocks=self.blocks,
                                train_bn=self.train_bn, scheduler=inner_scheduler(lr_scheduler),

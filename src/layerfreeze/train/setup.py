@@ -347,11 +347,11 @@ def check_distributed_config(cfg: Config, distributed: bool) -> None:
 
 
 def plan_run_memory(trainer: Trainer, model: nn.Module, blocks: list, announce: bool = True) -> MemoryPlan:
-    """The memory budget's plan (``freeze.memory_budget``, :func:`~layerfreeze.budget.plan.plan_memory`): two real
-    steps on the first batch of epoch 1 with nothing frozen (the model, its buffers and the RNG come back as they
-    were), the activation cache's bytes for the training set when the run will keep one, and the shortest frozen
-    prefix that fits. Runs before the run folder exists. ``announce``: write :func:`plan_headline` (``layerfreeze
-    plan`` prints it itself, under its own header).
+    """The memory budget's plan (``freeze.memory_budget``, :func:`~layerfreeze.budget.plan.plan_memory`): two real steps
+    on the first batch of epoch 1 with nothing frozen (the model, its buffers and the RNG come back as they were), the
+    activation cache's bytes for the training set when the run will keep one, what the strategy itself holds (the
+    ledger's ``strategy`` bucket, on a twin of it), and the shortest frozen prefix that fits. Runs before the run folder
+    exists. ``announce``: write :func:`plan_headline` (``layerfreeze plan`` prints it itself, under its own header).
 
     Raises:
         BudgetError: no frozen prefix fits (exit code 2; the message names the smallest reachable peak).
@@ -377,7 +377,7 @@ def plan_run_memory(trainer: Trainer, model: nn.Module, blocks: list, announce: 
     plan = plan_memory(model, batch, cfg.freeze.memory_budget, loss=lambda m, b: task.loss(task.forward(m, b), b),
                        optimizer=trainer.optimizer, blocks=blocks, cache_dataset=cache_set, cache_dtype=cache_dtype,
                        cache_budget_bytes=cache_cap, strategy_freezes=cfg.freeze.strategy != "none",
-                       train_bn=cfg.freeze.train_bn)
+                       train_bn=cfg.freeze.train_bn, strategy=cfg.freeze.strategy, params=cfg.freeze.params)
     if announce and trainer.is_main:
         tqdm.write(plan_headline(plan))
     return plan

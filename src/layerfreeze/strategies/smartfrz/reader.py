@@ -206,7 +206,8 @@ class StageReader:
             key = (id(pick.positions), device)
             idx = self._positions.get(key)
             if idx is None:
-                idx = self._positions[key] = pick.positions.to(device)
+                # non_blocking: from pageable memory the copy is staged at once, with no wait on the device's queue
+                idx = self._positions[key] = pick.positions.to(device, non_blocking=True)
             flat = pick.source.reshape(-1)
             dst = self._view(buf, pick, idx.numel())
             if flat.dtype == buf.dtype:

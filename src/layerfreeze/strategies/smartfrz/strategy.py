@@ -77,19 +77,23 @@ class SmartFRZ(Strategy):
             ``snr_gate``.
         stage_budget: The share of step time the stages may cost, amortised, in (0, 1), or None: the run-length
             cadence alone (what layerfreeze did before issue 40). Default 0.01. Used only when ``snapshot_every`` is
-            None.
+            None and the model trains on an accelerator (CUDA, ...). On the CPU the run-length cadence is kept: a
+            timed cadence depends on the machine's clock, so two runs of one seed could stage at different steps,
+            and decisions on the CPU stay a function of the seed (a killed run resumes to the uninterrupted one,
+            bit for bit). On the CPU a stage is ~1-3 ms against the ~1 s steps of the jobs people run there.
 
-    Stage cadence (issue 40). A stage costs host time (the reads' launches, the features, the predictor: ~1-3 ms)
-    and a step on a GPU can be ~20 ms, so staging on every step of a short run could cost more than freezing saves.
-    With ``stage_budget``: the first :data:`COST_MIN_STAGES` stages are timed on the host (``time.perf_counter``,
-    no device sync); if their median is at most ``stage_budget`` of the step time (the Freezer's median interval
-    between steps, :attr:`~layerfreeze.strategies.base.StageContext.step_seconds`), the cadence stays the run
-    length's (always so on a CPU, where a step takes ~1 s). Otherwise the host time may still be hidden behind the
-    device's queue, so the wall-clock cost is measured: :data:`PROBE_STAGES` stages at a cadence of at least 2, the
-    cost being the median step with a stage minus the median step without one
-    (:attr:`~layerfreeze.strategies.base.StageContext.stage_step_seconds`), and the cadence becomes
-    ``ceil(cost / (stage_budget * step))`` (at least the run length's). The cadence is part of the state (a resumed
-    run keeps it) and is reported in the signals (``stage_every``, ``stage_ms``, ``step_ms``) when it is set.
+    Stage cadence (issue 40). A stage costs host time (the reads' launches, the features, the predictor: ~1-3 ms) and a
+    step on a GPU can be ~20 ms, so staging on every step of a short run could cost more than freezing saves. With
+    ``stage_budget``, on an accelerator: the first :data:`COST_MIN_STAGES` stages are timed on the host
+    (``time.perf_counter``, no device sync); if their median is at most ``stage_budget`` of the step time (the Freezer's
+    median interval between steps, :attr:`~layerfreeze.strategies.base.StageContext.step_seconds`), the cadence stays
+    the run length's. Otherwise the host time may still be hidden behind the device's queue, so the wall-clock cost is
+    measured: :data:`PROBE_STAGES` stages at a cadence of at least 2, the cost being the median step with a stage minus
+    the median step without one (:attr:`~layerfreeze.strategies.base.StageContext.stage_step_seconds`), and the cadence
+    becomes ``ceil(cost / (stage_budget * step))`` (at least the run length's). The cadence is part of the state (a
+    resumed run keeps it) and is reported in the signals (``stage_every``, ``stage_ms``, ``step_ms``) when it is set.
+    Being timed, it can differ between two runs of one seed, and a run killed before its cadence was set may resume to
+    another one; ``-p stage_budget=null`` makes an accelerator's decisions independent of the clock.
 
     Reads without a host synchronisation (issue 40). A stage reads the weight samples and Adam's moments through a
     :class:`~layerfreeze.strategies.smartfrz.reader.StageReader`: gathered on the device, one non-blocking copy to
@@ -155,6 +159,7 @@ class SmartFRZ(Strategy):
         self._base_every = 1
         self._host_seconds: deque[float] = deque(maxlen=16)
         self._probed = 0
+        self._timed = False  # set at attach: the model's blocks are on an accelerator (and stage_budget is set)
         self._clock = time.perf_counter
 
     @property
@@ -173,6 +178,11 @@ class SmartFRZ(Strategy):
         self._moments = AdamMoments([s.picks for s in self.recorder.samples], self.sample_size)
         if self.snr_gate is not None:
             self.gate = SNRGate(len(blocks), kappa=self.snr_gate, noise=self.snr_noise)
+        # the cadence is timed only where the model trains on an accelerator; on the CPU it is the run length's
+        self._timed = self.stage_budget is not None and any(
+            p.device.type != "cpu" for b in blocks for p in b.parameters())
+        if not self._timed:
+            self._phase = "set"
 
     def decide(self, ctx: StageContext) -> Decision:
         if ctx.event == "start":
@@ -337,6 +347,8 @@ class SmartFRZ(Strategy):
                 self._phase, self._base_every = str(cadence["phase"]), int(cadence["base_every"])
                 self._host_seconds = deque((float(x) for x in cadence["host_seconds"]), maxlen=16)
                 self._probed = int(cadence["probed"])
+            if not self._timed:  # a GPU run's calibration resumed on the CPU: the cadence it reached is kept
+                self._phase = "set"
         if self.recorder is not None and state.get("recorder") is not None:
             self.recorder.load_state_dict(state["recorder"])
         if self.gate is not None and state.get("gate") is not None:

@@ -251,7 +251,6 @@ def test_trainer_records_summary_tensorboard_report_and_compare_column(tmp_path)
     assert "| tensor peak | peak ratio |" in markdown_table(rows)
 
 
-
 def test_readme_memory_where_the_bytes_go_snippet(capsys):
     """README "## Memory: where the bytes go": the loop runs as written (its own tiny model and loader of dicts)."""
     from tests.conftest import readme_block

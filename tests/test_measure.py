@@ -114,8 +114,6 @@ def _clear_refs_works() -> bool:
         return False
 
 
-
-
 _MEMORY_PROBE = """
 import json, torch
 from layerfreeze.runs.measure import current_memory_bytes, peak_memory_bytes, reset_peak_memory

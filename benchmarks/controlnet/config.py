@@ -7,7 +7,6 @@ from dataclasses import dataclass
 PLACEMENTS = ("device", "worker", "precompute", "bf16")
 
 
-
 @dataclass
 class DemoConfig:
     """Sizes of the demo; the defaults are the full demo (about 11 minutes on 2 CPU cores).

@@ -404,7 +404,6 @@ def save_full_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.op
     return path
 
 
-
 def load_full_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, freezer: Any,
                          scheduler: Any = None, restore_rng: bool = True) -> dict[str, Any]:
     """Restore :func:`save_full_checkpoint` on every rank: weights (re-sharded), freeze state (re-freezes blocks and

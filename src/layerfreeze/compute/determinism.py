@@ -23,10 +23,8 @@ AUGMENTATION = (
 )
 
 
-
 class CacheRefused(ValueError):
     """Raised when caching the frozen prefix's output would give wrong results (the message says why)."""
-
 
 
 def _first_difference(a: Any, b: Any, path: str) -> str | None:
@@ -56,7 +54,6 @@ def _first_difference(a: Any, b: Any, path: str) -> str | None:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return None if np.array_equal(a, b) else path
     return None if a == b else path
-
 
 
 def check_deterministic(dataset: Any, n: int = 4) -> None:
@@ -90,13 +87,10 @@ def check_deterministic(dataset: Any, n: int = 4) -> None:
             raise CacheRefused(f"dataset item {i}: {key or 'the item'!r} differs between two fetches: {AUGMENTATION}")
 
 
-
 _DROPOUT = (nn.modules.dropout._DropoutNd,)
 
 
-
 _BATCHNORM = (nn.modules.batchnorm._BatchNorm,)
-
 
 
 def _stochastic_reason(module: nn.Module) -> str | None:
@@ -113,7 +107,6 @@ def _stochastic_reason(module: nn.Module) -> str | None:
     if isinstance(module, nn.RReLU):
         return "RReLU in training mode (random slopes)"
     return None
-
 
 
 def check_prefix_deterministic(

@@ -21,7 +21,6 @@ def frozen_parameters(block: Block, train_bn: bool = False) -> list[nn.Parameter
     return [p for p in block.parameters() if id(p) not in keep]
 
 
-
 def set_eval_mode(module: nn.Module, train_bn: bool = False) -> None:
     """Put ``module`` and its sub-modules in eval mode (BatchNorm layers excepted when ``train_bn``)."""
     for sub in module.modules():

@@ -78,7 +78,6 @@ def _merge_empty_head(blocks: list[Block]) -> bool:
     return True
 
 
-
 def find_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> Discovery:
     """The model's blocks in forward order, with the rule that found them and the tied parameters.
 
@@ -110,7 +109,6 @@ def find_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> Disc
         "  Freezer(model, optimizer, blocks=['stem', 'layers.*', 'head'])\n"
         "or in a config file:\n  model:\n    blocks: ['stem', 'layers.*', 'head']"
     )
-
 
 
 def discover_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> list[Block]:

@@ -34,7 +34,6 @@ def ratios(row: dict[str, Any], base: dict[str, Any] | None) -> dict[str, float 
             "accuracy_delta": acc - base_acc if finite(acc) and finite(base_acc) else None}
 
 
-
 def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Give every row its :func:`ratios` to the :data:`BASELINE` row, keeping those it already has; returns
     ``rows`` (changed in place)."""
@@ -44,7 +43,6 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if r.get(key) is None:
                 r[key] = value
     return rows
-
 
 
 def table_cells(r: dict[str, Any], missing: str = "-") -> list[str]:

@@ -141,7 +141,6 @@ class LedgerSnapshot:
                    allocator=dict(record.get("allocator") or {}), rss_bytes=int(record.get("rss_bytes", 0)))
 
 
-
 @dataclass
 class Peak:
     """A peak: its ``bytes`` and the ``step`` it was reached at (the first such step)."""

@@ -23,11 +23,9 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, labels)
 
 
-
 def call_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """``model(batch["x"])``: the forward of the image and tabular recipes."""
     return model(batch["x"])
-
 
 
 @dataclass

@@ -31,7 +31,6 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-
 def load_text_model(path: str | Path, num_labels: int) -> tuple[nn.Module, Any]:
     """A sequence classifier and its tokenizer from a local Hugging Face folder (never a hub download).
 
@@ -47,7 +46,6 @@ def load_text_model(path: str | Path, num_labels: int) -> tuple[nn.Module, Any]:
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, local_files_only=True)
     return model, tokenizer
-
 
 
 def load_vision_model(name: str, num_classes: int, pretrained: bool | None = None) -> nn.Module:

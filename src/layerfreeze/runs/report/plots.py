@@ -320,7 +320,6 @@ def _plot_step_time_memory(run: Run, out: Path) -> str | None:
     return _save(fig, out / STEP_TIME_MEMORY)
 
 
-
 def _memory_buckets(records: list[dict[str, Any]]) -> list[str]:
     """The buckets on a memory device (not the disk) that the records hold, in the ledger's order."""
     names: list[str] = []

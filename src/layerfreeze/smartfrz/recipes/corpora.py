@@ -23,7 +23,6 @@ def split_probe_test(x: dict[str, torch.Tensor], y: torch.Tensor, probe: int, te
     return p, t, y[order[probe:probe + test]]
 
 
-
 @functools.lru_cache(maxsize=2)
 def digits(size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """scikit-learn's bundled 8x8 digits (1,797 images, 10 classes; no download), a fixed stratified 80/20
@@ -43,7 +42,6 @@ def digits(size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
     return x[tr], y[tr], x[te], y[te]
 
 
-
 @functools.lru_cache(maxsize=4)
 def fmnist(size: int, n_train: int, n_test: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fashion-MNIST subsets as ``(N, 1, size, size)`` uint8 (the first ``n_train`` / ``n_test`` images)."""
@@ -54,10 +52,8 @@ def fmnist(size: int, n_train: int, n_test: int) -> tuple[torch.Tensor, torch.Te
     return tr.images, tr.labels, te.images, te.labels
 
 
-
 def gray(x: torch.Tensor) -> torch.Tensor:
     return (x.float() / 255.0 - FMNIST_MEAN) / FMNIST_STD
-
 
 
 def imagenet_rgb(x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +64,6 @@ def imagenet_rgb(x: torch.Tensor) -> torch.Tensor:
     return (x.float().div(255.0).expand(-1, 3, -1, -1) - mean) / std
 
 
-
 def bbc_split(labels: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Article indices ``(train, test)`` of the fixed stratified 80/20 split of :mod:`layerfreeze.train.tasks` (seed 0),
     the train side in a seeded order (the split is sorted by class; the order mixes them). Shared by the
@@ -77,7 +72,6 @@ def bbc_split(labels: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
     tr, te = stratified_split(labels, 0.2, seed=0)
     return torch.tensor(tr)[torch.randperm(len(tr), generator=torch.Generator().manual_seed(0))], torch.tensor(te)
-
 
 
 @functools.lru_cache(maxsize=2)
@@ -100,13 +94,11 @@ def bbc(max_length: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[st
     return {k: v[tr_t] for k, v in x.items()}, y[tr_t], {k: v[te_t] for k, v in x.items()}, y[te_t]
 
 
-
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over every position: ``logits`` ``(B, T, V)``, ``labels`` ``(B, T)`` already
     shifted (``labels[b, t]`` is the token after input ``t``, :func:`bbc_lm`), so position ``t``'s logits are
     scored against ``labels[:, t]``; computed in float32."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
-
 
 
 @functools.lru_cache(maxsize=1)
@@ -132,7 +124,6 @@ def bbc_token_streams() -> tuple[torch.Tensor, torch.Tensor, int]:
         return torch.tensor([t for article in ids for t in (*article, tok.sep_token_id)], dtype=torch.int64)
 
     return stream(tr), stream(te), len(tok)
-
 
 
 @functools.lru_cache(maxsize=2)

@@ -29,10 +29,8 @@ class Recipe:
     description: str = ""
 
 
-
 #: Registered recipes, ``{name: Recipe}`` in registration order (the order ``collect`` records them in).
 RECIPES: Registry[Recipe] = Registry("recipe")
-
 
 
 def register_recipe(name: str, *, arch: str, dataset: str, mode: str, lrs: tuple[float, ...], minutes: float,
@@ -59,7 +57,6 @@ def register_recipe(name: str, *, arch: str, dataset: str, mode: str, lrs: tuple
     return deco
 
 
-
 def get_recipes(names: list[str] | None) -> list[Recipe]:
     """Recipes by name (all, in registration order, for None).
 
@@ -72,7 +69,6 @@ def get_recipes(names: list[str] | None) -> list[Recipe]:
     if unknown:
         raise PipelineError(f"unknown recipe(s) {', '.join(unknown)}; known: {', '.join(RECIPES)}")
     return [RECIPES[n] for n in names]
-
 
 
 #: Held out from predictor training by default: an unseen architecture family (ResNet, residual CNN) and a text

@@ -14,7 +14,6 @@ def hf_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor
     return model(**{k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}).logits
 
 
-
 def mlp(sizes: list[int]) -> nn.Sequential:
     """``Flatten`` then Linear-ReLU pairs; blocks are the Linear layers (the last is the head)."""
     layers: list[nn.Module] = [nn.Flatten()]
@@ -23,7 +22,6 @@ def mlp(sizes: list[int]) -> nn.Sequential:
         if i < len(sizes) - 2:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
-
 
 
 def small_cnn(in_ch: int, widths: list[int], pools: list[bool], spatial: int, hidden: int, classes: int
@@ -43,7 +41,6 @@ def small_cnn(in_ch: int, widths: list[int], pools: list[bool], spatial: int, hi
     return nn.Sequential(*stages)
 
 
-
 class PatchEmbed(nn.Module):
     """Non-overlapping ``patch`` x ``patch`` patches -> tokens ``(B, N, dim)`` plus learned positions."""
 
@@ -54,7 +51,6 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x).flatten(2).transpose(1, 2) + self.pos
-
 
 
 class MeanPoolHead(nn.Module):
@@ -69,13 +65,11 @@ class MeanPoolHead(nn.Module):
         return self.fc(self.norm(x).mean(dim=1))
 
 
-
 def tiny_vit(size: int, patch: int, dim: int, depth: int, heads: int, classes: int) -> nn.Sequential:
     """A pre-norm ViT as an ``nn.Sequential``: patch embedding, ``depth`` encoder layers, mean-pool head."""
     layers = [nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, activation="gelu", batch_first=True,
                                          norm_first=True) for _ in range(depth)]
     return nn.Sequential(PatchEmbed(1, size, patch, dim), *layers, MeanPoolHead(dim, classes))
-
 
 
 class NarrowResNet(nn.Module):
@@ -109,7 +103,6 @@ class NarrowResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-
 def tiny_gpt2(vocab: int, context: int, dim: int, depth: int, heads: int) -> nn.Module:
     """A GPT-2 (``GPT2LMHeadModel`` from a config, random init; LM head tied to the token embeddings as in
     GPT-2) with dropout off: a from-scratch run that sees each token under once needs no regularisation."""
@@ -122,7 +115,6 @@ def tiny_gpt2(vocab: int, context: int, dim: int, depth: int, heads: int) -> nn.
                      n_inner=4 * dim, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
                      eos_token_id=None, pad_token_id=None)
     return GPT2LMHeadModel(cfg)
-
 
 
 def tiny_llama(vocab: int, context: int, dim: int, depth: int, heads: int) -> nn.Module:

@@ -27,15 +27,10 @@ from layerfreeze.strategies.egeria.reference import build_reference
 EPS = 1e-12
 
 
-
-
-
-
 def _similarity(a: torch.Tensor) -> torch.Tensor:
     """Row-normalised Gram matrix of ``a`` flattened to ``(B, -1)``, in float64 on the CPU."""
     flat = a.detach().reshape(a.shape[0], -1).to("cpu", torch.float64)
     return F.normalize(flat @ flat.T, p=2, dim=1)
-
 
 
 def sp_loss(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -64,11 +59,9 @@ def sp_loss(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((diff * diff).sum()) / a.shape[0] ** 2
 
 
-
 def relative_change(previous: float, current: float, eps: float = EPS) -> float:
     """``|current - previous| / max(|previous|, eps)`` (NaN if either value is NaN)."""
     return abs(current - previous) / max(abs(previous), eps)
-
 
 
 def advance_count(count: int, previous: float | None, current: float, tolerance: float) -> tuple[float, int]:
@@ -84,7 +77,6 @@ def advance_count(count: int, previous: float | None, current: float, tolerance:
     return change, (count + 1 if change < tolerance else 0)
 
 
-
 def plasticity_decision(history: Sequence[float], tolerance: float, patience: int) -> bool:
     """Whether a block with this plasticity series (one reference, oldest first) may be frozen now.
 
@@ -98,7 +90,6 @@ def plasticity_decision(history: Sequence[float], tolerance: float, patience: in
     return count >= patience
 
 
-
 def block_outputs(model: nn.Module, names: dict[int, str], probe: tuple[Any, Any]) -> dict[int, torch.Tensor]:
     """Run ``model`` on the probe batch and return the output of each named module, by block index
     (:func:`~layerfreeze.models.probe.probe_outputs`)."""
@@ -108,7 +99,6 @@ def block_outputs(model: nn.Module, names: dict[int, str], probe: tuple[Any, Any
     return probe_outputs(model, modules, lambda m: m(*args, **kwargs))
 
 
-
 @dataclass
 class Evaluation:
     step: int
@@ -116,7 +106,6 @@ class Evaluation:
     reference: nn.Module | None = None
     report: dict[str, Any] | None = None
     baseline: list[float | None] | None = None
-
 
 
 def evaluate(step: int, shadow: nn.Module, reference: nn.Module, probe: tuple[Any, Any], names: dict[int, str],
@@ -133,7 +122,6 @@ def evaluate(step: int, shadow: nn.Module, reference: nn.Module, probe: tuple[An
             result.reference, result.report = build_reference(shadow, quantization)
             result.baseline = plasticity_per_block(trained, block_outputs(result.reference, names, probe), num_blocks)
     return result
-
 
 
 def plasticity_per_block(trained: dict[int, torch.Tensor], reference: dict[int, torch.Tensor],

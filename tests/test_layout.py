@@ -83,8 +83,8 @@ def test_at_most_twelve_modules_directly_in_the_package():
     top = sorted(p.name for p in SRC.glob("*.py"))
     assert len(top) <= 12, top
     concepts = sorted(p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists())
-    assert concepts == ["budget", "compute", "distributed", "engine", "integrations", "models", "runs", "smartfrz",
-                        "strategies", "train"]
+    assert concepts == ["budget", "cli", "compute", "distributed", "engine", "integrations", "models", "runs",
+                        "smartfrz", "strategies", "train"]
 
 
 def test_the_readme_imports_only_from_the_root_or_a_concept_package():

@@ -578,8 +578,7 @@ class Freezer:
             set_eval_mode(module, self.train_bn)
 
     def _eval_frozen_blocks(self, model: nn.Module, args: Any) -> None:
-        # before the model's forward, in training mode: why the blocks' own pre-hooks are not enough is in
-        # mechanics.frozen_blocks_to_eval (issue 41, transformers' GradientCheckpointingLayer)
+        # before the model's forward; why the blocks' own pre-hooks do not suffice: mechanics.frozen_blocks_to_eval
         if model.training:
             frozen_blocks_to_eval(self.blocks, self.frozen, self.train_bn)
 

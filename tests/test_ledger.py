@@ -248,7 +248,7 @@ def test_trainer_records_summary_tensorboard_report_and_compare_column(tmp_path)
     cells = [table_cells(r) for r in rows]
     assert [c[8:10] for c in cells][2] == ["-", "-"]  # no ledger: no tensor peak
     assert cells[1][9] == f"{rows[1]['tensor_peak_ratio']:.3f}"
-    assert "| tensor peak | peak ratio |" in markdown_table(rows)
+    assert "| tensor peak | tensor peak ratio |" in markdown_table(rows)
 
 
 def test_readme_memory_where_the_bytes_go_snippet(capsys):

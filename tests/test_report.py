@@ -149,7 +149,7 @@ def test_compare_report_links_every_row_report_and_plots_accuracy_vs_time(compar
     assert index == compare_dir / "report" / "index.html"
     text, links = _check_page(index)
     assert {"accuracy_vs_time.png", "flops_ratio.png", "memory_peaks.png"} <= _img_names(links)
-    for header in ("test acc %", "FLOPs ratio", "tensor peak", "peak ratio", "frozen block@step"):
+    for header in ("test acc %", "FLOPs ratio", "tensor peak", "tensor peak ratio", "frozen block@step"):
         assert header in text
     results = json.loads((compare_dir / "compare.json").read_text())
     for r in results:

@@ -49,6 +49,9 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     config_path = args.config
     if args.resume:
         run_dir = Path(args.resume)
+        if not run_dir.is_dir():
+            raise ConfigError(f"--resume {run_dir}: no such folder (give the run folder `layerfreeze train` wrote, "
+                              "e.g. runs/bbc-news-smartfrz-<time>)")
         if not (run_dir / rundir.CONFIG_FILE).is_file():
             raise ConfigError(f"--resume {run_dir}: not a layerfreeze run folder (no {rundir.CONFIG_FILE})")
         try:
@@ -206,6 +209,8 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     config = load_config(args.config, overrides)
     if args.check is not None and args.check < 1:
         raise ConfigError(f"--check {args.check}: give the number of training steps to check the plan on (>= 1)")
+    if args.json:
+        rundir.check_writable(Path(args.json), "--json")
     trainer = Trainer(config)
     trainer.setup(plan_only=True)
     plan = trainer.memory_plan
@@ -250,6 +255,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
                         "(freeze.cache.budget_mb), spilling the rest to disk")
     console.print("settings: " + "; ".join(settings), highlight=False)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(plan.to_dict(), indent=2))
         console.print(f"plan: {args.json}")
     if args.check is None:
@@ -260,12 +266,19 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
                       f"({config.train.epochs} epoch(s) of {trainer.batches_per_epoch}); checking all "
                       f"{trainer.total_steps}", highlight=False)
         steps = trainer.total_steps
-    run_dir = Path(config.run.dir) if config.run.dir else Path(tempfile.mkdtemp(prefix="layerfreeze-plan-check-"))
+    scratch = None if config.run.dir else tempfile.TemporaryDirectory(prefix="layerfreeze-plan-check-")
+    run_dir = Path(config.run.dir) if scratch is None else Path(scratch.name)
     checked = load_config(args.config, [*overrides, {"train": {"max_steps": steps}, "run": {
         "dir": str(run_dir), "ledger": True, "ledger_every": 1, "checkpoint": False, "tensorboard": False,
         "progress": not args.no_progress}}])
-    console.print(f"check: training {steps} steps under the plan in {run_dir}", highlight=False)
-    summary = Trainer(checked).run()
+    console.print(f"check: training {steps} steps under the plan in "
+                  + (f"{run_dir}" if scratch is None else "a temporary folder (removed after; --run-dir keeps it)"),
+                  highlight=False)
+    try:
+        summary = Trainer(checked).run()
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
     got = summary["memory_plan"]
     seen = min(summary["steps"] * checked.train.batch_size, cache.samples) if cache is not None else 0
     for_steps = plan.predicted_for_samples(seen)
@@ -308,7 +321,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_strategies(console: Console) -> int:
     for name, cls in sorted(STRATEGIES.items()):
         params = ", ".join(f"{k}={v!r}" for k, v in strategy_parameters(name).items()) or "-"
-        doc = (inspect.getdoc(cls) or "").splitlines()[0]
+        doc = (inspect.getdoc(cls) or "").splitlines()[0].replace("``", "`")  # reST literals, as people read them
         default = "  (default)" if name == DEFAULT_STRATEGY else ""
         console.print(f"[bold]{name}[/]{default}  params: {params}\n    {doc}", highlight=False)
     return 0

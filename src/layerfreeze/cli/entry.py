@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     # Logs and pipes get 120 columns (tables fold to fit); terminals keep their own width.
     console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 120)
     err = Console(stderr=True, soft_wrap=True)
-    if args.command is None:
+    if args.command is None:  # the help, and exit 2 as for any other missing argument (a script notices)
         parser.print_help()
-        return 0
+        return 2
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         try:

@@ -10,6 +10,7 @@ import re
 import sys
 from typing import Any, NoReturn
 
+from layerfreeze._version import __version__
 from layerfreeze.errors import ConfigError
 from layerfreeze.strategies import DEFAULT_STRATEGY, STRATEGIES
 from layerfreeze.train.compare import DEFAULT_ROWS
@@ -41,17 +42,19 @@ def main_rank() -> bool:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse's parser, with errors that say what to do: an option's value that starts with ``-`` (``--memory
-    -1GiB``) is named with the ``--option=VALUE`` form, an unknown option gets the closest known one and the usage of
-    its own subcommand, and under torchrun only rank 0 prints (every rank exits with code 2)."""
+    """argparse's parser, with errors that say what to do, on one line (no usage block: the line names the
+    subcommand's ``--help``): an option's value that starts with ``-`` (``--memory -1GiB``) is named with the
+    ``--option=VALUE`` form, an unknown option gets the closest known one, and under torchrun only rank 0 prints
+    (every rank exits with code 2)."""
 
     def error(self, message: str) -> NoReturn:
         found = re.search(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
         if found:
             message += (f" (a value that starts with '-' is written {found.group(1)}=VALUE, e.g. "
                         f"{found.group(1)}=-1; see {self.prog} --help)")
+        if "--help" not in message:
+            message += f"; {self.prog} --help lists the options"
         if main_rank():
-            self.print_usage(sys.stderr)
             sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(2)
 
@@ -65,8 +68,7 @@ class Parser(argparse.ArgumentParser):
                 close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
                 if close:
                     hints.append(f"{flag}: did you mean {close[0]}?")
-        self.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else "")
-                   + f"; {self.prog} --help lists the options")
+        self.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else ""))
 
 
 def build_parser() -> Parser:
@@ -74,6 +76,8 @@ def build_parser() -> Parser:
         prog="layerfreeze",
         description="Train neural networks cheaper by freezing blocks as they train.",
     )
+    parser.add_argument("--version", action="version", version=f"layerfreeze {__version__}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.subcommands = {}  # type: ignore[attr-defined]  # name -> its parser (errors name their subcommand)
 
@@ -164,8 +168,8 @@ def build_parser() -> Parser:
                         help="any config key, e.g. --set model.blocks='[stem, layers.*, head]' (repeatable)")
 
     rep = add("report", help="write an HTML report with PNG plots for a run or compare folder",
-              description="Write report.html with PNG plots (loss, accuracy, what froze when, memory by bucket) for "
-              "a folder written by `layerfreeze train` or `compare` (needs matplotlib).")
+              description="Write RUN_DIR/report/index.html with PNG plots (loss, accuracy, what froze when, memory by "
+              "bucket) for a folder written by `layerfreeze train` or `compare` (needs matplotlib).")
     rep.add_argument("run_dir", metavar="RUN_DIR", help="a folder written by `layerfreeze train` or `compare`")
 
     from layerfreeze.smartfrz import cli as smartfrz_cli
@@ -208,8 +212,9 @@ RUN_FLAG_HELP = {
     "lr": "learning rate of the head",
     "seed": "seed of weights, data order and dropout",
     "max-steps": "stop after this many optimizer steps",
-    "limit-train": "use only N training samples (a seeded subset)",
-    "limit-test": "use only N test samples (a seeded subset)",
+    "limit-train": "use only N training samples (a random subset drawn with data.split_seed; fashion-mnist: its "
+                   "first N, stored in random order)",
+    "limit-test": "use only N test samples (drawn as --limit-train's)",
     "run-dir": "output folder (default runs/<task>-<strategy>-<time>)",
     "device": "auto (default), cpu, cuda, cuda:N",
 }

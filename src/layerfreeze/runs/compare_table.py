@@ -86,9 +86,9 @@ def is_language_model(r: dict[str, Any]) -> bool:
 
 
 #: The columns. ``peak mem``: the process's peak RSS (the CUDA allocator's peak on a GPU); ``tensor peak``: the memory
-#: ledger's tensor peak (:mod:`layerfreeze.runs.ledger`) and ``peak ratio`` its ratio to ``none``.
+#: ledger's tensor peak (:mod:`layerfreeze.runs.ledger`) and ``tensor peak ratio`` its ratio to ``none``'s.
 HEADERS = ["strategy", "test acc %", "Δ acc pts", "train s", "time ratio", "train FLOPs", "FLOPs ratio",
-           "peak mem", "tensor peak", "peak ratio", "frozen block@step"]
+           "peak mem", "tensor peak", "tensor peak ratio", "frozen block@step"]
 
 #: The columns of a language model's comparison (``text-lm``): its metric is perplexity (lower is better).
 LM_HEADERS = ["strategy", "test ppl", "ppl ratio", *HEADERS[3:]]
@@ -105,7 +105,8 @@ def rich_table(results: list[dict[str, Any]]) -> Table:
     """The comparison as a rich table for the terminal: every column but the last (what froze when), which
     :func:`frozen_lines` gives below the table, so the table fits 120 columns (headers over two lines, numbers never
     broken)."""
-    table = Table(title="layerfreeze compare", padding=(0, 1))
+    note = budget_note(results)
+    table = Table(title="layerfreeze compare" + (f"\n{note}" if note else ""), padding=(0, 1))
     for h in headers(results)[:-1]:
         words = h.split(" ")
         label = h if len(words) == 1 else " ".join(words[:-1]) + "\n" + words[-1]
@@ -113,6 +114,20 @@ def rich_table(results: list[dict[str, Any]]) -> Table:
     for r in results:
         table.add_row(*table_cells(r)[:-1])
     return table
+
+
+def budget_note(results: list[dict[str, Any]]) -> str | None:
+    """What a memory budget (``freeze.memory_budget``, ``compare --memory-budget``) changed in every row, ``none``
+    included: the blocks its plan kept frozen from the start (``"every row under the memory budget 60%: blocks
+    0..3 frozen from the start, none's row too"``); None when no row ran under a budget."""
+    plans = [r["memory_plan"] for r in results if isinstance(r.get("memory_plan"), dict)]
+    if not plans:
+        return None
+    budget, ks = plans[0].get("budget"), sorted({p.get("k", 0) for p in plans})
+    frozen = ("nothing frozen from the start" if ks == [0] else
+              f"blocks 0..{ks[0] - 1} frozen from the start, none's row too" if len(ks) == 1 else
+              f"the first {'/'.join(map(str, ks))} blocks frozen from the start (by row), none's row too")
+    return f"every row under the memory budget {budget}: {frozen}"
 
 
 def frozen_lines(results: list[dict[str, Any]]) -> list[str]:
@@ -131,4 +146,5 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     head = headers(results)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(table_cells(r)) + " |" for r in results]
-    return "\n".join(lines) + "\n"
+    note = budget_note(results)
+    return "\n".join(lines) + "\n" + (f"\n{note[0].upper()}{note[1:]}.\n" if note else "")

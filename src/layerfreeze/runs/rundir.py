@@ -121,19 +121,46 @@ def is_compare_dir(path: Path) -> bool:
 
 def check_run_dir(run_dir: Path, resuming: bool = False) -> None:
     """Refuse a run folder that would mix two runs: one that already holds a run (its ``config.json``) when not
-    resuming it, a finished run (its ``summary.json``) when resuming it, or a path that is a file.
+    resuming it, a finished run (its ``summary.json``) when resuming it, a path that is a file, or one that cannot
+    be written (checked on the folder, or the nearest folder above it that exists, before anything trains).
 
     Raises:
         ConfigError: with what to do instead.
     """
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run dir {run_dir} is a file, not a folder; pick another --run-dir")
+    check_writable(run_dir, "run.dir (--run-dir)", folder=True)
     if resuming and (run_dir / SUMMARY_FILE).is_file():
         raise ConfigError(f"run dir {run_dir}: this run already finished (it has a summary.json); nothing to resume. "
                           "Start a new run with another --run-dir")
     if not resuming and (run_dir / CONFIG_FILE).is_file():
         raise ConfigError(f"run dir {run_dir} already holds a run; continue it with `layerfreeze train --resume "
                           f"{run_dir}` or pick another --run-dir")
+
+
+def check_writable(path: Path, setting: str, folder: bool = False) -> None:
+    """Refuse, before anything is measured or trained, an output path that cannot be written: a folder in its place
+    (for a file), or no write permission on the nearest existing folder at or above it (``/proc/x``, a read-only
+    mount). A missing folder above is fine: it is created.
+
+    Raises:
+        ConfigError: naming ``setting`` and what to do.
+    """
+    path = Path(path)
+    if not folder and path.is_dir():
+        raise ConfigError(f"{setting} {path} is a folder; give a file path")
+    existing = path if folder and path.is_dir() else path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK) or _pseudo_fs(existing):
+        raise ConfigError(f"{setting} {path} cannot be written ({existing} is not a writable folder); give a path "
+                          "under a folder you can write to")
+
+
+def _pseudo_fs(folder: Path) -> bool:
+    """``folder`` is in the kernel's /proc or /sys (root may "write" there, yet nothing can be created)."""
+    parts = folder.resolve().parts
+    return len(parts) > 1 and parts[1] in ("proc", "sys")
 
 
 def write_config(run_dir: Path, config: dict[str, Any]) -> None:

@@ -101,8 +101,11 @@ def _format_epoch_times(times: list[float]) -> str:
     return f"mean {mean:.2f} s  (min {min(values):.2f}, max {max(values):.2f}, {len(values)} epochs)"
 
 
-def _format_timeline(timeline: list[Mapping[str, Any]]) -> str:
-    rows = sorted(timeline, key=lambda e: (int(e.get("step", 0)), str(e.get("block", ""))))
+def _format_timeline(timeline: list[Mapping[str, Any]], blocks: list[str] | None = None) -> str:
+    """One line per freeze or thaw, by step, and within a step front to back (the order of ``blocks``, the model's
+    block order; events of a block not in it keep their recorded order)."""
+    position = {name: i for i, name in enumerate(blocks or [])}
+    rows = sorted(timeline, key=lambda e: (int(e.get("step", 0)), position.get(str(e.get("block")), len(position))))
     width = max((len(str(e.get("block", ""))) for e in rows), default=0)
     lines = []
     for entry in rows:
@@ -202,7 +205,7 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
     timeline = get("freeze_timeline")
     if timeline:
         table.add_section()
-        table.add_row("freeze timeline", _format_timeline(list(timeline)))
+        table.add_row("freeze timeline", _format_timeline(list(timeline), get("blocks")))
     return table
 
 

@@ -91,7 +91,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "predictor", help="collect runs, label them with CKA, train and evaluate the SmartFRZ predictor",
         description="The offline SmartFRZ pipeline: collect -> label -> train -> evaluate.",
-        epilog=__doc__.split("::", 1)[1].split("Exit codes")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=__doc__.split("::", 1)[1].split("Exit codes")[0].replace("``", "`"),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="predictor_command", metavar="SUBCOMMAND", required=True)
 
     c = sub.add_parser("collect", help="train the recipes to the end, recording weights and probe activations")

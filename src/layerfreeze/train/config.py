@@ -78,8 +78,9 @@ class DataConfig(_Section):
     test_fraction: float = Field(0.2, gt=0, lt=1)
     split_seed: int = 0
     image_size: int = Field(32, ge=8, le=1024)
-    limit_train: int | None = Field(None, ge=1)
-    limit_test: int | None = Field(None, ge=1)
+    limit_train: int | None = Field(None, ge=1, description="train on N samples: a random subset drawn with "
+                                    "split_seed (fashion-mnist: its first N, stored in random order)")
+    limit_test: int | None = Field(None, ge=1, description="evaluate on N samples, drawn as limit_train")
 
 
 class TrainConfig(_Section):
@@ -301,6 +302,14 @@ class Config(_Section):
                     "text-lm": "a text or CSV file (--data)"}
             if self.task in what and not self.data.path:
                 raise ValueError(f"task {self.task!r} needs data.path: {what[self.task]}")
+            if self.task not in what and (self.data.path or self.data.test_path):
+                key = "data.path" if self.data.path else "data.test_path"
+                raise ValueError(f"{key} is read by the text-csv, image-folder and text-lm tasks; task {self.task!r} "
+                                 "trains on its installed dataset. Drop --data, or choose the task your data is for "
+                                 "(--task text-csv for a CSV, image-folder for class sub-folders)")
+            for key, path in (("data.path", self.data.path), ("data.test_path", self.data.test_path)):
+                if path and not Path(path).exists():
+                    raise ValueError(f"{key} {path} does not exist")
             if self.task == "text-lm" and not self.model.name_or_path:
                 raise ValueError("task 'text-lm' needs model.name_or_path (--model): a local Hugging Face causal LM "
                                  "folder (no decoder LM weights install offline)")
@@ -378,13 +387,22 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         else:
             raise ConfigError(f"Config file {path} must end in .yaml, .yml, .toml or .json")
     except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"Config file {path} is not valid {kind}: {exc}") from None
+        raise ConfigError(f"Config file {path} is not valid {kind}: {_syntax_error(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"Config file {path} must hold a mapping at the top level, got {type(data).__name__}")
     run = data.get("run")
     if kind == "JSON" and isinstance(run, dict) and run.get("dir") and _same_folder(run["dir"], path.parent):
         data = {**data, "run": {k: v for k, v in run.items() if k not in ("dir", "resume")}}
     return data
+
+
+def _syntax_error(exc: Exception) -> str:
+    """A parser's syntax error as one line: what is wrong and where (PyYAML's own message spans several lines, with
+    the offending text drawn under a caret)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        return f"{exc.problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(exc).split())
 
 
 def _same_folder(a: str | Path, b: str | Path) -> bool:
@@ -490,9 +508,9 @@ def suggest_key(loc: typing.Sequence[Any]) -> str | None:
 
 
 def _format_validation_error(exc: ValidationError) -> str:
-    """pydantic's errors in the config's words: one line per problem, each naming its key; an unknown key gets the
-    closest valid one (:func:`suggest_key`); our own validators' messages come without pydantic's ``Value error,``
-    prefix."""
+    """pydantic's errors in the config's words, on one line: each problem names its key (``; `` between them); an
+    unknown key gets the closest valid one (:func:`suggest_key`); our own validators' messages come without
+    pydantic's ``Value error,`` prefix."""
     lines = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"])
@@ -505,8 +523,8 @@ def _format_validation_error(exc: ValidationError) -> str:
             msg = str(err["ctx"]["error"])
         elif err["type"] == "model_type" and where:
             msg = f"{msg}, got {err.get('input')!r}; write it as a mapping (`layerfreeze config` shows the keys)"
-        lines.append(f"  {where}: {msg}" if where else f"  {msg}")
-    return "Invalid configuration:\n" + "\n".join(lines)
+        lines.append(f"{where}: {msg}" if where else msg)
+    return "Invalid configuration: " + "; ".join(lines)
 
 
 def strategy_preset(task: Any, strategy: Any, model: Any) -> dict[str, Any] | None:

@@ -42,10 +42,17 @@ def load_text_model(path: str | Path, num_labels: int) -> tuple[nn.Module, Any]:
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise ConfigError(f"model.name_or_path {path} is not a local Hugging Face model folder (no config.json)")
+        vision = (f"; {path} is a torchvision model: add --task fashion-mnist (or image-folder with --data)"
+                  if str(path) in VISION_MODELS else "")
+        raise ConfigError(f"model.name_or_path {path} is not a local Hugging Face model folder (no config.json)"
+                          + vision)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, local_files_only=True)
     return model, tokenizer
+
+
+#: The torchvision architectures the image tasks build (``model.name_or_path``).
+VISION_MODELS = ("mobilenet_v2", "resnet18")
 
 
 def load_vision_model(name: str, num_classes: int, pretrained: bool | None = None) -> nn.Module:
@@ -74,7 +81,7 @@ def load_vision_model(name: str, num_classes: int, pretrained: bool | None = Non
             raise ConfigError("model.pretrained is true but resnet18 has no offline pretrained weights; leave "
                               "model.pretrained out (or --set model.pretrained=false): it trains from scratch")
         return torchvision.models.resnet18(num_classes=num_classes)
-    raise ConfigError(f"Unknown vision model {name!r}; use mobilenet_v2 or resnet18")
+    raise ConfigError(f"Unknown vision model {name!r}; use {' or '.join(VISION_MODELS)}")
 
 
 def load_causal_lm(path: str | Path | None) -> tuple[nn.Module, Any]:

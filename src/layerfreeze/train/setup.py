@@ -286,7 +286,11 @@ def setup_trainer(trainer: Trainer, plan_only: bool = False) -> None:
     if plan_only:
         return
     if trainer.is_main:
-        trainer.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            trainer.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"run.dir (--run-dir) {trainer.run_dir} cannot be created ({err.strerror}); give a "
+                              "folder you can write to") from None
         trainer.telemetry = tm.Telemetry(trainer.run_dir, tensorboard=cfg.run.tensorboard)
     else:
         trainer.telemetry = tm.NullTelemetry()

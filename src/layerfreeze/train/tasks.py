@@ -145,6 +145,21 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
     return peft_model.base_model.model  # the original model class, now holding LoRA layers
 
 
+def _image_folder(path: str, size: int, key: str) -> data.ImageFolderDictDataset:
+    """:func:`data.load_image_folder`, its "no class folder / no image" errors (torchvision's, which list every
+    sub-folder) as one line naming ``key``.
+
+    Raises:
+        ConfigError: ``path`` has no class sub-folder, or no image in them.
+    """
+    try:
+        return data.load_image_folder(path, size=size)
+    except FileNotFoundError:
+        folders = sum(1 for child in Path(path).iterdir() if child.is_dir())
+        raise ConfigError(f"{key} {path} is not a folder of class sub-folders with images ({folders} sub-folder(s), "
+                          "no image in them): image-folder reads <folder>/<class>/<image>.jpg|.png|...") from None
+
+
 def _split(dataset: Dataset, labels: list[int], cfg: Config) -> tuple[Dataset, Dataset]:
     try:
         train_idx, test_idx = data.stratified_split(labels, cfg.data.test_fraction, cfg.data.split_seed)
@@ -193,7 +208,8 @@ def build_task(cfg: Config) -> Task:
             texts, labels, classes = data.load_bbc_news()
         else:
             if not Path(cfg.data.path).is_file():
-                raise ConfigError(f"data.path {cfg.data.path} is not a CSV file")
+                raise ConfigError(f"data.path {cfg.data.path} is a folder; text-csv reads a CSV file (columns "
+                                  f"{cfg.data.text_column!r} and {cfg.data.label_column!r})")
             texts, labels, classes = _read_csv(cfg.data.path, cfg)
             _check_classes(classes, cfg.data.path)
         model_path = cfg.model.name_or_path or str(assets.minilm_dir())
@@ -214,11 +230,11 @@ def build_task(cfg: Config) -> Task:
         else:
             if not Path(cfg.data.path).is_dir():
                 raise ConfigError(f"data.path {cfg.data.path} is not a folder of class sub-folders")
-            full = data.load_image_folder(cfg.data.path, size=cfg.data.image_size)
+            full = _image_folder(cfg.data.path, cfg.data.image_size, "data.path")
             classes = list(full.classes)
             _check_classes(classes, cfg.data.path)
             if cfg.data.test_path:
-                train_set, test_set = full, data.load_image_folder(cfg.data.test_path, size=cfg.data.image_size)
+                train_set, test_set = full, _image_folder(cfg.data.test_path, cfg.data.image_size, "data.test_path")
             else:
                 train_set, test_set = _split(full, [y for _, y in full.dataset.samples], cfg)
         name = cfg.model.name_or_path or "mobilenet_v2"

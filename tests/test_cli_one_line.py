@@ -1,0 +1,180 @@
+"""Issue 43, the third newcomer run: every user error is one line (config and YAML errors, argparse's), outputs that
+cannot be written and inputs that do not exist are named before anything is measured or trained, data a task does
+not read is refused, and what people read says what it means (help, the budget under compare, the timeline)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import pytest
+
+from layerfreeze.cli import main
+from layerfreeze.cli import parser as cli_parser
+from layerfreeze.runs.compare_table import budget_note, markdown_table, rich_table
+from layerfreeze.runs.summary import summary_table
+
+
+def _err(capsys) -> str:
+    return capsys.readouterr().err
+
+
+def _one_line(err: str, start: str) -> str:
+    assert err.count("\n") == 1 and err.startswith(start), err
+    return err
+
+
+# ---- one line per error ------------------------------------------------------------------------------------------
+
+
+def test_yaml_syntax_config_values_and_unknown_flags_are_one_line_each(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  epochs: [1\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    err = _one_line(_err(capsys), "layerfreeze: error: Config file")
+    assert "is not valid YAML: expected ',' or ']', but got '<stream end>' (line 3, column 1)" in err
+    values = tmp_path / "values.yaml"
+    values.write_text("train:\n  epochs: 0\n  lr: abc\n")
+    assert main(["train", "--config", str(values)]) == 2
+    err = _one_line(_err(capsys), "layerfreeze: error: Invalid configuration: train.epochs: Input should be greater "
+                                  "than or equal to 1; train.lr: Input should be a valid number")
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--epocs", "2"])
+    assert exc.value.code == 2
+    err = _one_line(_err(capsys), "layerfreeze train: error: unrecognized arguments: --epocs 2 (--epocs: did you mean "
+                                  "--epochs?); layerfreeze train --help lists the options")
+    with pytest.raises(SystemExit) as exc:  # argparse's own errors (a bad type) get the pointer to --help too
+        main(["train", "--epochs", "two"])
+    _one_line(_err(capsys), "layerfreeze train: error: argument --epochs: invalid int value: 'two'; "
+                            "layerfreeze train --help lists the options")
+
+
+def test_version_and_no_command(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    from layerfreeze import __version__
+
+    assert capsys.readouterr().out == f"layerfreeze {__version__}\n"
+    assert main([]) == 2  # the help, and the exit code of a missing argument
+    assert "COMMAND" in capsys.readouterr().out
+
+
+# ---- inputs that are not there, data a task does not read ---------------------------------------------------------
+
+
+def test_data_the_task_does_not_read_is_refused_and_missing_inputs_are_named(tmp_path, capsys):
+    run = ["--run-dir", str(tmp_path / "r")]
+    assert main(["train", "--data", "nope.csv", *run]) == 2  # bbc-news reads its installed dataset
+    _one_line(_err(capsys), "layerfreeze: error: Invalid configuration: data.path is read by the text-csv, "
+                            "image-folder and text-lm tasks; task 'bbc-news' trains on its installed dataset. Drop "
+                            "--data")
+    assert main(["train", "--task", "fashion-mnist", "--set", "data.test_path=t", *run]) == 2
+    assert "data.test_path is read by the text-csv" in _err(capsys)
+    assert main(["train", "--task", "text-csv", "--data", str(tmp_path / "nope.csv"), *run]) == 2
+    _one_line(_err(capsys), f"layerfreeze: error: Invalid configuration: data.path {tmp_path / 'nope.csv'} does not "
+                            "exist")
+    assert main(["train", "--task", "text-csv", "--data", str(tmp_path), *run]) == 2  # a folder, not a CSV
+    assert f"data.path {tmp_path} is a folder; text-csv reads a CSV file (columns 'text' and 'label')" in _err(capsys)
+    assert main(["train", "--resume", str(tmp_path / "gone")]) == 2
+    _one_line(_err(capsys), f"layerfreeze: error: --resume {tmp_path / 'gone'}: no such folder")
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_image_folder_without_images_names_data_path_in_one_line(tmp_path, capsys):
+    for name in ("cats", "dogs", "notes"):  # class folders, but no image in them (torchvision lists them all)
+        (tmp_path / "imgs" / name).mkdir(parents=True)
+        (tmp_path / "imgs" / name / "readme.txt").write_text("x")
+    assert main(["train", "--task", "image-folder", "--data", str(tmp_path / "imgs"), "--run-dir",
+                 str(tmp_path / "r")]) == 2
+    _one_line(_err(capsys), f"layerfreeze: error: data.path {tmp_path / 'imgs'} is not a folder of class sub-folders "
+                            "with images (3 sub-folder(s), no image in them)")
+
+
+def test_a_torchvision_name_on_a_text_task_gets_the_task_to_add(capsys):
+    assert main(["blocks", "--model", "resnet18"]) == 2
+    assert _err(capsys).endswith("resnet18 is a torchvision model: add --task fashion-mnist (or image-folder with "
+                                 "--data)\n")
+
+
+# ---- outputs that cannot be written: refused before anything is measured ------------------------------------------
+
+
+def test_unwritable_outputs_are_refused_before_measuring(tmp_path, capsys):
+    started = time.perf_counter()
+    assert main(["plan", "--memory", "60%", "--json", str(tmp_path)]) == 2
+    _one_line(_err(capsys), f"layerfreeze: error: --json {tmp_path} is a folder; give a file path")
+    assert main(["plan", "--memory", "60%", "--json", "/proc/layerfreeze/p.json"]) == 2
+    _one_line(_err(capsys), "layerfreeze: error: --json /proc/layerfreeze/p.json cannot be written (/proc is not a "
+                            "writable folder)")
+    assert main(["train", "--run-dir", "/proc/x"]) == 2
+    _one_line(_err(capsys), "layerfreeze: error: run.dir (--run-dir) /proc/x cannot be written (/proc is not a "
+                            "writable folder)")
+    assert time.perf_counter() - started < 60  # nothing was measured or trained (a plan measures for minutes)
+
+
+# ---- what people read -------------------------------------------------------------------------------------------
+
+
+def _helps(parser: argparse.ArgumentParser) -> list[str]:
+    out = [parser.format_help()]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out += _helps(sub)
+    return out
+
+
+def test_help_shows_no_rest_literals_and_report_names_its_file(capsys):
+    helps = _helps(cli_parser.build_parser())
+    assert len(helps) > 10
+    assert [h.splitlines()[0] for h in helps if "``" in h] == []
+    assert any("RUN_DIR/report/index.html" in h for h in helps)
+    assert main(["strategies"]) == 0
+    assert "``" not in capsys.readouterr().out
+
+
+def _row(name: str, k: int | None) -> dict:
+    row = {"row": name, "test_accuracy": 0.9, "train_time_s": 1.0, "flops_total": 1e9, "tensor_peak_bytes": 1 << 20,
+           "peak_memory_bytes": 1 << 21, "freeze_steps": {}}
+    if k is not None:
+        row["memory_plan"] = {"budget": "60%", "k": k}
+    return row
+
+
+def test_a_compare_under_a_budget_says_none_runs_with_the_frozen_floor_too():
+    rows = [_row("none", 3), _row("static", 3)]
+    assert budget_note(rows) == "every row under the memory budget 60%: blocks 0..2 frozen from the start, none's " \
+                                "row too"
+    assert "Every row under the memory budget 60%: blocks 0..2 frozen" in markdown_table(rows)
+    assert "blocks 0..2 frozen" in str(rich_table(rows).title)
+    assert budget_note([_row("none", 0)]) == "every row under the memory budget 60%: nothing frozen from the start"
+    plain = [_row("none", None), _row("static", None)]
+    assert budget_note(plain) is None and rich_table(plain).title == "layerfreeze compare"
+    assert "| tensor peak | tensor peak ratio |" in markdown_table(plain)
+
+
+def test_the_freeze_timeline_lists_a_step_front_to_back():
+    from rich.console import Console
+
+    blocks = [f"features.{i}" for i in range(12)]
+    timeline = [{"block": b, "step": 5, "epoch": 0, "action": "freeze"} for b in ("features.10", "features.2")]
+    timeline.append({"block": "features.1", "step": 3, "epoch": 0, "action": "freeze"})
+    console = Console(width=120, record=True)
+    console.print(summary_table({"freeze_timeline": timeline, "blocks": blocks}))
+    text = console.export_text()
+    lines = [line for line in text.splitlines() if "frozen at step" in line]
+    assert [line.split("│")[2].split()[0] for line in lines] == ["features.1", "features.2", "features.10"], lines
+
+
+@pytest.mark.assets("minilm")
+def test_plan_check_without_a_run_dir_leaves_no_folder(tmp_path, tiny_bert_dir, tiny_csv, capsys, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    flags = ["--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir), "--set",
+             "model.max_length=16", "--batch-size", "8", "--max-steps", "2", "--no-progress"]
+    assert main(["plan", "--memory", "60%", *flags, "--check", "2"]) == 0
+    assert "check: training 2 steps under the plan in a temporary folder (removed after" in capsys.readouterr().out
+    assert list(Path(tmp_path).glob("layerfreeze-plan-check-*")) == []

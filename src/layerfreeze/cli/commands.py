@@ -128,6 +128,8 @@ def run_header(config: Any, world: int = 1) -> str:
         parts.append(f"{world} ranks, " + ("FSDP2 (each holds a shard)" if config.run.parallel == "fsdp" else "DDP"))
     if freeze.memory_budget is not None:
         parts.append(f"memory budget {freeze.memory_budget}")
+    if config.train.precision != "auto":
+        parts.append(f"precision {config.train.precision}")
     if freeze.demote is not None:
         d = freeze.demote
         what = " + ".join(x for x in (d.dtype, f"offload {d.offload}" if d.offload else None) if x)

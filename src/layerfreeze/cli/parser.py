@@ -33,6 +33,7 @@ TRAIN_FLAGS = {
     "device": "run.device",
     "parallel": "run.parallel",
     "memory_budget": "freeze.memory_budget",
+    "precision": "train.precision",
 }
 
 
@@ -217,6 +218,8 @@ RUN_FLAG_HELP = {
     "limit-test": "use only N test samples (drawn as --limit-train's)",
     "run-dir": "output folder (default runs/<task>-<strategy>-<time>)",
     "device": "auto (default), cpu, cuda, cuda:N",
+    "precision": "auto (default: bf16-mixed on a CUDA GPU with bfloat16, 32-true elsewhere), 32-true, bf16-mixed, "
+                 "16-mixed or bf16-true (Lightning's names)",
 }
 RUN_FLAG_TYPES: dict[str, Any] = {"epochs": int, "batch-size": int, "seed": int, "max-steps": int,
                                   "limit-train": int, "limit-test": int, "lr": float}

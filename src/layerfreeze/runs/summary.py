@@ -145,7 +145,7 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
     def get(key: str) -> Any:
         return summary.get(key)
 
-    for key in ("strategy", "model", "task"):
+    for key in ("strategy", "model", "task", "precision"):
         if get(key) is not None:
             table.add_row(key, str(get(key)))
     if get("test_accuracy") is not None:

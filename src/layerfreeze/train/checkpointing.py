@@ -54,6 +54,7 @@ def write_checkpoint(trainer: Trainer, epoch: int, batch_in_epoch: int, reason: 
     t0 = time.perf_counter()
     trainer.freezer.verify_frozen_weights()  # never checkpoint weights that moved while frozen
     trainer.progress["cache_counts"] = cache_counts(trainer)
+    trainer.progress["precision"] = trainer.precision.state_dict()
     if trainer.ledger is not None:
         trainer.progress["ledger"] = trainer.ledger.peaks.state_dict()
     if trainer.distributed and trainer.ledger is not None:  # each rank's ledger peaks (its shards under FSDP2)
@@ -128,6 +129,10 @@ def restore_totals(trainer: Trainer) -> None:
     """What a resumed run goes on counting from (its ``progress``, after :func:`resume`; nothing on a fresh run):
     the cache's lookup counters (:func:`cache_counts`) and the memory ledger's peaks, each rank its own."""
     trainer._cache_base = dict(trainer.progress.get("cache_counts") or {})
+    if trainer.progress.get("precision"):  # the loss scale of 16-mixed goes on where it was
+        changed = trainer.precision.load_state_dict(trainer.progress["precision"])
+        if changed and trainer.is_main:
+            tqdm.write(f"resume: {changed}")
     if trainer.ledger is not None and trainer.progress.get("ledger"):  # a resumed run's peaks cover the whole run
         per_rank = trainer.progress.get("ledger_ranks") or []
         own = (per_rank[trainer.rank] if trainer.distributed and len(per_rank) == trainer.world

@@ -97,6 +97,9 @@ class TrainConfig(_Section):
     schedule: Literal["linear", "cosine", "constant"] = "linear"
     warmup_fraction: float = Field(0.1, ge=0, lt=1)
     grad_clip: float | None = Field(1.0, gt=0)
+    precision: Literal["auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"] = Field(
+        "auto", description="auto: bf16-mixed on a CUDA GPU with bfloat16, 32-true elsewhere; *-mixed: autocast, "
+        "float32 weights (16-mixed with a GradScaler); bf16-true: bfloat16 weights")
     seed: int = 0
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (quick runs)")
 

@@ -3,6 +3,7 @@ trainer's evaluation of its model (:func:`evaluate_trainer`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -74,12 +75,21 @@ def evaluate_sharded(task: Task, model: nn.Module, device: torch.device, batch_s
 def evaluate_trainer(trainer: Trainer, dataset: Dataset | None = None) -> tuple[float, float]:
     """:func:`evaluate` of a :class:`~layerfreeze.train.trainer.Trainer`'s model on ``dataset`` (default: the test
     set); distributed, sharded over the ranks (:func:`evaluate_sharded`)."""
+    precision = trainer.precision
+    forward = trainer.task.forward
+    # the forward as training runs it (train.precision): its autocast, its input dtype
+    task = dataclasses.replace(trainer.task, forward=lambda m, b: forward(m, precision.convert_input(b)))
+    with precision.autocast():
+        return _evaluate_trainer(trainer, task, dataset)
+
+
+def _evaluate_trainer(trainer: Trainer, task: Task, dataset: Dataset | None) -> tuple[float, float]:
     bs = trainer.config.train.eval_batch_size
     if not trainer.distributed:
-        return evaluate(trainer.task, trainer.model, trainer.device, bs, dataset)
+        return evaluate(task, trainer.model, trainer.device, bs, dataset)
     if trainer.fsdp:
         sync_buffers(trainer)  # every rank evaluates the model the checkpoint holds
-    result = evaluate_sharded(trainer.task, trainer.model, trainer.device, bs, dataset, trainer.rank, trainer.world,
+    result = evaluate_sharded(task, trainer.model, trainer.device, bs, dataset, trainer.rank, trainer.world,
                               same_batches=trainer.fsdp)
     if trainer.fsdp:  # the root group keeps its gathered parameters after a forward without backward
         reshard_all(fsdp_modules(trainer.model))

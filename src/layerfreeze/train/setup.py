@@ -49,6 +49,7 @@ from layerfreeze.runs.summary import format_bytes
 from layerfreeze.strategies import Strategy, UnknownStrategyError, create_strategy
 from layerfreeze.train.config import Config
 from layerfreeze.train.loop import lr_lambda, warmup_steps
+from layerfreeze.train.precision import Precision
 from layerfreeze.train.ranks import on_rebuild
 from layerfreeze.train.tasks import build_task
 
@@ -267,6 +268,8 @@ def setup_trainer(trainer: Trainer, plan_only: bool = False) -> None:
     if trainer.fsdp and trainer.is_main and strategy.reads_model:  # FSDP2 modules cannot be copied: before sharding
         mirror = copy.deepcopy(model).to("cpu")
     model = model.to(trainer.device)
+    trainer.precision = Precision(cfg.train.precision, device)
+    trainer.precision.cast_model(model)  # bf16-true: bfloat16 weights before the optimizer (and its states) exist
     if trainer.fsdp:  # one fully_shard group per block, then the root; blocks updated to the sharded parameters
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -377,8 +380,13 @@ def plan_run_memory(trainer: Trainer, model: nn.Module, blocks: list, announce: 
             pass
         cache_dtype = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[cache.dtype]
         cache_cap = auto_budget_bytes() if cache.budget_mb is None else int(cache.budget_mb * 2**20)
-    task = trainer.task
-    plan = plan_memory(model, batch, cfg.freeze.memory_budget, loss=lambda m, b: task.loss(task.forward(m, b), b),
+    task, precision = trainer.task, trainer.precision
+
+    def loss(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:  # the step's forward (train.precision)
+        with precision.autocast():
+            return task.loss(task.forward(m, precision.convert_input(b)), b)
+
+    plan = plan_memory(model, batch, cfg.freeze.memory_budget, loss=loss,
                        optimizer=trainer.optimizer, blocks=blocks, cache_dataset=cache_set, cache_dtype=cache_dtype,
                        cache_budget_bytes=cache_cap, strategy_freezes=cfg.freeze.strategy != "none",
                        train_bn=cfg.freeze.train_bn, strategy=cfg.freeze.strategy, params=cfg.freeze.params)

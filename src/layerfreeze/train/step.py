@@ -31,7 +31,6 @@ from layerfreeze.runs import telemetry as tm
 from layerfreeze.runs.ledger_records import memory_change, memory_change_by_device
 from layerfreeze.runs.rundir import Event
 from layerfreeze.train.checkpointing import checkpoint_due
-from layerfreeze.train.loop import apply_step
 from layerfreeze.train.ranks import step_comm, sync_buffers, track_comm
 from layerfreeze.train.setup import place, to_device
 
@@ -47,20 +46,21 @@ def train_step(trainer: Trainer, batch: dict[str, torch.Tensor], global_count: i
     """:meth:`Trainer.train_step <layerfreeze.train.trainer.Trainer.train_step>`: one optimizer step; returns this
     rank's loss: the batch mean in one process, the *sum* over this rank's ``local_count`` counted samples when
     distributed (the caller all-reduces it into the global mean)."""
-    host_batch, batch = batch, to_device(batch, trainer.device)
+    host_batch, batch = batch, trainer.precision.convert_input(to_device(batch, trainer.device))
     if trainer.distributed:
         counter = CollectiveBytes() if trainer.fsdp else contextlib.nullcontext()
         with counter:  # FSDP2: the bytes its all-gathers and reduce-scatters send in this forward and backward
-            if trainer.fsdp:
-                sync_buffers(trainer)
-                logits = (trainer.runner(batch, host_batch=host_batch) if trainer.runner is not None
-                          else trainer.task.forward(trainer.model, batch))
-            else:
-                logits = trainer.ddp(batch)
-            losses = trainer.task.objective.sample_losses(logits, batch)
-            local = local_count  # 0 for a padded rank (see ranks.local_batches)
-            losses = losses[:local]
-            loss_sum = losses.sum()
+            with trainer.precision.autocast():
+                if trainer.fsdp:
+                    sync_buffers(trainer)
+                    logits = (trainer.runner(batch, host_batch=host_batch) if trainer.runner is not None
+                              else trainer.task.forward(trainer.model, batch))
+                else:
+                    logits = trainer.ddp(batch)
+                losses = trainer.task.objective.sample_losses(logits, batch)
+                local = local_count  # 0 for a padded rank (see ranks.local_batches)
+                losses = losses[:local]
+                loss_sum = losses.sum()
             # one all-reduce per step, before backward: the global loss (checked below), a Ctrl-C on any rank, a
             # periodic checkpoint due by rank 0's clock, so every rank stops or checkpoints at the same step
             total, stops, due = dist_.all_reduce_sum(
@@ -70,21 +70,22 @@ def train_step(trainer: Trainer, batch: dict[str, torch.Tensor], global_count: i
             value = total / global_count
             check_finite(trainer, value)
             # FSDP2's reduce-scatter averages the gradients over the ranks as DDP's all-reduce does
-            (loss_sum * dist_.loss_scale(local, global_count)).backward()
+            trainer.precision.backward(loss_sum * dist_.loss_scale(local, global_count))
         if trainer.fsdp:
             trainer._collective_bytes = dict(counter.bytes)
     else:
-        logits = (trainer.runner(batch, host_batch=host_batch) if trainer.runner is not None
-                  else trainer.task.forward(trainer.model, batch))
-        loss = trainer.task.loss(logits, batch)
+        with trainer.precision.autocast():
+            logits = (trainer.runner(batch, host_batch=host_batch) if trainer.runner is not None
+                      else trainer.task.forward(trainer.model, batch))
+            loss = trainer.task.loss(logits, batch)
         reading = HostScalar(loss)  # queued behind the forward; read once the backward is queued too
         trainer._due = checkpoint_due(trainer)
-        loss.backward()
+        trainer.precision.backward(loss)
         value = reading.value()
         check_finite(trainer, value)  # before the optimizer step: a non-finite loss still never reaches the weights
     trainer.freezer.after_backward()
     params = [p for g in trainer.optimizer.param_groups for p in g["params"] if p.grad is not None]
-    apply_step(trainer.optimizer, trainer.scheduler, trainer.config.train.grad_clip, params)
+    trainer.precision.step(trainer.optimizer, trainer.scheduler, trainer.config.train.grad_clip, params)
     return value
 
 

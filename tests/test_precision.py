@@ -1,0 +1,153 @@
+"""``train.precision`` (issue 42): bf16/fp16 autocast with float32 master weights, bfloat16 weights, a GradScaler that
+freezing never confuses, and a resume under each precision equal to the uninterrupted run (bitwise on the CPU)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from layerfreeze import Freezer
+from layerfreeze.engine.demote import Demotion
+from layerfreeze.train.config import build_config
+from layerfreeze.train.precision import Precision, resolve_precision
+from layerfreeze.train.trainer import Trainer
+from tests.conftest import blob_task
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CPU = torch.device("cpu")
+
+
+def _config(tmp_path, name, precision, freeze=None, **train):
+    return build_config({
+        "train": {"epochs": 2, "batch_size": 16, "lr": 0.01, "warmup_fraction": 0.1, "precision": precision, **train},
+        "freeze": freeze or {"strategy": "static", "params": {"k": 2}},
+        "run": {"dir": str(tmp_path / name), "progress": False, "device": "cpu"},
+    })
+
+
+def _head_dtypes(task) -> list[torch.dtype]:
+    seen: list[torch.dtype] = []
+    task.model[-1].register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    return seen
+
+
+@pytest.mark.parametrize(("precision", "compute", "weights"), [
+    ("auto", torch.float32, torch.float32),  # auto on the CPU is 32-true
+    ("32-true", torch.float32, torch.float32),
+    ("bf16-mixed", torch.bfloat16, torch.float32),
+    ("16-mixed", torch.float16, torch.float32),
+    ("bf16-true", torch.bfloat16, torch.bfloat16),
+])
+def test_each_precision_computes_in_its_dtype_keeps_its_weights_and_learns(tmp_path, precision, compute, weights):
+    task = blob_task()
+    seen = _head_dtypes(task)
+    summary = Trainer(_config(tmp_path, precision, precision), task=task).run()
+    assert summary["precision"] == resolve_precision(precision, CPU)
+    assert set(seen) == {compute}  # training steps and evaluations alike
+    assert {p.dtype for p in task.model.parameters()} == {weights}
+    assert summary["frozen_blocks"] == ["0", "1"] and summary["test_accuracy"] > 0.9
+
+
+def test_16_mixed_a_step_with_nothing_trainable_does_not_fail_the_scaler():
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
+    plain = torch.amp.GradScaler("cpu")
+    plain.scale(model(torch.ones(1, 4)).sum().detach())  # a loss without a graph: no parameter gets a gradient
+    plain.unscale_(optimizer)  # what a bare GradScaler does then (accelerate#1990)
+    with pytest.raises(AssertionError, match="No inf checks were recorded"):
+        plain.step(optimizer)
+    precision = Precision("16-mixed", CPU)
+    before = [p.detach().clone() for p in model.parameters()]
+    scale = precision.scaler.get_scale()
+    precision.step(optimizer, scheduler, 1.0, [])
+    assert precision.empty_steps == 1 and precision.scaler.get_scale() == scale
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert scheduler.last_epoch == 1 and optimizer.state == {}  # the schedule goes on; Adam took no step
+    with precision.autocast():  # and the next step with a gradient goes through the scaler
+        loss = model(torch.ones(3, 4)).float().square().mean()
+    precision.backward(loss)
+    precision.step(optimizer, scheduler, 1.0, list(model.parameters()))
+    assert not torch.equal(before[0], model.weight) and model.weight.grad is None
+
+
+def test_16_mixed_thaw_of_a_block_demoted_to_float16_trains_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    precision = Precision("16-mixed", CPU)
+    g = torch.Generator().manual_seed(1)
+
+    def step():
+        with precision.autocast():
+            loss = model(torch.randn(8, 8, generator=g)).float().square().mean()
+        precision.backward(loss)
+        precision.step(optimizer, None, 1.0, [p for p in model.parameters() if p.grad is not None])
+
+    with Freezer(model, optimizer, "none", demote=Demotion("float16")) as freezer:
+        step()
+        freezer.freeze(0)
+        assert model[0].weight.dtype == torch.float16 and not model[0].weight.requires_grad
+        step()  # an fp16 frozen block, no gradient, nothing unscaled
+        at_thaw = model[0].weight.detach().clone()
+        freezer.thaw(0)
+        assert model[0].weight.dtype == torch.float32 and model[0].weight.requires_grad
+        with precision.autocast():
+            loss = model(torch.randn(8, 8, generator=g)).float().square().mean()
+        precision.backward(loss)
+        assert model[0].weight.grad is not None and model[0].weight.grad.dtype == torch.float32
+        precision.step(optimizer, None, 1.0, [p for p in model.parameters() if p.grad is not None])
+        assert not torch.equal(model[0].weight.detach(), at_thaw.float())  # the thawed block trained
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
+def test_a_resume_under_each_precision_equals_the_uninterrupted_run(tmp_path, precision, monkeypatch):
+    if precision == "16-mixed":  # a loss scale fp16 gradients overflow at: the scaler backs off in the first steps,
+        init = torch.amp.GradScaler.__init__  # so a resume that forgot the scale would skip steps again
+
+        def huge(self, *args, **kw):
+            init(self, *args, **{**kw, "init_scale": 2.0**40})
+
+        monkeypatch.setattr(torch.amp.GradScaler, "__init__", huge)
+    ref = Trainer(_config(tmp_path, "ref", precision), task=blob_task()).run()
+
+    def press_ctrl_c(fetches):  # while loading the 3rd batch of epoch 2 (the cache's check reads 2 x 4 samples)
+        if fetches == 16 * 8 + 3 + 2 * 4:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(_config(tmp_path, "cut", precision), task=blob_task(press_ctrl_c)).run()
+    resumed = _config(tmp_path, "cut", precision)
+    resumed.run.resume = str(tmp_path / "cut")
+    got = Trainer(resumed, task=blob_task()).run()
+    assert got["resumed_from_step"] == 9 and got["steps"] == ref["steps"] == 12
+    if precision == "16-mixed":
+        assert ref["loss_scale"] < 2.0**40 and got["loss_scale"] == ref["loss_scale"]
+    a = load_file(tmp_path / "ref" / "checkpoint" / "model.safetensors")
+    b = load_file(tmp_path / "cut" / "checkpoint" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert ref["test_accuracy"] == got["test_accuracy"]
+
+
+def test_an_unknown_precision_is_refused_with_the_names():
+    from layerfreeze.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train.precision"):
+        build_config({"train": {"precision": "fp8"}})
+
+
+def test_the_cli_takes_precision_on_train_plan_and_compare(tmp_path, capsys):
+    from layerfreeze.cli import main
+
+    for command in (["train"], ["plan", "--memory", "60%"], ["compare"]):
+        assert main([*command, "--precision", "fp8", "--run-dir", str(tmp_path / command[0])]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "train.precision: Input should be 'auto', '32-true', 'bf16-mixed'" in err
+        assert not (tmp_path / command[0]).exists()
+    assert main(["config", "--set", "train.precision=bf16-mixed"]) == 0
+    assert "precision: bf16-mixed" in capsys.readouterr().out

@@ -151,3 +151,19 @@ def test_the_cli_takes_precision_on_train_plan_and_compare(tmp_path, capsys):
         assert not (tmp_path / command[0]).exists()
     assert main(["config", "--set", "train.precision=bf16-mixed"]) == 0
     assert "precision: bf16-mixed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_the_activation_cache_under_a_precision_gives_the_same_run_as_without(tmp_path, precision):
+    from layerfreeze.runs.rundir import read_metrics
+
+    plain = _config(tmp_path, "plain", precision, epochs=3)
+    plain.freeze.cache = {"mode": "off"}
+    Trainer(plain, task=blob_task()).run()
+    cached = Trainer(_config(tmp_path, "cached", precision, epochs=3), task=blob_task()).run()
+    assert cached["cache"]["hits"] == 192  # the prefix's outputs served from the cache in epochs 2 and 3
+
+    def losses(name):
+        return [r["loss"] for r in read_metrics(tmp_path / name) if r["type"] == "step"]
+
+    assert losses("plain") == losses("cached")

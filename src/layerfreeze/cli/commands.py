@@ -130,6 +130,8 @@ def run_header(config: Any, world: int = 1) -> str:
         parts.append(f"memory budget {freeze.memory_budget}")
     if config.train.precision != "auto":
         parts.append(f"precision {config.train.precision}")
+    if config.train.compile:
+        parts.append(f"compile {config.train.compile} ({config.train.compile_backend})")
     if freeze.demote is not None:
         d = freeze.demote
         what = " + ".join(x for x in (d.dtype, f"offload {d.offload}" if d.offload else None) if x)

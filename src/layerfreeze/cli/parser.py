@@ -34,6 +34,7 @@ TRAIN_FLAGS = {
     "parallel": "run.parallel",
     "memory_budget": "freeze.memory_budget",
     "precision": "train.precision",
+    "compile": "train.compile",
 }
 
 
@@ -220,6 +221,7 @@ RUN_FLAG_HELP = {
     "device": "auto (default), cpu, cuda, cuda:N",
     "precision": "auto (default: bf16-mixed on a CUDA GPU with bfloat16, 32-true elsewhere), 32-true, bf16-mixed, "
                  "16-mixed or bf16-true (Lightning's names)",
+    "compile": "torch.compile: false (default), blocks (each block on its own) or true (the whole model)",
 }
 RUN_FLAG_TYPES: dict[str, Any] = {"epochs": int, "batch-size": int, "seed": int, "max-steps": int,
                                   "limit-train": int, "limit-test": int, "lr": float}

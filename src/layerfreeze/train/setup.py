@@ -47,6 +47,7 @@ from layerfreeze.runs.ledger import MemoryLedger
 from layerfreeze.runs.rundir import Event
 from layerfreeze.runs.summary import format_bytes
 from layerfreeze.strategies import Strategy, UnknownStrategyError, create_strategy
+from layerfreeze.train.compile import CompiledRegions
 from layerfreeze.train.config import Config
 from layerfreeze.train.loop import lr_lambda, warmup_steps
 from layerfreeze.train.precision import Precision
@@ -326,6 +327,9 @@ def setup_trainer(trainer: Trainer, plan_only: bool = False) -> None:
         device_ids = [trainer.device.index] if trainer.device.type == "cuda" else None
         trainer.ddp = dist_.FreezeDDP(model, trainer.freezer, forward, device_ids=device_ids,
                                       on_rebuild=functools.partial(on_rebuild, trainer))
+    # last: every hook the engine attaches is in place, and copies a strategy made are of the eager model
+    trainer.compiled = (CompiledRegions(model, [m for b in blocks for _, m in b.modules], cfg.train.compile,
+                                        cfg.train.compile_backend) if cfg.train.compile else None)
     if trainer.is_main:
         rundir.write_config(trainer.run_dir, cfg.model_dump(mode="json"))
 

@@ -145,6 +145,8 @@ def timed_step(trainer: Trainer, batch: dict[str, torch.Tensor], global_count: i
     # with the cache, whether the prefix runs depends on the epoch (cold, then warm): measure per epoch
     key = (tuple(trainer.freezer.frozen), epoch if trainer.runner is not None else None)
     remeasure = key != trainer._measured_for
+    if trainer.compiled is not None:  # a changed frozen set: each region's graph for its new trainable set
+        trainer.compiled.refresh(trainer.freezer.frozen)
     t0 = time.perf_counter()
     with ledger_step(trainer, trainer.progress["step"] + 1):
         if remeasure:
@@ -174,6 +176,10 @@ def record_step(trainer: Trainer, loss: float, count: int, step_time: float, dec
     trainer.progress["flops_total"] += trainer.progress["flops_per_step"]
     trainer.progress["train_time_s"] += step_time
     memory = memory_fields(trainer)  # this rank's ledger: rank 0's in metrics.jsonl, each rank's own
+    if trainer.compiled is not None:  # graphs compiled in this step (0 once every region has its graphs)
+        graphs = trainer.compiled.compiled_graphs()
+        memory = {**memory, "compiles": graphs - trainer._graphs_logged}
+        trainer._graphs_logged = graphs
     trainer.telemetry.log_step(
         trainer.progress["step"], loss=loss, lr=trainer.optimizer.param_groups[-1]["lr"],
         step_time_s=step_time, samples_per_s=count / step_time,

@@ -67,6 +67,7 @@ from layerfreeze.runs import measure, rundir
 from layerfreeze.runs import telemetry as tm
 from layerfreeze.runs.rundir import Event
 from layerfreeze.train.checkpointing import restore_totals, resume, write_checkpoint
+from layerfreeze.train.compile import CompiledRegions
 from layerfreeze.train.config import Config
 from layerfreeze.train.evaluation import evaluate_trainer
 from layerfreeze.train.ranks import local_batches, rank_record, stopped_together
@@ -120,6 +121,8 @@ class Trainer:
         self.rank_telemetry: tm.Telemetry | tm.NullTelemetry = tm.NullTelemetry()
         self._collective_bytes: dict[str, int] = {}  # FSDP2: bytes of the last step's all-gathers / reduce-scatters
         self.resumed_from_step: int | None = None  # set by a resume: the step the checkpoint held
+        self.compiled: CompiledRegions | None = None  # set by setup() under train.compile
+        self._graphs_logged = 0  # graphs compiled up to the last step record (its ``compiles``)
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -267,6 +270,8 @@ class Trainer:
             # what demotion held at the end, before close() gives the frozen blocks their float32 weights back
             demote_at_end = self.freezer.demoter.summary() if self.freezer.demoter is not None else None
             self.freezer.close()
+            if self.compiled is not None:
+                self.compiled.close()
             if self.watchdog is not None:
                 self.watchdog.close()
             cache_at_end = cache_summary(self)  # before close() empties the store

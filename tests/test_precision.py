@@ -167,3 +167,31 @@ def test_the_activation_cache_under_a_precision_gives_the_same_run_as_without(tm
         return [r["loss"] for r in read_metrics(tmp_path / name) if r["type"] == "step"]
 
     assert losses("plain") == losses("cached")
+
+
+def test_the_ledger_counts_autocasts_weight_casts_in_a_bucket_of_their_own():
+    from layerfreeze.runs.ledger import MemoryLedger
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(32, 64)
+    seen = {}
+    for name, precision in (("32-true", Precision("32-true", CPU)), ("bf16-mixed", Precision("bf16-mixed", CPU))):
+        ledger = MemoryLedger(model, optimizer, every=1)
+        with ledger.step(1):
+            with precision.autocast():
+                loss = model(x).float().square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        seen[name] = ledger.last.devices["cpu"]
+        ledger.close()
+    assert "autocast_casts" not in seen["32-true"]
+    # the backward holds the bfloat16 copy of the second Linear's weight (its input needs grad; the first one's does
+    # not, so its weight's copy is not saved): 256 x 10 x 2 bytes, no longer counted as an activation
+    assert seen["bf16-mixed"]["autocast_casts"] == 256 * 10 * 2
+    # activations: the first Linear's input (32 x 64) and the ReLU's output, which is the second Linear's input
+    # (32 x 256, one storage), in bfloat16 under autocast, and the float32 logits the loss squares (32 x 10)
+    assert seen["bf16-mixed"]["activations"] == 2 * (32 * 64 + 32 * 256) + 4 * 32 * 10
+    assert seen["32-true"]["activations"] == 4 * (32 * 64 + 32 * 256 + 32 * 10)

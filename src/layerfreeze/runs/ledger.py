@@ -72,6 +72,7 @@ from layerfreeze.runs.ledger_counting import (
     _held_storages,
     _inner_optimizers,
     _is_parameter,
+    _is_weight_cast,
     _Saved,
     _Segment,
     _source_tensors,
@@ -307,7 +308,7 @@ class MemoryLedger:
             info = _storage(t)
             if info is not None and info[0] not in self._held:
                 seg = self._segments[-1]
-                seg.hold(info[0], info[1], info[2], self._stack[-1] if self._stack else None)
+                seg.hold(info[0], info[1], info[2], self._stack[-1] if self._stack else None, _is_weight_cast(t))
                 return _Saved(t.detach(), seg, info[0])
         return _Saved(t.detach(), None, None)
 
@@ -348,10 +349,12 @@ class MemoryLedger:
         outside = 0
         if activations and self._segments:
             # a forward whose backward never ran (no backward in the step) counts what it holds now
-            per_device, per_block, outside = max((seg.close() for seg in self._segments),
-                                                 key=lambda r: sum(r[0].values()))
+            per_device, per_block, outside, casts = max((seg.close() for seg in self._segments),
+                                                        key=lambda r: sum(r[0].values()) + sum(r[3].values()))
             for device, n in per_device.items():
                 tally.add(Bucket.ACTIVATIONS, device, n)
+            for device, n in casts.items():  # autocast's copies of the weights (train.precision *-mixed)
+                tally.add(Bucket.AUTOCAST, device, n)
             tally.blocks["activations"] = list(per_block)
             self._segments = []
         self._after_opt = None

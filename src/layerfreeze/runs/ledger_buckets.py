@@ -20,6 +20,9 @@ bucket               what it counts (bytes of tensor storage, each storage once)
 ``params_offloaded`` frozen blocks' parameters moved off the training device (host memory; the same byte source)
 ``strategy``         what the freezing strategy itself holds (recorder buffers, copies, reference models; a byte
                      source: :meth:`~layerfreeze.strategies.base.Strategy.ledger_bytes`)
+``autocast_casts``   under autocast (``train.precision`` bf16-mixed / 16-mixed): the compute-dtype copies of trainable
+                     weights that autocast caches for the forward and the backward holds (saved tensors whose
+                     ``grad_fn`` casts a parameter), counted apart from ``activations``
 ==================== ===================================================================================================
 
 plus, beside them, the CUDA caching allocator's figures and the process's resident set size
@@ -69,6 +72,7 @@ class Bucket(enum.StrEnum):
     PARAMS_MASTER = "params_master"
     PARAMS_OFFLOADED = "params_offloaded"
     STRATEGY = "strategy"
+    AUTOCAST = "autocast_casts"
 
 
 #: What each bucket is called in tables and plots.
@@ -85,6 +89,7 @@ BUCKET_LABELS: dict[str, str] = {
     Bucket.PARAMS_MASTER: "master copies (demoted)",
     Bucket.PARAMS_OFFLOADED: "parameters, offloaded",
     Bucket.STRATEGY: "freezing strategy",
+    Bucket.AUTOCAST: "autocast weight casts",
 }
 
 

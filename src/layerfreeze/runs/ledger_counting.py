@@ -68,6 +68,19 @@ def _is_parameter(t: torch.Tensor | None) -> bool:
     return t is not None and type(t) is not torch.Tensor and isinstance(t, nn.Parameter)
 
 
+def _is_weight_cast(t: torch.Tensor) -> bool:
+    """``t`` (or the tensor it is a view of: a linear saves ``weight.t()``) is autocast's copy of a trainable
+    parameter in the compute dtype (``ToCopyBackward0`` straight onto the parameter's gradient accumulator): the
+    casts autocast caches for the whole forward and the backward holds."""
+    if t._base is not None:
+        t = t._base
+    fn = t.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    nxt = fn.next_functions[0][0] if fn.next_functions else None
+    return nxt is not None and _is_parameter(getattr(nxt, "variable", None))
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -246,10 +259,10 @@ def _allocator(devices: Iterable[str]) -> dict[str, dict[str, int]]:
 class _Live:
     """One storage autograd holds for backward: how many saved tensors hold it, its bytes, device and block."""
 
-    __slots__ = ("block", "count", "device", "nbytes")
+    __slots__ = ("block", "cast", "count", "device", "nbytes")
 
-    def __init__(self, nbytes: int, device: str, block: int | None) -> None:
-        self.count, self.nbytes, self.device, self.block = 0, nbytes, device, block
+    def __init__(self, nbytes: int, device: str, block: int | None, cast: bool = False) -> None:
+        self.count, self.nbytes, self.device, self.block, self.cast = 0, nbytes, device, block, cast
 
 
 class _Saved:
@@ -275,12 +288,13 @@ class _Segment:
         self.num_blocks = num_blocks
         self.live: dict[Any, _Live] = {}
         self.pending: list[_Live] = []  # saved between blocks: they count for the next block that runs
-        self.result: tuple[dict[str, int], list[int], int] | None = None  # (per device, per block, outside)
+        # (activations per device, per block, outside any block, autocast's weight casts per device)
+        self.result: tuple[dict[str, int], list[int], int, dict[str, int]] | None = None
 
-    def hold(self, key: Any, nbytes: int, device: str, block: int | None) -> None:
+    def hold(self, key: Any, nbytes: int, device: str, block: int | None, cast: bool = False) -> None:
         entry = self.live.get(key)
         if entry is None:
-            entry = self.live[key] = _Live(nbytes, device, block)
+            entry = self.live[key] = _Live(nbytes, device, block, cast)
             if block is None:
                 self.pending.append(entry)
         entry.count += 1
@@ -297,17 +311,20 @@ class _Segment:
             entry.block = index
         self.pending = []
 
-    def close(self) -> tuple[dict[str, int], list[int], int]:
-        """The bytes held now (once: later calls return the first result)."""
+    def close(self) -> tuple[dict[str, int], list[int], int, dict[str, int]]:
+        """The bytes held now (once: later calls return the first result): activations per device, per block and
+        outside every block, and autocast's weight casts per device (counted per block with the activations)."""
         if self.result is None:
             devices: dict[str, int] = {}
+            casts: dict[str, int] = {}
             blocks, outside = [0] * self.num_blocks, 0
             for entry in self.live.values():
-                devices[entry.device] = devices.get(entry.device, 0) + entry.nbytes
+                where = casts if entry.cast else devices
+                where[entry.device] = where.get(entry.device, 0) + entry.nbytes
                 if entry.block is None:
                     outside += entry.nbytes
                 else:
                     blocks[entry.block] += entry.nbytes
-            self.result = devices, blocks, outside
+            self.result = devices, blocks, outside, casts
             self.live, self.pending = {}, []
         return self.result

@@ -28,7 +28,9 @@ REFUSALS = [
 
 
 def _args(tmp_path, extra):
-    # a task whose model and data are not even read: the refusal comes first (a missing file would be another error)
+    # a task whose model and data are not even read: the refusal comes first (the data file exists, empty: a missing
+    # one is refused with the config, another error)
+    (tmp_path / "never-read.csv").touch()
     return ["train", "--task", "text-csv", "--data", str(tmp_path / "never-read.csv"), "--model",
             str(tmp_path / "never-loaded"), "--no-progress", "--run-dir", str(tmp_path / "run"), *extra]
 

@@ -100,8 +100,8 @@ class TrainConfig(_Section):
     compile: bool | Literal["blocks"] = Field(
         False, description="torch.compile: false (eager), blocks (each block compiled on its own; identical blocks "
         "share code) or true (the whole model); recompiles are bounded and counted (compiles in the step records)")
-    compile_backend: str = Field("inductor", description="torch.compile's backend (aot_eager: compiles fast, runs "
-                                 "eagerly; for checks)")
+    compile_backend: Literal["inductor", "aot_eager", "eager", "cudagraphs"] = Field(
+        "inductor", description="torch.compile's backend (aot_eager: compiles fast, runs eagerly; for checks)")
     precision: Literal["auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"] = Field(
         "auto", description="auto: bf16-mixed on a CUDA GPU with bfloat16, 32-true elsewhere; *-mixed: autocast, "
         "float32 weights (16-mixed with a GradScaler); bf16-true: bfloat16 weights")

@@ -12,10 +12,11 @@ optimizer, the blocks, the parameter -> param-group origin and the two dicts abo
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from layerfreeze.engine.optim import base_lr, block_groups, exclusive_groups, scale_group_lrs, set_group_lr
 from layerfreeze.models.blocks import Block
@@ -71,7 +72,10 @@ def set_block_lr(optimizer: torch.optim.Optimizer, origin: Mapping[int, int], bl
 
 
 def block_lrs(optimizer: torch.optim.Optimizer, origin: Mapping[int, int], blocks: Sequence[Block],
-              lr_written: Mapping[int, tuple[float, float]]) -> list[float | None]:
+              lr_written: Mapping[int, tuple[float, float]],
+              params_of: Callable[[int], Sequence[nn.Parameter]] | None = None) -> list[float | None]:
     """Each block's LR before any factor (:func:`~layerfreeze.engine.optim.base_lr`; None for a block with no
-    param group): what a strategy reads as :attr:`~layerfreeze.strategies.StageContext.block_lrs`."""
-    return [base_lr(optimizer, block_groups(origin, b), lr_written) for b in blocks]
+    param group): what a strategy reads as :attr:`~layerfreeze.strategies.StageContext.block_lrs`. ``params_of``:
+    block ``i``'s parameters, listed already (``BlockParams.of``: a stage need not walk the modules again)."""
+    return [base_lr(optimizer, block_groups(origin, b, None if params_of is None else params_of(b.index)), lr_written)
+            for b in blocks]

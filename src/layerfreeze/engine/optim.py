@@ -140,9 +140,10 @@ def load_param_groups(optimizer: torch.optim.Optimizer, saved: Sequence[Sequence
     optimizer.state.clear()
 
 
-def block_groups(origin: Mapping[int, int], block: Block) -> list[int]:
-    """The indices of the param groups ``block``'s parameters belong in (per ``origin``), ascending."""
-    return sorted({origin[id(p)] for p in block.parameters() if id(p) in origin})
+def block_groups(origin: Mapping[int, int], block: Block, params: Iterable[nn.Parameter] | None = None) -> list[int]:
+    """The indices of the param groups ``block``'s parameters (``params`` when given: a list of them already made,
+    e.g. :class:`~layerfreeze.engine.params.BlockParams`'s) belong in (per ``origin``), ascending."""
+    return sorted({origin[id(p)] for p in (block.parameters() if params is None else params) if id(p) in origin})
 
 
 def exclusive_groups(

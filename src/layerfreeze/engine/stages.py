@@ -101,9 +101,9 @@ def context(freezer: Freezer, event: str) -> StageContext:
     Raises:
         RuntimeError: the strategy needs ``grad_l1`` and ``after_backward`` was never called since the last stage.
     """
-    views = [
-        BlockView(b.name, b.index, freezer.frozen[b.index], b.is_head, b.num_parameters()) for b in freezer.blocks
-    ]
+    of = freezer._params.of  # each block's parameters, listed once per structure change (Block.num_parameters walks)
+    views = [BlockView(b.name, b.index, freezer.frozen[b.index], b.is_head, sum(p.numel() for p in of(b.index)))
+             for b in freezer.blocks]
     signals: dict[str, Any] = {}
     if "grad_l1" in freezer.strategy.signals and event != "start":
         if freezer._backward_calls == 0:
@@ -115,7 +115,7 @@ def context(freezer: Freezer, event: str) -> StageContext:
     step_seconds, stage_step_seconds = freezer._step_times.medians()
     lrs = optimizer_state = None
     if freezer.optimizer is not None:
-        lrs = block_lrs(freezer.optimizer, freezer._origin, freezer.blocks, freezer._lr_written)
+        lrs = block_lrs(freezer.optimizer, freezer._origin, freezer.blocks, freezer._lr_written, of)
         optimizer_state = (freezer._mirror.optimizer_view(freezer.optimizer) if freezer._mirror is not None
                            else _optimizer_state_view(freezer.optimizer))
     return StageContext(

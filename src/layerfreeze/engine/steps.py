@@ -57,10 +57,9 @@ def after_backward(freezer: Freezer) -> None:
     # Under FSDP2 each rank holds one shard of every gradient (a DTensor): reading a whole one's sum on rank 0
     # alone would be a collective the other ranks never join (a hang). Every rank sums its own shards, then one
     # all-reduce adds them up.
-    frozen, params = freezer.frozen, freezer._params
-    active = [(i, params.of(i)) for i in range(len(frozen)) if not frozen[i]]
-    with torch.no_grad():
-        freezer._grad_sums.add(active, reduce=comm.all_reduce_tensor if on_shards else None)
+    with torch.no_grad():  # the trainable parameters are listed once per frozen set (GradientSums.add_trainable)
+        freezer._grad_sums.add_trainable(freezer.frozen, freezer._params,
+                                         reduce=comm.all_reduce_tensor if on_shards else None)
 
 
 def step(freezer: Freezer) -> Decision | None:

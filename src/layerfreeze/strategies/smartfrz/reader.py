@@ -12,8 +12,9 @@ GPU: on an H200 the default job's median step went from 19 ms to 29 ms while Sma
 
 1. every pick ``(source tensor, positions, row, start)`` is gathered *on the source's device* into one preallocated
    ``(rows, width)`` float32 buffer (``index_select(..., out=)``: no temporaries; the positions are moved to the
-   device once and kept), scalars (Adam's ``step`` when it lives on the device, as with ``fused=True``) into its
-   last row;
+   device once and kept, and so are each pick's view of its source and slice of the buffer, while the source's
+   memory stays where it is: a stage then costs one ``index_select`` per pick), scalars (Adam's ``step`` when it
+   lives on the device, as with ``fused=True``) into its last row;
 2. the whole buffer goes to a pinned host buffer in **one** ``non_blocking`` copy, and a CUDA event is recorded
    behind it (:class:`Read`);
 3. the caller reads the values at the *next* stage (:meth:`Read.settle`): by then the copy finished long ago, so
@@ -100,6 +101,28 @@ class Read:
         return self
 
 
+class _Gather(NamedTuple):
+    """How a :class:`StageReader` reads one pick: ``source`` at ``positions`` (on its device) into ``dst``.
+
+    Attributes:
+        pick: The pick.
+        ptr: ``pick.source.data_ptr()`` when this was made (another value: its memory moved, made again).
+        device: The source's device.
+        flat: ``pick.source.view(-1)`` for a contiguous source, else None (reshaped, a copy, at each read).
+        positions: ``pick.positions`` on ``device``.
+        dst: The pick's slice of the device's buffer (``(n,)`` float32).
+        same_dtype: The source is float32 (``index_select`` writes into ``dst`` directly).
+    """
+
+    pick: Pick
+    ptr: int | None
+    device: torch.device
+    flat: torch.Tensor | None
+    positions: torch.Tensor
+    dst: torch.Tensor
+    same_dtype: bool
+
+
 class StageReader:
     """Gathers picks of tensors on their device into one buffer and brings it to the host in one copy.
 
@@ -132,6 +155,7 @@ class StageReader:
         self._pinned: dict[torch.device, torch.Tensor] = {}  # per CUDA device: its pinned host twin
         self._positions: dict[tuple[int, torch.device], torch.Tensor] = {}  # positions moved to a device, once
         self._views: dict[tuple[int, int, int, int], torch.Tensor] = {}  # (buffer, row, start, n) -> its slice
+        self._gathers: dict[int, _Gather] = {}  # id(pick) -> how it is read (_gather_of)
 
     def launch(self, picks: list[Pick], scalars: list[torch.Tensor | float] = ()) -> Read:
         """Gather ``picks`` and ``scalars`` and start bringing them to the host; never synchronises on a CUDA
@@ -145,9 +169,13 @@ class StageReader:
         """
         if len(scalars) > self.max_scalars:
             raise ValueError(f"StageReader: {len(scalars)} scalars, at most {self.max_scalars}")
-        by_device: dict[torch.device, list[Pick]] = {}
-        for pick in picks:
-            by_device.setdefault(pick.source.device, []).append(pick)
+        by_device: dict[torch.device, list[_Gather]] = {}
+        with torch.no_grad():
+            gathers = [self._gather_of(pick) for pick in picks]
+        if len(self._gathers) != len(gathers):  # drop what no pick of this read uses (it may hold a dropped tensor)
+            self._gathers = {id(e.pick): e for e in gathers}
+        for e in gathers:
+            by_device.setdefault(e.device, []).append(e)
         on_device: dict[torch.device, list[int]] = {}
         host_scalars = [0.0] * len(scalars)
         for j, value in enumerate(scalars):
@@ -184,36 +212,60 @@ class StageReader:
             view = self._views[key] = buf[pick.row, pick.start:pick.start + n]
         return view
 
-    def _gather_cpu(self, picks: list[Pick]) -> torch.Tensor:
+    def _gather_of(self, pick: Pick) -> _Gather:
+        """How ``pick`` is read, made once per pick and kept while its source's memory stays where it was (a read
+        of the same picks, stage after stage, then costs one ``index_select`` each)."""
+        source = pick.source
+        try:
+            ptr = source.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no plain storage (a tensor subclass): made at every read
+            ptr = None
+        found = self._gathers.get(id(pick))
+        if found is not None and found.pick is pick and ptr is not None and found.ptr == ptr:
+            return found
+        device = source.device
+        if device.type == "cpu":
+            buf, positions = self._host_cpu, pick.positions
+        else:
+            buf = self._device.get(device)
+            if buf is None:
+                buf = self._device[device] = torch.zeros(self.rows + 1, self.width, device=device)
+            key = (id(pick.positions), device)
+            positions = self._positions.get(key)
+            if positions is None:
+                # non_blocking: from pageable memory the copy is staged at once, with no wait on the device's queue
+                positions = self._positions[key] = pick.positions.to(device, non_blocking=True)
+        # a contiguous source is read through a view kept here (its memory is checked at each read: ptr); another
+        # one is reshaped (a copy) at each read
+        flat = source.view(-1) if ptr is not None and source.is_contiguous() else None
+        found = _Gather(pick, ptr, device, flat, positions, self._view(buf, pick, positions.numel()),
+                        source.dtype == buf.dtype)
+        if ptr is not None:
+            self._gathers[id(pick)] = found
+        return found
+
+    @staticmethod
+    def _gather(gathers: list[_Gather]) -> None:
+        for e in gathers:
+            flat = e.flat if e.flat is not None else e.pick.source.reshape(-1)
+            if e.same_dtype:
+                torch.index_select(flat, 0, e.positions, out=e.dst)  # the recorder's read before issue 40, bitwise
+            else:
+                e.dst.copy_(flat.index_select(0, e.positions))
+
+    def _gather_cpu(self, gathers: list[_Gather]) -> torch.Tensor:
         out = self._host_cpu
         out.zero_()
-        for pick in picks:
-            flat = pick.source.reshape(-1)
-            dst = self._view(out, pick, pick.positions.numel())
-            if flat.dtype == out.dtype:
-                torch.index_select(flat, 0, pick.positions, out=dst)  # the recorder's read before issue 40, bitwise
-            else:
-                dst.copy_(flat[pick.positions])
+        self._gather(gathers)
         return out
 
-    def _gather_device(self, device: torch.device, picks: list[Pick],
+    def _gather_device(self, device: torch.device, gathers: list[_Gather],
                        scalars: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         buf = self._device.get(device)
         if buf is None:
             buf = self._device[device] = torch.zeros(self.rows + 1, self.width, device=device)
         buf.zero_()
-        for pick in picks:
-            key = (id(pick.positions), device)
-            idx = self._positions.get(key)
-            if idx is None:
-                # non_blocking: from pageable memory the copy is staged at once, with no wait on the device's queue
-                idx = self._positions[key] = pick.positions.to(device, non_blocking=True)
-            flat = pick.source.reshape(-1)
-            dst = self._view(buf, pick, idx.numel())
-            if flat.dtype == buf.dtype:
-                torch.index_select(flat, 0, idx, out=dst)
-            else:
-                dst.copy_(flat.index_select(0, idx))
+        self._gather(gathers)
         for j, value in scalars:  # into the last row, at the scalar's own column
             buf[self.rows, j:j + 1].copy_(value.reshape(1))
         if device.type != "cuda":  # mps, xpu: no pinned memory / events here; a plain (synchronising) copy
@@ -230,6 +282,7 @@ class StageReader:
         """Drop the positions kept on devices (the picks' position tensors changed)."""
         self._positions.clear()
         self._views.clear()
+        self._gathers.clear()
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors this reader holds: the gather buffers and positions on the devices, the host buffers (for

@@ -105,9 +105,15 @@ class WeightRecorder:
         if not rows:
             return
         slots = [self.counts[i] % self.window for i in rows]
-        index = (torch.tensor(rows), torch.tensor(slots))
-        self.buffers.index_put_(index, values[index[0]])  # one copy for every active block
-        self.steps.index_put_(index, torch.tensor(step, dtype=self.steps.dtype))
+        first, last = rows[0], rows[-1] + 1
+        if last - first == len(rows) and slots.count(slots[0]) == len(slots):
+            # the common case (a frozen prefix, every active block recorded at the same stages): two slices
+            self.buffers[first:last, slots[0]] = values[first:last]
+            self.steps[first:last, slots[0]] = step
+        else:
+            index = (torch.tensor(rows), torch.tensor(slots))
+            self.buffers.index_put_(index, values[index[0]])  # one copy for every active block
+            self.steps.index_put_(index, torch.tensor(step, dtype=self.steps.dtype))
         for i in rows:
             self.counts[i] += 1
 

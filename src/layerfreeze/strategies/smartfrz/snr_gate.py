@@ -131,27 +131,43 @@ class AdamMoments:
             full[:start] = True
             self._full.append(full)
         self._reader: StageReader | None = None  # z()'s own reader
+        # plan()'s picks per (block, parameter): the (exp_avg, exp_avg_sq, (m row, v row)) they were made for
+        self._made: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, tuple[int, int], tuple[Pick, Pick]]] = {}
+        self._valid_cache: dict[tuple, tuple[torch.Tensor | None, torch.Tensor]] = {}  # _valid_rows'
 
     def plan(self, indices: list[int], optimizer_state: Callable[[Any], Any] | None, m_row: int = 0,
              v_row: int | None = None) -> MomentsRead:
         """The reads of the blocks ``indices`` whose Adam moments the optimizer holds (host work only: no device
         tensor is read). Block ``indices[k]`` goes to rows ``m_row + k`` and ``v_row + k`` (default: right after
-        the ``m`` rows)."""
+        the ``m`` rows). A parameter's two picks are made again only when its moments (the tensors) or rows change."""
         v_row = m_row + len(indices) if v_row is None else v_row
         read = MomentsRead([], [], [], m_row, v_row)
         if optimizer_state is None:
+            self._made = {}
             return read
+        made, used = self._made, []
         for k, i in enumerate(indices):
             found, flags, picks = None, [], []
-            for p, idx, start in self._offsets[i]:
+            for j, (p, idx, start) in enumerate(self._offsets[i]):
                 got = optimizer_state(p)
                 ok = False
                 if got is not None:
                     state, group = got
                     m, v = state.get("exp_avg"), state.get("exp_avg_sq")
-                    # a plain tensor of the parameter's shape (FSDP's sharded DTensors, a subclass, give no verdict)
-                    if type(m) is torch.Tensor and type(v) is torch.Tensor and m.shape == p.shape:
-                        picks += [Pick(m.detach(), idx, m_row + k, start), Pick(v.detach(), idx, v_row + k, start)]
+                    key, rows = (i, j), (m_row + k, v_row + k)
+                    last = made.get(key)
+                    if last is not None and last[0] is m and last[1] is v and last[2] == rows:
+                        pair = last[3]  # the same moments (Adam updates them in place) into the same rows
+                    elif type(m) is torch.Tensor and type(v) is torch.Tensor and m.shape == p.shape:
+                        # a plain tensor of the parameter's shape (FSDP's sharded DTensors, a subclass, give no
+                        # verdict)
+                        pair = (Pick(m.detach(), idx, m_row + k, start), Pick(v.detach(), idx, v_row + k, start))
+                        made[key] = (m, v, rows, pair)
+                    else:
+                        pair = None
+                    if pair is not None:
+                        picks += pair
+                        used.append(key)
                         ok = True
                         if found is None and state.get("step") is not None and group.get("betas") is not None:
                             betas = group["betas"]
@@ -162,12 +178,19 @@ class AdamMoments:
             read.picks += picks
             read.blocks.append((i, k, flags, found[1]))
             step = found[0]
-            read.steps.append(step.detach() if isinstance(step, torch.Tensor) else float(step))
+            if isinstance(step, torch.Tensor):  # a CPU tensor is read now (no sync), as StageReader.launch would
+                step = float(step) if step.device.type == "cpu" else step.detach()
+            read.steps.append(step if isinstance(step, torch.Tensor) else float(step))
+        if len(made) > len(used):  # moments the optimizer dropped (a frozen block's) must not be kept alive here
+            self._made = {key: made[key] for key in used}
         return read
 
     def z_from(self, read: MomentsRead, values: torch.Tensor, steps: list[float]) -> dict[int, tuple[float, float]]:
         """``{block: (z, adam_step)}`` from a settled read's ``values`` (host rows) and ``steps`` (its scalars, in
-        the order of ``read.steps``), for the blocks whose Adam step is >= 1."""
+        the order of ``read.steps``), for the blocks whose Adam step is >= 1.
+
+        Per block ``z = RMS_valid(m_hat / (sqrt(v_hat) + eps)) / adam_noise_floor(step, beta1)``, in float64, over
+        the positions whose pick had moments: ``(R, sample_size)`` for the ``R`` blocks read."""
         rows, hyper, keep = [], [], []
         for (i, k, flags, (b1, b2, eps)), step in zip(read.blocks, steps):
             if step < 1:
@@ -178,18 +201,30 @@ class AdamMoments:
         if not rows:
             return {}
         h = torch.tensor(hyper, dtype=torch.float64)                      # (R, 4): step, beta1, beta2, eps
-        step, b1, b2, eps = h.unbind(1)
-        valid = torch.stack([self._valid(i, flags) for i, flags in keep])
-        index = torch.tensor(rows)
-        m = values[read.m_row + index].double()
-        v = values[read.v_row + index].double()
+        step, b1, b2, eps = h.unbind(1)  # (strided views: the same elementwise kernels as ever, bit for bit)
+        valid, count = self._valid_rows(keep)
+        m = _rows(values, read.m_row, rows).double()
+        v = _rows(values, read.v_row, rows).double()
         u = (m / (1 - b1 ** step)[:, None]) / ((v / (1 - b2 ** step)[:, None]).sqrt() + eps[:, None])
-        count = valid.sum(1).clamp(min=1)
-        rms = ((u * u) * valid).sum(1).div(count).sqrt()
-        out = {}
-        for (i, _), r, t, b in zip(keep, rms.tolist(), step.tolist(), b1.tolist()):  # host tensors: no sync
-            out[i] = (r / adam_noise_floor(t, b), t)
-        return out
+        squares = u * u
+        if valid is not None:  # (all valid: a product by True, 1.0, would change no bit)
+            squares = squares * valid
+        rms = squares.sum(1).div(count).sqrt()
+        # the step and beta1 as given (h's float64 values are these floats)
+        return {i: (r / adam_noise_floor(t, b), t) for (i, _), r, (t, b, _, _) in zip(keep, rms.tolist(), hyper)}
+
+    def _valid_rows(self, keep: list[tuple[int, list[bool]]]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``(valid, count)`` for the blocks ``keep`` (``(index, flags)``): ``(R, sample_size)`` bool (None when
+        all True) and ``(R,)`` int64 positions counted (at least 1); made once per pattern of blocks and flags."""
+        key = tuple((i, tuple(flags)) for i, flags in keep)
+        found = self._valid_cache.get(key)
+        if found is None:
+            if len(self._valid_cache) > 64:  # patterns change as blocks freeze; keep a few
+                self._valid_cache.clear()
+            valid = torch.stack([self._valid(i, flags) for i, flags in keep])
+            count = valid.sum(1).clamp(min=1)
+            found = self._valid_cache[key] = (None if bool(valid.all()) else valid, count)
+        return found
 
     def _valid(self, index: int, flags: list[bool]) -> torch.Tensor:
         """``(sample_size,)`` bool: block ``index``'s positions whose pick had Adam moments."""
@@ -209,6 +244,13 @@ class AdamMoments:
             self._reader = StageReader(2 * len(self.picks), self.sample_size, max_scalars=len(self.picks))
         got = self._reader.launch(read.picks, read.steps).settle()
         return self.z_from(read, got.values, got.scalars)
+
+
+def _rows(values: torch.Tensor, first: int, rows: list[int]) -> torch.Tensor:
+    """``values[first + rows]``: a slice (a view) when ``rows`` are consecutive, else an indexed copy."""
+    if rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
+        return values[first + rows[0]:first + rows[-1] + 1]
+    return values[first + torch.tensor(rows)]
 
 
 def block_snr(picks: list[tuple[torch.nn.Parameter, torch.Tensor]],

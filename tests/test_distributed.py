@@ -256,12 +256,13 @@ def test_demoted_blocks_under_ddp_switch_on_every_rank_and_the_ranks_stay_identi
         torch.testing.assert_close(torch.tensor(a["weights"][key]), torch.tensor(value), rtol=1e-5, atol=1e-6)
 
 
-def test_bf16_mixed_and_compiled_blocks_under_ddp_keep_the_ranks_identical_through_freezes(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_and_compiled_blocks_under_ddp_keep_the_ranks_identical_through_freezes(tmp_path, precision):
     # issue 42: autocast and the compiled regions inside DDP's forward, a frozen set that changes mid-run (static
     # from the start, then FreezeOut's schedule), every rank's weights the same after every step
     s = spec(tmp_path, "ddp", "freezeout", epochs=3)
-    s["config"]["train"].update(precision="bf16-mixed", compile="blocks", compile_backend="aot_eager")
+    s["config"]["train"].update(precision=precision, compile="blocks", compile_backend="aot_eager")
     a = assert_ranks_agree(launch(s, tmp_path / "ranks"))
     assert any(a["steps"][-1]["frozen"])  # a freeze happened under compile, on both ranks at once
     summary = a["summary"]
-    assert summary["precision"] == "bf16-mixed" and summary["compile"]["graphs"] > 0
+    assert summary["precision"] == precision and summary["compile"]["graphs"] > 0

@@ -295,15 +295,16 @@ def test_parallel_fsdp_in_one_process_a_bad_value_and_an_unsharded_run_resumed_s
     assert build_config({}).run.parallel == "ddp"
 
 
-def test_fsdp_bf16_mixed_and_compiled_blocks_thaw_on_every_rank_at_once(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_fsdp_mixed_precision_and_compiled_blocks_thaw_on_every_rank_at_once(tmp_path, precision):
     # issue 42 under FSDP2: autocast around the sharded forward, each block's forward compiled inside FSDP2's own
     # (eager) pre-forward all-gather; gradual unfreezing thaws a block every 3 steps and it trains from its thaw
     s = fsdp(tmp_path, "fsdp", "gradual", {"every_steps": 3})
-    s["config"]["train"].update(precision="bf16-mixed", compile="blocks", compile_backend="aot_eager")
+    s["config"]["train"].update(precision=precision, compile="blocks", compile_backend="aot_eager")
     a = assert_ranks_agree(launch(s, tmp_path / "ranks"))
     assert [(h["block"], h["step"]) for h in a["history"] if h["kind"] == "thaw"] == [("3", 3), ("2", 6), ("1", 9),
                                                                                        ("0", 12)]
     by_step = {x["step"]: x["hashes"] for x in a["steps"]}
     keys = [k for k in by_step[0] if k.startswith("0.")]
     assert all(by_step[13][k] != by_step[12][k] for k in keys)  # the last thawed block trained at once
-    assert a["summary"]["precision"] == "bf16-mixed" and a["summary"]["compile"]["graphs"] > 0
+    assert a["summary"]["precision"] == precision and a["summary"]["compile"]["graphs"] > 0

@@ -94,8 +94,8 @@ def test_an_image_folder_without_images_names_data_path_in_one_line(tmp_path, ca
 
 def test_a_torchvision_name_on_a_text_task_gets_the_task_to_add(capsys):
     assert main(["blocks", "--model", "resnet18"]) == 2
-    assert _err(capsys).endswith("resnet18 is a torchvision model: add --task fashion-mnist (or image-folder with "
-                                 "--data)\n")
+    assert _err(capsys).endswith("resnet18 is a torchvision model and this task reads text: add --task "
+                                 "fashion-mnist (or image-folder with --data)\n")
 
 
 # ---- outputs that cannot be written: refused before anything is measured ------------------------------------------

@@ -273,9 +273,13 @@ def test_step_callbacks_run_before_the_first_step_and_after_every_step_without_c
 def test_a_run_folder_holding_a_run_is_refused_unless_resumed(tmp_path):
     Trainer(config(tmp_path, "r", max_steps=1), task=blob_task()).run()
     before = (tmp_path / "r" / "summary.json").read_bytes()
-    with pytest.raises(ConfigError, match="already holds a run; continue it with `layerfreeze train --resume"):
+    # a finished run: no --resume suggested (it would answer "nothing to resume")
+    with pytest.raises(ConfigError, match="already holds a finished run; pick another --run-dir"):
         Trainer(config(tmp_path, "r"), task=blob_task())
     assert (tmp_path / "r" / "summary.json").read_bytes() == before  # nothing overwritten
+    (tmp_path / "r" / "summary.json").unlink()  # an interrupted one: continue it
+    with pytest.raises(ConfigError, match="already holds a run; continue it with `layerfreeze train --resume"):
+        Trainer(config(tmp_path, "r"), task=blob_task())
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="is a file, not a folder"):
         Trainer(config(tmp_path, "file"), task=blob_task())

@@ -39,6 +39,39 @@ def _check_resume_parallel(run_dir: Path, saved: dict[str, Any], parallel: str) 
                           "run with --parallel fsdp")
 
 
+#: What a resumed run cannot change: what it trains, on what, in which order (its checkpoint and data position
+#: belong to them). ``freeze.strategy`` has its own message; ``run.parallel`` its own check.
+FIXED_ON_RESUME = ("task", "model.", "data.", "freeze.params.", "train.batch_size", "train.seed")
+
+
+def _leaves(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+    return out
+
+
+def resume_changes(run_dir: Path, saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """The settings the command line changes on a resumed run, one line each (``"train.lr 0.001 -> 0.5"``), so no
+    change goes unseen.
+
+    Raises:
+        ConfigError: a setting a resumed run cannot change (:data:`FIXED_ON_RESUME`), before anything is written.
+    """
+    before, after = _leaves(saved), _leaves(config)
+    changed = {k: (before.get(k), v) for k, v in after.items() if k in before and before[k] != v}
+    changed.update({k: (v, None) for k, v in before.items() if k not in after and v is not None})
+    fixed = sorted(k for k in changed if k.startswith(FIXED_ON_RESUME) or k == "task")
+    if fixed:
+        what = "; ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in fixed)
+        raise ConfigError(f"--resume {run_dir}: a resumed run keeps what it trains and on what ({what}); drop those "
+                          "flags, or start a new run (--config with the run's config.json takes its settings)")
+    return [f"{k} {old!r} -> {new!r} (from the command line)" for k, (old, new) in sorted(changed.items())
+            if not k.startswith("run.")]
+
+
 def cmd_train(args: argparse.Namespace, console: Console) -> int:
     from layerfreeze.engine.integrity import FrozenWeightsChangedError, UnfrozenParameterError
     from layerfreeze.runs.summary import print_summary
@@ -50,8 +83,9 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     if args.resume:
         run_dir = Path(args.resume)
         if not run_dir.is_dir():
-            raise ConfigError(f"--resume {run_dir}: no such folder (give the run folder `layerfreeze train` wrote, "
-                              "e.g. runs/bbc-news-smartfrz-<time>)")
+            what = "is a file" if run_dir.exists() else "no such folder"
+            raise ConfigError(f"--resume {run_dir}: {what} (give the run folder `layerfreeze train` wrote, e.g. "
+                              "runs/bbc-news-smartfrz-<time>)")
         if not (run_dir / rundir.CONFIG_FILE).is_file():
             raise ConfigError(f"--resume {run_dir}: not a layerfreeze run folder (no {rundir.CONFIG_FILE})")
         try:
@@ -70,6 +104,9 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     config = load_config(config_path, overrides)
     if args.resume:
         _check_resume_parallel(Path(args.resume), saved, config.run.parallel)
+        for line in resume_changes(Path(args.resume), saved, config.model_dump(mode="json")):
+            if main_rank():
+                console.print(f"resume: {line}", highlight=False)
     world = launched_world_size()
     speaks = main_rank()  # under torchrun rank 0 alone speaks
     shown: list[bool] = []
@@ -280,6 +317,9 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
                   highlight=False)
     try:
         summary = Trainer(checked).run()
+    except KeyboardInterrupt:  # the plan above stands; the check is a measurement, nothing to resume
+        console.print("check: interrupted; the plan above stands (no check figures)", highlight=False)
+        return 130
     finally:
         if scratch is not None:
             scratch.cleanup()

@@ -121,11 +121,13 @@ def build_parser() -> Parser:
         "-p static.k=3\n  layerfreeze compare --rows none,lisa,badam,lora --row-set lora.train.lr=1e-3",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     comp.add_argument("--rows", help=f"comma-separated strategies, each once, 'lora' for the LoRA row (rank 8), "
-                      f"'lora-r4' for LoRA of rank 4 (default: {','.join(DEFAULT_ROWS)}, those registered)")
+                      f"'lora-r4' for LoRA of rank 4 (default: {', '.join(DEFAULT_ROWS)}, those registered)")
     comp.add_argument("--config", "-c", help="YAML, TOML or JSON config file (its freeze.params apply to its "
                       "strategy's row; a run's config.json works too)")
     for flag, what in RUN_FLAG_HELP.items():
         if flag not in ("strategy",):
+            what = ("output folder (default runs/compare-<task>-<time>), one run folder per row in it"
+                    if flag == "run-dir" else what)
             comp.add_argument(f"--{flag}", type=RUN_FLAG_TYPES.get(flag), help=what)
     comp.add_argument("--memory-budget", metavar="BUDGET", help=MEMORY_BUDGET_HELP + " (every row)")
     comp.add_argument("--row-param", "-p", action="append", default=[], metavar="ROW.NAME=VALUE",
@@ -153,7 +155,8 @@ def build_parser() -> Parser:
     plan.add_argument("--check", type=int, metavar="N", help="then train N steps under the plan (at most the run's "
                       "length) and print the predicted against the measured tensor peak")
     plan.add_argument("--json", metavar="FILE", help="also write the plan (every prefix's cost) as JSON")
-    add_run_arguments(plan)
+    add_run_arguments(plan, run_dir_help="with --check: the folder the check's run is kept in (default: a "
+                      "temporary folder, removed after); without --check nothing is written")
     plan.add_argument("--no-progress", action="store_true", help="no progress bar (--check)")
 
     blocks = add("blocks", help="show the blocks of a task's model (what strategies freeze)",
@@ -230,11 +233,12 @@ MEMORY_BUDGET_HELP = ("tensor-peak budget (3GiB, 800MiB, 1000000B, or 0.6 / 60%%
                       "shows it)")
 
 
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+def add_run_arguments(parser: argparse.ArgumentParser, run_dir_help: str | None = None) -> None:
     """The flags that configure a run (``train`` and ``plan`` share them: :data:`TRAIN_FLAGS`, ``--param``,
-    ``--set``)."""
+    ``--set``); ``run_dir_help`` replaces ``--run-dir``'s help (what the folder is for in that subcommand)."""
     parser.add_argument("--config", "-c", help="YAML, TOML or JSON config file (a run's config.json works too)")
     for flag, what in RUN_FLAG_HELP.items():
+        what = run_dir_help if flag == "run-dir" and run_dir_help else what
         names = [f"--{flag}", "-s"] if flag == "strategy" else [f"--{flag}"]
         parser.add_argument(*names, type=RUN_FLAG_TYPES.get(flag), help=what)
         if flag == "strategy":

@@ -133,6 +133,9 @@ def check_run_dir(run_dir: Path, resuming: bool = False) -> None:
     if resuming and (run_dir / SUMMARY_FILE).is_file():
         raise ConfigError(f"run dir {run_dir}: this run already finished (it has a summary.json); nothing to resume. "
                           "Start a new run with another --run-dir")
+    if not resuming and (run_dir / SUMMARY_FILE).is_file():
+        raise ConfigError(f"run dir {run_dir} already holds a finished run; pick another --run-dir (or remove that "
+                          "folder)")
     if not resuming and (run_dir / CONFIG_FILE).is_file():
         raise ConfigError(f"run dir {run_dir} already holds a run; continue it with `layerfreeze train --resume "
                           f"{run_dir}` or pick another --run-dir")

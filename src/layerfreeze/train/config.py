@@ -108,6 +108,18 @@ class TrainConfig(_Section):
     seed: int = 0
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (quick runs)")
 
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _check_compile(cls, value: Any) -> Any:
+        """``false``, ``true`` or ``blocks`` (YAML's booleans, or the strings), with one message for anything else."""
+        words = {"false": False, "true": True, "blocks": "blocks"}
+        if isinstance(value, str) and value.strip().lower() in words:
+            return words[value.strip().lower()]
+        if value is True or value is False:
+            return value
+        raise ValueError(f"{value!r}: use false (eager), blocks (each block compiled on its own) or true "
+                         "(the whole model)")
+
 
 class GuardConfig(_Section):
     """Stability guard (:mod:`layerfreeze.engine.guard`): thaw the latest frozen block when validation loss worsens.
@@ -217,7 +229,13 @@ class FreezeConfig(_Section):
     @field_validator("memory_budget")
     @classmethod
     def _check_budget(cls, value: Any) -> Any:
-        """Read as :func:`~layerfreeze.budget.parse.parse_budget` reads it (bytes with a unit, or a fraction)."""
+        """Read as :func:`~layerfreeze.budget.parse.parse_budget` reads it (bytes with a unit, or a fraction). A bare
+        integer below 1 MiB in a config (YAML's ``100``, ``--set freeze.memory_budget=100``) is refused: it would be
+        bytes, which no model fits, and it is more likely a percent or a size without its unit."""
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**20:
+            raise ValueError(f"memory budget {value}: a bare number is read as bytes, and {value} B holds no model; "
+                             f"write {value}% for a share of the peak with nothing frozen, a size such as {value}MiB "
+                             f"or {value}GiB, or {value}B if you mean bytes")
         if value is not None:
             try:
                 parse_budget(value)
@@ -305,16 +323,16 @@ class Config(_Section):
     def _check_task(self, info: ValidationInfo) -> Config:
         """The inputs a task needs to train (unless validated with ``context={"inputs": False}``: ``layerfreeze
         config`` prints a config without data, ``layerfreeze blocks`` builds only the model)."""
+        what = {"text-csv": "a CSV file (--data)", "image-folder": "a folder of class sub-folders (--data)",
+                "text-lm": "a text or CSV file (--data)"}
+        if self.task not in what and (self.data.path or self.data.test_path):
+            key = "data.path" if self.data.path else "data.test_path"
+            raise ValueError(f"{key} is read by the text-csv, image-folder and text-lm tasks; task {self.task!r} "
+                             "trains on its installed dataset. Drop --data, or choose the task your data is for "
+                             "(--task text-csv for a CSV, image-folder for class sub-folders)")
         if (info.context or {}).get("inputs", True):
-            what = {"text-csv": "a CSV file (--data)", "image-folder": "a folder of class sub-folders (--data)",
-                    "text-lm": "a text or CSV file (--data)"}
             if self.task in what and not self.data.path:
                 raise ValueError(f"task {self.task!r} needs data.path: {what[self.task]}")
-            if self.task not in what and (self.data.path or self.data.test_path):
-                key = "data.path" if self.data.path else "data.test_path"
-                raise ValueError(f"{key} is read by the text-csv, image-folder and text-lm tasks; task {self.task!r} "
-                                 "trains on its installed dataset. Drop --data, or choose the task your data is for "
-                                 "(--task text-csv for a CSV, image-folder for class sub-folders)")
             for key, path in (("data.path", self.data.path), ("data.test_path", self.data.test_path)):
                 if path and not Path(path).exists():
                     raise ValueError(f"{key} {path} does not exist")
@@ -382,7 +400,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"Config file {path} does not exist")
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise ConfigError(f"--config {path} {what}: give a YAML, TOML or JSON config file (`layerfreeze config` "
+                          "prints one to start from)")
     text = path.read_text(encoding="utf-8")
     kind = {".yaml": "YAML", ".yml": "YAML", ".toml": "TOML", ".json": "JSON"}.get(path.suffix.lower())
     try:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from layerfreeze.errors import ConfigError
 from layerfreeze.train.assets import bbc_news_dir, fashion_mnist_dir
 
 __all__ = [
@@ -380,7 +381,18 @@ class ImageFolderDictDataset(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        image, label = self.dataset[i]
+        """Sample ``i``.
+
+        Raises:
+            ConfigError: its file is not a readable image (named, with what to do), instead of PIL's traceback.
+        """
+        try:
+            image, label = self.dataset[i]
+        except OSError as err:  # PIL.UnidentifiedImageError, a truncated file
+            samples = getattr(self.dataset, "samples", None)
+            path = samples[i][0] if samples else f"sample {i}"
+            raise ConfigError(f"data.path: {path} is not a readable image ({type(err).__name__}); remove or convert "
+                              "it, then resume the run") from None
         return {
             "pixel_values": image,
             "labels": torch.tensor(label, dtype=torch.int64),

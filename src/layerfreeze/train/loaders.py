@@ -31,6 +31,18 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _not_a_model_folder(path: Path) -> None:
+    """Refuse ``model.name_or_path`` that is not a local Hugging Face folder, saying what it is instead.
+
+    Raises:
+        ConfigError: always.
+    """
+    what = ("does not exist" if not path.exists() else "is a file" if not path.is_dir()
+            else "is a folder without config.json")
+    raise ConfigError(f"model.name_or_path {path} {what}: give a local Hugging Face model folder (what "
+                      "save_pretrained writes: config.json, weights, tokenizer); models are never downloaded")
+
+
 def load_text_model(path: str | Path, num_labels: int) -> tuple[nn.Module, Any]:
     """A sequence classifier and its tokenizer from a local Hugging Face folder (never a hub download).
 
@@ -42,10 +54,10 @@ def load_text_model(path: str | Path, num_labels: int) -> tuple[nn.Module, Any]:
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        vision = (f"; {path} is a torchvision model: add --task fashion-mnist (or image-folder with --data)"
-                  if str(path) in VISION_MODELS else "")
-        raise ConfigError(f"model.name_or_path {path} is not a local Hugging Face model folder (no config.json)"
-                          + vision)
+        if str(path) in VISION_MODELS:
+            raise ConfigError(f"model.name_or_path {path} is a torchvision model and this task reads text: add "
+                              "--task fashion-mnist (or image-folder with --data)")
+        _not_a_model_folder(path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, local_files_only=True)
     return model, tokenizer
@@ -95,7 +107,7 @@ def load_causal_lm(path: str | Path | None) -> tuple[nn.Module, Any]:
                           "No decoder LM weights install offline; save one with save_pretrained (model + tokenizer)")
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise ConfigError(f"model.name_or_path {path} is not a local Hugging Face model folder (no config.json)")
+        _not_a_model_folder(path)
     quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -330,7 +330,7 @@ def setup_trainer(trainer: Trainer, plan_only: bool = False) -> None:
     # last: every hook the engine attaches is in place, and copies a strategy made are of the eager model
     trainer.compiled = (CompiledRegions(model, [m for b in blocks for _, m in b.modules], cfg.train.compile,
                                         cfg.train.compile_backend) if cfg.train.compile else None)
-    if trainer.is_main:
+    if trainer.is_main and not cfg.run.resume:  # a resume rewrites it once its checkpoint has loaded (Trainer.run)
         rundir.write_config(trainer.run_dir, cfg.model_dump(mode="json"))
 
 

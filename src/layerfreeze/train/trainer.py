@@ -181,6 +181,8 @@ class Trainer:
         if cfg.run.resume:
             start_epoch, skip = resume(self, Path(cfg.run.resume))
             place(self)  # the resumed frozen set's prefix, offloaded as the interrupted run had it
+            if self.is_main:  # only now: a resume refused (a checkpoint that does not fit) leaves the run as it was
+                rundir.write_config(self.run_dir, cfg.model_dump(mode="json"))
         restore_totals(self)  # the cache's counters and the ledger's peaks a resumed run goes on from
         on_event = functools.partial(on_freeze_event, self)
         if not cfg.run.resume or self.progress["step"] == 0:

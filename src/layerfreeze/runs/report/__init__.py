@@ -56,7 +56,9 @@ def write_report(run_dir: str | Path) -> Path:
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise FileNotFoundError(f"layerfreeze report: no such folder: {run_dir}")
+        what = "is a file, not a run folder" if run_dir.exists() else "no such folder"
+        raise FileNotFoundError(f"layerfreeze report: {run_dir} {what}: give a folder `layerfreeze train` or "
+                                "`compare` wrote")
     _require_matplotlib()
     if rundir.is_compare_dir(run_dir):
         return write_compare_report(run_dir)

@@ -144,7 +144,7 @@ def test_text_lm_bad_input_is_exit_2(tmp_path, tiny_llama_dir, story, capsys):
     assert main(["train", "--task", "text-lm", "--data", str(story)]) == 2
     assert "needs model.name_or_path" in capsys.readouterr().err
     assert main(["train", "--task", "text-lm", "--model", str(tmp_path), "--data", str(story)]) == 2
-    assert "no config.json" in capsys.readouterr().err
+    assert "is a folder without config.json" in capsys.readouterr().err
     csv = tmp_path / "t.csv"
     csv.write_text("body\nthe cat sat\n", encoding="utf-8")
     assert main(["train", "--task", "text-lm", "--model", str(tiny_llama_dir), "--data", str(csv)]) == 2

@@ -39,7 +39,7 @@ from benchmarks.suite import SIZE_FIELDS, TASKS, base_config, dataset_sizes, row
 from layerfreeze.runs.rundir import finite
 from layerfreeze.runs.summary import format_bytes
 from layerfreeze.train.compare import compare
-from layerfreeze.train.config import deep_merge
+from layerfreeze.train.config_file import deep_merge
 
 ROWS = ("static", "smartfrz")
 #: ``--size tiny``: 3 steps on a few samples per task, to check the script runs (its test); not a measurement.

@@ -51,7 +51,7 @@ from layerfreeze.runs import rundir
 from layerfreeze.runs.rundir import Event, finite
 from layerfreeze.runs.summary import format_bytes
 from layerfreeze.train.compare import compare
-from layerfreeze.train.config import deep_merge, parse_override
+from layerfreeze.train.config_file import deep_merge, parse_override
 
 ROWS = ("none", "smartfrz", "static", "lisa", "badam")
 PHASES = ("before", "while", "after")

@@ -52,7 +52,7 @@ from layerfreeze.runs.ledger_buckets import bucket_label
 from layerfreeze.runs.rundir import Event, finite
 from layerfreeze.runs.summary import format_bytes
 from layerfreeze.train.compare import compare
-from layerfreeze.train.config import deep_merge, parse_override
+from layerfreeze.train.config_file import deep_merge, parse_override
 
 ROWS = ("none", "static", "smartfrz")
 #: ``--size small``: the suite's MobileNetV2 task on fewer images (64 steps), for a run of a few minutes on one core;

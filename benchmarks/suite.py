@@ -566,7 +566,8 @@ def warm_up(base: dict[str, Any], run_dir: Path) -> None:
     """A discarded 3-step ``none`` run: the first run in a process pays one-time costs (allocator, kernel setup)
     that would otherwise inflate the ``none`` row's time, the denominator of every time ratio."""
     from layerfreeze.train.compare import row_config
-    from layerfreeze.train.config import build_config, deep_merge
+    from layerfreeze.train.config import build_config
+    from layerfreeze.train.config_file import deep_merge
     from layerfreeze.train.trainer import Trainer
 
     cfg = deep_merge(row_config(base, "none", run_dir.parent), {"run": {"dir": str(run_dir)},

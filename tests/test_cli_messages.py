@@ -17,7 +17,8 @@ from layerfreeze.cli import main
 from layerfreeze.cli import parser as cli_parser
 from layerfreeze.errors import ConfigError
 from layerfreeze.runs.rundir import read_metrics
-from layerfreeze.train.config import build_config, load_config, parse_override
+from layerfreeze.train.config import build_config, load_config
+from layerfreeze.train.config_file import parse_override
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

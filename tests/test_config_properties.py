@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from layerfreeze.cli import main
-from layerfreeze.train.config import Config, build_config, deep_merge
+from layerfreeze.train.config import Config, build_config
+from layerfreeze.train.config_file import deep_merge
 
 #: Free-form text keys (paths, names) are checked where they are used (a missing file, an unknown strategy); a
 #: memory budget is a size or a fraction as text (tests/test_budget.py checks its forms).

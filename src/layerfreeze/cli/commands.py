@@ -21,7 +21,8 @@ from layerfreeze.strategies import DEFAULT_STRATEGY, STRATEGIES, strategy_parame
 from layerfreeze.strategies.registry import did_you_mean
 from layerfreeze.train.assets import check_assets
 from layerfreeze.train.compare import DEFAULT_ROWS, unknown_rows
-from layerfreeze.train.config import load_config, parse_override
+from layerfreeze.train.config import load_config
+from layerfreeze.train.config_file import parse_override
 
 
 def _check_resume_parallel(run_dir: Path, saved: dict[str, Any], parallel: str) -> None:
@@ -192,7 +193,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     import time
 
     from layerfreeze.train.compare import compare
-    from layerfreeze.train.config import deep_merge, read_config_file
+    from layerfreeze.train.config_file import deep_merge, read_config_file
 
     if args.rows is not None and not args.rows.strip(", "):
         raise ConfigError("--rows is empty; name the rows, e.g. --rows none,static,smartfrz (omit it for all)")

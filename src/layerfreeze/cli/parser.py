@@ -14,7 +14,7 @@ from layerfreeze._version import __version__
 from layerfreeze.errors import ConfigError
 from layerfreeze.strategies import DEFAULT_STRATEGY, STRATEGIES
 from layerfreeze.train.compare import DEFAULT_ROWS
-from layerfreeze.train.config import parse_override
+from layerfreeze.train.config_file import parse_override
 
 # flag -> config key (the flag's value is parsed as YAML, like --set)
 TRAIN_FLAGS = {

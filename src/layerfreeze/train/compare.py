@@ -18,7 +18,8 @@ from layerfreeze.errors import ConfigError
 from layerfreeze.runs import rundir
 from layerfreeze.runs.compare_table import add_ratios, frozen_lines, markdown_table, rich_table
 from layerfreeze.strategies import BUILTIN_STRATEGIES, DEFAULT_STRATEGY
-from layerfreeze.train.config import build_config, deep_merge
+from layerfreeze.train.config import build_config
+from layerfreeze.train.config_file import deep_merge
 
 #: Rows of a default comparison, in order: the built-in strategies in registration order (``none`` first), then
 #: ``lora``, not a freezing strategy but a row of its own. A registered strategy of your own can be named as a row.

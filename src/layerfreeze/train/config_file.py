@@ -1,0 +1,103 @@
+"""Config text into dicts: a YAML, TOML or JSON file, ``section.key=value`` overrides, and their merge.
+
+Validation is not done here: :mod:`layerfreeze.train.config` turns the merged dict into a checked ``Config``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from layerfreeze.errors import ConfigError
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``base`` updated recursively by ``override`` (new dict; neither input is changed)."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Parse a ``.yaml``/``.yml``, ``.toml`` or ``.json`` file into a dict.
+
+    A run folder's own ``config.json`` (the record of a run: its ``run.dir`` is the file's folder) is a config to
+    start a new run from: its ``run.dir`` and ``run.resume``, which name that run, are left out, so the new run gets
+    its own folder (``--run-dir``, or ``runs/<task>-<strategy>-<time>``); ``--resume RUN_DIR`` continues the run
+    itself.
+
+    Raises:
+        ConfigError: missing file, unknown extension, a syntax error, or a top level that is not a mapping.
+    """
+    path = Path(path)
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise ConfigError(f"--config {path} {what}: give a YAML, TOML or JSON config file (`layerfreeze config` "
+                          "prints one to start from)")
+    text = path.read_text(encoding="utf-8")
+    kind = {".yaml": "YAML", ".yml": "YAML", ".toml": "TOML", ".json": "JSON"}.get(path.suffix.lower())
+    try:
+        if kind == "YAML":
+            data = yaml.safe_load(text) or {}
+        elif kind == "TOML":
+            data = tomllib.loads(text)
+        elif kind == "JSON":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"Config file {path} must end in .yaml, .yml, .toml or .json")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"Config file {path} is not valid {kind}: {_syntax_error(exc)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"Config file {path} must hold a mapping at the top level, got {type(data).__name__}")
+    run = data.get("run")
+    if kind == "JSON" and isinstance(run, dict) and run.get("dir") and _same_folder(run["dir"], path.parent):
+        data = {**data, "run": {k: v for k, v in run.items() if k not in ("dir", "resume")}}
+    return data
+
+
+def _syntax_error(exc: Exception) -> str:
+    """A parser's syntax error as one line: what is wrong and where (PyYAML's own message spans several lines, with
+    the offending text drawn under a caret)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        return f"{exc.problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(exc).split())
+
+
+def _same_folder(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name the same folder (a missing one compares by its absolute path)."""
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
+
+
+def parse_override(item: str) -> dict[str, Any]:
+    """``"train.lr=1e-4"`` -> ``{"train": {"lr": 1e-4}}`` (the value is parsed as YAML: numbers, lists, bools).
+
+    Raises:
+        ConfigError: no ``=`` or an empty key.
+    """
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"Override {item!r} must look like section.key=value, e.g. train.lr=1e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    out: dict[str, Any] = {}
+    node = out
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out

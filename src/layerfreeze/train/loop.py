@@ -13,6 +13,8 @@ freezing, cache or checkpoints, that the collector records its runs with (the CL
 from __future__ import annotations
 
 import math
+import re
+import warnings
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -72,20 +74,43 @@ def lr_lambda(total_steps: int, warmup_steps: int, schedule: str) -> Callable[[i
 
 
 def apply_step(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-               grad_clip: float | None = None, params: Iterable[nn.Parameter] = ()) -> None:
+               grad_clip: float | None = None, params: Iterable[nn.Parameter] = (),
+               scaler: torch.amp.GradScaler | None = None) -> None:
     """The step after a backward: ``clip_grad_norm_(params, grad_clip)`` when ``grad_clip`` is set (a max global
     norm; parameters without a gradient are skipped), ``optimizer.step()``, ``scheduler.step()``, then
     ``optimizer.zero_grad(set_to_none=True)``.
 
     ``params`` is the caller's: the norm is summed in its order, so a run keeps its own (the trainer clips the
     optimizer's parameters, group by group; the collector the model's, in ``model.parameters()`` order).
+
+    With a ``scaler`` (loss scaling, Micikevicius et al. 2018, sec. 3.2) the gradients are unscaled before the clip,
+    ``scaler.step`` steps the optimizer (skipping it on an inf or NaN gradient) and ``scaler.update`` moves the
+    scale; the scheduler steps either way, as Lightning's does.
     """
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     if grad_clip:
         torch.nn.utils.clip_grad_norm_(list(params), grad_clip)
-    optimizer.step()
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+        scaler.update()
     if scheduler is not None:
-        scheduler.step()
+        step_scheduler(scheduler, quiet=scaler is not None)
     optimizer.zero_grad(set_to_none=True)
+
+
+def step_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, quiet: bool = False) -> None:
+    """``scheduler.step()``; ``quiet``: without PyTorch's "lr_scheduler.step() before optimizer.step()" warning, for
+    a step whose optimizer step was skipped on purpose (a loss scaler's inf skip, or nothing trainable had a
+    gradient): the schedule follows the run's steps, not the optimizer's."""
+    if not quiet:
+        scheduler.step()
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before"), UserWarning)
+        scheduler.step()
 
 
 def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable[T],

@@ -24,7 +24,6 @@ autocast.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,7 +31,7 @@ import torch
 from torch import nn
 
 from layerfreeze.errors import ConfigError
-from layerfreeze.train.loop import apply_step
+from layerfreeze.train.loop import apply_step, step_scheduler
 
 #: The precisions ``train.precision`` takes (``auto`` picks one of them per device: :func:`resolve_precision`).
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
@@ -105,28 +104,13 @@ class Precision:
 
         ``params`` are the parameters whose gradients are clipped, in the caller's order.
         """
-        if self.scaler is None:
-            apply_step(optimizer, scheduler, grad_clip, params)
-            return
-        params = list(params)
-        if not params:  # nothing trainable has a gradient: GradScaler.step would find no inf check to read
+        if self.scaler is not None and not (params := list(params)):  # GradScaler.step: no inf check to read
             self.empty_steps += 1
             if scheduler is not None:
-                with warnings.catch_warnings():  # no optimizer step: the schedule still follows the run's steps
-                    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before", UserWarning)
-                    scheduler.step()
+                step_scheduler(scheduler, quiet=True)
             optimizer.zero_grad(set_to_none=True)
             return
-        self.scaler.unscale_(optimizer)
-        if grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        self.scaler.step(optimizer)
-        self.scaler.update()
-        if scheduler is not None:
-            with warnings.catch_warnings():  # the schedule advances on a step the scaler skipped, as Lightning's does
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before", UserWarning)
-                scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        apply_step(optimizer, scheduler, grad_clip, params, self.scaler)
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the name and, under ``16-mixed``, the scaler's state (its scale and growth

@@ -176,19 +176,19 @@ def record_step(trainer: Trainer, loss: float, count: int, step_time: float, dec
     trainer.progress["flops_total"] += trainer.progress["flops_per_step"]
     trainer.progress["train_time_s"] += step_time
     memory = memory_fields(trainer)  # this rank's ledger: rank 0's in metrics.jsonl, each rank's own
+    rank_fields = {**comm, **memory}  # what both records carry
     if trainer.compiled is not None:  # graphs compiled in this step (0 once every region has its graphs)
         graphs = trainer.compiled.compiled_graphs()
-        memory = {**memory, "compiles": graphs - trainer._graphs_logged}
+        rank_fields["compiles"] = graphs - trainer._graphs_logged
         trainer._graphs_logged = graphs
     trainer.telemetry.log_step(
         trainer.progress["step"], loss=loss, lr=trainer.optimizer.param_groups[-1]["lr"],
         step_time_s=step_time, samples_per_s=count / step_time,
         flops_per_step=trainer.progress["flops_per_step"], flops_total=trainer.progress["flops_total"],
         frozen_count=sum(trainer.freezer.frozen), frozen_prefix=trainer.freezer.frozen_prefix,
-        peak_memory_bytes=measure.peak_memory_bytes(trainer.device), **tm.signals_of(decision), **comm,
-        **memory,
+        peak_memory_bytes=measure.peak_memory_bytes(trainer.device), **tm.signals_of(decision), **rank_fields,
     )
-    trainer.rank_telemetry.log_step(trainer.progress["step"], **trainer.rank_record(), **comm, **memory)
+    trainer.rank_telemetry.log_step(trainer.progress["step"], **trainer.rank_record(), **rank_fields)
     if comm:
         track_comm(trainer, comm.get("grad_bytes_allreduced", comm.get("reduce_scatter_bytes")))
 

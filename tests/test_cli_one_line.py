@@ -78,7 +78,7 @@ def test_data_the_task_does_not_read_is_refused_and_missing_inputs_are_named(tmp
     assert main(["train", "--task", "text-csv", "--data", str(tmp_path), *run]) == 2  # a folder, not a CSV
     assert f"data.path {tmp_path} is a folder; text-csv reads a CSV file (columns 'text' and 'label')" in _err(capsys)
     assert main(["train", "--resume", str(tmp_path / "gone")]) == 2
-    _one_line(_err(capsys), f"layerfreeze: error: --resume {tmp_path / 'gone'}: no such folder")
+    _one_line(_err(capsys), f"layerfreeze: error: --resume {tmp_path / 'gone'}: does not exist")
     assert not (tmp_path / "r").exists()
 
 

@@ -164,7 +164,7 @@ def test_compare_report_links_every_row_report_and_plots_accuracy_vs_time(compar
 
 
 def test_missing_or_unrecognised_folder_raises_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no such folder"):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         write_report(tmp_path / "nope")
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -84,7 +84,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     if args.resume:
         run_dir = Path(args.resume)
         if not run_dir.is_dir():
-            what = "is a file" if run_dir.exists() else "no such folder"
+            what = "is a file" if run_dir.exists() else "does not exist"
             raise ConfigError(f"--resume {run_dir}: {what} (give the run folder `layerfreeze train` wrote, e.g. "
                               "runs/bbc-news-smartfrz-<time>)")
         if not (run_dir / rundir.CONFIG_FILE).is_file():

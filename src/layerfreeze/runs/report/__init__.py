@@ -56,8 +56,8 @@ def write_report(run_dir: str | Path) -> Path:
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        what = "is a file, not a run folder" if run_dir.exists() else "no such folder"
-        raise FileNotFoundError(f"layerfreeze report: {run_dir} {what}: give a folder `layerfreeze train` or "
+        what = "is a file, not a run folder" if run_dir.exists() else "does not exist"
+        raise FileNotFoundError(f"report: {run_dir} {what}: give a folder `layerfreeze train` or "
                                 "`compare` wrote")
     _require_matplotlib()
     if rundir.is_compare_dir(run_dir):
@@ -70,7 +70,7 @@ def write_report(run_dir: str | Path) -> Path:
         hint = (f" It contains run folders ({', '.join(subruns)}): pass one of them, or wait until "
                 f"`layerfreeze compare` has written {rundir.COMPARE_JSON}.")
     raise FileNotFoundError(
-        f"layerfreeze report: {run_dir} is neither a training run (no {rundir.METRICS_FILE}) nor a comparison "
+        f"report: {run_dir} is neither a training run (no {rundir.METRICS_FILE}) nor a comparison "
         f"(no {rundir.COMPARE_JSON}).{hint}"
     )
 

@@ -1,0 +1,144 @@
+"""Issue 43, the fourth newcomer run: a resume says what the command line changes and refuses what a run keeps
+(before anything is written), paths say what they are, a corrupt image is named in one line, Ctrl-C in
+``plan --check`` is exit 130 without a traceback, and ``train.compile`` / bare-integer budgets get one clear line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from torchvision.datasets import ImageFolder
+from torchvision.transforms import ToTensor
+
+from layerfreeze.cli import main
+from layerfreeze.cli.commands import resume_changes
+from layerfreeze.errors import ConfigError
+from layerfreeze.train.config import load_config
+from layerfreeze.train.data import ImageFolderDictDataset
+
+
+def _one_line(capsys, start: str) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(start), err
+    return err
+
+
+def _text_csv(tiny_bert_dir: Path, tiny_csv: Path, run_dir: Path, **train) -> dict:
+    return load_config(None, [{"task": "text-csv", "model": {"name_or_path": str(tiny_bert_dir), "max_length": 16},
+                               "data": {"path": str(tiny_csv)}, "freeze": {"strategy": "none"},
+                               "train": {"batch_size": 8, "max_steps": 2, "lr": 1e-3, **train},
+                               "run": {"dir": str(run_dir), "progress": False, "tensorboard": False}}]
+                       ).model_dump(mode="json")
+
+
+# ---- resume: what changes, what a run keeps -----------------------------------------------------------------------
+
+
+def test_resume_changes_lists_each_change_and_refuses_what_the_run_trains_on(tmp_path, tiny_bert_dir, tiny_csv):
+    saved = _text_csv(tiny_bert_dir, tiny_csv, tmp_path / "r")
+    changed = json.loads(json.dumps(saved))
+    changed["train"].update(lr=0.5, max_steps=4)
+    changed["run"]["ledger"] = True  # run.* is where the run is written, not what it trains: not listed
+    assert resume_changes(tmp_path / "r", saved, changed) == [
+        "train.lr 0.001 -> 0.5 (from the command line)", "train.max_steps 2 -> 4 (from the command line)"]
+    assert resume_changes(tmp_path / "r", saved, saved) == []
+    for key, value, shown in (("batch_size", 4, "train.batch_size 8 -> 4"), ("seed", 1, "train.seed 0 -> 1")):
+        other = json.loads(json.dumps(saved))
+        other["train"][key] = value
+        with pytest.raises(ConfigError, match=f"a resumed run keeps what it trains and on what \\({shown}\\)"):
+            resume_changes(tmp_path / "r", saved, other)
+    other = json.loads(json.dumps(saved))
+    other["data"]["path"] = str(tmp_path / "other.csv")
+    with pytest.raises(ConfigError, match="data.path"):
+        resume_changes(tmp_path / "r", saved, other)
+
+
+@pytest.mark.assets("minilm")
+def test_a_refused_resume_writes_nothing_and_an_allowed_change_is_printed_and_kept(tmp_path, tiny_bert_dir, tiny_csv,
+                                                                                    capsys):
+    run = tmp_path / "r"
+    run.mkdir()  # a run stopped before its first checkpoint: its config.json alone
+    (run / "config.json").write_text(json.dumps(_text_csv(tiny_bert_dir, tiny_csv, run)))
+    before = (run / "config.json").read_bytes()
+    assert main(["train", "--resume", str(run), "--batch-size", "4"]) == 2
+    _one_line(capsys, f"layerfreeze: error: --resume {run}: a resumed run keeps what it trains and on what "
+                      "(train.batch_size 8 -> 4); drop those flags, or start a new run")
+    assert (run / "config.json").read_bytes() == before and [p.name for p in run.iterdir()] == ["config.json"]
+
+    assert main(["train", "--resume", str(run), "--lr", "0.002"]) == 0
+    out = capsys.readouterr().out
+    assert "resume: train.lr 0.001 -> 0.002 (from the command line)" in out
+    assert "has no checkpoint yet (the run stopped before its first one): starting it again" in out
+    assert json.loads((run / "config.json").read_text())["train"]["lr"] == 0.002
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+
+
+# ---- paths say what they are ----------------------------------------------------------------------------------------
+
+
+def test_config_resume_report_and_model_paths_say_what_they_are(tmp_path, tiny_csv, capsys):
+    folder, file = tmp_path / "folder", tmp_path / "file.txt"
+    folder.mkdir()
+    file.write_text("x")
+    assert main(["train", "--config", str(folder)]) == 2
+    _one_line(capsys, f"layerfreeze: error: --config {folder} is a folder: give a YAML, TOML or JSON config file")
+    assert main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
+    _one_line(capsys, f"layerfreeze: error: --config {tmp_path / 'nope.yaml'} does not exist")
+    assert main(["train", "--resume", str(file)]) == 2
+    _one_line(capsys, f"layerfreeze: error: --resume {file}: is a file (give the run folder `layerfreeze train` wrote")
+    assert main(["train", "--resume", str(folder)]) == 2
+    _one_line(capsys, f"layerfreeze: error: --resume {folder}: not a layerfreeze run folder (no config.json)")
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    _one_line(capsys, f"layerfreeze: error: report: {tmp_path / 'nope'} does not exist: give a folder `layerfreeze train`")
+    assert main(["train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tmp_path / "nope")]) == 2
+    _one_line(capsys, f"layerfreeze: error: model.name_or_path {tmp_path / 'nope'} does not exist: give a local "
+                      "Hugging Face model folder")
+    assert main(["train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(file)]) == 2
+    _one_line(capsys, f"layerfreeze: error: model.name_or_path {file} is a file")
+
+
+def test_a_corrupt_image_is_named_in_one_config_error(tmp_path):
+    for name in ("cats", "dogs"):
+        (tmp_path / name).mkdir()
+        Image.new("RGB", (8, 8), (10, 20, 30)).save(tmp_path / name / "ok.png")
+    (tmp_path / "dogs" / "broken.png").write_bytes(b"not a png at all")
+    data = ImageFolderDictDataset(ImageFolder(str(tmp_path), transform=ToTensor()))
+    assert data[0]["pixel_values"].shape == (3, 8, 8) and int(data[0]["labels"]) == 0
+    broken = next(i for i, (path, _) in enumerate(data.dataset.samples) if path.endswith("broken.png"))
+    with pytest.raises(ConfigError, match=r"data.path: .*broken\.png is not a readable image "
+                                          r"\(UnidentifiedImageError\); remove or convert it, then resume the run"):
+        data[broken]
+
+
+# ---- plan --check interrupted, one-line config values ---------------------------------------------------------------
+
+
+@pytest.mark.assets("minilm")
+def test_ctrl_c_in_plan_check_is_exit_130_and_one_line(tmp_path, tiny_bert_dir, tiny_csv, capsys, monkeypatch):
+    from layerfreeze.train.trainer import Trainer
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "run", interrupted)
+    flags = ["--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir), "--set",
+             "model.max_length=16", "--batch-size", "8", "--max-steps", "2", "--no-progress"]
+    assert main(["plan", "--memory", "60%", *flags, "--check", "2"]) == 130
+    captured = capsys.readouterr()
+    assert "check: interrupted; the plan above stands (no check figures)" in captured.out
+    assert captured.err == "" and "Traceback" not in captured.out
+
+
+def test_compile_and_bare_integer_budgets_get_one_clear_line(capsys):
+    assert main(["config", "--set", "train.compile=maybe"]) == 2
+    _one_line(capsys, "layerfreeze: error: Invalid configuration: train.compile: 'maybe': use false (eager), blocks "
+                      "(each block compiled on its own) or true (the whole model)")
+    assert main(["config", "--set", "freeze.memory_budget=60"]) == 2
+    err = _one_line(capsys, "layerfreeze: error: Invalid configuration: freeze.memory_budget: memory budget 60: a "
+                            "bare number is read as bytes")
+    assert "write 60% for a share of the peak with nothing frozen, a size such as 60MiB or 60GiB" in err
+    assert main(["config", "--set", "train.compile=blocks", "--set", "freeze.memory_budget=60%"]) == 0
+    out = capsys.readouterr().out  # the accepted values load and are printed as given
+    assert "compile: blocks" in out and "memory_budget: 60%" in out

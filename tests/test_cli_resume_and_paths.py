@@ -91,7 +91,8 @@ def test_config_resume_report_and_model_paths_say_what_they_are(tmp_path, tiny_c
     assert main(["train", "--resume", str(folder)]) == 2
     _one_line(capsys, f"layerfreeze: error: --resume {folder}: not a layerfreeze run folder (no config.json)")
     assert main(["report", str(tmp_path / "nope")]) == 2
-    _one_line(capsys, f"layerfreeze: error: report: {tmp_path / 'nope'} does not exist: give a folder `layerfreeze train`")
+    _one_line(capsys, f"layerfreeze: error: report: {tmp_path / 'nope'} does not exist: give a folder "
+                      "`layerfreeze train`")
     assert main(["train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tmp_path / "nope")]) == 2
     _one_line(capsys, f"layerfreeze: error: model.name_or_path {tmp_path / 'nope'} does not exist: give a local "
                       "Hugging Face model folder")

@@ -143,3 +143,43 @@ def test_compile_and_bare_integer_budgets_get_one_clear_line(capsys):
     assert main(["config", "--set", "train.compile=blocks", "--set", "freeze.memory_budget=60%"]) == 0
     out = capsys.readouterr().out  # the accepted values load and are printed as given
     assert "compile: blocks" in out and "memory_budget: 60%" in out
+
+
+# ---- strategy parameters: checked by `config` as by `train`, listed readably; the Freezer's run length ------------
+
+
+def test_config_checks_strategy_values_and_strategies_lists_short_floats(capsys):
+    assert main(["config", "-s", "static", "-p", "k=abc"]) == 2
+    _one_line(capsys, "layerfreeze: error: freeze.params: static: k must be an integer >= 0 (number of leading "
+                      "blocks to freeze), got 'abc'")
+    assert main(["config", "-s", "smartfrz", "-p", "threshold=2"]) == 2
+    _one_line(capsys, "layerfreeze: error: freeze.params: smartfrz: threshold must be in (0, 1)")
+    assert main(["config", "-s", "static", "-p", "k=3"]) == 0
+    assert "k: 3" in capsys.readouterr().out
+    assert main(["strategies"]) == 0
+    out = capsys.readouterr().out
+    assert "geometric  params: alpha=0.333333\n" in out and "0.3333333333" not in out
+
+
+@pytest.mark.parametrize("value", ["100", 0, -5, True, 1.5])
+def test_the_freezer_refuses_a_run_length_that_is_not_a_whole_number_of_steps(value):
+    import torch
+
+    from layerfreeze import Freezer
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    for name in ("total_steps", "steps_per_epoch"):
+        with pytest.raises(ValueError, match=rf"Freezer\({name}={value!r}\): give a whole number of optimizer "
+                                             r"steps >= 1 \(e.g. epochs \* len\(train_loader\)\), or leave it out"):
+            Freezer(model, strategy="linear", **{name: value})
+
+
+def test_the_freezer_takes_a_numpy_integer_run_length_as_an_int():
+    import numpy as np
+    import torch
+
+    from layerfreeze import Freezer
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    freezer = Freezer(model, strategy="linear", total_steps=np.int64(40), steps_per_epoch=np.int32(10))
+    assert type(freezer.total_steps) is int and freezer.total_steps == 40 and freezer.steps_per_epoch == 10

@@ -357,15 +357,19 @@ def cmd_blocks(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     from layerfreeze.train.config_yaml import config_yaml
+    from layerfreeze.train.setup import build_strategy
 
     flags = {k: TRAIN_FLAGS[k] for k in ("task", "model", "data", "strategy")}
-    sys.stdout.write(config_yaml(load_config(args.config, overrides_of(args, flags), inputs=False)))
+    config = load_config(args.config, overrides_of(args, flags), inputs=False)
+    build_strategy(config)  # its parameter values checked as `train` checks them (the model's block count aside)
+    sys.stdout.write(config_yaml(config))
     return 0
 
 
 def cmd_strategies(console: Console) -> int:
     for name, cls in sorted(STRATEGIES.items()):
-        params = ", ".join(f"{k}={v!r}" for k, v in strategy_parameters(name).items()) or "-"
+        params = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v!r}"
+                           for k, v in strategy_parameters(name).items()) or "-"
         doc = (inspect.getdoc(cls) or "").splitlines()[0].replace("``", "`")  # reST literals, as people read them
         default = "  (default)" if name == DEFAULT_STRATEGY else ""
         console.print(f"[bold]{name}[/]{default}  params: {params}\n    {doc}", highlight=False)

@@ -66,7 +66,7 @@ from layerfreeze.engine.mechanics import frozen_blocks_to_eval, frozen_parameter
 from layerfreeze.engine.optim import add_to_optimizer, group_origin, remove_from_optimizer
 from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
-from layerfreeze.engine.stages import FLOOR_REASON, report_metric, start
+from layerfreeze.engine.stages import FLOOR_REASON, report_metric, run_length, start
 from layerfreeze.engine.timing import StepTimes
 from layerfreeze.models.blocks import Block
 from layerfreeze.models.discovery import discover_blocks, refuse_empty_parameters
@@ -144,7 +144,7 @@ class Freezer:
             observes the model and no ``mirror`` on rank 0 (raised on every rank); ``demote`` with ``train_bn=True``
             (the BatchNorm layers of frozen blocks keep training in float32) or with an FSDP2-sharded model.
         RuntimeError: the strategy needs ``total_steps`` and none was given (the message says to pass it).
-        ValueError: a ``floor`` block that is the head.
+        ValueError: a ``floor`` block that is the head; ``total_steps``/``steps_per_epoch`` not an int >= 1.
 
     Use it as a context manager (``with Freezer(...) as freezer:``) or call :meth:`close` when training ends:
     some strategies hold hooks and a background thread (Egeria's reference model).
@@ -174,8 +174,8 @@ class Freezer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.train_bn = train_bn
-        self.total_steps = total_steps
-        self.steps_per_epoch = steps_per_epoch
+        self.total_steps = run_length("total_steps", total_steps)
+        self.steps_per_epoch = run_length("steps_per_epoch", steps_per_epoch)
         self.on_event = on_event
         self.guard = guard
         self._fsdp = fsdp_modules(model)

@@ -22,6 +22,7 @@ the decision through its ``freeze`` / ``thaw``.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,21 @@ if TYPE_CHECKING:  # the stages run a Freezer's strategy; the Freezer calls them
 
 #: The reason recorded for a block the floor freezes.
 FLOOR_REASON = "memory budget"
+
+
+def run_length(name: str, value: Any) -> int | None:
+    """``Freezer(total_steps=...)`` or ``steps_per_epoch``, which place the stages (the run's progress), checked:
+    ``None`` or an int >= 1 (a NumPy integer too), returned as an int.
+
+    Raises:
+        ValueError: anything else (a string, a float, a bool, zero), with what to give.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"Freezer({name}={value!r}): give a whole number of optimizer steps >= 1 (e.g. epochs * "
+                         "len(train_loader)), or leave it out")
+    return int(value)
 
 
 def start(freezer: Freezer, floor: Sequence[int | str] | None) -> None:

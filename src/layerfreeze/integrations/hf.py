@@ -190,7 +190,7 @@ class LayerFreezeCallback(transformers.TrainerCallback):
         snapshot = OptimizerSnapshot(optimizer) if saved is not None else None
         steps_per_epoch = None
         if train_dataloader is not None and hasattr(train_dataloader, "__len__"):
-            steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+            steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps) or None
         if self.memory_budget is not None:
             device = next(model.parameters()).device
             self.memory_plan = plan_on_first_batch(
@@ -199,7 +199,8 @@ class LayerFreezeCallback(transformers.TrainerCallback):
                 move=lambda batch: {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
         self.freezer = Freezer(model, optimizer, self.strategy, self.params or None, blocks=self.blocks,
                                train_bn=self.train_bn, scheduler=inner_scheduler(lr_scheduler),
-                               total_steps=state.max_steps, steps_per_epoch=steps_per_epoch,
+                               total_steps=state.max_steps if state.max_steps > 0 else None,
+                               steps_per_epoch=steps_per_epoch,
                                floor=self.memory_plan.floor if self.memory_plan is not None else None)
         if saved is not None:
             self.freezer.load_state_dict(saved["freezer"])

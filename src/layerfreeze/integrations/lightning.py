@@ -137,10 +137,10 @@ class LayerFreeze(L.Callback):
         if stage != "fit" or self.freezer is not None:
             return
         total = trainer.estimated_stepping_batches
-        total_steps = int(total) if math.isfinite(total) else None
+        total_steps = int(total) if math.isfinite(total) and total > 0 else None  # 0: nothing to train
         steps_per_epoch = None
         if math.isfinite(trainer.num_training_batches):
-            steps_per_epoch = math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)
+            steps_per_epoch = math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches) or None
         self.freezer = Freezer(self._network(pl_module), None, self.strategy, self.params or None,
                                blocks=self.blocks, train_bn=self.train_bn, total_steps=total_steps,
                                steps_per_epoch=steps_per_epoch)

@@ -33,7 +33,8 @@ args = cli.parse_args()
 params = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.param)}
 
 device = rank_device(args.device)                            # cuda:LOCAL_RANK, or the CPU
-init_distributed(device=device)                              # joins torchrun's process group (NCCL or gloo)
+if not init_distributed(device=device):                      # joins torchrun's process group (NCCL or gloo)
+    cli.error("run it under torchrun: torchrun --nproc_per_node 2 examples/ddp_own_loop.py")
 torch.manual_seed(0)                                         # the same initial weights on every rank
 x, y = torch.randn(512, 32), torch.randint(0, 4, (512,))
 data = TensorDataset(x + y[:, None].float(), y)

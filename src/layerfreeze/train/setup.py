@@ -51,6 +51,7 @@ from layerfreeze.train.compile import CompiledRegions
 from layerfreeze.train.config import Config
 from layerfreeze.train.loop import lr_lambda, warmup_steps
 from layerfreeze.train.precision import Precision
+from layerfreeze.train.prefix_clock import PrefixClock
 from layerfreeze.train.ranks import on_rebuild
 from layerfreeze.train.tasks import build_task
 
@@ -330,6 +331,8 @@ def setup_trainer(trainer: Trainer, plan_only: bool = False) -> None:
     # last: every hook the engine attaches is in place, and copies a strategy made are of the eager model
     trainer.compiled = (CompiledRegions(model, [m for b in blocks for _, m in b.modules], cfg.train.compile,
                                         cfg.train.compile_backend) if cfg.train.compile else None)
+    trainer.prefix_clock = (PrefixClock(trainer.freezer.blocks, trainer.device) if cfg.train.compile is not True
+                            else None)  # the whole model compiled as one region: no prefix boundary to time
     if trainer.is_main and not cfg.run.resume:  # a resume rewrites it once its checkpoint has loaded (Trainer.run)
         rundir.write_config(trainer.run_dir, cfg.model_dump(mode="json"))
 

@@ -147,6 +147,9 @@ def timed_step(trainer: Trainer, batch: dict[str, torch.Tensor], global_count: i
     remeasure = key != trainer._measured_for
     if trainer.compiled is not None:  # a changed frozen set: each region's graph for its new trainable set
         trainer.compiled.refresh(trainer.freezer.frozen)
+    if trainer.prefix_clock is not None:  # the frozen prefix's forward, timed on its own
+        trainer.prefix_clock.refresh(trainer.freezer.frozen_prefix)
+        trainer.prefix_clock.arm()
     t0 = time.perf_counter()
     with ledger_step(trainer, trainer.progress["step"] + 1):
         if remeasure:
@@ -181,6 +184,9 @@ def record_step(trainer: Trainer, loss: float, count: int, step_time: float, dec
         graphs = trainer.compiled.compiled_graphs()
         rank_fields["compiles"] = graphs - trainer._graphs_logged
         trainer._graphs_logged = graphs
+    prefix = trainer.prefix_clock.read() if trainer.prefix_clock is not None else None
+    if prefix is not None:  # the step's time split at the frozen prefix's end (see train/prefix_clock.py)
+        rank_fields.update(prefix_forward_s=prefix, suffix_s=max(step_time - prefix, 0.0))
     trainer.telemetry.log_step(
         trainer.progress["step"], loss=loss, lr=trainer.optimizer.param_groups[-1]["lr"],
         step_time_s=step_time, samples_per_s=count / step_time,

@@ -70,6 +70,7 @@ from layerfreeze.train.checkpointing import restore_totals, resume, write_checkp
 from layerfreeze.train.compile import CompiledRegions
 from layerfreeze.train.config import Config
 from layerfreeze.train.evaluation import evaluate_trainer
+from layerfreeze.train.prefix_clock import PrefixClock
 from layerfreeze.train.ranks import local_batches, rank_record, stopped_together
 from layerfreeze.train.setup import epoch_batches, place, setup_trainer, to_device
 from layerfreeze.train.step import DivergenceError, check_stuck, on_freeze_event, record_step, timed_step, train_step
@@ -123,6 +124,7 @@ class Trainer:
         self.resumed_from_step: int | None = None  # set by a resume: the step the checkpoint held
         self.compiled: CompiledRegions | None = None  # set by setup() under train.compile
         self._graphs_logged = 0  # graphs compiled up to the last step record (its ``compiles``)
+        self.prefix_clock: PrefixClock | None = None  # set by setup(): the frozen prefix's forward seconds per step
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -274,6 +276,8 @@ class Trainer:
             self.freezer.close()
             if self.compiled is not None:
                 self.compiled.close()
+            if self.prefix_clock is not None:
+                self.prefix_clock.close()
             if self.watchdog is not None:
                 self.watchdog.close()
             cache_at_end = cache_summary(self)  # before close() empties the store

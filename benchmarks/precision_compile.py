@@ -1,7 +1,8 @@
 """Issue 42: does a precision or torch.compile cost accuracy, and what do they cost or save in time, on the suite's
 tasks?
 
-For each task (the suite's jobs and sizes, ``benchmarks.suite.SIZES``; by default ``bbc``), seed and row (``none``,
+For each task (the suite's jobs and sizes, ``benchmarks.suite.SIZES``, by default ``bbc``; or ``default-job``, the
+CLI's defaults), seed and row (``none``,
 ``smartfrz``), one run per variant, a precision (``train.precision``: by default ``32-true`` and ``bf16-mixed``)
 crossed with a compile mode (``train.compile``: by default ``false``), one after another in this process. Reported
 per task, row and variant: the mean test accuracy over the seeds and its difference in points to the eager
@@ -13,6 +14,8 @@ to itself.
     python -m benchmarks.precision_compile                 # bbc, 3 seeds, 32-true vs bf16-mixed, eager
     python -m benchmarks.precision_compile --seeds 0 --precisions 32-true --compiles false,blocks   # compile
     python -m benchmarks.precision_compile --quick --seeds 0         # a smoke test (the suite's quick sizes)
+    python -m benchmarks.precision_compile --tasks default-job --seeds 0 --rows smartfrz --precisions 32-true \\
+        --compiles false,blocks                                          # the default job, eager vs compiled blocks
 
 Writes ``OUT/results.json`` (after every run) and ``OUT/precision_compile.md``.
 """
@@ -26,7 +29,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks import suite
+from benchmarks import memory_table, suite
 from layerfreeze.train.config import build_config
 from layerfreeze.train.trainer import Trainer
 
@@ -41,14 +44,22 @@ def variant(precision: str, compile_mode: str) -> str:
     return f"{precision}/{compile_mode}"
 
 
-def run_one(spec: suite.TaskSpec, seed: int, row: str, precision: str, compile_mode: str, out: Path,
+def base_config(task: str, seed: int, quick: bool, threads: int | None) -> dict[str, Any]:
+    """A task's config before the row and variant: ``default-job`` is `make demo` (the CLI's defaults, as
+    ``benchmarks.memory_table`` runs it; ``--quick``: its quick size), another name a suite task at its size."""
+    if task == "default-job":
+        return memory_table.task_config(task, "quick" if quick else "suite", seed, threads)[0]
+    return suite.base_config(suite.task_spec(task, quick), seed, threads)
+
+
+def run_one(task: str, seed: int, row: str, precision: str, compile_mode: str, out: Path, quick: bool,
             threads: int | None) -> dict:
     """One training run; its accuracy, train seconds, compile figures and frozen blocks."""
-    cfg = suite.base_config(spec, seed, threads)
+    cfg = base_config(task, seed, quick, threads)
     cfg["train"]["precision"] = precision
     cfg["train"]["compile"] = {"false": False, "true": True}.get(compile_mode, compile_mode)
     cfg["freeze"] = {"strategy": row}
-    run_dir = out / f"{spec.task}-{row}-{precision}-{compile_mode}-s{seed}"
+    run_dir = out / f"{task}-{row}-{precision}-{compile_mode}-s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg["run"]["dir"] = str(run_dir)
     summary = Trainer(build_config(cfg)).run()
@@ -88,7 +99,8 @@ def table(results: dict[str, Any], variants: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", default="bbc", help="comma-separated suite tasks (benchmarks.suite.TASKS)")
+    parser.add_argument("--tasks", default="bbc", help="comma-separated tasks: default-job (the CLI's defaults) "
+                        "or suite tasks (benchmarks.suite.TASKS: bbc, fmnist-mobilenet, fmnist-resnet)")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     parser.add_argument("--precisions", default="32-true,bf16-mixed", help="comma-separated train.precision values")
     parser.add_argument("--compiles", default="false", help="comma-separated train.compile values (false, blocks, "
@@ -104,11 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     variants = [variant(p, c) for p, c in pairs]
     results: dict[str, Any] = {}
     for task in args.tasks.split(","):
-        spec = suite.task_spec(task, args.quick)
         for seed in (int(s) for s in args.seeds.split(",")):
             for row in args.rows.split(","):
                 for precision, compile_mode in pairs:
-                    got = run_one(spec, seed, row, precision, compile_mode, out, args.threads)
+                    got = run_one(task, seed, row, precision, compile_mode, out, args.quick, args.threads)
                     name = variant(precision, compile_mode)
                     results.setdefault(task, {}).setdefault(row, {}).setdefault(name, {})[seed] = got
                     (out / "results.json").write_text(json.dumps(results, indent=2))

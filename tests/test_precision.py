@@ -76,6 +76,42 @@ def test_16_mixed_a_step_with_nothing_trainable_does_not_fail_the_scaler():
     assert not torch.equal(before[0], model.weight) and model.weight.grad is None
 
 
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts reads of a tensor's value on the host (``.item()``, ``float(t)``: ``aten._local_scalar_dense``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def _scaled_step_reads(optimizer: torch.optim.Optimizer, model: nn.Module) -> int:
+    precision = Precision("16-mixed", CPU)
+    with precision.autocast():
+        loss = model(torch.ones(3, 4)).float().square().mean()
+    precision.backward(loss)
+    with _HostReads() as reads:
+        precision.step(optimizer, None, None, list(model.parameters()))
+    return reads.count
+
+
+def test_16_mixed_trains_with_the_fused_adamw_and_its_step_reads_nothing_on_the_host(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    # found_inf.item() (a sync on a GPU), and each parameter's step count (a CPU tensor there, so no sync)
+    assert _scaled_step_reads(torch.optim.AdamW(model.parameters(), lr=0.1), model) == 1 + 2
+    assert _scaled_step_reads(torch.optim.AdamW(model.parameters(), lr=0.1, fused=True), model) == 0
+    trainer = Trainer(_config(tmp_path, "fp16", "16-mixed"), task=blob_task())
+    trainer.setup()
+    assert trainer.optimizer.defaults["fused"] is True
+    plain = Trainer(_config(tmp_path, "fp32", "32-true"), task=blob_task())
+    plain.setup()
+    assert not plain.optimizer.defaults["fused"]  # float32 keeps AdamW's default (foreach)
+
+
 def test_16_mixed_thaw_of_a_block_demoted_to_float16_trains_it():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))

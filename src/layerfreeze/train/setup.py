@@ -182,16 +182,20 @@ def check_strategy_fits(strategy: Strategy, num_blocks: int) -> None:
         raise ConfigError(f"freeze.params: {exc}") from None
 
 
-def build_optimizer(config: Config, model: nn.Module, blocks: list[Block]) -> torch.optim.Optimizer:
+def build_optimizer(config: Config, model: nn.Module, blocks: list[Block],
+                    fused: bool = False) -> torch.optim.Optimizer:
     """``train.optimizer`` (AdamW or SGD) over one param group per block (:func:`block_param_groups`: LR decayed
-    by ``train.lr_decay`` per block from the head down, no weight decay for biases and norms)."""
+    by ``train.lr_decay`` per block from the head down, no weight decay for biases and norms).
+
+    ``fused``: AdamW's fused kernel, which takes a loss scaler's ``found_inf`` on the device, so ``16-mixed`` steps
+    without reading it on the host every step (a non-fused ``GradScaler.step`` does: ``found_inf.item()``)."""
     train = config.train
     groups = block_param_groups(model, blocks, train.lr, train.weight_decay, train.lr_decay,
                                 no_decay=no_weight_decay)
     for group in groups:  # weights frozen before training (LoRA's base model) never enter the optimizer
         group["params"] = [p for p in group["params"] if p.requires_grad]
     if train.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=train.lr, weight_decay=train.weight_decay)
+        return torch.optim.AdamW(groups, lr=train.lr, weight_decay=train.weight_decay, fused=fused or None)
     return torch.optim.SGD(groups, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
 
 
@@ -276,7 +280,9 @@ def setup_trainer(trainer: Trainer, plan_only: bool = False) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         dist_.shard_blocks(model, blocks, mesh=init_device_mesh(trainer.device.type, (trainer.world,)))
-    trainer.optimizer = build_optimizer(cfg, model, blocks)
+    # 16-mixed: the fused AdamW reads the scaler's found_inf on the device (FSDP2's sharded parameters: foreach)
+    trainer.optimizer = build_optimizer(cfg, model, blocks,
+                                        fused=trainer.precision.scaler is not None and not trainer.fsdp)
     trainer.train_set, trainer.val_set, trainer.guard = trainer.task.train_set, None, None
     if cfg.freeze.guard is not None:
         g = cfg.freeze.guard

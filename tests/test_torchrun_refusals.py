@@ -6,6 +6,7 @@ code and output."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -47,9 +48,9 @@ def test_torchrun_refusal_is_one_line_exit_2_and_no_abort(tmp_path, extra, line)
     assert len(errors) == 1 and errors[0].startswith(line), both[-3000:]  # one line, from rank 0 alone
     # torchrun's own report: rank 0 exited with code 2 and no rank aborted. Rank 1 exits with 2 as well (each rank's
     # own exit code: test_each_rank_exits_2_and_only_rank_0_speaks), unless torchrun stops it first: once a rank has
-    # failed it sends the others SIGTERM, which on a loaded machine can reach rank 1 before its own exit
-    assert both.count("exitcode  : 2") >= 1, both[-3000:]
-    assert both.count("exitcode  : 2") + both.count("(SIGTERM)") == 2, both[-3000:]
+    # failed it sends the others SIGTERM, which on a loaded machine can reach a rank before its own exit (-15)
+    codes = [int(c) for c in re.findall(r"(?m)^\s*exitcode\s*:\s*(-?\d+)", both)]  # torchrun's report
+    assert 2 in codes and len(codes) == 2 and set(codes) <= {2, -15}, both[-3000:]
     assert "terminate called" not in both and "SIGABRT" not in both and "Signal 6" not in both
     assert "layerfreeze/" not in both  # no traceback through layerfreeze's code
     assert not (tmp_path / "run").exists()

@@ -37,8 +37,8 @@ def test_yaml_syntax_config_values_and_unknown_flags_are_one_line_each(tmp_path,
     values = tmp_path / "values.yaml"
     values.write_text("train:\n  epochs: 0\n  lr: abc\n")
     assert main(["train", "--config", str(values)]) == 2
-    err = _one_line(_err(capsys), "layerfreeze: error: Invalid configuration: train.epochs: Input should be greater "
-                                  "than or equal to 1; train.lr: Input should be a valid number")
+    err = _one_line(_err(capsys), "layerfreeze: error: Invalid configuration: train.epochs: must be >= 1, got 0; "
+                                  "train.lr: must be a number, got 'abc'")
     with pytest.raises(SystemExit) as exc:
         main(["train", "--epocs", "2"])
     assert exc.value.code == 2

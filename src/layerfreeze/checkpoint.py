@@ -365,7 +365,8 @@ class CheckpointStore:
                 if path is not candidates[-1]:
                     warnings.warn(f"checkpoint {path} is unusable ({exc}); falling back to an older one",
                                   stacklevel=2)
-        raise CheckpointError(f"no usable checkpoint in {self.dir}: " + "; ".join(problems))
+        raise CheckpointError(f"no usable checkpoint in {self.dir}: " + "; ".join(problems) + "; nothing can be "
+                              "resumed from this folder: start the run again with another --run-dir")
 
 
 def gather_full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:

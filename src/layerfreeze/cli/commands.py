@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,9 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
                               f"({exc}); it cannot be resumed") from None
         if config_path:
             raise ConfigError("--resume takes the run's saved config; drop --config (use --set to change a key)")
+        if getattr(args, "run_dir", None) and Path(args.run_dir).resolve() != run_dir.resolve():
+            raise ConfigError(f"--resume {run_dir} goes on in that run's own folder; drop --run-dir {args.run_dir} "
+                              f"(or start a new run there: --config {run_dir / rundir.CONFIG_FILE})")
         saved_strategy = (saved.get("freeze") or {}).get("strategy")
         if args.strategy is not None and args.strategy != saved_strategy:
             raise ConfigError(f"--resume {run_dir}: the run's strategy is {saved_strategy!r}; a resumed run keeps it "
@@ -200,6 +204,9 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     rows = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else \
         [r for r in DEFAULT_ROWS if r in STRATEGIES or r == "lora"]
     unknown = unknown_rows(rows)
+    zero_rank = [r for r in unknown if re.fullmatch(r"lora-r0*", r)]
+    if zero_rank:
+        raise ConfigError(f"row {zero_rank[0]}: a LoRA rank is at least 1 (lora-r<N>, e.g. lora-r4)")
     if unknown:
         guesses = "".join(did_you_mean(r, [*STRATEGIES, "lora"]) for r in unknown)
         raise UnknownStrategyError(f"Unknown row(s) {', '.join(unknown)}{guesses}; available: "
@@ -213,18 +220,29 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     for item in args.row_param:
         key, sep, _ = item.partition("=")
         row, dot, name = key.partition(".")
-        if not sep or not dot or row not in rows:
-            raise ConfigError(f"--row-param {item!r} must look like ROW.NAME=VALUE with ROW one of {', '.join(rows)}")
+        if not sep or not dot:
+            raise ConfigError(f"--row-param {item!r} must look like ROW.NAME=VALUE, e.g. static.k=3")
+        if row not in rows:
+            raise ConfigError(f"--row-param {item!r}: {row} is not one of the rows ({', '.join(rows)}); add it to "
+                              "--rows or drop the parameter")
         row_params = deep_merge(row_params, parse_override(item))
     row_overrides: dict[str, dict[str, Any]] = {}
     for item in args.row_set:
         key, sep, _ = item.partition("=")
         row, dot, name = key.partition(".")
-        if not sep or "." not in name or row not in rows:
-            raise ConfigError(f"--row-set {item!r} must look like ROW.SECTION.KEY=VALUE with ROW one of "
-                              f"{', '.join(rows)}")
+        if not sep or "." not in name:
+            raise ConfigError(f"--row-set {item!r} must look like ROW.SECTION.KEY=VALUE, e.g. lora.train.lr=1e-3")
+        if row not in rows:
+            raise ConfigError(f"--row-set {item!r}: {row} is not one of the rows ({', '.join(rows)}); add it to "
+                              "--rows or drop the setting")
         row_overrides = deep_merge(row_overrides, parse_override(item))
-    results = compare(base, rows, run_dir, console=console, row_params=row_params, row_overrides=row_overrides)
+    try:
+        results = compare(base, rows, run_dir, console=console, row_params=row_params, row_overrides=row_overrides)
+    except KeyboardInterrupt:  # the row's own checkpoint is in its folder; a comparison is not resumed as a whole
+        console.print(f"\nInterrupted. The rows run so far are in {run_dir}; a comparison does not resume: run "
+                      "`layerfreeze compare` again with another --run-dir (or `layerfreeze train --resume "
+                      f"{Path(run_dir)}/<row>` to finish one row's run)", highlight=False)
+        return 130
     console.print(f"table: {Path(run_dir) / rundir.COMPARE_MD}   rows: {Path(run_dir) / rundir.COMPARE_JSON}   "
                   f"({len(results)} runs)")
     write_run_report(run_dir, args, console)
@@ -313,7 +331,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     checked = load_config(args.config, [*overrides, {"train": {"max_steps": steps}, "run": {
         "dir": str(run_dir), "ledger": True, "ledger_every": 1, "checkpoint": False, "tensorboard": False,
         "progress": not args.no_progress}}])
-    console.print(f"check: training {steps} steps under the plan in "
+    console.print(f"check: training {steps} step{'s' if steps != 1 else ''} under the plan in "
                   + (f"{run_dir}" if scratch is None else "a temporary folder (removed after; --run-dir keeps it)"),
                   highlight=False)
     try:

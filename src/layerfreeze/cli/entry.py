@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,9 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
 
 
 _PYTHON_SHOWWARNING = warnings.showwarning
+#: Seconds a rank other than 0 waits before exiting on a user error under torchrun: the same error stops every rank at
+#: once, and a rank that exits first makes torchrun stop rank 0 before it prints the one line (seen 2 times in 30).
+RANK_EXIT_DELAY_S = 5.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,8 +69,14 @@ def main(argv: list[str] | None = None) -> int:
         except (UserError, FileNotFoundError) as exc:
             if main_rank():
                 err.print(f"[bold red]layerfreeze: error:[/] {exc}", highlight=False)
+            else:  # rank 0 speaks: let it print before torchrun, seeing this rank's exit, stops the others
+                time.sleep(RANK_EXIT_DELAY_S)
             _leave_process_group()
             return 2
+        except KeyboardInterrupt:  # before a run started (a run's own Ctrl-C is answered by its command)
+            if main_rank():
+                err.print("layerfreeze: interrupted", highlight=False)
+            return 130
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:

@@ -43,6 +43,15 @@ def main_rank() -> bool:
     return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """A description wraps to the terminal's width; an epilog of examples (indented lines) keeps its line breaks."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n  " in text:
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse's parser, with errors that say what to do, on one line (no usage block: the line names the
     subcommand's ``--help``): an option's value that starts with ``-`` (``--memory -1GiB``) is named with the
@@ -52,8 +61,14 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         found = re.search(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
         if found:
-            message += (f" (a value that starts with '-' is written {found.group(1)}=VALUE, e.g. "
-                        f"{found.group(1)}=-1; see {self.prog} --help)")
+            message += (f" (a value that starts with '-' is written {found.group(1)}=VALUE; see {self.prog} "
+                        "--help)")
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            options = [c.strip(" '") for c in choice.group(2).split(",")]
+            close = difflib.get_close_matches(choice.group(1), options, n=1, cutoff=0.6)
+            if close:
+                message += f" (did you mean {close[0]}?)"
         if "--help" not in message:
             message += f"; {self.prog} --help lists the options"
         if main_rank():
@@ -97,7 +112,7 @@ def build_parser() -> Parser:
         epilog="examples:\n  layerfreeze train\n  layerfreeze train --strategy none --epochs 3\n"
         "  layerfreeze train --task fashion-mnist --strategy static -p k=8\n"
         "  layerfreeze train --config run.yaml --set train.lr=3e-5\n  layerfreeze train --resume runs/my-run",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_run_arguments(train)
     train.add_argument("--memory-budget", metavar="BUDGET", help=MEMORY_BUDGET_HELP)
@@ -119,7 +134,7 @@ def build_parser() -> Parser:
         "to none, peak memory, what froze when).",
         epilog="examples:\n  layerfreeze compare --epochs 3\n  layerfreeze compare --rows none,static,smartfrz "
         "-p static.k=3\n  layerfreeze compare --rows none,lisa,badam,lora --row-set lora.train.lr=1e-3",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=HelpFormatter)
     comp.add_argument("--rows", help=f"comma-separated strategies, each once, 'lora' for the LoRA row (rank 8), "
                       f"'lora-r4' for LoRA of rank 4 (default: {', '.join(DEFAULT_ROWS)}, those registered)")
     comp.add_argument("--config", "-c", help="YAML, TOML or JSON config file (its freeze.params apply to its "
@@ -148,7 +163,7 @@ def build_parser() -> Parser:
         "train --memory-budget BUDGET` with the same flags applies the plan.",
         epilog="examples:\n  layerfreeze plan --memory 3GiB\n  layerfreeze plan --memory 60% --task fashion-mnist "
         "--check 20\n  layerfreeze plan --memory 800MiB --set model.max_length=64 --json plan.json",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=HelpFormatter)
     plan.add_argument("--memory", "-m", required=True, metavar="BUDGET",
                       help="the budget: 3GiB, 800MiB, 2.5GB, 1000000B (a size), or 0.6 / 60%% (of the tensor peak "
                       "with nothing frozen)")
@@ -164,7 +179,7 @@ def build_parser() -> Parser:
                  "that found them and the weights two blocks share.",
                  epilog="examples:\n  layerfreeze blocks\n  layerfreeze blocks --task fashion-mnist --model resnet18\n"
                  "  layerfreeze blocks --task text-lm --model path/to/causal-lm-folder",
-                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                 formatter_class=HelpFormatter)
     blocks.add_argument("--config", "-c", help="YAML, TOML or JSON config file")
     for flag in ("task", "model"):
         blocks.add_argument(f"--{flag}", help=RUN_FLAG_HELP[flag])
@@ -188,7 +203,7 @@ def build_parser() -> Parser:
         "is needed.",
         epilog="examples:\n  layerfreeze config > run.yaml\n  layerfreeze config --task fashion-mnist -s static\n"
         "  layerfreeze config --config runs/my-run/config.json",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=HelpFormatter)
     conf.add_argument("--config", "-c", help="YAML, TOML or JSON config file to start from")
     for flag in ("task", "model", "data", "strategy"):
         conf.add_argument(f"--{flag}", *(["-s"] if flag == "strategy" else []), help=RUN_FLAG_HELP[flag])
@@ -261,7 +276,14 @@ def overrides_of(args: argparse.Namespace, flags: dict[str, str]) -> list[dict[s
         if not sep:
             raise ConfigError(f"--param {item!r} must look like NAME=VALUE, e.g. -p k=5")
         out.append(parse_override(f"freeze.params.{name}={value}"))
-    out.extend(parse_override(item) for item in args.set)
+    given = dict(item.partition("=")[::2] for item in getattr(args, "param", []))
+    for item in args.set:
+        key, _, value = item.partition("=")
+        name = key.strip().removeprefix("freeze.params.")
+        if key.strip().startswith("freeze.params.") and name in given and given[name] != value:
+            raise ConfigError(f"-p {name}={given[name]} and --set {item} set the same strategy parameter; give it "
+                              "once")
+        out.append(parse_override(item))
     if getattr(args, "no_progress", False):
         out.append({"run": {"progress": False}})
     if getattr(args, "no_tensorboard", False):

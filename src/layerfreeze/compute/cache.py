@@ -36,6 +36,7 @@ from layerfreeze.compute.cache_policy import CachePolicy
 from layerfreeze.compute.cached_prefix import CachedPrefix, FrozenPrefixSource
 from layerfreeze.compute.determinism import CacheRefused, check_deterministic, check_prefix_deterministic
 from layerfreeze.compute.store import ActivationCache
+from layerfreeze.errors import ConfigError
 from layerfreeze.models.blocks import Block
 from layerfreeze.models.discovery import split_for
 
@@ -97,6 +98,8 @@ def build_cached_prefix(model: nn.Module, blocks: Sequence[Block], dataset: Any,
                                 **({} if shard_bytes is None else {"shard_bytes": shard_bytes}))
         return CachedPrefix(model, blocks, split, cache, freezer=freezer, fallback=mode == "auto",
                             on_disable=on_disable, policy=policy if mode == "auto" else None)
+    except ConfigError:  # the data itself is wrong (an unreadable image, found by the check's fetches): not a reason to
+        raise  # run without the cache but to stop before training, with the data's own message
     except ValueError as exc:  # CacheRefused is a ValueError; so are split_for's "no split for this family" and
         # CachedPrefix's refusal of a sharded model whose root group holds parameters
         if mode == "on":

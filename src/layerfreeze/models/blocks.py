@@ -161,11 +161,10 @@ def head_entry(parts: Sequence[tuple[str, nn.Module]]) -> list[Entry]:
 
 
 def _children_summary(model: nn.Module) -> str:
-    rows = [
-        f"  {name} ({type(m).__name__}, {sum(p.numel() for p in m.parameters()):,} params)"
-        for name, m in model.named_children()
-    ]
-    return "\n".join(rows) if rows else "  (none)"
+    """The model's top-level children on one line: ``name (Type, N params), ...`` (an error message stays one line)."""
+    rows = [f"{name} ({type(m).__name__}, {sum(p.numel() for p in m.parameters()):,} params)"
+            for name, m in model.named_children()]
+    return ", ".join(rows) if rows else "none"
 
 
 def blocks_from_patterns(model: nn.Module, patterns: Sequence[str], head: bool = True) -> list[Block]:
@@ -198,9 +197,9 @@ def blocks_from_patterns(model: nn.Module, patterns: Sequence[str], head: bool =
             hits += 1
         if hits == 0:
             raise BlockDiscoveryError(
-                f"Block pattern {pattern!r} matches no module with parameters in {type(model).__name__}. "
-                f"Its top-level children are:\n{_children_summary(model)}\n"
-                "Patterns use fnmatch syntax on module names from model.named_modules(), e.g. 'encoder.layer.*'."
+                f"Block pattern {pattern!r} matches no module with parameters in {type(model).__name__} (its "
+                f"top-level children: {_children_summary(model)}); patterns use fnmatch syntax on module names from "
+                "model.named_modules(), e.g. 'encoder.layer.*' (`layerfreeze blocks` lists a model's blocks)"
             )
     blocks = make_blocks([(n, [(n, m)]) for n, m in matched], head=head)
     resolve_ties(blocks)

@@ -104,10 +104,9 @@ def find_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> Disc
     raise BlockDiscoveryError(
         f"Cannot discover the blocks of {type(model).__name__}: it is none of the known model families "
         f"({', '.join(n for n, _ in discoverers())}) and has no stack of same-type layers (an nn.ModuleList or "
-        f"nn.Sequential of repeated layers). Its top-level children are:\n{_children_summary(model)}\n"
-        "Name the blocks front to back with module-name patterns, for example\n"
-        "  Freezer(model, optimizer, blocks=['stem', 'layers.*', 'head'])\n"
-        "or in a config file:\n  model:\n    blocks: ['stem', 'layers.*', 'head']"
+        f"nn.Sequential of repeated layers); its top-level children: {_children_summary(model)}. Name the blocks "
+        "front to back with module-name patterns: Freezer(model, optimizer, blocks=['stem', 'layers.*', 'head']), "
+        "or model.blocks in a config (--set \"model.blocks=[stem, 'layers.*', head]\")"
     )
 
 

@@ -164,6 +164,10 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
     if get("train_time_s") is not None:
         table.add_row("train time" if resumed is None else "train time (whole run)",
                       format_seconds(get("train_time_s")))
+    compiled = get("compile")
+    if compiled:  # train time counts every step, compiling included: the compile seconds said apart
+        table.add_row("torch.compile", f"{compiled['mode']} ({compiled['backend']}): {compiled['graphs']} graphs in "
+                      f"{compiled['regions']} regions, {format_seconds(compiled['compile_s'])} compiling")
     if get("time_per_epoch_s") is not None:
         table.add_row("time per epoch", _format_epoch_times(list(get("time_per_epoch_s"))))
     if get("flops_total") is not None:

@@ -14,6 +14,7 @@ Example (YAML)::
 from __future__ import annotations
 
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -25,6 +26,10 @@ from layerfreeze.budget.parse import parse_budget
 from layerfreeze.errors import BudgetError, ConfigError
 from layerfreeze.strategies import DEFAULT_STRATEGY, UnknownStrategyError, check_strategy
 from layerfreeze.train.config_file import deep_merge, read_config_file
+
+#: Short precision names people write, as Lightning reads them (``Trainer(precision="bf16")`` is bf16-mixed).
+PRECISION_ALIASES = {"16": "16-mixed", "fp16": "16-mixed", "16-mixed": "16-mixed", "bf16": "bf16-mixed",
+                     "32": "32-true", "fp32": "32-true"}
 
 TASKS = ("bbc-news", "fashion-mnist", "text-csv", "image-folder", "text-lm")
 
@@ -102,8 +107,16 @@ class TrainConfig(_Section):
     precision: Literal["auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"] = Field(
         "auto", description="auto: bf16-mixed on a CUDA GPU with bfloat16, 32-true elsewhere; *-mixed: autocast, "
         "float32 weights (16-mixed with a GradScaler); bf16-true: bfloat16 weights")
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32, description="the run's seed (data order, dropout, new weights); NumPy's "
+                      "range, 0 to 2**32 - 1")
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (quick runs)")
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _precision_alias(cls, value: Any) -> Any:
+        """Lightning's short names (``16``, ``bf16``, ``32``) and the Hugging Face Trainer's ``fp16`` / ``bf16``
+        flags' words, read as the precisions they stand for (``16-mixed``, ``bf16-mixed``, ``32-true``)."""
+        return PRECISION_ALIASES.get(str(value).strip().lower(), value) if value is not None else value
 
     @field_validator("compile", mode="before")
     @classmethod
@@ -216,10 +229,10 @@ class FreezeConfig(_Section):
                 return {"dtype": value}
             if value == "cpu":
                 return {"offload": "cpu"}
-            raise ValueError(f"freeze.demote {value!r}: write a dtype (bfloat16 or float16), which is short for "
+            raise ValueError(f"{value!r}: write a dtype (bfloat16 or float16), which is short for "
                              "{dtype: bfloat16}, or a mapping such as {dtype: bfloat16, offload: cpu, master: auto}")
         if value is not None and not isinstance(value, (dict, DemoteConfig)):
-            raise ValueError(f"freeze.demote {value!r}: write a mapping such as {{dtype: bfloat16, offload: cpu}} "
+            raise ValueError(f"{value!r}: write a mapping such as {{dtype: bfloat16, offload: cpu}} "
                              "(--set freeze.demote.dtype=bfloat16), or bfloat16 / float16 alone")
         return value
 
@@ -445,22 +458,55 @@ def suggest_key(loc: typing.Sequence[Any]) -> str | None:
     return prefix + close[0] if close else None
 
 
+#: pydantic's bound errors -> the comparison they state.
+_BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"), "less_than_equal": ("le", "<="),
+           "less_than": ("lt", "<")}
+_WHOLE = ("int_parsing", "int_type", "int_from_float")
+_NUMBER = ("float_parsing", "float_type")
+
+
+def _plain_message(err: Any) -> str:
+    """One pydantic error in the config's words (no "Input should be"): the bound, the choices with the closest one,
+    the kind of value wanted; what it got."""
+    kind, ctx, got = err["type"], err.get("ctx") or {}, err.get("input")
+    if kind in _BOUNDS:
+        key, op = _BOUNDS[kind]
+        bound = ctx[key]
+        return f"must be {op} {f'{bound:g}' if isinstance(bound, float) else bound}, got {got!r}"
+    if kind == "literal_error":
+        choices = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
+        guess = difflib.get_close_matches(str(got), choices, n=1, cutoff=0.5) or [
+            c for c in choices if str(got) and c.startswith(str(got))][:1]
+        hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+        return f"{got!r} is not one of {', '.join(choices)}{hint}"
+    if kind in _WHOLE:
+        return f"must be a whole number, got {got!r}"
+    if kind in _NUMBER:
+        return f"must be a number, got {got!r}"
+    if kind in ("bool_parsing", "bool_type"):
+        return f"must be true or false, got {got!r}"
+    if kind in ("model_type", "dict_type", "model_attributes_type"):
+        return (f"is a section, not a value (got {got!r}): set its keys, e.g. --set <section>.<key>=VALUE "
+                "(`layerfreeze config` shows them)")
+    return err["msg"]
+
+
 def _format_validation_error(exc: ValidationError) -> str:
     """pydantic's errors in the config's words, on one line: each problem names its key (``; `` between them); an
     unknown key gets the closest valid one (:func:`suggest_key`); our own validators' messages come without
-    pydantic's ``Value error,`` prefix."""
+    pydantic's ``Value error,`` prefix, and pydantic's own ("Input should be ...") are said plainly
+    (:func:`_plain_message`)."""
     lines = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"])
-        msg = err["msg"]
         if err["type"] == "extra_forbidden":
             guess = suggest_key(err["loc"])
             hint = f"did you mean `{guess}`? " if guess else ""
             msg = f"unknown key ({hint}`layerfreeze config` prints every key with its default)"
         elif err["type"] in ("value_error", "assertion_error") and "error" in (err.get("ctx") or {}):
             msg = str(err["ctx"]["error"])
-        elif err["type"] == "model_type" and where:
-            msg = f"{msg}, got {err.get('input')!r}; write it as a mapping (`layerfreeze config` shows the keys)"
+        else:
+            msg = _plain_message(err)
         lines.append(f"{where}: {msg}" if where else msg)
     return "Invalid configuration: " + "; ".join(lines)
 
@@ -516,5 +562,16 @@ def load_config(path: str | Path | None = None, overrides: list[dict[str, Any]] 
     """
     data = read_config_file(path) if path else {}
     for override in overrides or []:
-        data = deep_merge(data, override)
+        data = deep_merge(_params_of_another_strategy_dropped(data, override), override)
     return build_config(data, inputs=inputs)
+
+
+def _params_of_another_strategy_dropped(data: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without its ``freeze.params`` when ``override`` names another strategy: parameters belong to the
+    strategy they were written for (a config's ``static`` ``k``, blocks to freeze, is not ``lisa``'s ``k``, steps
+    between switches); the override's own parameters, and later ones, still apply."""
+    new = (override.get("freeze") or {}).get("strategy") if isinstance(override.get("freeze"), dict) else None
+    freeze = data.get("freeze")
+    if new is None or not isinstance(freeze, dict) or freeze.get("strategy", DEFAULT_STRATEGY) == new:
+        return data
+    return {**data, "freeze": {k: v for k, v in freeze.items() if k != "params"}}

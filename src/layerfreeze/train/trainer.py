@@ -223,7 +223,7 @@ class Trainer:
                 if finishing and partial and partial["epoch"] == epoch:  # the epoch's sums up to the checkpoint
                     epoch_time, epoch_loss, epoch_n = partial["time"], partial["loss"], partial["n"]
                 self.model.train()
-                bar = tqdm(loader, total=len(batches), initial=done_in_epoch,
+                bar = tqdm(loader, total=done_in_epoch + len(todo), initial=done_in_epoch,  # max_steps may end it early
                            disable=not (cfg.run.progress and self.is_main),
                            desc=f"epoch {epoch + 1}/{cfg.train.epochs}", unit="step", leave=False)
                 for batch, n, local in zip(bar, global_sizes, local_counts):

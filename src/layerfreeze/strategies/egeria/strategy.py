@@ -89,7 +89,7 @@ class Egeria(Strategy):
             raise ValueError(f"egeria: synchronous must be True or False, got {synchronous!r}")
         self.synchronous = synchronous
         if reference_quantization not in QUANTIZATIONS:
-            raise ValueError(f"egeria: reference_quantization must be one of {QUANTIZATIONS}, "
+            raise ValueError(f"egeria: reference_quantization must be one of {', '.join(QUANTIZATIONS)}, "
                              f"got {reference_quantization!r}")
         self.reference_quantization = reference_quantization
         self.stage_every = self.interval

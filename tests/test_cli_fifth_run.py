@@ -1,0 +1,173 @@
+"""Issue 43, the fifth newcomer run: config values said plainly (no "Input should be"), Lightning's precision names,
+a seed NumPy takes, parameters that belong to their strategy, one way to set a parameter, a resume that stays in its
+folder, one-line block errors, a corrupt image before training, compare's Ctrl-C and row messages, a command typo,
+wrapped help and the compile line of the summary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+from rich.console import Console
+
+from layerfreeze.cli import main
+from layerfreeze.cli import parser as cli_parser
+from layerfreeze.errors import ConfigError
+from layerfreeze.runs.summary import summary_table
+from layerfreeze.train.config import load_config
+from layerfreeze.train.config_file import parse_override
+
+
+def _one_line(capsys, start: str) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(start), err
+    return err
+
+
+# ---- config values said plainly ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("override", "said"), [
+    ("train.epochs=0", "train.epochs: must be >= 1, got 0"),
+    ("train.lr=-1", "train.lr: must be > 0, got -1"),
+    ("train.warmup_fraction=2", "train.warmup_fraction: must be < 1, got 2"),
+    ("model.max_length=0", "model.max_length: must be >= 8, got 0"),
+    ("train.seed=-1", "train.seed: must be >= 0, got -1"),
+    ("train.seed=99999999999", "train.seed: must be < 4294967296, got 99999999999"),
+    ("task=bbc", "task: 'bbc' is not one of bbc-news, fashion-mnist, text-csv, image-folder, text-lm (did you mean "
+                 "'bbc-news'?)"),
+    ("train.optimizer=adam", "train.optimizer: 'adam' is not one of adamw, sgd (did you mean 'adamw'?)"),
+    ("train.epochs=three", "train.epochs: must be a whole number, got 'three'"),
+    ("train=3", "train: is a section, not a value (got 3): set its keys"),
+])
+def test_config_values_are_said_plainly(override, said):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [parse_override(override)])
+    assert str(err.value).startswith(f"Invalid configuration: {said}") and "Input should" not in str(err.value)
+
+
+@pytest.mark.parametrize(("written", "read"), [("bf16", "bf16-mixed"), ("16", "16-mixed"), ("fp16", "16-mixed"),
+                                                ("32", "32-true"), ("bf16-true", "bf16-true")])
+def test_lightnings_short_precision_names_are_read_as_lightning_reads_them(written, read):
+    assert load_config(None, [parse_override(f"train.precision={written}")]).train.precision == read
+
+
+# ---- strategy parameters ----------------------------------------------------------------------------------------
+
+
+def test_a_config_files_parameters_stay_with_its_strategy(tmp_path, capsys):
+    path = tmp_path / "static.yaml"
+    path.write_text("freeze: {strategy: static, params: {k: 3}}\n")
+    assert load_config(path).freeze.params == {"k": 3}
+    lisa = load_config(path, [{"freeze": {"strategy": "lisa"}}]).freeze
+    assert lisa.strategy == "lisa" and lisa.params == {}  # static's k (blocks) is not LISA's k (steps)
+    assert load_config(path, [{"freeze": {"strategy": "lisa"}}, {"freeze": {"params": {"k": 7}}}]).freeze.params \
+        == {"k": 7}
+    assert load_config(path, [{"freeze": {"strategy": "static"}}]).freeze.params == {"k": 3}
+    smart = tmp_path / "smart.yaml"
+    smart.write_text("freeze: {strategy: smartfrz, params: {threshold: 0.9}}\n")
+    assert main(["config", "--config", str(smart), "-s", "static"]) == 0
+    assert "strategy: static" in capsys.readouterr().out
+
+
+def test_a_parameter_given_by_p_and_by_set_is_refused(capsys):
+    assert main(["config", "-s", "static", "-p", "k=2", "--set", "freeze.params.k=3"]) == 2
+    _one_line(capsys, "layerfreeze: error: -p k=2 and --set freeze.params.k=3 set the same strategy parameter; give "
+                      "it once")
+    assert main(["config", "-s", "static", "-p", "k=2", "--set", "freeze.params.k=2"]) == 0
+    assert "k: 2" in capsys.readouterr().out
+
+
+# ---- resume, blocks, data ---------------------------------------------------------------------------------------
+
+
+def test_a_resume_stays_in_its_own_folder(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(load_config(None).model_dump(mode="json")))
+    assert main(["train", "--resume", str(run), "--run-dir", str(tmp_path / "other")]) == 2
+    _one_line(capsys, f"layerfreeze: error: --resume {run} goes on in that run's own folder; drop --run-dir "
+                      f"{tmp_path / 'other'} (or start a new run there: --config {run / 'config.json'})")
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.assets("minilm")
+def test_a_block_pattern_that_matches_nothing_is_one_line(tiny_bert_dir, tiny_csv, capsys):
+    assert main(["blocks", "--task", "text-csv", "--model", str(tiny_bert_dir), "--data", str(tiny_csv), "--set",
+                 "model.blocks=[foo]"]) == 2
+    err = _one_line(capsys, "layerfreeze: error: Block pattern 'foo' matches no module with parameters in "
+                            "BertForSequenceClassification (its top-level children: bert (BertModel, ")
+    assert "e.g. 'encoder.layer.*'" in err
+
+
+@pytest.mark.assets("mobilenet_v2")
+def test_a_corrupt_image_stops_the_run_before_training(tmp_path, capsys):
+    for name in ("cats", "dogs"):
+        (tmp_path / "imgs" / name).mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (32, 32), (40 * i, 20, 30)).save(tmp_path / "imgs" / name / f"{i}.png")
+    (tmp_path / "imgs" / "cats" / "0.png").write_bytes(b"this is text, not a png")
+    assert main(["train", "--task", "image-folder", "--data", str(tmp_path / "imgs"), "--max-steps", "1",
+                 "--batch-size", "4", "--no-progress", "--run-dir", str(tmp_path / "r")]) == 2
+    captured = capsys.readouterr()
+    assert "is not a readable image (UnidentifiedImageError)" in captured.err and "0.png" in captured.err
+    assert "cache: off" not in captured.out  # not taken for a reason to run without the cache
+    assert not list((tmp_path / "r").glob("checkpoints/*"))  # stopped before any step
+
+
+# ---- compare ------------------------------------------------------------------------------------------------------
+
+
+def test_compare_row_messages_name_what_is_wrong(capsys):
+    assert main(["compare", "--rows", "none,static", "--row-param", "lisa.gamma=3"]) == 2
+    _one_line(capsys, "layerfreeze: error: --row-param 'lisa.gamma=3': lisa is not one of the rows (none, static); "
+                      "add it to --rows or drop the parameter")
+    assert main(["compare", "--rows", "none,static", "--row-set", "lora.train.lr=1e-3"]) == 2
+    _one_line(capsys, "layerfreeze: error: --row-set 'lora.train.lr=1e-3': lora is not one of the rows (none, "
+                      "static); add it to --rows or drop the setting")
+    assert main(["compare", "--rows", "none,lora-r0"]) == 2
+    _one_line(capsys, "layerfreeze: error: row lora-r0: a LoRA rank is at least 1 (lora-r<N>, e.g. lora-r4)")
+
+
+def test_ctrl_c_during_compare_is_exit_130_with_what_to_do(tmp_path, capsys, monkeypatch):
+    from layerfreeze.train import compare
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compare, "compare", interrupted)
+    assert main(["compare", "--rows", "none,static", "--run-dir", str(tmp_path / "cmp")]) == 130
+    captured = capsys.readouterr()
+    assert "Interrupted. The rows run so far are in" in captured.out and "a comparison does not resume" in captured.out
+    assert captured.err == ""
+
+
+# ---- the command line -----------------------------------------------------------------------------------------------
+
+
+def test_a_mistyped_command_gets_the_closest_one(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["trian"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "invalid choice: 'trian'" in err and "(did you mean train?)" in err
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_every_description_wraps_to_the_terminal(columns, monkeypatch):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    parser = cli_parser.build_parser()
+    for name, sub in parser.subcommands.items():
+        monkeypatch.setattr(sub, "epilog", None)  # an epilog of examples keeps its lines as written
+        for line in sub.format_help().splitlines():
+            assert len(line) <= columns, (name, line)
+
+
+def test_the_summary_table_shows_compile_apart():
+    summary = {"strategy": "smartfrz", "train_time_s": 28.7,
+               "compile": {"mode": "blocks", "backend": "inductor", "regions": 9, "graphs": 11, "compile_s": 32.6}}
+    console = Console(width=120, record=True)
+    console.print(summary_table(summary))
+    text = console.export_text()
+    assert "torch.compile" in text and "blocks (inductor): 11 graphs in 9 regions, 32.60 s compiling" in text

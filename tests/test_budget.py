@@ -201,6 +201,16 @@ def test_what_the_strategy_holds_counts_in_every_prefix_and_not_in_nones_peak():
         plan_memory(_stack(), _batch(), "0.9", loss=_loss, strategy="smartfrz")
 
 
+def test_the_plan_line_says_the_strategy_holds_memory_nones_peak_has_not():
+    from layerfreeze.train.setup import plan_headline
+
+    held = plan_memory(_stack(), _batch(), "100MiB", loss=_loss, strategy="smartfrz")
+    plain = plan_memory(_stack(), _batch(), "100MiB", loss=_loss)
+    own = format_bytes(held.measured.buckets["strategy"])
+    assert plan_headline(held).endswith(f" (with the freezing strategy's own {own}, which `none`'s peak has not)")
+    assert "freezing strategy" not in plan_headline(plain)
+
+
 def test_plan_memory_with_the_default_loss_and_a_freezer_that_keeps_it():
     model = _stack()
     batch = (_batch()["x"], _batch()["labels"])  # an (inputs, targets) pair: cross-entropy by default

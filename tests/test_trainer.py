@@ -270,6 +270,27 @@ def test_step_callbacks_run_before_the_first_step_and_after_every_step_without_c
     assert hooked["test_loss"] == plain["test_loss"] and hooked["test_accuracy"] == plain["test_accuracy"]
 
 
+def test_a_resume_on_other_data_is_refused_before_it_trains(tmp_path):
+    from tests.conftest import BlobDataset
+
+    def press_ctrl_c(fetches):
+        if fetches == 16 * 3 + 3 + 2 * 4:  # while loading the 4th batch
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(config(tmp_path, "cut"), task=blob_task(press_ctrl_c)).run()
+    steps_before = [r for r in read_metrics(tmp_path / "cut") if r["type"] == "step"]
+    resumed = config(tmp_path, "cut")
+    resumed.run.resume = str(tmp_path / "cut")
+    fewer = blob_task()
+    fewer.train_set = BlobDataset(80, seed=1)  # a file removed from the data folder since the checkpoint
+    with pytest.raises(ConfigError, match=r"the data changed since the checkpoint \(train samples 96 then, 80 now\); "
+                                          "a resumed run needs the data it was trained on"):
+        Trainer(resumed, task=fewer).run()
+    assert [r for r in read_metrics(tmp_path / "cut") if r["type"] == "step"] == steps_before  # nothing trained
+    assert Trainer(resumed, task=blob_task()).run()["steps"] == 12  # the same data resumes
+
+
 def test_a_run_folder_holding_a_run_is_refused_unless_resumed(tmp_path):
     Trainer(config(tmp_path, "r", max_steps=1), task=blob_task()).run()
     before = (tmp_path / "r" / "summary.json").read_bytes()

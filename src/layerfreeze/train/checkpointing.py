@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from layerfreeze import distributed as dist_
 from layerfreeze.checkpoint import CheckpointStore, load_checkpoint, load_full_checkpoint, rng_state, set_rng_state
+from layerfreeze.errors import ConfigError
 from layerfreeze.runs import rundir
 from layerfreeze.runs.rundir import Event
 
@@ -60,7 +61,8 @@ def write_checkpoint(trainer: Trainer, epoch: int, batch_in_epoch: int, reason: 
     if trainer.distributed and trainer.ledger is not None:  # each rank's ledger peaks (its shards under FSDP2)
         trainer.progress["ledger_ranks"] = dist_.all_gather_object(trainer.ledger.peaks.state_dict())
     extra = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "progress": dict(trainer.progress),
-             "config": trainer.config.model_dump(mode="json"), "world_size": trainer.world}
+             "config": trainer.config.model_dump(mode="json"), "world_size": trainer.world,
+             "data": data_shape(trainer)}
     if trainer.distributed:
         extra["rng_ranks"] = dist_.all_gather_object(rng_state())
     path = None
@@ -108,6 +110,11 @@ def resume(trainer: Trainer, path: Path) -> tuple[int, int]:
         trainer.telemetry.log_event(Event.RESUMED, 0, epoch=0, path=None, from_start=True)
         trainer.rank_telemetry.log_event(Event.RESUMED, 0, epoch=0, path=None, from_start=True)
         return 0, 0
+    saved_data, data = extra.get("data"), data_shape(trainer)
+    if saved_data is not None and saved_data != data:  # its batches, positions and cache keys belong to that data
+        changed = ", ".join(f"{k} {saved_data.get(k)} then, {v} now" for k, v in data.items() if saved_data.get(k) != v)
+        raise ConfigError(f"--resume {path}: the data changed since the checkpoint ({changed}); a resumed run needs "
+                          "the data it was trained on: restore it, or start a new run")
     rngs = extra.get("rng_ranks")
     if trainer.distributed and rngs is not None and len(rngs) == trainer.world:
         set_rng_state(rngs[trainer.rank])  # each rank continues its own dropout stream
@@ -123,6 +130,13 @@ def resume(trainer: Trainer, path: Path) -> tuple[int, int]:
         tqdm.write(f"resuming a run saved on {saved_world} rank(s) on {trainer.world}: same global batches and "
                    "frozen set, but the per-rank random streams (dropout) differ from the interrupted run")
     return extra["epoch"], extra["batch_in_epoch"]
+
+
+def data_shape(trainer: Trainer) -> dict[str, int]:
+    """What a checkpoint records of its data, to refuse a resume on other data: the training and test sets' sizes
+    (after the split and the limits) and the number of classes."""
+    return {"train samples": len(trainer.train_set), "test samples": len(trainer.task.test_set),
+            "classes": int(trainer.task.num_classes)}
 
 
 def restore_totals(trainer: Trainer) -> None:

@@ -111,9 +111,28 @@ def test_a_corrupt_image_stops_the_run_before_training(tmp_path, capsys):
     assert main(["train", "--task", "image-folder", "--data", str(tmp_path / "imgs"), "--max-steps", "1",
                  "--batch-size", "4", "--no-progress", "--run-dir", str(tmp_path / "r")]) == 2
     captured = capsys.readouterr()
-    assert "is not a readable image (UnidentifiedImageError)" in captured.err and "0.png" in captured.err
+    bad = tmp_path / "imgs" / "cats" / "0.png"
+    assert captured.err == f"layerfreeze: error: data.path: {bad} is not a readable image (UnidentifiedImageError); " \
+                           "remove or convert it\n"
     assert "cache: off" not in captured.out  # not taken for a reason to run without the cache
-    assert not list((tmp_path / "r").glob("checkpoints/*"))  # stopped before any step
+    assert not (tmp_path / "r").exists()  # found when the data loads, before the run folder exists
+
+
+def test_an_empty_class_folder_is_named_and_a_run_folder_inside_the_data_refused(tmp_path, capsys):
+    for name in ("cats", "dogs"):
+        (tmp_path / "imgs" / name).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / name / "0.png")
+    (tmp_path / "imgs" / "empty").mkdir()
+    assert main(["train", "--task", "image-folder", "--data", str(tmp_path / "imgs"), "--run-dir",
+                 str(tmp_path / "r")]) == 2
+    _one_line(capsys, f"layerfreeze: error: data.path {tmp_path / 'imgs'} is not a folder of class sub-folders with "
+                      "images (sub-folder(s) without an image: empty; remove them or add images)")
+    (tmp_path / "imgs" / "empty").rmdir()
+    assert main(["train", "--task", "image-folder", "--data", str(tmp_path / "imgs"), "--run-dir",
+                 str(tmp_path / "imgs" / "run")]) == 2
+    _one_line(capsys, f"layerfreeze: error: Invalid configuration: run.dir {tmp_path / 'imgs' / 'run'} is inside "
+                      f"data.path {tmp_path / 'imgs'}: a run writes its checkpoints")
+    assert sorted(p.name for p in (tmp_path / "imgs").iterdir()) == ["cats", "dogs"]
 
 
 # ---- compare ------------------------------------------------------------------------------------------------------

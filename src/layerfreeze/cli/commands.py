@@ -347,7 +347,8 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     for_steps = plan.predicted_for_samples(seen)
     measured_peak = got["measured_peak_bytes"]
     console.print(
-        f"check: predicted tensor peak {format_bytes(for_steps)} for these {summary['steps']} steps"
+        f"check: predicted tensor peak {format_bytes(for_steps)} for these {summary['steps']} "
+        f"step{'s' if summary['steps'] != 1 else ''}"
         + (f" (the cache holding {seen} of {cache.samples} samples; {format_bytes(plan.predicted_peak_bytes)} once "
            "it holds them all)" if cache is not None and chosen.cache_budget_bytes is not None else "")
         + f", measured {format_bytes(measured_peak)}: {100 * (measured_peak / for_steps - 1):+.1f}%; "

@@ -346,6 +346,12 @@ class Config(_Section):
             for key, path in (("data.path", self.data.path), ("data.test_path", self.data.test_path)):
                 if path and not Path(path).exists():
                     raise ValueError(f"{key} {path} does not exist")
+                if path and self.run.dir and self.task == "image-folder" and Path(path).is_dir() and (
+                        Path(path).resolve() == Path(self.run.dir).resolve()
+                        or Path(path).resolve() in Path(self.run.dir).resolve().parents):
+                    raise ValueError(f"run.dir {self.run.dir} is inside {key} {path}: a run writes its checkpoints "
+                                     "and report there, and the next run would read them as data; pick a --run-dir "
+                                     "outside the data")
             if self.task == "text-lm" and not self.model.name_or_path:
                 raise ValueError("task 'text-lm' needs model.name_or_path (--model): a local Hugging Face causal LM "
                                  "folder (no decoder LM weights install offline)")

@@ -28,8 +28,7 @@ from layerfreeze.strategies import DEFAULT_STRATEGY, UnknownStrategyError, check
 from layerfreeze.train.config_file import deep_merge, read_config_file
 
 #: Short precision names people write, as Lightning reads them (``Trainer(precision="bf16")`` is bf16-mixed).
-PRECISION_ALIASES = {"16": "16-mixed", "fp16": "16-mixed", "16-mixed": "16-mixed", "bf16": "bf16-mixed",
-                     "32": "32-true", "fp32": "32-true"}
+PRECISION_ALIASES = {"16": "16-mixed", "fp16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "fp32": "32-true"}
 
 TASKS = ("bbc-news", "fashion-mnist", "text-csv", "image-folder", "text-lm")
 
@@ -346,9 +345,8 @@ class Config(_Section):
             for key, path in (("data.path", self.data.path), ("data.test_path", self.data.test_path)):
                 if path and not Path(path).exists():
                     raise ValueError(f"{key} {path} does not exist")
-                if path and self.run.dir and self.task == "image-folder" and Path(path).is_dir() and (
-                        Path(path).resolve() == Path(self.run.dir).resolve()
-                        or Path(path).resolve() in Path(self.run.dir).resolve().parents):
+                if (path and self.run.dir and self.task == "image-folder" and Path(path).is_dir()
+                        and Path(self.run.dir).resolve().is_relative_to(Path(path).resolve())):
                     raise ValueError(f"run.dir {self.run.dir} is inside {key} {path}: a run writes its checkpoints "
                                      "and report there, and the next run would read them as data; pick a --run-dir "
                                      "outside the data")
@@ -576,7 +574,7 @@ def _params_of_another_strategy_dropped(data: dict[str, Any], override: dict[str
     """``data`` without its ``freeze.params`` when ``override`` names another strategy: parameters belong to the
     strategy they were written for (a config's ``static`` ``k``, blocks to freeze, is not ``lisa``'s ``k``, steps
     between switches); the override's own parameters, and later ones, still apply."""
-    new = (override.get("freeze") or {}).get("strategy") if isinstance(override.get("freeze"), dict) else None
+    new = override["freeze"].get("strategy") if isinstance(override.get("freeze"), dict) else None
     freeze = data.get("freeze")
     if new is None or not isinstance(freeze, dict) or freeze.get("strategy", DEFAULT_STRATEGY) == new:
         return data

@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 from torch import nn
 from torch.utils.data import Dataset, Subset
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from layerfreeze.errors import ConfigError
 from layerfreeze.train import assets, data
@@ -146,10 +147,6 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
     return peft_model.base_model.model  # the original model class, now holding LoRA layers
 
 
-#: The file endings torchvision's ImageFolder reads as images.
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp"})
-
-
 def _image_folder(path: str, size: int, key: str) -> data.ImageFolderDictDataset:
     """:func:`data.load_image_folder`, its "no class folder / no image" errors (torchvision's, which list every
     sub-folder) as one line naming ``key``.
@@ -162,7 +159,7 @@ def _image_folder(path: str, size: int, key: str) -> data.ImageFolderDictDataset
         dataset = data.load_image_folder(path, size=size)
     except FileNotFoundError:
         folders = sorted(child.name for child in Path(path).iterdir() if child.is_dir())
-        empty = [name for name in folders if not any(f.suffix.lower() in IMAGE_SUFFIXES
+        empty = [name for name in folders if not any(f.suffix.lower() in IMG_EXTENSIONS
                                                      for f in (Path(path) / name).rglob("*"))]
         what = (f"{len(folders)} sub-folder(s), no image in them" if len(empty) == len(folders)
                 else f"sub-folder(s) without an image: {', '.join(empty)}; remove them or add images")

@@ -418,3 +418,53 @@ def test_a_trainable_class_token_in_the_prefix_is_refused_by_the_cache():
     runner = CachedPrefix(model, blocks, split_for(model, blocks), ActivationCache())
     with pytest.raises(CacheRefused, match="'class_token' in the cached prefix"):
         runner({"pixel_values": torch.randn(4, 3, 16, 16), "index": torch.arange(4)}, depth=1)
+
+
+def test_a_plain_model_trains_without_importing_transformers_or_torchvision(tmp_path):
+    # A family check says no to a model whose library was never imported (no object of its classes can exist) instead
+    # of importing it: transformers and torchvision cost ~2.5 s of every process start on a 2-core CPU. A real
+    # one-epoch Trainer run on an nn.Sequential, with the activation cache (split_for tries every family), in a fresh
+    # interpreter.
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import torch
+from torch import nn
+from layerfreeze.models.discovery import discover_blocks, split_for
+from layerfreeze.train.config import build_config
+from layerfreeze.train.data import GaussianBlobs
+from layerfreeze.train.tasks import Task, image_forward
+from layerfreeze.train.trainer import Trainer
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+task = Task("points", model, GaussianBlobs(32, seed=1), GaussianBlobs(8, seed=2), 4, "mlp", image_forward)
+cfg = build_config({"train": {"epochs": 1, "batch_size": 8},
+                    "freeze": {"strategy": "smartfrz", "cache": {"mode": "on"}},
+                    "run": {"dir": sys.argv[1], "progress": False, "tensorboard": False}})
+trainer = Trainer(cfg, task=task)
+trainer.run()
+assert type(split_for(model, discover_blocks(model))).__name__ == "SequentialSplit"
+print(sorted(m for m in ("transformers", "torchvision", "timm") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_a_family_whose_library_was_never_imported_says_so_in_the_split_error(monkeypatch):
+    # split_for's refusal names the families it skipped and why (their library is not imported), as it names the
+    # ones that checked and refused
+    import sys
+
+    from layerfreeze.models.forward_split import never_imported
+
+    assert not never_imported("torchvision") and never_imported("no_such_package_xyz") and not never_imported(None)
+    monkeypatch.delitem(sys.modules, "transformers")
+    with pytest.raises(ValueError) as err:
+        split_for(nn.Module(), discover_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))))
+    assert "Hugging Face BertForSequenceClassification: Module is not one (transformers is not imported)" in str(
+        err.value)
+    assert "torchvision MobileNetV2: Module is not a torchvision MobileNetV2" in str(err.value), str(err.value)

@@ -24,7 +24,7 @@ from layerfreeze.models.blocks import (
     blocks_from_patterns,
     resolve_ties,
 )
-from layerfreeze.models.forward_split import ModelSplit
+from layerfreeze.models.forward_split import ModelSplit, never_imported
 from layerfreeze.models.registry import discoverers, splits
 
 
@@ -146,6 +146,9 @@ def split_for(model: nn.Module, blocks: Sequence[Block], input_key: str = "pixel
     """
     reasons = []
     for cls in splits():
+        if never_imported(cls.library):
+            reasons.append(f"  {cls.family}: {type(model).__name__} is not one ({cls.library} is not imported)")
+            continue
         try:
             cls.check_model(model)
         except ValueError as exc:

@@ -365,6 +365,12 @@ def load_fashion_mnist(
     )
 
 
+def unreadable_image(key: str, path: Any, err: OSError, then: str = "") -> ConfigError:
+    """The one-line error for an image file PIL cannot read (``err``: PIL.UnidentifiedImageError, a truncated
+    file), naming the config ``key``, the file and what to do; ``then`` is appended to the advice."""
+    return ConfigError(f"{key}: {path} is not a readable image ({type(err).__name__}); remove or convert it{then}")
+
+
 class ImageFolderDictDataset(Dataset):
     """Wraps a ``(image, label)`` dataset (e.g. torchvision ``ImageFolder``) to yield dict items.
 
@@ -391,8 +397,7 @@ class ImageFolderDictDataset(Dataset):
         except OSError as err:  # PIL.UnidentifiedImageError, a truncated file
             samples = getattr(self.dataset, "samples", None)
             path = samples[i][0] if samples else f"sample {i}"
-            raise ConfigError(f"data.path: {path} is not a readable image ({type(err).__name__}); remove or convert "
-                              "it, then resume the run") from None
+            raise unreadable_image("data.path", path, err, then=", then resume the run") from None
         return {
             "pixel_values": image,
             "labels": torch.tensor(label, dtype=torch.int64),

@@ -25,7 +25,6 @@ import torch
 from PIL import Image
 from torch import nn
 from torch.utils.data import Dataset, Subset
-from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from layerfreeze.errors import ConfigError
 from layerfreeze.train import assets, data
@@ -158,6 +157,8 @@ def _image_folder(path: str, size: int, key: str) -> data.ImageFolderDictDataset
     try:
         dataset = data.load_image_folder(path, size=size)
     except FileNotFoundError:
+        from torchvision.datasets.folder import IMG_EXTENSIONS  # here: torchvision's import costs ~1 s (Dynamo)
+
         folders = sorted(child.name for child in Path(path).iterdir() if child.is_dir())
         empty = [name for name in folders if not any(f.suffix.lower() in IMG_EXTENSIONS
                                                      for f in (Path(path) / name).rglob("*"))]
@@ -169,8 +170,7 @@ def _image_folder(path: str, size: int, key: str) -> data.ImageFolderDictDataset
         try:  # before training, not when a batch first reads it
             Image.open(file).close()
         except OSError as err:
-            raise ConfigError(f"{key}: {file} is not a readable image ({type(err).__name__}); remove or convert "
-                              "it") from None
+            raise data.unreadable_image(key, file, err) from None
     return dataset
 
 

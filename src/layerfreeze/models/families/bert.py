@@ -101,6 +101,7 @@ class BertSplit(ModelSplit):
 
     family = "Hugging Face BertForSequenceClassification"
     input_keys = ("input_ids", "token_type_ids", "attention_mask")
+    library = "transformers"
 
     @classmethod
     def check_model(cls, model: nn.Module) -> None:

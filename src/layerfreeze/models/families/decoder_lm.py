@@ -130,6 +130,7 @@ class LlamaStyleSplit(ModelSplit):
 
     family = "Hugging Face Llama-style decoder LM (Llama, Gemma, Mistral, Qwen2, Qwen3)"
     input_keys = ("input_ids", "attention_mask")
+    library = "transformers"
 
     @classmethod
     def check_model(cls, model: nn.Module) -> None:
@@ -211,6 +212,7 @@ class GPT2Split(ModelSplit):
 
     family = "Hugging Face GPT2LMHeadModel"
     input_keys = ("input_ids", "attention_mask")
+    library = "transformers"
 
     @classmethod
     def check_model(cls, model: nn.Module) -> None:

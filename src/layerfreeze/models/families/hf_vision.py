@@ -64,6 +64,7 @@ class ViTSplit(ModelSplit):
 
     family = "Hugging Face ViTForImageClassification / DeiTForImageClassification"
     input_keys = ("pixel_values",)
+    library = "transformers"
 
     @classmethod
     def check_model(cls, model: nn.Module) -> None:

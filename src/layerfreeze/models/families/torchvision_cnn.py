@@ -43,6 +43,7 @@ class MobileNetV2Split(ModelSplit):
 
     family = "torchvision MobileNetV2"
     input_keys = ("pixel_values",)
+    library = "torchvision"
 
     @classmethod
     def check_model(cls, model: nn.Module) -> None:
@@ -77,6 +78,7 @@ class ResNetSplit(ModelSplit):
 
     family = "torchvision ResNet"
     input_keys = ("pixel_values",)
+    library = "torchvision"
 
     @classmethod
     def check_model(cls, model: nn.Module) -> None:

@@ -15,13 +15,15 @@ from torch import nn
 
 from layerfreeze.models.blocks import Block, head_entry, make_blocks
 from layerfreeze.models.families.generic import around_stack
-from layerfreeze.models.forward_split import Batch, ModelSplit, Stage, call, exact_forward
+from layerfreeze.models.forward_split import Batch, ModelSplit, Stage, call, exact_forward, never_imported
 from layerfreeze.models.registry import register_blocks, register_split
 
 
 @register_blocks("torchvision ViT / Swin", order=25)
 def discover_torchvision_transformer(model: nn.Module) -> list[Block] | None:
     """The blocks of a torchvision ``VisionTransformer`` or ``SwinTransformer``, or None for another model."""
+    if never_imported("torchvision"):
+        return None
     try:
         from torchvision.models import SwinTransformer, VisionTransformer
     except ImportError:  # pragma: no cover - torchvision is optional
@@ -49,6 +51,7 @@ class TorchvisionViTSplit(ModelSplit):
 
     family = "torchvision VisionTransformer"
     input_keys = ("pixel_values",)
+    library = "torchvision"
 
     @classmethod
     def check_model(cls, model: nn.Module) -> None:

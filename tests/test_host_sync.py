@@ -183,7 +183,7 @@ def test_the_trainers_step_reads_only_its_loss(tmp_path, cache):
         assert [syncs(c) for _, c in plain] == [1] * 5 + [0] * 5
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("strategy", list(BUDGET))
 def test_steps_without_a_stage_do_not_synchronise_on_cuda(strategy):
     budget = BUDGET[strategy]

@@ -23,7 +23,6 @@ from tests.test_smartfrz import _biased_predictor, stack
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 # ---------------------------------------------------------------------------------------------------- the reader
@@ -54,7 +53,7 @@ def test_reader_refuses_what_does_not_fit():
         StageReader(rows=0, width=4)
 
 
-@CUDA
+@pytest.mark.cuda
 def test_cuda_read_never_synchronises_and_equals_the_cpu_read():
     torch.manual_seed(0)
     w = torch.randn(300, 200)

@@ -30,10 +30,12 @@ REFUSALS = [
 
 def _args(tmp_path, extra):
     # a task whose model and data are not even read: the refusal comes first (the data file exists, empty: a missing
-    # one is refused with the config, another error)
+    # one is refused with the config, another error). --device cpu: on a machine with fewer GPUs than ranks the
+    # ranks-and-devices refusal would come first (issue 41; tests/test_rank_device.py)
     (tmp_path / "never-read.csv").touch()
     return ["train", "--task", "text-csv", "--data", str(tmp_path / "never-read.csv"), "--model",
-            str(tmp_path / "never-loaded"), "--no-progress", "--run-dir", str(tmp_path / "run"), *extra]
+            str(tmp_path / "never-loaded"), "--no-progress", "--device", "cpu", "--run-dir", str(tmp_path / "run"),
+            *extra]
 
 
 @pytest.mark.parametrize("extra, line", REFUSALS[:2], ids=["fsdp-demote", "fsdp-budget"])

@@ -2,7 +2,9 @@
 TotalFlopCounter`) gives the count ``FlopCounterMode`` gives (with layerfreeze's convolution-backward formula), equal
 as ints, on whole training steps (forward, backward, clipping, AdamW step) of a tiny BERT, GPT-2 and Llama and of
 torchvision's MobileNetV2 (depthwise convolutions) and ResNet-18, with none and with a prefix of blocks frozen, in
-float32 and under bfloat16 autocast: every FLOP figure measured before it stays the same (issue 40 item 4)."""
+float32 and under bfloat16 autocast, on the CPU and on CUDA where one is visible (issue 41: the counts are taken at
+dispatch, so a CUDA step counts what a CPU step counts): every FLOP figure measured before it stays the same (issue 40
+item 4)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from layerfreeze import discover_blocks
 from layerfreeze.runs.flops import FLOP_FORMULAS, TotalFlopCounter
 from layerfreeze.runs.measure import measure_flops
+from tests.conftest import DEVICES
 
 transformers = pytest.importorskip("transformers")
 torchvision = pytest.importorskip("torchvision")
@@ -26,21 +29,21 @@ warnings.filterwarnings("ignore", message=".*(bos|eos|pad)_token_id.*")
 VOCAB, SEQ, BATCH = 48, 16, 4
 
 
-def _text_batch() -> dict[str, torch.Tensor]:
+def _text_batch(device: str) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     mask = torch.ones_like(ids)
     mask[0, SEQ // 2:] = 0  # one padded row: the attention mask is used
-    return {"input_ids": ids, "attention_mask": mask}
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
 
 
-def _bert(tiny_bert_dir) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+def _bert(tiny_bert_dir, device: str) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
     model = transformers.BertForSequenceClassification.from_pretrained(tiny_bert_dir)
-    batch, labels = _text_batch(), torch.tensor([0, 1, 1, 0])  # the saved head has 2 classes
+    batch, labels = _text_batch(device), torch.tensor([0, 1, 1, 0], device=device)  # the saved head has 2 classes
     return model, lambda m: F.cross_entropy(m(**batch).logits, labels)
 
 
-def _decoder(name: str) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+def _decoder(name: str, device: str) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
     if name == "gpt2":
         config = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=32)
         model = transformers.GPT2LMHeadModel(config)
@@ -49,24 +52,28 @@ def _decoder(name: str) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], to
                                           num_key_value_heads=1, intermediate_size=32, vocab_size=VOCAB,
                                           max_position_embeddings=32, tie_word_embeddings=False)
         model = transformers.LlamaForCausalLM(config)
-    batch = _text_batch()
+    batch = _text_batch(device)
     return model, lambda m: m(**batch, labels=batch["input_ids"]).loss
 
 
-def _vision(name: str) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+def _vision(name: str, device: str) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
     model = getattr(torchvision.models, name)(weights=None, num_classes=10)
     g = torch.Generator().manual_seed(0)
-    x, labels = torch.randn(BATCH, 3, 32, 32, generator=g), torch.tensor([0, 3, 5, 9])
+    x, labels = torch.randn(BATCH, 3, 32, 32, generator=g).to(device), torch.tensor([0, 3, 5, 9], device=device)
     return model, lambda m: F.cross_entropy(m(x), labels)
 
 
-def _build(name: str, tiny_bert_dir) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+def _build(name: str, tiny_bert_dir, device: str = "cpu",
+           ) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+    """The model (on ``device``) and its loss on a fixed batch (on ``device``)."""
     torch.manual_seed(0)
     if name == "bert":
-        return _bert(tiny_bert_dir)
-    if name in ("gpt2", "llama"):
-        return _decoder(name)
-    return _vision(name)
+        model, loss_fn = _bert(tiny_bert_dir, device)
+    elif name in ("gpt2", "llama"):
+        model, loss_fn = _decoder(name, device)
+    else:
+        model, loss_fn = _vision(name, device)
+    return model.to(device), loss_fn
 
 
 def _train_step(model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer, autocast: bool):
@@ -76,7 +83,8 @@ def _train_step(model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimize
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        device_type = next(model.parameters()).device.type
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
             loss = loss_fn(model)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -93,10 +101,12 @@ def _torch_count(step) -> int:
     return int(counter.get_total_flops())
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "mobilenet_v2", "resnet18"])
-def test_counts_equal_flop_counter_mode_on_training_steps(name: str, autocast: bool, tiny_bert_dir) -> None:
-    model, loss_fn = _build(name, tiny_bert_dir)
+def test_counts_equal_flop_counter_mode_on_training_steps(name: str, autocast: bool, device: str,
+                                                          tiny_bert_dir) -> None:
+    model, loss_fn = _build(name, tiny_bert_dir, device)
     model.train()
     blocks = discover_blocks(model)
     counts = {}

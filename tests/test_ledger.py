@@ -19,7 +19,7 @@ from layerfreeze.runs.ledger_records import LedgerPeaks, LedgerSnapshot, memory_
 from layerfreeze.runs.rundir import read_metrics
 from layerfreeze.train.config import build_config
 from layerfreeze.train.trainer import Trainer
-from tests.conftest import blob_task
+from tests.conftest import DEVICES, blob_task
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,10 +40,19 @@ def _step(model, optimizer, ledger, x, loss=lambda out: out.sum()):
     return ledger.last
 
 
-def test_ledger_matches_bytes_computed_by_hand_before_and_after_a_freeze():
-    model = _mlp()
+def _step_counters_on(optimizer) -> str:
+    """Where torch keeps AdamW's ``step`` counters: on the host for a CUDA parameter unless ``capturable`` or ``fused``
+    (torch.optim.adam's ``_init_group``), on the parameter's device otherwise."""
+    (where,) = {str(s["step"].device) for s in optimizer.state.values()}
+    return where
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ledger_matches_bytes_computed_by_hand_before_and_after_a_freeze(device):
+    # on CUDA the same bytes (the kernels save the same tensors), split by device: AdamW's step counters on the host
+    model = _mlp().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(B, 8)
+    x = torch.randn(B, 8).to(device)
     with Freezer(model, optimizer, "none") as freezer, MemoryLedger(model, optimizer, freezer=freezer) as ledger:
         before = _step(model, optimizer, ledger, x)
         freezer.freeze(0)
@@ -63,7 +72,16 @@ def test_ledger_matches_bytes_computed_by_hand_before_and_after_a_freeze():
     assert before.activations_outside == 0  # .sum() saves nothing
     assert before.params_dtype == {"trainable": {"float32": p0 + p1}}
     assert before.tensor_bytes == 2 * (p0 + p1) + adam0 + adam1 + x_bytes + relu_bytes == 6480
-    assert list(before.devices) == ["cpu"] and before.allocator == {} and before.rss_bytes > 0
+    assert before.rss_bytes > 0
+    if device == "cpu":
+        assert list(before.devices) == ["cpu"] and before.allocator == {}
+    else:
+        on = str(next(model.parameters()).device)
+        steps = 4 * F32  # four parameters, a float32 counter each
+        host = steps if _step_counters_on(optimizer) == "cpu" else 0
+        assert before.devices[on]["optimizer"] == adam0 + adam1 - host
+        assert before.devices.get("cpu", {}).get("optimizer", 0) == host
+        assert sum(before.devices[on].values()) == 6480 - host and on in before.allocator
 
     # frozen: block 0's gradients and AdamW state are freed, and the frozen prefix saves nothing (its input gone);
     # Linear(16, 4) still saves its input, the frozen prefix's output
@@ -81,10 +99,11 @@ def test_ledger_matches_bytes_computed_by_hand_before_and_after_a_freeze():
     assert peaks["blocks"]["activations"] == [x_bytes, relu_bytes]
 
 
-def test_the_loss_counts_outside_the_blocks_and_gradient_accumulation_counts_one_forward():
-    model = _mlp()
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_loss_counts_outside_the_blocks_and_gradient_accumulation_counts_one_forward(device):
+    model = _mlp().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # no state: no optimizer bytes
-    x, y = torch.randn(B, 8), torch.randint(0, 4, (B,))
+    x, y = torch.randn(B, 8).to(device), torch.randint(0, 4, (B,)).to(device)
     with Freezer(model, optimizer, "none") as freezer:
         ledger = MemoryLedger(model, optimizer, blocks=freezer.blocks)
         snap = _step(model, optimizer, ledger, x, lambda out: F.cross_entropy(out, y))

@@ -127,7 +127,13 @@ def _cli(*args, **kw):
 
 
 @pytest.mark.assets("minilm")
-def test_ctrl_c_in_a_real_process_then_resume_equals_the_uninterrupted_run(tmp_path, tiny_bert_dir, tiny_csv):
+@pytest.mark.parametrize("signum, code, said", [(signal.SIGINT, 130, "Interrupted."),
+                                                (signal.SIGTERM, 143, "Stopped by SIGTERM.")],
+                         ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_in_a_real_process_then_resume_equals_the_uninterrupted_run(tmp_path, tiny_bert_dir,
+                                                                                     tiny_csv, signum, code, said):
+    # SIGTERM (kill, docker stop, a SLURM preemption) is answered as Ctrl-C is: the step ends, a checkpoint is written
+    # and the resume is exact (before: the default action, no checkpoint since the last periodic one)
     common = ["train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir),
               "--epochs", "2", "--batch-size", "4", "--lr", "1e-3", "-s", "static", "-p", "k=1",
               "--no-progress", "--set", "model.max_length=32", "--set", "run.threads=1"]
@@ -140,10 +146,10 @@ def test_ctrl_c_in_a_real_process_then_resume_equals_the_uninterrupted_run(tmp_p
         if metrics.exists() and sum('"type": "step"' in line for line in metrics.read_text().splitlines()) >= 3:
             break
         time.sleep(0.05)
-    cut.send_signal(signal.SIGINT)
+    cut.send_signal(signum)
     out, _ = cut.communicate(timeout=120)
-    assert cut.returncode == 130, out
-    assert f"layerfreeze train --resume {cut_dir}" in out
+    assert cut.returncode == code, out
+    assert f"{said} A checkpoint is in" in out and f"layerfreeze train --resume {cut_dir}" in out
     stopped_at = max(r["step"] for r in read_metrics(cut_dir) if r["type"] == "step")
     assert stopped_at < 20  # 2 epochs of 10 steps (38 train rows / 4)
 

@@ -8,6 +8,7 @@ import argparse
 import inspect
 import json
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -133,13 +134,15 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     except KeyboardInterrupt:
         if trainer.stopped_together:
             close_distributed()  # every rank stopped after the same step, checkpointed: none is in a collective
+        by = trainer.stop_signal
+        what = "Interrupted" if by == signal.SIGINT else f"Stopped by {signal.Signals(by).name}"
         if speaks:
             if (trainer.run_dir / rundir.CHECKPOINTS_DIR).is_dir():
-                console.print(f"\nInterrupted. A checkpoint is in {checkpoint}; continue with:\n"
+                console.print(f"\n{what}. A checkpoint is in {checkpoint}; continue with:\n"
                               f"  {again} train --resume {trainer.run_dir}")
             else:
-                console.print("\nInterrupted before the first checkpoint; nothing to resume.")
-        return 130
+                console.print(f"\n{what} before the first checkpoint; nothing to resume.")
+        return 128 + int(by)  # 130 for Ctrl-C, 143 for SIGTERM, as a shell reports a process the signal ended
     except (DivergenceError, FrozenWeightsChangedError, UnfrozenParameterError) as exc:
         Console(stderr=True, soft_wrap=True).print(
             f"[bold red]layerfreeze: run stopped:[/] {exc}\nThe last checkpoint is in {checkpoint} "

@@ -118,6 +118,7 @@ class Trainer:
         self.distributed = False  # set by setup() when the launcher describes several ranks
         self.fsdp = False  # set by setup(): distributed with run.parallel fsdp
         self._stop_agreed = False  # distributed: some rank got a Ctrl-C (all-reduced in every step)
+        self.stop_signal = signal.SIGINT  # what stopped the run: SIGINT (Ctrl-C) or, single-process, SIGTERM
         self.rank_fields: list[Callable[[Trainer], dict[str, Any]]] = []
         self.rank_telemetry: tm.Telemetry | tm.NullTelemetry = tm.NullTelemetry()
         self._collective_bytes: dict[str, int] = {}  # FSDP2: bytes of the last step's all-gathers / reduce-scatters
@@ -169,7 +170,8 @@ class Trainer:
         """Train, evaluate every epoch, checkpoint, and return the summary (also written to ``summary.json``).
 
         Raises:
-            KeyboardInterrupt: re-raised after writing a resumable checkpoint.
+            KeyboardInterrupt: after a Ctrl-C, or a SIGTERM in a single-process run (``kill``, ``docker stop``, a
+                SLURM preemption; :attr:`stop_signal` says which), re-raised after writing a resumable checkpoint.
         """
         cfg = self.config
         measure.release_garbage()  # an earlier run in this process (compare's rows) must not count in this one's peak
@@ -248,7 +250,8 @@ class Trainer:
                         self.model.train()
                     # distributed: only a stop every rank has agreed on (all-reduced in the step) ends the loop here
                     if self._stop_agreed if self.distributed else self._stop_requested:
-                        raise KeyboardInterrupt("stopped by Ctrl-C after a complete step")
+                        raise KeyboardInterrupt(f"stopped by {signal.Signals(self.stop_signal).name} after a "
+                                                "complete step")
                     if due:
                         write_checkpoint(self, epoch, done_in_epoch, reason="periodic")
                 bar.close()
@@ -292,13 +295,17 @@ class Trainer:
         return summary
 
     def _install_sigint(self) -> Callable[[], None]:
-        """First Ctrl-C: finish the current step, checkpoint, stop. Second Ctrl-C: stop at once.
+        """First Ctrl-C (or SIGTERM): finish the current step, checkpoint, stop. A second one: stop at once.
 
         Stopping between steps keeps model, optimizer and data position consistent, so the resumed run is exact.
+        SIGTERM (``kill``, ``docker stop``, a SLURM preemption, whose grace period is seconds to minutes) is answered
+        so in a single-process run; under torchrun it keeps its default, because a rank blocked in a collective
+        (its peer gone) runs no Python handler, and torchrun's SIGTERM after a peer's failure must end it.
         """
-        self._stop_requested = False  # this process got a Ctrl-C
+        self._stop_requested = False  # this process got a Ctrl-C / SIGTERM
         self._stop_agreed = False  # distributed: some rank got one (all-reduced in every step)
         self._due = False  # a periodic checkpoint is due after this step (agreed across ranks)
+        self.stop_signal = signal.SIGINT
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
 
@@ -306,10 +313,19 @@ class Trainer:
             if self._stop_requested:
                 raise KeyboardInterrupt
             self._stop_requested = True
-            tqdm.write("Ctrl-C: stopping after this step and writing a checkpoint (press again to stop now)")
+            self.stop_signal = signal.Signals(signum)
+            again = "press again" if signum == signal.SIGINT else "a second SIGTERM"
+            tqdm.write(f"{'Ctrl-C' if signum == signal.SIGINT else 'SIGTERM'}: stopping after this step and writing "
+                       f"a checkpoint ({again} stops now)")
 
-        previous = signal.signal(signal.SIGINT, handler)
-        return lambda: signal.signal(signal.SIGINT, previous)
+        signals = [signal.SIGINT] if self.distributed else [signal.SIGINT, signal.SIGTERM]
+        previous = {signum: signal.signal(signum, handler) for signum in signals}
+
+        def restore() -> None:
+            for signum, old in previous.items():
+                signal.signal(signum, old)
+
+        return restore
 
     def _end_epoch(self, epoch: int, epoch_time: float, train_loss: float) -> None:
         eval_start = time.perf_counter()

@@ -423,6 +423,10 @@ def test_the_input_key_of_an_nn_sequential_is_named_found_or_asked_for():
         found({"x": x})
     with pytest.raises(ValueError, match="one integer sample position per sample"):
         found({"x": x, "index": ["a"] * 6})
+    # a TensorDataset's (x, y) batch: one line saying what to return, not "'tuple' object has no attribute 'items'"
+    with pytest.raises(TypeError, match=r"CachedPrefix needs a dict batch .* not a tuple: have the dataset return "
+                                        r"dicts"):
+        CachedPrefix(model, freezer=freezer)((x, torch.zeros(6, dtype=torch.long)))
 
 
 def test_a_fixed_input_family_names_its_keys_and_refuses_input_key():

@@ -130,3 +130,16 @@ def test_a_full_fsdp2_checkpoint_loads_into_an_unsharded_model_and_trains_on(tmp
     assert freezer.frozen == reference["frozen"] == [True, True, False, False, False]  # the thaw at step 4
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, torch.tensor(reference["weights"][key]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_path_that_does_not_exist_or_is_a_file_says_so(tmp_path):
+    # it said "is incomplete: model.safetensors is missing", which sends one looking for a damaged checkpoint
+    model = make_net()
+    with pytest.raises(CheckpointError, match=r"nope does not exist \(a checkpoint is the folder save_checkpoint"):
+        load_checkpoint(tmp_path / "nope", model)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="file is a file, not a checkpoint folder"):
+        load_checkpoint(tmp_path / "file", model)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="is incomplete: model.safetensors is missing"):
+        load_checkpoint(tmp_path / "empty", model)

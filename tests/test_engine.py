@@ -316,3 +316,23 @@ def test_stages_see_the_median_step_times_with_and_without_a_stage(monkeypatch):
         freezer.step()
     assert len(freezer._step_times.step) == 16 and len(freezer._step_times.stage) == 13  # the last 16 at most
     assert freezer._step_times.medians() == (pytest.approx(0.5), pytest.approx(0.5))
+
+
+def test_a_block_out_of_range_or_of_the_wrong_type_is_one_clear_error_listing_the_blocks():
+    # freeze(99) on a 3-block model was a bare "list index out of range"; freeze(-1) froze the head in silence.
+    # On an nn.Sequential the names are the child indices ("0", "2", "4"), not the positions: the message shows both
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Freezer(model, optimizer, "none") as freezer:
+        for index in (99, 3, -1):
+            with pytest.raises(IndexError, match=rf"block index {index} is out of range: the model has 3 blocks, "
+                                                 r"0 to 2 \(index=name: 0=0, 1=2, 2=4\)"):
+                freezer.freeze(index)
+        with pytest.raises(KeyError, match=r"No block named '9'; blocks \(index=name\): 0=0, 1=2, 2=4"):
+            freezer.thaw("9")
+        with pytest.raises(TypeError, match="index \\(int\\) or its name \\(str\\), not float"):
+            freezer.freeze(1.0)
+        assert freezer.frozen == [False, False, False]
+        import numpy as np
+
+        assert freezer.freeze(np.int64(1)) and freezer.freeze("0") and freezer.frozen == [True, True, False]

@@ -174,6 +174,10 @@ def read_state(path: Path) -> dict[str, Any]:
         CheckpointError: a missing file, an unreadable state file, another format version, corrupt weights.
     """
     weights, state_file = path / "model.safetensors", path / "state.pt"
+    if not path.is_dir():
+        what = "is a file, not a checkpoint folder" if path.exists() else "does not exist"
+        raise CheckpointError(f"Checkpoint {path} {what} (a checkpoint is the folder save_checkpoint wrote, with "
+                              "model.safetensors and state.pt)")
     for f in (weights, state_file):
         if not f.is_file():
             raise CheckpointError(f"Checkpoint {path} is incomplete: {f.name} is missing")

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -263,6 +263,7 @@ class CachedPrefix:
             CacheRefused: a stochastic prefix module, a trainable prefix parameter, or a sample whose inputs
                 changed since it was cached (unless ``fallback``).
             ValueError: no ``depth`` and no freezer; ``depth`` beyond the freezer's frozen prefix; no ``"index"``.
+            TypeError: ``batch`` is not a dict (a tuple batch).
         """
         if depth is None:
             if self.freezer is None:
@@ -332,9 +333,14 @@ class CachedPrefix:
         be named (``nn.Sequential``) when the default one is not there.
 
         Raises:
+            TypeError: ``batch`` is not a mapping (a ``(x, y)`` tuple, as a ``TensorDataset`` loader yields).
             ValueError: an input key is missing (or, to find it, the batch has none or several candidates): the
                 message names the key expected, the batch's keys and ``input_key=`` to name another.
         """
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"CachedPrefix needs a dict batch (its inputs and 'index', each sample's position in its "
+                            f"dataset), not a {type(batch).__name__}: have the dataset return dicts, e.g. "
+                            "{'pixel_values': x, 'labels': y, 'index': i}")
         if self._find_input_key:
             self._find_input_key = False
             key = self.split.input_keys[0]

@@ -68,7 +68,7 @@ from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, report_metric, run_length, start
 from layerfreeze.engine.timing import StepTimes
-from layerfreeze.models.blocks import Block
+from layerfreeze.models.blocks import Block, block_by_key
 from layerfreeze.models.discovery import discover_blocks, refuse_empty_parameters
 from layerfreeze.strategies import DEFAULT_STRATEGY, Decision, Strategy, create_strategy
 
@@ -264,13 +264,9 @@ class Freezer:
         return [b.name for b, f in zip(self.blocks, self.frozen) if f]
 
     def block(self, key: int | str) -> Block:
-        """A block by index or name. Raises KeyError listing the names for an unknown name."""
-        if isinstance(key, int):
-            return self.blocks[key]
-        for b in self.blocks:
-            if b.name == key:
-                return b
-        raise KeyError(f"No block named {key!r}; blocks: {', '.join(b.name for b in self.blocks)}")
+        """A block by index (0..n-1) or name (a str): :func:`~layerfreeze.models.blocks.block_by_key`, whose
+        IndexError, KeyError and TypeError list the blocks."""
+        return block_by_key(self.blocks, key)
 
     def eval_frozen(self, depth: int | None = None) -> None:
         """Put the frozen blocks among blocks ``0..depth-1`` (all blocks when None) in eval mode now.

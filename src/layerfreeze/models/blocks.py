@@ -21,6 +21,7 @@ embeddings frozen, the tied LM head's matrix is frozen too (untie it, ``tie_word
 from __future__ import annotations
 
 import fnmatch
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -251,3 +252,28 @@ def describe_blocks(blocks: Sequence[Block]) -> str:
     return "\n".join(
         f"{b.index:>3}  {b.name:<32} {b.num_parameters():>12,}{'  (head)' if b.is_head else ''}" for b in blocks
     )
+
+
+def block_by_key(blocks: Sequence[Block], key: int | str) -> Block:
+    """The block at index ``key`` (0 to ``len(blocks) - 1``, front to back; any integer type) or named ``key`` (a
+    str: on an ``nn.Sequential`` the names are its child indices, "0", "2", ..., which need not equal the position).
+
+    Raises:
+        IndexError: an index outside 0..n-1 (the message lists the blocks with their indices and names).
+        KeyError: no block has that name (the message lists the names).
+        TypeError: ``key`` is neither an integer nor a str.
+    """
+    listing = ", ".join(f"{b.index}={b.name}" for b in blocks)
+    if isinstance(key, str):
+        for b in blocks:
+            if b.name == key:
+                return b
+        raise KeyError(f"No block named {key!r}; blocks (index=name): {listing}")
+    try:
+        index = operator.index(key)
+    except TypeError:
+        raise TypeError(f"a block is given by its index (int) or its name (str), not {type(key).__name__}") from None
+    if not 0 <= index < len(blocks):
+        raise IndexError(f"block index {index} is out of range: the model has {len(blocks)} blocks, 0 to "
+                         f"{len(blocks) - 1} (index=name: {listing}); pass a str to select by name")
+    return blocks[index]

@@ -190,3 +190,22 @@ def test_the_summary_table_shows_compile_apart():
     console.print(summary_table(summary))
     text = console.export_text()
     assert "torch.compile" in text and "blocks (inductor): 11 graphs in 9 regions, 32.60 s compiling" in text
+
+
+def test_lora_set_up_lets_no_third_party_deprecation_through():
+    # a newcomer's `compare --rows none,static,lora` printed transformers' two-line FutureWarning (peft 0.21 reads the
+    # deprecated is_gradient_checkpointing); the LoRA set-up is silent, and the adapters are in place
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from layerfreeze.train.tasks import apply_lora
+
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64)
+    model = transformers.BertForSequenceClassification(config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = apply_lora(model, load_config(overrides=[{"model": {"lora": {"r": 4}}}]))
+    assert [str(w.message) for w in caught] == []
+    assert any("lora_A" in name for name, _ in wrapped.named_parameters())

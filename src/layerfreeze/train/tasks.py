@@ -16,6 +16,7 @@ accuracy; :class:`~layerfreeze.train.lm.NextTokenPrediction`: shifted cross-entr
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,8 +140,10 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
     targets = lora.targets if lora.targets is not None else default_lora_targets(model)
     head = [n for n, m in model.named_children() if n in ("classifier", "fc", "head", "score")]
     try:
-        peft_model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                      target_modules=targets, modules_to_save=head))
+        with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated attribute: noise, not ours
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            peft_model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                          target_modules=targets, modules_to_save=head))
     except ValueError as exc:
         raise ConfigError(f"model.lora.targets {targets}: {exc}") from None
     return peft_model.base_model.model  # the original model class, now holding LoRA layers

@@ -336,3 +336,19 @@ def test_a_block_out_of_range_or_of_the_wrong_type_is_one_clear_error_listing_th
         import numpy as np
 
         assert freezer.freeze(np.int64(1)) and freezer.freeze("0") and freezer.frozen == [True, True, False]
+
+
+def test_a_freezer_given_no_model_or_another_models_optimizer_says_so():
+    # Freezer(model, optimizer_of_another_model) was accepted in silence: freezing removed nothing from it and the
+    # model never trained; Freezer("model") was "'str' object has no attribute 'modules'"
+    model, other = make_net(), make_net()
+    with pytest.raises(ValueError, match=r"the optimizer holds 10 parameter tensors and none is this model's"):
+        Freezer(model, torch.optim.SGD(other.parameters(), lr=0.1), "static", {"k": 1})
+    with pytest.raises(TypeError, match="Freezer needs the model \\(a torch.nn.Module\\) first, not a str"):
+        Freezer("model", None)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer \\(or None\\), not a list"):
+        Freezer(model, list(model.parameters()))
+    # an optimizer that also holds a tensor outside the model (a learnable loss weight) is the user's choice
+    extra = nn.Parameter(torch.zeros(()))
+    with Freezer(model, torch.optim.SGD([*model.parameters(), extra], lr=0.1), "none") as freezer:
+        assert freezer.freeze(0)

@@ -63,7 +63,7 @@ from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
 from layerfreeze.engine.lr_factors import apply_lr_scales, check_lr_scales, set_block_lr
 from layerfreeze.engine.mechanics import frozen_blocks_to_eval, frozen_parameters, set_eval_mode
-from layerfreeze.engine.optim import add_to_optimizer, group_origin, remove_from_optimizer
+from layerfreeze.engine.optim import add_to_optimizer, check_model_and_optimizer, group_origin, remove_from_optimizer
 from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, report_metric, run_length, start
@@ -170,6 +170,7 @@ class Freezer:
         demote: Demotion | dict[str, Any] | None = None,
         floor: Sequence[int | str] | None = None,
     ) -> None:
+        check_model_and_optimizer(model, optimizer)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler

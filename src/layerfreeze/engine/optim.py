@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from layerfreeze.distributed.fsdp import fsdp_modules
 from layerfreeze.models.blocks import Block
 
 
@@ -195,3 +196,29 @@ def base_lr(optimizer: torch.optim.Optimizer, groups: Sequence[int],
     group = optimizer.param_groups[groups[0]]
     unscaled = written.get(groups[0], (None,))[0]
     return group.get("initial_lr", unscaled or group["lr"])
+
+
+def check_model_and_optimizer(model: Any, optimizer: Any) -> None:
+    """What ``Freezer(model, optimizer)`` was given is a model and an optimizer of that model.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or ``optimizer`` (when not None) has no ``param_groups``.
+        ValueError: the optimizer holds parameters and none is the model's (one built for another model or a copy:
+            freezing would remove nothing from it, and the model would not train). A model sharded with FSDP2 is
+            checked by :func:`~layerfreeze.distributed.fsdp.check_optimizer_holds_sharded_parameters` instead.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Freezer needs the model (a torch.nn.Module) first, not a {type(model).__name__}")
+    if optimizer is None:
+        return
+    if not hasattr(optimizer, "param_groups"):
+        raise TypeError(f"Freezer's optimizer must be a torch.optim.Optimizer (or None), not a "
+                        f"{type(optimizer).__name__}")
+    if fsdp_modules(model):
+        return
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    mine = {id(p) for p in model.parameters()}
+    if held and mine and not any(id(p) in mine for p in held):
+        raise ValueError(f"the optimizer holds {len(held)} parameter tensors and none is this model's (was it built "
+                         "for another model, or before a copy or .to() that replaced them?): build it from this "
+                         "model, e.g. torch.optim.AdamW(block_param_groups(model, discover_blocks(model)))")

@@ -163,6 +163,14 @@ def test_a_guard_thaw_is_a_line_of_the_runs_output(tmp_path, capsys):
                 f"{t['reason'].removeprefix('guard: ')})") in out
 
 
+def test_the_cache_line_of_a_none_run_says_it_is_idle(tmp_path, capsys):
+    # a newcomer read "kept in up to 5.4 GiB" on compare's `none` row as the cache in use; none freezes no block
+    Trainer(config(tmp_path, "none", freeze={"strategy": "none"}, epochs=1), task=blob_task()).run()
+    out = capsys.readouterr().out
+    assert "cache: auto, idle: strategy none freezes no block, so there is no prefix to cache" in out
+    assert "kept in up to" not in out
+
+
 def test_frozen_prefix_cache_is_on_by_default_gives_the_same_losses_and_skips_prefix_flops(tmp_path, capsys):
     cfg = config(tmp_path, "plain", epochs=3)
     cfg.freeze.cache = {"mode": "off"}

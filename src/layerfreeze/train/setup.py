@@ -437,9 +437,12 @@ def make_cache_runner(trainer: Trainer, blocks: list) -> CachedPrefix | None:
     except CacheRefused as exc:
         raise ConfigError(f"freeze.cache.mode is on but the frozen prefix cannot be cached: {exc}") from None
     if runner is not None and trainer.is_main:
-        tqdm.write(f"cache: {cfg.mode}, frozen-prefix outputs kept in up to "
-                   f"{format_bytes(runner.cache.budget_bytes)} of memory, then in checksummed shards under "
-                   f"{directory}")
+        if trainer.config.freeze.strategy == "none" and not trainer.freezer.floor:  # a newcomer read it as in use
+            tqdm.write(f"cache: {cfg.mode}, idle: strategy none freezes no block, so there is no prefix to cache")
+        else:
+            tqdm.write(f"cache: {cfg.mode}, frozen-prefix outputs kept in up to "
+                       f"{format_bytes(runner.cache.budget_bytes)} of memory, then in checksummed shards under "
+                       f"{directory}")
     return runner
 
 

@@ -135,7 +135,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
         if trainer.stopped_together:
             close_distributed()  # every rank stopped after the same step, checkpointed: none is in a collective
         by = trainer.stop_signal
-        what = "Interrupted" if by == signal.SIGINT else f"Stopped by {signal.Signals(by).name}"
+        what = "Interrupted" if by == signal.SIGINT else f"Stopped by {by.name}"
         if speaks:
             if (trainer.run_dir / rundir.CHECKPOINTS_DIR).is_dir():
                 console.print(f"\n{what}. A checkpoint is in {checkpoint}; continue with:\n"

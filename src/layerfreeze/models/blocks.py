@@ -263,17 +263,19 @@ def block_by_key(blocks: Sequence[Block], key: int | str) -> Block:
         KeyError: no block has that name (the message lists the names).
         TypeError: ``key`` is neither an integer nor a str.
     """
-    listing = ", ".join(f"{b.index}={b.name}" for b in blocks)
+    def listing() -> str:  # for the errors only: a lookup by a freeze or thaw builds no string
+        return ", ".join(f"{b.index}={b.name}" for b in blocks)
+
     if isinstance(key, str):
         for b in blocks:
             if b.name == key:
                 return b
-        raise KeyError(f"No block named {key!r}; blocks (index=name): {listing}")
+        raise KeyError(f"No block named {key!r}; blocks (index=name): {listing()}")
     try:
         index = operator.index(key)
     except TypeError:
         raise TypeError(f"a block is given by its index (int) or its name (str), not {type(key).__name__}") from None
     if not 0 <= index < len(blocks):
         raise IndexError(f"block index {index} is out of range: the model has {len(blocks)} blocks, 0 to "
-                         f"{len(blocks) - 1} (index=name: {listing}); pass a str to select by name")
+                         f"{len(blocks) - 1} (index=name: {listing()}); pass a str to select by name")
     return blocks[index]

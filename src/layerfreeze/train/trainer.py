@@ -250,8 +250,7 @@ class Trainer:
                         self.model.train()
                     # distributed: only a stop every rank has agreed on (all-reduced in the step) ends the loop here
                     if self._stop_agreed if self.distributed else self._stop_requested:
-                        raise KeyboardInterrupt(f"stopped by {signal.Signals(self.stop_signal).name} after a "
-                                                "complete step")
+                        raise KeyboardInterrupt(f"stopped by {self.stop_signal.name} after a complete step")
                     if due:
                         write_checkpoint(self, epoch, done_in_epoch, reason="periodic")
                 bar.close()

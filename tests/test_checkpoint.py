@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -77,6 +80,38 @@ def test_corrupt_or_incomplete_checkpoint_is_detected(tmp_path):
     (path / "state.pt").unlink()
     with pytest.raises(CheckpointError, match="state.pt is missing"):
         load_checkpoint(path, *build("adamw")[:2])
+
+
+def test_a_flipped_byte_in_the_state_file_is_detected_before_it_is_unpickled(tmp_path):
+    # state.pt (optimizer state, RNG, freeze state) had no checksum: three flipped bytes in the optimizer's moments
+    # resumed in silence, and the run went on from wrong values
+    model, optimizer, scheduler, freezer = build("adamw")
+    run(model, optimizer, scheduler, freezer, 0, 4)
+    path = save_checkpoint(tmp_path / "ckpt", model, optimizer, freezer, scheduler)
+    state_file, digest = path / "state.pt", path / "state.pt.sha256"
+    assert digest.read_text() == f"{hashlib.sha256(state_file.read_bytes()).hexdigest()}  state.pt\n"
+    good = state_file.read_bytes()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0x01
+    state_file.write_bytes(bytes(bad))
+    with pytest.raises(CheckpointError, match=r"state.pt does not match its recorded SHA-256 \(state.pt.sha256\)"):
+        load_checkpoint(path, *build("adamw")[:2])
+    state_file.write_bytes(good)
+    digest.unlink()
+    with pytest.raises(CheckpointError, match="incomplete: state.pt.sha256 is missing"):
+        load_checkpoint(path, *build("adamw")[:2])
+    # a format-1 checkpoint (written before the digest existed) still loads; an unreadable state file names no
+    # weights_only=False advice (torch's, for files one trusts)
+    state = torch.load(state_file, weights_only=True)
+    torch.save({**state, "format_version": 1}, state_file)
+    resumed = build("adamw")
+    load_checkpoint(path, resumed[0], resumed[1], freezer=resumed[3], scheduler=resumed[2])
+    for a, b in zip(model.state_dict().values(), resumed[0].state_dict().values()):
+        assert torch.equal(a, b)
+    torch.save({**state, "format_version": 1, "evil": Path("x")}, state_file)
+    with pytest.raises(CheckpointError, match=r"unreadable \(torch.load\(weights_only=True\) refused it\)") as info:
+        load_checkpoint(path, *build("adamw")[:2])
+    assert "weights_only=False" not in str(info.value)
 
 
 def test_checkpoint_from_other_blocks_is_refused(tmp_path):

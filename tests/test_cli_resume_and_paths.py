@@ -39,15 +39,25 @@ def _text_csv(tiny_bert_dir: Path, tiny_csv: Path, run_dir: Path, **train) -> di
 def test_resume_changes_lists_each_change_and_refuses_what_the_run_trains_on(tmp_path, tiny_bert_dir, tiny_csv):
     saved = _text_csv(tiny_bert_dir, tiny_csv, tmp_path / "r")
     changed = json.loads(json.dumps(saved))
-    changed["train"].update(lr=0.5, max_steps=4)
+    changed["train"].update(epochs=5, max_steps=4)
     changed["run"]["ledger"] = True  # run.* is where the run is written, not what it trains: not listed
     assert resume_changes(tmp_path / "r", saved, changed) == [
-        "train.lr 0.001 -> 0.5 (from the command line)", "train.max_steps 2 -> 4 (from the command line)"]
+        "train.epochs 3 -> 5 (from the command line)", "train.max_steps 2 -> 4 (from the command line)"]
     assert resume_changes(tmp_path / "r", saved, saved) == []
     for key, value, shown in (("batch_size", 4, "train.batch_size 8 -> 4"), ("seed", 1, "train.seed 0 -> 1")):
         other = json.loads(json.dumps(saved))
         other["train"][key] = value
         with pytest.raises(ConfigError, match=f"a resumed run keeps what it trains and on what \\({shown}\\)"):
+            resume_changes(tmp_path / "r", saved, other)
+    # the optimizer's settings: the checkpoint's optimizer state brought back the old lr / weight decay over a new one
+    # (announced, then ignored), and sgd over an AdamW state failed the first step with KeyError 'momentum'
+    for key, value, shown in (("lr", 0.5, "train.lr 0.001 -> 0.5"), ("weight_decay", 50.0, "train.weight_decay"),
+                              ("optimizer", "sgd", "train.optimizer 'adamw' -> 'sgd'"), ("momentum", 0.5, "train.momentum 0.9 -> 0.5"),
+                              ("lr_decay", 2.0, "train.lr_decay")):
+        other = json.loads(json.dumps(saved))
+        other["train"][key] = value
+        with pytest.raises(ConfigError, match=f"a resumed run keeps its optimizer and the optimizer's settings "
+                                              f"\\(the checkpoint's optimizer state brings them back\\) \\({shown}"):
             resume_changes(tmp_path / "r", saved, other)
     other = json.loads(json.dumps(saved))
     other["data"]["path"] = str(tmp_path / "other.csv")
@@ -67,12 +77,12 @@ def test_a_refused_resume_writes_nothing_and_an_allowed_change_is_printed_and_ke
                       "(train.batch_size 8 -> 4); drop those flags, or start a new run")
     assert (run / "config.json").read_bytes() == before and [p.name for p in run.iterdir()] == ["config.json"]
 
-    assert main(["train", "--resume", str(run), "--lr", "0.002"]) == 0
+    assert main(["train", "--resume", str(run), "--max-steps", "3"]) == 0
     out = capsys.readouterr().out
-    assert "resume: train.lr 0.001 -> 0.002 (from the command line)" in out
+    assert "resume: train.max_steps 2 -> 3 (from the command line)" in out
     assert "has no checkpoint yet (the run stopped before its first one): starting it again" in out
-    assert json.loads((run / "config.json").read_text())["train"]["lr"] == 0.002
-    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    assert json.loads((run / "config.json").read_text())["train"]["max_steps"] == 3
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
 
 
 # ---- paths say what they are ----------------------------------------------------------------------------------------

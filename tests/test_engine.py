@@ -336,6 +336,9 @@ def test_a_block_out_of_range_or_of_the_wrong_type_is_one_clear_error_listing_th
         import numpy as np
 
         assert freezer.freeze(np.int64(1)) and freezer.freeze("0") and freezer.frozen == [True, True, False]
+        with pytest.warns(UserWarning, match=r"freezing block '4' left every block frozen: nothing trains"):
+            assert freezer.freeze(2)  # the head too: the next loss.backward() would raise far from its cause
+        assert freezer.thaw(2) and freezer.frozen == [True, True, False]
 
 
 def test_a_freezer_given_no_model_or_another_models_optimizer_says_so():

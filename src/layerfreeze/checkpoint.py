@@ -5,7 +5,10 @@ A checkpoint is a folder:
 * ``model.safetensors`` — the model's weights (safetensors, no pickle);
 * ``state.pt`` — optimizer, LR scheduler, :class:`~layerfreeze.engine.Freezer` state (frozen blocks, param-group
   membership by parameter name, strategy state), RNG states, the caller's extra fields (step, epoch, config),
-  and the SHA-256 of ``model.safetensors`` so a truncated or corrupt weights file is detected, not loaded.
+  and the SHA-256 of ``model.safetensors`` so a truncated or corrupt weights file is detected, not loaded;
+* ``state.pt.sha256`` — the SHA-256 of ``state.pt`` (``sha256sum``'s format), checked before ``state.pt`` is
+  unpickled: a flipped byte in the optimizer state or the RNG states is detected too, not resumed from (format 2; a
+  format-1 checkpoint, written before, has no such file and its state file is read unverified).
 
 Loading restores, in this order: weights, freezer state (re-freezes blocks and rebuilds the optimizer's param
 groups so they match the saved ones), optimizer state, scheduler state, RNG states. That order is what avoids the
@@ -50,7 +53,11 @@ from layerfreeze.runs import rundir
 if TYPE_CHECKING:  # the checkpoint reads and restores a Freezer's state_dict, it never builds one
     from layerfreeze.engine.freezer import Freezer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Format versions :func:`read_state` reads (1: no ``state.pt.sha256``).
+READABLE_FORMATS = (1, 2)
+#: The file beside ``state.pt`` holding its SHA-256.
+STATE_DIGEST = "state.pt.sha256"
 
 
 def _sha256(path: Path) -> str:
@@ -154,7 +161,8 @@ def save_checkpoint(
         "extra": extra or {},
     }
     torch.save(state, tmp / "state.pt")
-    for name in ("model.safetensors", "state.pt"):
+    (tmp / STATE_DIGEST).write_text(f"{_sha256(tmp / 'state.pt')}  state.pt\n")
+    for name in ("model.safetensors", "state.pt", STATE_DIGEST):
         _fsync(tmp / name)
     _fsync(tmp)
     old = path.with_name(path.name + ".old")
@@ -168,10 +176,12 @@ def save_checkpoint(
 
 
 def read_state(path: Path) -> dict[str, Any]:
-    """The verified ``state.pt`` of checkpoint folder ``path`` (its weights file checked against its SHA-256).
+    """The verified ``state.pt`` of checkpoint folder ``path``: the state file checked against ``state.pt.sha256``
+    before it is unpickled, the weights file against the SHA-256 the state records.
 
     Raises:
-        CheckpointError: a missing file, an unreadable state file, another format version, corrupt weights.
+        CheckpointError: a missing file, a state file that does not match its SHA-256 or is unreadable, another
+            format version, corrupt weights.
     """
     weights, state_file = path / "model.safetensors", path / "state.pt"
     if not path.is_dir():
@@ -181,12 +191,26 @@ def read_state(path: Path) -> dict[str, Any]:
     for f in (weights, state_file):
         if not f.is_file():
             raise CheckpointError(f"Checkpoint {path} is incomplete: {f.name} is missing")
+    digest_file = path / STATE_DIGEST
+    if digest_file.is_file():
+        recorded = digest_file.read_text(errors="replace").split()[:1]
+        if recorded != [_sha256(state_file)]:
+            raise CheckpointError(f"Checkpoint state file {state_file} does not match its recorded SHA-256 "
+                                  f"({digest_file.name}): corrupt/truncated")
     try:
         state = torch.load(state_file, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a corrupt file
-        raise CheckpointError(f"Checkpoint state file {state_file} is unreadable ({exc}); it is corrupt") from exc
-    if state.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"Checkpoint {path} has format {state.get('format_version')!r}, need {FORMAT_VERSION}")
+        # torch's own text for a refused unpickling advises weights_only=False ("arbitrary code execution"): never
+        # the advice for a corrupt file
+        reason = ("torch.load(weights_only=True) refused it" if "weights_only" in str(exc)
+                  else str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        raise CheckpointError(f"Checkpoint state file {state_file} is unreadable ({reason}); it is corrupt") from exc
+    version = state.get("format_version") if isinstance(state, dict) else None
+    if version not in READABLE_FORMATS:
+        raise CheckpointError(f"Checkpoint {path} has format {version!r}; this version of layerfreeze reads "
+                              f"{', '.join(map(str, READABLE_FORMATS))}")
+    if version >= 2 and not digest_file.is_file():
+        raise CheckpointError(f"Checkpoint {path} is incomplete: {STATE_DIGEST} is missing")
     if _sha256(weights) != state["model_sha256"]:
         raise CheckpointError(f"Checkpoint weights {weights} do not match their recorded SHA-256: corrupt/truncated")
     return state

@@ -43,8 +43,12 @@ def _check_resume_parallel(run_dir: Path, saved: dict[str, Any], parallel: str) 
 
 
 #: What a resumed run cannot change: what it trains, on what, in which order (its checkpoint and data position
-#: belong to them). ``freeze.strategy`` has its own message; ``run.parallel`` its own check.
+#: belong to them), and its optimizer's settings: the checkpoint's optimizer state brings back the optimizer's own
+#: lr, weight decay and momentum over the new ones (a change was announced and then ignored), and another optimizer
+#: cannot read it (sgd over an AdamW state failed the first step, and its crash checkpoint could not be resumed).
+#: ``freeze.strategy`` has its own message; ``run.parallel`` its own check.
 FIXED_ON_RESUME = ("task", "model.", "data.", "freeze.params.", "train.batch_size", "train.seed")
+FIXED_OPTIMIZER = ("train.optimizer", "train.lr", "train.lr_decay", "train.weight_decay", "train.momentum")
 
 
 def _leaves(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -57,20 +61,25 @@ def _leaves(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def resume_changes(run_dir: Path, saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
-    """The settings the command line changes on a resumed run, one line each (``"train.lr 0.001 -> 0.5"``), so no
+    """The settings the command line changes on a resumed run, one line each (``"train.epochs 3 -> 5"``), so no
     change goes unseen.
 
     Raises:
-        ConfigError: a setting a resumed run cannot change (:data:`FIXED_ON_RESUME`), before anything is written.
+        ConfigError: a setting a resumed run cannot change (:data:`FIXED_ON_RESUME`, :data:`FIXED_OPTIMIZER`),
+            before anything is written.
     """
     before, after = _leaves(saved), _leaves(config)
     changed = {k: (before.get(k), v) for k, v in after.items() if k in before and before[k] != v}
     changed.update({k: (v, None) for k, v in before.items() if k not in after and v is not None})
     fixed = sorted(k for k in changed if k.startswith(FIXED_ON_RESUME) or k == "task")
-    if fixed:
-        what = "; ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in fixed)
-        raise ConfigError(f"--resume {run_dir}: a resumed run keeps what it trains and on what ({what}); drop those "
-                          "flags, or start a new run (--config with the run's config.json takes its settings)")
+    optimizer = sorted(k for k in changed if k.startswith(FIXED_OPTIMIZER))
+    for keys, kept in ((fixed, "what it trains and on what"),
+                       (optimizer, "its optimizer and the optimizer's settings (the checkpoint's optimizer state "
+                                   "brings them back)")):
+        if keys:
+            what = "; ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in keys)
+            raise ConfigError(f"--resume {run_dir}: a resumed run keeps {kept} ({what}); drop those flags, or start "
+                              "a new run (--config with the run's config.json takes its settings)")
     return [f"{k} {old!r} -> {new!r} (from the command line)" for k, (old, new) in sorted(changed.items())
             if not k.startswith("run.")]
 

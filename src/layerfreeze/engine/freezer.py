@@ -46,6 +46,7 @@ warning per block), the stability guard stops watching them, and :meth:`Freezer.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -324,6 +325,12 @@ class Freezer:
             elif self.demoter.is_demoted(block.index):
                 extra["demoted"] = self.demoter.spec.dtype
         self._record("freeze", block, reason, **extra)
+        if all(self.frozen):
+            # no strategy freezes the head; a manual freeze can, and then the next loss.backward() raises torch's
+            # "element 0 of tensors does not require grad", far from its cause
+            warnings.warn(f"freezing block {block.name!r} left every block frozen: nothing trains, and "
+                          "loss.backward() raises; thaw a block (freezer.thaw(key)) before the next step",
+                          stacklevel=2)
         return True
 
     def pin(self, keys: Sequence[int | str], reason: str = FLOOR_REASON) -> list[int]:

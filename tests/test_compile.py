@@ -197,4 +197,7 @@ def test_the_trainer_compiled_equals_its_eager_run_and_logs_compiles(tmp_path):
     assert (c["mode"], c["backend"], c["regions"]) == ("blocks", "aot_eager", 4)
     steps = [r for r in read_metrics(tmp_path / "blocks") if r["type"] == "step"]
     assert sum(r["compiles"] for r in steps) == c["graphs"] > 0 and c["compile_s"] > 0
+    # nested compiles (a backward compiled inside its forward's) counted once: the sum of Dynamo's metrics gave
+    # 94.5 s of compiling in an 87.9 s run
+    assert c["compile_s"] < compiled["wall_time_s"]
     assert steps[-1]["compiles"] == 0

@@ -337,3 +337,21 @@ def test_a_run_frees_what_an_earlier_run_in_the_process_left_before_it_builds_an
     finally:
         gc.enable()
     assert seen[0] == [False, False, False]  # the callbacks run first before step 1, after the build
+
+
+def test_a_resume_past_the_configs_end_is_refused_before_anything_is_written(tmp_path):
+    # `--resume RUN --max-steps 50` on a run at step 80 trained nothing, said nothing, and wrote a summary of a run
+    # that "ended" at 50
+    Trainer(config(tmp_path, "r", max_steps=6), task=blob_task()).run()
+    run = tmp_path / "r"
+    (run / "summary.json").unlink()  # an interrupted run, at step 6
+    saved = (run / "config.json").read_bytes()
+    cfg = config(tmp_path, "r", max_steps=4)
+    cfg.run.resume = str(run)
+    with pytest.raises(ConfigError, match=r"the run is at step 6, past this config's end at step 4 \(train.epochs 2, "
+                                          r"train.max_steps 4\); resume with a larger --epochs / --max-steps"):
+        Trainer(cfg, task=blob_task()).run()
+    assert (run / "config.json").read_bytes() == saved and not (run / "summary.json").exists()
+    cfg = config(tmp_path, "r", max_steps=6)  # at its own end: the run finishes (its last evaluation, the summary)
+    cfg.run.resume = str(run)
+    assert Trainer(cfg, task=blob_task()).run()["steps"] == 6

@@ -115,6 +115,12 @@ def resume(trainer: Trainer, path: Path) -> tuple[int, int]:
         changed = ", ".join(f"{k} {saved_data.get(k)} then, {v} now" for k, v in data.items() if saved_data.get(k) != v)
         raise ConfigError(f"--resume {path}: the data changed since the checkpoint ({changed}); a resumed run needs "
                           "the data it was trained on: restore it, or start a new run")
+    done, end = int(extra["progress"]["step"]), trainer.total_steps
+    if done > end:  # nothing would train, and the summary would say the run ended at this config's end
+        train = trainer.config.train
+        raise ConfigError(f"--resume {path}: the run is at step {done}, past this config's end at step {end} "
+                          f"(train.epochs {train.epochs}, train.max_steps {train.max_steps}); resume with a larger "
+                          "--epochs / --max-steps, or without them to go on to the run's own end")
     rngs = extra.get("rng_ranks")
     if trainer.distributed and rngs is not None and len(rngs) == trainer.world:
         set_rng_state(rngs[trainer.rank])  # each rank continues its own dropout stream

@@ -23,17 +23,57 @@ code (so classes do not share one limit), the limit is raised to :data:`RECOMPIL
 hit is an error (``fail_on_recompile_limit_hit``), never a silent fall back to eager (pytorch/pytorch#131975,
 #141039). Graphs compiled are counted from ``torch._dynamo.utils.counters["stats"]["unique_graphs"]``
 (:meth:`CompiledRegions.graphs`); the trainer logs the count per step (``compiles``) and the seconds spent compiling
-in the summary.
+in the summary (:class:`_CompileClock`: the wall time between Dynamo's outermost compile callbacks).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
+import time
 import types
 from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
+
+
+def _no_cuda_runtime_note(record: logging.LogRecord) -> bool:
+    """A filter for ``torch.utils.cpp_extension``'s logger: drops its "No CUDA runtime is found, using CUDA_HOME=..."
+    warning, which inductor's first compile printed on every CPU-only machine (a line no user can act on)."""
+    return not record.getMessage().startswith("No CUDA runtime is found")
+
+
+class _CompileClock:
+    """Seconds spent compiling, from Dynamo's compilation callbacks (``torch._dynamo.callback``): a compile of a frame,
+    the lazy compile of its backward at the first backward, a CUDA graph's recording. The callbacks fire for the
+    outermost compile only, so nested compiles are counted once. (Summing ``compilation_time_metrics``' entries
+    counted a backward compiled inside its forward's compile twice: a run's compile time came out larger than its
+    wall time.)"""
+
+    def __init__(self) -> None:
+        from torch._dynamo.callback import callback_handler
+
+        self.seconds, self._since = 0.0, None
+        self._handler = callback_handler
+        callback_handler.register_start_callback(self._start)
+        callback_handler.register_end_callback(self._end)
+
+    def _start(self, args: Any) -> None:
+        self._since = time.perf_counter()
+
+    def _end(self, args: Any) -> None:
+        if self._since is not None:
+            self.seconds += time.perf_counter() - self._since
+            self._since = None
+
+    def close(self) -> None:
+        """Stop counting (the callbacks are removed)."""
+        for callbacks, callback in ((self._handler.start_callbacks, self._start),
+                                    (self._handler.end_callbacks, self._end)):
+            if callback in callbacks:
+                callbacks.remove(callback)
+
 
 #: Dynamo's recompile limit per code object while a compiled run trains (its default is 8): each module class's
 #: region may hold a graph per trainable key, grad mode, train/eval mode and batch shape.
@@ -94,6 +134,9 @@ class CompiledRegions:
         import torch._dynamo
 
         self.mode, self.backend = mode, backend
+        cpp_extension_log = logging.getLogger("torch.utils.cpp_extension")
+        if _no_cuda_runtime_note not in cpp_extension_log.filters:
+            cpp_extension_log.addFilter(_no_cuda_runtime_note)
         self._config = torch._dynamo.config
         self._saved = (self._config.recompile_limit, self._config.fail_on_recompile_limit_hit)
         self._config.recompile_limit = max(RECOMPILE_LIMIT, self._saved[0])
@@ -109,12 +152,13 @@ class CompiledRegions:
             module.forward = region  # an instance attribute: nn.Module's __call__ (and its hooks) run eagerly around it
             self.regions.append(region)
         self._frozen: tuple[bool, ...] | None = None
-        self._graphs_at_start, self._seconds_at_start = self.graphs(), self.compile_seconds()
+        self._graphs_at_start = self.graphs()
+        self._clock = _CompileClock()
 
     def summary(self) -> dict[str, Any]:
         """The summary's ``compile``: mode, backend, regions, graphs compiled and seconds spent compiling."""
         return {"mode": self.mode, "backend": self.backend, "regions": len(self.regions),
-                "graphs": self.compiled_graphs(), "compile_s": self.compile_seconds() - self._seconds_at_start}
+                "graphs": self.compiled_graphs(), "compile_s": self._clock.seconds}
 
     def refresh(self, frozen: Iterable[bool]) -> None:
         """Before a forward: when the frozen set (``Freezer.frozen``, one flag per block) changed since the last call,
@@ -138,17 +182,9 @@ class CompiledRegions:
         """Graphs compiled since these regions were made."""
         return self.graphs() - self._graphs_at_start
 
-    @staticmethod
-    def compile_seconds() -> float:
-        """Seconds this process spent compiling (Dynamo's frame compiles with their forward graphs, and the backward
-        graphs AOTAutograd compiles at their first backward), from ``torch._dynamo.utils.compilation_time_metrics``."""
-        from torch._dynamo.utils import compilation_time_metrics
-
-        return float(sum(sum(v) for k, v in compilation_time_metrics.items()
-                         if k == "_compile.compile_inner" or "bw_compiler" in k))
-
     def close(self) -> None:
-        """Give the model its eager ``forward`` back and Dynamo its limits (the end of a run)."""
+        """Give the model its eager ``forward`` back and Dynamo its limits (the end of a run); stop the clock."""
+        self._clock.close()
         for region in self.regions:
             if region.module.__dict__.get("forward") is region:
                 del region.module.forward

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -149,6 +150,27 @@ def test_demote_short_form_and_how_to_write_it():
     with pytest.raises(ConfigError) as err:
         load_config(None, [parse_override("freeze.guard=3")])
     assert "freeze.guard: is a section, not a value (got 3): set its keys" in str(err.value)
+
+
+def test_a_files_own_bad_value_is_refused_where_the_command_line_replaces_it(tmp_path, capsys):
+    # `train: 5` with --max-steps 2, and `batch_size: 32.5` with --batch-size, ran with the file's value dropped in
+    # silence; `"epochs": true` trained one epoch (pydantic reads true as 1)
+    bad = tmp_path / "k.yaml"
+    for text, shown in (("train: 5\n", "train: is a section, not a value (got 5)"),
+                        ("train: {batch_size: 32.5}\n", "train.batch_size: must be a whole number, got 32.5")):
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=rf"Config file {bad}: {re.escape(shown)}.* \(the command line sets it "
+                                              r"too, but the file's value is invalid: fix or remove it\)"):
+            load_config(bad, [{"train": {"max_steps": 2, "batch_size": 8}}])
+    assert main(["train", "-c", str(bad), "--batch-size", "8", "--max-steps", "2"]) == 2
+    assert "train.batch_size: must be a whole number, got 32.5" in capsys.readouterr().err
+    bad.write_text("train: {batch_size: 16, lr: 0.5}\nfreeze: {strategy: static, params: {k: 99}}\n")
+    config = load_config(bad, [{"train": {"batch_size": 8}, "freeze": {"strategy": "none"}}])  # good values, replaced
+    assert (config.train.batch_size, config.train.lr, config.freeze.strategy) == (8, 0.5, "none")
+    for key, value in (("epochs", True), ("lr", False), ("max_steps", True), ("grad_clip", True)):
+        with pytest.raises(ConfigError, match=f"train.{key}: must be a number, not {str(value).lower()}"):
+            build_config({"train": {key: value}})
+    assert build_config({"train": {"compile": True}, "run": {"progress": False}}).train.compile is True
 
 
 def test_config_prints_a_task_that_needs_data_without_it(capsys):

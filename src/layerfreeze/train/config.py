@@ -13,6 +13,7 @@ Example (YAML)::
 
 from __future__ import annotations
 
+import copy
 import difflib
 import re
 import types
@@ -33,8 +34,30 @@ PRECISION_ALIASES = {"16": "16-mixed", "fp16": "16-mixed", "bf16": "bf16-mixed",
 TASKS = ("bbc-news", "fashion-mnist", "text-csv", "image-folder", "text-lm")
 
 
+def _numeric_only(annotation: Any) -> bool:
+    """Whether a field of type ``annotation`` takes a number (int or float) and no bool: pydantic's lax mode reads
+    ``true`` as 1 there (``"epochs": true`` trained one epoch in silence)."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _numeric_only(args[0])
+    if typing.get_origin(annotation) is Literal:
+        return False
+    if args and typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        kinds = [a for a in args if a is not type(None)]
+        return any(_numeric_only(a) for a in kinds) and not any(a is bool or typing.get_origin(a) is Literal
+                                                                for a in kinds)
+    return annotation in (int, float)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and _numeric_only(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"must be a number, not {str(value).lower()}")
+        return value
 
 
 class LoraConfig(_Section):
@@ -495,13 +518,13 @@ def _plain_message(err: Any) -> str:
     return err["msg"]
 
 
-def _format_validation_error(exc: ValidationError) -> str:
-    """pydantic's errors in the config's words, on one line: each problem names its key (``; `` between them); an
-    unknown key gets the closest valid one (:func:`suggest_key`); our own validators' messages come without
-    pydantic's ``Value error,`` prefix, and pydantic's own ("Input should be ...") are said plainly
-    (:func:`_plain_message`)."""
+def _format_validation_error(exc: ValidationError, errors: list[Any] | None = None) -> str:
+    """pydantic's errors (``errors``: a selection of ``exc.errors()``, default all) in the config's words, on one
+    line: each problem names its key (``; `` between them); an unknown key gets the closest valid one
+    (:func:`suggest_key`); our own validators' messages come without pydantic's ``Value error,`` prefix, and
+    pydantic's own ("Input should be ...") are said plainly (:func:`_plain_message`)."""
     lines = []
-    for err in exc.errors():
+    for err in exc.errors() if errors is None else errors:
         where = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
             guess = suggest_key(err["loc"])
@@ -539,7 +562,14 @@ def build_config(user: dict[str, Any] | None = None, inputs: bool = True) -> Con
     Raises:
         ConfigError: with every problem found, one per line, each naming its key.
     """
-    user = user or {}
+    try:
+        return _validate(user or {}, inputs)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None
+
+
+def _validate(user: dict[str, Any], inputs: bool) -> Config:
+    """:func:`build_config`'s validation; raises pydantic's ``ValidationError``."""
     task = user.get("task", "bbc-news")
     preset = TASK_PRESETS.get(task, {}) if isinstance(task, str) else {}
     freeze = user.get("freeze")
@@ -550,10 +580,7 @@ def build_config(user: dict[str, Any] | None = None, inputs: bool = True) -> Con
     params = strategy_preset(task, strategy, name)
     if params:
         preset = deep_merge(preset, {"freeze": {"params": params}})
-    try:
-        return Config.model_validate(deep_merge(preset, user), context={"inputs": inputs})
-    except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc)) from None
+    return Config.model_validate(deep_merge(preset, user), context={"inputs": inputs})
 
 
 def load_config(path: str | Path | None = None, overrides: list[dict[str, Any]] | None = None,
@@ -562,12 +589,61 @@ def load_config(path: str | Path | None = None, overrides: list[dict[str, Any]] 
     win); ``inputs`` as in :func:`build_config`.
 
     Raises:
-        ConfigError: the file cannot be read, or the config is invalid (every problem, each naming its key).
+        ConfigError: the file cannot be read, or the config is invalid (every problem, each naming its key), the
+            file's own values included where an override replaces them (:func:`_check_replaced`).
     """
-    data = read_config_file(path) if path else {}
+    data = file = read_config_file(path) if path else {}
     for override in overrides or []:
         data = deep_merge(_params_of_another_strategy_dropped(data, override), override)
-    return build_config(data, inputs=inputs)
+    config = build_config(data, inputs=inputs)
+    if path:
+        _check_replaced(path, file, data, inputs)
+    return config
+
+
+def _leaf_values(d: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """``{key path: value}`` of every leaf of a nested dict (a non-empty dict is not a leaf)."""
+    if not (isinstance(d, dict) and d) or (prefix and prefix[-1] == "params"):  # params: a strategy's, one value
+        return {prefix: d}
+    return {k: v for key, value in d.items() for k, v in _leaf_values(value, (*prefix, str(key))).items()}
+
+
+def _check_replaced(path: str | Path, file: dict[str, Any], merged: dict[str, Any], inputs: bool) -> None:
+    """Refuse a config file whose own value is invalid where the command line replaces it: ``train: 5`` with
+    ``--max-steps 2``, or ``train.batch_size: 32.5`` with ``--batch-size 16``, ran with the bad value dropped in
+    silence (a file is read whole: a run must not hide a broken one). The merged config is validated again with the
+    file's values put back where an override replaced them, and the problems found at exactly those keys are
+    reported. ``freeze.params`` is left out (parameters belong to the strategy they were written for: an override
+    naming another strategy drops the file's).
+
+    Raises:
+        ConfigError: naming the file, each key and why.
+    """
+    now = _leaf_values(merged)
+    replaced = {}
+    for key, value in _leaf_values(file).items():
+        if key[:2] == ("freeze", "params"):
+            continue
+        if key in now and now[key] != value:
+            replaced[key] = value  # a value the command line changed
+        elif key not in now and any(k[: len(key)] == key for k in now):
+            replaced[key] = value  # a section the file gave a value to
+    if not replaced:
+        return
+    probe = copy.deepcopy(merged)
+    for key, value in replaced.items():
+        node = probe
+        for part in key[:-1]:
+            node = node[part]
+        node[key[-1]] = copy.deepcopy(value)
+    try:
+        _validate(probe, inputs)
+    except ValidationError as exc:
+        bad = [e for e in exc.errors() if tuple(str(p) for p in e["loc"]) in replaced]
+        if bad:
+            raise ConfigError(f"Config file {path}: " + _format_validation_error(exc, bad).removeprefix(
+                "Invalid configuration: ") + " (the command line sets it too, but the file's value is invalid: fix "
+                "or remove it)") from None
 
 
 def _params_of_another_strategy_dropped(data: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

@@ -87,6 +87,11 @@ def test_ctrl_c_leaves_a_checkpoint_and_resume_matches_the_uninterrupted_run(tmp
     assert summary["steps"] == 12
     assert summary["resumed_from_step"] == 9 and ref_summary["resumed_from_step"] is None
     assert "resumed from" in capsys.readouterr().out
+    from layerfreeze.runs.report import write_report
+
+    page = write_report(tmp_path / "cut").read_text()  # its wall time is this process's, beside the whole run's
+    assert "wall time (this process, from step 9)" in page and "wall time (this process" not in \
+        write_report(tmp_path / "ref").read_text()
     # the memory ledger's peaks cover the whole run: sampled at steps 1 (before the cut, kept in the checkpoint) and 10
     assert summary["memory"]["samples"] == ref_summary["memory"]["samples"] == 2
     for bucket in ("params_trainable", "params_frozen", "grads", "optimizer", "activations"):

@@ -77,6 +77,14 @@ def format_bytes(n: int) -> str:
     return f"{text} {unit}"
 
 
+def wall_time_label(resumed_from_step: Any) -> str:
+    """The summary's label of ``wall_time_s``: a resumed run's is the last process's, from the step it resumed at
+    (its train time sums every process's steps, so the two differ)."""
+    if resumed_from_step is None:
+        return "wall time"
+    return f"wall time (this process, from step {int(resumed_from_step):,})"
+
+
 def format_seconds(s: float) -> str:
     """A duration in seconds as ``"42.50 s"`` below a minute, ``"2m 05.0s"`` below an hour, else ``"1h 02m 03s"``."""
     s = float(s)
@@ -159,8 +167,7 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
             table.add_row(key, f"{int(get(key)):,}")
     resumed = get("resumed_from_step")
     if get("wall_time_s") is not None:  # this process's; train time sums every process of a resumed run
-        label = "wall time" if resumed is None else f"wall time (this process, from step {int(resumed):,})"
-        table.add_row(label, format_seconds(get("wall_time_s")))
+        table.add_row(wall_time_label(resumed), format_seconds(get("wall_time_s")))
     if get("train_time_s") is not None:
         table.add_row("train time" if resumed is None else "train time (whole run)",
                       format_seconds(get("train_time_s")))

@@ -31,7 +31,7 @@ from layerfreeze.runs.report.plots import (
 )
 from layerfreeze.runs.report.read import Run, find_row_dir, load_compare, load_run, num
 from layerfreeze.runs.rundir import Event, finite
-from layerfreeze.runs.summary import format_bytes, format_flops, format_seconds, memory_lines
+from layerfreeze.runs.summary import format_bytes, format_flops, format_seconds, memory_lines, wall_time_label
 
 
 def _fmt_flops(x: Any) -> str:
@@ -193,7 +193,7 @@ def _run_summary_rows(run: Run) -> list[tuple[str, str]]:
     steps = int(steps) if finite(steps) else (int(run.step[-1]) if len(run.step) else 0)
     rows.append(("steps", _e(f"{steps:,}")))
     if run.complete:
-        rows.append(("wall time", _e(_fmt_seconds(run.get("wall_time_s")))))
+        rows.append((wall_time_label(run.get("resumed_from_step")), _e(_fmt_seconds(run.get("wall_time_s")))))
     train_time = run.get("train_time_s")
     if not finite(train_time) and len(run.time):
         train_time = float(run.time[-1])

@@ -313,7 +313,8 @@ def test_plan_check_beyond_the_run_says_so_and_the_table_fits_120_columns(tmp_pa
              "model.max_length=16", "--batch-size", "8", "--max-steps", "2", "--no-progress"]
     assert main(["plan", "--memory", "60%", *flags, "--check", "20", "--run-dir", str(tmp_path / "check")]) == 0
     out = capsys.readouterr().out
-    assert "check: --check 20 is more than the run's 2 steps (3 epoch(s) of 5); checking all 2" in out
+    assert ("check: --check 20 is more than the run's 2 steps (train.max_steps 2, of 3 epoch(s) of 5); checking all 2"
+            in out)
     assert "check: training 2 steps under the plan" in out
     assert json.loads((tmp_path / "check" / "summary.json").read_text())["steps"] == 2
     drawn = [line for line in out.splitlines() if line[:1] in "┏┃┡│└"]
@@ -323,6 +324,20 @@ def test_plan_check_beyond_the_run_says_so_and_the_table_fits_120_columns(tmp_pa
     k0 = next(line for line in drawn if line.startswith("│ 0 "))
     assert k0.split("│")[3].strip() == "-"  # nothing frozen gives nothing back
     assert "k=0 has one when the strategy freezes later" in out
+
+
+@pytest.mark.assets("minilm")
+def test_a_run_that_fails_while_it_is_set_up_prints_its_error_alone(tmp_path, tiny_bert_dir, tiny_csv, capsys):
+    # the run header ("layerfreeze text-csv | strategy static ...") came before the one-line error of a k out of range
+    flags = ["--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir), "--set",
+             "model.max_length=16", "--batch-size", "8", "--max-steps", "1", "--no-progress", "-s", "static"]
+    assert main(["train", *flags, "-p", "k=100", "--run-dir", str(tmp_path / "bad")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("layerfreeze: error: freeze.params: static: k=100 would")
+    assert main(["train", *flags, "-p", "k=1", "--run-dir", str(tmp_path / "good")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("layerfreeze text-csv | strategy static") and lines[1].startswith("cache: auto")
+    assert lines[2] == f"run dir {tmp_path / 'good'}"
 
 
 @pytest.mark.assets("minilm")

@@ -52,8 +52,8 @@ def test_resume_changes_lists_each_change_and_refuses_what_the_run_trains_on(tmp
     # the optimizer's settings: the checkpoint's optimizer state brought back the old lr / weight decay over a new one
     # (announced, then ignored), and sgd over an AdamW state failed the first step with KeyError 'momentum'
     for key, value, shown in (("lr", 0.5, "train.lr 0.001 -> 0.5"), ("weight_decay", 50.0, "train.weight_decay"),
-                              ("optimizer", "sgd", "train.optimizer 'adamw' -> 'sgd'"), ("momentum", 0.5, "train.momentum 0.9 -> 0.5"),
-                              ("lr_decay", 2.0, "train.lr_decay")):
+                              ("optimizer", "sgd", "train.optimizer 'adamw' -> 'sgd'"),
+                              ("momentum", 0.5, "train.momentum 0.9 -> 0.5"), ("lr_decay", 2.0, "train.lr_decay")):
         other = json.loads(json.dumps(saved))
         other["train"][key] = value
         with pytest.raises(ConfigError, match=f"a resumed run keeps its optimizer and the optimizer's settings "

@@ -52,6 +52,8 @@ def test_compare_rows_share_budget_and_report_ratios(tmp_path, tiny_bert_dir, ti
     assert "rotation" not in rows["static"]
     assert "lisa: rotates: 0 switches, 80% of blocks trainable on average" in out
     assert "static: frozen block@step: bert.embeddings@0, bert.encoder.layer.0@0" in out
+    # the lora row's idle cache is LoRA's (it said "strategy none freezes no block")
+    assert "cache: auto, idle: LoRA's adapters train in every block, so there is no frozen prefix to cache" in out
 
 
 @pytest.mark.assets("minilm")

@@ -172,7 +172,7 @@ def test_the_cache_line_of_a_none_run_says_it_is_idle(tmp_path, capsys):
     # a newcomer read "kept in up to 5.4 GiB" on compare's `none` row as the cache in use; none freezes no block
     Trainer(config(tmp_path, "none", freeze={"strategy": "none"}, epochs=1), task=blob_task()).run()
     out = capsys.readouterr().out
-    assert "cache: auto, idle: strategy none freezes no block, so there is no prefix to cache" in out
+    assert "cache: auto, idle: strategy none freezes no block, so there is no frozen prefix to cache" in out
     assert "kept in up to" not in out
 
 

@@ -5,6 +5,7 @@ Errors a user can fix are raised (:class:`~layerfreeze.errors.UserError`); the e
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import re
@@ -131,13 +132,13 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
         (a missing asset, undiscoverable blocks) never creates it, so it must not be named before."""
         if speaks and not shown and trainer.run_dir.is_dir():
             shown.append(True)
-            console.print(f"run dir {trainer.run_dir}", highlight=False)
+            trainer.say(f"run dir {trainer.run_dir}")  # after the run header, the first time
 
     trainer = Trainer(config, step_callbacks=[show_run_dir])
     checkpoint = trainer.run_dir / rundir.CHECKPOINT_LINK
     again = f"torchrun --nproc_per_node {world} -m layerfreeze" if world > 1 else "layerfreeze"
-    if speaks:
-        console.print(run_header(config, world), highlight=False)
+    # printed with the run's first line: a run that fails while it is set up prints its error alone
+    trainer.header = functools.partial(console.print, run_header(config, world), highlight=False)
     try:
         summary = trainer.run()
     except KeyboardInterrupt:
@@ -334,9 +335,12 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
         return 0
     steps = args.check
     if steps > trainer.total_steps:
-        console.print(f"check: --check {steps} is more than the run's {trainer.total_steps} steps "
-                      f"({config.train.epochs} epoch(s) of {trainer.batches_per_epoch}); checking all "
-                      f"{trainer.total_steps}", highlight=False)
+        epochs = config.train.epochs
+        whole = epochs * trainer.batches_per_epoch
+        length = (f"train.max_steps {config.train.max_steps}, of {epochs} epoch(s) of {trainer.batches_per_epoch}"
+                  if trainer.total_steps < whole else f"{epochs} epoch(s) of {trainer.batches_per_epoch}")
+        console.print(f"check: --check {steps} is more than the run's {trainer.total_steps} steps ({length}); "
+                      f"checking all {trainer.total_steps}", highlight=False)
         steps = trainer.total_steps
     scratch = None if config.run.dir else tempfile.TemporaryDirectory(prefix="layerfreeze-plan-check-")
     run_dir = Path(config.run.dir) if scratch is None else Path(scratch.name)

@@ -227,9 +227,9 @@ RUN_FLAG_HELP = {
     "model": "local Hugging Face model folder (text-lm: a causal LM), or mobilenet_v2 / resnet18",
     "data": "CSV file (text-csv), image folder (image-folder), text or CSV file (text-lm)",
     "strategy": f"freezing strategy (default {DEFAULT_STRATEGY}): {', '.join(sorted(STRATEGIES))}",
-    "epochs": "passes over the training data",
-    "batch-size": "samples per optimizer step (the global batch under torchrun)",
-    "lr": "learning rate of the head",
+    "epochs": "passes over the training data (default: the task's; `layerfreeze config --task T` prints them)",
+    "batch-size": "samples per optimizer step (the global batch under torchrun; default: the task's)",
+    "lr": "learning rate of the head (default: the task's)",
     "seed": "seed of weights, data order and dropout",
     "max-steps": "stop after this many optimizer steps",
     "limit-train": "use only N training samples (a random subset drawn with data.split_seed; fashion-mnist: its "

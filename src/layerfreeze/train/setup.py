@@ -24,7 +24,6 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
-from tqdm.auto import tqdm
 
 from layerfreeze import distributed as dist_
 from layerfreeze.budget.plan import MemoryPlan, plan_memory
@@ -406,8 +405,8 @@ def plan_run_memory(trainer: Trainer, model: nn.Module, blocks: list, announce: 
                        optimizer=trainer.optimizer, blocks=blocks, cache_dataset=cache_set, cache_dtype=cache_dtype,
                        cache_budget_bytes=cache_cap, strategy_freezes=cfg.freeze.strategy != "none",
                        train_bn=cfg.freeze.train_bn, strategy=cfg.freeze.strategy, params=cfg.freeze.params)
-    if announce and trainer.is_main:
-        tqdm.write(plan_headline(plan))
+    if announce:
+        trainer.say(plan_headline(plan))
     return plan
 
 
@@ -436,11 +435,13 @@ def make_cache_runner(trainer: Trainer, blocks: list) -> CachedPrefix | None:
             on_disable=functools.partial(cache_off, trainer), policy=policy)
     except CacheRefused as exc:
         raise ConfigError(f"freeze.cache.mode is on but the frozen prefix cannot be cached: {exc}") from None
-    if runner is not None and trainer.is_main:
+    if runner is not None:
         if trainer.config.freeze.strategy == "none" and not trainer.freezer.floor:  # a newcomer read it as in use
-            tqdm.write(f"cache: {cfg.mode}, idle: strategy none freezes no block, so there is no prefix to cache")
+            why = ("LoRA's adapters train in every block" if trainer.config.model.lora is not None
+                   else "strategy none freezes no block")
+            trainer.say(f"cache: {cfg.mode}, idle: {why}, so there is no frozen prefix to cache")
         else:
-            tqdm.write(f"cache: {cfg.mode}, frozen-prefix outputs kept in up to "
+            trainer.say(f"cache: {cfg.mode}, frozen-prefix outputs kept in up to "
                        f"{format_bytes(runner.cache.budget_bytes)} of memory, then in checksummed shards under "
                        f"{directory}")
     return runner
@@ -455,8 +456,7 @@ def cache_off(trainer: Trainer, reason: str) -> None:
     """One ``cache_off`` event and one console line: the run goes on without the cache (``mode: auto``)."""
     trainer.telemetry.log_event(Event.CACHE_OFF, getattr(trainer, "progress", {}).get("step", 0),
                                 reason=reason)
-    if trainer.is_main:
-        tqdm.write(f"cache: off, training runs the full forward ({reason})")
+    trainer.say(f"cache: off, training runs the full forward ({reason})")
     if hasattr(trainer, "freezer"):
         trainer.freezer.offload_prefix(0)  # nothing is served: offloaded weights come back
 

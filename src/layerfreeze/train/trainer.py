@@ -126,6 +126,9 @@ class Trainer:
         self.compiled: CompiledRegions | None = None  # set by setup() under train.compile
         self._graphs_logged = 0  # graphs compiled up to the last step record (its ``compiles``)
         self.prefix_clock: PrefixClock | None = None  # set by setup(): the frozen prefix's forward seconds per step
+        #: Called once, by :meth:`say`, before the run's first console line (the CLI prints its run header then), so a
+        #: run that fails while it is set up prints its error alone.
+        self.header: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -145,6 +148,16 @@ class Trainer:
             BudgetError: ``freeze.memory_budget`` cannot be met (before the run folder is created).
         """
         setup_trainer(self, plan_only)
+
+    def say(self, line: str) -> None:
+        """Print ``line`` on rank 0's console (through tqdm, above a progress bar), after :attr:`header` the first
+        time."""
+        if not self.is_main:
+            return
+        header, self.header = self.header, None
+        if header is not None:
+            header()
+        tqdm.write(line)
 
     def train_step(self, batch: dict[str, torch.Tensor], global_count: int, local_count: int) -> float:
         """One optimizer step (after :meth:`setup`); returns this rank's loss: the batch mean in one process, the *sum*

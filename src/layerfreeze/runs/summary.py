@@ -263,7 +263,9 @@ def _format_cache(c: Mapping[str, Any]) -> str:
         return "off" if c.get("mode") == "off" else "off (see the cache_off event)"
     rate = "-" if c.get("hit_rate") is None else f"{100 * c['hit_rate']:.0f}%"
     disk = f" + {format_bytes(c['disk_bytes'])} on disk" if c.get("disk_bytes") else ""
-    return (f"{c['hits']:,} hits ({rate}), {format_bytes(c['memory_bytes'])} in memory{disk}, "
+    # the prefix outputs it holds at the end; the ledger's "activation cache (memory)" adds the inputs' fingerprints,
+    # at the tensor peak's step (a reader saw 512 B there beside "0 B in memory" here)
+    return (f"{c['hits']:,} hits ({rate}), {format_bytes(c['memory_bytes'])} of prefix outputs in memory{disk}, "
             f"~{format_seconds(c['saved_seconds'])} of prefix forward saved")
 
 

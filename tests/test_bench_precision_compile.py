@@ -25,7 +25,7 @@ def test_quick_runs_per_variant_and_the_table_against_eager_32_true(tmp_path):
     delta = 100 * (bf16["accuracy"] - base["accuracy"])
     ratio = bf16["train_s"] / base["train_s"]
     assert (f"| bbc | none | bf16-mixed/false | {100 * bf16['accuracy']:.2f} | {delta:+.2f} ({delta:+.2f}) | "
-            f"{bf16['train_s']:.1f} | {ratio:.2f} | 0.0 | 0 |") in table
+            f"{bf16['train_s']:.1f} | {ratio:.2f} | 0.0 (0.0) | {bf16['train_s']:.1f} | {ratio:.2f} | 0 |") in table
     assert "| bbc | none | 32-true/false |" in table
 
 

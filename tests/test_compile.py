@@ -200,4 +200,8 @@ def test_the_trainer_compiled_equals_its_eager_run_and_logs_compiles(tmp_path):
     # nested compiles (a backward compiled inside its forward's) counted once: the sum of Dynamo's metrics gave
     # 94.5 s of compiling in an 87.9 s run
     assert c["compile_s"] < compiled["wall_time_s"]
+    # the steps' own compiling, step by step: train time without it is what the compiled code costs
+    assert sum(r["compile_s"] for r in steps) == pytest.approx(c["train_compile_s"]) and c["train_compile_s"] > 0
+    assert c["train_compile_s"] <= c["compile_s"] + 1e-9 and steps[-1]["compile_s"] == 0.0
+    assert all(r["compile_s"] == 0.0 for r in steps if r["compiles"] == 0)
     assert steps[-1]["compiles"] == 0

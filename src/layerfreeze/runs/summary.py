@@ -173,8 +173,10 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
                       format_seconds(get("train_time_s")))
     compiled = get("compile")
     if compiled:  # train time counts every step, compiling included: the compile seconds said apart
+        in_steps = compiled.get("train_compile_s")
+        steps = "" if in_steps is None else f" ({format_seconds(in_steps)} of it in training steps)"
         table.add_row("torch.compile", f"{compiled['mode']} ({compiled['backend']}): {compiled['graphs']} graphs in "
-                      f"{compiled['regions']} regions, {format_seconds(compiled['compile_s'])} compiling")
+                      f"{compiled['regions']} regions, {format_seconds(compiled['compile_s'])} compiling{steps}")
     if get("time_per_epoch_s") is not None:
         table.add_row("time per epoch", _format_epoch_times(list(get("time_per_epoch_s"))))
     if get("flops_total") is not None:

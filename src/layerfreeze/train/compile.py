@@ -156,7 +156,8 @@ class CompiledRegions:
         self._clock = _CompileClock()
 
     def summary(self) -> dict[str, Any]:
-        """The summary's ``compile``: mode, backend, regions, graphs compiled and seconds spent compiling."""
+        """The summary's ``compile``: mode, backend, regions, graphs compiled and seconds spent compiling (in training
+        steps and in evaluation: the trainer adds ``train_compile_s``, the steps' share)."""
         return {"mode": self.mode, "backend": self.backend, "regions": len(self.regions),
                 "graphs": self.compiled_graphs(), "compile_s": self._clock.seconds}
 
@@ -177,6 +178,10 @@ class CompiledRegions:
         from torch._dynamo.utils import counters
 
         return int(counters["stats"]["unique_graphs"])
+
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling since these regions were made (:class:`_CompileClock`)."""
+        return self._clock.seconds
 
     def compiled_graphs(self) -> int:
         """Graphs compiled since these regions were made."""

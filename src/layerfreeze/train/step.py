@@ -150,6 +150,7 @@ def timed_step(trainer: Trainer, batch: dict[str, torch.Tensor], global_count: i
     if trainer.prefix_clock is not None:  # the frozen prefix's forward, timed on its own
         trainer.prefix_clock.refresh(trainer.freezer.frozen_prefix)
         trainer.prefix_clock.arm()
+    compiling = trainer.compiled.compile_seconds() if trainer.compiled is not None else 0.0
     t0 = time.perf_counter()
     with ledger_step(trainer, trainer.progress["step"] + 1):
         if remeasure:
@@ -167,6 +168,8 @@ def timed_step(trainer: Trainer, batch: dict[str, torch.Tensor], global_count: i
     decision = trainer.freezer.step()  # timed: a strategy's own cost counts against it
     place(trainer)
     step_time = time.perf_counter() - t0
+    if trainer.compiled is not None:  # the seconds of this step that compiled (record_step logs them)
+        trainer._step_compile_s = trainer.compiled.compile_seconds() - compiling
     return loss, step_time, decision
 
 
@@ -184,6 +187,9 @@ def record_step(trainer: Trainer, loss: float, count: int, step_time: float, dec
         graphs = trainer.compiled.compiled_graphs()
         rank_fields["compiles"] = graphs - trainer._graphs_logged
         trainer._graphs_logged = graphs
+        # and the seconds of the step spent compiling: train time without them is what the compiled code costs
+        rank_fields["compile_s"] = trainer._step_compile_s
+        trainer.progress["train_compile_s"] = trainer.progress.get("train_compile_s", 0.0) + trainer._step_compile_s
     prefix = trainer.prefix_clock.read() if trainer.prefix_clock is not None else None
     if prefix is not None:  # the step's time split at the frozen prefix's end (see train/prefix_clock.py)
         rank_fields.update(prefix_forward_s=prefix, suffix_s=max(step_time - prefix, 0.0))

@@ -125,6 +125,7 @@ class Trainer:
         self.resumed_from_step: int | None = None  # set by a resume: the step the checkpoint held
         self.compiled: CompiledRegions | None = None  # set by setup() under train.compile
         self._graphs_logged = 0  # graphs compiled up to the last step record (its ``compiles``)
+        self._step_compile_s = 0.0  # seconds the last timed step spent compiling (its record's ``compile_s``)
         self.prefix_clock: PrefixClock | None = None  # set by setup(): the frozen prefix's forward seconds per step
         #: Called once, by :meth:`say`, before the run's first console line (the CLI prints its run header then), so a
         #: run that fails while it is set up prints its error alone.

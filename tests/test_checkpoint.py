@@ -178,3 +178,20 @@ def test_a_checkpoint_path_that_does_not_exist_or_is_a_file_says_so(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="is incomplete: model.safetensors is missing"):
         load_checkpoint(tmp_path / "empty", model)
+
+
+def test_another_optimizer_class_or_a_missing_freezer_is_named_when_loading(tmp_path):
+    # an AdamW state loaded into an SGD without complaint, and its first step() raised KeyError: 'momentum'; a
+    # checkpoint of a Freezer loaded without one said only torch's "parameter group that doesn't match"
+    model, optimizer, scheduler, freezer = build("adamw")
+    run(model, optimizer, scheduler, freezer, 0, 4)
+    freezer.freeze(0)  # its parameters leave the optimizer's groups
+    path = save_checkpoint(tmp_path / "ckpt", model, optimizer, freezer, scheduler)
+    other = build("sgd")
+    with pytest.raises(CheckpointError, match="holds the state of a AdamW optimizer; this one is a SGD"):
+        load_checkpoint(path, other[0], other[1], freezer=other[3])
+    fresh = build("adamw")
+    with pytest.raises(CheckpointError, match="it was saved with a Freezer, .* pass freezer="):
+        load_checkpoint(path, fresh[0], fresh[1])
+    load_checkpoint(path, fresh[0], fresh[1], freezer=fresh[3], scheduler=fresh[2])
+    assert fresh[3].frozen[0]

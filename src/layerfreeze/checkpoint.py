@@ -155,6 +155,8 @@ def save_checkpoint(
         "format_version": FORMAT_VERSION,
         "model_sha256": _sha256(tmp / "model.safetensors"),
         "optimizer": optimizer_state,
+        # its class: an AdamW state loads into an SGD without complaint, and its first step() raised KeyError
+        "optimizer_class": _optimizer_class(optimizer) if optimizer is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "freezer": freezer.state_dict() if freezer is not None else None,
         "rng": rng_state(),
@@ -173,6 +175,17 @@ def save_checkpoint(
     _fsync(path.parent)
     shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def _optimizer_class(optimizer: Any) -> str:
+    """The class name of ``optimizer``, under the wrappers of accelerate (``.optimizer``) and Lightning
+    (``._optimizer``)."""
+    for _ in range(4):
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer or not hasattr(inner, "param_groups"):
+            break
+        optimizer = inner
+    return type(optimizer).__name__
 
 
 def read_state(path: Path) -> dict[str, Any]:
@@ -255,6 +268,10 @@ def load_checkpoint(
             raise CheckpointError(f"Checkpoint {path} is a full checkpoint of a sharded model (save_full_checkpoint) "
                                   "and this model is sharded: load it with layerfreeze.load_full_checkpoint")
         load_optimizer = functools.partial(load_full_optimizer_state, model)
+    saved_class = state.get("optimizer_class")
+    if optimizer is not None and saved_class is not None and saved_class != _optimizer_class(optimizer):
+        raise CheckpointError(f"Checkpoint {path} holds the state of a {saved_class} optimizer; this one is a "
+                              f"{_optimizer_class(optimizer)}: build the optimizer the saved run used")
     try:
         (load_weights or (lambda m, f: load_model(m, str(f))))(model, weights)
         if freezer is not None and state["freezer"] is not None:
@@ -264,7 +281,9 @@ def load_checkpoint(
         if scheduler is not None and state["scheduler"] is not None:
             scheduler.load_state_dict(state["scheduler"])
     except (ValueError, KeyError, RuntimeError) as exc:
-        raise CheckpointError(f"Checkpoint {path} does not fit this run: {exc}") from exc
+        hint = ("; it was saved with a Freezer, whose param groups the optimizer's state needs: pass freezer= (built "
+                "as the saved run's)" if freezer is None and state["freezer"] is not None else "")
+        raise CheckpointError(f"Checkpoint {path} does not fit this run: {exc}{hint}") from exc
     if restore_rng:
         set_rng_state(state["rng"])
     return state["extra"]

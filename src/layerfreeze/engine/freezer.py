@@ -64,7 +64,13 @@ from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
 from layerfreeze.engine.lr_factors import apply_lr_scales, check_lr_scales, set_block_lr
 from layerfreeze.engine.mechanics import frozen_blocks_to_eval, frozen_parameters, set_eval_mode
-from layerfreeze.engine.optim import add_to_optimizer, check_model_and_optimizer, group_origin, remove_from_optimizer
+from layerfreeze.engine.optim import (
+    add_to_optimizer,
+    check_model_and_optimizer,
+    exclusive_groups,
+    group_origin,
+    remove_from_optimizer,
+)
 from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, report_metric, run_length, start
@@ -203,6 +209,12 @@ class Freezer:
         self._origin: dict[int, int] = {}
         if optimizer is not None:
             self._origin = group_origin(optimizer)
+        # What the user (or a library: peft's base weights) set before the Freezer, a thaw gives back as it was: a
+        # parameter frozen then stays frozen (a thaw made the user's frozen layer train), and a trainable one the
+        # optimizer did not hold is not added to it (a thaw put it into param group 0)
+        self._frozen_before = {id(p) for p in model.parameters() if not p.requires_grad}
+        self._not_optimized = ({id(p) for p in model.parameters() if p.requires_grad and id(p) not in self._origin}
+                               if optimizer is not None else set())
         self._hooks: dict[int, list[Any]] = {}
         self._root_eval_hook: Any = None  # registered at the first freeze (_eval_frozen_blocks)
         self.integrity = FrozenSet(on_unfrozen, warn=functools.partial(steps.integrity_warning, self),
@@ -238,6 +250,7 @@ class Freezer:
                 raise ValueError("demote does not work on an FSDP2-sharded model (its parameters are DTensor shards); "
                                  "shard_blocks frees the memory of frozen blocks another way")
             self.demoter = Demoter(spec, self.blocks)
+        self._check_thaw_lrs()  # before the strategy attaches: nothing to release on a refusal
         if self.decides:
             if self._mirror is not None:
                 self.strategy.attach(self._mirror.mirror, self._mirror.blocks(self.blocks))
@@ -360,7 +373,9 @@ class Freezer:
         return froze
 
     def thaw(self, key: int | str, lr: float | None = None, reason: str = "manual") -> bool:
-        """Thaw one block: it trains again, back in the param groups it came from.
+        """Thaw one block: it trains again, back in the param groups it came from. What was set before the Freezer
+        was built comes back as it was: a parameter frozen then (the user's own frozen layer, peft's base weights)
+        stays frozen, and a parameter the optimizer did not hold is not added to it.
 
         Args:
             key: Block index or name.
@@ -370,11 +385,14 @@ class Freezer:
             True if the block was frozen and is now trainable.
 
         Raises:
-            ValueError: ``lr`` given but a target param group also holds other blocks' parameters (build the
-                optimizer with :func:`~layerfreeze.engine.optim.block_param_groups`).
+            ValueError: ``lr`` given but not ``> 0``, or a target param group also holds other blocks' parameters
+                (build the optimizer with :func:`~layerfreeze.engine.optim.block_param_groups`), or the optimizer
+                holds none of the block's parameters; checked before anything changes.
             PinnedBlockError: the block is in the floor (:meth:`pin`: a memory budget keeps it frozen).
         """
         block = self.block(key)
+        if lr is not None:  # checked before anything changes: a refused lr left the block half thawed
+            self._check_block_lr(block, lr)
         if block.index in self._floor:
             raise PinnedBlockError(
                 f"block {block.name} is in the Freezer's floor ({FLOOR_REASON}: it stays frozen so the run's tensor "
@@ -389,12 +407,13 @@ class Freezer:
                 handle.remove()
             for _, module in block.modules:
                 module.train(self.model.training)
-            params = frozen_parameters(block, self.train_bn)
+            params = [p for p in frozen_parameters(block, self.train_bn) if id(p) not in self._frozen_before]
             for p in params:
                 p.requires_grad_(True)
             if self.optimizer is not None:
                 for p in params:
-                    add_to_optimizer(self.optimizer, [p], self._origin.get(id(p), 0))
+                    if id(p) not in self._not_optimized:  # (one frozen before attach_optimizer goes to group 0)
+                        add_to_optimizer(self.optimizer, [p], self._origin.get(id(p), 0))
             self.frozen[block.index] = False
             self.integrity.on_thaw(block.index)
         if lr is not None:
@@ -410,9 +429,31 @@ class Freezer:
             ValueError: no optimizer, ``lr <= 0``, or a group that also holds other blocks' parameters.
         """
         block = key if isinstance(key, Block) else self.block(key)
-        if self.optimizer is None or lr <= 0:
-            raise ValueError(f"set_block_lr needs an optimizer and lr > 0 (got lr={lr})")
+        self._check_block_lr(block, lr)
         set_block_lr(self.optimizer, self._origin, block, lr, self.scheduler, self._lr_written)
+
+    def _check_block_lr(self, block: Block, lr: float, purpose: str = "its own learning rate") -> None:
+        """Raise ValueError when ``lr`` cannot be given to ``block`` (see :meth:`set_block_lr`)."""
+        if self.optimizer is None or not lr > 0:
+            raise ValueError(f"set_block_lr needs an optimizer and lr > 0 (got lr={lr})")
+        if not exclusive_groups(self.optimizer, self._origin, block, purpose):
+            raise ValueError(f"Cannot give block {block.name!r} {purpose}: none of its parameters is in a param group "
+                             "of the optimizer (build the optimizer from layerfreeze.block_param_groups(...), one "
+                             "group per block)")
+
+    def _check_thaw_lrs(self) -> None:
+        """For a strategy whose thaws set learning rates (``Strategy.thaw_lrs``: ``gradual``),
+        check now that every block but the head has param groups of its own: the first thaw, an epoch into the
+        run, raised it before.
+
+        Raises:
+            ValueError: a block whose param group holds other blocks too, or none of whose parameters the optimizer
+                holds.
+        """
+        if self.optimizer is None or not getattr(self.strategy, "thaw_lrs", False):
+            return
+        for block in self.blocks[:-1]:
+            self._check_block_lr(block, 1.0, f"the learning rate {self.strategy.name!r} gives a thawed block")
 
     def named_frozen_parameters(self, block: Block) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` pairs that freezing ``block`` stops training (see :func:`frozen_parameters`)."""
@@ -501,10 +542,12 @@ class Freezer:
         sharded(self._fsdp)
         check_optimizer_holds_sharded_parameters(self.model, optimizer, registered)
         self._origin = group_origin(optimizer)
+        self._not_optimized = {id(p) for p in self.model.parameters() if p.requires_grad and id(p) not in self._origin}
         for block in self.blocks:
             if self.frozen[block.index]:
                 remove_from_optimizer(optimizer, frozen_parameters(block, self.train_bn))
         check_lr_scales(optimizer, self._origin, self.blocks, self._lr_scale)
+        self._check_thaw_lrs()
         self._lr_written = {}
         apply_lr_scales(optimizer, self.blocks, self._origin, self._lr_scale, self._lr_written)
 
@@ -535,7 +578,10 @@ class Freezer:
         steps.after_backward(self)
 
     def step(self) -> Decision | None:
-        """Call once after each ``optimizer.step()``; runs a freezing stage every ``strategy.stage_every`` steps.
+        """Call once after each ``optimizer.step()`` that updated the weights; runs a freezing stage every
+        ``strategy.stage_every`` steps. With gradient accumulation, call it only on the step that syncs (accelerate:
+        ``if accelerator.sync_gradients``); past ``total_steps`` it warns once (a count of micro-batches gets there
+        halfway through the run).
 
         Under FSDP2 it first reshards a group an evaluation pass left unsharded
         (:func:`layerfreeze.distributed.fsdp.reshard_all`), as :meth:`freeze`, :meth:`thaw` and

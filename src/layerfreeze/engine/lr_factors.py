@@ -67,8 +67,11 @@ def set_block_lr(optimizer: torch.optim.Optimizer, origin: Mapping[int, int], bl
         ValueError: a group that also holds other blocks' parameters.
     """
     for gi in exclusive_groups(optimizer, origin, block, "its own learning rate"):
-        set_group_lr(optimizer, gi, lr, scheduler)
-        lr_written.pop(gi, None)
+        group = optimizer.param_groups[gi]
+        unscaled, wrote = lr_written.pop(gi, (None, None))
+        current = unscaled if unscaled is not None and group["lr"] == wrote else group["lr"]  # before any factor
+        set_group_lr(optimizer, gi, lr, scheduler, base=base_lr(optimizer, [gi], {gi: (unscaled, wrote)}),
+                     current=current)
 
 
 def block_lrs(optimizer: torch.optim.Optimizer, origin: Mapping[int, int], blocks: Sequence[Block],

@@ -111,15 +111,44 @@ def block_param_groups(
     return groups
 
 
-def set_group_lr(optimizer: torch.optim.Optimizer, group_index: int, lr: float, scheduler: Any = None) -> None:
-    """Set param group ``group_index``'s learning rate, its ``initial_lr`` (if a scheduler set one) and the
-    scheduler's base LR for it, so the scheduler goes on from ``lr``."""
+#: The per-group learning rates a scheduler keeps beside ``lr`` and ``initial_lr``: OneCycleLR's ``max_lr`` and
+#: ``min_lr`` (it schedules from them, not from ``base_lrs``), CyclicLR's ``max_lr`` (its base is ``base_lrs``).
+SCHEDULED_KEYS = ("max_lr", "min_lr")
+
+
+def set_group_lr(optimizer: torch.optim.Optimizer, group_index: int, lr: float, scheduler: Any = None,
+                 base: float | None = None, current: float | None = None) -> None:
+    """Give param group ``group_index`` the base learning rate ``lr``: its schedule scaled by ``lr / base``.
+
+    Every learning rate of the group is scaled by that ratio: the LR of the next step (``current``, default the
+    group's ``lr``: the schedule's factor at this step is kept, so a thaw during warmup or decay does not take one
+    step at the unscheduled base), ``initial_lr``, OneCycleLR's / CyclicLR's ``max_lr`` and ``min_lr``, and the
+    scheduler's ``base_lrs`` and ``max_lrs`` entries. ``base`` is the group's base LR before (default: its
+    ``initial_lr``, else ``current``); when it is 0 the group's LRs are set to ``lr`` instead.
+    """
     group = optimizer.param_groups[group_index]
-    group["lr"] = lr
-    if "initial_lr" in group:
-        group["initial_lr"] = lr
-    if scheduler is not None and hasattr(scheduler, "base_lrs"):
-        scheduler.base_lrs[group_index] = lr
+    now = group["lr"] if current is None else current
+    old = group.get("initial_lr", now) if base is None else base
+    if not old:
+        group["lr"] = lr
+        if "initial_lr" in group:
+            group["initial_lr"] = lr
+        if scheduler is not None and hasattr(scheduler, "base_lrs"):
+            scheduler.base_lrs[group_index] = lr
+        return
+    ratio = lr / old
+
+    def scaled(value: float) -> float:  # exactly lr where it was the base (no rounding of lr / old * old)
+        return lr if value == old else value * ratio
+
+    group["lr"] = scaled(now)
+    for key in ("initial_lr", *SCHEDULED_KEYS):
+        if key in group:
+            group[key] = scaled(group[key])
+    for name in ("base_lrs", "max_lrs"):
+        values = getattr(scheduler, name, None) if scheduler is not None else None
+        if isinstance(values, list) and group_index < len(values):
+            values[group_index] = scaled(values[group_index])
 
 
 def load_param_groups(optimizer: torch.optim.Optimizer, saved: Sequence[Sequence[str]],

@@ -155,7 +155,10 @@ def _admissible(freezer: Freezer, decision: Decision) -> Decision:
 
     Raises:
         RuntimeError: the strategy tried to freeze the head.
+        TypeError, IndexError: not a :class:`Decision`, or a block that is not an index ``0..n-1`` (a custom
+            strategy's mistake, named with the strategy; ``-1`` is not read as the last block).
     """
+    _check_decision(freezer, decision)
     for i in decision.freeze:
         if freezer.blocks[i].is_head:
             raise RuntimeError(
@@ -175,6 +178,23 @@ def _admissible(freezer: Freezer, decision: Decision) -> Decision:
                           f"{', '.join(freezer.blocks[i].name for i in new)}, in the Freezer's floor "
                           f"({FLOOR_REASON}): they stay frozen", stacklevel=5)
     return decision
+
+
+def _check_decision(freezer: Freezer, decision: Any) -> None:
+    """What a strategy's ``decide`` returned is a :class:`Decision` whose blocks are indices ``0..n-1``."""
+    name = getattr(freezer.strategy, "name", type(freezer.strategy).__name__)
+    if not isinstance(decision, Decision):
+        raise TypeError(f"strategy {name!r}: decide() must return a layerfreeze.strategies.Decision (Decision() to "
+                        f"change nothing), got {type(decision).__name__}")
+    n = len(freezer.blocks)
+    for field in ("freeze", "thaw"):
+        for i in getattr(decision, field):
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+                raise TypeError(f"strategy {name!r}: Decision.{field} holds block indices (int), got {i!r}; a "
+                                f"block's index is its position in ctx.blocks")
+            if not 0 <= i < n:
+                raise IndexError(f"strategy {name!r}: Decision.{field} holds block index {i}, out of range: the "
+                                 f"model has {n} blocks, 0 to {n - 1}")
 
 
 def report_metric(freezer: Freezer, value: float) -> int | None:

@@ -75,6 +75,15 @@ def step(freezer: Freezer) -> Decision | None:
         RuntimeError: from the stage (:func:`~layerfreeze.engine.stages.stage`).
     """
     freezer.step_count += 1
+    if freezer.total_steps is not None and freezer.step_count == freezer.total_steps + 1:
+        # the strategies that place their stages by the fraction of training done read past the end as the end
+        # (freezeout's LRs are 0 from there: training stopped in silence); counting micro-batches instead of
+        # optimizer steps (gradient accumulation, accelerate's accumulate()) gets here halfway through the run
+        warnings.warn(f"freezer.step() was called {freezer.step_count} times, more than total_steps="
+                      f"{freezer.total_steps}: call it once per optimizer step that updated the weights (with "
+                      "gradient accumulation: only on the step that syncs, e.g. accelerate's "
+                      "`if accelerator.sync_gradients`), and give total_steps the run's optimizer steps",
+                      stacklevel=3)
     sharded(freezer._fsdp)
     freezer.integrity.check(freezer)
     freezer.integrity.check_updated(freezer)  # a block thawed before this step must have been updated by it

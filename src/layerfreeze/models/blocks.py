@@ -187,15 +187,20 @@ def blocks_from_patterns(model: nn.Module, patterns: Sequence[str], head: bool =
     matched: list[tuple[str, nn.Module]] = []
     taken: list[str] = []
     for pattern in patterns:
-        hits = 0
+        hits, shadowed = 0, []
         for name, module in model.named_modules():
             if not name or not fnmatch.fnmatchcase(name, pattern) or not has_params(module):
                 continue
             if any(name == t or name.startswith(t + ".") or t.startswith(name + ".") for t in taken):
+                shadowed.append(name)
                 continue
             taken.append(name)
             matched.append((name, module))
             hits += 1
+        if hits == 0 and shadowed:  # it said "matches no module" of a pattern whose modules an earlier one took
+            raise BlockDiscoveryError(
+                f"Block pattern {pattern!r} matches only modules an earlier pattern already made blocks "
+                f"({', '.join(shadowed[:5])}); each module belongs to one block: give the pattern modules of its own")
         if hits == 0:
             raise BlockDiscoveryError(
                 f"Block pattern {pattern!r} matches no module with parameters in {type(model).__name__} (its "

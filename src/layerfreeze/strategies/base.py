@@ -138,6 +138,10 @@ class Strategy:
     def __init__(self) -> None:
         self.stage_every: int | None = None
         self.at_epoch_end: bool = False
+        #: True for a strategy whose thaws give blocks learning rates of their own (``Decision.thaw_lr``): the
+        #: engine then checks, when it gets the optimizer, that every block has param groups of its own, instead
+        #: of failing at the first thaw, an epoch into the run.
+        self.thaw_lrs: bool = False
 
     def validate(self, num_blocks: int) -> None:
         """Check the parameters against the model's number of blocks; raise ValueError with what to change."""

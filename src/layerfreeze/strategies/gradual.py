@@ -65,6 +65,7 @@ class GradualUnfreezing(Strategy):
         self.every_epochs = every_epochs
         self.every_steps = every_steps
         self.lr_decay = float(lr_decay)
+        self.thaw_lrs = True  # every thaw sets the block's LR (the head's, with lr_decay 1)
         self.stage_every = every_steps
         self.at_epoch_end = every_steps is None
         self.stages = 0

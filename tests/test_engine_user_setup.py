@@ -1,0 +1,183 @@
+"""The Freezer over what the user set up before it: their LR schedule, their frozen layers, their optimizer, their
+own strategy. Each test is a defect a library user found (a newcomer's API pass, 2026-12-06) and fails before."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from layerfreeze import Freezer, block_param_groups, discover_blocks
+from layerfreeze.strategies import Decision, Strategy
+
+
+def net(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def train(model: nn.Module, optimizer, freezer: Freezer, steps: int, scheduler=None, after=None) -> None:
+    g = torch.Generator().manual_seed(1)
+    for t in range(steps):
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+        nn.functional.cross_entropy(model(x), y).backward()
+        freezer.after_backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        freezer.step()
+        if after is not None:
+            after(t)
+
+
+@pytest.mark.parametrize("lr_decay", [1.0, 2.0])
+def test_a_thaw_during_warmup_keeps_the_schedules_factor(lr_decay):
+    # gradual set a thawed group's lr to its base (0.1): the step after the thaw ran at 5x the warmup's LR
+    model = net()
+    optimizer = torch.optim.SGD(block_param_groups(model, discover_blocks(model), lr=0.1, lr_decay=lr_decay))
+    warmup = lambda t: min(1.0, t / 10)  # noqa: E731
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    seen = []
+
+    def check(t):
+        factor = warmup(scheduler.last_epoch)
+        for gi, group in enumerate(optimizer.param_groups):
+            assert group["lr"] == pytest.approx(scheduler.base_lrs[gi] * factor), (t, gi)
+            assert group["initial_lr"] == pytest.approx(scheduler.base_lrs[gi])
+        seen.append(list(freezer.frozen))
+
+    with Freezer(model, optimizer, "gradual", {"every_steps": 2, "lr_decay": lr_decay},
+                 scheduler=scheduler) as freezer:
+        train(model, optimizer, freezer, 6, scheduler, check)
+    assert seen[0] == [True, True, False] and seen[1] == [True, False, False] and seen[3] == [False] * 3
+    # the thawed blocks' bases: the head's over lr_decay per block (ULMFiT), as gradual asked
+    assert scheduler.base_lrs[:3] == pytest.approx([0.1 / lr_decay**2, 0.1 / lr_decay, 0.1])
+
+
+def test_a_thaw_under_one_cycle_scales_the_groups_cycle():
+    # OneCycleLR schedules from each group's max_lr: the thaw's lr lasted one step, then the block ran at the head's
+    model = net()
+    optimizer = torch.optim.SGD(block_param_groups(model, discover_blocks(model), lr=0.1), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=40)
+    ratios = []
+    with Freezer(model, optimizer, "gradual", {"every_steps": 2, "lr_decay": 2.6}, scheduler=scheduler) as freezer:
+        train(model, optimizer, freezer, 8, scheduler,
+              lambda t: ratios.append(optimizer.param_groups[1]["lr"] / optimizer.param_groups[2]["lr"]))
+    assert optimizer.param_groups[1]["max_lr"] == pytest.approx(0.1 / 2.6)
+    assert optimizer.param_groups[0]["max_lr"] == pytest.approx(0.1 / 2.6**2)
+    assert ratios[2:] == pytest.approx([1 / 2.6] * 6)  # block 1 thawed after step 2, and keeps its ratio
+
+
+def test_steps_past_total_steps_warn_once():
+    # freezeout's LRs were 0 from total_steps on: training stopped in silence (an accelerate loop counting
+    # micro-batches gets there halfway through the run)
+    model = net()
+    optimizer = torch.optim.SGD(block_param_groups(model, discover_blocks(model), lr=0.1))
+    with Freezer(model, optimizer, "freezeout", total_steps=3) as freezer:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            train(model, optimizer, freezer, 3)
+        with pytest.warns(UserWarning, match=r"freezer.step\(\) was called 4 times, more than total_steps=3") as got:
+            train(model, optimizer, freezer, 3)
+    assert len([w for w in got if "total_steps" in str(w.message)]) == 1
+
+
+def test_layers_frozen_before_the_freezer_stay_frozen_through_its_freezes_and_thaws():
+    # a thaw set requires_grad on the user's own frozen layer and put it into param group 0: it trained
+    model = net()
+    model[0].requires_grad_(False)
+    model[2].weight.requires_grad_(False)  # half a block, as peft leaves a base weight beside its adapter
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW([{"params": [model[2].bias]}, {"params": model[4].parameters()}], lr=1e-2)
+    held = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    with Freezer(model, optimizer, "none") as freezer:
+        assert freezer.freeze(0) and freezer.freeze(1)
+        train(model, optimizer, freezer, 2)
+        assert freezer.thaw(0) and freezer.thaw(1)
+        train(model, optimizer, freezer, 2)
+        assert freezer.frozen == [False, False, False]
+        assert [p.requires_grad for p in model.parameters()] == [False, False, False, True, True, True]
+    for key in ("0.weight", "0.bias", "2.weight"):
+        assert torch.equal(model.state_dict()[key], before[key]), key
+    assert not torch.equal(model[2].bias, before["2.bias"])
+    assert sorted(id(p) for g in optimizer.param_groups for p in g["params"]) == sorted(held)
+
+
+def test_a_block_the_optimizer_never_held_is_not_added_by_a_thaw_and_cannot_get_an_lr():
+    model = net()
+    optimizer = torch.optim.SGD(model[4].parameters(), lr=0.1)  # the head alone
+    with Freezer(model, optimizer, "none") as freezer:
+        freezer.freeze(0)
+        with pytest.raises(ValueError, match="none of its parameters is in a param group of the optimizer"):
+            freezer.thaw(0, lr=0.05)
+        assert freezer.frozen[0] and not model[0].weight.requires_grad  # refused before anything changed
+        assert freezer.thaw(0) and model[0].weight.requires_grad
+        assert {id(p) for p in optimizer.param_groups[0]["params"]} == {id(p) for p in model[4].parameters()}
+
+
+def test_a_refused_thaw_lr_leaves_the_block_frozen():
+    # thaw(0, lr=0.0) raised after the block was thawed, with no record in the history
+    model = net()
+    optimizer = torch.optim.SGD(block_param_groups(model, discover_blocks(model), lr=0.1))
+    with Freezer(model, optimizer, "none") as freezer:
+        freezer.freeze(0)
+        for lr in (0.0, -1.0, math.nan):
+            with pytest.raises(ValueError, match="lr > 0"):
+                freezer.thaw(0, lr=lr)
+        assert freezer.frozen == [True, False, False] and not model[0].weight.requires_grad
+        assert [h["kind"] for h in freezer.history] == ["freeze"]
+        assert freezer.thaw(0, lr=0.05) and optimizer.param_groups[0]["lr"] == 0.05
+
+
+def test_gradual_over_one_shared_param_group_is_refused_when_the_freezer_is_built():
+    # it failed at its first thaw, an epoch into the run
+    model = net()
+    with pytest.raises(ValueError, match=r"Cannot give block '0' the learning rate 'gradual' gives a thawed block: "
+                                         r"param group 0 also holds other blocks' parameters"):
+        Freezer(model, torch.optim.AdamW(model.parameters()), "gradual")
+    with pytest.raises(ValueError, match="param group 0 also holds other blocks' parameters"):
+        Freezer(model, torch.optim.AdamW(model.parameters()), "gradual", {"lr_decay": 1.0})  # the head's LR, then
+    Freezer(model, torch.optim.AdamW(block_param_groups(model, discover_blocks(model), lr=0.1)), "gradual").close()
+
+
+class _Says(Strategy):
+    name = "says"
+
+    def __init__(self, decision):
+        super().__init__()
+        self.stage_every, self.decision = 1, decision
+
+    def decide(self, ctx):
+        return self.decision
+
+
+@pytest.mark.parametrize("decision, error, shown", [
+    (Decision(freeze=[3]), IndexError, r"Decision.freeze holds block index 3, out of range: the model has 3 blocks"),
+    (Decision(freeze=[-1]), IndexError, r"Decision.freeze holds block index -1, out of range"),
+    (Decision(thaw=["0"]), TypeError, r"Decision.thaw holds block indices \(int\), got '0'"),
+    (None, TypeError, r"decide\(\) must return a layerfreeze.strategies.Decision .* got NoneType"),
+])
+def test_a_custom_strategys_bad_decision_names_the_strategy(decision, error, shown):
+    # raw IndexError / TypeError / AttributeError from inside the engine; -1 was read as the head
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Freezer(model, optimizer, _Says(Decision())) as freezer:
+        freezer.strategy.decision = decision
+        with pytest.raises(error, match=f"strategy 'says': {shown}"):
+            train(model, optimizer, freezer, 1)
+
+
+def test_a_block_pattern_whose_modules_an_earlier_one_took_says_so():
+    # 'st*' matched 'stem', already a block: the message said it "matches no module with parameters"
+    from layerfreeze.errors import BlockDiscoveryError
+
+    model = nn.Sequential()
+    model.add_module("stem", nn.Linear(4, 4))
+    model.add_module("head", nn.Linear(4, 2))
+    with pytest.raises(BlockDiscoveryError, match=r"'st\*' matches only modules an earlier pattern already made "
+                                                  r"blocks \(stem\)"):
+        discover_blocks(model, ["stem", "st*", "head"])

@@ -181,3 +181,16 @@ def test_a_block_pattern_whose_modules_an_earlier_one_took_says_so():
     with pytest.raises(BlockDiscoveryError, match=r"'st\*' matches only modules an earlier pattern already made "
                                                   r"blocks \(stem\)"):
         discover_blocks(model, ["stem", "st*", "head"])
+
+
+def test_a_second_freezer_on_the_model_thaws_what_the_first_one_froze():
+    # a second fit on the same model (its first Freezer closed with blocks frozen): those are not the user's
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Freezer(model, optimizer, "none") as first:
+        first.freeze(0)
+    assert not model[0].weight.requires_grad
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Freezer(model, optimizer, "none") as second:
+        assert second.freeze(0) and second.thaw(0)
+        assert model[0].weight.requires_grad and model[0].bias.requires_grad

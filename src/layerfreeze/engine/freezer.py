@@ -89,6 +89,12 @@ class PinnedBlockError(RuntimeError):
 # --------------------------------------------------------------------------------------------------------------
 
 
+#: The attribute a parameter the Freezer froze carries (True) until a thaw: a parameter that is frozen when a Freezer
+#: is built and carries it was frozen by an earlier Freezer (a second ``fit`` on the same model), not by the user, so
+#: the new Freezer may thaw it.
+FROZEN_MARK = "_layerfreeze_frozen"
+
+
 class Freezer:
     """Applies a freezing strategy to a model and its optimizer, in any training loop.
 
@@ -212,7 +218,8 @@ class Freezer:
         # What the user (or a library: peft's base weights) set before the Freezer, a thaw gives back as it was: a
         # parameter frozen then stays frozen (a thaw made the user's frozen layer train), and a trainable one the
         # optimizer did not hold is not added to it (a thaw put it into param group 0)
-        self._frozen_before = {id(p) for p in model.parameters() if not p.requires_grad}
+        self._frozen_before = {id(p) for p in model.parameters()
+                               if not p.requires_grad and not getattr(p, FROZEN_MARK, False)}
         self._not_optimized = ({id(p) for p in model.parameters() if p.requires_grad and id(p) not in self._origin}
                                if optimizer is not None else set())
         self._hooks: dict[int, list[Any]] = {}
@@ -318,6 +325,8 @@ class Freezer:
         sharded(self._fsdp)
         params = frozen_parameters(block, self.train_bn)
         for p in params:
+            if id(p) not in self._frozen_before:
+                setattr(p, FROZEN_MARK, True)  # a later Freezer on this model (a second fit) may thaw it
             p.requires_grad_(False)
             p.grad = None
         if self.optimizer is not None:
@@ -410,6 +419,8 @@ class Freezer:
             params = [p for p in frozen_parameters(block, self.train_bn) if id(p) not in self._frozen_before]
             for p in params:
                 p.requires_grad_(True)
+                if hasattr(p, FROZEN_MARK):
+                    delattr(p, FROZEN_MARK)
             if self.optimizer is not None:
                 for p in params:
                     if id(p) not in self._not_optimized:  # (one frozen before attach_optimizer goes to group 0)

@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 from layerfreeze.cli import main
 from layerfreeze.errors import ConfigError
 from layerfreeze.runs.rundir import read_metrics
-from layerfreeze.train.config import build_config, load_config
+from layerfreeze.train.config import build_config
 from layerfreeze.train.config_file import parse_override
+from layerfreeze.train.config_load import load_config
 
 
 def test_unknown_strategy_is_exit_2_listing_the_available_ones(tmp_path, capsys):

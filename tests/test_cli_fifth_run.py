@@ -15,8 +15,8 @@ from layerfreeze.cli import main
 from layerfreeze.cli import parser as cli_parser
 from layerfreeze.errors import ConfigError
 from layerfreeze.runs.summary import summary_table
-from layerfreeze.train.config import load_config
 from layerfreeze.train.config_file import parse_override
+from layerfreeze.train.config_load import load_config
 
 
 def _one_line(capsys, start: str) -> str:

@@ -18,8 +18,9 @@ from layerfreeze.cli import main
 from layerfreeze.cli import parser as cli_parser
 from layerfreeze.errors import ConfigError
 from layerfreeze.runs.rundir import read_metrics
-from layerfreeze.train.config import build_config, load_config
+from layerfreeze.train.config import build_config
 from layerfreeze.train.config_file import parse_override
+from layerfreeze.train.config_load import load_config
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -164,6 +165,8 @@ def test_a_files_own_bad_value_is_refused_where_the_command_line_replaces_it(tmp
             load_config(bad, [{"train": {"max_steps": 2, "batch_size": 8}}])
     assert main(["train", "-c", str(bad), "--batch-size", "8", "--max-steps", "2"]) == 2
     assert "train.batch_size: must be a whole number, got 32.5" in capsys.readouterr().err
+    bad.write_text("")  # an empty file: nothing of its own to check (the check indexed an empty key path)
+    assert load_config(bad, [{"train": {"max_steps": 2}}]).train.max_steps == 2
     bad.write_text("train: {batch_size: 16, lr: 0.5}\nfreeze: {strategy: static, params: {k: 99}}\n")
     config = load_config(bad, [{"train": {"batch_size": 8}, "freeze": {"strategy": "none"}}])  # good values, replaced
     assert (config.train.batch_size, config.train.lr, config.freeze.strategy) == (8, 0.5, "none")

@@ -15,7 +15,7 @@ from torchvision.transforms import ToTensor
 from layerfreeze.cli import main
 from layerfreeze.cli.commands import resume_changes
 from layerfreeze.errors import ConfigError
-from layerfreeze.train.config import load_config
+from layerfreeze.train.config_load import load_config
 from layerfreeze.train.data import ImageFolderDictDataset
 
 

@@ -24,8 +24,8 @@ from layerfreeze.strategies import DEFAULT_STRATEGY, STRATEGIES, strategy_parame
 from layerfreeze.strategies.registry import did_you_mean
 from layerfreeze.train.assets import check_assets
 from layerfreeze.train.compare import DEFAULT_ROWS, unknown_rows
-from layerfreeze.train.config import load_config
-from layerfreeze.train.config_file import parse_override
+from layerfreeze.train.config_file import leaf_values, parse_override
+from layerfreeze.train.config_load import load_config
 
 
 def _check_resume_parallel(run_dir: Path, saved: dict[str, Any], parallel: str) -> None:
@@ -52,15 +52,6 @@ FIXED_ON_RESUME = ("task", "model.", "data.", "freeze.params.", "train.batch_siz
 FIXED_OPTIMIZER = ("train.optimizer", "train.lr", "train.lr_decay", "train.weight_decay", "train.momentum")
 
 
-def _leaves(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix.rstrip("."): d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
-    return out
-
-
 def resume_changes(run_dir: Path, saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
     """The settings the command line changes on a resumed run, one line each (``"train.epochs 3 -> 5"``), so no
     change goes unseen.
@@ -69,7 +60,7 @@ def resume_changes(run_dir: Path, saved: dict[str, Any], config: dict[str, Any])
         ConfigError: a setting a resumed run cannot change (:data:`FIXED_ON_RESUME`, :data:`FIXED_OPTIMIZER`),
             before anything is written.
     """
-    before, after = _leaves(saved), _leaves(config)
+    before, after = ({'.'.join(k): v for k, v in leaf_values(d).items()} for d in (saved, config))
     changed = {k: (before.get(k), v) for k, v in after.items() if k in before and before[k] != v}
     changed.update({k: (v, None) for k, v in before.items() if k not in after and v is not None})
     fixed = sorted(k for k in changed if k.startswith(FIXED_ON_RESUME) or k == "task")

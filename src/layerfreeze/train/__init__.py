@@ -16,7 +16,9 @@ contract in ``pyproject.toml``); outside the folder, the CLI (and ``smartfrz``, 
 * ``lm`` -- the language-model task's datasets, forward and next-token objective; by tasks.
 * ``loaders`` -- the models, loaded from local files; by tasks.
 * ``config_yaml`` -- the config as a commented YAML file (``layerfreeze config``); imported by the CLI only.
-* ``config`` -- the validated YAML/TOML config (:func:`~layerfreeze.train.config.load_config`); by any module above.
+* ``config_load`` -- a config from a file and the command line's overrides (:func:`~layerfreeze.train.config_load.
+  load_config`); imported by the CLI only.
+* ``config`` -- the validated config's schema (:func:`~layerfreeze.train.config.build_config`); by any module above.
 * ``loop`` -- the LR schedule and the optimizer step, shared with the SmartFRZ collector; by setup, step.
 * ``assets`` -- the offline assets (where they are, whether they are there); by data, loaders, tasks.
 """

@@ -1,4 +1,5 @@
-"""Run configuration: a YAML or TOML file plus command-line overrides, validated before anything runs.
+"""Run configuration: the schema a config is validated against (a file plus command-line overrides, read and merged
+by :mod:`layerfreeze.train.config_load`), validated before anything runs.
 
 Validation (pydantic, ``extra="forbid"``) rejects unknown keys, wrong types and impossible values with a message
 that names the key; the strategy and its parameters are checked against the registry. Task presets fill in what
@@ -13,7 +14,6 @@ Example (YAML)::
 
 from __future__ import annotations
 
-import copy
 import difflib
 import re
 import types
@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from layerfreeze.budget.parse import parse_budget
 from layerfreeze.errors import BudgetError, ConfigError
 from layerfreeze.strategies import DEFAULT_STRATEGY, UnknownStrategyError, check_strategy
-from layerfreeze.train.config_file import deep_merge, read_config_file
+from layerfreeze.train.config_file import deep_merge
 
 #: Short precision names people write, as Lightning reads them (``Trainer(precision="bf16")`` is bf16-mixed).
 PRECISION_ALIASES = {"16": "16-mixed", "fp16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "fp32": "32-true"}
@@ -518,7 +518,7 @@ def _plain_message(err: Any) -> str:
     return err["msg"]
 
 
-def _format_validation_error(exc: ValidationError, errors: list[Any] | None = None) -> str:
+def format_validation_error(exc: ValidationError, errors: list[Any] | None = None) -> str:
     """pydantic's errors (``errors``: a selection of ``exc.errors()``, default all) in the config's words, on one
     line: each problem names its key (``; `` between them); an unknown key gets the closest valid one
     (:func:`suggest_key`); our own validators' messages come without pydantic's ``Value error,`` prefix, and
@@ -563,13 +563,14 @@ def build_config(user: dict[str, Any] | None = None, inputs: bool = True) -> Con
         ConfigError: with every problem found, one per line, each naming its key.
     """
     try:
-        return _validate(user or {}, inputs)
+        return validate_config(user or {}, inputs)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc)) from None
+        raise ConfigError(format_validation_error(exc)) from None
 
 
-def _validate(user: dict[str, Any], inputs: bool) -> Config:
-    """:func:`build_config`'s validation; raises pydantic's ``ValidationError``."""
+def validate_config(user: dict[str, Any], inputs: bool) -> Config:
+    """:func:`build_config`'s validation, the presets filled in; raises pydantic's ``ValidationError`` (for a caller
+    that picks among its errors: :mod:`layerfreeze.train.config_load`)."""
     task = user.get("task", "bbc-news")
     preset = TASK_PRESETS.get(task, {}) if isinstance(task, str) else {}
     freeze = user.get("freeze")
@@ -581,77 +582,3 @@ def _validate(user: dict[str, Any], inputs: bool) -> Config:
     if params:
         preset = deep_merge(preset, {"freeze": {"params": params}})
     return Config.model_validate(deep_merge(preset, user), context={"inputs": inputs})
-
-
-def load_config(path: str | Path | None = None, overrides: list[dict[str, Any]] | None = None,
-                inputs: bool = True) -> Config:
-    """A validated :class:`Config` from an optional file (:func:`read_config_file`) plus overrides (later ones
-    win); ``inputs`` as in :func:`build_config`.
-
-    Raises:
-        ConfigError: the file cannot be read, or the config is invalid (every problem, each naming its key), the
-            file's own values included where an override replaces them (:func:`_check_replaced`).
-    """
-    data = file = read_config_file(path) if path else {}
-    for override in overrides or []:
-        data = deep_merge(_params_of_another_strategy_dropped(data, override), override)
-    config = build_config(data, inputs=inputs)
-    if path:
-        _check_replaced(path, file, data, inputs)
-    return config
-
-
-def _leaf_values(d: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
-    """``{key path: value}`` of every leaf of a nested dict (a non-empty dict is not a leaf)."""
-    if not (isinstance(d, dict) and d) or (prefix and prefix[-1] == "params"):  # params: a strategy's, one value
-        return {prefix: d}
-    return {k: v for key, value in d.items() for k, v in _leaf_values(value, (*prefix, str(key))).items()}
-
-
-def _check_replaced(path: str | Path, file: dict[str, Any], merged: dict[str, Any], inputs: bool) -> None:
-    """Refuse a config file whose own value is invalid where the command line replaces it: ``train: 5`` with
-    ``--max-steps 2``, or ``train.batch_size: 32.5`` with ``--batch-size 16``, ran with the bad value dropped in
-    silence (a file is read whole: a run must not hide a broken one). The merged config is validated again with the
-    file's values put back where an override replaced them, and the problems found at exactly those keys are
-    reported. ``freeze.params`` is left out (parameters belong to the strategy they were written for: an override
-    naming another strategy drops the file's).
-
-    Raises:
-        ConfigError: naming the file, each key and why.
-    """
-    now = _leaf_values(merged)
-    replaced = {}
-    for key, value in _leaf_values(file).items():
-        if key[:2] == ("freeze", "params"):
-            continue
-        if key in now and now[key] != value:
-            replaced[key] = value  # a value the command line changed
-        elif key not in now and any(k[: len(key)] == key for k in now):
-            replaced[key] = value  # a section the file gave a value to
-    if not replaced:
-        return
-    probe = copy.deepcopy(merged)
-    for key, value in replaced.items():
-        node = probe
-        for part in key[:-1]:
-            node = node[part]
-        node[key[-1]] = copy.deepcopy(value)
-    try:
-        _validate(probe, inputs)
-    except ValidationError as exc:
-        bad = [e for e in exc.errors() if tuple(str(p) for p in e["loc"]) in replaced]
-        if bad:
-            raise ConfigError(f"Config file {path}: " + _format_validation_error(exc, bad).removeprefix(
-                "Invalid configuration: ") + " (the command line sets it too, but the file's value is invalid: fix "
-                "or remove it)") from None
-
-
-def _params_of_another_strategy_dropped(data: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """``data`` without its ``freeze.params`` when ``override`` names another strategy: parameters belong to the
-    strategy they were written for (a config's ``static`` ``k``, blocks to freeze, is not ``lisa``'s ``k``, steps
-    between switches); the override's own parameters, and later ones, still apply."""
-    new = override["freeze"].get("strategy") if isinstance(override.get("freeze"), dict) else None
-    freeze = data.get("freeze")
-    if new is None or not isinstance(freeze, dict) or freeze.get("strategy", DEFAULT_STRATEGY) == new:
-        return data
-    return {**data, "freeze": {k: v for k, v in freeze.items() if k != "params"}}

@@ -27,6 +27,24 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
     return out
 
 
+def leaf_values(d: Any, opaque: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """``{key path: value}`` of every leaf of a nested dict: a value that is not a non-empty dict, or any value under
+    a key in ``opaque`` (kept whole). A ``d`` that is not a dict is the one leaf ``()``.
+
+    Example: ``leaf_values({"train": {"lr": 0.1}, "freeze": {"params": {"k": 2}}}, opaque=("params",))`` is
+    ``{("train", "lr"): 0.1, ("freeze", "params"): {"k": 2}}``.
+    """
+    def walk(node: dict[str, Any], prefix: tuple[str, ...]) -> Any:
+        for key, value in node.items():
+            path = (*prefix, str(key))
+            if isinstance(value, dict) and value and key not in opaque:
+                yield from walk(value, path)
+            else:
+                yield path, value
+
+    return dict(walk(d, ())) if isinstance(d, dict) else {(): d}
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Parse a ``.yaml``/``.yml``, ``.toml`` or ``.json`` file into a dict.
 

@@ -111,7 +111,7 @@ def _yaml_lines(section: BaseModel, indent: str, prefix: str) -> list[str]:
 def config_yaml(config: Config | None = None) -> str:
     """``config`` (default: the default one) as a YAML config file: every key with its value, one per line, with what it
     means as a comment; an optional section that is off (``freeze.guard``, ``model.lora``) shows its keys with their
-    defaults in its comment. Loading the text back (:func:`~layerfreeze.train.config.load_config`) gives the same
+    defaults in its comment. Loading the text back (:func:`~layerfreeze.train.config_load.load_config`) gives the same
     config. ``layerfreeze config`` prints it."""
     config = config if config is not None else build_config({})
     head = ["# layerfreeze run configuration: every key, with its value (the defaults, unless set).",

@@ -6,14 +6,18 @@ The folder's map: one mechanism per module, top to bottom; each imports only mod
 * ``freezer`` -- :class:`Freezer`, the facade (freeze, thaw, the floor, the loop's hooks), PinnedBlockError; anyone.
 * ``steps`` -- a step's bookkeeping: after_backward / step / epoch_end (integrity checks, grad_l1); only freezer.py.
 * ``state`` -- the checkpointable state: state_dict / load_state_dict, STATE_VERSION; only freezer.py.
+* ``freezing`` -- a block's freeze and thaw wired to the Freezer's optimizer, hooks, checks and demotion; only
+  freezer.py.
 * ``stages`` -- a stage: context, admissible decisions, rank 0's shared (share_decision: anyone); freezer.py, steps.py.
-* ``lr_factors`` -- per-block LRs: the strategies' LR factors, a thaw's LR; freezer.py, steps.py, stages.py.
+* ``lr_factors`` -- per-block LRs: the strategies' LR factors, a thaw's LR and its checks; freezer.py, steps.py,
+  stages.py.
 * ``sharding`` -- the FSDP2 wiring: reshard, parameter checks, the mirror; freezer.py, steps.py, state.py.
 * ``demote`` -- the Demoter: demoted weights, master copies, offload, hooks; freezer.py (its ``__all__``: anyone).
 * ``demotion`` -- the demotion spec: Demotion, DemotedWeightsError, the casts; demote.py, freezer.py.
 * ``guard`` -- :class:`StabilityGuard`, thawing a freeze that hurt validation; anyone.
 * ``integrity`` -- the frozen set stays frozen (checksums), trainable blocks get gradients; anyone.
-* ``mechanics`` -- the stateless freeze mechanics (:func:`frozen_parameters`, :func:`set_eval_mode`); anyone.
+* ``mechanics`` -- the stateless freeze mechanics (:func:`frozen_parameters`, :func:`set_eval_mode`, the parameters
+  frozen before the Freezer); anyone.
 * ``optim`` -- the optimizer surgery: frozen parameters out of the param groups and back, one group per block; anyone.
 * ``grad_signal`` -- GradientSums: the grad_l1 signal, summed on the device, read once per stage; freezer.py, steps.py.
 * ``timing`` -- StepTimes: step intervals with and without a stage, for the strategies' cadence; freezer.py, steps.py.

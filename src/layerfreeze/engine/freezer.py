@@ -46,7 +46,6 @@ warning per block), the stability guard stops watching them, and :meth:`Freezer.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,18 +58,19 @@ from layerfreeze.engine import state as checkpoint_state
 from layerfreeze.engine import steps
 from layerfreeze.engine.demote import Demoter
 from layerfreeze.engine.demotion import Demotion
+from layerfreeze.engine.freezing import freeze_block, thaw_block
 from layerfreeze.engine.grad_signal import GradientSums
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
-from layerfreeze.engine.lr_factors import apply_lr_scales, check_lr_scales, set_block_lr
-from layerfreeze.engine.mechanics import frozen_blocks_to_eval, frozen_parameters, set_eval_mode
-from layerfreeze.engine.optim import (
-    add_to_optimizer,
-    check_model_and_optimizer,
-    exclusive_groups,
-    group_origin,
-    remove_from_optimizer,
+from layerfreeze.engine.lr_factors import apply_lr_scales, check_block_lr, check_lr_scales, check_thaw_lrs, set_block_lr
+from layerfreeze.engine.mechanics import (
+    frozen_before,
+    frozen_blocks_to_eval,
+    frozen_parameters,
+    not_optimized,
+    set_eval_mode,
 )
+from layerfreeze.engine.optim import check_model_and_optimizer, group_origin, remove_from_optimizer
 from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, report_metric, run_length, start
@@ -87,12 +87,6 @@ class PinnedBlockError(RuntimeError):
 # --------------------------------------------------------------------------------------------------------------
 # The Freezer
 # --------------------------------------------------------------------------------------------------------------
-
-
-#: The attribute a parameter the Freezer froze carries (True) until a thaw: a parameter that is frozen when a Freezer
-#: is built and carries it was frozen by an earlier Freezer (a second ``fit`` on the same model), not by the user, so
-#: the new Freezer may thaw it.
-FROZEN_MARK = "_layerfreeze_frozen"
 
 
 class Freezer:
@@ -215,13 +209,9 @@ class Freezer:
         self._origin: dict[int, int] = {}
         if optimizer is not None:
             self._origin = group_origin(optimizer)
-        # What the user (or a library: peft's base weights) set before the Freezer, a thaw gives back as it was: a
-        # parameter frozen then stays frozen (a thaw made the user's frozen layer train), and a trainable one the
-        # optimizer did not hold is not added to it (a thaw put it into param group 0)
-        self._frozen_before = {id(p) for p in model.parameters()
-                               if not p.requires_grad and not getattr(p, FROZEN_MARK, False)}
-        self._not_optimized = ({id(p) for p in model.parameters() if p.requires_grad and id(p) not in self._origin}
-                               if optimizer is not None else set())
+        # what the user set before the Freezer, a thaw gives back as it was (mechanics.frozen_before, not_optimized)
+        self._frozen_before = frozen_before(model)
+        self._not_optimized = not_optimized(model, self._origin) if optimizer is not None else set()
         self._hooks: dict[int, list[Any]] = {}
         self._root_eval_hook: Any = None  # registered at the first freeze (_eval_frozen_blocks)
         self.integrity = FrozenSet(on_unfrozen, warn=functools.partial(steps.integrity_warning, self),
@@ -257,7 +247,7 @@ class Freezer:
                 raise ValueError("demote does not work on an FSDP2-sharded model (its parameters are DTensor shards); "
                                  "shard_blocks frees the memory of frozen blocks another way")
             self.demoter = Demoter(spec, self.blocks)
-        self._check_thaw_lrs()  # before the strategy attaches: nothing to release on a refusal
+        check_thaw_lrs(optimizer, self._origin, self.blocks, self.strategy)  # before attach: nothing to release
         if self.decides:
             if self._mirror is not None:
                 self.strategy.attach(self._mirror.mirror, self._mirror.blocks(self.blocks))
@@ -319,41 +309,7 @@ class Freezer:
         Returns:
             True if the block was trainable and is now frozen, False if it was already frozen.
         """
-        block = self.block(key)
-        if self.frozen[block.index]:
-            return False
-        sharded(self._fsdp)
-        params = frozen_parameters(block, self.train_bn)
-        for p in params:
-            if id(p) not in self._frozen_before:
-                setattr(p, FROZEN_MARK, True)  # a later Freezer on this model (a second fit) may thaw it
-            p.requires_grad_(False)
-            p.grad = None
-        if self.optimizer is not None:
-            self._origin.update(remove_from_optimizer(self.optimizer, params))
-        for _, module in block.modules:
-            set_eval_mode(module, self.train_bn)
-            self._hooks.setdefault(block.index, []).append(module.register_forward_pre_hook(self._eval_hook))
-        if self._root_eval_hook is None and block.modules and block.modules[0][1] is not self.model:
-            self._root_eval_hook = self.model.register_forward_pre_hook(self._eval_frozen_blocks)
-        self.frozen[block.index] = True
-        named = self.named_frozen_parameters(block)
-        self.integrity.on_freeze(block.index, named)  # the checksum of the float32 weights a thaw gives back
-        extra: dict[str, Any] = {}
-        if self.demoter is not None:
-            skipped = self.demoter.on_freeze(block, named)
-            if skipped is not None:
-                extra["demote_skipped"] = skipped
-            elif self.demoter.is_demoted(block.index):
-                extra["demoted"] = self.demoter.spec.dtype
-        self._record("freeze", block, reason, **extra)
-        if all(self.frozen):
-            # no strategy freezes the head; a manual freeze can, and then the next loss.backward() raises torch's
-            # "element 0 of tensors does not require grad", far from its cause
-            warnings.warn(f"freezing block {block.name!r} left every block frozen: nothing trains, and "
-                          "loss.backward() raises; thaw a block (freezer.thaw(key)) before the next step",
-                          stacklevel=2)
-        return True
+        return freeze_block(self, self.block(key), reason)
 
     def pin(self, keys: Sequence[int | str], reason: str = FLOOR_REASON) -> list[int]:
         """Add blocks to the floor: freeze them now (those not frozen yet) and keep them frozen.
@@ -401,32 +357,13 @@ class Freezer:
         """
         block = self.block(key)
         if lr is not None:  # checked before anything changes: a refused lr left the block half thawed
-            self._check_block_lr(block, lr)
+            check_block_lr(self.optimizer, self._origin, block, lr)
         if block.index in self._floor:
             raise PinnedBlockError(
                 f"block {block.name} is in the Freezer's floor ({FLOOR_REASON}: it stays frozen so the run's tensor "
                 "peak fits the budget); thawing it would bring back its gradients, optimizer state and saved "
                 "activations. Raise the budget (or plan without it) to train it")
-        was_frozen = self.frozen[block.index]
-        if was_frozen:
-            sharded(self._fsdp)
-            if self.demoter is not None:  # the float32 weights, exactly as they froze, before anything else
-                self.demoter.on_thaw(block)
-            for handle in self._hooks.pop(block.index, []):
-                handle.remove()
-            for _, module in block.modules:
-                module.train(self.model.training)
-            params = [p for p in frozen_parameters(block, self.train_bn) if id(p) not in self._frozen_before]
-            for p in params:
-                p.requires_grad_(True)
-                if hasattr(p, FROZEN_MARK):
-                    delattr(p, FROZEN_MARK)
-            if self.optimizer is not None:
-                for p in params:
-                    if id(p) not in self._not_optimized:  # (one frozen before attach_optimizer goes to group 0)
-                        add_to_optimizer(self.optimizer, [p], self._origin.get(id(p), 0))
-            self.frozen[block.index] = False
-            self.integrity.on_thaw(block.index)
+        was_frozen = thaw_block(self, block)
         if lr is not None:
             self.set_block_lr(block, lr)
         if was_frozen:
@@ -440,31 +377,8 @@ class Freezer:
             ValueError: no optimizer, ``lr <= 0``, or a group that also holds other blocks' parameters.
         """
         block = key if isinstance(key, Block) else self.block(key)
-        self._check_block_lr(block, lr)
+        check_block_lr(self.optimizer, self._origin, block, lr)
         set_block_lr(self.optimizer, self._origin, block, lr, self.scheduler, self._lr_written)
-
-    def _check_block_lr(self, block: Block, lr: float, purpose: str = "its own learning rate") -> None:
-        """Raise ValueError when ``lr`` cannot be given to ``block`` (see :meth:`set_block_lr`)."""
-        if self.optimizer is None or not lr > 0:
-            raise ValueError(f"set_block_lr needs an optimizer and lr > 0 (got lr={lr})")
-        if not exclusive_groups(self.optimizer, self._origin, block, purpose):
-            raise ValueError(f"Cannot give block {block.name!r} {purpose}: none of its parameters is in a param group "
-                             "of the optimizer (build the optimizer from layerfreeze.block_param_groups(...), one "
-                             "group per block)")
-
-    def _check_thaw_lrs(self) -> None:
-        """For a strategy whose thaws set learning rates (``Strategy.thaw_lrs``: ``gradual``),
-        check now that every block but the head has param groups of its own: the first thaw, an epoch into the
-        run, raised it before.
-
-        Raises:
-            ValueError: a block whose param group holds other blocks too, or none of whose parameters the optimizer
-                holds.
-        """
-        if self.optimizer is None or not getattr(self.strategy, "thaw_lrs", False):
-            return
-        for block in self.blocks[:-1]:
-            self._check_block_lr(block, 1.0, f"the learning rate {self.strategy.name!r} gives a thawed block")
 
     def named_frozen_parameters(self, block: Block) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` pairs that freezing ``block`` stops training (see :func:`frozen_parameters`)."""
@@ -553,12 +467,12 @@ class Freezer:
         sharded(self._fsdp)
         check_optimizer_holds_sharded_parameters(self.model, optimizer, registered)
         self._origin = group_origin(optimizer)
-        self._not_optimized = {id(p) for p in self.model.parameters() if p.requires_grad and id(p) not in self._origin}
+        self._not_optimized = not_optimized(self.model, self._origin)
         for block in self.blocks:
             if self.frozen[block.index]:
                 remove_from_optimizer(optimizer, frozen_parameters(block, self.train_bn))
         check_lr_scales(optimizer, self._origin, self.blocks, self._lr_scale)
-        self._check_thaw_lrs()
+        check_thaw_lrs(optimizer, self._origin, self.blocks, self.strategy)
         self._lr_written = {}
         apply_lr_scales(optimizer, self.blocks, self._origin, self._lr_scale, self._lr_written)
 

@@ -59,6 +59,33 @@ def check_lr_scales(optimizer: torch.optim.Optimizer, origin: Mapping[int, int],
         exclusive_groups(optimizer, origin, blocks[i], "a learning-rate factor")
 
 
+def check_block_lr(optimizer: torch.optim.Optimizer | None, origin: Mapping[int, int], block: Block, lr: float,
+                   purpose: str = "its own learning rate") -> None:
+    """Raise ValueError when ``lr`` cannot be given to ``block``: no optimizer, ``lr`` not ``> 0``, a param group
+    that also holds other blocks' parameters, or none of its parameters in a param group."""
+    if optimizer is None or not lr > 0:
+        raise ValueError(f"set_block_lr needs an optimizer and lr > 0 (got lr={lr})")
+    if not exclusive_groups(optimizer, origin, block, purpose):
+        raise ValueError(f"Cannot give block {block.name!r} {purpose}: none of its parameters is in a param group of "
+                         "the optimizer (build the optimizer from layerfreeze.block_param_groups(...), one group per "
+                         "block)")
+
+
+def check_thaw_lrs(optimizer: torch.optim.Optimizer | None, origin: Mapping[int, int], blocks: Sequence[Block],
+                   strategy: Any) -> None:
+    """For a strategy whose thaws set learning rates (``Strategy.thaw_lrs``: ``gradual``), check when the optimizer
+    is known that every block but the head has param groups of its own: the first thaw, an epoch into the run,
+    raised it before.
+
+    Raises:
+        ValueError: from :func:`check_block_lr`.
+    """
+    if optimizer is None or not getattr(strategy, "thaw_lrs", False):
+        return
+    for block in blocks[:-1]:
+        check_block_lr(optimizer, origin, block, 1.0, f"the learning rate {strategy.name!r} gives a thawed block")
+
+
 def set_block_lr(optimizer: torch.optim.Optimizer, origin: Mapping[int, int], block: Block, lr: float,
                  scheduler: Any, lr_written: dict[int, tuple[float, float]]) -> None:
     """Set the LR of ``block``'s param groups (and the scheduler's base LR), forgetting what a factor wrote there.

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from torch import nn
 
 from layerfreeze.models.blocks import Block
@@ -19,6 +21,49 @@ def frozen_parameters(block: Block, train_bn: bool = False) -> list[nn.Parameter
     keep = {id(p) for _, m in block.modules for sub in m.modules() if isinstance(sub, _NORM_TYPES)
             for p in sub.parameters(recurse=False)}
     return [p for p in block.parameters() if id(p) not in keep]
+
+
+#: The attribute a parameter the Freezer froze carries (True) until a thaw: a parameter that is frozen when a Freezer
+#: is built and carries it was frozen by an earlier Freezer (a second ``fit`` on the same model), not by the user, so
+#: the new Freezer may thaw it.
+FROZEN_MARK = "_layerfreeze_frozen"
+
+
+def frozen_before(model: nn.Module) -> set[int]:
+    """``id`` of each parameter of ``model`` frozen before a Freezer was built (by the user, or by a library: peft's
+    base weights), so that a thaw leaves it frozen (a thaw made the user's frozen layer train); one an earlier
+    Freezer froze (:data:`FROZEN_MARK`) is not among them."""
+    return {id(p) for p in model.parameters() if not p.requires_grad and not getattr(p, FROZEN_MARK, False)}
+
+
+def not_optimized(model: nn.Module, origin: Mapping[int, int]) -> set[int]:
+    """``id`` of each trainable parameter of ``model`` the optimizer does not hold (``origin``: the group of each it
+    holds): a thaw does not add it (a thaw put it into param group 0)."""
+    return {id(p) for p in model.parameters() if p.requires_grad and id(p) not in origin}
+
+
+def stop_training(params: Iterable[nn.Parameter], before: set[int]) -> None:
+    """Freeze ``params``: no gradient, ``requires_grad`` off, and :data:`FROZEN_MARK` on those not frozen ``before``
+    (:func:`frozen_before`)."""
+    for p in params:
+        if id(p) not in before:
+            setattr(p, FROZEN_MARK, True)
+        p.requires_grad_(False)
+        p.grad = None
+
+
+def resume_training(params: Iterable[nn.Parameter], before: set[int]) -> list[nn.Parameter]:
+    """Thaw ``params`` but those frozen ``before`` the Freezer (:func:`frozen_before`), which stay frozen.
+
+    Returns:
+        The parameters made trainable.
+    """
+    thawed = [p for p in params if id(p) not in before]
+    for p in thawed:
+        p.requires_grad_(True)
+        if hasattr(p, FROZEN_MARK):
+            delattr(p, FROZEN_MARK)
+    return thawed
 
 
 def set_eval_mode(module: nn.Module, train_bn: bool = False) -> None:

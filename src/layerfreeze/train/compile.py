@@ -159,7 +159,7 @@ class CompiledRegions:
         """The summary's ``compile``: mode, backend, regions, graphs compiled and seconds spent compiling (in training
         steps and in evaluation: the trainer adds ``train_compile_s``, the steps' share)."""
         return {"mode": self.mode, "backend": self.backend, "regions": len(self.regions),
-                "graphs": self.compiled_graphs(), "compile_s": self._clock.seconds}
+                "graphs": self.compiled_graphs(), "compile_s": self.compile_seconds()}
 
     def refresh(self, frozen: Iterable[bool]) -> None:
         """Before a forward: when the frozen set (``Freezer.frozen``, one flag per block) changed since the last call,

@@ -189,7 +189,7 @@ def record_step(trainer: Trainer, loss: float, count: int, step_time: float, dec
         trainer._graphs_logged = graphs
         # and the seconds of the step spent compiling: train time without them is what the compiled code costs
         rank_fields["compile_s"] = trainer._step_compile_s
-        trainer.progress["train_compile_s"] = trainer.progress.get("train_compile_s", 0.0) + trainer._step_compile_s
+        trainer.progress["train_compile_s"] += trainer._step_compile_s
     prefix = trainer.prefix_clock.read() if trainer.prefix_clock is not None else None
     if prefix is not None:  # the step's time split at the frozen prefix's end (see train/prefix_clock.py)
         rank_fields.update(prefix_forward_s=prefix, suffix_s=max(step_time - prefix, 0.0))

@@ -35,7 +35,7 @@ def write_summary(trainer: Trainer, wall_time: float, cache: dict[str, Any],
         "strategy": cfg.freeze.strategy,
         "strategy_params": dict(cfg.freeze.params),
         "precision": trainer.precision.name,
-        **({"compile": {**trainer.compiled.summary(), "train_compile_s": p.get("train_compile_s", 0.0)}}
+        **({"compile": {**trainer.compiled.summary(), "train_compile_s": p["train_compile_s"]}}
            if trainer.compiled is not None else {}),
         **({"loss_scale": trainer.precision.scaler.get_scale(), "empty_steps": trainer.precision.empty_steps}
            if trainer.precision.scaler is not None else {}),

@@ -193,7 +193,7 @@ class Trainer:
         self.telemetry.log_config(cfg.model_dump(mode="json"))
         self.progress: dict[str, Any] = {
             "step": 0, "flops_total": 0, "train_time_s": 0.0, "epoch_times_s": [], "flops_per_step": None,
-            "flops_first": None, "history_eval": [],
+            "flops_first": None, "history_eval": [], "train_compile_s": 0.0,
         }
         start_epoch, skip = 0, 0
         if cfg.run.resume:

@@ -1,0 +1,84 @@
+"""A block's freeze and thaw on a :class:`~layerfreeze.engine.freezer.Freezer`: the stateless mechanics
+(:mod:`~layerfreeze.engine.mechanics`, :mod:`~layerfreeze.engine.optim`) wired to its optimizer, its eval-mode hooks,
+its integrity checks, its demotion and its history. ``Freezer.freeze`` / ``Freezer.thaw`` resolve the block and check
+what they are asked first (the floor, a thaw's learning rate), then call these.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from layerfreeze.engine.mechanics import frozen_parameters, resume_training, set_eval_mode, stop_training
+from layerfreeze.engine.optim import add_to_optimizer, remove_from_optimizer
+from layerfreeze.engine.sharding import sharded
+from layerfreeze.models.blocks import Block
+
+if TYPE_CHECKING:
+    from layerfreeze.engine.freezer import Freezer
+
+
+def freeze_block(freezer: Freezer, block: Block, reason: str) -> bool:
+    """Freeze ``block`` (see :meth:`Freezer.freeze <layerfreeze.engine.freezer.Freezer.freeze>`).
+
+    Returns:
+        True if the block was trainable and is now frozen, False if it was already frozen.
+    """
+    if freezer.frozen[block.index]:
+        return False
+    sharded(freezer._fsdp)
+    params = frozen_parameters(block, freezer.train_bn)
+    stop_training(params, freezer._frozen_before)
+    if freezer.optimizer is not None:
+        freezer._origin.update(remove_from_optimizer(freezer.optimizer, params))
+    for _, module in block.modules:
+        set_eval_mode(module, freezer.train_bn)
+        freezer._hooks.setdefault(block.index, []).append(module.register_forward_pre_hook(freezer._eval_hook))
+    if freezer._root_eval_hook is None and block.modules and block.modules[0][1] is not freezer.model:
+        freezer._root_eval_hook = freezer.model.register_forward_pre_hook(freezer._eval_frozen_blocks)
+    freezer.frozen[block.index] = True
+    named = freezer.named_frozen_parameters(block)
+    freezer.integrity.on_freeze(block.index, named)  # the checksum of the float32 weights a thaw gives back
+    extra: dict[str, Any] = {}
+    if freezer.demoter is not None:
+        skipped = freezer.demoter.on_freeze(block, named)
+        if skipped is not None:
+            extra["demote_skipped"] = skipped
+        elif freezer.demoter.is_demoted(block.index):
+            extra["demoted"] = freezer.demoter.spec.dtype
+    freezer._record("freeze", block, reason, **extra)
+    if all(freezer.frozen):
+        # no strategy freezes the head; a manual freeze can, and then the next loss.backward() raises torch's
+        # "element 0 of tensors does not require grad", far from its cause; stacklevel 3: this function,
+        # Freezer.freeze, its caller
+        warnings.warn(f"freezing block {block.name!r} left every block frozen: nothing trains, and "
+                      "loss.backward() raises; thaw a block (freezer.thaw(key)) before the next step", stacklevel=3)
+    return True
+
+
+def thaw_block(freezer: Freezer, block: Block) -> bool:
+    """Make frozen ``block`` trainable again, back in the param groups it came from, as far as the user had it
+    trainable before the Freezer (:func:`~layerfreeze.engine.mechanics.resume_training`; a parameter the optimizer
+    did not hold is not added to it). No record and no learning rate: :meth:`Freezer.thaw
+    <layerfreeze.engine.freezer.Freezer.thaw>` does both.
+
+    Returns:
+        True if the block was frozen and is now trainable, False if it was trainable already.
+    """
+    if not freezer.frozen[block.index]:
+        return False
+    sharded(freezer._fsdp)
+    if freezer.demoter is not None:  # the float32 weights, exactly as they froze, before anything else
+        freezer.demoter.on_thaw(block)
+    for handle in freezer._hooks.pop(block.index, []):
+        handle.remove()
+    for _, module in block.modules:
+        module.train(freezer.model.training)
+    params = resume_training(frozen_parameters(block, freezer.train_bn), freezer._frozen_before)
+    if freezer.optimizer is not None:
+        for p in params:
+            if id(p) not in freezer._not_optimized:  # (one frozen before attach_optimizer goes to group 0)
+                add_to_optimizer(freezer.optimizer, [p], freezer._origin.get(id(p), 0))
+    freezer.frozen[block.index] = False
+    freezer.integrity.on_thaw(block.index)
+    return True

@@ -27,7 +27,18 @@ Per row, read from the run's ``summary.json`` and ``metrics.jsonl`` (:mod:`layer
 * the strategy's signals in the step records (``signal_<name>``, :func:`layerfreeze.runs.telemetry.signals_of`): the
   steps that carry one are the steps that ran a stage, so their count and median spacing are the stage cadence.
 
+``--variants`` (issue 42) runs the rows once per ``precision/compile`` pair (``train.precision`` / ``train.compile``;
+default ``auto/false``, the default job as it is: the device's precision, eager), each variant's rows in a comparison
+of their own (``OUT/runs/<precision>-<compile>/``), so each row's time and FLOPs ratios are to the ``none`` row of its
+variant.
+With more than one variant, or a compiled one, the tables name each row's variant and add the seconds the row spent
+compiling in its steps (the summary's ``compile.train_compile_s``), its train time without them and that time's ratio
+to its variant's ``none`` (issue 42's done-when compares ``bf16-mixed`` + ``compile: blocks`` rows that way), and the
+ratio of its train time to the first variant's ``none``.
+
     python -m benchmarks.device_default_job --device cuda:0 --out runs/device-default-job   # the GPU check's
+    python -m benchmarks.device_default_job --device cuda:0 --rows none,smartfrz,static,lisa \
+        --variants bf16-mixed/false,bf16-mixed/blocks --out runs/precision-compile     # the GPU check's, issue 42
     python -m benchmarks.device_default_job --tiny --out /tmp/ddj      # 6 steps of 8 x 16 tokens: seconds, on CPU
 
 Writes ``OUT/results.json`` (every number above, per row), ``OUT/table.md`` (the two tables as Markdown) and the
@@ -54,6 +65,28 @@ from layerfreeze.train.compare import compare
 from layerfreeze.train.config_file import deep_merge, parse_override
 
 ROWS = ("none", "smartfrz", "static", "lisa", "badam")
+#: The variant the default job runs as it is: the device's default precision (bf16-mixed on a CUDA GPU with
+#: bfloat16, 32-true elsewhere), eager.
+BASE_VARIANT = "auto/false"
+
+
+def parse_variants(text: str) -> list[tuple[str, str]]:
+    """``"bf16-mixed/false,bf16-mixed/blocks"`` -> ``[("bf16-mixed", "false"), ("bf16-mixed", "blocks")]``.
+
+    Raises:
+        ValueError: an item is not ``precision/compile``, or one is named twice.
+    """
+    out: list[tuple[str, str]] = []
+    for item in text.split(","):
+        precision, sep, mode = item.strip().partition("/")
+        if not sep or not precision or not mode:
+            raise ValueError(f"--variants: {item!r} is not PRECISION/COMPILE (e.g. bf16-mixed/blocks)")
+        if (precision, mode) in out:
+            raise ValueError(f"--variants: {item!r} is named twice")
+        out.append((precision, mode))
+    return out
+
+
 PHASES = ("before", "while", "after")
 #: ``--tiny``: one epoch of 48 articles in batches of 8 at 16 tokens (6 steps), 8 test articles; the ledger samples
 #: every step. Seconds on a CPU: it checks that everything runs and is read, its numbers mean nothing.
@@ -194,31 +227,61 @@ def row_result(r: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
         "allocated_at_start_bytes": extra.get("allocated_at_start_bytes"),
         "frozen_blocks": r.get("frozen_blocks"), "freeze_steps": r.get("freeze_steps"),
         "ledger_every": memory.get("every"), "run_dir": str(run_dir),
+        "train_compile_s": (summary.get("compile") or {}).get("train_compile_s"),
         **analysis,
     }
+
+
+def add_variant_ratios(rows: list[dict[str, Any]]) -> None:
+    """Per row: the train time without the seconds compiling in steps, its ratio to the same variant's ``none``
+    (``time_ratio_without_compile``), and the train time's ratio to the first variant's ``none``
+    (``time_ratio_to_base``)."""
+    live = [r for r in rows if not r.get("stopped")]
+    for r in live:
+        t = r.get("train_time_s")
+        r["train_time_without_compile_s"] = t - (r.get("train_compile_s") or 0.0) if finite(t) else None
+    nones = {r["variant"]: r for r in live if r["row"] == "none"}
+    base = nones.get(rows[0]["variant"]) if rows else None
+    for r in live:
+        t, mine = r.get("train_time_s"), r["train_time_without_compile_s"]
+        ref_t = nones[r["variant"]]["train_time_without_compile_s"] if r["variant"] in nones else None
+        r["time_ratio_without_compile"] = mine / ref_t if finite(mine) and finite(ref_t) and ref_t else None
+        base_t = base.get("train_time_s") if base else None
+        r["time_ratio_to_base"] = t / base_t if finite(t) and finite(base_t) and base_t else None
 
 
 def _num(x: Any, fmt: str = "{:.1f}") -> str:
     return fmt.format(x) if finite(x) else "-"
 
 
+def _label(r: dict[str, Any], variants: bool) -> str:
+    return f"{r['row']} ({r['variant']})" if variants else r["row"]
+
+
 def tables(rows: list[dict[str, Any]], device: str) -> str:
-    """The two Markdown tables: time and memory per row; per-phase step medians, FLOP-measured steps, stages."""
+    """The two Markdown tables: time and memory per row; per-phase step medians, FLOP-measured steps, stages. With
+    several variants or a compiled one, each row is named with its variant and the compile columns are added."""
+    variants = len({r.get("variant", BASE_VARIANT) for r in rows}) > 1 or any(
+        r.get("variant", BASE_VARIANT).split("/")[1] != "false" for r in rows)
     mem_word = "allocator peak" if device.startswith("cuda") else "peak RSS"
     head = ["row", "test acc %", "train s", "time ratio", "FLOPs ratio", mem_word, "ledger tensor peak",
             f"{mem_word} / ledger"]
+    if variants:
+        head += ["compiling in steps s", "time ratio without compiling", "time ratio to first none"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.get("stopped"):
-            lines.append(f"| {r['row']} | stopped: {r['stopped']} |" + " |" * (len(head) - 2))
+            lines.append(f"| {_label(r, variants)} | stopped: {r['stopped']} |" + " |" * (len(head) - 2))
             continue
         acc = r.get("test_accuracy")
+        extra = [_num(r.get("train_compile_s")), _num(r.get("time_ratio_without_compile"), "{:.3f}"),
+                 _num(r.get("time_ratio_to_base"), "{:.3f}")] if variants else []
         lines.append("| " + " | ".join([
-            r["row"], _num(100 * acc if finite(acc) else None, "{:.2f}"), _num(r["train_time_s"]),
+            _label(r, variants), _num(100 * acc if finite(acc) else None, "{:.2f}"), _num(r["train_time_s"]),
             _num(r["time_ratio"], "{:.3f}"), _num(r["flops_ratio"], "{:.3f}"),
             format_bytes(r["allocator_peak_bytes"]) if finite(r["allocator_peak_bytes"]) else "-",
             format_bytes(r["ledger_tensor_peak_bytes"]) if finite(r["ledger_tensor_peak_bytes"]) else "-",
-            _num(r["allocator_over_ledger"], "{:.3f}")]) + " |")
+            _num(r["allocator_over_ledger"], "{:.3f}"), *extra]) + " |")
     head2 = ["row", "first freeze / last change (step)", "median step ms: before", "while", "after", "step 1 ms",
              "FLOP-measured steps (extra s)", "stage steps (median every)", "signals"]
     lines += ["", "| " + " | ".join(head2) + " |", "|" + "---|" * len(head2)]
@@ -228,7 +291,7 @@ def tables(rows: list[dict[str, Any]], device: str) -> str:
         med = r["median_step_ms"]
         n = r["steps_per_phase"]
         lines.append("| " + " | ".join([
-            r["row"], f"{r['first_freeze_step'] if r['first_freeze_step'] is not None else '-'} / "
+            _label(r, variants), f"{r['first_freeze_step'] if r['first_freeze_step'] is not None else '-'} / "
                       f"{r['last_change_step'] if r['last_change_step'] is not None else '-'}",
             *(f"{_num(med[p])} ({n[p]})" for p in PHASES), _num(r["step1_ms"]),
             f"{len(r['flops_steps'])} ({r['flops_extra_s']:+.2f})",
@@ -248,23 +311,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ledger-every", type=int, help="run.ledger_every (default: the default job's, 10)")
     parser.add_argument("--tiny", action="store_true", help="6 steps of 8 x 16 tokens (the test's size)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config key for every row")
+    parser.add_argument("--variants", metavar="PRECISION/COMPILE,...",
+                        help="train.precision/train.compile pairs, each a comparison of the rows (issue 42), e.g. "
+                             "bf16-mixed/false,bf16-mixed/blocks (default: the config's, auto/false)")
     parser.add_argument("--out", default="runs/device-default-job")
     args = parser.parse_args(argv)
     out = Path(args.out)
     rows = args.rows.split(",")
+    try:
+        variants: list[tuple[str, str] | None] = parse_variants(args.variants) if args.variants else [None]
+    except ValueError as exc:
+        parser.error(str(exc))
     base = base_config(args.device, args.seed, args.tiny, args.ledger_every, args.set)
-    extra: dict[str, dict[str, Any]] = {row: {} for row in rows}
-    callbacks = {row: [fresh_row_callback(extra[row])] for row in rows}
     console = Console(width=200)
-    got = compare(base, rows, out / "runs", console=console, row_callbacks=callbacks)
-    device = next((e["device"] for e in extra.values() if e.get("device")), args.device or "auto")
-    results = {"rows": [row_result(r, extra[r["row"]]) for r in got], "device": device, "tiny": args.tiny,
-               "set": args.set, "torch": torch.__version__,
-               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    results: dict[str, Any] = {"rows": [], "device": args.device or "auto", "tiny": args.tiny, "set": args.set,
+                               "variants": [], "torch": torch.__version__,
+                               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    md = tables(results["rows"], device)
-    (out / "table.md").write_text(md)
+    for variant in variants:
+        if variant is None:  # the config's own (--set may name them)
+            cfg, runs = base, out / "runs"
+            train = base.get("train", {})
+            name = f"{train.get('precision', 'auto')}/{str(train.get('compile', False)).lower()}"
+        else:
+            precision, mode = variant
+            name, runs = f"{precision}/{mode}", out / "runs" / f"{precision}-{mode}"
+            cfg = deep_merge(base, {"train": {"precision": precision, "compile": parse_override(f"c={mode}")["c"]}})
+        results["variants"].append(name)
+        extra: dict[str, dict[str, Any]] = {row: {} for row in rows}
+        callbacks = {row: [fresh_row_callback(extra[row])] for row in rows}
+        got = compare(cfg, rows, runs, console=console, row_callbacks=callbacks)
+        results["device"] = next((e["device"] for e in extra.values() if e.get("device")), results["device"])
+        results["rows"] += [{**row_result(r, extra[r["row"]]), "variant": name} for r in got]
+        add_variant_ratios(results["rows"])
+        (out / "results.json").write_text(json.dumps(results, indent=2))  # after every variant
+        (out / "table.md").write_text(tables(results["rows"], results["device"]))
+    md = tables(results["rows"], results["device"])
     print(md)
     return 0
 

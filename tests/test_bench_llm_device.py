@@ -74,3 +74,29 @@ def test_bbc_text_holds_out_every_tenth_article():
     # 223 of the 2,225 articles are held out: about a tenth of the chunks
     assert 0.07 < len(corpus.held_out) / (len(corpus.train) + len(corpus.held_out)) < 0.14
     assert int(corpus.train.max()) < 30522 and int(corpus.train.min()) >= 0
+
+
+def test_compiled_blocks_rows_train_as_eager_ones_and_count_their_compiles(tmp_path, one_thread):
+    """``--compile blocks`` (issue 42's LLM table): every block a region, keyed on its trainable set; a row's
+    compiles are counted and their steps left out of its median, and the compiled rows learn what the eager ones do."""
+    args = ["--hidden", "64", "--layers", "4", "--steps", "4", "--seq", "32", "--batch", "2", "--device", "cpu",
+            "--data", "synthetic", "--rows", "none,static", "--lr", "3e-2", "--warmup", "1"]
+    with benchmark_module("llm_device") as bench:
+        assert bench.main([*args, "--out", str(tmp_path / "eager")]) == 0
+        assert bench.main([*args, "--compile", "blocks", "--compile-backend", "aot_eager",
+                           "--out", str(tmp_path / "blocks")]) == 0
+    eager, blocks = ({r["row"]: r for r in json.loads((tmp_path / d / "results.json").read_text())["rows"]}
+                     for d in ("eager", "blocks"))
+    for row in ("none", "static"):
+        got = blocks[row]
+        # the first step compiles every region class (embeddings, decoder layer, the head's norm and LM head)
+        assert got["compile_steps"][0] == 1 and got["graphs"] >= 3 and got["compile_s"] > 0
+        assert got["trainable_parameters_start"] == eager[row]["trainable_parameters_start"]
+        assert got["frozen_blocks_end"] == eager[row]["frozen_blocks_end"]
+        # aot_eager runs the traced ops eagerly: on the CPU the same values, bit for bit
+        assert got["train_loss_last"] == eager[row]["train_loss_last"]
+        assert got["perplexity"] == eager[row]["perplexity"]
+        assert "compile_s" not in eager[row]
+    assert blocks["static"]["train_loss_last"] != blocks["none"]["train_loss_last"]  # they trained different sets
+    table = (tmp_path / "blocks" / "table.md").read_text()
+    assert "compile s (graphs, steps)" in table and "backend aot_eager" in table

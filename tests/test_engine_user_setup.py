@@ -194,3 +194,20 @@ def test_a_second_freezer_on_the_model_thaws_what_the_first_one_froze():
     with Freezer(model, optimizer, "none") as second:
         assert second.freeze(0) and second.thaw(0)
         assert model[0].weight.requires_grad and model[0].bias.requires_grad
+
+
+def test_block_patterns_listed_back_to_front_warn_before_the_head_is_frozen():
+    # ["head", "layers.*", "stem"] made 'head' block 0 and 'stem' the head: static k=1 froze the classifier and
+    # trained everything else, in silence
+    model = nn.Sequential()
+    model.add_module("stem", nn.Linear(4, 8))
+    model.add_module("layers", nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+    model.add_module("head", nn.Linear(8, 2))
+    with pytest.warns(UserWarning, match=r"'layers.0' is a block after 'head', but the model registers it before "
+                                         r"it\. Blocks are front to back") as caught:
+        blocks = discover_blocks(model, ["head", "layers.*", "stem"])
+    assert [b.name for b in blocks] == ["head", "layers.0", "layers.1", "stem"] and len(caught) == 1
+    assert caught[0].filename == __file__  # the warning points at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [b.name for b in discover_blocks(model, ["stem", "layers.*", "head"])][-1] == "head"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 import operator
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,6 +177,12 @@ def blocks_from_patterns(model: nn.Module, patterns: Sequence[str], head: bool =
     Blocks are ordered by pattern, so list the patterns front to back. Tied parameters are resolved as in
     :func:`resolve_ties` (the earliest block owns them).
 
+    The blocks' order is forward order: a strategy freezes the first blocks and never the last (the head). Patterns
+    listed back to front (``["head", "layers.*", "stem"]``) would freeze the head and train the stem in silence, so
+    blocks whose modules come in another order than the model registers them (``named_modules``, which is forward
+    order in most models) get a ``UserWarning`` naming the first pair out of order. A model whose forward runs its
+    modules in another order than it registers them may ignore it.
+
     Args:
         model: The model.
         patterns: e.g. ``["embed", "layers.*", "head"]``.
@@ -207,9 +214,25 @@ def blocks_from_patterns(model: nn.Module, patterns: Sequence[str], head: bool =
                 f"top-level children: {_children_summary(model)}); patterns use fnmatch syntax on module names from "
                 "model.named_modules(), e.g. 'encoder.layer.*' (`layerfreeze blocks` lists a model's blocks)"
             )
+    _warn_out_of_order(model, [n for n, _ in matched])
     blocks = make_blocks([(n, [(n, m)]) for n, m in matched], head=head)
     resolve_ties(blocks)
     return blocks
+
+
+def _warn_out_of_order(model: nn.Module, names: Sequence[str]) -> None:
+    """Warn when the matched modules ``names`` (the blocks, front to back) are not in ``model.named_modules()``
+    order (see :func:`blocks_from_patterns`)."""
+    position = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    for before, after in zip(names, names[1:]):
+        if position[after] < position[before]:
+            warnings.warn(
+                f"block patterns: {after!r} is a block after {before!r}, but the model registers it before it. "
+                f"Blocks are front to back (forward order: strategies freeze the first blocks, never the last, the "
+                f"head); list the patterns in the order the forward runs them (`layerfreeze blocks` shows the order "
+                f"they give). If {type(model).__name__}'s forward does run {before!r} first, ignore this warning",
+                stacklevel=5)  # the caller of discover_blocks
+            return
 
 
 def resolve_ties(blocks: list[Block]) -> list[str]:

@@ -178,6 +178,41 @@ def test_resume_on_two_ranks_equals_the_uninterrupted_two_rank_run(tmp_path):
     assert_resumed_equals(resumed, ref, from_step=9)
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_batchnorm_blocks_frozen_mid_run_agree_on_every_rank_and_a_resume_equals_the_run(tmp_path, parallel):
+    # each rank's forward updates BatchNorm statistics with its own share; a block frozen after a step left the
+    # broadcasts with each rank's own, ran a different frozen prefix on each rank, and a resume (every rank on rank
+    # 0's) did not equal the uninterrupted run
+    def make(name):
+        s = spec(tmp_path, name, "freezeout", {"t0": 0.3}, epochs=2,  # freezes after steps, mid-epoch
+                 **({"parallel": "fsdp"} if parallel == "fsdp" else {}))
+        s["batchnorm"] = True
+        return s
+
+    full = launch(make("full"), tmp_path / "full-ranks")
+    assert full.returncodes == [0, 0], "\n".join(o[-2000:] for o in full.outputs)
+    ref = full.results[0]
+    frozen_at = {x["step"]: sum(x["frozen"]) for x in ref["steps"]}
+    first = min(s for s, n in frozen_at.items() if n)
+    assert 0 < first < 8 and frozen_at[8] >= 1  # frozen after some steps, before the interruption
+    final_frozen = ref["steps"][-1]["frozen"]
+    for i, f in enumerate(final_frozen):  # a frozen block's statistics: the same on both ranks
+        for key in ("running_mean", "running_var"):
+            name = f"{i}.1.{key}"
+            if f:
+                assert full.results[0]["weights"][name] == full.results[1]["weights"][name], name
+
+    cut = make("cut")
+    cut["interrupt_at_step"] = 8
+    stopped = launch(cut, tmp_path / "cut-ranks")
+    assert stopped.returncodes == [0, 0], stopped.outputs
+    cut["config"]["run"]["resume"] = str(tmp_path / "cut")
+    cut.pop("interrupt_at_step")
+    resumed = launch(cut, tmp_path / "resumed-ranks")
+    assert resumed.returncodes == [0, 0], "\n".join(o[-2000:] for o in resumed.outputs)
+    assert_resumed_equals(resumed.results[0], ref, from_step=9)
+
+
 def test_a_killed_rank_stops_the_other_with_its_name_and_the_last_checkpoint_resumes(tmp_path):
     s = spec(tmp_path, "run", "gradual", {"every_steps": 3})
     s["kill_at_step"] = 8  # rank 1 is SIGKILLed after step 8 (the epoch-1 checkpoint was written at step 6)

@@ -23,13 +23,15 @@ from layerfreeze.train.data import GaussianBlobs
 from layerfreeze.train.tasks import Task, image_forward
 
 
-def mlp_task(dropout: float = 0.0) -> Task:
-    """Five blocks (four Linear+ReLU stages and the head), no BatchNorm: data parallel equals one process."""
+def mlp_task(dropout: float = 0.0, batchnorm: bool = False) -> Task:
+    """Five blocks (four Linear+ReLU stages and the head), no BatchNorm: data parallel equals one process.
+    ``batchnorm``: a ``BatchNorm1d`` after each stage's Linear (each rank's statistics are of its own share)."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     width = 16
     for _ in range(4):
-        layers.append(nn.Sequential(nn.Linear(width, 24), nn.ReLU(), nn.Dropout(dropout)))
+        norm = [nn.BatchNorm1d(24)] if batchnorm else []
+        layers.append(nn.Sequential(nn.Linear(width, 24), *norm, nn.ReLU(), nn.Dropout(dropout)))
         width = 24
     layers.append(nn.Linear(width, 4))
     return Task("points", nn.Sequential(*layers), GaussianBlobs(90, seed=1), GaussianBlobs(30, seed=2), 4, "mlp",
@@ -62,7 +64,8 @@ def run_trainer(spec: dict, rank: int, out: Path) -> None:
             os.kill(os.getpid(), signal.SIGINT)  # only rank 0's "terminal": the stop must still be collective
 
     config = build_config(spec["config"])
-    trainer = Trainer(config, task=mlp_task(spec.get("dropout", 0.0)), step_callbacks=[record])
+    trainer = Trainer(config, task=mlp_task(spec.get("dropout", 0.0), spec.get("batchnorm", False)),
+                      step_callbacks=[record])
     result: dict = {"rank": rank}
     try:
         result["summary"] = trainer.run()

@@ -32,7 +32,13 @@ from layerfreeze.distributed.comm import (
     shard,
     world_size,
 )
-from layerfreeze.distributed.ddp import FreezeDDP, GradientBytes, frozen_state_names, rebuild_ddp
+from layerfreeze.distributed.ddp import (
+    FreezeDDP,
+    GradientBytes,
+    frozen_state_names,
+    rebuild_ddp,
+    sync_frozen_buffers,
+)
 from layerfreeze.distributed.fsdp import CollectiveBytes, shard_blocks
 
 __all__ = [
@@ -58,5 +64,6 @@ __all__ = [
     "rebuild_ddp",
     "shard",
     "shard_blocks",
+    "sync_frozen_buffers",
     "world_size",
 ]

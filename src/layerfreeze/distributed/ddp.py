@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from layerfreeze.distributed.comm import is_distributed
@@ -85,6 +86,8 @@ def frozen_state_names(wrapper: nn.Module, freezer: Any) -> list[str]:
 
     Why: DDP broadcasts every registered parameter and buffer from rank 0 when it is built and every buffer before
     each forward (``broadcast_buffers``); frozen state is the same on every rank already, so sending it is waste.
+    (Frozen parameters are; a frozen block's buffers are made so once, when the block freezes:
+    :func:`sync_frozen_buffers`.)
     """
     names = [n for n, p in wrapper.named_parameters() if not p.requires_grad]
     if freezer.train_bn:  # frozen blocks' BatchNorm layers keep training: their statistics must stay in sync
@@ -93,6 +96,38 @@ def frozen_state_names(wrapper: nn.Module, freezer: Any) -> list[str]:
                       for _, m in block.modules for b in m.buffers()}
     names += [n for n, b in wrapper.named_buffers() if id(b) in frozen_buffers]
     return names
+
+
+def sync_frozen_buffers(module: nn.Module, freezer: Any, process_group: Any = None) -> int:
+    """Give every rank the first rank's values of the buffers of the frozen blocks (BatchNorm running statistics),
+    once, before DDP stops broadcasting them (:func:`frozen_state_names`); returns the number of buffers sent.
+
+    Why: DDP broadcasts rank 0's buffers before each forward, and each rank's forward then updates them with its own
+    share of the batch. A block frozen after a step kept each rank's own statistics of that last forward, and, left
+    out of the broadcasts from then on, ran a different frozen prefix on each rank for the rest of the run; the
+    checkpoint holds rank 0's, so a resumed run (every rank on rank 0's) did not equal the uninterrupted one. Frozen
+    blocks run in eval mode, so after this one broadcast their statistics stay equal on every rank. Nothing is sent
+    under ``freeze.train_bn`` (those buffers are never left out).
+
+    Collective: every rank calls it at the same point, with the same frozen set.
+    """
+    import torch.distributed as dist
+
+    names = set(frozen_state_names(module, freezer))
+    buffers = [b for n, b in module.named_buffers() if n in names]
+    if not buffers:
+        return 0
+    group = process_group if process_group is not None else dist.group.WORLD
+    src = dist.get_global_rank(group, 0)
+    nccl = dist.get_backend(group) == "nccl"
+    for b in buffers:
+        if nccl and b.device.type != "cuda":  # a demoted block's buffer on the host: NCCL sends device memory
+            staged = b.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.broadcast(staged, src, group=group)
+            b.copy_(staged)
+        else:
+            dist.broadcast(b, src, group=group)
+    return len(buffers)
 
 
 class FreezeDDP:
@@ -171,6 +206,7 @@ class FreezeDDP:
             return False
         t0 = time.perf_counter()
         if self.ddp is None:
+            sync_frozen_buffers(self.wrapper, self.freezer, self.ddp_kwargs.get("process_group"))
             nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
                 self.wrapper, frozen_state_names(self.wrapper, self.freezer))
             self.ddp = nn.parallel.DistributedDataParallel(self.wrapper, **self.ddp_kwargs)
@@ -235,6 +271,7 @@ def rebuild_ddp(ddp: nn.parallel.DistributedDataParallel, freezer: Any, **overri
             kwargs[name] = getattr(ddp, name)
     kwargs.update(overrides)
     module = ddp.module
+    sync_frozen_buffers(module, freezer, kwargs.get("process_group"))  # before DDP leaves them out
     cls._set_params_and_buffers_to_ignore_for_model(module, frozen_state_names(module, freezer))
     ddp.reducer = None  # drop the old reducer (its autograd hooks) before the new one registers its own
     ddp.logger = None

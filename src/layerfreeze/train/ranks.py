@@ -51,12 +51,17 @@ def stopped_together(trainer: Trainer) -> bool:
 def sync_buffers(trainer: Trainer) -> None:
     """FSDP2: rank 0's buffers on every rank (what DDP's ``broadcast_buffers`` does before each forward), except
     the buffers of frozen blocks (unless ``freeze.train_bn``: then their BatchNorm statistics still change), the
-    same set DDP leaves out (:func:`~layerfreeze.distributed.frozen_state_names`). A collective."""
+    same set DDP leaves out (:func:`~layerfreeze.distributed.frozen_state_names`); those once, at the forward after
+    the frozen set changed. A collective."""
     frozen = tuple(trainer.freezer.frozen)
     if frozen != trainer._synced_for:
         skip = set(frozen_state_names(trainer.model, trainer.freezer))
         trainer._sync_list = [b for n, b in trainer.model.named_buffers() if n not in skip]
         trainer._synced_for = frozen
+        # the frozen blocks' buffers once more, as they left the broadcasts: each rank's last forward updated them
+        # with its own share, and a frozen block that kept them would run differently on each rank for the rest of
+        # the run (and a resume, every rank on rank 0's, would not equal it): distributed.sync_frozen_buffers
+        broadcast_buffers([b for n, b in trainer.model.named_buffers() if n in skip])
     broadcast_buffers(trainer._sync_list)
 
 

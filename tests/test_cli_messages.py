@@ -371,3 +371,25 @@ def test_run_header_names_the_ranks_sharding_and_budget():
     assert cli_commands.run_header(config, world=2) == (
         "[bold]layerfreeze[/] bbc-news | strategy static {'k': 5} | 2 ranks, "
         "FSDP2 (each holds a shard) | memory budget 60%")
+
+
+def test_messages_that_hold_brackets_print_as_they_are(tmp_path, capsys, monkeypatch):
+    # a surviving rank's RankLostError carries gloo's "[/__w/pytorch/.../pair.cc:561]": rich read it as a closing
+    # markup tag and raised MarkupError, hiding the lost rank and the resume command; a value with "[/b]" too
+    from layerfreeze.distributed.comm import RankLostError
+    from layerfreeze.train.trainer import Trainer
+
+    assert main(["train", "--set", "train.optimizer=a[/b]", "--run-dir", str(tmp_path / "bad")]) == 2
+    assert _err(capsys) == "layerfreeze: error: Invalid configuration: train.optimizer: 'a[/b]' is not one of " \
+                           "adamw, sgd\n"
+
+    def lost(self):
+        raise RankLostError("rank 1 stopped: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] "
+                            "Connection closed by peer")
+
+    monkeypatch.setattr(Trainer, "run", lost)
+    assert main(["train", "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 1
+    err = _err(capsys)
+    assert err.startswith("layerfreeze: error: rank 1 stopped: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/"
+                          "tcp/pair.cc:561] Connection closed by peer\nThe last complete checkpoint in "), err
+    assert f"is resumable: layerfreeze train --resume {tmp_path / 'run'}" in err

@@ -28,6 +28,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from layerfreeze.errors import ConfigError
 from layerfreeze.smartfrz.counterfactual import DEFAULT_EPS_POINTS, DEFAULT_FRACTIONS, DEFAULT_NULL_ORDERS, MAX_DEPTHS
 from layerfreeze.smartfrz.fit import DEFAULT_HISTORY, DEFAULT_MIN_HISTORY, DEFAULT_THRESHOLD, TrainConfig
 from layerfreeze.smartfrz.labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_TAU_SCRATCH, DEFAULT_WINDOW, label_rule
@@ -128,7 +129,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="fit the predictor on the non-held-out runs; evaluate on the held-out ones")
     t.add_argument("runs_dir", metavar="RUNS_DIR", help="the labelled runs folder (`predictor label RUNS_DIR` first)")
-    t.add_argument("--out", default="predictor.safetensors", help="predictor file (PREDICTOR_CARD.md goes beside it)")
+    t.add_argument("--out", default="predictor.safetensors", help="predictor file (default predictor.safetensors in "
+                   "the current folder; PREDICTOR_CARD.md goes beside it)")
     t.add_argument("--seed", type=int, default=0, help="seed of initialisation and batches (default 0)")
     t.add_argument("--holdout", type=_csv(str, allow_empty=True), default=list(DEFAULT_HOLDOUT),
                    help=f"recipes never trained on (default {','.join(DEFAULT_HOLDOUT)}; '' for none)")
@@ -205,7 +207,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
                 "counterfactual": _counterfactual, "calibrate": _calibrate}
     try:
         return commands[args.predictor_command](args, console)
-    except (PipelineError, PredictorError) as exc:
+    except (PipelineError, PredictorError, ConfigError) as exc:
         console.print(f"[bold red]layerfreeze: error:[/] {exc}", highlight=False)
         return 2
 
@@ -232,20 +234,24 @@ def _collect(args: argparse.Namespace, console: Console) -> int:
     plan = {r.name: scaled_lrs(args.lrs or r.lrs, args.lr_factors, r.name) for r in recipes}
     n_runs = sum(len(args.seeds) * len(plan[r.name]) for r in recipes)
     est = sum(len(args.seeds) * len(plan[r.name]) * r.minutes for r in recipes)
-    console.print(f"collecting {n_runs} runs into {args.out}" + ("" if args.quick else f" (~{est:.0f} min)"))
+    runs = f"{n_runs} run{'s' * (n_runs != 1)}"
+    console.print(f"collecting {runs} into {args.out}" + ("" if args.quick else f" (~{est:.0f} min)"))
     from layerfreeze.smartfrz.runs import collapsed
 
-    done = {"complete": 0, "diverged": 0, "skipped": 0}
+    done = {"complete": 0, "diverged": 0, "skipped": 0, "redo": 0}
 
     def on_run(name: str, status: str, meta: dict[str, Any] | None) -> None:
         done[status] += 1
-        extra = ""
-        if status == "complete":
+        if status == "redo":
+            status, extra = f"{meta['why']}:", "recording it again"
+        elif status == "skipped":
+            extra = "(already recorded" + ("; diverged: excluded)" if meta.get("status") == "diverged" else ")")
+        elif status == "complete":
             acc = meta.get("test_accuracy")
             extra = f"{meta['wall_seconds']:.0f}s" + (f", test acc {acc:.3f}" if acc is not None else "")
             if collapsed(meta):
                 extra += " (chance level: collapsed, excluded)"
-        elif status == "diverged":
+        else:  # diverged
             extra = f"at step {meta.get('diverged_at_step')}: excluded"
         console.print(f"  {name}: {status} {extra}")
 
@@ -408,12 +414,14 @@ def _lofo_table(title: str, lofo: dict[str, Any]) -> Table:
 
 
 def _train(args: argparse.Namespace, console: Console) -> int:
+    from layerfreeze.runs.rundir import check_writable
     from layerfreeze.smartfrz.runs import excluded_runs, list_runs, read_run
     from layerfreeze.smartfrz.ship import train_and_save
 
     if Path(args.out).is_dir() or str(args.out).endswith(("/", "\\")):
         raise PipelineError(f"--out {args.out} is a folder: give the predictor's file, e.g. "
                             f"{Path(args.out) / 'predictor.safetensors'} (PREDICTOR_CARD.md goes beside it)")
+    check_writable(Path(args.out), "--out")  # before anything trains
     runs = [read_run(d, need_labels=True) for d in list_runs(args.runs_dir)]
     if not runs:
         raise PipelineError(f"no complete runs in {args.runs_dir}")
@@ -495,7 +503,13 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     else:
         runs = [r for r in runs if r.recipe not in trained_recipes]
     if not runs:
-        raise PipelineError(f"no labelled runs in {args.runs_dir} that the predictor was not trained on")
+        unseen, q = [n for n in RECIPES if n not in trained_recipes] or ["NAME"], shlex.quote(str(args.runs_dir))
+        raise PipelineError(
+            f"no labelled runs{' of ' + ','.join(args.recipes) if args.recipes else ''} in {args.runs_dir} that the "
+            f"predictor was not trained on: collect and label runs of a recipe it was not trained on "
+            f"({', '.join(unseen)}: `layerfreeze predictor collect --out {q} --recipes {unseen[0]}`, then `layerfreeze "
+            f"predictor label {q}`), or pick recipes with --recipes (their runs it did not train on count, e.g. other "
+            "seeds), or evaluate leave-one-family-out with --lofo")
     _note_labels(runs, card, console)
     metrics = evaluate(model, runs, meta["window"], threshold, meta["min_window"])
     console.print(_metrics_table(f"{args.predictor or 'shipped predictor'} on {len(runs)} unseen runs "

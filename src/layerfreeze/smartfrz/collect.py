@@ -40,7 +40,9 @@ On-disk format (``RUN_FORMAT_VERSION`` 1), one folder per run, ``<out>/<recipe>_
     int64, the steps of snapshots ``0, act_every, 2 * act_every, ...`` and always the final one.
 
 Files are written through temporary names and renamed; ``meta.json`` is written last, so a folder without it is an
-unfinished run and is redone, and a finished one is skipped (collection resumes where it stopped).
+unfinished run and is redone, and a finished one is skipped (collection resumes where it stopped), unless a tensor
+file of it cannot be read (its header, checked without reading the tensors): then it is recorded again. A finished
+run recorded with another ``quick`` or learning rate than the collection asks for is refused, not skipped.
 
 Your own runs: build a :class:`~layerfreeze.smartfrz.setup.Setup` for your model and data and call :func:`record_run`,
 or register a recipe with :func:`~layerfreeze.smartfrz.recipes.registry.register_recipe`; then ``layerfreeze predictor
@@ -63,9 +65,11 @@ from layerfreeze._version import __version__
 from layerfreeze.models.blocks import Block
 from layerfreeze.models.discovery import discover_blocks
 from layerfreeze.models.probe import block_modules, eval_mode, probe_outputs
+from layerfreeze.runs.rundir import check_writable
 from layerfreeze.smartfrz.recipes import get_recipes
 from layerfreeze.smartfrz.runs import (
     ACTIVATIONS_FILE,
+    LABELS_FILE,
     META_FILE,
     RUN_FORMAT,
     RUN_FORMAT_VERSION,
@@ -73,6 +77,7 @@ from layerfreeze.smartfrz.runs import (
     PipelineError,
     is_finished,
     read_meta,
+    unreadable_tensors,
     write_json_atomic,
 )
 from layerfreeze.smartfrz.setup import Setup, make_optimizer
@@ -339,6 +344,29 @@ def _diverged(out_dir: Path, meta: dict[str, Any], step: int, t0: float) -> dict
     return meta
 
 
+def check_reusable(run_dir: Path, quick: bool, lr: float) -> None:
+    """Refuse a finished run in ``run_dir`` recorded with another ``quick`` or learning rate than ``quick`` and
+    ``lr`` (a quick and a full-size run share a name, as do rates equal to 6 digits): :func:`collect` would skip it
+    and mix it in silence with the runs it records. Unfinished runs and runs whose meta lacks the setting pass.
+
+    Raises:
+        PipelineError: the run was recorded with other settings (the message says what to do), or its
+            ``meta.json`` is corrupt.
+    """
+    if not is_finished(run_dir):
+        return
+    meta = read_meta(run_dir)
+    if meta.get("quick") is not None and bool(meta["quick"]) != quick:
+        how = ("with --quick: add --quick to resume that collection" if meta["quick"] else
+               "at full size: drop --quick to resume that collection")
+        raise PipelineError(f"{run_dir} was collected {how}, or collect into another --out (quick and full-size runs "
+                            "share their names)")
+    if meta.get("lr") is not None and not math.isclose(float(meta["lr"]), lr, rel_tol=1e-9):
+        raise PipelineError(f"{run_dir} was recorded at learning rate {float(meta['lr']):.12g}, not {lr:.12g} (the run "
+                            "name keeps 6 digits): collect into another --out, or delete that run folder to record "
+                            f"it at {lr:.12g}")
+
+
 def collect(out: str | Path, recipes: list[str] | None = None, seeds: list[int] = (0, 1),
             lrs: list[float] | None = None, quick: bool = False,
             on_run: Callable[[str, str, dict[str, Any] | None], None] | None = None,
@@ -351,7 +379,9 @@ def collect(out: str | Path, recipes: list[str] | None = None, seeds: list[int] 
         seeds: Seeds (model init and data order).
         lrs: Learning rates overriding each recipe's own pair (None: the recipe's).
         quick: Shrink every recipe to a few seconds (tests, CI).
-        on_run: Called as ``on_run(run_name, "skipped" | "complete" | "diverged", meta)``.
+        on_run: Called as ``on_run(run_name, "skipped" | "complete" | "diverged", meta)``; also as
+            ``on_run(run_name, "redo", {"why": ...})`` before a finished run whose tensor file cannot be read
+            (:func:`~layerfreeze.smartfrz.runs.unreadable_tensors`) is recorded again (its ``labels.json`` removed).
         lr_factors: Collect each rate (``lrs`` or the recipe's) times each factor (:func:`scaled_lrs`); each run's
             ``meta.json`` records ``lr``, ``lr_factor`` and ``lr_base`` (the rate it scaled). None: the rates as
             they are (``lr_factor`` 1).
@@ -360,11 +390,18 @@ def collect(out: str | Path, recipes: list[str] | None = None, seeds: list[int] 
         The meta of every run (recorded now or earlier), in order.
 
     Raises:
-        PipelineError: an unknown recipe or a bad factor (:func:`scaled_lrs`), before any run is recorded.
+        PipelineError: an unknown recipe, a bad factor (:func:`scaled_lrs`) or a finished run recorded with other
+            settings (:func:`check_reusable`), before any run is recorded.
+        ConfigError: ``out`` cannot be written (:func:`~layerfreeze.runs.rundir.check_writable`).
     """
     out = Path(out)
     chosen = get_recipes(list(recipes) if recipes else None)
     plan = {r.name: scaled_lrs(lrs or r.lrs, lr_factors, r.name) for r in chosen}  # every error before a run
+    for r in chosen:
+        for seed in seeds:
+            for lr, _, _ in plan[r.name]:
+                check_reusable(out / run_name(r.name, seed, lr), quick, lr)
+    check_writable(out, "the runs folder (--out)", folder=True)
     out.mkdir(parents=True, exist_ok=True)
     metas = []
     for r in chosen:
@@ -374,10 +411,15 @@ def collect(out: str | Path, recipes: list[str] | None = None, seeds: list[int] 
                 run_dir = out / name
                 if is_finished(run_dir):
                     meta = read_meta(run_dir)
-                    metas.append(meta)
+                    why = unreadable_tensors(run_dir) if meta.get("status") == "complete" else None
+                    if why is None:
+                        metas.append(meta)
+                        if on_run:
+                            on_run(name, "skipped", meta)
+                        continue
+                    (run_dir / LABELS_FILE).unlink(missing_ok=True)  # of the damaged recording
                     if on_run:
-                        on_run(name, "skipped", meta)
-                    continue
+                        on_run(name, "redo", {"why": why})
                 setup = r.build(seed, quick, out)
                 info = {"recipe": r.name, "arch": r.arch, "dataset": r.dataset, "mode": r.mode, "quick": quick,
                         "lr_factor": factor, "lr_base": base}

@@ -62,8 +62,50 @@ def read_meta(run_dir: str | Path) -> dict[str, Any] | None:
     path = Path(run_dir) / META_FILE
     if not path.is_file():
         return None
-    return read_json(path, f"delete the run folder {Path(run_dir).name} and collect it again (`layerfreeze "
-                           "predictor collect` skips the finished runs)")
+    return read_json(path, _collect_again(run_dir))
+
+
+def _collect_again(run_dir: str | Path) -> str:
+    """What to do about a damaged file of a recorded run (its meta or a tensor file)."""
+    return (f"delete the run folder {Path(run_dir).name} and collect it again (`layerfreeze predictor collect` "
+            "skips the finished runs)")
+
+
+def read_tensors(run_dir: str | Path, name: str, keys: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """A tensor file of a run folder (``weights.safetensors`` or ``activations.safetensors``), checked: it reads
+    and holds ``keys``.
+
+    Raises:
+        PipelineError: it is missing, cannot be read (truncated, not a safetensors file) or lacks one of ``keys``
+            (the message names the file and says to delete the run folder and collect it again).
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(run_dir) / name
+    try:
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError) as exc:
+        raise PipelineError(f"{path} cannot be read ({exc}): {_collect_again(run_dir)}") from None
+    missing = [k for k in keys if k not in tensors]
+    if missing:
+        raise PipelineError(f"{path} lacks {', '.join(missing)}: {_collect_again(run_dir)}")
+    return tensors
+
+
+def unreadable_tensors(run_dir: str | Path) -> str | None:
+    """Why a complete run's tensor files cannot be used, from their headers alone (cheap: no tensor is read; a
+    truncated file fails there, its header's offsets run past its end); None when both open.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    for name in (WEIGHTS_FILE, ACTIVATIONS_FILE):
+        try:
+            with safe_open(str(Path(run_dir) / name), framework="pt"):
+                pass
+        except (OSError, SafetensorError) as exc:
+            return f"{name} cannot be read ({exc})"
+    return None
 
 
 def is_finished(run_dir: str | Path) -> bool:
@@ -172,15 +214,14 @@ def read_run(run_dir: str | Path, need_labels: bool = False) -> RunData:
     """Read a complete run's weights (and labels, when present).
 
     Raises:
-        PipelineError: the run is not complete, or ``need_labels`` and it has no ``labels.json``.
+        PipelineError: the run is not complete, its ``weights.safetensors`` cannot be read (:func:`read_tensors`),
+            or ``need_labels`` and it has no ``labels.json``.
     """
-    from safetensors.torch import load_file
-
     run_dir = Path(run_dir)
     meta = read_meta(run_dir)
     if meta is None or meta.get("status") != "complete" or not (run_dir / WEIGHTS_FILE).is_file():
         raise PipelineError(f"{run_dir} is not a complete recorded run")
-    w = load_file(str(run_dir / WEIGHTS_FILE))
+    w = read_tensors(run_dir, WEIGHTS_FILE, ("samples", "mask", "steps"))
     labels = None
     if (run_dir / LABELS_FILE).is_file():
         labels = read_json(run_dir / LABELS_FILE, f"label the runs again (`layerfreeze predictor label "
@@ -191,12 +232,16 @@ def read_run(run_dir: str | Path, need_labels: bool = False) -> RunData:
 
 
 def read_activations(run_dir: str | Path) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``([act.<i> (N_act, P, D_i) float16 per block], act_steps (N_act,) int64)`` of a complete run."""
-    from safetensors.torch import load_file
+    """``([act.<i> (N_act, P, D_i) float16 per block], act_steps (N_act,) int64)`` of a complete run.
 
+    Raises:
+        PipelineError: the run is not complete, or its ``activations.safetensors`` cannot be read
+            (:func:`read_tensors`).
+    """
     run_dir = Path(run_dir)
     meta = read_meta(run_dir)
     if meta is None or meta.get("status") != "complete":
         raise PipelineError(f"{run_dir} is not a complete recorded run")
-    t = load_file(str(run_dir / ACTIVATIONS_FILE))
-    return [t[f"act.{i}"] for i in range(len(meta["blocks"]))], t["act_steps"]
+    keys = tuple(f"act.{i}" for i in range(len(meta["blocks"])))
+    t = read_tensors(run_dir, ACTIVATIONS_FILE, (*keys, "act_steps"))
+    return [t[k] for k in keys], t["act_steps"]

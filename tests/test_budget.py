@@ -365,3 +365,21 @@ def test_cli_plan_prints_every_prefix_checks_the_plan_and_refuses_an_impossible_
     assert "smallest tensor peak reachable" in capsys.readouterr().err
     assert main(["train", "--memory-budget", "3G", *flags, "--run-dir", str(tmp_path / "bad")]) == 2
     assert "did you mean 3GiB" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
+@pytest.mark.assets("mobilenet_v2")
+def test_cli_plan_under_bf16_true_measures_the_cache_on_bfloat16_inputs(tmp_path, capsys):
+    # the cache's prefix ran on the float32 pixels while the weights were bfloat16: "Input type (torch.FloatTensor)
+    # and weight type (CPUBFloat16Type) should be the same" from plan and train --memory-budget
+    from PIL import Image
+
+    for name in ("cats", "dogs"):
+        (tmp_path / "imgs" / name).mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (32, 32), (40 * i, 20, 30)).save(tmp_path / "imgs" / name / f"{i}.png")
+    out_json = tmp_path / "plan.json"
+    assert main(["plan", "--memory", "60%", "--task", "image-folder", "--data", str(tmp_path / "imgs"),
+                 "--batch-size", "4", "--precision", "bf16-true", "--json", str(out_json), "--no-progress"]) == 0
+    plan = MemoryPlan.from_dict(json.loads(out_json.read_text()))
+    assert plan.measured.cache is not None and plan.measured.cache.samples == 6  # the 8 images less the test split
+    assert "predicted peak" in capsys.readouterr().out

@@ -269,7 +269,8 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
                 cache_dataset: Any = None, cache_dtype: torch.dtype | None = None,
                 cache_budget_bytes: int | None = None, strategy_freezes: bool = True,
                 sources: Sequence[Any] = (), train_bn: bool = False, unfrozen: bool = False,
-                strategy: str | Strategy | None = None, params: dict[str, Any] | None = None) -> MemoryPlan:
+                strategy: str | Strategy | None = None, params: dict[str, Any] | None = None,
+                cache_batch: Any = None) -> MemoryPlan:
     """Measure ``model`` on ``batch`` and plan the frozen prefix that fits ``budget``.
 
     Two real training steps with nothing frozen (:func:`~layerfreeze.budget.measure.measure_blocks`: the model, its
@@ -291,6 +292,8 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
         blocks: Module-name patterns or blocks (default: discovered).
         steps: Training steps measured.
         cache_dataset / cache_dtype: The training set the activation cache would hold, and its storage dtype.
+        cache_batch: ``batch`` as the model's forward takes it, for the cache's prefix (default ``batch``): where
+            ``loss`` converts the batch (``bf16-true``'s bfloat16 inputs), the same conversion.
         cache_budget_bytes: The most host memory the cache gets anyway.
         strategy_freezes: Whether the strategy may freeze beyond the floor (False for ``none``).
         sources: Byte sources beside the model (frozen side models), counted in every prefix's peak.
@@ -317,8 +320,8 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
         measured = measure_blocks(model, batch, loss=loss, optimizer=optimizer, blocks=blocks, steps=steps,
                                   sources=[*sources, *held], unfrozen=unfrozen)
     if cache_dataset is not None:
-        measured.cache = measure_cache(model, batch, cache_dataset, blocks=blocks, dtype=cache_dtype,
-                                       train_bn=train_bn)
+        measured.cache = measure_cache(model, batch if cache_batch is None else cache_batch, cache_dataset,
+                                       blocks=blocks, dtype=cache_dtype, train_bn=train_bn)
     return plan_prefix(measured, parsed, cache_budget_bytes=cache_budget_bytes, strategy_freezes=strategy_freezes)
 
 

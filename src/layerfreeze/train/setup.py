@@ -404,7 +404,8 @@ def plan_run_memory(trainer: Trainer, model: nn.Module, blocks: list, announce: 
     plan = plan_memory(model, batch, cfg.freeze.memory_budget, loss=loss,
                        optimizer=trainer.optimizer, blocks=blocks, cache_dataset=cache_set, cache_dtype=cache_dtype,
                        cache_budget_bytes=cache_cap, strategy_freezes=cfg.freeze.strategy != "none",
-                       train_bn=cfg.freeze.train_bn, strategy=cfg.freeze.strategy, params=cfg.freeze.params)
+                       train_bn=cfg.freeze.train_bn, strategy=cfg.freeze.strategy, params=cfg.freeze.params,
+                       cache_batch=precision.convert_input(batch))  # bf16-true: bfloat16 inputs, as the weights
     if announce:
         trainer.say(plan_headline(plan))
     return plan

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from layerfreeze.cli.parser import TRAIN_FLAGS, main_rank, overrides_of
 from layerfreeze.distributed.comm import RankLostError, close_distributed, launched_world_size
@@ -146,12 +147,12 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
         return 128 + int(by)  # 130 for Ctrl-C, 143 for SIGTERM, as a shell reports a process the signal ended
     except (DivergenceError, FrozenWeightsChangedError, UnfrozenParameterError) as exc:
         Console(stderr=True, soft_wrap=True).print(
-            f"[bold red]layerfreeze: run stopped:[/] {exc}\nThe last checkpoint is in {checkpoint} "
+            f"[bold red]layerfreeze: run stopped:[/] {escape(str(exc))}\nThe last checkpoint is in {checkpoint} "
             f"(continue with: {again} train --resume {trainer.run_dir})", highlight=False)
         return 1
     except RankLostError as exc:
         Console(stderr=True, soft_wrap=True).print(
-            f"[bold red]layerfreeze: error:[/] {exc}\nThe last complete checkpoint in {checkpoint} "
+            f"[bold red]layerfreeze: error:[/] {escape(str(exc))}\nThe last complete checkpoint in {checkpoint} "
             f"is resumable: {again} train --resume {trainer.run_dir}", highlight=False)
         return 1
     close_distributed()  # every rank finished; a gloo group left alive can abort the exit (SIGABRT)
@@ -194,7 +195,7 @@ def write_run_report(run_dir: Path | str, args: argparse.Namespace, console: Con
     try:
         console.print(f"report: {write_report(run_dir)}")
     except ImportError as exc:
-        console.print(f"report skipped: {exc}")
+        console.print(f"report skipped: {escape(str(exc))}", highlight=False)
 
 
 def cmd_compare(args: argparse.Namespace, console: Console) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from layerfreeze.cli import commands
 from layerfreeze.cli.parser import build_parser, main_rank, subparser_of
@@ -36,7 +37,7 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
     if "layerfreeze" not in Path(filename).parts:
         _PYTHON_SHOWWARNING(message, category, filename, lineno, file, line)
     elif main_rank():
-        Console(stderr=True, soft_wrap=True).print(f"[bold yellow]layerfreeze: warning:[/] {message}",
+        Console(stderr=True, soft_wrap=True).print(f"[bold yellow]layerfreeze: warning:[/] {escape(str(message))}",
                                                    highlight=False)
 
 
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args, console)
         except (UserError, FileNotFoundError) as exc:
             if main_rank():
-                err.print(f"[bold red]layerfreeze: error:[/] {exc}", highlight=False)
+                err.print(f"[bold red]layerfreeze: error:[/] {escape(str(exc))}", highlight=False)
             else:  # rank 0 speaks: let it print before torchrun, seeing this rank's exit, stops the others
                 time.sleep(RANK_EXIT_DELAY_S)
             _leave_process_group()

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from layerfreeze.errors import ConfigError
@@ -208,7 +209,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     try:
         return commands[args.predictor_command](args, console)
     except (PipelineError, PredictorError, ConfigError) as exc:
-        console.print(f"[bold red]layerfreeze: error:[/] {exc}", highlight=False)
+        console.print(f"[bold red]layerfreeze: error:[/] {escape(str(exc))}", highlight=False)
         return 2
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from layerfreeze.errors import ConfigError
 from layerfreeze.runs import rundir
@@ -197,7 +198,8 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
         try:
             summary = Trainer(config, step_callbacks=(row_callbacks or {}).get(row)).run()
         except DivergenceError as exc:
-            console.print(f"[bold yellow]compare[/]: row {row} stopped, the next row runs: {exc}", highlight=False)
+            console.print(f"[bold yellow]compare[/]: row {row} stopped, the next row runs: {escape(str(exc))}",
+                          highlight=False)
             results.append({"row": row, "stopped": str(exc), "run_dir": str(config.run.dir)})
             rundir.write_compare(run_dir, results)
             continue

@@ -209,3 +209,47 @@ def test_lora_set_up_lets_no_third_party_deprecation_through():
         wrapped = apply_lora(model, load_config(overrides=[{"model": {"lora": {"r": 4}}}]))
     assert [str(w.message) for w in caught] == []
     assert any("lora_A" in name for name, _ in wrapped.named_parameters())
+
+
+def test_one_sample_shares_are_found_before_the_first_step():
+    from types import SimpleNamespace
+
+    from layerfreeze.train.ranks import one_sample_share
+    from layerfreeze.train.setup import epoch_batches
+
+    def trainer(n, batch, world=1, cache=False, epochs=2, total=None):
+        per_epoch = -(-n // batch)
+        return SimpleNamespace(config=SimpleNamespace(train=SimpleNamespace(epochs=epochs, batch_size=batch, seed=0)),
+                               train_set=list(range(n)), total_steps=total or per_epoch * epochs,
+                               distributed=world > 1, world=world, runner=object() if cache else None)
+
+    assert one_sample_share(trainer(129, 64), epoch_batches) == (3, 0)  # the epoch's last batch: 129 = 2 x 64 + 1
+    assert one_sample_share(trainer(129, 64, total=2), epoch_batches) is None  # max_steps ends the run before it
+    assert one_sample_share(trainer(128, 64), epoch_batches) is None
+    assert one_sample_share(trainer(131, 64, world=2), epoch_batches) == (3, 1)  # 3 samples: ranks take 2 and 1
+    assert one_sample_share(trainer(132, 64, world=2), epoch_batches) is None
+    # the cache's split (index % world): the shares of every batch, counted as local_batches makes them
+    t = trainer(200, 64, world=3, cache=True, epochs=3)
+    expected = None
+    for step, batch in enumerate((b for e in range(3) for b in epoch_batches(200, 64, 0, e)), 1):
+        sizes = [max(1, sum(1 for i in batch if i % 3 == r)) for r in range(3)]
+        if 1 in sizes:
+            expected = (step, sizes.index(1))
+            break
+    assert expected is not None and one_sample_share(t, epoch_batches) == expected
+
+
+@pytest.mark.assets("mobilenet_v2")
+def test_a_batchnorm_model_with_a_last_batch_of_one_sample_is_refused_before_training(tmp_path, capsys):
+    # the last batch of one sample stopped the run mid-epoch: "Expected more than 1 value per channel when training"
+    for name in ("cats", "dogs"):
+        (tmp_path / "imgs" / name).mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (32, 32), (40 * i, 20, 30)).save(tmp_path / "imgs" / name / f"{i}.png")
+    assert main(["train", "--task", "image-folder", "--data", str(tmp_path / "imgs"), "--batch-size", "5",
+                 "--no-progress", "--run-dir", str(tmp_path / "r")]) == 2  # 6 training images: 5 + 1
+    err = capsys.readouterr().err
+    assert err == "layerfreeze: error: train.batch_size 5: step 2's batch holds one sample of the 6 training " \
+                  "samples, and the model's BatchNorm layers cannot train on one (\"Expected more than 1 value per " \
+                  "channel when training\"); choose another batch size (e.g. 4), or another data.limit_train\n"
+    assert not (tmp_path / "r" / "checkpoints").exists()

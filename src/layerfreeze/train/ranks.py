@@ -42,6 +42,35 @@ def local_batches(trainer: Trainer, batches: list[list[int]]) -> tuple[list[list
     return [s or b[:1] for s, b in zip(shares, batches)], [len(s) for s in shares]
 
 
+def one_sample_share(trainer: Trainer, epoch_batches: Any) -> tuple[int, int] | None:
+    """The first training step (1-based) at which some rank's share of the batch holds a single sample, and that
+    rank (0 in one process); None when no step does. ``epoch_batches(n, batch_size, seed, epoch)`` gives an epoch's
+    batches (:func:`~layerfreeze.train.setup.epoch_batches`).
+
+    Why: a BatchNorm layer in training mode cannot normalise one sample ("Expected more than 1 value per channel
+    when training"); a last batch of one sample (``n % batch_size == 1``), or a rank's share of one under torchrun,
+    stopped the run there, as a raw error, an epoch or more into it. The batches are fixed by the seed, so the
+    trainer finds such a step before the first one (:func:`~layerfreeze.train.setup.setup_trainer`).
+    """
+    cfg = trainer.config.train
+    step = 0
+    for epoch in range(cfg.epochs):
+        for batch in epoch_batches(len(trainer.train_set), cfg.batch_size, cfg.seed, epoch):
+            step += 1
+            if step > trainer.total_steps:
+                return None
+            if not trainer.distributed:
+                sizes = [len(batch)]
+            elif trainer.runner is not None:  # the cache's split: index % world (local_batches)
+                sizes = [sum(1 for i in batch if i % trainer.world == r) for r in range(trainer.world)]
+            else:
+                sizes = [len(batch[r::trainer.world]) for r in range(trainer.world)]
+            sizes = [n or 1 for n in sizes]  # an empty share runs the batch's first sample (local_batches)
+            if 1 in sizes:
+                return step, sizes.index(1)
+    return None
+
+
 def stopped_together(trainer: Trainer) -> bool:
     """True after a Ctrl-C that every rank agreed on (all stopped after the same step and checkpointed), or
     any Ctrl-C on one process: then no rank is left inside a collective."""

@@ -51,7 +51,7 @@ from layerfreeze.train.config import Config
 from layerfreeze.train.loop import lr_lambda, warmup_steps
 from layerfreeze.train.precision import Precision
 from layerfreeze.train.prefix_clock import PrefixClock
-from layerfreeze.train.ranks import on_rebuild
+from layerfreeze.train.ranks import on_rebuild, one_sample_share
 from layerfreeze.train.tasks import build_task
 
 if TYPE_CHECKING:
@@ -325,6 +325,7 @@ def setup_trainer(trainer: Trainer, plan_only: bool = False) -> None:
     trainer.model = model
     trainer.store = CheckpointStore(trainer.run_dir, cfg.run.keep_checkpoints)
     trainer.runner = make_cache_runner(trainer, blocks)
+    check_batchnorm_batches(trainer, model)
     place(trainer)
     trainer.ledger = make_ledger(trainer)
     trainer._memory_before = None  # the ledger's last sample before a freeze/thaw (a LedgerSnapshot)
@@ -343,6 +344,32 @@ def setup_trainer(trainer: Trainer, plan_only: bool = False) -> None:
                             else None)  # the whole model compiled as one region: no prefix boundary to time
     if trainer.is_main and not cfg.run.resume:  # a resume rewrites it once its checkpoint has loaded (Trainer.run)
         rundir.write_config(trainer.run_dir, cfg.model_dump(mode="json"))
+
+
+def check_batchnorm_batches(trainer: Trainer, model: nn.Module) -> None:
+    """Refuse, before the first step, a run in which a BatchNorm model would train on a batch (or a rank's share) of
+    one sample (:func:`~layerfreeze.train.ranks.one_sample_share`).
+
+    Raises:
+        ConfigError: naming the step and a batch size that avoids it.
+    """
+    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return
+    found = one_sample_share(trainer, epoch_batches)
+    if found is None:
+        return
+    step, rank = found
+    cfg, n = trainer.config.train, len(trainer.train_set)
+    where = f"rank {rank}'s share of step {step}'s batch" if trainer.distributed else f"step {step}'s batch"
+    hint = ""
+    if not trainer.distributed:
+        near = next(b for d in range(1, cfg.batch_size) for b in (cfg.batch_size - d, cfg.batch_size + d)
+                    if b >= 2 and n % b != 1)
+        hint = f" (e.g. {near})"
+    raise ConfigError(
+        f"train.batch_size {cfg.batch_size}: {where} holds one sample of the {n} training samples, and the model's "
+        f"BatchNorm layers cannot train on one (\"Expected more than 1 value per channel when training\"); choose "
+        f"another batch size{hint}, or another data.limit_train")
 
 
 def check_distributed_config(cfg: Config, distributed: bool) -> None:

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from layerfreeze.smartfrz.collect import collect
 from layerfreeze.smartfrz.counterfactual import COUNTERFACTUAL_FILE, PARTIAL_FILE
-from layerfreeze.smartfrz.runs import LABELS_FILE, META_FILE
+from layerfreeze.smartfrz.recipes import RECIPES
+from layerfreeze.smartfrz.runs import ACTIVATIONS_FILE, LABELS_FILE, META_FILE, WEIGHTS_FILE, PipelineError
 from tests.conftest import predictor_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -159,3 +162,96 @@ def test_evaluate_counts_a_quick_run_as_unseen_though_a_full_run_of_its_name_was
     capsys.readouterr()
     assert predictor_cli(["predictor", "evaluate", str(runs), "--recipes", "mlp-digits"]) == 0
     assert "on 2 unseen runs" in _out(capsys)
+
+
+def test_collect_refuses_finished_runs_of_other_settings_before_any_work(runs, capsys):
+    before = {p: p.stat().st_mtime_ns for p in runs.rglob("*")}
+    seen = []
+    with pytest.raises(PipelineError) as exc:  # the runs are --quick ones
+        collect(runs, ["mlp-digits"], seeds=[1, 0], on_run=lambda *a: seen.append(a))
+    assert str(exc.value) == (f"{runs / RUN} was collected with --quick: add --quick to resume that collection, or "
+                              "collect into another --out (quick and full-size runs share their names)")
+    with pytest.raises(PipelineError) as exc:  # the same run name, another rate
+        collect(runs, ["mlp-digits"], seeds=[1, 0], lrs=[0.02000001], quick=True, on_run=lambda *a: seen.append(a))
+    assert str(exc.value) == (f"{runs / RUN} was recorded at learning rate 0.02, not 0.02000001 (the run name keeps 6 "
+                              "digits): collect into another --out, or delete that run folder to record it at "
+                              "0.02000001")
+    assert seen == [] and {p: p.stat().st_mtime_ns for p in runs.rglob("*")} == before  # nothing recorded
+    meta = json.loads((runs / RUN / META_FILE).read_text())
+    (runs / RUN / META_FILE).write_text(json.dumps({**meta, "quick": False}))
+    assert predictor_cli(["predictor", "collect", "--out", str(runs), "--recipes", "mlp-digits", "--seeds", "0",
+                          "--lrs", "0.02", "--quick"]) == 2
+    assert _out(capsys) == (f"collecting 1 run into {runs} layerfreeze: error: {runs / RUN} was collected at full "
+                            "size: drop --quick to resume that collection, or collect into another --out (quick and "
+                            "full-size runs share their names)")
+    (runs / RUN / META_FILE).write_text(json.dumps(meta))
+    assert predictor_cli(["predictor", "collect", "--out", str(runs), "--recipes", "mlp-digits", "--seeds", "0",
+                          "--quick"]) == 0
+    assert _out(capsys) == (f"collecting 2 runs into {runs} {RUN}: skipped (already recorded) "
+                            "mlp-digits_s0_lr0.08: skipped (already recorded) done: 0 recorded, 2 already there, "
+                            "0 diverged")
+
+
+@pytest.mark.parametrize("name", [WEIGHTS_FILE, ACTIVATIONS_FILE])
+def test_a_truncated_tensor_file_is_named_and_collect_records_the_run_again(runs, capsys, name):
+    assert predictor_cli(["predictor", "label", str(runs)]) == 0
+    good = {k: v.clone() for k, v in load_file(str(runs / RUN / name)).items()}  # not a view of the mapped file
+    path = runs / RUN / name
+    path.write_bytes(path.read_bytes()[:1000])
+    capsys.readouterr()
+    argv = ["train", str(runs), "--holdout", "", "--epochs", "1", "--out", str(runs.parent / "p.safetensors")] \
+        if name == WEIGHTS_FILE else ["label", str(runs)]
+    assert predictor_cli(["predictor", *argv]) == 2
+    assert _out(capsys) == (f"layerfreeze: error: {path} cannot be read (Error while deserializing header: incomplete "
+                            f"metadata, file not fully covered): delete the run folder {RUN} and collect it again "
+                            "(`layerfreeze predictor collect` skips the finished runs)")
+    assert not (runs.parent / "p.safetensors").exists()
+    assert predictor_cli(["predictor", "collect", "--out", str(runs), "--recipes", "mlp-digits", "--seeds", "0",
+                          "--quick"]) == 0
+    out = _out(capsys)
+    assert out.startswith(f"collecting 2 runs into {runs} {RUN}: {name} cannot be read (Error while deserializing "
+                          f"header: incomplete metadata, file not fully covered): recording it again {RUN}: complete ")
+    assert out.endswith("mlp-digits_s0_lr0.08: skipped (already recorded) done: 1 recorded, 1 already there, "
+                        "0 diverged")
+    again = load_file(str(path))
+    assert again.keys() == good.keys() and all(torch.equal(again[k], good[k]) for k in good)  # the same run
+    assert not (runs / RUN / LABELS_FILE).exists()  # labels of the damaged recording gone: label again
+    assert (runs / "mlp-digits_s0_lr0.08" / LABELS_FILE).exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_out_path_that_cannot_be_written_is_refused_before_anything_runs(runs, capsys):
+    assert predictor_cli(["predictor", "label", str(runs)]) == 0
+    capsys.readouterr()
+    assert predictor_cli(["predictor", "train", str(runs), "--holdout", "", "--epochs", "1",
+                          "--out", "/proc/x/p.safetensors"]) == 2
+    assert _out(capsys) == ("layerfreeze: error: --out /proc/x/p.safetensors cannot be written (/proc is not a "
+                            "writable folder); give a path under a folder you can write to")
+    assert predictor_cli(["predictor", "collect", "--out", "/proc/x", "--recipes", "mlp-digits", "--seeds", "0",
+                          "--quick"]) == 2
+    assert _out(capsys) == ("collecting 2 runs into /proc/x layerfreeze: error: the runs folder (--out) /proc/x cannot "
+                            "be written (/proc is not a writable folder); give a path under a folder you can write to")
+
+
+def test_evaluate_with_no_unseen_runs_says_what_to_collect(runs, capsys):
+    from layerfreeze.strategies.smartfrz.predictor import load_predictor
+
+    trained = set(load_predictor(None)[1]["card"]["train_recipes"])
+    unseen = [n for n in RECIPES if n not in trained]
+    assert "mlp-digits" in trained and unseen
+    assert predictor_cli(["predictor", "label", str(runs)]) == 0
+    capsys.readouterr()
+    assert predictor_cli(["predictor", "evaluate", str(runs)]) == 2
+    assert _out(capsys) == (
+        f"layerfreeze: error: no labelled runs in {runs} that the predictor was not trained on: collect and label "
+        f"runs of a recipe it was not trained on ({', '.join(unseen)}: `layerfreeze predictor collect --out {runs} "
+        f"--recipes {unseen[0]}`, then `layerfreeze predictor label {runs}`), or pick recipes with --recipes (their "
+        "runs it did not train on count, e.g. other seeds), or evaluate leave-one-family-out with --lofo")
+
+
+def test_train_help_states_where_the_predictor_goes(capsys):
+    with pytest.raises(SystemExit) as exc:
+        predictor_cli(["predictor", "train", "--help"])
+    assert exc.value.code == 0
+    assert ("--out OUT predictor file (default predictor.safetensors in the current folder; PREDICTOR_CARD.md goes "
+            "beside it)") in _out(capsys)

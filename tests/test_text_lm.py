@@ -218,3 +218,27 @@ def test_compare_on_a_language_model_shows_perplexity_and_its_ratio(tmp_path, ti
     assert f"| static | {static['test_perplexity']:.2f} | {static['perplexity_ratio']:.3f} |" in table
     out = capsys.readouterr().out
     assert "ppl" in out and "acc" not in out.split("layerfreeze compare")[-1].split("table:")[0]
+
+
+def test_fsdp2_refuses_tied_embeddings_on_every_rank_before_sharding(tmp_path, tiny_llama_dir, story):
+    # fully_shard raised "Parameter 'lm_head.weight' is shared with a parameter already managed by another FSDP
+    # group" on both ranks (smartfrz: "the mirror has no parameter lm_head.weight") as raw tracebacks
+    from layerfreeze import discover_blocks
+    from layerfreeze.distributed import shard_blocks
+    from tests.distributed.launch import launch
+
+    model = transformers.LlamaForCausalLM.from_pretrained(tiny_llama_dir)
+    said = ("FSDP2 (run.parallel: fsdp) shards each block in a group of its own, and lm_head.weight in block 'head' "
+            "is tied to a parameter of block 'model.embed_tokens': a parameter cannot be in two groups. Untie the "
+            "weights (tie_word_embeddings=False in the model's config, then save it) or train with DDP (drop "
+            "--parallel fsdp)")
+    with pytest.raises(ValueError) as caught:
+        shard_blocks(model, discover_blocks(model))  # refused before it needs a process group
+    assert str(caught.value) == said
+    args = ["train", "--task", "text-lm", "--model", str(tiny_llama_dir), "--data", str(story), "--epochs", "1",
+            "--batch-size", "8", "--set", "model.max_length=16", "--device", "cpu", "--no-progress",
+            "--parallel", "fsdp", "--run-dir", str(tmp_path / "run")]
+    ranks = launch({}, tmp_path / "ranks", module="layerfreeze", args=args, timeout=200)
+    assert ranks.returncodes == [2, 2], ranks.outputs
+    assert ranks.outputs[0].count("layerfreeze: error:") == 1 and f"layerfreeze: error: {said}" in ranks.outputs[0]
+    assert "Traceback" not in ranks.outputs[0] + ranks.outputs[1]

@@ -39,7 +39,7 @@ from layerfreeze.distributed.ddp import (
     rebuild_ddp,
     sync_frozen_buffers,
 )
-from layerfreeze.distributed.fsdp import CollectiveBytes, shard_blocks
+from layerfreeze.distributed.fsdp import CollectiveBytes, shard_blocks, tied_across_blocks
 
 __all__ = [
     "FILE_STORE_ENV",
@@ -65,5 +65,6 @@ __all__ = [
     "shard",
     "shard_blocks",
     "sync_frozen_buffers",
+    "tied_across_blocks",
     "world_size",
 ]

@@ -54,6 +54,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from layerfreeze.models.blocks import Block
 
 
+def tied_across_blocks(blocks: Sequence[Block]) -> str | None:
+    """Why FSDP2 cannot shard these blocks one group each, or None when it can: a parameter used by two blocks (an
+    LM head tied to the token embeddings, ``tie_word_embeddings=True``; :func:`~layerfreeze.models.blocks.resolve_ties`
+    gives it to the earlier block). ``fully_shard`` refuses a parameter already in another group ("is shared with a
+    parameter already managed by another FSDP group"), and a weight-reading strategy's mirror would not find it."""
+    for block in blocks:
+        for name, owner in block.tied.items():
+            return (f"FSDP2 (run.parallel: fsdp) shards each block in a group of its own, and {name} in block "
+                    f"{block.name!r} is tied to a parameter of block {owner!r}: a parameter cannot be in two groups. "
+                    "Untie the weights (tie_word_embeddings=False in the model's config, then save it) or train with "
+                    "DDP (drop --parallel fsdp)")
+    return None
+
+
 def shard_blocks(model: nn.Module, blocks: Sequence[Block], **fully_shard_kwargs: Any) -> nn.Module:
     """Apply ``fully_shard`` to each block's modules (one FSDP parameter group per block), then to the root.
 
@@ -72,10 +86,14 @@ def shard_blocks(model: nn.Module, blocks: Sequence[Block], **fully_shard_kwargs
         ``model``, now an ``FSDPModule``.
 
     Raises:
+        ValueError: a parameter is tied across blocks (:func:`tied_across_blocks`).
         RuntimeError: no initialized process group.
     """
     from torch.distributed.fsdp import fully_shard
 
+    tied = tied_across_blocks(blocks)
+    if tied is not None:
+        raise ValueError(tied)
     if not torch.distributed.is_initialized():
         raise RuntimeError("shard_blocks needs an initialized torch.distributed process group "
                            "(layerfreeze.distributed.init_distributed() under torchrun)")

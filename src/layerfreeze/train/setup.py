@@ -272,6 +272,9 @@ def setup_trainer(trainer: Trainer, plan_only: bool = False) -> None:
     model = trainer.task.model
     blocks = discover_blocks(model, cfg.model.blocks)  # the module and parameter objects survive .to(device)
     check_strategy_fits(strategy, len(blocks))
+    tied = dist_.tied_across_blocks(blocks) if trainer.fsdp else None
+    if tied is not None:  # before any collective: every rank refuses the same model at once
+        raise ConfigError(tied)
     mirror = None
     if trainer.fsdp and trainer.is_main and strategy.reads_model:  # FSDP2 modules cannot be copied: before sharding
         mirror = copy.deepcopy(model).to("cpu")

@@ -66,3 +66,17 @@ def test_each_rank_exits_2_and_only_rank_0_speaks(tmp_path, extra, line):
     assert "Traceback" not in ranks.outputs[0] and "terminate called" not in ranks.outputs[0]
     assert ranks.outputs[1] == ""  # rank 1 exits quietly, with the same code
     assert not (tmp_path / "run").exists()
+
+
+def test_ranks_given_different_configs_are_refused_naming_the_keys(tmp_path):
+    # --lr on one rank only trained on in silence (loss 84, eval loss 1068); --batch-size on one rank hung in the
+    # first collective until the timeout
+    base = _args(tmp_path, ["--lr", "0.001", "--batch-size", "8"])
+    other = _args(tmp_path, ["--lr", "0.5", "--batch-size", "16"])
+    ranks = launch({"args": [base, other]}, tmp_path / "ranks", module="tests.distributed.per_rank_cli", timeout=200)
+    assert ranks.returncodes == [2, 2], ranks.outputs
+    assert ranks.outputs[0].count("layerfreeze: error:") == 1, ranks.outputs[0]
+    assert "layerfreeze: error: the ranks were given different configs: train.batch_size: 8 on rank 0, 16 on rank 1; " \
+           "train.lr: 0.001 on rank 0, 0.5 on rank 1. Every rank must run the same command (the same flags and " \
+           "config file)" in ranks.outputs[0]
+    assert "Traceback" not in ranks.outputs[0] + ranks.outputs[1] and not (tmp_path / "run").exists()

@@ -48,6 +48,7 @@ from layerfreeze.runs.summary import format_bytes
 from layerfreeze.strategies import Strategy, UnknownStrategyError, create_strategy
 from layerfreeze.train.compile import CompiledRegions
 from layerfreeze.train.config import Config
+from layerfreeze.train.config_file import leaf_values
 from layerfreeze.train.loop import lr_lambda, warmup_steps
 from layerfreeze.train.precision import Precision
 from layerfreeze.train.prefix_clock import PrefixClock
@@ -254,6 +255,8 @@ def setup_trainer(trainer: Trainer, plan_only: bool = False) -> None:
             "this is one process. Launch it with `torchrun --nproc_per_node N -m layerfreeze train ...` (N >= 2), "
             "or train unsharded with --parallel ddp (which also resumes an fsdp run here: its full checkpoint "
             "loads into the unsharded model)")
+    if trainer.distributed:
+        check_same_config(cfg)
     trainer.fsdp = trainer.distributed and cfg.run.parallel == "fsdp"
     check_distributed_config(cfg, trainer.distributed)
     trainer.rank, trainer.world = dist_.rank(), dist_.world_size()
@@ -373,6 +376,31 @@ def check_batchnorm_batches(trainer: Trainer, model: nn.Module) -> None:
         f"train.batch_size {cfg.batch_size}: {where} holds one sample of the {n} training samples, and the model's "
         f"BatchNorm layers cannot train on one (\"Expected more than 1 value per channel when training\"); choose "
         f"another batch size{hint}, or another data.limit_train")
+
+
+def check_same_config(cfg: Config) -> None:
+    """Refuse a run whose ranks were given different configs (a collective: every rank calls it once it joined the
+    process group, and every rank raises the same error).
+
+    Why: each rank reads its own command line and config file; torchrun on several nodes, or ranks started by hand,
+    can give them different ones. A different learning rate, seed or strategy on one rank trained on in silence (the
+    gradients are averaged, the rest diverges), and a different batch size hung in the first collective until the
+    timeout.
+
+    Raises:
+        ConfigError: naming the first keys that differ and their values on each rank.
+    """
+    mine = leaf_values(cfg.model_dump(mode="json"), opaque=("params",))
+    every = dist_.all_gather_object(mine)
+    keys = sorted({k for other in every for k in other if any(o.get(k, None) != every[0].get(k, None)
+                                                              for o in every)})
+    if not keys:
+        return
+    said = "; ".join(".".join(k) + ": " + ", ".join(f"{o.get(k)!r} on rank {r}" for r, o in enumerate(every))
+                     for k in keys[:3])
+    more = f" (and {len(keys) - 3} more)" if len(keys) > 3 else ""
+    raise ConfigError(f"the ranks were given different configs: {said}{more}. Every rank must run the same command "
+                      "(the same flags and config file)")
 
 
 def check_distributed_config(cfg: Config, distributed: bool) -> None:

@@ -5,6 +5,7 @@ the plan and its errors, the engine's floor (no thaw past it, the guard included
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import warnings
@@ -27,6 +28,7 @@ from layerfreeze.budget import (
 from layerfreeze.cli import main
 from layerfreeze.engine import PinnedBlockError
 from layerfreeze.runs.ledger import MemoryLedger
+from layerfreeze.runs.ledger_buckets import Bucket
 from layerfreeze.runs.rundir import read_metrics
 from layerfreeze.runs.summary import format_bytes
 from layerfreeze.train.config import build_config
@@ -174,6 +176,16 @@ def test_the_plan_freezes_the_shortest_prefix_that_fits_and_names_the_smallest_p
                                           ) as err:
         plan_prefix(measured, peaks[2] - 1)
     assert err.value.smallest_bytes == peaks[2]
+    # a strategy's own state counts in every prefix, not in the reference: "100%" then freezes to make room for it
+    held = peaks[0] - peaks[1]
+    with_state = dataclasses.replace(measured, tensor_bytes=measured.tensor_bytes + held,
+                                     buckets={**measured.buckets, Bucket.STRATEGY: held})
+    full = plan_prefix(with_state, "100%")
+    assert full.none_peak_bytes == peaks[0] and full.k == 1
+    assert full.gives_up().endswith(f"never train, to make room for the freezing strategy's own state "
+                                    f"({format_bytes(held)}), which the budget's reference, the tensor peak with "
+                                    "nothing frozen and no strategy, leaves out")
+    assert "make room" not in plan_prefix(measured, peaks[1]).gives_up()
     head, cells = plan.rows()
     assert head[0] == "k" and [c[-1] for c in cells] == ["no", "yes <-", "yes"]
     assert MemoryPlan.from_dict(json.loads(json.dumps(plan.to_dict()))).to_dict() == plan.to_dict()

@@ -170,8 +170,13 @@ class MemoryPlan:
         total = sum(self.measured.blocks["params"])
         names = self.frozen_from_start
         shown = ", ".join(names) if len(names) <= 4 else f"{names[0]} .. {names[-1]}"
+        held = self.measured.buckets.get(Bucket.STRATEGY, 0)
+        why = ""
+        if held and self.budget_bytes >= self.none_peak_bytes:  # "100%": room for what only the strategy holds
+            why = (f", to make room for the freezing strategy's own state ({format_bytes(held)}), which the "
+                   f"budget's reference, the tensor peak with nothing frozen and no strategy, leaves out")
         return (f"{self.k} of {len(self.block_names)} blocks frozen from the start ({shown}): "
-                f"{format_bytes(params)} of {format_bytes(total)} of parameters never train")
+                f"{format_bytes(params)} of {format_bytes(total)} of parameters never train{why}")
 
     def predicted_for_samples(self, samples: int) -> int:
         """The predicted tensor peak when the cache holds ``samples`` samples (a run shorter than an epoch: the

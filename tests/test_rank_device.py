@@ -51,6 +51,9 @@ def test_a_cuda_device_where_there_is_none_or_beyond_the_devices_is_refused():
         choose_rank_device("cuda:2", 0, 1, 2)
     with pytest.raises(ConfigError, match="must be auto, cpu or cuda"):
         choose_rank_device("tpu", 0, 1, 0)
+    for bad in ("cuda:abc", "cudax", "cuda:-1", "cuda:"):  # a malformed device, not "CUDA is not available"
+        with pytest.raises(ConfigError, match=f"must be auto, cpu or cuda\\[:N\\], got '{bad}'"):
+            choose_rank_device(bad, 0, 1, 0)
 
 
 def _machine(monkeypatch, gpus: int, world: int, local_rank: int = 0, local_world: int | None = None) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -93,7 +94,7 @@ def choose_rank_device(requested: str, local_rank: int, local_world: int | None,
     requested = str(requested)
     if requested == "cpu":
         return torch.device("cpu")
-    if requested != "auto" and not requested.startswith("cuda"):
+    if requested not in ("auto", "cuda") and not re.fullmatch(r"cuda:[0-9]+", requested):
         raise ConfigError(f"run.device must be auto, cpu or cuda[:N], got {requested!r}")
     if cuda_count <= 0:
         if requested == "auto":

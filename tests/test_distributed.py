@@ -232,7 +232,7 @@ def test_a_killed_rank_stops_the_other_with_its_name_and_the_last_checkpoint_res
 def test_the_readme_own_loop_example_runs_on_two_ranks(tmp_path):
     # the example as a user runs it (DistributedSampler, FreezeDDP); autofreeze every 8 steps freezes mid-run
     ranks = launch({}, tmp_path, module="examples.ddp_own_loop",
-                   args=["--strategy", "autofreeze", "-p", "interval=8", "--save", str(tmp_path)])
+                   args=["--strategy", "autofreeze", "-p", "interval=8", "--epochs", "3", "--save", str(tmp_path)])
     assert ranks.returncodes == [0, 0], "\n".join(o[-2000:] for o in ranks.outputs)
     assert "freeze block 0" in ranks.outputs[0], ranks.outputs[0]
     a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
@@ -240,6 +240,15 @@ def test_the_readme_own_loop_example_runs_on_two_ranks(tmp_path):
     counts = ranks.outputs[0].split("per step: first ")[1].split(" DDP")[0]
     first, last = (int(part.replace("last ", "").replace(",", "")) for part in counts.split(";")[0].split(", "))
     assert last < first
+
+
+def test_the_own_loop_examples_bad_input_is_one_line_on_each_rank(tmp_path):
+    # an unknown strategy or --device cuda without a GPU was a raw traceback on each rank
+    for args, said in ((["--strategy", "nope"], "Unknown strategy 'nope'"),
+                       (["--strategy", "static", "-p", "k=-1"], "static: k must be")):
+        ranks = launch({}, tmp_path / args[1], module="examples.ddp_own_loop", args=args)
+        assert ranks.returncodes == [2, 2], ranks.outputs
+        assert all(said in out and "Traceback" not in out for out in ranks.outputs), ranks.outputs
 
 
 @pytest.mark.assets("minilm")  # tiny_bert_dir: MiniLM's tokenizer

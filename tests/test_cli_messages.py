@@ -110,6 +110,15 @@ def test_under_torchrun_the_budget_refusal_names_the_parallel_mode():
     check_distributed_config(fsdp, distributed=False)  # one process: the budget is planned
 
 
+def test_plan_under_torchrun_says_to_run_it_in_one_process(capsys, monkeypatch):
+    # it said "freeze.memory_budget (--memory-budget) is not supported under torchrun": train's flag, not plan's
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["plan", "--memory", "60%"]) == 2
+    assert _err(capsys) == "layerfreeze: error: layerfreeze plan measures the run in one process and makes no plan " \
+                           "per rank yet: run it without torchrun (its --memory budget is then one process's)\n"
+
+
 def test_a_messages_without_a_key_reads_without_top_level(capsys):
     assert main(["train", "--task", "text-csv"]) == 2
     assert _err(capsys) == ("layerfreeze: error: Invalid configuration: task 'text-csv' needs data.path: a CSV "

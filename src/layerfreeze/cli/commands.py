@@ -270,6 +270,9 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from layerfreeze.train.setup import plan_headline
     from layerfreeze.train.trainer import Trainer
 
+    if launched_world_size() > 1:
+        raise ConfigError("layerfreeze plan measures the run in one process and makes no plan per rank yet: run it "
+                          "without torchrun (its --memory budget is then one process's)")
     overrides = [*overrides_of(args, TRAIN_FLAGS), {"freeze": {"memory_budget": args.memory}}]
     config = load_config(args.config, overrides)
     if args.check is not None and args.check < 1:

@@ -132,7 +132,7 @@ def resume(trainer: Trainer, path: Path) -> tuple[int, int]:
     trainer.resumed_from_step = int(trainer.progress["step"])
     if trainer.is_main:
         tqdm.write(f"resumed from {ckpt} (step {trainer.resumed_from_step}, epoch {extra['epoch'] + 1})")
-    if saved_world != trainer.world:
+    if saved_world != trainer.world and trainer.is_main:
         tqdm.write(f"resuming a run saved on {saved_world} rank(s) on {trainer.world}: same global batches and "
                    "frozen set, but the per-rank random streams (dropout) differ from the interrupted run")
     return extra["epoch"], extra["batch_in_epoch"]

@@ -7,6 +7,7 @@ through the ``peft`` library) shows the parameter-efficient alternative on the s
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -178,6 +179,8 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
     from layerfreeze.train.trainer import Trainer
 
     console = console or Console()
+    if os.environ.get("RANK", "0").strip() not in ("", "0"):  # under torchrun rank 0 alone speaks
+        console = Console(quiet=True)
     run_dir = Path(run_dir)
     twice = sorted({r for r in rows if list(rows).count(r) > 1})
     if twice:

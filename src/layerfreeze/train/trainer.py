@@ -328,8 +328,9 @@ class Trainer:
             self._stop_requested = True
             self.stop_signal = signal.Signals(signum)
             again = "press again" if signum == signal.SIGINT else "a second SIGTERM"
-            tqdm.write(f"{'Ctrl-C' if signum == signal.SIGINT else 'SIGTERM'}: stopping after this step and writing "
-                       f"a checkpoint ({again} stops now)")
+            if self.is_main:  # under torchrun the terminal's Ctrl-C reaches every rank: rank 0 alone says it
+                tqdm.write(f"{'Ctrl-C' if signum == signal.SIGINT else 'SIGTERM'}: stopping after this step and "
+                           f"writing a checkpoint ({again} stops now)")
 
         signals = [signal.SIGINT] if self.distributed else [signal.SIGINT, signal.SIGTERM]
         previous = {signum: signal.signal(signum, handler) for signum in signals}

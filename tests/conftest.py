@@ -142,6 +142,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @contextlib.contextmanager
+def image_folder(root: Path, per_class: int = 4) -> Path:
+    """``root/imgs``: an ImageFolder of two classes (cats, dogs), ``per_class`` 32 x 32 RGB PNGs each."""
+    from PIL import Image
+
+    for name in ("cats", "dogs"):
+        (root / "imgs" / name).mkdir(parents=True)
+        for i in range(per_class):
+            Image.new("RGB", (32, 32), (40 * i, 20, 30)).save(root / "imgs" / name / f"{i}.png")
+    return root / "imgs"
+
+
 def benchmark_module(name: str):
     """``benchmarks.<name>`` imported afresh for the with block (what a benchmark registers at import, a strategy row
     say, is gone after it), then dropped from ``sys.modules``."""

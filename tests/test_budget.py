@@ -33,7 +33,7 @@ from layerfreeze.runs.rundir import read_metrics
 from layerfreeze.runs.summary import format_bytes
 from layerfreeze.train.config import build_config
 from layerfreeze.train.trainer import Trainer
-from tests.conftest import blob_task
+from tests.conftest import blob_task, image_folder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -383,12 +383,7 @@ def test_cli_plan_prints_every_prefix_checks_the_plan_and_refuses_an_impossible_
 def test_cli_plan_under_bf16_true_measures_the_cache_on_bfloat16_inputs(tmp_path, capsys):
     # the cache's prefix ran on the float32 pixels while the weights were bfloat16: "Input type (torch.FloatTensor)
     # and weight type (CPUBFloat16Type) should be the same" from plan and train --memory-budget
-    from PIL import Image
-
-    for name in ("cats", "dogs"):
-        (tmp_path / "imgs" / name).mkdir(parents=True)
-        for i in range(4):
-            Image.new("RGB", (32, 32), (40 * i, 20, 30)).save(tmp_path / "imgs" / name / f"{i}.png")
+    image_folder(tmp_path)
     out_json = tmp_path / "plan.json"
     assert main(["plan", "--memory", "60%", "--task", "image-folder", "--data", str(tmp_path / "imgs"),
                  "--batch-size", "4", "--precision", "bf16-true", "--json", str(out_json), "--no-progress"]) == 0

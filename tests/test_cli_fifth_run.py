@@ -17,6 +17,7 @@ from layerfreeze.errors import ConfigError
 from layerfreeze.runs.summary import summary_table
 from layerfreeze.train.config_file import parse_override
 from layerfreeze.train.config_load import load_config
+from tests.conftest import image_folder
 
 
 def _one_line(capsys, start: str) -> str:
@@ -103,10 +104,7 @@ def test_a_block_pattern_that_matches_nothing_is_one_line(tiny_bert_dir, tiny_cs
 
 @pytest.mark.assets("mobilenet_v2")
 def test_a_corrupt_image_stops_the_run_before_training(tmp_path, capsys):
-    for name in ("cats", "dogs"):
-        (tmp_path / "imgs" / name).mkdir(parents=True)
-        for i in range(4):
-            Image.new("RGB", (32, 32), (40 * i, 20, 30)).save(tmp_path / "imgs" / name / f"{i}.png")
+    image_folder(tmp_path)
     (tmp_path / "imgs" / "cats" / "0.png").write_bytes(b"this is text, not a png")
     assert main(["train", "--task", "image-folder", "--data", str(tmp_path / "imgs"), "--max-steps", "1",
                  "--batch-size", "4", "--no-progress", "--run-dir", str(tmp_path / "r")]) == 2
@@ -242,10 +240,7 @@ def test_one_sample_shares_are_found_before_the_first_step():
 @pytest.mark.assets("mobilenet_v2")
 def test_a_batchnorm_model_with_a_last_batch_of_one_sample_is_refused_before_training(tmp_path, capsys):
     # the last batch of one sample stopped the run mid-epoch: "Expected more than 1 value per channel when training"
-    for name in ("cats", "dogs"):
-        (tmp_path / "imgs" / name).mkdir(parents=True)
-        for i in range(4):
-            Image.new("RGB", (32, 32), (40 * i, 20, 30)).save(tmp_path / "imgs" / name / f"{i}.png")
+    image_folder(tmp_path)
     assert main(["train", "--task", "image-folder", "--data", str(tmp_path / "imgs"), "--batch-size", "5",
                  "--no-progress", "--run-dir", str(tmp_path / "r")]) == 2  # 6 training images: 5 + 1
     err = capsys.readouterr().err

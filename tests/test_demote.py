@@ -576,3 +576,18 @@ def test_a_demoted_lisa_or_badam_run_resumed_between_switches_equals_the_uninter
     assert max(losses["resumed"]) == 18
     for (name, a), b in zip(ref.model.state_dict().items(), resumed.model.state_dict().values()):
         assert _bits_equal(a, b), name
+
+
+def test_closing_removes_the_master_files_and_the_folders_made_for_them(tmp_path):
+    # a data-parallel run left run/demoted/rank0 and rank1 behind, empty
+    (tmp_path / "run").mkdir()
+    folder = tmp_path / "run" / "demoted" / "rank0"
+    kept = tmp_path / "mine"
+    kept.mkdir()
+    for directory in (folder, kept):
+        model = _mlp()
+        with Freezer(model, None, "none", demote=Demotion("bfloat16", master="disk", directory=directory)) as freezer:
+            freezer.freeze(0)
+            assert len(list(directory.rglob("*.safetensors"))) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "run"] and list((tmp_path / "run").iterdir()) == []
+    assert list(kept.iterdir()) == []  # a folder that was there is kept, emptied of what the run wrote

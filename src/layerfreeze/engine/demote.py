@@ -50,6 +50,7 @@ weights to the device per forward that runs it (counted in :attr:`Demoter.transf
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import weakref
@@ -125,6 +126,17 @@ class _Managed:
     def by_name(self) -> dict[str, torch.Tensor]:
         return dict(self.tensors)
 
+
+
+def _remove(root: str, made: list[str]) -> None:
+    """Delete the master files under ``root``, then the folders made for them (deepest first) that are empty (a
+    run's ``demoted/rankN``: a data-parallel run left them behind, empty)."""
+    shutil.rmtree(root, True)
+    for folder in made:
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty (another rank's folder, a kept file): leave it
+            break
 
 class Demoter:
     """Demotes (casts, offloads) the frozen blocks a :class:`~layerfreeze.engine.freezer.Freezer` freezes, and restores
@@ -430,10 +442,12 @@ class Demoter:
     def _ensure_root(self) -> Path:
         if self._root is None:
             directory = self.spec.directory
+            made: list[str] = []  # the folders made here (deepest first), removed with the files when empty
             if directory is not None:
+                made = [str(p) for p in (Path(directory), *Path(directory).parents) if not p.exists()]
                 Path(directory).mkdir(parents=True, exist_ok=True)
             self._root = Path(tempfile.mkdtemp(prefix="layerfreeze-demoted-", dir=directory))
-            self._finalizer = weakref.finalize(self, shutil.rmtree, str(self._root), True)
+            self._finalizer = weakref.finalize(self, _remove, str(self._root), made)
         return self._root
 
     # ---- hooks ---------------------------------------------------------------------------------------------

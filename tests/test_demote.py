@@ -591,3 +591,36 @@ def test_closing_removes_the_master_files_and_the_folders_made_for_them(tmp_path
             assert len(list(directory.rglob("*.safetensors"))) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "run"] and list((tmp_path / "run").iterdir()) == []
     assert list(kept.iterdir()) == []  # a folder that was there is kept, emptied of what the run wrote
+
+
+def test_in_your_own_loop_the_cached_prefix_offloads_what_it_serves_and_trains_as_without(tmp_path):
+    # offload: cpu did nothing in an own loop: only the CLI trainer called freezer.offload_prefix
+    x, labels = torch.randn(32, 8), torch.randint(0, 4, (32,))
+
+    def run(demote):
+        model = _mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, offloaded = [], []
+        with Freezer(model, optimizer, "static", {"k": 2}, demote=demote) as freezer:
+            forward = CachedPrefix(model, freezer=freezer, input_key="x")
+            for _epoch in range(2):
+                for i in range(0, 32, 8):
+                    ids = torch.arange(i, i + 8)
+                    loss = nn.functional.cross_entropy(forward({"x": x[ids], "index": ids}), labels[ids])
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    freezer.step()
+                    losses.append(loss.item())
+                    if freezer.demoter is not None:
+                        offloaded.append(list(freezer.demoter.offloaded_blocks))
+                freezer.epoch_end()
+            with pytest.warns(RuntimeWarning, match="activation cache turned off"):
+                forward._turn_off("a test turns the cache off")
+            back = None if freezer.demoter is None else list(freezer.demoter.offloaded_blocks)
+        return losses, offloaded, back
+
+    plain, _, _ = run(Demotion("bfloat16", directory=tmp_path / "a"))
+    losses, offloaded, back = run(Demotion("bfloat16", offload="cpu", directory=tmp_path / "b"))
+    assert offloaded == [["0", "1"]] * 8 and back == []  # served blocks offloaded; brought back with the cache off
+    assert losses == plain  # the same bfloat16 weights, wherever they are kept

@@ -302,6 +302,8 @@ class CachedPrefix:
             self._turn_off(str(refused))
             self.full_forwards += 1
             return self.split.full(self.model, batch)
+        if self.freezer is not None:  # demote offload="cpu": the served prefix's weights leave the device (no-op else)
+            self.freezer.offload_prefix(depth)
         state = self._states(batch, plan, depth)
         return self.split.suffix(self.model, state, batch, depth)
 
@@ -425,6 +427,8 @@ class CachedPrefix:
     def _turn_off(self, reason: str) -> None:
         self.disabled = reason
         self.cache.clear()
+        if self.freezer is not None:
+            self.freezer.offload_prefix(0)  # nothing is served from now on: offloaded weights come back
         warnings.warn(f"activation cache turned off, running the full forward from now on: {reason}",
                       RuntimeWarning, stacklevel=3)
         if self.on_disable is not None:

@@ -126,7 +126,7 @@ def test_pipeline_runs_in_another_thread_keeps_order_and_surfaces_worker_errors(
     assert list(pipe) == [0, 10, 20, 30, 40]
     assert names[0] == threading.current_thread().name  # the first batch runs here, with the global RNG checked
     assert set(names[1:]) == {"layerfreeze-frozen"}
-    assert pipe._thread is None  # joined
+    assert pipe._run.thread is None  # joined
 
     with pytest.raises(FrozenWorkerError, match=r"(?s)ValueError.*bad sample 5.*worker traceback.*prepare"):
         list(FrozenPipeline(range(8), prepare))
@@ -136,7 +136,7 @@ def test_pipeline_runs_in_another_thread_keeps_order_and_surfaces_worker_errors(
         if x == 3:
             break
     pipe.close()
-    assert pipe._thread is None
+    assert pipe._run.thread is None
 
 
 # --- frozen models in the gradient path, RNG safety, threads ----------------------------------------------------
@@ -355,3 +355,66 @@ def test_precompute_as_the_readme_writes_it_and_what_precomputed_dataset_returns
     with pytest.raises(ValueError, match=r"items must be dicts holding 'index' .* item 0 is a dict with keys "
                                          r"input_ids, attention_mask, labels"):
         precompute([{k: v for k, v in data[i].items() if k != "index"} for i in range(4)], lambda b: b["labels"])
+
+
+def test_a_pipeline_left_early_starts_the_next_iteration_clean_and_close_in_the_loop_ends_it():
+    # a batch the worker put while close() drained reached the next iteration (a sample trained twice in an epoch);
+    # close() inside the loop hung the next get forever
+    from torch.utils.data import DataLoader
+
+    pipe = FrozenPipeline(DataLoader(list(range(40)), batch_size=4), lambda b: b, queue_size=2)
+    for _ in range(10):
+        seen = []
+        for step, batch in enumerate(pipe):
+            seen.append(batch.tolist())
+            if step == 2:
+                time.sleep(0.05)  # the worker fills the queue, and waits on it
+                break
+        assert seen == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    got = []
+    t0 = time.monotonic()
+    for step, batch in enumerate(pipe):
+        got.append(int(batch[0]))
+        if step == 2:
+            pipe.close()  # an early-stop handler
+    assert got == [0, 4, 8] and time.monotonic() - t0 < 10 and pipe._run.thread is None
+
+
+def test_a_pipeline_whose_batches_draw_from_the_global_rng_is_refused():
+    # random augmentation read in the worker thread: the trainer's own draws depended on timing, in silence
+    from torch.utils.data import DataLoader, Dataset
+
+    class Augmented(Dataset):
+        def __init__(self, generator=None):
+            self.generator = generator
+
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return torch.rand(2, generator=self.generator) + i
+
+    with pytest.raises(GlobalRNGUsedError, match="reading a batch drew from the global random number generator"):
+        list(FrozenPipeline(DataLoader(Augmented(), batch_size=4), lambda b: b))
+    own = FrozenPipeline(DataLoader(Augmented(torch.Generator().manual_seed(0)), batch_size=4, shuffle=True,
+                                    generator=torch.Generator().manual_seed(1)), lambda b: b)
+    assert len(list(own)) == 4  # a generator of its own: accepted
+    assert len(list(FrozenPipeline(DataLoader(Augmented(), batch_size=4), lambda b: b, check_rng=False))) == 4
+
+
+def test_a_frozen_module_stays_in_eval_mode_when_a_parent_trains():
+    # a distillation wrapper's .train() turned the teacher's dropout back on and let its BatchNorm statistics move
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 4))
+    frozen = FrozenModule(teacher)
+    wrapper = nn.ModuleDict({"teacher": teacher, "student": nn.Linear(8, 4)})
+    stats = teacher[1].running_mean.clone()
+    wrapper.train()
+    x = torch.randn(6, 8)
+    assert torch.equal(frozen(x), frozen(x)) and torch.equal(teacher[1].running_mean, stats)
+    assert not any(m.training for m in teacher.modules()) and wrapper["student"].training
+    differentiable = FrozenDifferentiable(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)))
+    inner = differentiable.module[1].running_var.clone()
+    differentiable.module.train()
+    differentiable(torch.randn(6, 8, requires_grad=True)).sum().backward()
+    assert torch.equal(differentiable.module[1].running_var, inner)

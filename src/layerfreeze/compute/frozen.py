@@ -39,6 +39,7 @@ float32 on CPU (a test trains in all modes and compares every loss). Two things 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import queue
 import threading
@@ -162,6 +163,9 @@ class FrozenModule:
         name: Used in error messages (default: the class name).
         check_finite: Raise :class:`NonFiniteOutputError` naming the module and output when an output holds NaN/Inf.
 
+    The module stays in eval mode: a ``.train()`` that reaches it (a parent module's, at the start of an epoch) is
+    undone at the next call, so its dropout stays off and its BatchNorm statistics never change.
+
     Calling it: ``frozen(*args, **kwargs)`` takes what the module takes (tensors moved to ``device``) and returns
     its outputs (tensors, tuples, dicts, Hugging Face ``ModelOutput``) on ``output_device``. Other objects in the
     output (a diffusers ``DiagonalGaussianDistribution``) pass through unmoved and unchecked: return their tensors
@@ -177,6 +181,7 @@ class FrozenModule:
                  output_device: str | torch.device = "cpu", output_dtype: torch.dtype = torch.float32,
                  name: str | None = None, check_finite: bool = True) -> None:
         self.module = module.eval().requires_grad_(False)
+        self._modules = list(module.modules())  # their train flags are checked at every call
         if device is not None or dtype is not None:
             self.module.to(device=device, dtype=dtype)
         first = next(module.parameters(), None)
@@ -218,6 +223,8 @@ class FrozenModule:
         return t.to(self.output_dtype) if t.is_floating_point() else t
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if any(m.training for m in self._modules):  # a parent's .train() reached it: frozen means eval, always
+            self.module.eval()
         if self.differentiable and getattr(_STATE, "precomputing", False):
             raise PrecomputeRefused(
                 f"frozen model {self.name} is in the gradient path (FrozenDifferentiable): its inputs come from the "
@@ -260,6 +267,52 @@ class FrozenDifferentiable(FrozenModule):
     differentiable = True
 
 
+class _Run:
+    """One iteration of a :class:`FrozenPipeline`: its worker thread, its queue of prepared batches, its stop flag
+    (each iteration its own, so a batch of an iteration left early never reaches the next one, and closing an old
+    iteration never stops a new one)."""
+
+    def __init__(self, size: int) -> None:
+        self.queue: queue.Queue = queue.Queue(maxsize=size)
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def put(self, item: Any) -> bool:
+        """The worker's put: waits for room; False once stopped (the item is dropped)."""
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self, done: Any) -> Any:
+        """The consumer's get: the next item, or ``done`` once stopped (close() called from the loop's body)."""
+        while True:
+            try:
+                return self.queue.get(timeout=0.1)
+            except queue.Empty:
+                if self.stop.is_set():
+                    return done
+
+    def close(self) -> None:
+        """Stop the worker, unblock it, join it, drop what it prepared."""
+        self.stop.set()
+        self._drain()  # unblock a worker waiting on a full queue
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=30)
+            self.thread = None
+        self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                return
+
+
 class FrozenPipeline:
     """Runs ``fn`` on the next batches in a background thread while the caller works on the current one.
 
@@ -298,9 +351,8 @@ class FrozenPipeline:
                                       or not all(isinstance(n, int) and n >= 1 for n in threads)):
             raise ValueError(f"threads must be 'auto', None or (worker, trainer) counts >= 1, got {threads!r}")
         self.batches, self.fn, self.stream, self.threads, self.check_rng = batches, fn, stream, threads, check_rng
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.queue_size = queue_size
+        self._run: _Run | None = None  # the current iteration's worker, queue and stop flag
         self._worker_s = self._wait_s = 0.0
         self._batches = 0
 
@@ -326,14 +378,6 @@ class FrozenPipeline:
         return {"batches": self._batches, "worker_s": self._worker_s, "wait_s": self._wait_s, "overlap": overlap,
                 "threads": self.threads}
 
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
 
     def _prepare(self, batch: Any, check_rng: bool = False) -> tuple[Any, Any]:
         start = time.perf_counter()
@@ -349,24 +393,25 @@ class FrozenPipeline:
         self._worker_s += time.perf_counter() - start
         return item
 
-    def _work(self, batches: Iterator[Any]) -> None:
+    def _work(self, batches: Iterator[Any], run: _Run) -> None:
         try:
             if self.threads is not None:
                 torch.set_num_threads(self.threads[0])
             for batch in batches:
-                if self._stop.is_set():
+                if run.stop.is_set():
                     return
-                if not self._put(self._prepare(batch)):
+                if not run.put(self._prepare(batch)):
                     return
-            self._put(self._DONE)
+            run.put(self._DONE)
         except BaseException as exc:  # noqa: BLE001 - every worker failure goes to the consumer
-            self._put(FrozenWorkerError(f"{type(exc).__name__} in the frozen-model worker: {exc}\n"
-                                        f"worker traceback:\n{traceback.format_exc()}"))
+            run.put(FrozenWorkerError(f"{type(exc).__name__} in the frozen-model worker: {exc}\n"
+                                      f"worker traceback:\n{traceback.format_exc()}"))
 
     def __iter__(self) -> Iterator[Any]:
-        self._stop.clear()
+        self.close()  # an earlier iteration left early (a break): its worker stops, its prepared batches are dropped
+        run = self._run = _Run(self.queue_size)  # this iteration's own queue: nothing of an earlier one
         trainer_threads = torch.get_num_threads()
-        batches = iter(self.batches)
+        batches = iter(self.batches)  # here: a sampler's seed is drawn in the trainer's thread, at a fixed point
         try:
             first = next(batches, self._DONE)
             if first is self._DONE:
@@ -374,11 +419,23 @@ class FrozenPipeline:
             if self.threads is not None:
                 torch.set_num_threads(self.threads[0])  # the first batch runs here, on the worker's share
             first_item = self._prepare(first, check_rng=self.check_rng)
+            rest: Iterator[Any] = batches
+            if self.check_rng:  # the second batch is read here too: does reading a batch draw from the global RNG?
+                before = _global_rng_states()
+                second = next(batches, self._DONE)
+                if any(not torch.equal(a, b) for a, b in zip(before, _global_rng_states())):
+                    raise GlobalRNGUsedError(
+                        "FrozenPipeline: reading a batch drew from the global random number generator (random "
+                        "augmentation in the dataset?). The worker thread reads the batches, so its draws would "
+                        "interleave with the trainer's by timing and no run could be repeated. Draw from a generator "
+                        "of the dataset's own, or read the batches in DataLoader worker processes (num_workers > 0, "
+                        "which seed their own), or pass check_rng=False to accept it")
+                rest = iter(()) if second is self._DONE else itertools.chain([second], batches)
             if self.threads is not None:
                 torch.set_num_threads(self.threads[1])
-            self._thread = threading.Thread(target=self._work, args=(batches,), name="layerfreeze-frozen",
-                                            daemon=True)
-            self._thread.start()
+            run.thread = threading.Thread(target=self._work, args=(rest, run), name="layerfreeze-frozen",
+                                          daemon=True)
+            run.thread.start()
             item = first_item
             while True:
                 if item is self._DONE:
@@ -391,23 +448,17 @@ class FrozenPipeline:
                 self._batches += 1
                 yield out
                 start = time.perf_counter()
-                item = self._queue.get()
+                item = run.get(self._DONE)
                 self._wait_s += time.perf_counter() - start
         finally:
-            self.close()
+            run.close()
             torch.set_num_threads(trainer_threads)
 
     def close(self) -> None:
-        """Stop the worker and wait for it (idempotent)."""
-        self._stop.set()
-        while True:  # unblock a worker waiting on a full queue
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
+        """Stop the worker of the current iteration and wait for it (idempotent); the batches it prepared are
+        dropped. Called inside the iteration's loop (an early stop), the iteration ends after the current batch."""
+        if self._run is not None:
+            self._run.close()
 
     def __enter__(self) -> FrozenPipeline:
         return self

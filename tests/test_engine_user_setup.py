@@ -211,3 +211,18 @@ def test_block_patterns_listed_back_to_front_warn_before_the_head_is_frozen():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert [b.name for b in discover_blocks(model, ["stem", "layers.*", "head"])][-1] == "head"
+
+
+def test_a_closed_freezer_refuses_to_freeze_thaw_or_step():
+    # after close() a freeze demoted a block to bfloat16 that nothing restored again
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Freezer(model, optimizer, "none", demote={"dtype": "bfloat16"}) as freezer:
+        freezer.freeze(0)
+    freezer.close()  # twice is fine
+    assert next(model[0].parameters()).dtype == torch.float32  # given back at close
+    for call in (lambda: freezer.freeze(1), lambda: freezer.thaw(0), freezer.step, freezer.epoch_end,
+                 freezer.after_backward):
+        with pytest.raises(RuntimeError, match=r"Freezer\.\w+\(\) after close\(\)"):
+            call()
+    assert all(p.dtype == torch.float32 for p in model.parameters())

@@ -224,6 +224,7 @@ class Freezer:
         self._lr_written: dict[int, tuple[float, float]] = {}  # group -> (unscaled lr, lr we wrote)
         self._floor: set[int] = set()
         self._refused: set[int] = set()  # floor blocks whose thaw a strategy asked for (warned once each)
+        self._closed = False  # close(): freeze, thaw and the loop hooks are refused from then on
         self.distributed = comm.is_distributed() if distributed is None else bool(distributed)
         if self.distributed and not comm.is_distributed():
             raise RuntimeError("Freezer(distributed=True) needs an initialized torch.distributed process group of "
@@ -308,7 +309,11 @@ class Freezer:
 
         Returns:
             True if the block was trainable and is now frozen, False if it was already frozen.
+
+        Raises:
+            RuntimeError: after :meth:`close`.
         """
+        self._check_open("freeze")
         return freeze_block(self, self.block(key), reason)
 
     def pin(self, keys: Sequence[int | str], reason: str = FLOOR_REASON) -> list[int]:
@@ -354,7 +359,9 @@ class Freezer:
                 (build the optimizer with :func:`~layerfreeze.engine.optim.block_param_groups`), or the optimizer
                 holds none of the block's parameters; checked before anything changes.
             PinnedBlockError: the block is in the floor (:meth:`pin`: a memory budget keeps it frozen).
+            RuntimeError: after :meth:`close`.
         """
+        self._check_open("thaw")
         block = self.block(key)
         if lr is not None:  # checked before anything changes: a refused lr left the block half thawed
             check_block_lr(self.optimizer, self._origin, block, lr)
@@ -480,12 +487,20 @@ class Freezer:
         """Release what the strategy attached (hooks, background threads) and give demoted blocks their float32
         weights back on the device (they stay frozen; :meth:`~layerfreeze.engine.demote.Demoter.close`). Idempotent.
         """
+        self._closed = True
         if self.decides:
             self.strategy.detach()
         if self._mirror is not None:
             self._mirror.close()
         if self.demoter is not None:
             self.demoter.close()
+
+    def _check_open(self, what: str) -> None:
+        """Refuse ``what`` on a closed Freezer: its strategy is detached and its demoted blocks got their float32
+        weights back, so a freeze now would demote a block nothing restores again (it stayed bfloat16 for good)."""
+        if self._closed:
+            raise RuntimeError(f"Freezer.{what}() after close() (or after its `with` block): the strategy is detached "
+                               "and demoted blocks are restored; build a new Freezer for more training")
 
     def __enter__(self) -> Freezer:
         return self
@@ -500,6 +515,7 @@ class Freezer:
 
         Only needed when the strategy lists ``"grad_l1"`` in its ``signals``; cheap otherwise (returns at once).
         """
+        self._check_open("after_backward")
         steps.after_backward(self)
 
     def step(self) -> Decision | None:
@@ -511,11 +527,16 @@ class Freezer:
         Under FSDP2 it first reshards a group an evaluation pass left unsharded
         (:func:`layerfreeze.distributed.fsdp.reshard_all`), as :meth:`freeze`, :meth:`thaw` and
         :meth:`verify_frozen_weights` do: every rank calls them at the same point.
+
+        Raises:
+            RuntimeError: after :meth:`close`.
         """
+        self._check_open("step")
         return steps.step(self)
 
     def epoch_end(self) -> Decision | None:
         """Call at the end of each epoch; runs an epoch-end stage if the strategy wants one."""
+        self._check_open("epoch_end")
         return steps.epoch_end(self)
 
     def report_metric(self, value: float) -> int | None:

@@ -439,3 +439,18 @@ def test_a_fixed_input_family_names_its_keys_and_refuses_input_key():
     with pytest.raises(ValueError, match=r"the batch has no 'input_ids', the model input the Hugging Face "
                                          r"BertForSequenceClassification split expects; its keys: tokens, index"):
         CachedPrefix(model, freezer=freezer)({"tokens": torch.zeros(2, 4, dtype=torch.long), "index": [0, 1]})
+
+
+def test_changed_inputs_name_every_likely_cause_not_only_augmentation():
+    # an "index" that was the position within the batch was blamed on "random augmentation in the dataset"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    freezer = Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 1})
+    forward = CachedPrefix(model, freezer=freezer, input_key="x")
+    forward({"x": torch.randn(4, 4), "index": torch.arange(4)})
+    with pytest.raises(CacheRefused) as err:
+        forward({"x": torch.randn(4, 4), "index": torch.arange(4)})  # the next batch, the same positions
+    said = str(err.value)
+    assert said.startswith("the inputs of sample 0 changed since its prefix output was cached. The cache keys each "
+                           "sample by its 'index'")
+    assert "random augmentation" in said and "a position within the batch" in said and "two datasets" in said

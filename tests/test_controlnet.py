@@ -130,3 +130,19 @@ def test_stage1_cache_is_checksummed_and_retrains_when_corrupt(tmp_path):
     weights.write_bytes(bytes(raw))
     assert _cached(path, nn.Linear(3, 2), train, logs.append) == {"scaling": 2.0} and len(calls) == 2
     assert any("unusable" in line and "SHA-256" in line for line in logs)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--placements", "foo"], "unknown placement(s) ['foo']; choose from device, worker, precompute, bf16"),
+    (["--frozen-device", "banana"], "--frozen-device 'banana' is not a device"),
+    (["--pipeline-threads", "3"], "--pipeline-threads '3': give auto or WORKER,TRAINER"),
+])
+def test_the_demos_bad_options_are_one_line_before_anything_trains(flags, said, capsys):
+    # raw tracebacks, --frozen-device only after stage 1 and the held-out evaluation
+    from benchmarks.controlnet.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--tiny", *flags])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"python -m benchmarks.controlnet: error: {said}" in err and "Traceback" not in err

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from layerfreeze import ActivationCache, Freezer, FrozenDifferentiable
+from layerfreeze import ActivationCache, CachedPrefix, Freezer, FrozenDifferentiable
 from layerfreeze.runs.compare_table import add_ratios, markdown_table, table_cells
 from layerfreeze.runs.ledger import MemoryLedger
 from layerfreeze.runs.ledger_records import LedgerPeaks, LedgerSnapshot, memory_change
@@ -179,7 +179,26 @@ def test_byte_sources_the_cache_and_a_frozen_model_in_the_gradient_path():
     with pytest.raises(ValueError, match="bytes must be ints >= 0"):
         ledger.sample()
     ledger.close()
+    # a typo of a bucket made a bucket of its own, which held the bytes the named one missed
+    typo = MemoryLedger(trained, optimizer, sources=[lambda: {"cache_memroy": 5}])
+    with pytest.raises(ValueError, match="reported bucket 'cache_memroy': did you mean 'cache_memory'"):
+        typo.sample()
+    typo.close()
     cache.close()
+
+
+def test_a_cached_prefix_and_its_cache_given_both_are_counted_once():
+    # the README lists both as byte sources; given both, the cache's bytes were counted twice
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    freezer = Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 1})
+    forward = CachedPrefix(model, freezer=freezer, input_key="x")
+    forward({"x": torch.randn(6, 4), "index": torch.arange(6)})
+    alone = MemoryLedger(model, sources=[forward]).sample().buckets["cache_memory"]
+    for sources in ([forward, forward.cache], [forward.cache, forward], [forward, forward]):
+        ledger = MemoryLedger(model, sources=sources)
+        assert ledger.sources == [forward] and ledger.sample().buckets["cache_memory"] == alone > 0
+        ledger.close()
 
 
 # ---- the CLI trainer -----------------------------------------------------------------------------------------------

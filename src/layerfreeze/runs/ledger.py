@@ -195,7 +195,9 @@ class MemoryLedger:
     # ---- configuration ----------------------------------------------------------------------------------------
 
     def add_source(self, source: Any) -> None:
-        """Count a byte source too (:class:`ByteSource`, or a callable returning its mapping).
+        """Count a byte source too (:class:`ByteSource`, or a callable returning its mapping). A source already
+        counted is not added again: the same object, or an :class:`~layerfreeze.compute.store.ActivationCache` whose
+        :class:`~layerfreeze.compute.cached_prefix.CachedPrefix` is a source (it reports the cache's bytes).
 
         Raises:
             TypeError: ``source`` has no ``ledger_bytes`` and is not callable.
@@ -203,6 +205,10 @@ class MemoryLedger:
         if not hasattr(source, "ledger_bytes") and not callable(source):
             raise TypeError(f"MemoryLedger: a byte source needs a ledger_bytes() method or must be callable, got "
                             f"{type(source).__qualname__}")
+        # a CachedPrefix reports its ActivationCache's bytes: given both, the cache was counted twice
+        if any(s is source or getattr(s, "cache", None) is source for s in self.sources):
+            return
+        self.sources = [s for s in self.sources if getattr(source, "cache", None) is not s]
         self.sources.append(source)
 
     def request(self) -> None:

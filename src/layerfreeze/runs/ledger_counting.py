@@ -27,6 +27,7 @@ Nothing here synchronizes the host with a device: storages are read through thei
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -225,10 +226,28 @@ def _count_optimizer(tally: _Tally, optimizers: Iterable[torch.optim.Optimizer],
         tally.add(Bucket.OPTIMIZER, device, n)
 
 
+def _check_bucket_name(source: Any, bucket: str) -> None:
+    """A source's own bucket name is kept as it is; one a letter or two away from the ledger's own is a typo (a new
+    bucket would hold the bytes the named one misses).
+
+    Raises:
+        ValueError: naming the bucket it is close to.
+    """
+    known = [b.value for b in Bucket]
+    if bucket in known:
+        return
+    close = difflib.get_close_matches(bucket, known, n=1, cutoff=0.8)
+    if close:
+        raise ValueError(f"MemoryLedger: byte source {type(source).__qualname__} reported bucket {bucket!r}: did you "
+                         f"mean {close[0]!r}? (a source may add buckets of its own names, but not near-copies of the "
+                         "ledger's)")
+
+
 def _count_sources(tally: _Tally, sources: Iterable[Any], default_device: str) -> None:
     for source in sources:
         report = source.ledger_bytes() if hasattr(source, "ledger_bytes") else source()
         for bucket, value in report.items():
+            _check_bucket_name(source, str(bucket))
             per_device = value if isinstance(value, Mapping) else {default_device: value}
             for device, nbytes in per_device.items():
                 if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:

@@ -130,6 +130,8 @@ def test_pipeline_runs_in_another_thread_keeps_order_and_surfaces_worker_errors(
 
     with pytest.raises(FrozenWorkerError, match=r"(?s)ValueError.*bad sample 5.*worker traceback.*prepare"):
         list(FrozenPipeline(range(8), prepare))
+    with pytest.raises(FrozenWorkerError, match=r"ValueError in the frozen-model function \(the first batch"):
+        list(FrozenPipeline(range(5, 8), prepare))  # the first batch runs in this thread: the same error type
 
     pipe = FrozenPipeline(range(1000), lambda x: x, queue_size=2)
     for x in pipe:

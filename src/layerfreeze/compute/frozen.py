@@ -329,8 +329,9 @@ class FrozenPipeline:
         check_rng: Run the first batch in the caller's thread with the global RNG state compared before and after,
             and raise :class:`GlobalRNGUsedError` when ``fn`` drew from it (its draws would then depend on timing).
 
-    Iterate over it to get ``fn(batch)`` for every batch, in order. An exception in the worker is raised in the
-    consumer as :class:`FrozenWorkerError` with the worker's traceback. ``close()`` (or leaving a ``with`` block,
+    Iterate over it to get ``fn(batch)`` for every batch, in order. An exception in ``fn`` is raised in the
+    consumer as :class:`FrozenWorkerError` (with the worker's traceback; the first batch's, which runs in the caller's
+    thread, chained to it). ``close()`` (or leaving a ``with`` block,
     or finishing the iteration) stops and joins the worker. :meth:`stats` reports the overlap achieved.
 
     Raises:
@@ -418,7 +419,13 @@ class FrozenPipeline:
                 return
             if self.threads is not None:
                 torch.set_num_threads(self.threads[0])  # the first batch runs here, on the worker's share
-            first_item = self._prepare(first, check_rng=self.check_rng)
+            try:
+                first_item = self._prepare(first, check_rng=self.check_rng)
+            except GlobalRNGUsedError:
+                raise
+            except Exception as exc:  # the first batch runs here: the same error type as a batch in the worker
+                raise FrozenWorkerError(f"{type(exc).__name__} in the frozen-model function (the first batch, run in "
+                                        f"the caller's thread): {exc}") from exc
             rest: Iterator[Any] = batches
             if self.check_rng:  # the second batch is read here too: does reading a batch draw from the global RNG?
                 before = _global_rng_states()

@@ -141,7 +141,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             require_asset(name)
 
 
-@contextlib.contextmanager
 def image_folder(root: Path, per_class: int = 4) -> Path:
     """``root/imgs``: an ImageFolder of two classes (cats, dogs), ``per_class`` 32 x 32 RGB PNGs each."""
     from PIL import Image
@@ -153,6 +152,7 @@ def image_folder(root: Path, per_class: int = 4) -> Path:
     return root / "imgs"
 
 
+@contextlib.contextmanager
 def benchmark_module(name: str):
     """``benchmarks.<name>`` imported afresh for the with block (what a benchmark registers at import, a strategy row
     say, is gone after it), then dropped from ``sys.modules``."""

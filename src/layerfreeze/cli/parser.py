@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import os
 import re
 import sys
 from typing import Any, NoReturn
 
 from layerfreeze._version import __version__
+from layerfreeze.distributed.comm import launched_main_rank
 from layerfreeze.errors import ConfigError
 from layerfreeze.strategies import DEFAULT_STRATEGY, STRATEGIES
 from layerfreeze.train.compare import DEFAULT_ROWS
@@ -40,7 +40,7 @@ TRAIN_FLAGS = {
 
 def main_rank() -> bool:
     """Whether this process speaks: rank 0 under torchrun (``RANK``), or the only process."""
-    return os.environ.get("RANK", "0").strip() in ("", "0")
+    return launched_main_rank()
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

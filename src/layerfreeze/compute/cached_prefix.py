@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from layerfreeze.compute.cache_policy import CachePolicy, _Plan
-from layerfreeze.compute.determinism import CacheRefused, check_prefix_deterministic
+from layerfreeze.compute.determinism import CHANGED_INPUTS, CacheRefused, check_prefix_deterministic
 from layerfreeze.compute.store import ActivationCache, pad_dim0
 from layerfreeze.distributed import comm
 from layerfreeze.distributed.fsdp import fsdp_modules, reshard_all, root_parameters
@@ -405,13 +405,7 @@ class CachedPrefix:
         for pos, index in enumerate(indices):
             old = self._fingerprints.get(index)
             if old is not None and not torch.allclose(old, prints[pos], rtol=1e-9, atol=1e-9):
-                raise CacheRefused(
-                    f"the inputs of sample {index} changed since its prefix output was cached. The cache keys each "
-                    "sample by its 'index', so this is one of: random augmentation in the dataset (make the transform "
-                    "deterministic, or set cache: off); an 'index' that is not the sample's own (a position within "
-                    "the batch: give each item its position in the dataset); or two datasets through one CachedPrefix "
-                    "(evaluate with the model's own forward, or another CachedPrefix)"
-                )
+                raise CacheRefused(CHANGED_INPUTS.format(index=index))
         for pos, index in enumerate(indices):
             # a copy, not a view: a view would keep its whole batch's prints alive for as long as any one of them
             new = prints[pos].clone()

@@ -21,6 +21,14 @@ AUGMENTATION = (
     "random augmentation in the dataset: the frozen prefix's outputs cannot be cached; "
     "set cache: off or make the transform deterministic"
 )
+#: Why a sample's inputs can differ from those its cached prefix output was computed on (the cache keys by "index").
+CHANGED_INPUTS = (
+    "the inputs of sample {index} changed since its prefix output was cached. The cache keys each sample by its "
+    "'index', so this is one of: random augmentation in the dataset (make the transform deterministic, or set cache: "
+    "off); an 'index' that is not the sample's own (a position within the batch: give each item its position in the "
+    "dataset); or two datasets through one CachedPrefix (evaluate with the model's own forward, or another "
+    "CachedPrefix)"
+)
 
 
 class CacheRefused(ValueError):

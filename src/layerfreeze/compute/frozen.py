@@ -86,6 +86,12 @@ def _global_rng_states() -> list[torch.Tensor]:
     return states
 
 
+def _drew_from_global_rng(before: list[torch.Tensor]) -> bool:
+    """Whether the global RNG state changed since ``before`` (:func:`_global_rng_states`)."""
+    after = _global_rng_states()
+    return len(before) != len(after) or any(not torch.equal(a, b) for a, b in zip(before, after))
+
+
 def _call_without_global_rng(fn: Callable[[Any], Any], batch: Any, where: str) -> Any:
     """``fn(batch)``, raising :class:`GlobalRNGUsedError` when it changed the global RNG state.
 
@@ -94,8 +100,7 @@ def _call_without_global_rng(fn: Callable[[Any], Any], batch: Any, where: str) -
     """
     before = _global_rng_states()
     out = fn(batch)
-    after = _global_rng_states()
-    if len(before) != len(after) or any(not torch.equal(a, b) for a, b in zip(before, after)):
+    if _drew_from_global_rng(before):
         raise GlobalRNGUsedError(
             f"the frozen function given to {where} drew from the global RNG (torch.randn/rand without a generator, "
             "a VAE's latent_dist.sample(), dropout in train mode). Run ahead or precomputed, that changes the "
@@ -181,7 +186,7 @@ class FrozenModule:
                  output_device: str | torch.device = "cpu", output_dtype: torch.dtype = torch.float32,
                  name: str | None = None, check_finite: bool = True) -> None:
         self.module = module.eval().requires_grad_(False)
-        self._modules = list(module.modules())  # their train flags are checked at every call
+        self._all_modules = list(module.modules())  # their train flags are checked at every call
         if device is not None or dtype is not None:
             self.module.to(device=device, dtype=dtype)
         first = next(module.parameters(), None)
@@ -223,7 +228,7 @@ class FrozenModule:
         return t.to(self.output_dtype) if t.is_floating_point() else t
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if any(m.training for m in self._modules):  # a parent's .train() reached it: frozen means eval, always
+        if any(m.training for m in self._all_modules):  # a parent's .train() reached it: frozen means eval, always
             self.module.eval()
         if self.differentiable and getattr(_STATE, "precomputing", False):
             raise PrecomputeRefused(
@@ -379,7 +384,6 @@ class FrozenPipeline:
         return {"batches": self._batches, "worker_s": self._worker_s, "wait_s": self._wait_s, "overlap": overlap,
                 "threads": self.threads}
 
-
     def _prepare(self, batch: Any, check_rng: bool = False) -> tuple[Any, Any]:
         start = time.perf_counter()
         fn = (lambda b: _call_without_global_rng(self.fn, b, "FrozenPipeline")) if check_rng else self.fn
@@ -430,7 +434,7 @@ class FrozenPipeline:
             if self.check_rng:  # the second batch is read here too: does reading a batch draw from the global RNG?
                 before = _global_rng_states()
                 second = next(batches, self._DONE)
-                if any(not torch.equal(a, b) for a, b in zip(before, _global_rng_states())):
+                if _drew_from_global_rng(before):
                     raise GlobalRNGUsedError(
                         "FrozenPipeline: reading a batch drew from the global random number generator (random "
                         "augmentation in the dataset?). The worker thread reads the batches, so its draws would "

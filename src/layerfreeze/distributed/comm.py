@@ -69,6 +69,12 @@ def launched_world_size() -> int:
         raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
 
 
+def launched_main_rank() -> bool:
+    """Whether this process speaks: rank 0 under torchrun (``RANK``), or the only process (no process group needed:
+    what the CLI's messages before and around a run go by)."""
+    return os.environ.get("RANK", "0").strip() in ("", "0")
+
+
 def choose_rank_device(requested: str, local_rank: int, local_world: int | None, cuda_count: int) -> torch.device:
     """The device one rank trains on: the decision of :func:`rank_device`, from its inputs alone (no torch.cuda call).
 

@@ -100,7 +100,9 @@ def frozen_state_names(wrapper: nn.Module, freezer: Any) -> list[str]:
 
 def sync_frozen_buffers(module: nn.Module, freezer: Any, process_group: Any = None) -> int:
     """Give every rank the first rank's values of the buffers of the frozen blocks (BatchNorm running statistics),
-    once, before DDP stops broadcasting them (:func:`frozen_state_names`); returns the number of buffers sent.
+    before DDP leaves them out of its broadcasts (:func:`frozen_state_names`); returns the number of buffers sent.
+    Called at each build of the wrapper: blocks frozen earlier are sent again (equal already; a few statistics per
+    block, at a freeze or thaw).
 
     Why: DDP broadcasts rank 0's buffers before each forward, and each rank's forward then updates them with its own
     share of the batch. A block frozen after a step kept each rank's own statistics of that last forward, and, left

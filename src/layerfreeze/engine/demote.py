@@ -127,7 +127,6 @@ class _Managed:
         return dict(self.tensors)
 
 
-
 def _remove(root: str, made: list[str]) -> None:
     """Delete the master files under ``root``, then the folders made for them (deepest first) that are empty (a
     run's ``demoted/rankN``: a data-parallel run left them behind, empty)."""

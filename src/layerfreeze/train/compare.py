@@ -7,7 +7,6 @@ through the ``peft`` library) shows the parameter-efficient alternative on the s
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from layerfreeze.distributed.comm import launched_main_rank
 from layerfreeze.errors import ConfigError
 from layerfreeze.runs import rundir
 from layerfreeze.runs.compare_table import add_ratios, frozen_lines, markdown_table, rich_table
@@ -179,7 +179,7 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
     from layerfreeze.train.trainer import Trainer
 
     console = console or Console()
-    if os.environ.get("RANK", "0").strip() not in ("", "0"):  # under torchrun rank 0 alone speaks
+    if not launched_main_rank():  # under torchrun rank 0 alone speaks
         console = Console(quiet=True)
     run_dir = Path(run_dir)
     twice = sorted({r for r in rows if list(rows).count(r) > 1})

@@ -35,11 +35,16 @@ def local_batches(trainer: Trainer, batches: list[list[int]]) -> tuple[list[list
     """
     if not trainer.distributed:
         return batches, [len(b) for b in batches]
-    if trainer.runner is not None:
-        shares = [[i for i in b if i % trainer.world == trainer.rank] for b in batches]
-    else:
-        shares = [dist_.shard(b) for b in batches]
+    shares = [share_of(trainer, b, trainer.rank) for b in batches]
     return [s or b[:1] for s, b in zip(shares, batches)], [len(s) for s in shares]
+
+
+def share_of(trainer: Trainer, batch: list[int], rank: int) -> list[int]:
+    """Rank ``rank``'s part of a global batch (:func:`local_batches`): ``index % world`` with the cache, every
+    world-th position without it."""
+    if trainer.runner is not None:
+        return [i for i in batch if i % trainer.world == rank]
+    return dist_.shard(batch, rank, trainer.world)
 
 
 def one_sample_share(trainer: Trainer, epoch_batches: Any) -> tuple[int, int] | None:
@@ -61,11 +66,8 @@ def one_sample_share(trainer: Trainer, epoch_batches: Any) -> tuple[int, int] | 
                 return None
             if not trainer.distributed:
                 sizes = [len(batch)]
-            elif trainer.runner is not None:  # the cache's split: index % world (local_batches)
-                sizes = [sum(1 for i in batch if i % trainer.world == r) for r in range(trainer.world)]
-            else:
-                sizes = [len(batch[r::trainer.world]) for r in range(trainer.world)]
-            sizes = [n or 1 for n in sizes]  # an empty share runs the batch's first sample (local_batches)
+            else:  # an empty share runs the batch's first sample (local_batches)
+                sizes = [len(share_of(trainer, batch, r)) or 1 for r in range(trainer.world)]
             if 1 in sizes:
                 return step, sizes.index(1)
     return None
@@ -87,10 +89,9 @@ def sync_buffers(trainer: Trainer) -> None:
         skip = set(frozen_state_names(trainer.model, trainer.freezer))
         trainer._sync_list = [b for n, b in trainer.model.named_buffers() if n not in skip]
         trainer._synced_for = frozen
-        # the frozen blocks' buffers once more, as they left the broadcasts: each rank's last forward updated them
-        # with its own share, and a frozen block that kept them would run differently on each rank for the rest of
-        # the run (and a resume, every rank on rank 0's, would not equal it): distributed.sync_frozen_buffers
-        broadcast_buffers([b for n, b in trainer.model.named_buffers() if n in skip])
+        # the frozen blocks' buffers once more, as they leave the broadcasts (each rank's last forward updated them
+        # with its own share): the same call DDP's rebuild makes
+        dist_.sync_frozen_buffers(trainer.model, trainer.freezer)
     broadcast_buffers(trainer._sync_list)
 
 

@@ -150,6 +150,8 @@ def _run(func: Any, args: Any, kwargs: dict[str, Any], counter: SyncCounter | No
     if not (on_device or to_device):
         return out
     schema = func._schema
+    if not schema.returns:
+        return None  # an in-place op on a list (torch._foreach_add_): it returns nothing
     if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
         return args[0]  # in place: the wrapper itself
     return tree_map(lambda x: DeviceTensor(x) if isinstance(x, torch.Tensor) and not _is_device(x) else x, out)

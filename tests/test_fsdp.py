@@ -170,18 +170,21 @@ def events(history):
 def test_fsdp2_autofreeze_sums_sharded_gradients_on_every_rank_instead_of_hanging(tmp_path):
     # autofreeze reads each block's gradient L1 norm (freezer.after_backward). Under FSDP2 a gradient is a DTensor
     # shard: rank 0 alone summing it whole was a collective rank 1 never joined, and the run hung until the process
-    # group's timeout. Now every rank sums its shards and one all-reduce adds them up.
-    a, ref = strategy_runs(tmp_path, {"strategy": "autofreeze", "params": {"interval": 2}, "steps": 10, "timeout": 20})
+    # group's timeout. Now every rank sums its shards and one all-reduce at the stage adds their norms up. The sharded
+    # run is checkpointed after step 5, in mid-interval, and resumed: the gathered sums come back as each rank's shard,
+    # so the stage at step 6 reads the uninterrupted run's signal (a lost sum would read step 6's gradient alone)
+    a, ref = strategy_runs(tmp_path, {"strategy": "autofreeze", "params": {"interval": 2}, "steps": 10, "timeout": 20,
+                                      "checkpoint_at": 5})
     stages = [(x, y) for x, y in zip(a["records"], ref["records"]) if x.get("signals", {}).get("grad_l1")]
     assert len(stages) == 9  # a stage every 2 steps from step 2 (last_signals stays until the next one)
     for x, y in stages:  # the whole model's gradient norms, as the unsharded run measures them
         torch.testing.assert_close(torch.tensor(x["signals"]["grad_l1"]), torch.tensor(y["signals"]["grad_l1"]),
                                    rtol=1e-5, atol=0, equal_nan=True)
-    assert events(a["history"]) == events(ref["history"]) == [("freeze", "0", 8), ("freeze", "1", 8)]
+    assert events(a["history"]) == events(ref["history"]) == [("freeze", "0", 6)]  # decided on the resumed sums
     by_step = {r["step"]: r["hashes"] for r in a["records"]}
-    frozen = [k for k in by_step[8] if k.startswith(("0.", "1."))]
-    assert all(by_step[s][k] == by_step[8][k] for s in (9, 10) for k in frozen)  # frozen: bitwise unchanged
-    assert all(by_step[10][k] != by_step[8][k] for k in by_step[8] if k.startswith(("2.", "3.", "4.")))
+    frozen = [k for k in by_step[6] if k.startswith("0.")]
+    assert frozen and all(by_step[s][k] == by_step[6][k] for s in (7, 8, 9, 10) for k in frozen)  # bitwise unchanged
+    assert all(by_step[10][k] != by_step[6][k] for k in by_step[6] if k.startswith(("1.", "2.", "3.", "4.")))
 
 
 @pytest.mark.parametrize("strategy,params,signal", [

@@ -122,13 +122,15 @@ def save_checkpoint(
     *,
     model_state: dict[str, torch.Tensor] | None = None,
     optimizer_state: dict[str, Any] | None = None,
+    freezer_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint folder at ``path`` (replacing an older one atomically).
 
     Args:
         extra: Caller fields to keep (plain Python values / tensors), e.g. ``{"step": 120, "epoch": 2}``.
-        model_state / optimizer_state: Full state dicts to write instead of ``model`` / ``optimizer``'s own (a
-            sharded model's gathered state: :func:`layerfreeze.checkpoint.save_full_checkpoint`).
+        model_state / optimizer_state / freezer_state: Full state dicts to write instead of ``model`` /
+            ``optimizer`` / ``freezer``'s own (a sharded model's gathered state:
+            :func:`layerfreeze.checkpoint.save_full_checkpoint`).
 
     Returns:
         The checkpoint folder.
@@ -158,7 +160,8 @@ def save_checkpoint(
         # its class: an AdamW state loads into an SGD without complaint, and its first step() raised KeyError
         "optimizer_class": _optimizer_class(optimizer) if optimizer is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "freezer": freezer.state_dict() if freezer is not None else None,
+        "freezer": freezer_state if freezer_state is not None else (
+            freezer.state_dict() if freezer is not None else None),
         "rng": rng_state(),
         "extra": extra or {},
     }
@@ -444,10 +447,11 @@ def save_full_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.op
         The checkpoint folder (written by rank 0 only; the others return the same path once it is complete).
     """
     model_state, optim_state = gather_full_state(model, optimizer)
+    freezer_state = freezer.state_dict(full=True) if freezer is not None else None  # its gradient sums whole
     path = Path(path)
     if torch.distributed.get_rank() == 0:
-        save_checkpoint(path, model, None, freezer, scheduler, extra, model_state=model_state,
-                        optimizer_state=optim_state)
+        save_checkpoint(path, model, None, None, scheduler, extra, model_state=model_state,
+                        optimizer_state=optim_state, freezer_state=freezer_state)
     torch.distributed.barrier()
     return path
 

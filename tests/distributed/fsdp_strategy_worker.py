@@ -9,7 +9,9 @@ strategy that reads weights observes; ``spec["no_mirror"]``: none, which the Fre
 first), so what Egeria keeps as its probe (the first rows of the first forward) is rank 0's share, as on two ranks.
 
 Per step it records the full weights' SHA-256 (every rank gathers them), the frozen set and, on the rank that
-decides, the strategy's last signals.
+decides, the strategy's last signals. ``spec["checkpoint_at"]`` (sharded only): after that step, write
+``save_full_checkpoint``, build a fresh model, optimizer and Freezer, ``load_full_checkpoint`` into them and go on
+with those (a resume in mid-interval, in the same processes).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from layerfreeze import Freezer, block_param_groups, discover_blocks
+from layerfreeze import Freezer, block_param_groups, discover_blocks, load_full_checkpoint, save_full_checkpoint
 from layerfreeze.distributed import close_distributed, init_distributed, loss_scale, rank, shard, shard_blocks
 from tests.distributed.worker import mlp_task
 
@@ -36,6 +38,22 @@ def full_hashes(model: nn.Module) -> dict[str, str]:
         full = v.full_tensor() if hasattr(v, "full_tensor") else v
         out[k] = hashlib.sha256(full.detach().contiguous().numpy().tobytes()).hexdigest()
     return out
+
+
+def resumed(spec: dict, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+            freezer: Freezer) -> tuple[nn.Module, torch.optim.Optimizer, Freezer]:
+    """Write a full checkpoint of the sharded run, then a fresh sharded model, optimizer and Freezer restored from
+    it (collective: every rank)."""
+    save_full_checkpoint(folder, model, optimizer, freezer)
+    freezer.close()
+    model = mlp_task().model
+    blocks = discover_blocks(model)
+    shard_blocks(model, blocks)
+    optimizer = torch.optim.AdamW(block_param_groups(model, blocks, lr=0.01), lr=0.01)
+    freezer = Freezer(model, optimizer, spec["strategy"], spec.get("params", {}), blocks=blocks,
+                      total_steps=spec["steps"])
+    load_full_checkpoint(folder, model, optimizer, freezer)
+    return model, optimizer, freezer
 
 
 def main() -> None:
@@ -51,6 +69,7 @@ def main() -> None:
         shard_blocks(model, blocks)
     optimizer = torch.optim.AdamW(block_param_groups(model, blocks, lr=0.01), lr=0.01)
     steps = spec["steps"]
+    checkpoint_at = spec.get("checkpoint_at") if sharded else None
     out = Path(spec["out"]) / f"rank{rank()}.json"
     try:
         freezer = Freezer(model, optimizer, spec["strategy"], spec.get("params", {}), blocks=blocks,
@@ -74,6 +93,8 @@ def main() -> None:
         freezer.step()
         records.append({"step": step + 1, "frozen": list(freezer.frozen), "hashes": full_hashes(model),
                         "signals": freezer.last_signals if freezer.decides else None})
+        if step + 1 == checkpoint_at:
+            model, optimizer, freezer = resumed(spec, Path(spec["out"]) / "ckpt", model, optimizer, freezer)
     freezer.verify_frozen_weights()
     freezer.close()
     out.write_text(json.dumps({"records": records, "history": freezer.history}, default=float))

@@ -45,11 +45,14 @@ from torch import nn
 
 from layerfreeze.budget.measure import BlockBytes, blocks_of, measure_blocks, measure_cache
 from layerfreeze.budget.parse import Budget, parse_budget
+from layerfreeze.engine.grad_signal import GradientSums
+from layerfreeze.engine.params import BlockParams
 from layerfreeze.errors import BudgetError
 from layerfreeze.models.blocks import Block
 from layerfreeze.runs.ledger_buckets import Bucket
 from layerfreeze.runs.summary import format_bytes
 from layerfreeze.strategies import Strategy, create_strategy
+from layerfreeze.strategies.base import storage_bytes
 
 __all__ = ["MemoryPlan", "PrefixCost", "plan_memory", "plan_prefix"]
 
@@ -334,7 +337,9 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
 def _attached_twin(strategy: str | Strategy | None, params: dict[str, Any] | None, model: nn.Module,
                    blocks: Any) -> Iterator[list[Strategy]]:
     """A twin of the run's strategy attached to ``model`` (the RNG untouched), detached afterwards: ``[twin]``, or
-    ``[]`` without a strategy."""
+    ``[]`` without a strategy. A strategy that reads ``grad_l1`` (AutoFreeze) also gets the Freezer's gradient sums
+    of every block (:class:`~layerfreeze.engine.grad_signal.GradientSums`, allocated for the measurement: a float32
+    copy of the trainable weights), counted in every prefix's peak though they shrink as blocks freeze."""
     if strategy is None:
         yield []
         return
@@ -342,7 +347,12 @@ def _attached_twin(strategy: str | Strategy | None, params: dict[str, Any] | Non
         strategy, params or None, num_blocks=len(blocks))
     with torch.random.fork_rng(devices=[]):
         twin.attach(model, blocks)
+    held: list[Any] = [twin]
+    if "grad_l1" in twin.signals:
+        sums = GradientSums(len(blocks))
+        sums.prepare([False] * len(blocks), BlockParams(blocks, cache=False))
+        held.append(lambda: {Bucket.STRATEGY: storage_bytes(sums.held_tensors())})
     try:
-        yield [twin]
+        yield held
     finally:
         twin.detach()

@@ -78,6 +78,7 @@ from layerfreeze.engine.timing import StepTimes
 from layerfreeze.models.blocks import Block, block_by_key
 from layerfreeze.models.discovery import discover_blocks, refuse_empty_parameters
 from layerfreeze.strategies import DEFAULT_STRATEGY, Decision, Strategy, create_strategy
+from layerfreeze.strategies.base import storage_bytes
 
 
 class PinnedBlockError(RuntimeError):
@@ -413,6 +414,17 @@ class Freezer:
         if self.demoter is not None:
             self.demoter.offload_prefix(min(int(depth), self.frozen_prefix))
 
+    def ledger_tensors(self) -> list[torch.Tensor]:
+        """The tensors freezing itself holds: the strategy's (:meth:`Strategy.held_tensors
+        <layerfreeze.strategies.Strategy.held_tensors>`) and the gradients summed for its signal (AutoFreeze's)."""
+        return [*self.strategy.held_tensors(), *self._grad_sums.held_tensors()]
+
+    def ledger_bytes(self) -> dict[str, dict[str, int]]:
+        """The memory ledger's ``strategy`` bucket, ``{"strategy": {device: bytes}}`` of :meth:`ledger_tensors`
+        (``{}`` when empty); a :class:`~layerfreeze.runs.ledger.MemoryLedger` given ``freezer=`` counts it."""
+        held = storage_bytes(self.ledger_tensors())
+        return {"strategy": held} if held else {}
+
     @property
     def dtype_restores(self) -> int:
         """How many thaws gave a demoted block its float32 weights back (0 without ``demote``). A DDP wrapper built
@@ -549,13 +561,19 @@ class Freezer:
 
     # ---- checkpoint ----------------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: frozen set, optimizer param-group membership, counters, strategy state.
+    def state_dict(self, full: bool = False) -> dict[str, Any]:
+        """Everything needed to resume: frozen set, optimizer param-group membership, counters, strategy state, the
+        gradients summed since the last stage (AutoFreeze's signal; CPU tensors).
 
         Save it beside ``optimizer.state_dict()``; on resume call :meth:`load_state_dict` *before*
         ``optimizer.load_state_dict`` so the param groups match (see :mod:`layerfreeze.checkpoint`).
+
+        Args:
+            full: Under FSDP2, gather the gradient sums' shards whole (a collective: every rank calls it;
+                :func:`~layerfreeze.checkpoint.save_full_checkpoint` does). Without it each rank's state holds its
+                own shards.
         """
-        return checkpoint_state.state_dict(self)
+        return checkpoint_state.state_dict(self, full=full)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`: re-freezes/thaws blocks and rebuilds the optimizer's param groups.

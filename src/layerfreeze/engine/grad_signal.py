@@ -1,36 +1,40 @@
-"""The gradient signal ``grad_l1``: each block's gradient L1 norm, summed over the backward passes since the last
-stage, accumulated on the gradients' device and read on the host once per stage.
+"""The gradient signal ``grad_l1``: each block's gradient summed over the backward passes since the last stage, its
+L1 norm read on the host once per stage.
 
-Why on the device: reading a sum per block per backward (``float(g.abs().sum())``) is a host synchronisation per
-block on every step; on a GPU each one waits for every kernel queued before it and stops the host from running ahead
-(issue 40: AutoFreeze did that on every backward). Here a backward queues, per device, one
-``torch._foreach_norm(grads, 1)`` (one fused kernel on CUDA) and one ``torch.stack`` of the norms into a row of a
-float64 buffer of :data:`PENDING_ROWS` backward passes; when the buffer is full, or the sums are read
-(:meth:`GradientSums.values`: a stage, a checkpoint), one ``index_add_`` adds its rows, in order, into a float64
-accumulator per device, and :meth:`GradientSums.values` copies the accumulators to the host once.
+What it is: for block ``i``, ``grad_l1[i] = sum over the block's parameters p of ||sum_t g_t(p)||_1``, the L1 norm of
+the gradient *summed* over the interval, as AutoFreeze's public code computes it (``freeze_intermediate_e2e_lr.py``:
+``grad_tensor_dict[name] += param.grad`` after every backward, ``torch.norm(..., p=1)`` of each sum at the evaluation,
+the sums then zeroed). :class:`GradientSums` keeps one running sum per trainable parameter, on the gradient's device,
+in float32 (float64 for a float64 gradient).
 
-Cost (issue 40's CPU proxy, ``python -m benchmarks.step_overhead``: 18 gradients, 8.9k values): a backward used to
-queue four ops (the norms, a stack, a cast to float64, an ``index_add_``); it queues two now, and the trainable
-parameters are listed once per frozen set (:meth:`GradientSums.add_trainable`), not on every backward: ~84 -> ~60 us
-a backward on the 2-core CPU, one thread. Most of what is left is the norms (~30 us there): ``torch._foreach_norm``
-runs one kernel per tensor on the CPU, and a float32 L1 norm is a serial sum (about a nanosecond a value); a faster
-sum (vectorized, or in float64) would change the values in their last bits.
+Cost per backward (issue 40): one ``torch._foreach_add_`` of the trainable gradients into their sums: no host
+synchronisation, one fused kernel on CUDA, 9.2 us on the CPU for the step-overhead model's 18 gradients
+(``python -m benchmarks.grad_norm_floor``). The list of trainable parameters and their sums is made once per frozen set
+and structure version (:meth:`GradientSums.add_trainable`), not on every backward. A stage reads the sums
+(:meth:`GradientSums.values`: ``torch._foreach_norm``, an ``index_add_`` per device into float64 per-block totals, one
+copy to the host per device) and zeroes them (:meth:`GradientSums.reset`).
 
-The sums are bitwise those of the per-backward formula (``acc.index_add_(0, block_of_each_gradient,
-stack(norms).to(float64))`` on every backward; ``tests/test_grad_signal.py``): the same norms, widened to float64
-exactly, are added in the same order (backward by backward, gradient by gradient: ``index_add_`` is a serial loop on
-the CPU; on CUDA it uses atomics, whose order was never fixed). They differ from the former host sums in the last
-bits: a tensor's norm is ``torch._foreach_norm``'s reduction (not ``g.abs().sum()``'s), and a block's tensors are
-added in float64 (they were added in the gradients' dtype).
+Memory: one float32 copy of the trainable blocks' gradients (the public code holds the same), on their devices; a
+block's sums are freed at the first backward after it froze. :meth:`GradientSums.held_tensors` lists them for the
+memory ledger's ``strategy`` bucket (the Freezer reports them with its strategy's: ``Freezer.ledger_bytes``). Under
+FSDP2 each rank sums its own shard of every gradient (a DTensor's local tensor, no collective per backward), and the
+per-block norms of the shards are all-reduced at the stage (:meth:`GradientSums.values` with ``reduce``): the L1 norm of
+a whole tensor is the sum of its shards' L1 norms.
+
+A checkpoint holds the sums of the interval in progress (:meth:`GradientSums.state_dict`, CPU tensors keyed
+``"block.position"``), so a resumed run reads the same ``grad_l1`` at its next stage as the uninterrupted one; under
+FSDP2 :meth:`GradientSums.full_state_dict` gathers the shards (a collective) and :meth:`GradientSums.load_state_dict`
+takes each rank's shard of the whole.
+
 Sources: AutoFreeze's gradient-norm test (:mod:`layerfreeze.strategies.autofreeze`) reads them.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+import operator
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,199 +44,193 @@ from layerfreeze.distributed.fsdp import local_tensor
 if TYPE_CHECKING:
     from layerfreeze.engine.params import BlockParams
 
-#: Backward passes whose norms are kept (one float64 row each) before they are added to the sums.
-PENDING_ROWS = 32
+Key = tuple[int, int]  # (block index, position in the block's parameter list)
+_GRAD = operator.attrgetter("grad")
 
 
 @dataclass(eq=False)
 class _Plan:
-    """The trainable parameters of one frozen set, flattened, and where their norms go.
+    """The trainable parameters of one frozen set and the running sum of each one's gradient.
 
     Attributes:
-        key: What the plan was made for (:meth:`GradientSums.add_trainable`'s), None: made for one call.
+        key: What the plan was made for (``(structure version, frozen set)``), None: made for one call.
         params: Every trainable block's parameters, block by block, in ``block.parameters()`` order.
-        owners: The block of each parameter.
-        device: Their one device when all are plain tensors there (the pending rows' path), else None.
-        dtype: The gradients' dtype (their promoted dtype when they differ): the norms' and ``torch.stack``'s.
-        rows: ``(PENDING_ROWS, len(params))`` of ``dtype`` on ``device``: one backward's norms per row (made on first
-            use), and ``row_views``, its rows.
-        index: ``(PENDING_ROWS * len(params),)`` int64 on ``device``: ``owners`` repeated, one copy per row.
+        sums: The running sum of each one's gradient (its local shard under FSDP2), same order.
+        sharded: Whether any parameter is a DTensor (the gradients are read through their local tensor).
     """
 
     key: object
     params: list[nn.Parameter]
-    owners: list[int]
-    device: torch.device | None
-    dtype: torch.dtype
-    rows: torch.Tensor | None = None
-    row_views: list[torch.Tensor] | None = None
-    index: torch.Tensor | None = None
+    sums: list[torch.Tensor]
+    sharded: bool
 
 
 class GradientSums:
-    """Per-block sums of gradient L1 norms (float64), on the device(s) the gradients are on.
+    """Per-parameter running sums of the trainable blocks' gradients since the last stage, and each block's L1 norm
+    of them (module docstring).
 
     Args:
-        num_blocks: The number of blocks (one sum each).
+        num_blocks: The number of blocks (one ``grad_l1`` value each).
     """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._host = [0.0] * num_blocks  # loaded from a checkpoint; the device sums add to it
-        self._device: dict[torch.device, torch.Tensor] = {}
-        self._index: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}  # block of each gradient
-        self._plan: _Plan | None = None  # add_trainable's, for the frozen set of its key
-        self._pending: _Plan | None = None  # the plan whose rows hold norms not yet added
-        self._used = 0  # rows of _pending.rows in use
+        self._sums: dict[Key, torch.Tensor] = {}
+        self._params: dict[Key, nn.Parameter] = {}  # the parameter each sum is of (its sharding, for a checkpoint)
+        self._plan: _Plan | None = None
+        self._loaded: dict[Key, torch.Tensor] = {}  # a checkpoint's sums, taken by the next plan
 
-    def add_trainable(self, frozen: Sequence[bool], params: BlockParams,
-                      reduce: Callable[[torch.Tensor], None] | None = None) -> None:
-        """:meth:`add` for every block not ``frozen`` (``params.of(i)``: block ``i``'s parameters), the list made
-        once per frozen set and structure version (``params.version()``; every call when it is None)."""
+    def add_trainable(self, frozen: Sequence[bool], params: BlockParams) -> None:
+        """Add this backward's gradients of every block not ``frozen`` (``params.of(i)``: block ``i``'s parameters)
+        to their running sums; the list is made once per frozen set and structure version (``params.version()``;
+        every call when it is None). Parameters without a gradient are skipped. No host synchronisation: one
+        ``torch._foreach_add_`` queued on the gradients' device(s)."""
+        plan = self.prepare(frozen, params)
+        grads = list(map(_GRAD, plan.params))
+        if plan.sharded:
+            grads = [None if g is None else local_tensor(g) for g in grads]
+        enabled = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)  # (a gradient made with create_graph=True must not put the sums in a graph)
+        try:
+            torch._foreach_add_(plan.sums, grads)  # a None gradient raises TypeError (before anything is added)
+        except TypeError:
+            for s, g in zip(plan.sums, grads):
+                if g is not None:
+                    s.add_(g)
+        finally:
+            torch.set_grad_enabled(enabled)
+
+    def prepare(self, frozen: Sequence[bool], params: BlockParams) -> _Plan:
+        """The sums of the trainable blocks of ``frozen``, allocated now (zeros) if they are not yet: the Freezer
+        calls it when it starts, so the memory ledger and a memory plan see them before the first backward."""
         version = params.version()
         key = None if version is None else (version, tuple(frozen))
         plan = self._plan
         if plan is None or key is None or plan.key != key:
-            plan = self._plan = _plan([(i, params.of(i)) for i, f in enumerate(frozen) if not f], key)
-        self._add(plan, reduce)
+            plan = self._plan = self._make_plan(frozen, params, key)
+        return plan
 
-    def add(self, active: Sequence[tuple[int, Sequence[nn.Parameter]]],
-            reduce: Callable[[torch.Tensor], None] | None = None) -> None:
-        """Add this backward's L1 norm of each block's gradients (parameters without a gradient are skipped; a
-        DTensor's local shard is summed). No host synchronisation: everything is queued on the gradients' devices.
+    def _make_plan(self, frozen: Sequence[bool], params: BlockParams, key: object) -> _Plan:
+        """The plan of a frozen set: a zero sum for each trainable parameter that has none (a checkpoint's when it
+        holds one); the sums of blocks no longer trainable are dropped (their memory freed)."""
+        plan_params: list[nn.Parameter] = []
+        sums: list[torch.Tensor] = []
+        kept: dict[Key, torch.Tensor] = {}
+        owners: dict[Key, nn.Parameter] = {}
+        sharded = False
+        for i, f in enumerate(frozen):
+            if f:
+                continue
+            for j, p in enumerate(params.of(i)):
+                local = local_tensor(p.detach())
+                sharded = sharded or hasattr(p, "to_local")
+                s = self._sums.get((i, j))
+                loaded = self._loaded.pop((i, j), None)
+                if s is None or s.shape != local.shape or s.device != local.device:
+                    dtype = torch.promote_types(local.dtype, torch.float32)
+                    s = torch.zeros(local.shape, dtype=dtype, device=local.device)
+                    if loaded is not None:
+                        s.copy_(_shard_of(loaded, p))
+                kept[(i, j)] = s
+                owners[(i, j)] = p
+                plan_params.append(p)
+                sums.append(s)
+        self._sums, self._params = kept, owners
+        return _Plan(key, plan_params, sums, sharded)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The running sums (the memory ledger's ``strategy`` bucket)."""
+        return list(self._sums.values())
+
+    def values(self, reduce: Callable[[torch.Tensor], None] | None = None) -> list[float]:
+        """Each block's ``grad_l1``: the sum of its parameters' ``||sum_t g_t||_1``, one float per block (0.0 for a
+        block without sums), read with one copy to the host per device (a host synchronisation: at a stage).
 
         Args:
-            active: ``(block index, its parameters)`` for the blocks to sum (the trainable ones).
-            reduce: An in-place all-reduce (sum) of a float64 tensor of one sum per block, applied to this backward's
-                sums before they are added (FSDP2: each rank holds a shard of every gradient); a collective then, so
-                every rank calls :meth:`add`.
+            reduce: An in-place all-reduce (sum) of a float64 tensor of one value per block (FSDP2: each rank holds
+                a shard of every sum); a collective then, so every rank calls :meth:`values`.
         """
-        self._add(_plan(active, None), reduce)
-
-    def _add(self, plan: _Plan, reduce: Callable[[torch.Tensor], None] | None) -> None:
-        if reduce is None and plan.key is not None and plan.device is not None:  # the common case: every backward
-            try:
-                norms = torch._foreach_norm([p.grad for p in plan.params], 1)  # a None or sparse gradient raises
-            except (TypeError, RuntimeError, NotImplementedError):
-                norms = None
-            if norms is not None:
-                self._pend(plan, norms)
-                return
-        self._fold()  # the pending rows first: the sums keep the order of the backward passes
+        totals: list[torch.Tensor] = []
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
-        for p, index in zip(plan.params, plan.owners):
-            g = p.grad
-            if g is None:
-                continue
-            g = local_tensor(g)
-            grads, owners = by_device.setdefault(g.device, ([], []))
-            grads.append(g)
-            owners.append(index)
-        if reduce is not None and not by_device:
-            by_device[torch.device("cpu")] = ([], [])  # a rank with no gradient still joins the collective
-        for device, (grads, owners) in by_device.items():
-            self._add_now(device, grads, owners, reduce)
-
-    def _pend(self, plan: _Plan, norms: list[torch.Tensor]) -> None:
-        """Put one backward's ``norms`` (one per ``plan.params``) in the next pending row; add the rows when full."""
-        if self._pending is not plan:
-            self._fold()
-            self._pending = plan
-        if plan.rows is None:
-            acc = self._accumulator(plan.device)
-            plan.rows = acc.new_empty(PENDING_ROWS, len(plan.params), dtype=plan.dtype)
-            plan.row_views = list(plan.rows.unbind(0))
-            plan.index = self._index_tensor(plan.device, plan.owners, acc).repeat(PENDING_ROWS)
-        torch.stack(norms, out=plan.row_views[self._used])  # (a stack into float64 would take 3x as long)
-        self._used += 1
-        if self._used == PENDING_ROWS:
-            self._fold()
-
-    def _fold(self) -> None:
-        """Add the pending rows to their device's sums, row after row (one ``index_add_``)."""
-        plan, used = self._pending, self._used
-        if plan is None or not used:
-            return
-        self._used = 0
-        n = len(plan.params)
-        norms = plan.rows[:used].view(-1).to(torch.float64)  # exact: every float dtype widens to float64
-        self._accumulator(plan.device).index_add_(0, plan.index[: used * n], norms)
-
-    def _accumulator(self, device: torch.device) -> torch.Tensor:
-        acc = self._device.get(device)
-        if acc is None:
-            acc = self._device[device] = torch.zeros(self.num_blocks, dtype=torch.float64, device=device)
-        return acc
-
-    def _add_now(self, device: torch.device, grads: list[torch.Tensor], owners: list[int],
-                 reduce: Callable[[torch.Tensor], None] | None) -> None:
-        """Add the L1 norms of ``grads`` (all on ``device``) to the sums of their blocks (``owners``)."""
-        acc = self._accumulator(device)
-        if not grads:
-            step = acc.new_zeros(self.num_blocks)
-            if reduce is not None:
-                reduce(step)
-                acc.add_(step)
-            return
-        norms = _l1_norms(grads)
-        index = self._index_tensor(device, owners, acc)
-        if reduce is None:
-            acc.index_add_(0, index, norms)
-        else:
-            step = acc.new_zeros(self.num_blocks).index_add_(0, index, norms)
-            reduce(step)
-            acc.add_(step)
-
-    def _index_tensor(self, device: torch.device, owners: list[int], like: torch.Tensor) -> torch.Tensor:
-        """The block index of each gradient, as a tensor on ``device``, made once per pattern of blocks and filled
-        on the device (a copy from the host would be a blocking copy on CUDA, a synchronisation)."""
-        key = (device, tuple(owners))
-        found = self._index.get(key)
-        if found is None:
-            if len(self._index) > 64:  # patterns change with the frozen set; keep a few
-                self._index.clear()
-            runs: list[list[int]] = []  # [block, count] in order
-            for i in owners:
-                if runs and runs[-1][0] == i:
-                    runs[-1][1] += 1
-                else:
-                    runs.append([i, 1])
-            found = self._index[key] = torch.cat([like.new_full((n,), i, dtype=torch.long) for i, n in runs])
-        return found
-
-    def values(self) -> list[float]:
-        """The sums, one float per block: one copy to the host per device (a host synchronisation: at a stage)."""
-        self._fold()
-        out = list(self._host)
-        for acc in self._device.values():
-            for i, v in enumerate(acc.cpu().tolist()):
+        for (i, _), s in self._sums.items():
+            sums, owners = by_device.setdefault(s.device, ([], []))
+            sums.append(s)
+            owners.append(i)
+        for device, (sums, owners) in by_device.items():
+            total = torch.zeros(self.num_blocks, dtype=torch.float64, device=device)
+            norms = torch.stack(torch._foreach_norm(sums, 1)).to(torch.float64)
+            total.index_add_(0, torch.tensor(owners, device="cpu").to(device, non_blocking=True), norms)
+            totals.append(total)
+        if reduce is not None:
+            total = torch.zeros(self.num_blocks, dtype=torch.float64) if not totals else totals[0]
+            for t in totals[1:]:
+                total += t.to(total.device)
+            reduce(total)  # a rank without sums still joins the collective
+            totals = [total]
+        out = [0.0] * self.num_blocks
+        for total in totals:
+            for i, v in enumerate(total.cpu().tolist()):
                 out[i] += v
         return out
 
-    def reset(self, values: Sequence[float] | None = None) -> None:
-        """Start over from zero (a stage), or from ``values`` (a checkpoint's sums)."""
-        self._used = 0  # pending rows are dropped with the sums
-        self._host = [float(v) for v in values] if values is not None else [0.0] * self.num_blocks
-        for acc in self._device.values():
-            acc.zero_()
+    def reset(self) -> None:
+        """Start the sums over from zero (a stage)."""
+        if self._sums:
+            torch._foreach_zero_(list(self._sums.values()))
+        self._loaded = {}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The sums of the interval in progress, as CPU tensors keyed ``"block.position"`` (a copy to the host: a
+        checkpoint). Under FSDP2 these are this rank's shards: use :meth:`full_state_dict` for a checkpoint."""
+        out = {f"{i}.{j}": s.detach().to("cpu", copy=True) for (i, j), s in self._sums.items()}
+        out.update({f"{i}.{j}": t for (i, j), t in self._loaded.items()})  # loaded, not yet taken by a backward
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """:meth:`state_dict` with every sum whole: a DTensor parameter's shards are gathered (a collective under
+        FSDP2: every rank calls it, in the same order)."""
+        from torch.distributed.tensor import DTensor
+
+        out = self.state_dict()
+        for (i, j), s in self._sums.items():
+            p = self._params[(i, j)]
+            if isinstance(p, DTensor):
+                whole = DTensor.from_local(s, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                           run_check=False).full_tensor()
+                out[f"{i}.{j}"] = whole.to("cpu")
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` or :meth:`full_state_dict` output: the sums are put in place at the next
+        backward, for the parameters trainable then (each rank takes its shard of a whole sum under FSDP2).
+
+        Raises:
+            ValueError: a key that is not ``"block.position"`` of this model's blocks.
+        """
+        loaded: dict[Key, torch.Tensor] = {}
+        for name, tensor in state.items():
+            parts = str(name).split(".")
+            if len(parts) != 2 or not all(x.isdigit() for x in parts) or int(parts[0]) >= self.num_blocks:
+                raise ValueError(f"gradient sums: key {name!r} is not 'block.position' of one of the "
+                                 f"{self.num_blocks} blocks; the checkpoint is from another model")
+            loaded[(int(parts[0]), int(parts[1]))] = torch.as_tensor(tensor)
+        self._sums, self._params, self._plan, self._loaded = {}, {}, None, loaded
 
 
-def _plan(active: Sequence[tuple[int, Sequence[nn.Parameter]]], key: object) -> _Plan:
-    """The flattened ``active`` (see :class:`_Plan`)."""
-    params = [p for _, ps in active for p in ps]
-    owners = [i for i, ps in active for _ in ps]
-    devices = {p.device for p in params}
-    plain = all(type(p) in (nn.Parameter, torch.Tensor) and p.is_floating_point() for p in params)
-    dtype = functools.reduce(torch.promote_types, [p.dtype for p in params]) if params else torch.float32
-    return _Plan(key, params, owners, devices.pop() if plain and len(devices) == 1 else None, dtype)
+def _shard_of(whole: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``whole`` (a checkpoint's whole sum) for parameter ``p``: ``whole`` itself unless ``p``
+    is a DTensor, then the part ``p``'s placements give this rank (computed locally, no collective).
 
+    Raises:
+        ValueError: ``whole`` is not of ``p``'s shape (one rank's shard, saved without ``full=True``; another model).
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-def _l1_norms(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Each gradient's L1 norm, as one float64 tensor on their device: ``torch._foreach_norm`` for dense ones (one
-    kernel on CUDA), ``abs().sum()`` for sparse ones."""
-    try:
-        return torch.stack(torch._foreach_norm(grads, 1)).to(torch.float64)
-    except (RuntimeError, NotImplementedError):  # a sparse gradient (nn.Embedding(sparse=True))
-        pass
-    return torch.stack([g.abs().sum() if g.layout != torch.strided else torch.linalg.vector_norm(g, 1)
-                        for g in grads]).to(torch.float64)
+    if whole.shape != p.shape:
+        raise ValueError(
+            f"gradient sums: the checkpoint holds a sum of shape {tuple(whole.shape)} for a parameter of shape "
+            f"{tuple(p.shape)}; under FSDP2 save with layerfreeze.save_full_checkpoint (Freezer.state_dict(full=True)"
+            "), which gathers each rank's shard")
+    if not isinstance(p, DTensor):
+        return whole
+    return distribute_tensor(whole.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()

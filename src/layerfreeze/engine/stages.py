@@ -57,6 +57,12 @@ def run_length(name: str, value: Any) -> int | None:
     return int(value)
 
 
+def on_shards(freezer: Freezer) -> bool:
+    """Whether each rank holds a shard of every gradient (FSDP2 over several processes): every rank then sums its
+    own, and reading the per-block norms is a collective (:func:`~layerfreeze.engine.stages.stage`)."""
+    return bool(freezer._fsdp) and freezer.distributed
+
+
 def start(freezer: Freezer, floor: Sequence[int | str] | None) -> None:
     """The start stage, run by the Freezer's constructor: freeze the ``floor`` (``Freezer.pin``), run the strategy's
     start stage, and apply the LR factors it set, so they already apply to the first step."""
@@ -64,6 +70,20 @@ def start(freezer: Freezer, floor: Sequence[int | str] | None) -> None:
         freezer.pin(floor)
     stage(freezer, event="start")
     apply_lr_scales(freezer.optimizer, freezer.blocks, freezer._origin, freezer._lr_scale, freezer._lr_written)
+    prepare_grad_sums(freezer)
+
+
+def sums_gradients(freezer: Freezer) -> bool:
+    """Whether this process keeps the gradient sums: the strategy reads ``grad_l1``, and this rank decides (rank 0
+    when distributed) or holds a shard of every gradient (FSDP2: every rank)."""
+    return "grad_l1" in freezer.strategy.signals and (freezer.decides or on_shards(freezer))
+
+
+def prepare_grad_sums(freezer: Freezer) -> None:
+    """Allocate the gradient sums of the trainable blocks now, where this process keeps them
+    (:meth:`~layerfreeze.engine.grad_signal.GradientSums.prepare`): the memory ledger counts them from the start."""
+    if sums_gradients(freezer):
+        freezer._grad_sums.prepare(freezer.frozen, freezer._params)
 
 
 def stage(freezer: Freezer, event: str) -> Decision:
@@ -84,9 +104,13 @@ def stage(freezer: Freezer, event: str) -> Decision:
         freezer._mirror.refresh(trainable_only=True)
         if freezer.strategy.reads_optimizer_state and freezer.optimizer is not None:
             freezer._mirror.refresh_moments(freezer.optimizer)  # Adam's moments whole, as the weights (a collective)
+    grad_l1 = None
+    if on_shards(freezer) and "grad_l1" in freezer.strategy.signals and event != "start":
+        # each rank holds a shard of every gradient sum: the per-block norms are all-reduced, on every rank
+        grad_l1 = freezer._grad_sums.values(reduce=comm.all_reduce_tensor)
     if freezer.decides:
         try:
-            decision = _admissible(freezer, freezer.strategy.decide(context(freezer, event)))
+            decision = _admissible(freezer, freezer.strategy.decide(context(freezer, event, grad_l1)))
         except Exception as exc:
             if not freezer.distributed:
                 raise
@@ -107,10 +131,11 @@ def stage(freezer: Freezer, event: str) -> Decision:
     return decision
 
 
-def context(freezer: Freezer, event: str) -> StageContext:
+def context(freezer: Freezer, event: str, grad_l1: list[float] | None = None) -> StageContext:
     """What the strategy sees at a stage: the blocks (frozen or not), the step and epoch, the signals it asked for
-    (``grad_l1``: each block's gradient L1 norm summed since the last stage by
-    :func:`~layerfreeze.engine.steps.after_backward`; copied to the host here, once per stage), each block's LR
+    (``grad_l1``: each block's L1 norm of its gradients summed since the last stage by
+    :func:`~layerfreeze.engine.steps.after_backward`; copied to the host here, once per stage, unless given, as the
+    all-reduced values under FSDP2), each block's LR
     before factors, a read-only view of the optimizer state (None without an optimizer; under FSDP2 the mirror's,
     with whole moments) and the medians of the recent step times (:mod:`layerfreeze.engine.timing`).
 
@@ -127,7 +152,7 @@ def context(freezer: Freezer, event: str) -> StageContext:
                 f"Strategy {freezer.strategy.name!r} needs gradients, but freezer.after_backward() was never called. "
                 "Call it after loss.backward() and before optimizer.zero_grad()."
             )
-        signals["grad_l1"] = freezer._grad_sums.values()  # one copy to the host per stage
+        signals["grad_l1"] = grad_l1 if grad_l1 is not None else freezer._grad_sums.values()  # one host copy
     step_seconds, stage_step_seconds = freezer._step_times.medians()
     lrs = optimizer_state = None
     if freezer.optimizer is not None:

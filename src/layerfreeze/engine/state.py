@@ -2,8 +2,9 @@
 :meth:`~layerfreeze.engine.freezer.Freezer.load_state_dict` resumes it.
 
 The state is a plain dict (version :data:`STATE_VERSION`): the blocks' names and frozen set, the counters (step,
-epoch, backward calls), the history of freezes and thaws, the strategy's name and state, the gradient signals summed
-since the last stage, the LR factors and what they wrote (:mod:`layerfreeze.engine.lr_factors`), the stability
+epoch, backward calls), the history of freezes and thaws, the strategy's name and state, the gradients summed since
+the last stage (``grad_sums``: :meth:`~layerfreeze.engine.grad_signal.GradientSums.state_dict`, tensors; whole under
+FSDP2 with ``full=True``), the LR factors and what they wrote (:mod:`layerfreeze.engine.lr_factors`), the stability
 guard's state, the frozen-weight checksums (:mod:`layerfreeze.engine.integrity`), the demotion settings, the floor,
 and, with an optimizer, each param group's parameters and each parameter's group of origin, by name. A resume
 re-freezes and thaws blocks to match, rebuilds the param groups so ``optimizer.load_state_dict`` of the saved run
@@ -13,11 +14,13 @@ demotion. The functions take the :class:`~layerfreeze.engine.freezer.Freezer` wh
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from layerfreeze.distributed import comm
 from layerfreeze.engine.optim import load_param_groups
 from layerfreeze.engine.sharding import sharded
+from layerfreeze.engine.stages import prepare_grad_sums, sums_gradients
 
 if TYPE_CHECKING:  # a Freezer's state; the Freezer calls these, never the other way round
     from layerfreeze.engine.freezer import Freezer
@@ -25,8 +28,13 @@ if TYPE_CHECKING:  # a Freezer's state; the Freezer calls these, never the other
 STATE_VERSION = 1
 
 
-def state_dict(freezer: Freezer) -> dict[str, Any]:
-    """``freezer``'s state (module docstring); see :meth:`~layerfreeze.engine.freezer.Freezer.state_dict`."""
+def state_dict(freezer: Freezer, full: bool = False) -> dict[str, Any]:
+    """``freezer``'s state (module docstring); see :meth:`~layerfreeze.engine.freezer.Freezer.state_dict`.
+
+    Args:
+        full: Gather the gradient sums' shards whole (FSDP2; a collective: every rank calls it).
+    """
+    sums = freezer._grad_sums
     state: dict[str, Any] = {
         "version": STATE_VERSION,
         "blocks": [b.name for b in freezer.blocks],
@@ -35,7 +43,7 @@ def state_dict(freezer: Freezer) -> dict[str, Any]:
         "epoch": freezer.epoch,
         "history": list(freezer.history),
         "strategy": {"name": freezer.strategy.name, "state": freezer.strategy.state_dict()},
-        "grad_l1": freezer._grad_sums.values(),  # a copy to the host (a checkpoint)
+        "grad_sums": sums.full_state_dict() if full else sums.state_dict(),  # copies to the host (a checkpoint)
         "backward_calls": freezer._backward_calls,
         "train_bn": freezer.train_bn,
         "lr_scale": dict(freezer._lr_scale),
@@ -90,7 +98,7 @@ def load_state_dict(freezer: Freezer, state: dict[str, Any]) -> None:
     freezer.step_count = state["step"]
     freezer.epoch = state["epoch"]
     freezer.history = list(state["history"])
-    freezer._grad_sums.reset(state["grad_l1"])
+    _load_grad_sums(freezer, state)
     freezer._backward_calls = state["backward_calls"]
     freezer._lr_scale = {int(k): v for k, v in state["lr_scale"].items()}
     freezer._lr_written = {int(k): tuple(v) for k, v in state["lr_written"].items()}
@@ -104,3 +112,18 @@ def load_state_dict(freezer: Freezer, state: dict[str, Any]) -> None:
     if freezer.distributed:  # the stage cadence may come from the strategy's state (smartfrz): take rank 0's
         freezer.strategy.stage_every, freezer.strategy.at_epoch_end = comm.broadcast_object(
             (freezer.strategy.stage_every, freezer.strategy.at_epoch_end))
+
+
+def _load_grad_sums(freezer: Freezer, state: dict[str, Any]) -> None:
+    """Restore the gradients summed since the last stage (on the ranks that sum them: rank 0, every rank under
+    FSDP2). A state saved before the sums were kept as tensors (``grad_l1``, per-block floats) cannot continue the
+    interval: its signal starts over, with a warning when it held anything."""
+    sums = state.get("grad_sums", {})
+    if "grad_sums" not in state and any(state.get("grad_l1") or []) and "grad_l1" in freezer.strategy.signals:
+        warnings.warn(
+            f"this checkpoint keeps the gradient signal as per-block sums of norms (written by an older layerfreeze);"
+            f" {freezer.strategy.name}'s signal of the interval in progress starts over at step {state['step']}, so "
+            "its next decision may differ from the uninterrupted run's", stacklevel=4)
+    if sums_gradients(freezer):
+        freezer._grad_sums.load_state_dict(sums)
+        prepare_grad_sums(freezer)

@@ -5,8 +5,8 @@ functions of the same name here:
 
 * :func:`after_backward`, after every ``loss.backward()``: counts the backward, checks the first one since the frozen
   set changed (every trainable block got a gradient: ``FrozenSet.check_gradients``) and, when the strategy asks for
-  ``grad_l1``, adds each trainable block's gradient L1 norm to ``Freezer._grad_sums`` on the device (the gradient
-  signal a stage reads and hands the strategy, then starts over: :func:`~layerfreeze.engine.stages.stage`);
+  ``grad_l1``, adds the trainable gradients to their running sums in ``Freezer._grad_sums`` on the device (the
+  gradient signal a stage reads and hands the strategy, then starts over: :func:`~layerfreeze.engine.stages.stage`);
 * :func:`step`, after every ``optimizer.step()`` (and the scheduler's): counts the step, reshards under FSDP2, checks
   that the frozen set is still frozen and that a block thawed before the step was updated by it
   (:mod:`layerfreeze.engine.integrity`), runs a freezing stage every ``strategy.stage_every`` steps
@@ -26,12 +26,9 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from layerfreeze.distributed import comm
 from layerfreeze.engine.lr_factors import apply_lr_scales
 from layerfreeze.engine.sharding import sharded
-from layerfreeze.engine.stages import stage
+from layerfreeze.engine.stages import stage, sums_gradients
 from layerfreeze.strategies import Decision
 
 if TYPE_CHECKING:  # the hooks' work on a Freezer; the Freezer calls it, never the other way round
@@ -39,27 +36,20 @@ if TYPE_CHECKING:  # the hooks' work on a Freezer; the Freezer calls it, never t
 
 
 def after_backward(freezer: Freezer) -> None:
-    """Count a backward, check its gradients if due, and add the per-block gradient L1 norms to the Freezer's
-    gradient sums (:class:`~layerfreeze.engine.grad_signal.GradientSums`, on the gradients' device: no host
-    synchronisation) when the strategy lists ``"grad_l1"`` in its ``signals`` (returns at once otherwise).
+    """Count a backward, check its gradients if due, and add the trainable blocks' gradients to the Freezer's
+    running sums (:class:`~layerfreeze.engine.grad_signal.GradientSums`, on the gradients' device: one
+    ``torch._foreach_add_``, no host synchronisation) when the strategy lists ``"grad_l1"`` in its ``signals``
+    (returns at once otherwise).
 
     Off rank 0 nothing is summed (no strategy reads it there), except under FSDP2, where every rank sums its own
-    shards and one all-reduce of the per-block sums adds them up (a collective then, on the device). A trainable
-    block that got no gradient is a warning (:func:`integrity_warning`).
+    shards (no collective: the stage all-reduces the per-block norms). A trainable block that got no gradient is a
+    warning (:func:`integrity_warning`).
     """
     freezer._backward_calls += 1
     freezer.integrity.check_gradients(freezer)
-    if "grad_l1" not in freezer.strategy.signals:
-        return
-    on_shards = bool(freezer._fsdp) and freezer.distributed
-    if not freezer.decides and not on_shards:
+    if not sums_gradients(freezer):
         return  # off rank 0 no strategy reads it (DDP all-reduced the gradients: rank 0's sums are global)
-    # Under FSDP2 each rank holds one shard of every gradient (a DTensor): reading a whole one's sum on rank 0
-    # alone would be a collective the other ranks never join (a hang). Every rank sums its own shards, then one
-    # all-reduce adds them up.
-    with torch.no_grad():  # the trainable parameters are listed once per frozen set (GradientSums.add_trainable)
-        freezer._grad_sums.add_trainable(freezer.frozen, freezer._params,
-                                         reduce=comm.all_reduce_tensor if on_shards else None)
+    freezer._grad_sums.add_trainable(freezer.frozen, freezer._params)  # lists the parameters once per frozen set
 
 
 def step(freezer: Freezer) -> Decision | None:

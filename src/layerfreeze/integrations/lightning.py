@@ -184,7 +184,7 @@ class LayerFreeze(L.Callback):
                 self.memory_budget, self._network(pl_module), inner_optimizer(trainer.optimizers[0]),
                 trainer.train_dataloader, move=trainer.strategy.batch_to_device,
                 loss=lambda model, batch: loss(pl_module, batch), blocks=self.freezer.blocks, unfrozen=True,
-                sources=[self.freezer.strategy])
+                sources=[self.freezer])
             if self.memory_plan.floor:
                 self.freezer.pin(self.memory_plan.floor)
                 self._after_stage(trainer, None)

@@ -128,7 +128,8 @@ class MemoryLedger:
             (``(qualified name, module)`` pairs, as :class:`~layerfreeze.models.blocks.Block` has) and
             ``parameters()``. Default: the freezer's blocks, else none (no per-block figures).
         freezer: A :class:`~layerfreeze.engine.Freezer` (anything with ``blocks`` and ``frozen``): its blocks and which
-            of them are frozen.
+            of them are frozen; with ``ledger_bytes`` (a Freezer has it) also a byte source: the ``strategy``
+            bucket (its strategy's state and the gradient sums AutoFreeze reads).
         sources: Byte sources (:class:`ByteSource`: ``ledger_bytes()``, or callables returning the same mapping).
         every: Sample one step in ``every`` (steps ``every``, ``2 * every``, ... by the caller's count), the first
             step always, and a step asked for with :meth:`request`.
@@ -161,6 +162,8 @@ class MemoryLedger:
         self.sources: list[Any] = []
         for source in sources:
             self.add_source(source)
+        if hasattr(freezer, "ledger_bytes"):  # what freezing holds: the strategy's state, its gradient sums
+            self.add_source(freezer)
         self.every = int(every)
         if device is None:
             first = next(model.parameters(), None)
@@ -196,8 +199,9 @@ class MemoryLedger:
 
     def add_source(self, source: Any) -> None:
         """Count a byte source too (:class:`ByteSource`, or a callable returning its mapping). A source already
-        counted is not added again: the same object, or an :class:`~layerfreeze.compute.store.ActivationCache` whose
-        :class:`~layerfreeze.compute.cached_prefix.CachedPrefix` is a source (it reports the cache's bytes).
+        counted is not added again: the same object, an :class:`~layerfreeze.compute.store.ActivationCache` whose
+        :class:`~layerfreeze.compute.cached_prefix.CachedPrefix` is a source (it reports the cache's bytes), or a
+        strategy whose :class:`~layerfreeze.engine.Freezer` is one (it reports the strategy's bytes).
 
         Raises:
             TypeError: ``source`` has no ``ledger_bytes`` and is not callable.
@@ -205,10 +209,10 @@ class MemoryLedger:
         if not hasattr(source, "ledger_bytes") and not callable(source):
             raise TypeError(f"MemoryLedger: a byte source needs a ledger_bytes() method or must be callable, got "
                             f"{type(source).__qualname__}")
-        # a CachedPrefix reports its ActivationCache's bytes: given both, the cache was counted twice
-        if any(s is source or getattr(s, "cache", None) is source for s in self.sources):
+        # a CachedPrefix reports its ActivationCache's bytes, a Freezer its strategy's: given both, counted twice
+        if any(_covers(s, source) for s in self.sources):
             return
-        self.sources = [s for s in self.sources if getattr(source, "cache", None) is not s]
+        self.sources = [s for s in self.sources if not _covers(source, s)]
         self.sources.append(source)
 
     def request(self) -> None:
@@ -400,3 +404,8 @@ class MemoryLedger:
         peak = self.peaks.tensor
         return (f"MemoryLedger(every={self.every}, blocks={len(self.blocks)}, sources={len(self.sources)}, "
                 f"samples={self.peaks.samples}, tensor_peak={None if peak is None else peak.bytes})")
+
+
+def _covers(a: Any, b: Any) -> bool:
+    """Whether byte source ``a`` reports ``b``'s bytes: ``b`` itself, its activation cache, its strategy."""
+    return a is b or getattr(a, "cache", None) is b or getattr(a, "strategy", None) is b

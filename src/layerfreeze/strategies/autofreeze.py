@@ -36,8 +36,10 @@ def percentile_linear(values: list[float], q: float) -> float:
 class AutoFreeze(Strategy):
     """AutoFreeze's gradient-norm test: every ``interval`` steps, freeze the front blocks that changed least.
 
-    The rule, at each stage (every ``interval`` optimizer steps; ``grad_l1[i]`` = the L1 norm of block ``i``'s
-    gradients summed over the backward passes since the previous stage, collected by ``Freezer.after_backward``):
+    The rule, at each stage (every ``interval`` optimizer steps; ``grad_l1[i]`` = ``sum_p ||sum_t g_t(p)||_1`` over
+    block ``i``'s parameters ``p``: the L1 norm of the gradient summed over the backward passes since the previous
+    stage, as the public code's ``grad_tensor_dict``; the Freezer adds every gradient to a running sum in
+    ``Freezer.after_backward``, :mod:`layerfreeze.engine.grad_signal`):
 
     1. ``cur[i] = grad_l1[i]`` for every *active non-head* block ``i`` (the head is never a candidate, as the
        public code scores only the encoder layers).
@@ -60,11 +62,14 @@ class AutoFreeze(Strategy):
     keeps the previous ``prev``.
 
     Differences from the public code, all at edges: it raises ZeroDivisionError for ``prev = 0`` (here ``inf``),
-    and gives ratio 0 to a layer with ``cur = 0`` (here the formula, i.e. 1.0). Its gradient signal is the L1 norm
-    of the gradient *summed* over the interval, ``||sum_t g_t||_1``; the engine's ``grad_l1`` is the sum of the
-    per-backward norms, ``sum_t ||g_t||_1`` (equal when the gradient keeps its sign within the interval). The public
-    code evaluates ``num_intervals`` times per run (interval = total_steps / num_intervals); here the interval is
-    given in steps.
+    and gives ratio 0 to a layer with ``cur = 0`` (here the formula, i.e. 1.0). It sums a layer's norms in float32
+    on the host (here float64). The public code evaluates ``num_intervals`` times per run (interval = total_steps /
+    num_intervals); here the interval is given in steps.
+
+    Memory and cost: the running sums are one float32 copy of the trainable blocks' gradients on their device (the
+    public code holds the same), freed block by block as blocks freeze, in the memory ledger's ``strategy`` bucket
+    and in a memory plan; a checkpoint holds them too. Per backward: one ``torch._foreach_add_``, no host
+    synchronisation; a stage reads the norms with one copy to the host.
 
     Args:
         interval: Optimizer steps between two evaluations (``stage_every``); integer ``>= 1``, default 50.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -181,15 +181,7 @@ class Strategy:
         """The memory ledger's byte-source report (:class:`~layerfreeze.runs.ledger_buckets.ByteSource`):
         ``{"strategy": {device: bytes}}`` of :meth:`held_tensors`, each storage once, or ``{}`` when it holds
         none."""
-        seen: set[tuple[str, int]] = set()
-        out: dict[str, int] = {}
-        for t in self.held_tensors():
-            storage = t.untyped_storage()
-            key = (str(t.device), storage.data_ptr())
-            if key in seen or storage.nbytes() == 0:
-                continue
-            seen.add(key)
-            out[key[0]] = out.get(key[0], 0) + int(storage.nbytes())
+        out = storage_bytes(self.held_tensors())
         return {"strategy": out} if out else {}
 
     def decide(self, ctx: StageContext) -> Decision:
@@ -205,6 +197,20 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
+    """Bytes per device of the storages under ``tensors``, each storage once (views of one buffer count once)."""
+    seen: set[tuple[str, int]] = set()
+    out: dict[str, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        out[key[0]] = out.get(key[0], 0) + int(storage.nbytes())
+    return out
 
 
 class PrefixSchedule(Strategy):

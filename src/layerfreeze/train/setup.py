@@ -528,11 +528,11 @@ def place(trainer: Trainer) -> None:
 
 def make_ledger(trainer: Trainer) -> MemoryLedger | None:
     """The memory ledger over the model, its optimizer, the Freezer's blocks and the byte sources the run has (the
-    cache, a strategy holding memory of its own), or None when ``run.ledger`` is off."""
+    cache, the demoted masters; the Freezer reports what its strategy holds), or None when ``run.ledger`` is off."""
     run = trainer.config.run
     if not run.ledger:
         return None
-    sources = [s for s in (trainer.runner, trainer.freezer.strategy, trainer.freezer.demoter)
+    sources = [s for s in (trainer.runner, trainer.freezer.demoter)
                if hasattr(s, "ledger_bytes")]
     return MemoryLedger(trainer.model, trainer.optimizer, freezer=trainer.freezer, sources=sources,
                         every=run.ledger_every, device=trainer.device)

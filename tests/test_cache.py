@@ -304,6 +304,27 @@ def test_disk_shards_read_back_equal_and_a_corrupt_shard_is_recomputed(tmp_path,
     assert not path.exists()
 
 
+def test_a_cache_folder_deleted_during_the_run_is_made_again_and_its_entries_computed_again(tmp_path):
+    # a temp-folder cleaner removed the spill folder: the next shard write raised a raw FileNotFoundError mid-epoch
+    import shutil
+
+    data = Blobs(32)
+    model = mlp().eval()
+    freezer = frozen(model, 3)
+    cache = ActivationCache(budget_bytes=0, directory=tmp_path, shard_bytes=0)
+    runner = CachedPrefix(model, freezer.blocks, cache=cache, freezer=freezer)
+    batches = [collate(data, range(i, i + 8)) for i in range(0, 32, 8)]
+    runner.forward(batches[0])
+    shutil.rmtree(cache.path)
+    with pytest.warns(RuntimeWarning, match="was deleted during the run and was made again"):
+        runner.forward(batches[1])  # spills into the folder made again
+    with pytest.warns(RuntimeWarning, match="the file is missing"):
+        logits = runner.forward(batches[0])  # its shard went with the folder: computed again, not garbage
+    assert torch.equal(logits, runner.split.full(model, batches[0]))
+    assert torch.equal(cache.get_batch(batches[1]["index"], 3), runner.split.prefix(model, batches[1], 3))
+    cache.close()
+
+
 # ---- refusals and stale entries ----------------------------------------------------------------------------
 
 

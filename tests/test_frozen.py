@@ -420,3 +420,32 @@ def test_a_frozen_module_stays_in_eval_mode_when_a_parent_trains():
     differentiable.module.train()
     differentiable(torch.randn(6, 8, requires_grad=True)).sum().backward()
     assert torch.equal(differentiable.module[1].running_var, inner)
+
+
+def test_precompute_refuses_random_augmentation_and_a_corrupt_store_names_the_cause(tmp_path):
+    # one draw per sample would be stored and trained on in every epoch, in silence; the global RNG is left as it was
+    class Augmented(Tokens):
+        def __getitem__(self, i):
+            item = super().__getitem__(i)
+            return {**item, "input_ids": torch.roll(item["input_ids"], int(torch.randint(0, 12, ())))}
+
+    frozen = encoder()
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    with pytest.raises(PrecomputeRefused, match=r"item 0: 'input_ids' differs between two fetches \(random "
+                                                r"augmentation.*FrozenPipeline"):
+        precompute(Augmented(8), lambda b: encode(frozen, b), batch_size=4)
+    assert torch.equal(torch.get_rng_state(), before)
+    # a shard on disk that no longer matches its checksum: dropped with a warning, then a KeyError saying so
+    from layerfreeze.compute.store import ActivationCache
+
+    data = Tokens(8)
+    store = precompute(data, lambda b: encode(frozen, b), batch_size=4,
+                       store=ActivationCache(budget_bytes=0, directory=tmp_path, shard_bytes=0))
+    shard = next(tmp_path.rglob("shard-*.safetensors"))
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.warns(RuntimeWarning, match="precomputed again"), \
+            pytest.raises(KeyError, match="found corrupt and dropped .* run precompute\\(\\) again"):
+        [PrecomputedDataset(data, store)[i] for i in range(8)]

@@ -64,27 +64,40 @@ def _first_difference(a: Any, b: Any, path: str) -> str | None:
     return None if a == b else path
 
 
-def check_deterministic(dataset: Any, n: int = 4) -> None:
-    """Refuse a dataset whose items differ from one fetch to the next (random augmentation).
+def _two_fetches(dataset: Any, n: int) -> tuple[list[Any], list[Any]]:
+    """Items ``0..n-1`` fetched twice, the global random states of Python, NumPy and torch restored afterwards (the
+    check does not change the run's random stream: a run with the cache draws the same dropout masks as one
+    without)."""
+    count = min(n, len(dataset))
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            return [dataset[i] for i in range(count)], [dataset[i] for i in range(count)]
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
 
-    Fetches items ``0..n-1`` twice and compares every tensor exactly (dtype, shape, values). The global random
-    states of Python, NumPy and torch are restored afterwards, so the check does not change the run's random
-    stream (a run with the cache draws the same dropout masks as one without).
+
+def first_changed_item(dataset: Any, n: int = 4) -> tuple[int, str] | None:
+    """The first of items ``0..n-1`` that differs between two fetches (random augmentation), as ``(item, the first
+    key that differs)``, or None when they are all equal. Every tensor is compared exactly (dtype, shape, values)."""
+    for i, (a, b) in enumerate(zip(*_two_fetches(dataset, n))):
+        key = _first_difference(a, b, "")
+        if key is not None:
+            return i, key or "the item"
+    return None
+
+
+def check_deterministic(dataset: Any, n: int = 4) -> None:
+    """Refuse a dataset whose items differ from one fetch to the next (random augmentation): items ``0..n-1`` are
+    fetched twice and compared exactly (:func:`first_changed_item`).
 
     Raises:
         CacheRefused: an item differs between the two fetches; the message names the item and the first key that
             differs and says "random augmentation in the dataset ...". Also when an item has no ``"index"``
             (the cache key).
     """
-    count = min(n, len(dataset))
-    py_state, np_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        try:
-            first = [dataset[i] for i in range(count)]
-            second = [dataset[i] for i in range(count)]
-        finally:
-            random.setstate(py_state)
-            np.random.set_state(np_state)
+    first, second = _two_fetches(dataset, n)
     for i, (a, b) in enumerate(zip(first, second)):
         if isinstance(a, dict) and "index" not in a:
             raise CacheRefused(

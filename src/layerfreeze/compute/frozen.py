@@ -53,6 +53,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 from torch.utils.data import Dataset
 
+from layerfreeze.compute.determinism import first_changed_item
 from layerfreeze.compute.store import ActivationCache
 from layerfreeze.runs.ledger_buckets import Bucket
 
@@ -503,7 +504,9 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
 
     Raises:
         PrecomputeRefused: ``fn`` calls a :class:`FrozenDifferentiable` model or returns a tensor that requires
-            grad (a model in the gradient path cannot be precomputed: its inputs come from the trained model).
+            grad (a model in the gradient path cannot be precomputed: its inputs come from the trained model); an
+            item of the dataset differs between two fetches (random augmentation: one draw would be stored for good;
+            items 0-3 are fetched twice, the global random states restored).
         GlobalRNGUsedError: ``fn`` drew from the global RNG (a stored sample would be reused every epoch and the
             trainer's random numbers would shift): store the distribution's parameters and sample in the trainer.
         ValueError: the dataset's items are not dicts with an ``"index"``.
@@ -512,6 +515,13 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
 
     from layerfreeze.compute.cached_prefix import sample_indices
 
+    changed = first_changed_item(dataset)
+    if changed is not None:
+        raise PrecomputeRefused(
+            f"precompute: dataset item {changed[0]}: {changed[1]!r} differs between two fetches (random augmentation "
+            "in the dataset): one draw per sample would be stored and trained on in every epoch. Give precompute a "
+            "dataset without the random transform (augment the stored outputs in the trainer instead), or run the "
+            "frozen models in the trainer (FrozenModule, FrozenPipeline)")
     if len(dataset) > 0:  # type: ignore[arg-type]
         first = dataset[0]
         if not isinstance(first, dict) or "index" not in first:
@@ -553,7 +563,8 @@ class PrecomputedDataset(Dataset):
         drop: Item keys to leave out.
 
     Raises:
-        KeyError: a sample has no stored output (the store was built over another dataset).
+        KeyError: a sample has no stored output (the store was built over another dataset, or the shard that held
+            it was found corrupt and dropped: run :func:`precompute` again).
     """
 
     def __init__(self, dataset: Dataset, store: ActivationCache, feature_key: str = "features", key: int = 0,
@@ -568,7 +579,10 @@ class PrecomputedDataset(Dataset):
         index = int(item["index"])
         out = self.store.get_batch([index], self.key)
         if out is None:
-            raise KeyError(f"no precomputed output for sample {index}; precompute() over this dataset first")
+            dropped = self.store.corrupt_shards
+            raise KeyError(f"no precomputed output for sample {index}: " + (
+                f"{dropped} shard(s) of the store were found corrupt and dropped (warned); run precompute() again"
+                if dropped else "precompute() over this dataset first"))
         item = {k: v for k, v in item.items() if k not in self.drop}
         item[self.feature_key] = out[0]
         return item

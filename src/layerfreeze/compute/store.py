@@ -277,6 +277,11 @@ class ActivationCache:
                 self.directory.mkdir(parents=True, exist_ok=True)
             self._root = Path(tempfile.mkdtemp(prefix="layerfreeze-cache-", dir=self.directory))
             self._finalizer = weakref.finalize(self, shutil.rmtree, str(self._root), True)
+        elif not self._root.is_dir():  # deleted during the run (a temp-folder cleaner, by hand)
+            self._root.mkdir(parents=True)
+            warnings.warn(f"the activation cache's folder {self._root} was deleted during the run and was made again; "
+                          "the entries its shards held are read as missing (computed again by a prefix cache)",
+                          RuntimeWarning, stacklevel=4)
         return self._root
 
     def flush(self) -> Path | None:
@@ -313,6 +318,7 @@ class ActivationCache:
     def _write_index(self) -> None:
         if self._root is None:
             return
+        self._ensure_root()
         index = {"version": INDEX_VERSION, "dtype": str(self.dtype), "shards": self._shards}
         tmp = self._root / f".{INDEX_FILE}.tmp"
         tmp.write_text(json.dumps(index, indent=1))
@@ -502,8 +508,8 @@ class ActivationCache:
         self._write_index()
         self.corrupt_shards += 1
         warnings.warn(
-            f"activation cache shard {path} is corrupt ({reason}); its {len(keys)} entries were dropped and will "
-            "be recomputed",
+            f"activation cache shard {path} is corrupt ({reason}); its {len(keys)} entries were dropped (a prefix "
+            "cache computes them again; outputs stored by precompute() must be precomputed again)",
             RuntimeWarning,
             stacklevel=4,
         )

@@ -85,10 +85,6 @@ class PinnedBlockError(RuntimeError):
     """A thaw of a block the Freezer's floor keeps frozen (a memory budget's plan)."""
 
 
-# --------------------------------------------------------------------------------------------------------------
-# The Freezer
-# --------------------------------------------------------------------------------------------------------------
-
 
 class Freezer:
     """Applies a freezing strategy to a model and its optimizer, in any training loop.
@@ -415,13 +411,11 @@ class Freezer:
             self.demoter.offload_prefix(min(int(depth), self.frozen_prefix))
 
     def ledger_tensors(self) -> list[torch.Tensor]:
-        """The tensors freezing itself holds: the strategy's (:meth:`Strategy.held_tensors
-        <layerfreeze.strategies.Strategy.held_tensors>`) and the gradients summed for its signal (AutoFreeze's)."""
+        """What freezing itself holds: the strategy's ``held_tensors()`` and the gradient sums AutoFreeze reads."""
         return [*self.strategy.held_tensors(), *self._grad_sums.held_tensors()]
 
     def ledger_bytes(self) -> dict[str, dict[str, int]]:
-        """The memory ledger's ``strategy`` bucket, ``{"strategy": {device: bytes}}`` of :meth:`ledger_tensors`
-        (``{}`` when empty); a :class:`~layerfreeze.runs.ledger.MemoryLedger` given ``freezer=`` counts it."""
+        """``{"strategy": {device: bytes}}`` of :meth:`ledger_tensors` (``{}``: none): ``MemoryLedger(freezer=)``."""
         held = storage_bytes(self.ledger_tensors())
         return {"strategy": held} if held else {}
 
@@ -569,9 +563,8 @@ class Freezer:
         ``optimizer.load_state_dict`` so the param groups match (see :mod:`layerfreeze.checkpoint`).
 
         Args:
-            full: Under FSDP2, gather the gradient sums' shards whole (a collective: every rank calls it;
-                :func:`~layerfreeze.checkpoint.save_full_checkpoint` does). Without it each rank's state holds its
-                own shards.
+            full: Under FSDP2, gather the gradient sums' shards whole (a collective: every rank calls it, as
+                :func:`~layerfreeze.checkpoint.save_full_checkpoint` does); without it, this rank's shards.
         """
         return checkpoint_state.state_dict(self, full=full)
 
@@ -597,16 +590,9 @@ class Freezer:
             frozen_blocks_to_eval(self.blocks, self.frozen, self.train_bn)
 
     def _record(self, kind: str, block: Block, reason: str, **extra: Any) -> None:
-        record = {
-            "kind": kind,
-            "block": block.name,
-            "index": block.index,
-            "step": self.step_count,
-            "epoch": self.epoch,
-            "reason": reason,
-            "frozen_count": sum(self.frozen),
-            "frozen_prefix": self.frozen_prefix,
-        }
+        record = {"kind": kind, "block": block.name, "index": block.index, "step": self.step_count,
+                  "epoch": self.epoch, "reason": reason, "frozen_count": sum(self.frozen),
+                  "frozen_prefix": self.frozen_prefix}
         record.update({k: v for k, v in extra.items() if v is not None})
         if reason != "resume":
             self.history.append(record)

@@ -363,11 +363,10 @@ class CheckpointStore:
         Returns:
             The checkpoint folder on rank 0, None on the other ranks.
         """
-        model_state, optim_state = gather_full_state(model, optimizer)
+        full = gather_full_state(model, optimizer, freezer)
         path = None
         if torch.distributed.get_rank() == 0:
-            path = self.save(step, model, None, freezer, scheduler, extra, model_state=model_state,
-                             optimizer_state=optim_state)
+            path = self.save(step, model, None, None, scheduler, extra, **full)
         torch.distributed.barrier()
         return path
 
@@ -419,21 +418,24 @@ class CheckpointStore:
                               "resumed from this folder: start the run again with another --run-dir")
 
 
-def gather_full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """The full (unsharded) model state on rank 0's CPU and the optimizer state keyed by parameter name, of a
-    sharded (FSDP2) model: what :func:`save_full_checkpoint` writes.
+def gather_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, freezer: Any = None) -> dict[str, Any]:
+    """The full (unsharded) model state on rank 0's CPU, the optimizer state keyed by parameter name and the
+    Freezer's state with its gradient sums whole, of a sharded (FSDP2) model: what :func:`save_full_checkpoint`
+    writes.
 
     Collective: every rank calls it. The model state is gathered through ``torch.distributed.checkpoint``
     (``full_state_dict=True, cpu_offload=True``: rank 0 gets it, the other ranks an empty dict); the optimizer
-    state by :func:`~layerfreeze.distributed.fsdp.full_optimizer_state` (every rank gets it).
+    state by :func:`~layerfreeze.distributed.fsdp.full_optimizer_state` (every rank gets it); the Freezer's by
+    ``freezer.state_dict(full=True)`` (AutoFreeze's running gradient sums, one shard on each rank, gathered).
 
     Returns:
-        ``(model_state, optimizer_state)`` for ``save_checkpoint(..., model_state=, optimizer_state=)``.
+        ``{"model_state", "optimizer_state", "freezer_state"}``: keyword arguments of :func:`save_checkpoint`.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     model_state = get_model_state_dict(model, options=full_state_options(cpu_offload=True))
-    return model_state, full_optimizer_state(model, optimizer)
+    return {"model_state": model_state, "optimizer_state": full_optimizer_state(model, optimizer),
+            "freezer_state": freezer.state_dict(full=True) if freezer is not None else None}
 
 
 def save_full_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, freezer: Any,
@@ -446,12 +448,10 @@ def save_full_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.op
     Returns:
         The checkpoint folder (written by rank 0 only; the others return the same path once it is complete).
     """
-    model_state, optim_state = gather_full_state(model, optimizer)
-    freezer_state = freezer.state_dict(full=True) if freezer is not None else None  # its gradient sums whole
+    full = gather_full_state(model, optimizer, freezer)
     path = Path(path)
     if torch.distributed.get_rank() == 0:
-        save_checkpoint(path, model, None, None, scheduler, extra, model_state=model_state,
-                        optimizer_state=optim_state, freezer_state=freezer_state)
+        save_checkpoint(path, model, None, None, scheduler, extra, **full)
     torch.distributed.barrier()
     return path
 

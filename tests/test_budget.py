@@ -213,6 +213,15 @@ def test_what_the_strategy_holds_counts_in_every_prefix_and_not_in_nones_peak():
         plan_memory(_stack(), _batch(), "0.9", loss=_loss, strategy="smartfrz")
 
 
+def test_autofreezes_gradient_sums_count_in_the_plan_as_a_float32_copy_of_the_weights():
+    # the Freezer keeps AutoFreeze's signal, a running sum of every trainable gradient: the plan measures them too
+    plain = plan_memory(_stack(), _batch(), "1MiB", loss=_loss)
+    held = plan_memory(_stack(), _batch(), "1MiB", loss=_loss, strategy="autofreeze")
+    assert held.measured.buckets["strategy"] == P0 + P2 + P4  # every block's weights, in float32
+    assert [h.predicted_bytes - p.predicted_bytes for h, p in zip(held.candidates, plain.candidates)] == [
+        P0 + P2 + P4] * 3
+
+
 def test_the_plan_line_says_the_strategy_holds_memory_nones_peak_has_not():
     from layerfreeze.train.setup import plan_headline
 

@@ -10,8 +10,9 @@ of the repetitions' medians is reported.
 
 What is timed (``time.perf_counter``; the model is on the CPU, so no clock waits for a device):
 
-* the Freezer's hooks, ``after_backward()`` and ``step()`` (and ``epoch_end()`` at an epoch's end): the engine's and
-  the strategy's per-step work, whatever the frozen set;
+* the Freezer's hooks, ``after_backward()``, its step pre-hook on the optimizer (AutoFreeze's gradient sums: timed
+  between two pre-hooks of the benchmark's own, registered before and after it) and ``step()`` (and ``epoch_end()``
+  at an epoch's end): the engine's and the strategy's per-step work, whatever the frozen set;
 * the whole step (forward, loss, backward, the hooks, ``optimizer.step()``, ``zero_grad``): for reference only, as
   a strategy that freezes blocks also makes the step cheaper.
 
@@ -81,8 +82,11 @@ def run(strategy: str, steps: int = STEPS, steps_per_epoch: int = STEPS_PER_EPOC
     forward: list[float] = []
     whole: list[float] = []
     clock = time.perf_counter
+    marks: list[float] = []  # around the Freezer's optimizer step pre-hook (AutoFreeze reads the gradients there)
+    optimizer.register_step_pre_hook(lambda *_: marks.append(clock()))  # runs before the Freezer's
     with Freezer(model, optimizer, strategy, params, blocks=blocks, total_steps=steps,
                  steps_per_epoch=steps_per_epoch) as freezer:
+        optimizer.register_step_pre_hook(lambda *_: marks.append(clock()))  # and this one after it
         for i in range(steps):
             x, y = data[i % len(data)]
             every = freezer.strategy.stage_every  # read before step(): a stage may change the cadence
@@ -103,7 +107,8 @@ def run(strategy: str, steps: int = STEPS, steps_per_epoch: int = STEPS_PER_EPOC
                 staged = staged or freezer.strategy.at_epoch_end
                 freezer.epoch_end()
             t5 = clock()
-            hooks["stage" if staged else "step"].append((t3 - t2) + (t5 - t4))
+            in_step = marks[-1] - marks[-2]
+            hooks["stage" if staged else "step"].append((t3 - t2) + in_step + (t5 - t4))
             forward.append(t1 - t0)
             whole.append(t5 - t0)
     return {"hooks": hooks, "forward": forward, "whole": whole, "stages": len(hooks["stage"])}

@@ -209,17 +209,21 @@ def test_what_the_strategy_holds_counts_in_every_prefix_and_not_in_nones_peak():
     assert [h.predicted_bytes - p.predicted_bytes for h, p in zip(held.candidates, plain.candidates)] == [expected] * 3
     assert held.none_peak_bytes == plain.none_peak_bytes  # a fraction is of the `none` row's peak
     # on this tiny model the recorder is 30 times the model's peak: no fraction of it fits, and the refusal says why
-    with pytest.raises(BudgetError, match=r"the freezing strategy holds .* more in every prefix"):
+    with pytest.raises(BudgetError, match=r"the freezing strategy holds .* more there"):
         plan_memory(_stack(), _batch(), "0.9", loss=_loss, strategy="smartfrz")
 
 
-def test_autofreezes_gradient_sums_count_in_the_plan_as_a_float32_copy_of_the_weights():
-    # the Freezer keeps AutoFreeze's signal, a running sum of every trainable gradient: the plan measures them too
+def test_autofreezes_gradient_sums_count_in_the_plan_for_the_trainable_blocks_only():
+    # the Freezer keeps AutoFreeze's signal, a running sum of every trainable gradient (a float32 copy of the
+    # trainable weights): the plan measures them, and a prefix frozen from the start holds none (counting them in
+    # every prefix froze one block more than a budget needed)
     plain = plan_memory(_stack(), _batch(), "1MiB", loss=_loss)
     held = plan_memory(_stack(), _batch(), "1MiB", loss=_loss, strategy="autofreeze")
-    assert held.measured.buckets["strategy"] == P0 + P2 + P4  # every block's weights, in float32
+    assert held.measured.buckets["strategy"] == P0 + P2 + P4 and held.measured.blocks["strategy"] == [P0, P2, P4]
     assert [h.predicted_bytes - p.predicted_bytes for h, p in zip(held.candidates, plain.candidates)] == [
-        P0 + P2 + P4] * 3
+        P0 + P2 + P4, P2 + P4, P4]
+    assert [c.buckets["strategy"] for c in held.candidates] == [P0 + P2 + P4, P2 + P4, P4]
+    assert held.none_peak_bytes == plain.none_peak_bytes
 
 
 def test_the_plan_line_says_the_strategy_holds_memory_nones_peak_has_not():

@@ -108,16 +108,16 @@ def test_the_counter_sees_each_kind_of_host_read():
 
 def test_the_gradient_signal_was_a_sync_per_block_and_is_none_now():
     """What the budget guards (issue 40): autofreeze's per-block ``float(sum(...))`` read 9 values per backward; the
-    sums now stay on the device, and match the host sums."""
-    from layerfreeze import Freezer, block_param_groups
+    sums now stay on the device, and match the host sums. A Freezer without an optimizer sums at ``after_backward``;
+    with one, at the optimizer's step (its pre-hook): neither synchronises."""
+    from layerfreeze import Freezer
     from layerfreeze.models.discovery import discover_blocks
     from tests.host_sync import place, tiny_stack, to_device
 
     with SyncCounter() as counter:
         model = place(tiny_stack())
         blocks = discover_blocks(model)
-        optimizer = torch.optim.SGD(block_param_groups(model, blocks, lr=0.1), lr=0.1)  # never stepped
-        freezer = Freezer(model, optimizer, "autofreeze", {"interval": 2}, blocks=blocks, total_steps=10)
+        freezer = Freezer(model, None, "autofreeze", {"interval": 2}, blocks=blocks, total_steps=10)
         x = to_device(torch.randn(16, 8, generator=torch.Generator().manual_seed(0)))
         model(x).square().sum().backward()
         with counter.window() as counts:
@@ -127,6 +127,13 @@ def test_the_gradient_signal_was_a_sync_per_block_and_is_none_now():
         assert freezer._grad_sums.values() == pytest.approx(expected, rel=1e-6)
         freezer.after_backward()
         assert freezer._grad_sums.values() == pytest.approx([2 * v for v in expected], rel=1e-6)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay, and so the gradients
+        freezer.attach_optimizer(optimizer)  # from now on read at its step
+        with counter.window() as counts:
+            freezer.after_backward()
+            optimizer.step()
+        assert syncs(counts) == 0
+        assert freezer._grad_sums.values() == pytest.approx([3 * v for v in expected], rel=1e-6)
 
 
 def _trainer_windows(tmp_path, strategy: str, params: dict, cache: str) -> list[tuple[int, dict[str, int]]]:

@@ -305,12 +305,26 @@ def test_autofreeze_through_the_freezer_with_crafted_gradients():
     assert freezer.frozen == [True, True, False, False, False]
 
 
-def test_autofreeze_without_after_backward_raises():
-    model, optimizer, freezer = make_run(AutoFreeze(interval=2), total_steps=None)
+def test_autofreeze_reads_the_gradients_at_the_optimizers_step_and_without_an_optimizer_needs_after_backward():
+    signals = []
+    for after_backward in (True, False):  # the Freezer's optimizer pre-hook reads them: after_backward adds nothing
+        model, optimizer, freezer = make_run(AutoFreeze(interval=2), total_steps=None)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(4):
+            real_step(model, optimizer, freezer, g, after_backward=after_backward)
+        signals.append(freezer.last_signals["grad_l1"])
+    assert [repr(v) for v in signals[0]] == [repr(v) for v in signals[1]] and any(v > 0 for v in signals[0][:4])
+    model = linear_stack(5)
+    freezer = Freezer(model, None, AutoFreeze(interval=2), blocks=discover_blocks(model))
     g = torch.Generator().manual_seed(0)
-    real_step(model, optimizer, freezer, g, after_backward=False)
-    with pytest.raises(RuntimeError, match="after_backward"):
-        real_step(model, optimizer, freezer, g, after_backward=False)
+    for _ in range(2):
+        nn.functional.mse_loss(model(torch.randn(4, 3, generator=g)), torch.randn(4, 3, generator=g)).backward()
+        model.zero_grad(set_to_none=True)
+        if freezer.step_count == 1:
+            with pytest.raises(RuntimeError, match="after_backward.* no optimizer"):
+                freezer.step()
+        else:
+            freezer.step()
 
 
 @pytest.mark.parametrize("kwargs,param", [

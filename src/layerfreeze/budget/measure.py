@@ -90,7 +90,9 @@ class BlockBytes:
     Attributes:
         block_names: The blocks, front to back.
         heads: Per block, whether it is the head (never frozen).
-        blocks: ``{bucket: [bytes per block]}`` for ``params``, ``grads``, ``optimizer``, ``activations``.
+        blocks: ``{bucket: [bytes per block]}`` for ``params``, ``grads``, ``optimizer``, ``activations``, and
+            ``strategy`` when the strategy holds memory per trainable block (AutoFreeze's gradient sums: a block's
+            go when it freezes; :func:`~layerfreeze.budget.plan.plan_memory` adds it).
         buckets: ``{bucket: bytes}`` of the measured step (the ledger's buckets, every device).
         devices: ``{device: {bucket: bytes}}`` of the measured step.
         tensor_bytes: Its tensor total: ``none``'s tensor peak on this batch.
@@ -121,8 +123,9 @@ class BlockBytes:
     def returned(self, k: int) -> dict[str, int]:
         """``{bucket: bytes}`` a frozen prefix of ``k`` blocks gives back (:data:`RETURNED`): its gradients, its
         optimizer state and its saved activations (the first trainable block still saves its input, the prefix's
-        output, and counts it: the ledger gives a tensor to the block whose modules saved it)."""
-        return {b: sum(self.blocks[b][:k]) for b in RETURNED}
+        output, and counts it: the ledger gives a tensor to the block whose modules saved it); and, where
+        :attr:`blocks` has a ``strategy`` list, what the strategy holds per block (AutoFreeze's gradient sums)."""
+        return {b: sum(self.blocks[b][:k]) for b in (*RETURNED, Bucket.STRATEGY) if b in self.blocks}
 
     def model_buckets(self, k: int) -> dict[str, int]:
         """The buckets predicted with blocks ``0..k-1`` frozen (the cache left out): the measured ones less

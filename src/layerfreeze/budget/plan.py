@@ -173,7 +173,7 @@ class MemoryPlan:
         total = sum(self.measured.blocks["params"])
         names = self.frozen_from_start
         shown = ", ".join(names) if len(names) <= 4 else f"{names[0]} .. {names[-1]}"
-        held = self.measured.buckets.get(Bucket.STRATEGY, 0)
+        held = self.chosen.buckets.get(Bucket.STRATEGY, 0)
         why = ""
         if held and self.budget_bytes >= self.none_peak_bytes:  # "100%": room for what only the strategy holds
             why = (f", to make room for the freezing strategy's own state ({format_bytes(held)}), which the "
@@ -260,8 +260,8 @@ def plan_prefix(measured: BlockBytes, budget: str | int | float | Budget, *, cac
             f"is {format_bytes(best.least_bytes)} ({best.least_bytes} bytes; {best.k} of {len(measured.block_names)} "
             f"blocks frozen from the start, the head training) at batch size {measured.batch_size}, where nothing "
             f"frozen needs {format_bytes(none_peak)}"
-            + (f" and the freezing strategy holds {format_bytes(held)} more in every prefix (its own state: another "
-               "strategy may hold less)" if held else "")
+            + (f" and the freezing strategy holds {format_bytes(best.buckets.get(Bucket.STRATEGY, 0))} more there "
+               "(its own state: another strategy may hold less)" if best.buckets.get(Bucket.STRATEGY, 0) else "")
             + f". Raise the budget to at least {format_bytes(best.least_bytes)}, or lower train.batch_size (saved "
             "activations scale with it)", smallest_bytes=best.least_bytes)
     chosen = fitting[0]
@@ -324,9 +324,11 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
     parsed = parse_budget(budget)  # a malformed budget fails before anything runs
     if strategy is not None:
         blocks = blocks_of(model, blocks)
-    with _attached_twin(strategy, params, model, blocks) as held:
+    with _attached_twin(strategy, params, model, blocks) as (held, per_block):
         measured = measure_blocks(model, batch, loss=loss, optimizer=optimizer, blocks=blocks, steps=steps,
                                   sources=[*sources, *held], unfrozen=unfrozen)
+    if per_block is not None:  # AutoFreeze's gradient sums: a frozen prefix's are never allocated
+        measured.blocks[Bucket.STRATEGY] = per_block
     if cache_dataset is not None:
         measured.cache = measure_cache(model, batch if cache_batch is None else cache_batch, cache_dataset,
                                        blocks=blocks, dtype=cache_dtype, train_bn=train_bn)
@@ -335,24 +337,27 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
 
 @contextmanager
 def _attached_twin(strategy: str | Strategy | None, params: dict[str, Any] | None, model: nn.Module,
-                   blocks: Any) -> Iterator[list[Strategy]]:
-    """A twin of the run's strategy attached to ``model`` (the RNG untouched), detached afterwards: ``[twin]``, or
-    ``[]`` without a strategy. A strategy that reads ``grad_l1`` (AutoFreeze) also gets the Freezer's gradient sums
-    of every block (:class:`~layerfreeze.engine.grad_signal.GradientSums`, allocated for the measurement: a float32
-    copy of the trainable weights), counted in every prefix's peak though they shrink as blocks freeze."""
+                   blocks: Any) -> Iterator[tuple[list[Any], list[int] | None]]:
+    """A twin of the run's strategy attached to ``model`` (the RNG untouched), detached afterwards: ``([twin],
+    None)``, or ``([], None)`` without a strategy. A strategy that reads ``grad_l1`` (AutoFreeze) also gets the
+    Freezer's gradient sums of every block (:class:`~layerfreeze.engine.grad_signal.GradientSums`, allocated for the
+    measurement: a float32 copy of the trainable weights) as a second byte source, and their bytes per block (a
+    frozen prefix holds none) in place of None."""
     if strategy is None:
-        yield []
+        yield [], None
         return
     twin = copy.deepcopy(strategy) if isinstance(strategy, Strategy) else create_strategy(
         strategy, params or None, num_blocks=len(blocks))
     with torch.random.fork_rng(devices=[]):
         twin.attach(model, blocks)
     held: list[Any] = [twin]
+    per_block = None
     if "grad_l1" in twin.signals:
         sums = GradientSums(len(blocks))
         sums.prepare([False] * len(blocks), BlockParams(blocks, cache=False))
         held.append(lambda: {Bucket.STRATEGY: storage_bytes(sums.held_tensors())})
+        per_block = [sum(t.numel() * t.element_size() for t in sums.of_block(i)) for i in range(len(blocks))]
     try:
-        yield held
+        yield held, per_block
     finally:
         twin.detach()

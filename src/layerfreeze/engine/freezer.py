@@ -215,6 +215,7 @@ class Freezer:
                                    quick=not self._fsdp)
         self._params = BlockParams(self.blocks, cache=not self._fsdp)  # walked again after a structure change
         self._grad_sums = GradientSums(len(self.blocks))  # the grad_l1 signal, on the device (grad_signal.py)
+        self._grad_hook: Any = None  # the optimizer's step pre-hook that adds the gradients to it (steps.py)
         self._step_times = StepTimes()  # the step intervals the strategies read (timing.py)
         self._backward_calls = 0
         self._lr_scale: dict[int, float] = {}
@@ -254,6 +255,7 @@ class Freezer:
                 self.strategy.attach(model, self.blocks)
         try:
             start(self, floor)  # the floor, then the start stage; its LR factors already apply to the first step
+            steps.hook_optimizer(self)
         except BaseException:
             self.close()  # nobody holds this Freezer to close it: release the strategy's hooks and threads here
             raise
@@ -488,12 +490,14 @@ class Freezer:
         check_thaw_lrs(optimizer, self._origin, self.blocks, self.strategy)
         self._lr_written = {}
         apply_lr_scales(optimizer, self.blocks, self._origin, self._lr_scale, self._lr_written)
+        steps.hook_optimizer(self)
 
     def close(self) -> None:
         """Release what the strategy attached (hooks, background threads) and give demoted blocks their float32
         weights back on the device (they stay frozen; :meth:`~layerfreeze.engine.demote.Demoter.close`). Idempotent.
         """
         self._closed = True
+        steps.release_gradients(self)
         if self.decides:
             self.strategy.detach()
         if self._mirror is not None:
@@ -517,10 +521,8 @@ class Freezer:
     # ---- training-loop hooks -------------------------------------------------------------------------------
 
     def after_backward(self) -> None:
-        """Collect gradient signals (per-block L1 norm of gradients) after ``loss.backward()``.
-
-        Only needed when the strategy lists ``"grad_l1"`` in its ``signals``; cheap otherwise (returns at once).
-        """
+        """Call after each ``loss.backward()``: checks that every trainable block got a gradient (after a change of
+        the frozen set). ``grad_l1`` (AutoFreeze) is read at each ``optimizer.step()``, or here without an optimizer."""
         self._check_open("after_backward")
         steps.after_backward(self)
 
@@ -562,9 +564,8 @@ class Freezer:
         Save it beside ``optimizer.state_dict()``; on resume call :meth:`load_state_dict` *before*
         ``optimizer.load_state_dict`` so the param groups match (see :mod:`layerfreeze.checkpoint`).
 
-        Args:
-            full: Under FSDP2, gather the gradient sums' shards whole (a collective: every rank calls it, as
-                :func:`~layerfreeze.checkpoint.save_full_checkpoint` does); without it, this rank's shards.
+        ``full=True``: under FSDP2, gather the gradient sums' shards whole (a collective: every rank calls it, as
+        :func:`~layerfreeze.checkpoint.save_full_checkpoint` does); without it, this rank's shards.
         """
         return checkpoint_state.state_dict(self, full=full)
 
@@ -590,10 +591,9 @@ class Freezer:
             frozen_blocks_to_eval(self.blocks, self.frozen, self.train_bn)
 
     def _record(self, kind: str, block: Block, reason: str, **extra: Any) -> None:
-        record = {"kind": kind, "block": block.name, "index": block.index, "step": self.step_count,
-                  "epoch": self.epoch, "reason": reason, "frozen_count": sum(self.frozen),
-                  "frozen_prefix": self.frozen_prefix}
-        record.update({k: v for k, v in extra.items() if v is not None})
+        record = {"kind": kind, "block": block.name, "index": block.index, "step": self.step_count, "epoch": self.epoch,
+                  "reason": reason, "frozen_count": sum(self.frozen), "frozen_prefix": self.frozen_prefix,
+                  **{k: v for k, v in extra.items() if v is not None}}
         if reason != "resume":
             self.history.append(record)
         if self.on_event is not None:

@@ -31,6 +31,7 @@ Sources: AutoFreeze's gradient-norm test (:mod:`layerfreeze.strategies.autofreez
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -79,6 +80,8 @@ class GradientSums:
         self._params: dict[Key, nn.Parameter] = {}  # the parameter each sum is of (its sharding, for a checkpoint)
         self._plan: _Plan | None = None
         self._loaded: dict[Key, torch.Tensor] = {}  # a checkpoint's sums, taken by the next plan
+        #: Gradients added since the last reset (0: :meth:`values` reads NaN, nothing was summed).
+        self.added = 0
 
     def add_trainable(self, frozen: Sequence[bool], params: BlockParams) -> None:
         """Add this backward's gradients of every block not ``frozen`` (``params.of(i)``: block ``i``'s parameters)
@@ -92,13 +95,28 @@ class GradientSums:
         enabled = torch.is_grad_enabled()
         torch.set_grad_enabled(False)  # (a gradient made with create_graph=True must not put the sums in a graph)
         try:
-            torch._foreach_add_(plan.sums, grads)  # a None gradient raises TypeError (before anything is added)
+            if grads and grads[0] is not None and grads[0].device != plan.sums[0].device:
+                self._add_one_by_one(plan, grads)  # the model moved after the sums were made
+            else:
+                torch._foreach_add_(plan.sums, grads)  # a None gradient raises TypeError, before adding anything
         except TypeError:
-            for s, g in zip(plan.sums, grads):
-                if g is not None:
-                    s.add_(g)
+            self._add_one_by_one(plan, grads)
         finally:
             torch.set_grad_enabled(enabled)
+        self.added += 1
+
+    def _add_one_by_one(self, plan: _Plan, grads: list[torch.Tensor | None]) -> None:
+        """Add ``grads`` one by one, skipping a missing one; a sum on another device than its gradient (the model
+        was moved after the Freezer was built: ``accelerator.prepare``, ``model.to("cuda")``) follows it there."""
+        for k, g in enumerate(grads):
+            if g is None:
+                continue
+            s = plan.sums[k]
+            if s.device != g.device:
+                s = plan.sums[k] = s.to(g.device)
+                key = next(key for key, p in self._params.items() if p is plan.params[k])
+                self._sums[key] = s
+            s.add_(g)
 
     def prepare(self, frozen: Sequence[bool], params: BlockParams) -> _Plan:
         """The sums of the trainable blocks of ``frozen``, allocated now (zeros) if they are not yet: the Freezer
@@ -108,6 +126,10 @@ class GradientSums:
         plan = self._plan
         if plan is None or key is None or plan.key != key:
             plan = self._plan = self._make_plan(frozen, params, key)
+            stray = sorted(f"{i}.{j}" for i, j in self._loaded if not frozen[i])
+            if stray:
+                raise ValueError(f"gradient sums: the checkpoint holds sums for {', '.join(stray)}, which name no "
+                                 "parameter of those blocks; it is from another model")
         return plan
 
     def _make_plan(self, frozen: Sequence[bool], params: BlockParams, key: object) -> _Plan:
@@ -142,9 +164,15 @@ class GradientSums:
         """The running sums (the memory ledger's ``strategy`` bucket)."""
         return list(self._sums.values())
 
+    def of_block(self, index: int) -> list[torch.Tensor]:
+        """Block ``index``'s running sums (empty for a frozen block)."""
+        return [s for (i, _), s in self._sums.items() if i == index]
+
     def values(self, reduce: Callable[[torch.Tensor], None] | None = None) -> list[float]:
         """Each block's ``grad_l1``: the sum of its parameters' ``||sum_t g_t||_1``, one float per block (0.0 for a
-        block without sums), read with one copy to the host per device (a host synchronisation: at a stage).
+        block without sums; NaN for every block when nothing was added since the last reset: every optimizer step
+        of the interval was skipped, by a ``GradScaler`` on an overflow), read with one copy to the host per device
+        (a host synchronisation: at a stage).
 
         Args:
             reduce: An in-place all-reduce (sum) of a float64 tensor of one value per block (FSDP2: each rank holds
@@ -171,13 +199,14 @@ class GradientSums:
         for total in totals:
             for i, v in enumerate(total.cpu().tolist()):
                 out[i] += v
-        return out
+        return out if self.added else [math.nan] * self.num_blocks
 
     def reset(self) -> None:
         """Start the sums over from zero (a stage)."""
         if self._sums:
             torch._foreach_zero_(list(self._sums.values()))
         self._loaded = {}
+        self.added = 0
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The sums of the interval in progress, as CPU tensors keyed ``"block.position"`` (a copy to the host: a
@@ -201,20 +230,30 @@ class GradientSums:
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` or :meth:`full_state_dict` output: the sums are put in place at the next
-        backward, for the parameters trainable then (each rank takes its shard of a whole sum under FSDP2).
+        """Restore :meth:`state_dict` or :meth:`full_state_dict` output (``{}``: start over, the sums freed): the
+        sums are put in place by the next :meth:`prepare`, for the parameters trainable then (each rank takes its
+        shard of a whole sum under FSDP2).
 
         Raises:
-            ValueError: a key that is not ``"block.position"`` of this model's blocks.
+            ValueError: not a mapping of ``"block.position"`` keys of this model's blocks to floating-point tensors
+                (:meth:`prepare` raises for a position or shape the model does not have).
         """
+        if not isinstance(state, Mapping):
+            raise ValueError(f"gradient sums: expected a mapping of 'block.position' to tensors, got "
+                             f"{type(state).__name__}; the checkpoint is damaged or not layerfreeze's")
         loaded: dict[Key, torch.Tensor] = {}
         for name, tensor in state.items():
             parts = str(name).split(".")
             if len(parts) != 2 or not all(x.isdigit() for x in parts) or int(parts[0]) >= self.num_blocks:
                 raise ValueError(f"gradient sums: key {name!r} is not 'block.position' of one of the "
                                  f"{self.num_blocks} blocks; the checkpoint is from another model")
-            loaded[(int(parts[0]), int(parts[1]))] = torch.as_tensor(tensor)
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                raise ValueError(f"gradient sums: {name!r} holds {type(tensor).__name__}"
+                                 f"{'' if not isinstance(tensor, torch.Tensor) else ' of ' + str(tensor.dtype)}, "
+                                 "not a floating-point tensor; the checkpoint is damaged or not layerfreeze's")
+            loaded[(int(parts[0]), int(parts[1]))] = tensor
         self._sums, self._params, self._plan, self._loaded = {}, {}, None, loaded
+        self.added = 1 if loaded else 0
 
 
 def _shard_of(whole: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -229,8 +268,8 @@ def _shard_of(whole: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     if whole.shape != p.shape:
         raise ValueError(
             f"gradient sums: the checkpoint holds a sum of shape {tuple(whole.shape)} for a parameter of shape "
-            f"{tuple(p.shape)}; under FSDP2 save with layerfreeze.save_full_checkpoint (Freezer.state_dict(full=True)"
-            "), which gathers each rank's shard")
+            f"{tuple(p.shape)}: it is from another model, or one rank's shards of an FSDP2 run saved without "
+            "gathering them (save with layerfreeze.save_full_checkpoint, or Freezer.state_dict(full=True))")
     if not isinstance(p, DTensor):
         return whole
     return distribute_tensor(whole.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()

@@ -140,17 +140,19 @@ def context(freezer: Freezer, event: str, grad_l1: list[float] | None = None) ->
     with whole moments) and the medians of the recent step times (:mod:`layerfreeze.engine.timing`).
 
     Raises:
-        RuntimeError: the strategy needs ``grad_l1`` and ``after_backward`` was never called since the last stage.
+        RuntimeError: the strategy needs ``grad_l1``, the Freezer has no optimizer, and ``after_backward`` was never
+            called since the last stage.
     """
     of = freezer._params.of  # each block's parameters, listed once per structure change (Block.num_parameters walks)
     views = [BlockView(b.name, b.index, freezer.frozen[b.index], b.is_head, sum(p.numel() for p in of(b.index)))
              for b in freezer.blocks]
     signals: dict[str, Any] = {}
     if "grad_l1" in freezer.strategy.signals and event != "start":
-        if freezer._backward_calls == 0:
+        if freezer._backward_calls == 0 and freezer._grad_hook is None:  # no optimizer step reads them either
             raise RuntimeError(
-                f"Strategy {freezer.strategy.name!r} needs gradients, but freezer.after_backward() was never called. "
-                "Call it after loss.backward() and before optimizer.zero_grad()."
+                f"Strategy {freezer.strategy.name!r} needs gradients, but freezer.after_backward() was never called "
+                "and the Freezer has no optimizer to read them at its step. Call it after loss.backward() and "
+                "before optimizer.zero_grad(), or give the Freezer the optimizer."
             )
         signals["grad_l1"] = grad_l1 if grad_l1 is not None else freezer._grad_sums.values()  # one host copy
     step_seconds, stage_step_seconds = freezer._step_times.medians()

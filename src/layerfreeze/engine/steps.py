@@ -3,10 +3,12 @@
 The :class:`~layerfreeze.engine.freezer.Freezer`'s ``after_backward()``, ``step()`` and ``epoch_end()`` call the
 functions of the same name here:
 
-* :func:`after_backward`, after every ``loss.backward()``: counts the backward, checks the first one since the frozen
-  set changed (every trainable block got a gradient: ``FrozenSet.check_gradients``) and, when the strategy asks for
-  ``grad_l1``, adds the trainable gradients to their running sums in ``Freezer._grad_sums`` on the device (the
-  gradient signal a stage reads and hands the strategy, then starts over: :func:`~layerfreeze.engine.stages.stage`);
+* :func:`after_backward`, after every ``loss.backward()``: counts the backward and checks the first one since the
+  frozen set changed (every trainable block got a gradient: ``FrozenSet.check_gradients``);
+* :func:`sum_gradients`, at every ``optimizer.step()`` (:func:`hook_optimizer`; at ``after_backward`` for a Freezer
+  without an optimizer), when the strategy asks for ``grad_l1``: adds the trainable gradients to their running sums
+  in ``Freezer._grad_sums`` on the device (the gradient signal a stage reads and hands the strategy, then starts
+  over: :func:`~layerfreeze.engine.stages.stage`);
 * :func:`step`, after every ``optimizer.step()`` (and the scheduler's): counts the step, reshards under FSDP2, checks
   that the frozen set is still frozen and that a block thawed before the step was updated by it
   (:mod:`layerfreeze.engine.integrity`), runs a freezing stage every ``strategy.stage_every`` steps
@@ -24,6 +26,7 @@ The functions take the :class:`~layerfreeze.engine.freezer.Freezer` whose hook r
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from layerfreeze.engine.lr_factors import apply_lr_scales
@@ -36,20 +39,54 @@ if TYPE_CHECKING:  # the hooks' work on a Freezer; the Freezer calls it, never t
 
 
 def after_backward(freezer: Freezer) -> None:
-    """Count a backward, check its gradients if due, and add the trainable blocks' gradients to the Freezer's
-    running sums (:class:`~layerfreeze.engine.grad_signal.GradientSums`, on the gradients' device: one
-    ``torch._foreach_add_``, no host synchronisation) when the strategy lists ``"grad_l1"`` in its ``signals``
-    (returns at once otherwise).
-
-    Off rank 0 nothing is summed (no strategy reads it there), except under FSDP2, where every rank sums its own
-    shards (no collective: the stage all-reduces the per-block norms). A trainable block that got no gradient is a
-    warning (:func:`integrity_warning`).
-    """
+    """Count a backward and check its gradients if due (every trainable block got one; one that did not is a
+    warning, :func:`integrity_warning`). When the strategy lists ``"grad_l1"`` in its ``signals`` and the Freezer
+    has no optimizer to read them at (:func:`hook_optimizer`), also add the gradients to the running sums
+    (:func:`sum_gradients`)."""
     freezer._backward_calls += 1
     freezer.integrity.check_gradients(freezer)
-    if not sums_gradients(freezer):
-        return  # off rank 0 no strategy reads it (DDP all-reduced the gradients: rank 0's sums are global)
-    freezer._grad_sums.add_trainable(freezer.frozen, freezer._params)  # lists the parameters once per frozen set
+    if freezer._grad_hook is None:
+        sum_gradients(freezer)
+
+
+def sum_gradients(freezer: Freezer) -> None:
+    """Add the trainable blocks' gradients to the Freezer's running sums
+    (:class:`~layerfreeze.engine.grad_signal.GradientSums`, on the gradients' device: one ``torch._foreach_add_``,
+    no host synchronisation) when the strategy lists ``"grad_l1"``. Off rank 0 nothing is summed (no strategy reads
+    it there; DDP all-reduced the gradients: rank 0's sums are global), except under FSDP2, where every rank sums its
+    own shards (no collective: the stage all-reduces the per-block norms)."""
+    if sums_gradients(freezer):
+        freezer._grad_sums.add_trainable(freezer.frozen, freezer._params)  # lists the parameters once per frozen set
+
+
+def hook_optimizer(freezer: Freezer) -> None:
+    """Read the gradients for ``grad_l1`` at every ``optimizer.step()`` (a step pre-hook on the Freezer's optimizer),
+    instead of at ``after_backward``: once per update whatever the number of backward passes (gradient accumulation
+    calls ``after_backward`` after each, on gradients that still hold the earlier micro-batches'), after a
+    ``GradScaler`` unscaled them, and never for a step it skipped on an overflow. A previous hook is removed; none is
+    set without an optimizer that takes one, or for a strategy that does not read ``grad_l1``."""
+    if freezer._grad_hook is not None:
+        freezer._grad_hook.remove()
+        freezer._grad_hook = None
+    register = getattr(freezer.optimizer, "register_step_pre_hook", None)
+    if register is None or "grad_l1" not in freezer.strategy.signals:
+        return
+    ref = weakref.ref(freezer)  # the optimizer does not keep the Freezer alive
+
+    def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        owner = ref()
+        if owner is not None:
+            sum_gradients(owner)
+
+    freezer._grad_hook = register(before_step)
+
+
+def release_gradients(freezer: Freezer) -> None:
+    """Remove the optimizer hook of :func:`hook_optimizer` and free the running sums (``Freezer.close``)."""
+    if freezer._grad_hook is not None:
+        freezer._grad_hook.remove()
+        freezer._grad_hook = None
+    freezer._grad_sums.load_state_dict({})
 
 
 def step(freezer: Freezer) -> Decision | None:

@@ -407,5 +407,7 @@ class MemoryLedger:
 
 
 def _covers(a: Any, b: Any) -> bool:
-    """Whether byte source ``a`` reports ``b``'s bytes: ``b`` itself, its activation cache, its strategy."""
+    """Whether byte source ``a`` reports ``b``'s bytes: ``b`` itself, its activation cache, its strategy (either
+    given as its bound ``ledger_bytes`` method, the callable form of a source, counts as the object)."""
+    a, b = getattr(a, "__self__", a), getattr(b, "__self__", b)
     return a is b or getattr(a, "cache", None) is b or getattr(a, "strategy", None) is b

@@ -38,8 +38,9 @@ class AutoFreeze(Strategy):
 
     The rule, at each stage (every ``interval`` optimizer steps; ``grad_l1[i]`` = ``sum_p ||sum_t g_t(p)||_1`` over
     block ``i``'s parameters ``p``: the L1 norm of the gradient summed over the backward passes since the previous
-    stage, as the public code's ``grad_tensor_dict``; the Freezer adds every gradient to a running sum in
-    ``Freezer.after_backward``, :mod:`layerfreeze.engine.grad_signal`):
+    stage, as the public code's ``grad_tensor_dict``; the Freezer adds each update's gradients to a running sum at
+    ``optimizer.step()``, after a ``GradScaler`` unscaled them, once per update whatever the gradient accumulation;
+    a Freezer without an optimizer at ``Freezer.after_backward``; :mod:`layerfreeze.engine.grad_signal`):
 
     1. ``cur[i] = grad_l1[i]`` for every *active non-head* block ``i`` (the head is never a candidate, as the
        public code scores only the encoder layers).
@@ -58,13 +59,15 @@ class AutoFreeze(Strategy):
        head is never frozen. Blocks are never thawed.
     6. ``prev = cur``.
 
-    If an active block's ``grad_l1`` is not finite (NaN / inf from an overflow), the stage decides nothing and
-    keeps the previous ``prev``.
+    If an active block's ``grad_l1`` is not finite (NaN / inf from an overflow, or NaN: every optimizer step of
+    the interval was skipped), the stage decides nothing and keeps the previous ``prev``.
 
     Differences from the public code, all at edges: it raises ZeroDivisionError for ``prev = 0`` (here ``inf``),
     and gives ratio 0 to a layer with ``cur = 0`` (here the formula, i.e. 1.0). It sums a layer's norms in float32
-    on the host (here float64). The public code evaluates ``num_intervals`` times per run (interval = total_steps /
-    num_intervals); here the interval is given in steps.
+    on the host (here float64). It adds ``param.grad`` after every backward, so with gradient accumulation a
+    micro-batch's gradient is added once for each later micro-batch of its step too (here once per update). The
+    public code evaluates ``num_intervals`` times per run (interval = total_steps / num_intervals); here the interval
+    is given in steps.
 
     Memory and cost: the running sums are one float32 copy of the trainable blocks' gradients on their device (the
     public code holds the same), freed block by block as blocks freeze, in the memory ledger's ``strategy`` bucket
@@ -79,7 +82,8 @@ class AutoFreeze(Strategy):
 
     Raises:
         ValueError: a parameter outside its range.
-        RuntimeError (from the engine): ``freezer.after_backward()`` was never called between two stages.
+        RuntimeError (from the engine): a Freezer without an optimizer, and ``freezer.after_backward()`` was never
+            called between two stages.
 
     Signals: ``ratios`` (per block; NaN for blocks without a ratio: frozen, head, or first stage), ``threshold``,
     ``candidates`` (size of the candidate run), ``first_unstable`` (``k``, -1 if none this stage),
@@ -155,9 +159,9 @@ class AutoFreeze(Strategy):
         reason = ""
         if freeze:
             reason = (
-                f"autofreeze: block {first} is the first whose gradient-norm change ratio "
-                f"{ratios[first]:.4g} >= the {self.percentile:g}th percentile {threshold:.4g}; blocks before it "
-                f"changed less"
+                f"autofreeze: block {ctx.blocks[first].name!r} (index {first}) is the first whose gradient-norm "
+                f"change ratio {ratios[first]:.4g} >= the {self.percentile:g}th percentile {threshold:.4g}; blocks "
+                f"before it changed less"
             )
         return Decision(freeze=freeze, reason=reason, signals=signals)
 

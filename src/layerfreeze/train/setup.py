@@ -219,7 +219,7 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 
 def plan_headline(plan: MemoryPlan) -> str:
     """The memory plan in one line: the budget, what it gives up, the predicted tensor peak."""
-    held = plan.measured.buckets.get("strategy", 0)  # counted in every prefix's prediction, not in none's peak
+    held = plan.chosen.buckets.get("strategy", 0)  # in the chosen prefix's prediction, not in none's peak
     return (f"memory budget {plan.budget} ({format_bytes(plan.budget_bytes)} of tensor peak; nothing frozen: "
             f"{format_bytes(plan.none_peak_bytes)}): gives up {plan.gives_up()}; predicted tensor peak "
             f"{format_bytes(plan.predicted_peak_bytes)}"

@@ -214,15 +214,16 @@ def test_what_the_strategy_holds_counts_in_every_prefix_and_not_in_nones_peak():
 
 
 def test_autofreezes_gradient_sums_count_in_the_plan_for_the_trainable_blocks_only():
-    # the Freezer keeps AutoFreeze's signal, a running sum of every trainable gradient (a float32 copy of the
-    # trainable weights): the plan measures them, and a prefix frozen from the start holds none (counting them in
-    # every prefix froze one block more than a budget needed)
+    # the Freezer keeps AutoFreeze's signal, a running sum of every trainable gradient (a float32 copy of the trainable
+    # weights, the head's left out): the plan measures them, and a prefix frozen from the start holds none (counting
+    # them in every prefix froze one block more than a budget needed)
     plain = plan_memory(_stack(), _batch(), "1MiB", loss=_loss)
     held = plan_memory(_stack(), _batch(), "1MiB", loss=_loss, strategy="autofreeze")
-    assert held.measured.buckets["strategy"] == P0 + P2 + P4 and held.measured.blocks["strategy"] == [P0, P2, P4]
+    # (the head left out: AutoFreeze never scores it)
+    assert held.measured.buckets["strategy"] == P0 + P2 and held.measured.blocks["strategy"] == [P0, P2, 0]
     assert [h.predicted_bytes - p.predicted_bytes for h, p in zip(held.candidates, plain.candidates)] == [
-        P0 + P2 + P4, P2 + P4, P4]
-    assert [c.buckets["strategy"] for c in held.candidates] == [P0 + P2 + P4, P2 + P4, P4]
+        P0 + P2, P2, 0]
+    assert [c.buckets["strategy"] for c in held.candidates] == [P0 + P2, P2, 0]
     assert held.none_peak_bytes == plain.none_peak_bytes
 
 

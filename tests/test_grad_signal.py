@@ -163,7 +163,9 @@ def test_autofreeze_resumed_in_mid_interval_reads_the_uninterrupted_runs_signal_
     assert [repr(v) for s in later for v in s] == [repr(v) for s in stages[-len(later):] for v in s]
     assert [(h["block"], h["step"]) for h in history_b] == [(h["block"], h["step"]) for h in history]
     # the Freezer reports the sums in the memory ledger's strategy bucket: a float32 copy of the trainable weights
-    trainable = sum(p.numel() for i, b in enumerate(freezer.blocks) if not freezer.frozen[i] for p in b.parameters())
+    # but the head's (AutoFreeze never scores the head: Strategy.head_signals)
+    trainable = sum(p.numel() for i, b in enumerate(freezer.blocks) if not freezer.frozen[i] and not b.is_head
+                    for p in b.parameters())
     assert freezer.ledger_bytes() == {"strategy": {"cpu": 4 * trainable}}
 
 
@@ -184,7 +186,7 @@ def test_the_memory_ledger_counts_the_sums_once_in_the_strategy_bucket():
     blocks = discover_blocks(model)
     optimizer = torch.optim.SGD(block_param_groups(model, blocks, lr=0.1), lr=0.1)
     freezer = Freezer(model, optimizer, "autofreeze", {"interval": 4}, blocks=blocks)
-    weights = 4 * sum(p.numel() for p in model.parameters())
+    weights = 4 * sum(p.numel() for p in model[:-1].parameters())  # the head left out
     for sources in ([], [freezer.strategy]):  # the strategy given too (as before the Freezer reported it): once
         ledger = MemoryLedger(model, optimizer, freezer=freezer, sources=sources)
         with ledger.step():
@@ -283,7 +285,7 @@ def test_close_frees_the_sums_and_removes_the_optimizer_hook():
     blocks = discover_blocks(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     freezer = Freezer(model, optimizer, "autofreeze", {"interval": 4}, blocks=blocks)
-    assert freezer.ledger_bytes()["strategy"]["cpu"] == 4 * sum(p.numel() for p in model.parameters())
+    assert freezer.ledger_bytes()["strategy"]["cpu"] == 4 * sum(p.numel() for p in model[:-1].parameters())
     hooks = len(optimizer._optimizer_step_pre_hooks)
     freezer.close()
     assert freezer.ledger_bytes() == {} and len(optimizer._optimizer_step_pre_hooks) == hooks - 1

@@ -353,7 +353,7 @@ def _attached_twin(strategy: str | Strategy | None, params: dict[str, Any] | Non
     held: list[Any] = [twin]
     per_block = None
     if "grad_l1" in twin.signals:
-        sums = GradientSums(len(blocks))
+        sums = GradientSums(len(blocks), [b.is_head and not twin.head_signals for b in blocks])
         sums.prepare([False] * len(blocks), BlockParams(blocks, cache=False))
         held.append(lambda: {Bucket.STRATEGY: storage_bytes(sums.held_tensors())})
         per_block = [sum(t.numel() * t.element_size() for t in sums.of_block(i)) for i in range(len(blocks))]

@@ -1,23 +1,25 @@
-"""The gradient signal ``grad_l1``: each block's gradient summed over the backward passes since the last stage, its
-L1 norm read on the host once per stage.
+"""The gradient signal ``grad_l1``: each block's gradient summed over the updates since the last stage, its L1 norm
+read on the host once per stage.
 
 What it is: for block ``i``, ``grad_l1[i] = sum over the block's parameters p of ||sum_t g_t(p)||_1``, the L1 norm of
 the gradient *summed* over the interval, as AutoFreeze's public code computes it (``freeze_intermediate_e2e_lr.py``:
 ``grad_tensor_dict[name] += param.grad`` after every backward, ``torch.norm(..., p=1)`` of each sum at the evaluation,
 the sums then zeroed). :class:`GradientSums` keeps one running sum per trainable parameter, on the gradient's device,
-in float32 (float64 for a float64 gradient).
+in float32 (float64 for a float64 gradient). The engine adds each update's gradients once, at the optimizer's step
+(:func:`layerfreeze.engine.steps.hook_optimizer`): with gradient accumulation, once per update, not per backward.
 
-Cost per backward (issue 40): one ``torch._foreach_add_`` of the trainable gradients into their sums: no host
-synchronisation, one fused kernel on CUDA, 9.2 us on the CPU for the step-overhead model's 18 gradients
-(``python -m benchmarks.grad_norm_floor``). The list of trainable parameters and their sums is made once per frozen set
-and structure version (:meth:`GradientSums.add_trainable`), not on every backward. A stage reads the sums
-(:meth:`GradientSums.values`: ``torch._foreach_norm``, an ``index_add_`` per device into float64 per-block totals, one
-copy to the host per device) and zeroes them (:meth:`GradientSums.reset`).
+Cost per update (issue 40): one ``torch._foreach_add_`` of the trainable gradients into their sums: no host
+synchronisation, one fused kernel on CUDA; on the CPU, for the step-overhead model's 18 gradients, 9.2 us warm and 23
+us right after a backward (``python -m benchmarks.grad_norm_floor``). The list of trainable parameters and their sums
+is made once per frozen set and structure version (:meth:`GradientSums.add_trainable`), not on every update. A stage
+reads the sums (:meth:`GradientSums.values`: ``torch._foreach_norm``, an ``index_add_`` per device into float64
+per-block totals, one copy to the host per device) and zeroes them (:meth:`GradientSums.reset`).
 
-Memory: one float32 copy of the trainable blocks' gradients (the public code holds the same), on their devices; a
-block's sums are freed at the first backward after it froze. :meth:`GradientSums.held_tensors` lists them for the
-memory ledger's ``strategy`` bucket (the Freezer reports them with its strategy's: ``Freezer.ledger_bytes``). Under
-FSDP2 each rank sums its own shard of every gradient (a DTensor's local tensor, no collective per backward), and the
+Memory: one float32 copy of the trainable blocks' gradients (the public code holds the same), on their devices, but
+for a head the strategy does not read (``Strategy.head_signals``: AutoFreeze's); a block's sums are freed at the
+next update after it froze. :meth:`GradientSums.held_tensors` lists them for the memory ledger's ``strategy`` bucket
+(the Freezer reports them with its strategy's: ``Freezer.ledger_bytes``). Under
+FSDP2 each rank sums its own shard of every gradient (a DTensor's local tensor, no collective per update), and the
 per-block norms of the shards are all-reduced at the stage (:meth:`GradientSums.values` with ``reduce``): the L1 norm of
 a whole tensor is the sum of its shards' L1 norms.
 
@@ -72,10 +74,13 @@ class GradientSums:
 
     Args:
         num_blocks: The number of blocks (one ``grad_l1`` value each).
+        skip: Per block, whether it is never summed (a head the strategy does not read: ``Strategy.head_signals``);
+            default none.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, skip: Sequence[bool] | None = None) -> None:
         self.num_blocks = num_blocks
+        self.skip = list(skip) if skip is not None else [False] * num_blocks
         self._sums: dict[Key, torch.Tensor] = {}
         self._params: dict[Key, nn.Parameter] = {}  # the parameter each sum is of (its sharding, for a checkpoint)
         self._plan: _Plan | None = None
@@ -84,10 +89,10 @@ class GradientSums:
         self.added = 0
 
     def add_trainable(self, frozen: Sequence[bool], params: BlockParams) -> None:
-        """Add this backward's gradients of every block not ``frozen`` (``params.of(i)``: block ``i``'s parameters)
-        to their running sums; the list is made once per frozen set and structure version (``params.version()``;
-        every call when it is None). Parameters without a gradient are skipped. No host synchronisation: one
-        ``torch._foreach_add_`` queued on the gradients' device(s)."""
+        """Add this update's gradients of every block neither ``frozen`` nor in :attr:`skip` (``params.of(i)``:
+        block ``i``'s parameters) to their running sums; the list is made once per frozen set and structure version
+        (``params.version()``; every call when it is None). Parameters without a gradient are skipped. No host
+        synchronisation: one ``torch._foreach_add_`` queued on the gradients' device(s)."""
         plan = self.prepare(frozen, params)
         grads = list(map(_GRAD, plan.params))
         if plan.sharded:
@@ -120,13 +125,13 @@ class GradientSums:
 
     def prepare(self, frozen: Sequence[bool], params: BlockParams) -> _Plan:
         """The sums of the trainable blocks of ``frozen``, allocated now (zeros) if they are not yet: the Freezer
-        calls it when it starts, so the memory ledger and a memory plan see them before the first backward."""
+        calls it when it starts, so the memory ledger and a memory plan see them before the first update."""
         version = params.version()
         key = None if version is None else (version, tuple(frozen))
         plan = self._plan
         if plan is None or key is None or plan.key != key:
             plan = self._plan = self._make_plan(frozen, params, key)
-            stray = sorted(f"{i}.{j}" for i, j in self._loaded if not frozen[i])
+            stray = sorted(f"{i}.{j}" for i, j in self._loaded if not frozen[i] and not self.skip[i])
             if stray:
                 raise ValueError(f"gradient sums: the checkpoint holds sums for {', '.join(stray)}, which name no "
                                  "parameter of those blocks; it is from another model")
@@ -141,7 +146,7 @@ class GradientSums:
         owners: dict[Key, nn.Parameter] = {}
         sharded = False
         for i, f in enumerate(frozen):
-            if f:
+            if f or self.skip[i]:
                 continue
             for j, p in enumerate(params.of(i)):
                 local = local_tensor(p.detach())
@@ -212,7 +217,7 @@ class GradientSums:
         """The sums of the interval in progress, as CPU tensors keyed ``"block.position"`` (a copy to the host: a
         checkpoint). Under FSDP2 these are this rank's shards: use :meth:`full_state_dict` for a checkpoint."""
         out = {f"{i}.{j}": s.detach().to("cpu", copy=True) for (i, j), s in self._sums.items()}
-        out.update({f"{i}.{j}": t for (i, j), t in self._loaded.items()})  # loaded, not yet taken by a backward
+        out.update({f"{i}.{j}": t for (i, j), t in self._loaded.items()})  # loaded, not yet taken by a plan
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -69,10 +69,10 @@ class AutoFreeze(Strategy):
     public code evaluates ``num_intervals`` times per run (interval = total_steps / num_intervals); here the interval
     is given in steps.
 
-    Memory and cost: the running sums are one float32 copy of the trainable blocks' gradients on their device (the
-    public code holds the same), freed block by block as blocks freeze, in the memory ledger's ``strategy`` bucket
-    and in a memory plan; a checkpoint holds them too. Per backward: one ``torch._foreach_add_``, no host
-    synchronisation; a stage reads the norms with one copy to the host.
+    Memory and cost: the running sums are one float32 copy of the trainable blocks' gradients on their device, the head
+    left out (the public code holds the same, the classifier included), freed block by block as blocks freeze, in the
+    memory ledger's ``strategy`` bucket and in a memory plan; a checkpoint holds them too. Per update: one
+    ``torch._foreach_add_``, no host synchronisation; a stage reads the norms with one copy to the host.
 
     Args:
         interval: Optimizer steps between two evaluations (``stage_every``); integer ``>= 1``, default 50.
@@ -91,6 +91,7 @@ class AutoFreeze(Strategy):
     """
 
     signals = ("grad_l1",)
+    head_signals = False  # the head is never a candidate: no gradient sums for it
 
     def __init__(self, interval: int = 50, percentile: float = 50.0) -> None:
         super().__init__()

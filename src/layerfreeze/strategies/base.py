@@ -134,6 +134,9 @@ class Strategy:
     name: ClassVar[str] = "base"
     #: Signals the engine must collect for this strategy, e.g. ``("grad_l1",)``.
     signals: ClassVar[tuple[str, ...]] = ()
+    #: Whether ``grad_l1`` must cover the head too. False (AutoFreeze, which never scores the head): the engine keeps
+    #: no gradient sums for the head and reports 0.0 for it; an LM head is often the largest block.
+    head_signals: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.stage_every: int | None = None

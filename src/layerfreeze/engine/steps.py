@@ -65,9 +65,7 @@ def hook_optimizer(freezer: Freezer) -> None:
     calls ``after_backward`` after each, on gradients that still hold the earlier micro-batches'), after a
     ``GradScaler`` unscaled them, and never for a step it skipped on an overflow. A previous hook is removed; none is
     set without an optimizer that takes one, or for a strategy that does not read ``grad_l1``."""
-    if freezer._grad_hook is not None:
-        freezer._grad_hook.remove()
-        freezer._grad_hook = None
+    _unhook(freezer)
     register = getattr(freezer.optimizer, "register_step_pre_hook", None)
     if register is None or "grad_l1" not in freezer.strategy.signals:
         return
@@ -83,10 +81,14 @@ def hook_optimizer(freezer: Freezer) -> None:
 
 def release_gradients(freezer: Freezer) -> None:
     """Remove the optimizer hook of :func:`hook_optimizer` and free the running sums (``Freezer.close``)."""
+    _unhook(freezer)
+    freezer._grad_sums.load_state_dict({})
+
+
+def _unhook(freezer: Freezer) -> None:
     if freezer._grad_hook is not None:
         freezer._grad_hook.remove()
         freezer._grad_hook = None
-    freezer._grad_sums.load_state_dict({})
 
 
 def step(freezer: Freezer) -> Decision | None:

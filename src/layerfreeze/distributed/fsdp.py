@@ -20,9 +20,9 @@ no gradient memory). What that gives with the :class:`~layerfreeze.engine.Freeze
   loader refuses.)
 
 * a strategy runs on rank 0 only, which holds one shard of each parameter: a gradient-based one (``autofreeze``)
-  gets its per-block gradient norms from every rank's shards (``Freezer.after_backward`` sums them locally, then one
-  all-reduce); one that reads the weights (``smartfrz``, ``egeria``) observes a :class:`Mirror`, an unsharded copy
-  the Freezer keeps equal to the shards (``Freezer(mirror=...)``);
+  gets its per-block gradient norms from every rank's shards (each rank sums its own at the optimizer's step, the
+  stage all-reduces the norms); one that reads the weights (``smartfrz``, ``egeria``) observes a :class:`Mirror`, an
+  unsharded copy the Freezer keeps equal to the shards (``Freezer(mirror=...)``);
 * the activation cache (:class:`~layerfreeze.compute.cache.CachedPrefix`) runs the blocks one by one, each block's
   forward a collective: the ranks agree on every call on what all of them run, and the root group must hold no
   parameter (:func:`root_parameters`).

@@ -4,7 +4,8 @@ The folder's map: one mechanism per module, top to bottom; each imports only mod
 ``engine-layers`` in pyproject.toml). "Anyone" means code outside the engine too (names in an ``__all__``).
 
 * ``freezer`` -- :class:`Freezer`, the facade (freeze, thaw, the floor, the loop's hooks), PinnedBlockError; anyone.
-* ``steps`` -- a step's bookkeeping: after_backward / step / epoch_end (integrity checks, grad_l1); only freezer.py.
+* ``steps`` -- a step's bookkeeping: after_backward / step / epoch_end (integrity checks), the optimizer hook that
+  sums grad_l1; only freezer.py.
 * ``state`` -- the checkpointable state: state_dict / load_state_dict, STATE_VERSION; only freezer.py.
 * ``freezing`` -- a block's freeze and thaw wired to the Freezer's optimizer, hooks, checks and demotion; only
   freezer.py.
@@ -19,7 +20,8 @@ The folder's map: one mechanism per module, top to bottom; each imports only mod
 * ``mechanics`` -- the stateless freeze mechanics (:func:`frozen_parameters`, :func:`set_eval_mode`, the parameters
   frozen before the Freezer); anyone.
 * ``optim`` -- the optimizer surgery: frozen parameters out of the param groups and back, one group per block; anyone.
-* ``grad_signal`` -- GradientSums: the grad_l1 signal, summed on the device, read once per stage; freezer.py, steps.py.
+* ``grad_signal`` -- GradientSums: the grad_l1 signal, gradients summed on the device, read once per stage; freezer.py,
+  steps.py, stages.py, budget.plan.
 * ``timing`` -- StepTimes: step intervals with and without a stage, for the strategies' cadence; freezer.py, steps.py.
 * ``params`` -- BlockParams: each block's parameters walked once per structure change (torch's registration hooks);
   freezer.py, integrity.py.

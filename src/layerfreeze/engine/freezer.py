@@ -9,7 +9,7 @@ Strategies decide, the engine applies. The mechanics are small helpers (in the s
         for epoch in range(epochs):
             for batch in loader:
                 model(**batch).loss.backward()
-                freezer.after_backward()      # only needed by gradient-based strategies
+                freezer.after_backward()      # checks every trainable block got a gradient
                 optimizer.step(); scheduler.step(); optimizer.zero_grad(set_to_none=True)
                 freezer.step()                # after the scheduler: LR factors apply to this step's LR
             freezer.epoch_end()

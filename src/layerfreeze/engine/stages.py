@@ -94,9 +94,9 @@ def stage(freezer: Freezer, event: str) -> Decision:
         The decision applied (on ranks other than 0, rank 0's, without its signals).
 
     Raises:
-        RuntimeError: the strategy needs gradients and ``after_backward`` was never called; the strategy tried to
-            freeze the head; on ranks other than 0, the strategy failed on rank 0. The strategy's own exception is
-            re-raised (on rank 0 only when distributed, after the other ranks were told).
+        RuntimeError: the strategy needs gradients, the Freezer has no optimizer and ``after_backward`` was never
+            called; the strategy tried to freeze the head; on ranks other than 0, the strategy failed on rank 0. The
+            strategy's own exception is re-raised (on rank 0 only when distributed, after the other ranks were told).
     """
     decision = Decision()
     error: str | None = None
@@ -134,7 +134,7 @@ def stage(freezer: Freezer, event: str) -> Decision:
 def context(freezer: Freezer, event: str, grad_l1: list[float] | None = None) -> StageContext:
     """What the strategy sees at a stage: the blocks (frozen or not), the step and epoch, the signals it asked for
     (``grad_l1``: each block's L1 norm of its gradients summed since the last stage by
-    :func:`~layerfreeze.engine.steps.after_backward`; copied to the host here, once per stage, unless given, as the
+    :func:`~layerfreeze.engine.steps.sum_gradients`; copied to the host here, once per stage, unless given, as the
     all-reduced values under FSDP2), each block's LR
     before factors, a read-only view of the optimizer state (None without an optimizer; under FSDP2 the mirror's,
     with whole moments) and the medians of the recent step times (:mod:`layerfreeze.engine.timing`).

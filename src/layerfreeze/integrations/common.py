@@ -246,7 +246,7 @@ class FreezeSession:
         self.freezer = freezer
         self.ledger = None if ledger_every is None else MemoryLedger(
             freezer.model, freezer.optimizer, freezer=freezer, every=ledger_every,
-            sources=[s for s in (freezer.demoter,) if s is not None])
+            sources=[freezer.demoter] if freezer.demoter is not None else [])  # the Freezer counts its strategy
         self._ledger_open = False
         self.events: list[dict[str, Any]] = []
         freezer.on_event = self._on_event

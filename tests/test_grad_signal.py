@@ -289,3 +289,4 @@ def test_close_frees_the_sums_and_removes_the_optimizer_hook():
     hooks = len(optimizer._optimizer_step_pre_hooks)
     freezer.close()
     assert freezer.ledger_bytes() == {} and len(optimizer._optimizer_step_pre_hooks) == hooks - 1
+

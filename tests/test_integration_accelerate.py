@@ -80,3 +80,28 @@ def test_fp16_grad_scaler_with_a_half_precision_frozen_prefix():
         freezer.step()
     assert torch.equal(frozen, model[0].weight) and model[0].weight.dtype == torch.float16
     assert model[6].weight.dtype == torch.float32 and torch.isfinite(loss)
+
+
+def test_an_accelerated_optimizer_gets_the_hook_on_the_optimizer_it_wraps(fresh_accelerate_state):
+    # accelerate's AcceleratedOptimizer subclasses torch.optim.Optimizer without running its __init__: registering
+    # the step hook on it raised AttributeError (the HF callback's Freezer held one), and inner_optimizer returned it
+    from layerfreeze.integrations.common import inner_optimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(5)], nn.Linear(16, 4))
+    blocks = discover_blocks(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    accelerator = Accelerator(cpu=True)
+    model, wrapped = accelerator.prepare(model, optimizer)
+    assert type(wrapped).__name__ == "AcceleratedOptimizer" and inner_optimizer(wrapped) is optimizer
+    freezer = Freezer(model, wrapped, "autofreeze", {"interval": 2}, blocks=blocks)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        nn.functional.cross_entropy(model(x), y).backward()
+        wrapped.step()
+        wrapped.zero_grad(set_to_none=True)
+        freezer.step()
+    assert freezer._grad_sums.added == 0 and all(v > 0 for v in freezer.last_signals["grad_l1"][:5])
+    assert len(optimizer._optimizer_step_pre_hooks) == 1
+    freezer.close()

@@ -64,10 +64,17 @@ def hook_optimizer(freezer: Freezer) -> None:
     instead of at ``after_backward``: once per update whatever the number of backward passes (gradient accumulation
     calls ``after_backward`` after each, on gradients that still hold the earlier micro-batches'), after a
     ``GradScaler`` unscaled them, and never for a step it skipped on an overflow. A previous hook is removed; none is
-    set without an optimizer that takes one, or for a strategy that does not read ``grad_l1``."""
+    set without an optimizer that takes one, or for a strategy that does not read ``grad_l1``. A wrapper (accelerate's
+    ``AcceleratedOptimizer`` subclasses ``torch.optim.Optimizer`` but never runs its ``__init__``, so it has no hooks)
+    gets the hook on the optimizer it wraps, whose step runs once per real update."""
     _unhook(freezer)
-    register = getattr(freezer.optimizer, "register_step_pre_hook", None)
-    if register is None or "grad_l1" not in freezer.strategy.signals:
+    optimizer = freezer.optimizer
+    for _ in range(4):  # down the wrappers to the optimizer that keeps step hooks
+        if optimizer is None or hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            break
+        optimizer = getattr(optimizer, "optimizer", None)
+    if optimizer is None or not hasattr(optimizer, "_optimizer_step_pre_hooks") or (
+            "grad_l1" not in freezer.strategy.signals):
         return
     ref = weakref.ref(freezer)  # the optimizer does not keep the Freezer alive
 
@@ -76,7 +83,7 @@ def hook_optimizer(freezer: Freezer) -> None:
         if owner is not None:
             sum_gradients(owner)
 
-    freezer._grad_hook = register(before_step)
+    freezer._grad_hook = optimizer.register_step_pre_hook(before_step)
 
 
 def release_gradients(freezer: Freezer) -> None:

@@ -45,12 +45,14 @@ LOG_PREFIX = "layerfreeze/"
 
 
 def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The ``torch.optim`` optimizer behind a framework's wrapper (accelerate's ``AcceleratedOptimizer``,
-    Lightning's ``LightningOptimizer``), or ``optimizer`` itself."""
-    while hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    while hasattr(optimizer, "_optimizer") and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer._optimizer
+    """The ``torch.optim`` optimizer behind a framework's wrapper (accelerate's ``AcceleratedOptimizer``, itself a
+    ``torch.optim.Optimizer`` subclass that never runs its ``__init__``; Lightning's ``LightningOptimizer``), or
+    ``optimizer`` itself."""
+    for _ in range(4):
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            break
+        optimizer = inner
     return optimizer
 
 

@@ -85,7 +85,7 @@ def test_fp16_grad_scaler_with_a_half_precision_frozen_prefix():
 def test_an_accelerated_optimizer_gets_the_hook_on_the_optimizer_it_wraps(fresh_accelerate_state):
     # accelerate's AcceleratedOptimizer subclasses torch.optim.Optimizer without running its __init__: registering
     # the step hook on it raised AttributeError (the HF callback's Freezer held one), and inner_optimizer returned it
-    from layerfreeze.integrations.common import inner_optimizer
+    from layerfreeze.engine.optim import inner_optimizer
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(5)], nn.Linear(16, 4))

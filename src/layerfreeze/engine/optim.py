@@ -25,6 +25,18 @@ from layerfreeze.distributed.fsdp import fsdp_modules
 from layerfreeze.models.blocks import Block
 
 
+def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer behind a framework's wrapper (accelerate's ``AcceleratedOptimizer``, itself a
+    ``torch.optim.Optimizer`` subclass that never runs its ``__init__``; Lightning's ``LightningOptimizer``), or
+    ``optimizer`` itself."""
+    for _ in range(4):
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
 def group_origin(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     """``{id(param): index of its param group}`` for every parameter now in ``optimizer``."""
     return {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}

@@ -30,6 +30,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from layerfreeze.engine.lr_factors import apply_lr_scales
+from layerfreeze.engine.optim import inner_optimizer
 from layerfreeze.engine.sharding import sharded
 from layerfreeze.engine.stages import stage, sums_gradients
 from layerfreeze.strategies import Decision
@@ -68,13 +69,8 @@ def hook_optimizer(freezer: Freezer) -> None:
     ``AcceleratedOptimizer`` subclasses ``torch.optim.Optimizer`` but never runs its ``__init__``, so it has no hooks)
     gets the hook on the optimizer it wraps, whose step runs once per real update."""
     _unhook(freezer)
-    optimizer = freezer.optimizer
-    for _ in range(4):  # down the wrappers to the optimizer that keeps step hooks
-        if optimizer is None or hasattr(optimizer, "_optimizer_step_pre_hooks"):
-            break
-        optimizer = getattr(optimizer, "optimizer", None)
-    if optimizer is None or not hasattr(optimizer, "_optimizer_step_pre_hooks") or (
-            "grad_l1" not in freezer.strategy.signals):
+    optimizer = inner_optimizer(freezer.optimizer)
+    if not hasattr(optimizer, "_optimizer_step_pre_hooks") or "grad_l1" not in freezer.strategy.signals:
         return
     ref = weakref.ref(freezer)  # the optimizer does not keep the Freezer alive
 

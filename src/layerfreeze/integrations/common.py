@@ -44,18 +44,6 @@ STATE_FILE = "layerfreeze.pt"
 LOG_PREFIX = "layerfreeze/"
 
 
-def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The ``torch.optim`` optimizer behind a framework's wrapper (accelerate's ``AcceleratedOptimizer``, itself a
-    ``torch.optim.Optimizer`` subclass that never runs its ``__init__``; Lightning's ``LightningOptimizer``), or
-    ``optimizer`` itself."""
-    for _ in range(4):
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
-            break
-        optimizer = inner
-    return optimizer
-
-
 def inner_scheduler(scheduler: Any) -> Any:
     """The LR scheduler behind accelerate's ``AcceleratedScheduler``, or ``scheduler`` itself (None stays None)."""
     while scheduler is not None and hasattr(scheduler, "scheduler") and not hasattr(scheduler, "base_lrs"):

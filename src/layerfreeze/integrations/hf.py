@@ -65,13 +65,13 @@ import torch
 
 from layerfreeze.budget.plan import MemoryPlan
 from layerfreeze.engine.freezer import Freezer
+from layerfreeze.engine.optim import inner_optimizer
 from layerfreeze.integrations import require
 from layerfreeze.integrations.common import (
     STATE_FILE,
     FreezeSession,
     OptimizerSnapshot,
     full_optimizer_state_dict,
-    inner_optimizer,
     inner_scheduler,
     is_checkpointing,
     plan_on_first_batch,

@@ -44,8 +44,9 @@ from torch import nn
 
 from layerfreeze.budget.plan import MemoryPlan
 from layerfreeze.engine.freezer import Freezer
+from layerfreeze.engine.optim import inner_optimizer
 from layerfreeze.integrations import require
-from layerfreeze.integrations.common import FreezeSession, inner_optimizer, is_checkpointing, plan_on_first_batch
+from layerfreeze.integrations.common import FreezeSession, is_checkpointing, plan_on_first_batch
 from layerfreeze.strategies import DEFAULT_STRATEGY, Strategy
 
 L = require("lightning.pytorch", "lightning")

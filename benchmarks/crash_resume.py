@@ -14,19 +14,19 @@ mismatches (must be 0).
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import random
-import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
-HERE = Path(__file__).resolve()
-
+from tqdm import tqdm
 
 # ---- the run that gets killed ------------------------------------------------------------------------------------
 
@@ -43,14 +43,21 @@ def _task() -> Any:
     return Task("points", model, GaussianBlobs(64, seed=1), GaussianBlobs(16, seed=2), 4, "mlp", image_forward)
 
 
-def worker(run_dir: Path, steps: int) -> None:
-    """Start the run, or resume it when the folder holds one (as ``layerfreeze train --resume`` does)."""
+def worker(run_dir: Path, steps: int, say: Any = None) -> None:
+    """Start the run, or resume it when the folder holds one (as ``layerfreeze train --resume`` does); prints
+    "started" when training begins and "done" at the end, each also passed to ``say``."""
+
+    def tell(line: str) -> None:
+        print(line, flush=True)
+        if say is not None:
+            say(line)
+
     from layerfreeze.runs.rundir import CONFIG_FILE, SUMMARY_FILE
     from layerfreeze.train.config import build_config
     from layerfreeze.train.trainer import Trainer
 
     if (run_dir / SUMMARY_FILE).is_file():
-        print("done", flush=True)
+        tell("done")
         return
     cfg = build_config({
         "train": {"epochs": steps // 8, "batch_size": 8, "lr": 0.01, "eval_batch_size": 16},
@@ -65,35 +72,85 @@ def worker(run_dir: Path, steps: int) -> None:
     def started(trainer: Any) -> None:
         if not announced:
             announced.append(True)
-            print("started", flush=True)
+            tell("started")
 
     Trainer(cfg, task=_task(), step_callbacks=[started]).run()
-    print("done", flush=True)
+    tell("done")
 
 
 # ---- the harness -----------------------------------------------------------------------------------------------
 
 
-def status_line(proc: subprocess.Popen) -> str:
-    """The worker's first "started" or "done" line (the trainer's own console lines, such as the cache's, come
-    before it); "" when the worker exits without either."""
-    for line in proc.stdout:
-        if line.strip() in ("started", "done"):
-            return line.strip()
-    return ""
+#: What the server the killed processes are forked from imports once: a fresh interpreter spends ~3.5 s of CPU on
+#: these (Dynamo: any optimizer's construction imports it), each of a run's 20-100 processes
+PRELOAD = ["torch", "torch._dynamo", "layerfreeze.train.trainer", "benchmarks.crash_resume"]
 
 
-def start(run_dir: Path, steps: int) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, str(HERE), "--worker", str(run_dir), str(steps)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+class Process:
+    """One process of the run (what gets killed): forked from a server that has imported :data:`PRELOAD`
+    (``multiprocessing``'s forkserver, started with one OpenMP thread), so that it trains within ~0.1 s of its
+    start. Its output goes to ``RUN_DIR.log`` beside the run; it says "started" (training began) or "done"."""
+
+    def __init__(self, run_dir: Path, steps: int) -> None:
+        context = multiprocessing.get_context("forkserver")
+        if multiprocessing.forkserver._forkserver._forkserver_pid is None:
+            context.set_forkserver_preload(PRELOAD)
+            saved = os.environ.get("OMP_NUM_THREADS")
+            os.environ["OMP_NUM_THREADS"] = "1"
+            try:
+                multiprocessing.forkserver.ensure_running()
+            finally:
+                os.environ.pop("OMP_NUM_THREADS") if saved is None else os.environ.update(OMP_NUM_THREADS=saved)
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.log = run_dir.parent / f"{run_dir.name}.log"
+        self.said, told = context.Pipe(duplex=False)
+        self.process = context.Process(target=_forked_worker, args=(run_dir, steps, str(self.log), told))
+        self.process.start()
+        told.close()
+
+    def status(self) -> str:
+        """"started" or "done", whichever the process says first; "" when it exits saying neither."""
+        try:
+            return self.said.recv()
+        except EOFError:
+            return ""
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The exit code (negative: killed by that signal), or None while it still runs after ``timeout`` s."""
+        self.process.join(timeout)
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+
+    def output(self) -> str:
+        return self.log.read_text()[-3000:] if self.log.is_file() else ""
+
+
+def _forked_worker(run_dir: Path, steps: int, log_path: str, told: Any) -> None:
+    """In the forked process: :func:`worker`, its output to ``log_path``, each status line also sent on ``told``."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    torch.set_num_threads(1)
+    # tqdm's default write lock is a multiprocessing semaphore, registered with the resource tracker that all forked
+    # processes share: each kill would leak one, and the tracker warns of them at exit. One process writes this log
+    tqdm.set_lock(threading.RLock())
+    worker(run_dir, steps, say=told.send)
+    sys.stdout.flush()
+
+
+def start(run_dir: Path, steps: int) -> Process:
+    return Process(run_dir, steps)
 
 
 def finish(run_dir: Path, steps: int) -> None:
     proc = start(run_dir, steps)
-    out, err = proc.communicate(timeout=600)
-    if proc.returncode != 0 or "done" not in out:
-        raise RuntimeError(f"the run did not finish: {err[-3000:]}")
+    line = proc.status()
+    if proc.wait(timeout=600) != 0 or line not in ("started", "done"):
+        raise RuntimeError(f"the run did not finish: {proc.output()}")
 
 
 def kill_and_resume(run_dir: Path, steps: int, kills: int, seed: int, max_delay_s: float) -> dict[str, int]:
@@ -104,26 +161,24 @@ def kill_and_resume(run_dir: Path, steps: int, kills: int, seed: int, max_delay_
     stats = {"kills": 0, "in_checkpoint_write": 0, "finished_early": 0}
     for _ in range(kills):
         proc = start(run_dir, steps)
-        line = status_line(proc)
+        line = proc.status()
         if line != "started":
             proc.wait(timeout=60)
             if line == "done":
                 stats["finished_early"] += 1
                 break
-            raise RuntimeError(f"the run failed to start: {proc.stderr.read()[-3000:]}")
-        try:
-            proc.wait(timeout=rng.uniform(0.0, max_delay_s))
-        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the run failed to start: {proc.output()}")
+        code = proc.wait(timeout=rng.uniform(0.0, max_delay_s))
+        if code is None:
             proc.kill()
-            proc.wait()
             if (run_dir / SUMMARY_FILE).is_file():  # the kill came after training ended, in the process's exit
                 stats["finished_early"] += 1
                 break
             stats["kills"] += 1
             stats["in_checkpoint_write"] += any((run_dir / CHECKPOINTS_DIR).glob("*.tmp"))
             continue
-        if proc.returncode != 0:
-            raise RuntimeError(f"the run failed: {proc.stderr.read()[-3000:]}")
+        if code != 0:
+            raise RuntimeError(f"the run failed: {proc.output()}")
         stats["finished_early"] += 1
         break
     finish(run_dir, steps)

@@ -4,15 +4,9 @@ activation cache on (the default) (``benchmarks/crash_resume.py`` runs the same 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "crash_resume.py"
-spec = importlib.util.spec_from_file_location("bench_crash_resume", BENCH)
-crash = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(crash)
+from benchmarks import crash_resume as crash  # by its name: the processes it forks import their worker from it
 
 STEPS = 800  # room for 20 kills: each process trains 0-0.3 s (about 0-40 steps here) before its kill
 pytestmark = pytest.mark.timeout(600)

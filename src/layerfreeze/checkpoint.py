@@ -46,6 +46,7 @@ from layerfreeze.distributed.fsdp import (
     is_sharded,
     load_full_optimizer_state,
 )
+from layerfreeze.engine.optim import inner_optimizer
 from layerfreeze.errors import CheckpointError
 from layerfreeze.models.discovery import refuse_empty_parameters
 from layerfreeze.runs import rundir
@@ -181,14 +182,9 @@ def save_checkpoint(
 
 
 def _optimizer_class(optimizer: Any) -> str:
-    """The class name of ``optimizer``, under the wrappers of accelerate (``.optimizer``) and Lightning
-    (``._optimizer``)."""
-    for _ in range(4):
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if inner is None or inner is optimizer or not hasattr(inner, "param_groups"):
-            break
-        optimizer = inner
-    return type(optimizer).__name__
+    """The class name of the ``torch.optim`` optimizer under ``optimizer``'s wrappers (accelerate's, Lightning's:
+    :func:`~layerfreeze.engine.optim.inner_optimizer`)."""
+    return type(inner_optimizer(optimizer)).__name__
 
 
 def read_state(path: Path) -> dict[str, Any]:

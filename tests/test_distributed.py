@@ -246,7 +246,7 @@ def test_the_own_loop_examples_bad_input_is_one_line_on_each_rank(tmp_path):
     # an unknown strategy or --device cuda without a GPU was a raw traceback on each rank
     for args, said in ((["--strategy", "nope"], "Unknown strategy 'nope'"),
                        (["--strategy", "static", "-p", "k=-1"], "static: k must be")):
-        ranks = launch({}, tmp_path / args[1], module="examples.ddp_own_loop", args=args)
+        ranks = launch({}, tmp_path / args[1], module="examples.ddp_own_loop", args=args, fresh=True)
         assert ranks.returncodes == [2, 2], ranks.outputs
         assert all(said in out and "Traceback" not in out for out in ranks.outputs), ranks.outputs
 

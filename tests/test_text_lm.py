@@ -238,7 +238,7 @@ def test_fsdp2_refuses_tied_embeddings_on_every_rank_before_sharding(tmp_path, t
     args = ["train", "--task", "text-lm", "--model", str(tiny_llama_dir), "--data", str(story), "--epochs", "1",
             "--batch-size", "8", "--set", "model.max_length=16", "--device", "cpu", "--no-progress",
             "--parallel", "fsdp", "--run-dir", str(tmp_path / "run")]
-    ranks = launch({}, tmp_path / "ranks", module="layerfreeze", args=args, timeout=200)
+    ranks = launch({}, tmp_path / "ranks", module="layerfreeze", args=args, timeout=200, fresh=True)
     assert ranks.returncodes == [2, 2], ranks.outputs
     assert ranks.outputs[0].count("layerfreeze: error:") == 1 and f"layerfreeze: error: {said}" in ranks.outputs[0]
     assert "Traceback" not in ranks.outputs[0] + ranks.outputs[1]

@@ -60,7 +60,8 @@ def test_torchrun_refusal_is_one_line_exit_2_and_no_abort(tmp_path, extra, line)
 
 @pytest.mark.parametrize("extra, line", [REFUSALS[0], REFUSALS[2]], ids=["fsdp-demote", "ddp-budget"])
 def test_each_rank_exits_2_and_only_rank_0_speaks(tmp_path, extra, line):
-    ranks = launch({}, tmp_path / "ranks", module="layerfreeze", args=_args(tmp_path, extra), timeout=200)
+    ranks = launch({}, tmp_path / "ranks", module="layerfreeze", args=_args(tmp_path, extra), timeout=200,
+                   fresh=True)  # how each process ends is the point: no abort at its shutdown
     assert ranks.returncodes == [2, 2], ranks.outputs
     assert line in ranks.outputs[0] and ranks.outputs[0].count("layerfreeze: error:") == 1
     assert "Traceback" not in ranks.outputs[0] and "terminate called" not in ranks.outputs[0]
@@ -73,7 +74,8 @@ def test_ranks_given_different_configs_are_refused_naming_the_keys(tmp_path):
     # first collective until the timeout
     base = _args(tmp_path, ["--lr", "0.001", "--batch-size", "8"])
     other = _args(tmp_path, ["--lr", "0.5", "--batch-size", "16"])
-    ranks = launch({"args": [base, other]}, tmp_path / "ranks", module="tests.distributed.per_rank_cli", timeout=200)
+    ranks = launch({"args": [base, other]}, tmp_path / "ranks", module="tests.distributed.per_rank_cli", timeout=200,
+                   fresh=True)
     assert ranks.returncodes == [2, 2], ranks.outputs
     assert ranks.outputs[0].count("layerfreeze: error:") == 1, ranks.outputs[0]
     assert "layerfreeze: error: the ranks were given different configs: train.batch_size: 8 on rank 0, 16 on rank 1; " \

@@ -11,7 +11,9 @@ with ``OMP_NUM_THREADS=1`` and CUDA hidden. A fresh interpreter spends ~3.5 s of
 once on CI's two cores, for each of the suite's ~60 launches. The rank then runs ``python -m module`` as the
 interpreter would (:func:`_run_rank`): its own environment, output to its log, ``sys.exit``'s code as the exit code,
 non-daemon threads joined and ``atexit`` run before it exits. ``cuda=True`` ranks start as fresh interpreters (a
-forked process cannot use CUDA initialised before the fork), as does every rank under
+forked process cannot use CUDA initialised before the fork), as do ``fresh=True`` ranks (a test of how a rank's process
+ends: a forked rank leaves with ``os._exit``, so an abort in a C++ destructor at the interpreter's shutdown, such as
+"terminate called without an active exception", cannot show in it) and every rank under
 ``LAYERFREEZE_TEST_FRESH_RANKS=1``."""
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class Ranks:
 
 
 def launch(spec: dict, tmp: Path, world: int = 2, timeout: float = 120, module: str = "tests.distributed.worker",
-           args: list[str] | None = None, cuda: bool = False) -> Ranks:
+           args: list[str] | None = None, cuda: bool = False, fresh: bool = False) -> Ranks:
     """Run ``python -m module`` as ``world`` ranks (on the CPU unless ``cuda``: module docstring); returns exit
     codes, combined output and each rank's JSON."""
     tmp.mkdir(parents=True, exist_ok=True)
@@ -65,7 +67,7 @@ def launch(spec: dict, tmp: Path, world: int = 2, timeout: float = 120, module: 
         if not cuda:
             env["CUDA_VISIBLE_DEVICES"] = ""
         argv = args if args is not None else [str(spec_path)]
-        if cuda or os.environ.get(FRESH_RANKS_ENV):
+        if cuda or fresh or os.environ.get(FRESH_RANKS_ENV):
             procs.append(_FreshRank(module, argv, env, tmp / f"rank{rank}.log"))
         else:
             process = _rank_server().Process(target=_run_rank, args=(module, argv, env, str(tmp / f"rank{rank}.log")))

@@ -223,3 +223,33 @@ def test_a_memory_budget_pins_the_planned_prefix_and_the_peak_stays_within_it(tm
         assert torch.equal(before[name], after[name]), name
     assert callback.session.ledger.peaks.tensor.bytes == plan.predicted_peak_bytes <= plan.budget_bytes
     assert len(module.losses) == 8 + 2  # the measurement's two training_step calls, then the fit's 8 steps
+
+
+class _AppliedGradients(L.Callback):
+    """The L1 norm per block of the gradients each update applies (Lightning calls this after the closure's backward,
+    before the step), beside the ``grad_l1`` the Freezer's strategy read for that update."""
+
+    def __init__(self, callback: LayerFreeze) -> None:
+        self.callback, self.applied, self.read = callback, {}, {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        blocks = self.callback.freezer.blocks
+        self.applied[trainer.global_step + 1] = [sum(float(p.grad.abs().sum()) for p in b.parameters()) for b in blocks]
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        signal = self.callback.freezer.last_signals.get("grad_l1")
+        if signal is not None and trainer.global_step not in self.read:
+            self.read[trainer.global_step] = list(signal)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_autofreeze_reads_the_gradients_each_update_applies_after_the_closures_backward(tmp_path, accumulate):
+    # Lightning runs forward and backward inside optimizer.step(closure): a hook before the step read the previous
+    # update's gradients (zeros at step 1), and with accumulate_grad_batches=2 only the first micro-batch's
+    callback = LayerFreeze("autofreeze", {"interval": 1, "percentile": 0})
+    spy = _AppliedGradients(callback)
+    fit(tmp_path, callback, callbacks=[spy], max_steps=4, accumulate_grad_batches=accumulate)
+    assert sorted(spy.read) == [1, 2, 3, 4]
+    for step, read in spy.read.items():  # the head is not scored (its entry is NaN)
+        assert len(read) == len(spy.applied[step]) and read[-1] != read[-1], read
+        torch.testing.assert_close(torch.tensor(read[:-1]), torch.tensor(spy.applied[step][:-1]), rtol=1e-5, atol=0)

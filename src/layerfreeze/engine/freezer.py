@@ -215,7 +215,7 @@ class Freezer:
                                    quick=not self._fsdp)
         self._params = BlockParams(self.blocks, cache=not self._fsdp)  # walked again after a structure change
         self._grad_sums = GradientSums(len(self.blocks), [b.is_head and not strategy.head_signals for b in self.blocks])
-        self._grad_hook: Any = None  # the optimizer step pre-hook adding gradients to the grad_l1 sums (steps.py)
+        self._grad_hook: Any = None  # the optimizer step post-hook adding gradients to the grad_l1 sums (steps.py)
         self._step_times = StepTimes()  # the step intervals the strategies read (timing.py)
         self._backward_calls = 0
         self._lr_scale: dict[int, float] = {}

@@ -61,25 +61,28 @@ def sum_gradients(freezer: Freezer) -> None:
 
 
 def hook_optimizer(freezer: Freezer) -> None:
-    """Read the gradients for ``grad_l1`` at every ``optimizer.step()`` (a step pre-hook on the Freezer's optimizer),
+    """Read the gradients for ``grad_l1`` at every ``optimizer.step()`` (a step post-hook on the Freezer's optimizer),
     instead of at ``after_backward``: once per update whatever the number of backward passes (gradient accumulation
     calls ``after_backward`` after each, on gradients that still hold the earlier micro-batches'), after a
-    ``GradScaler`` unscaled them, and never for a step it skipped on an overflow. A previous hook is removed; none is
+    ``GradScaler`` unscaled them, and never for a step it skipped on an overflow. After the step, not before it:
+    Lightning runs the forward and backward inside ``optimizer.step(closure)``, so before the step the gradients are
+    the previous update's (or, with ``accumulate_grad_batches``, the first micro-batches' alone); the optimizers of
+    ``torch.optim`` leave ``.grad`` as they found it. A previous hook is removed; none is
     set without an optimizer that takes one, or for a strategy that does not read ``grad_l1``. A wrapper (accelerate's
     ``AcceleratedOptimizer`` subclasses ``torch.optim.Optimizer`` but never runs its ``__init__``, so it has no hooks)
     gets the hook on the optimizer it wraps, whose step runs once per real update."""
     _unhook(freezer)
     optimizer = inner_optimizer(freezer.optimizer)
-    if not hasattr(optimizer, "_optimizer_step_pre_hooks") or "grad_l1" not in freezer.strategy.signals:
+    if not hasattr(optimizer, "_optimizer_step_post_hooks") or "grad_l1" not in freezer.strategy.signals:
         return
     ref = weakref.ref(freezer)  # the optimizer does not keep the Freezer alive
 
-    def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         owner = ref()
         if owner is not None:
             sum_gradients(owner)
 
-    freezer._grad_hook = optimizer.register_step_pre_hook(before_step)
+    freezer._grad_hook = optimizer.register_step_post_hook(after_step)
 
 
 def release_gradients(freezer: Freezer) -> None:

@@ -64,10 +64,12 @@ from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
 from layerfreeze.engine.lr_factors import apply_lr_scales, check_block_lr, check_lr_scales, check_thaw_lrs, set_block_lr
 from layerfreeze.engine.mechanics import (
+    claim_model,
     frozen_before,
     frozen_blocks_to_eval,
     frozen_parameters,
     not_optimized,
+    refuse_second_freezer,
     set_eval_mode,
 )
 from layerfreeze.engine.optim import check_model_and_optimizer, group_origin, remove_from_optimizer
@@ -147,7 +149,8 @@ class Freezer:
         UnknownStrategyError / ValueError: bad strategy name or parameters; a sharded model with a strategy that
             observes the model and no ``mirror`` on rank 0 (raised on every rank); ``demote`` with ``train_bn=True``
             (the BatchNorm layers of frozen blocks keep training in float32) or with an FSDP2-sharded model.
-        RuntimeError: the strategy needs ``total_steps`` and none was given (the message says to pass it).
+        RuntimeError: the strategy needs ``total_steps`` and none was given (the message says to pass it); ``model``
+            has an open Freezer (two would run two strategies over the same blocks: close the first).
         ValueError: a ``floor`` block that is the head; ``total_steps``/``steps_per_epoch`` not an int >= 1.
 
     Use it as a context manager (``with Freezer(...) as freezer:``) or call :meth:`close` when training ends:
@@ -175,6 +178,7 @@ class Freezer:
         floor: Sequence[int | str] | None = None,
     ) -> None:
         check_model_and_optimizer(model, optimizer)
+        refuse_second_freezer(model)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -222,7 +226,7 @@ class Freezer:
         self._lr_written: dict[int, tuple[float, float]] = {}  # group -> (unscaled lr, lr we wrote)
         self._floor: set[int] = set()
         self._refused: set[int] = set()  # floor blocks whose thaw a strategy asked for (warned once each)
-        self._closed = False  # close(): freeze, thaw and the loop hooks are refused from then on
+        self.closed = False  # close() ran: freeze, thaw and the loop hooks are refused from then on
         self.distributed = comm.is_distributed() if distributed is None else bool(distributed)
         if self.distributed and not comm.is_distributed():
             raise RuntimeError("Freezer(distributed=True) needs an initialized torch.distributed process group of "
@@ -259,6 +263,7 @@ class Freezer:
         except BaseException:
             self.close()  # nobody holds this Freezer to close it: release the strategy's hooks and threads here
             raise
+        claim_model(model, self)
 
     # ---- queries -------------------------------------------------------------------------------------------
 
@@ -496,7 +501,7 @@ class Freezer:
         """Release what the strategy attached (hooks, background threads) and give demoted blocks their float32
         weights back on the device (they stay frozen; :meth:`~layerfreeze.engine.demote.Demoter.close`). Idempotent.
         """
-        self._closed = True
+        self.closed = True
         steps.release_gradients(self)
         if self.decides:
             self.strategy.detach()
@@ -508,7 +513,7 @@ class Freezer:
     def _check_open(self, what: str) -> None:
         """Refuse ``what`` on a closed Freezer: its strategy is detached and its demoted blocks got their float32
         weights back, so a freeze now would demote a block nothing restores again (it stayed bfloat16 for good)."""
-        if self._closed:
+        if self.closed:
             raise RuntimeError(f"Freezer.{what}() after close() (or after its `with` block): the strategy is detached "
                                "and demoted blocks are restored; build a new Freezer for more training")
 

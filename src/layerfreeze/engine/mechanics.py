@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from torch import nn
 
@@ -88,3 +90,30 @@ def frozen_blocks_to_eval(blocks: list[Block], frozen: list[bool], train_bn: boo
             for _, module in blocks[index].modules:
                 if module.training:
                     set_eval_mode(module, train_bn)
+
+
+#: The open Freezer of each model, held weakly (a Freezer nobody holds any more no longer counts).
+_OPEN: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Any]] = weakref.WeakKeyDictionary()
+
+
+def refuse_second_freezer(model: nn.Module) -> None:
+    """Refuse a Freezer on a model that has an open one (built, not closed).
+
+    Raises:
+        RuntimeError: two Freezers on one model step two strategies over the same blocks, each freezing and thawing
+            what the other set, and each step counted twice: a framework callback registered twice (transformers
+            only warns, then calls it twice), two callbacks, or a Freezer built again without closing the first.
+    """
+    ref = _OPEN.get(model)
+    other = ref() if ref is not None else None
+    if other is not None and not other.closed:
+        raise RuntimeError(
+            f"this {type(model).__name__} already has an open Freezer (strategy {other.strategy.name!r}): a second "
+            "one would run its own strategy over the same blocks, freezing and thawing what the first set. Close the "
+            "first (freezer.close(), or build it in a `with` block) before building another. Two framework callbacks "
+            "(LayerFreeze, LayerFreezeCallback) on one model do the same: use one")
+
+
+def claim_model(model: nn.Module, freezer: Any) -> None:
+    """Record ``freezer`` as ``model``'s open Freezer (:func:`refuse_second_freezer`)."""
+    _OPEN[model] = weakref.ref(freezer)

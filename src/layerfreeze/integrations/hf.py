@@ -134,7 +134,8 @@ class LayerFreezeCallback(transformers.TrainerCallback):
     Raises (at ``on_train_begin``):
         RuntimeError: the hooks were called by something other than a ``transformers.Trainer`` holding this
             callback (so there is no trainer to rebuild the DDP wrapper of and to log through), and it was not
-            attached with :meth:`attach`.
+            attached with :meth:`attach`; the callback is registered twice with the Trainer; the model has another
+            open Freezer (another callback's).
         FileNotFoundError: the Trainer resumes but the checkpoint folder has no ``layerfreeze.pt`` (give
             ``resume_from``, or resume from a checkpoint written with this callback).
         BudgetError: ``memory_budget`` cannot be read or met (the message names the smallest reachable peak).
@@ -185,6 +186,13 @@ class LayerFreezeCallback(transformers.TrainerCallback):
                 "trainer.model_wrapped, and logs through trainer.log; the Trainer passes neither to callbacks), and "
                 "no Trainer holding this callback is calling it: pass it in Trainer(..., callbacks=[...]) or add it "
                 "with LayerFreezeCallback(...).attach(trainer)")
+        if self.freezer is not None and not self.freezer.closed:
+            self.on_train_end(args, state, control)
+            raise RuntimeError(
+                "LayerFreezeCallback.on_train_begin ran twice in one train(): this callback is registered twice with "
+                "the Trainer (in Trainer(callbacks=[...]) and with .attach(trainer), or twice in the list; "
+                "transformers only warns of it, then calls it twice, which would step its strategy twice per "
+                "update). Register it once")
         optimizer = inner_optimizer(optimizer)
         saved = self._saved_state(args, state)
         snapshot = OptimizerSnapshot(optimizer) if saved is not None else None
@@ -241,6 +249,8 @@ class LayerFreezeCallback(transformers.TrainerCallback):
         """Release the strategy's hooks and threads and the checkpointing hook."""
         if self.session is not None:
             self.session.close()
+        elif self.freezer is not None:
+            self.freezer.close()
 
     # ---- internals -----------------------------------------------------------------------------------------
 

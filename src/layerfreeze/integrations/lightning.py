@@ -84,7 +84,7 @@ class LayerFreeze(L.Callback):
         BlockDiscoveryError, UnknownStrategyError, ValueError: as :class:`~layerfreeze.engine.Freezer`.
         ValueError: ``configure_optimizers`` returned more than one optimizer (one is supported).
         RuntimeError: the strategy needs the run length and the Trainer cannot estimate it (``max_epochs=-1``
-            without ``max_steps``).
+            without ``max_steps``); the network has another open Freezer (another ``LayerFreeze`` callback's).
         BudgetError (at ``on_train_start``): ``memory_budget`` cannot be read or met.
     """
 
@@ -135,8 +135,11 @@ class LayerFreeze(L.Callback):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Build the Freezer (its start stage freezes now, before ``configure_optimizers`` and the DDP wrapper)."""
-        if stage != "fit" or self.freezer is not None:
+        if stage != "fit" or (self.freezer is not None and not self.freezer.closed):
             return
+        # a fit after an earlier one (a second phase, a notebook's re-run): its Freezer was closed at teardown, and
+        # may hold another module: start over
+        self.session, self._restored, self._steps_seen, self.memory_plan = None, None, 0, None
         total = trainer.estimated_stepping_batches
         total_steps = int(total) if math.isfinite(total) and total > 0 else None  # 0: nothing to train
         steps_per_epoch = None
@@ -223,6 +226,8 @@ class LayerFreeze(L.Callback):
         """Release the strategy's hooks and threads and the checkpointing hook."""
         if stage == "fit" and self.session is not None:
             self.session.close()
+        elif stage == "fit" and self.freezer is not None:  # the fit stopped before on_fit_start
+            self.freezer.close()
 
     # ---- internals -----------------------------------------------------------------------------------------
 

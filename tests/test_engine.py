@@ -355,3 +355,17 @@ def test_a_freezer_given_no_model_or_another_models_optimizer_says_so():
     extra = nn.Parameter(torch.zeros(()))
     with Freezer(model, torch.optim.SGD([*model.parameters(), extra], lr=0.1), "none") as freezer:
         assert freezer.freeze(0)
+
+
+def test_a_second_open_freezer_on_one_model_is_refused_until_the_first_is_closed():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    first = Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 1})
+    with pytest.raises(RuntimeError, match=r"this Sequential already has an open Freezer \(strategy 'static'\).* "
+                                           r"Close the first \(freezer.close\(\)"):
+        Freezer(model, None, "lisa", {"k": 2})
+    assert model[1].weight.requires_grad  # refused before anything was frozen
+    first.close()
+    with Freezer(model, None, "static", {"k": 1}):  # the first is closed
+        pass
+    Freezer(model, None, "static", {"k": 1})  # so is the second, at the end of its with block
+    Freezer(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), None, "static", {"k": 1})  # another model: its own

@@ -105,3 +105,27 @@ def test_an_accelerated_optimizer_gets_the_hook_on_the_optimizer_it_wraps(fresh_
     assert freezer._grad_sums.added == 0 and all(v > 0 for v in freezer.last_signals["grad_l1"][:5])
     assert len(optimizer._optimizer_step_post_hooks) == 1
     freezer.close()
+
+
+def test_egeria_built_after_prepare_under_bf16_runs_its_reference_in_fp32(fresh_accelerate_state):
+    # the HF Trainer's callback builds its Freezer after accelerator.prepare, which set an autocast forward on the
+    # model's instance: Egeria's int8 reference copied it and failed "expected scalar type Float but found BFloat16"
+    from .integration_models import TokenDataset, tiny_bert
+
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    model = tiny_bert()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.utils.data.DataLoader(TokenDataset(32), batch_size=8)
+    model, optimizer, data = accelerator.prepare(model, optimizer, data)
+    assert "forward" in vars(model)  # accelerate's autocast wrapper
+    freezer = Freezer(model, optimizer, "egeria", {"interval": 2, "synchronous": True})
+    try:
+        for batch in data:
+            accelerator.backward(model(**batch).loss)
+            freezer.after_backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            freezer.step()
+        assert freezer.strategy.evaluations == 2 and "forward" not in vars(freezer.strategy._shadow)
+    finally:
+        freezer.close()

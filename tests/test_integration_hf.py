@@ -79,6 +79,11 @@ def test_static_frozen_weights_bitwise_and_out_of_the_optimizer(tmp_path):
     assert not any(id(p) in held for p in model.bert.embeddings.parameters())
     assert [(h["kind"], h["index"], h["step"]) for h in callback.freezer.history] == [("freeze", 0, 0),
                                                                                        ("freeze", 1, 0)]
+    # the start stage's freezes open the timeline (they were made before the callback's log existed: missing)
+    timeline = [(h["step"], k, v) for h in trainer.state.log_history for k, v in h.items()
+                if k.startswith("layerfreeze/frozen/")]
+    assert timeline == [(0, "layerfreeze/frozen/bert.embeddings", 1.0),
+                        (0, "layerfreeze/frozen/bert.encoder.layer.0", 1.0)]
 
 
 def test_freeze_thaw_steps_groups_and_the_log(tmp_path):
@@ -291,3 +296,26 @@ def test_a_memory_budget_freezes_the_planned_prefix_and_the_peak_stays_within_it
             assert torch.equal(before[name], p), name
     peak = callback.session.ledger.peaks.tensor.bytes
     assert peak <= plan.budget_bytes and abs(peak / plan.predicted_peak_bytes - 1) <= 0.10
+
+
+@pytest.mark.parametrize("form", ["attach", "twice in the list"])
+def test_a_callback_registered_twice_is_refused_before_the_first_step(tmp_path, form):
+    # transformers warns "There is already ... in the callbacks", then calls it twice: the strategy stepped twice
+    # per update (LISA switched every 2.5 steps), and a second Freezer was built over the first
+    callback = LayerFreezeCallback("lisa", {"k": 5})
+    trainer = Trainer(model=tiny_bert(), args=arguments(tmp_path, max_steps=4), train_dataset=TokenDataset(),
+                      callbacks=[callback] if form == "attach" else [callback, callback])
+    if form == "attach":
+        callback.attach(trainer)
+    with pytest.raises(RuntimeError, match=r"registered twice with the Trainer .* Register it once"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and callback.freezer.closed
+
+
+def test_two_callbacks_on_one_model_are_refused(tmp_path):
+    first, second = LayerFreezeCallback("static", {"k": 2}), LayerFreezeCallback("lisa", {"k": 5})
+    trainer = Trainer(model=tiny_bert(), args=arguments(tmp_path, max_steps=4), train_dataset=TokenDataset(),
+                      callbacks=[first, second])
+    with pytest.raises(RuntimeError, match=r"already has an open Freezer \(strategy 'static'\).* use one"):
+        trainer.train()
+    assert trainer.state.global_step == 0

@@ -253,3 +253,30 @@ def test_autofreeze_reads_the_gradients_each_update_applies_after_the_closures_b
     for step, read in spy.read.items():  # the head is not scored (its entry is NaN)
         assert len(read) == len(spy.applied[step]) and read[-1] != read[-1], read
         torch.testing.assert_close(torch.tensor(read[:-1]), torch.tensor(spy.applied[step][:-1]), rtol=1e-5, atol=0)
+
+
+def test_the_start_stages_freezes_open_the_timeline_in_the_logger(tmp_path):
+    # made in the Freezer's constructor, before the callback's session existed: they never reached the logger
+    logger = L.loggers.CSVLogger(tmp_path, name="log")
+    callback = LayerFreeze("static", {"k": 2}, submodule="net")
+    fit(tmp_path, callback, logger=logger, log_every_n_steps=1)
+    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    timeline = [(int(r["step"]), k, float(v)) for r in rows for k, v in r.items() if k.startswith("layerfreeze/frozen/")
+                and v != ""]
+    assert timeline == [(0, "layerfreeze/frozen/0", 1.0), (0, "layerfreeze/frozen/2", 1.0)]
+
+
+def test_one_callback_fits_a_second_module_and_two_callbacks_on_one_module_are_refused(tmp_path):
+    # a second fit (a second phase, a notebook's re-run) kept the first fit's closed Freezer: "after_backward() after
+    # close()", and the new module was never frozen
+    callback = LayerFreeze("static", {"k": 1}, submodule="net")
+    fit(tmp_path / "a", callback)
+    second = Module()
+    before = snapshot(second)
+    fit(tmp_path / "b", callback, module=second)
+    assert callback.freezer.model is second.net and callback.freezer.frozen_blocks == ["0"]
+    after = snapshot(second)
+    assert torch.equal(before["0.weight"], after["0.weight"]) and not torch.equal(before["2.weight"], after["2.weight"])
+    # two callbacks on one network would step two strategies over the same blocks
+    with pytest.raises(RuntimeError, match=r"already has an open Freezer \(strategy 'static'\)"):
+        fit(tmp_path / "c", LayerFreeze("static", {"k": 1}), callbacks=[LayerFreeze("lisa", {"k": 2})])

@@ -81,6 +81,7 @@ from layerfreeze.models.blocks import Block, block_by_key
 from layerfreeze.models.discovery import discover_blocks, refuse_empty_parameters
 from layerfreeze.strategies import DEFAULT_STRATEGY, Decision, Strategy, create_strategy
 from layerfreeze.strategies.base import storage_bytes
+from layerfreeze.strategies.registry import check_strategy_arguments
 
 
 class PinnedBlockError(RuntimeError):
@@ -146,9 +147,10 @@ class Freezer:
         BlockDiscoveryError: blocks cannot be discovered (see :func:`~layerfreeze.models.discovery.discover_blocks`).
         EmptyParameterError: a block's parameter holds no elements (a ZeRO-3 placeholder outside a gather,
             axolotl#1687: checksums and freezes would pass on nothing; ``discovery.refuse_empty_parameters``).
-        UnknownStrategyError / ValueError: bad strategy name or parameters; a sharded model with a strategy that
-            observes the model and no ``mirror`` on rank 0 (raised on every rank); ``demote`` with ``train_bn=True``
-            (the BatchNorm layers of frozen blocks keep training in float32) or with an FSDP2-sharded model.
+        UnknownStrategyError / ValueError / TypeError: bad strategy name or parameters; a sharded model with a
+            strategy that observes the model and no ``mirror`` on rank 0 (raised on every rank); ``demote`` with
+            ``train_bn=True`` (the BatchNorm layers of frozen blocks keep training in float32) or with an
+            FSDP2-sharded model.
         RuntimeError: the strategy needs ``total_steps`` and none was given (the message says to pass it); ``model``
             has an open Freezer (two would run two strategies over the same blocks: close the first).
         ValueError: a ``floor`` block that is the head; ``total_steps``/``steps_per_epoch`` not an int >= 1.
@@ -178,6 +180,7 @@ class Freezer:
         floor: Sequence[int | str] | None = None,
     ) -> None:
         check_model_and_optimizer(model, optimizer)
+        check_strategy_arguments(strategy, strategy_params)
         refuse_second_freezer(model)
         self.model = model
         self.optimizer = optimizer

@@ -92,7 +92,7 @@ def frozen_blocks_to_eval(blocks: list[Block], frozen: list[bool], train_bn: boo
                     set_eval_mode(module, train_bn)
 
 
-#: The open Freezer of each model, held weakly (a Freezer nobody holds any more no longer counts).
+#: The open Freezer of each model, held weakly (a model's own hooks keep its Freezer alive until close()).
 _OPEN: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 
 

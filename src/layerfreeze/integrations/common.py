@@ -37,6 +37,7 @@ from layerfreeze.engine.freezer import Freezer
 from layerfreeze.models.blocks import output_tensor
 from layerfreeze.runs.ledger import MemoryLedger
 from layerfreeze.runs.telemetry import signals_of
+from layerfreeze.strategies.registry import check_strategy_arguments
 
 #: The file each framework checkpoint folder gets for the freezer's state (HF Trainer checkpoints).
 STATE_FILE = "layerfreeze.pt"
@@ -211,6 +212,19 @@ def plan_on_first_batch(budget: Any, model: nn.Module, optimizer: Any, loader: I
                        strategy=strategy, params=params, sources=sources)
 
 
+def check_callback_arguments(where: str, strategy: Any, params: Any, blocks: Any) -> None:
+    """Refuse a callback's arguments of the wrong kind when it is made, not at its first hook
+    (:func:`~layerfreeze.strategies.registry.check_strategy_arguments`; ``blocks`` as one string).
+
+    Raises:
+        TypeError: the message says what to pass instead.
+    """
+    check_strategy_arguments(strategy, params, where)
+    if isinstance(blocks, str):  # list() would split it into characters
+        raise TypeError(f"{where}: blocks must be a list of module-name patterns, got the string {blocks!r}: write "
+                        f"[{blocks!r}]")
+
+
 # --------------------------------------------------------------------------------------------------------------
 # One freezer in a framework's loop
 # --------------------------------------------------------------------------------------------------------------
@@ -238,7 +252,9 @@ class FreezeSession:
             freezer.model, freezer.optimizer, freezer=freezer, every=ledger_every,
             sources=[freezer.demoter] if freezer.demoter is not None else [])  # the Freezer counts its strategy
         self._ledger_open = False
-        self.events: list[dict[str, Any]] = []
+        # the start stage's freezes (made in the Freezer's constructor, before this session): the timeline's first
+        # entries, logged with the first stage's values
+        self.events: list[dict[str, Any]] = list(freezer.history)
         freezer.on_event = self._on_event
         self.boundary = CheckpointBoundary() if checkpointing else None
         self.ddp_built_for = tuple(freezer.frozen) if ddp_built_for is None else tuple(ddp_built_for)

@@ -68,9 +68,11 @@ from layerfreeze.engine.freezer import Freezer
 from layerfreeze.engine.optim import inner_optimizer
 from layerfreeze.integrations import require
 from layerfreeze.integrations.common import (
+    LOG_PREFIX,
     STATE_FILE,
     FreezeSession,
     OptimizerSnapshot,
+    check_callback_arguments,
     full_optimizer_state_dict,
     inner_scheduler,
     is_checkpointing,
@@ -146,6 +148,7 @@ class LayerFreezeCallback(transformers.TrainerCallback):
                  blocks: Sequence[str] | None = None, train_bn: bool = False,
                  resume_from: str | os.PathLike | None = None, ledger_every: int | None = None,
                  memory_budget: Any = None) -> None:
+        check_callback_arguments("LayerFreezeCallback", strategy, params, blocks)
         self.strategy = strategy
         self.memory_budget = memory_budget
         self.memory_plan: MemoryPlan | None = None
@@ -274,7 +277,7 @@ class LayerFreezeCallback(transformers.TrainerCallback):
     def _after_stage(self, decision: Any, control: Any) -> None:
         self.session.sync(self.trainer.model_wrapped)
         metrics = self.session.metrics(decision)
-        changed = decision is not None and bool(decision.freeze or decision.thaw)
+        changed = any(key.startswith(f"{LOG_PREFIX}frozen/") for key in metrics)  # a freeze or thaw since the last
         # at the Trainer's logging cadence (logging_steps), and whenever the frozen set changes
         if changed or control.should_log:
             metrics.update(self.session.memory_metrics())

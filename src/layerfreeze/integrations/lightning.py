@@ -46,7 +46,12 @@ from layerfreeze.budget.plan import MemoryPlan
 from layerfreeze.engine.freezer import Freezer
 from layerfreeze.engine.optim import inner_optimizer
 from layerfreeze.integrations import require
-from layerfreeze.integrations.common import FreezeSession, is_checkpointing, plan_on_first_batch
+from layerfreeze.integrations.common import (
+    FreezeSession,
+    check_callback_arguments,
+    is_checkpointing,
+    plan_on_first_batch,
+)
 from layerfreeze.strategies import DEFAULT_STRATEGY, Strategy
 
 L = require("lightning.pytorch", "lightning")
@@ -92,6 +97,7 @@ class LayerFreeze(L.Callback):
                  blocks: Sequence[str] | None = None, train_bn: bool = False, submodule: str | None = None,
                  ledger_every: int | None = None, memory_budget: Any = None,
                  memory_loss: Callable[[Any, Any], torch.Tensor] | None = None) -> None:
+        check_callback_arguments("LayerFreeze", strategy, params, blocks)
         self.strategy = strategy
         self.memory_budget = memory_budget
         self.memory_loss = memory_loss

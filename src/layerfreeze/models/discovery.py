@@ -88,8 +88,12 @@ def find_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> Disc
         BlockDiscoveryError: nothing could be discovered (the message names the top-level children and shows how
             to pass patterns), or a pattern matches nothing.
         EmptyParameterError: a parameter holds no elements (a sharded placeholder: :func:`refuse_empty_parameters`).
+        TypeError: ``patterns`` is a string, not a list of them.
     """
     refuse_empty_parameters(model.named_parameters(), "discover_blocks")
+    if isinstance(patterns, str):  # each character would be a pattern
+        raise TypeError(f"blocks must be a list of module-name patterns, got the string {patterns!r}: write "
+                        f"[{patterns!r}]")
     if patterns:
         blocks = blocks_from_patterns(model, patterns)
         return Discovery(blocks, "patterns", resolve_ties(blocks))

@@ -88,7 +88,9 @@ class StageContext:
         if self.progress is None:
             raise RuntimeError(
                 f"Strategy {who!r} needs the planned number of optimizer steps to know the fraction of training done: "
-                "pass total_steps=<planned optimizer steps> to Freezer(...) (the CLI trainer does this)"
+                "pass total_steps=<planned optimizer steps> to Freezer(...) (the CLI trainer does this); under "
+                "Lightning, whose LayerFreeze callback passes the Trainer's estimate, give Trainer(max_steps=...) or "
+                "a finite max_epochs"
             )
         return self.progress
 

@@ -112,6 +112,24 @@ def check_strategy(name: str, params: Mapping[str, Any] | None = None) -> None:
         raise UnknownStrategyError(f"Strategy {name!r} needs the parameter(s) {', '.join(missing)}")
 
 
+def check_strategy_arguments(strategy: object, params: object, where: str = "Freezer") -> None:
+    """Refuse a ``strategy`` that is neither a registered name nor a :class:`Strategy` instance, and ``params`` that
+    are not a mapping, naming ``where`` they were given (a Freezer, a framework callback).
+
+    Raises:
+        TypeError: the message says what to pass instead (an instance for a class, a dict for a string).
+    """
+    if isinstance(strategy, type) and issubclass(strategy, Strategy):
+        raise TypeError(f"{where}: strategy is the class {strategy.__name__}, not a strategy: pass an instance, "
+                        f"{strategy.__name__}(...), or a registered name")
+    if not isinstance(strategy, (str, Strategy)):
+        raise TypeError(f"{where}: strategy must be a registered name (e.g. 'static'; {', '.join(sorted(STRATEGIES))}) "
+                        f"or a Strategy instance, got {type(strategy).__name__} {strategy!r}")
+    if params is not None and not isinstance(params, Mapping):
+        raise TypeError(f"{where}: the strategy's parameters must be a dict such as {{'k': 2}}, got "
+                        f"{type(params).__name__} {params!r}")
+
+
 def create_strategy(name: str, params: Mapping[str, Any] | None = None, /, *, num_blocks: int | None = None,
                     **kwargs: Any) -> Strategy:
     """Build a registered strategy: the one path from a name to a strategy (the Freezer, the CLI trainer and

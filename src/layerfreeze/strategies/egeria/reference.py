@@ -33,6 +33,11 @@ _HOOK_DICTS = (
     "_backward_pre_hooks",
 )
 
+#: What a framework leaves on a module whose ``forward`` it wrapped, as an instance attribute: accelerate's
+#: ``Accelerator.prepare`` under mixed precision keeps the original as ``_original_forward`` and sets an autocast
+#: ``forward`` (the HF Trainer with ``bf16=True`` does this); its hooks (``add_hook_to_module``) keep ``_old_forward``.
+_WRAPPED_FORWARD = ("_original_forward", "_old_forward")
+
 #: The reference schemes :func:`build_reference` takes.
 QUANTIZATIONS = ("dynamic", "weight_only")
 
@@ -42,7 +47,8 @@ def cpu_copy(model: nn.Module) -> nn.Module:
 
     The tensors are copied straight to the CPU (the deep-copy memo is pre-filled), so a GPU model is never
     duplicated on the GPU; hook dictionaries are replaced by empty ones, so objects that own hooks (a Freezer,
-    telemetry) are not deep-copied along with their bound methods.
+    telemetry) are not deep-copied along with their bound methods; a ``forward`` a framework wrapped on the instance
+    (:data:`_WRAPPED_FORWARD`: accelerate's autocast one) gives way to the class's own.
     """
     memo: dict[int, Any] = {}
     for t in list(model.parameters()) + list(model.buffers()):
@@ -55,6 +61,11 @@ def cpu_copy(model: nn.Module) -> nn.Module:
             if hooks is not None:
                 memo[id(hooks)] = type(hooks)()
     clone = copy.deepcopy(model, memo)
+    for m in clone.modules():  # the class's own forward, in fp32: an autocast one fed bf16 to the int8 layers
+        if "forward" in vars(m) and any(mark in vars(m) for mark in _WRAPPED_FORWARD):
+            del m.forward
+            for mark in _WRAPPED_FORWARD:
+                vars(m).pop(mark, None)
     clone.eval()
     clone.requires_grad_(False)
     return clone

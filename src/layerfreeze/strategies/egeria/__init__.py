@@ -67,11 +67,14 @@ forwards at a refresh). Hooks registered on the model are not copied into the sh
 that needs a forward hook to compute correctly, such as legacy ``torch.nn.utils.weight_norm``, is not supported;
 use ``torch.nn.utils.parametrizations.weight_norm``).
 
-Resume: :meth:`Egeria.state_dict` holds the counters, histories, the values each block is compared with, and
-the probe batch (CPU tensors). The reference model is not saved: :meth:`Egeria.load_state_dict` rebuilds it from
-the current (resumed) weights, which counts as a refresh (baselines measured on the probe batch), so a resumed run
-continues the counts but compares with a reference one refresh newer than an uninterrupted run would. An
-evaluation still in flight when the state is saved is not saved.
+Resume: :meth:`Egeria.state_dict` holds the counters, histories, the values each block is compared with, the
+probe batch, the int8 reference itself (its state dict, CPU tensors) and the evaluation in flight (waited for: this
+run picks it up at its next stage as the resumed one does). :meth:`Egeria.load_state_dict` loads the reference into
+one built from the resumed weights, so an inline (``synchronous``) run resumed anywhere decides as the uninterrupted
+one, stage for stage. In the background a stage that finds the worker busy skips its evaluation, at the machine's
+pace, so two runs of the same seed may differ already; a resumed one starts where the checkpoint caught it. A state
+saved before the reference was kept in it (no ``reference`` key) gets a reference from the resumed weights, which
+counts as a refresh.
 """
 
 from layerfreeze.strategies.egeria.plasticity import (

@@ -286,7 +286,24 @@ class Egeria(Strategy):
             "refreshes": self.refreshes,
             "since_refresh": self._since_refresh,
             "probe": None if self._probe is None else {"args": list(self._probe[0]), "kwargs": dict(self._probe[1])},
+            # what a resume needs to compare with what this run compares with: the reference itself (rebuilt from
+            # the resumed weights it would be one refresh newer) and the evaluation in flight, finished here (this
+            # run picks it up at its next stage, as the resumed one does)
+            "reference": None if self._reference is None else self._reference.state_dict(),
+            "reference_report": dict(self.reference_report),
+            "pending": self._pending_state(),
         }
+
+    def _pending_state(self) -> dict[str, Any] | None:
+        if self._pending is None:
+            return None
+        try:
+            result: Evaluation = self._pending.result()
+        except Exception:  # this run's next stage re-raises it; a resumed run evaluates again
+            return None
+        return {"step": self._pending_step, "plasticity": list(result.plasticity), "report": result.report,
+                "baseline": None if result.baseline is None else list(result.baseline),
+                "reference": None if result.reference is None else result.reference.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; when attached, rebuild the reference from the current weights (a refresh)."""
@@ -308,15 +325,29 @@ class Egeria(Strategy):
             if self._probe_handle is not None:
                 self._probe_handle.remove()
                 self._probe_handle = None
-        if self._shadow is not None:
-            self._resize(self._num_blocks)
-            self._copy_weights()
-            self._reference, self.reference_report = build_reference(self._shadow, self.reference_quantization)
+        if self._shadow is None:
+            return
+        self._resize(self._num_blocks)
+        self._copy_weights()
+        self._reference, self.reference_report = build_reference(self._shadow, self.reference_quantization)
+        if state.get("reference") is not None:  # the saved reference: the resumed run compares as this one did
+            self._reference.load_state_dict(state["reference"])
+            self.reference_report = dict(state.get("reference_report") or {})
+        else:  # a state without it (older): a reference from the resumed weights counts as a refresh
             self.previous = [None] * self._num_blocks
             if self._probe is not None:
                 trained = block_outputs(self._shadow, self._names, self._probe)
                 self.previous = plasticity_per_block(trained, block_outputs(self._reference, self._names, self._probe),
-                                            self._num_blocks)
+                                                     self._num_blocks)
+        pending = state.get("pending")
+        if pending is not None:
+            reference = None
+            if pending["reference"] is not None:
+                reference, _ = build_reference(self._shadow, self.reference_quantization)
+                reference.load_state_dict(pending["reference"])
+            self._pending, self._pending_step = Future(), int(pending["step"])
+            self._pending.set_result(Evaluation(int(pending["step"]), list(pending["plasticity"]), reference,
+                                                pending["report"], pending["baseline"]))
 
     def __repr__(self) -> str:
         return (f"Egeria(interval={self.interval}, refresh_every={self.refresh_every}, tolerance={self.tolerance:g}, "

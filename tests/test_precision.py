@@ -171,6 +171,30 @@ def test_a_resume_under_each_precision_equals_the_uninterrupted_run(tmp_path, pr
     assert ref["test_accuracy"] == got["test_accuracy"]
 
 
+@pytest.mark.parametrize("saved, now", [("32-true", "bf16-true"), ("bf16-true", "32-true")])
+def test_a_resume_that_would_cast_frozen_blocks_is_refused_before_anything_is_written(tmp_path, saved, now):
+    # it stopped at the first checksum check, "frozen block changed since it froze ... something updated it outside
+    # the optimizer", with the new precision already in config.json: every later --resume failed the same way
+    from layerfreeze.errors import ConfigError
+
+    def press_ctrl_c(fetches):
+        if fetches == 16 * 4 + 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(_config(tmp_path, "cut", saved), task=blob_task(press_ctrl_c)).run()
+    config = (tmp_path / "cut" / "config.json").read_text()
+    resumed = _config(tmp_path, "cut", now)
+    resumed.run.resume = str(tmp_path / "cut")
+    with pytest.raises(ConfigError, match=rf"trained under train.precision {saved} and has frozen blocks \(0, 1\); "
+                                          rf"{now} would cast their weights.* resume with --precision {saved}"):
+        Trainer(resumed, task=blob_task()).run()
+    assert (tmp_path / "cut" / "config.json").read_text() == config
+    resumed = _config(tmp_path, "cut", saved)  # as the message says
+    resumed.run.resume = str(tmp_path / "cut")
+    assert Trainer(resumed, task=blob_task()).run()["steps"] == 12
+
+
 def test_an_unknown_precision_is_refused_with_the_names():
     from layerfreeze.errors import ConfigError
 

@@ -115,6 +115,14 @@ def resume(trainer: Trainer, path: Path) -> tuple[int, int]:
         changed = ", ".join(f"{k} {saved_data.get(k)} then, {v} now" for k, v in data.items() if saved_data.get(k) != v)
         raise ConfigError(f"--resume {path}: the data changed since the checkpoint ({changed}); a resumed run needs "
                           "the data it was trained on: restore it, or start a new run")
+    saved_precision, precision = (extra["progress"].get("precision") or {}).get("name"), trainer.precision.name
+    frozen = trainer.freezer.frozen_blocks
+    if frozen and saved_precision not in (None, precision) and "bf16-true" in (saved_precision, precision):
+        raise ConfigError(  # the checksums of the frozen blocks are of the weights in the dtype they froze in
+            f"--resume {path}: the checkpoint was trained under train.precision {saved_precision} and has frozen "
+            f"blocks ({', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}); {precision} would "
+            f"cast their weights, which stay as they froze: resume with --precision {saved_precision}, or start a "
+            "new run")
     done, end = int(extra["progress"]["step"]), trainer.total_steps
     if done > end:  # nothing would train, and the summary would say the run ended at this config's end
         train = trainer.config.train

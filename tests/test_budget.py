@@ -393,6 +393,25 @@ def test_cli_plan_prints_every_prefix_checks_the_plan_and_refuses_an_impossible_
     assert "did you mean 3GiB" in capsys.readouterr().err and not (tmp_path / "bad").exists()
 
 
+def test_cli_plans_measured_parts_add_up_to_its_peak_autocasts_casts_among_them(tmp_path, tiny_bert_dir, tiny_csv,
+                                                                               capsys):
+    # under bf16-mixed the breakdown left out autocast's weight casts: the parts summed to less than the peak
+    out_json = tmp_path / "plan.json"
+    assert main(["plan", "--memory", "60%", "--task", "text-csv", "--data", str(tiny_csv), "--model",
+                 str(tiny_bert_dir), "--set", "model.max_length=16", "--batch-size", "8", "--precision", "bf16-mixed",
+                 "--json", str(out_json), "--no-progress"]) == 0
+    plan = MemoryPlan.from_dict(json.loads(out_json.read_text()))
+    left_out = ("cache_memory", "cache_disk", "strategy")  # not in the peak a budget's fraction is taken of
+    shown = {b: n for b, n in plan.measured.buckets.items() if n and b not in left_out}
+    assert shown.get("autocast_casts", 0) > 0 and sum(shown.values()) == plan.none_peak_bytes
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("measured on"))
+    assert f"tensor peak {format_bytes(plan.none_peak_bytes)} (" in line
+    from layerfreeze.runs.ledger_buckets import bucket_label
+
+    assert line.endswith(", ".join(f"{bucket_label(b)} {format_bytes(n)}" for b, n in shown.items()) + ")")
+    assert f"autocast weight casts {format_bytes(shown['autocast_casts'])}" in line
+
+
 @pytest.mark.assets("mobilenet_v2")
 def test_cli_plan_under_bf16_true_measures_the_cache_on_bfloat16_inputs(tmp_path, capsys):
     # the cache's prefix ran on the float32 pixels while the weights were bfloat16: "Input type (torch.FloatTensor)

@@ -17,10 +17,12 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from layerfreeze.budget.measure import CACHE_BUCKETS
 from layerfreeze.cli.parser import TRAIN_FLAGS, main_rank, overrides_of
 from layerfreeze.distributed.comm import RankLostError, close_distributed, launched_world_size
 from layerfreeze.errors import ConfigError, UnknownStrategyError
 from layerfreeze.runs import rundir
+from layerfreeze.runs.ledger_buckets import Bucket, bucket_label
 from layerfreeze.strategies import DEFAULT_STRATEGY, STRATEGIES, strategy_parameters
 from layerfreeze.strategies.registry import did_you_mean
 from layerfreeze.train.assets import check_assets
@@ -288,13 +290,12 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
                   f"blocks) | batch {measured.batch_size} | strategy {config.freeze.strategy} | cache "
                   + (f"on ({cache.samples} samples, {cache.dtype})" if cache is not None else "off"), highlight=False)
     console.print(plan_headline(plan), highlight=False)
-    b = measured.buckets
+    # every bucket of that peak (autocast's weight casts too, under bf16-mixed / 16-mixed), so the parts add up to
+    # it: the cache and what the strategy holds are left out of it (MemoryPlan.none_peak_bytes)
+    parts = ", ".join(f"{bucket_label(bucket)} {format_bytes(n)}" for bucket, n in measured.buckets.items()
+                      if n and bucket not in (*CACHE_BUCKETS, Bucket.STRATEGY))
     console.print(f"measured on {measured.steps} real steps with nothing frozen: tensor peak "
-                  f"{format_bytes(plan.none_peak_bytes)} (parameters {format_bytes(b.get('params_trainable', 0))}, "
-                  f"gradients {format_bytes(b.get('grads', 0))}, optimizer state "
-                  f"{format_bytes(b.get('optimizer', 0))}, "
-                  f"saved activations {format_bytes(b.get('activations', 0))}, buffers "
-                  f"{format_bytes(b.get('buffers', 0))})", highlight=False)
+                  f"{format_bytes(plan.none_peak_bytes)} ({parts})", highlight=False)
     head, cells = plan.rows()
     table = Table(title=f"each frozen prefix under a budget of {format_bytes(plan.budget_bytes)} (tensor peak)")
     for col in head:

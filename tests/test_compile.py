@@ -205,3 +205,20 @@ def test_the_trainer_compiled_equals_its_eager_run_and_logs_compiles(tmp_path):
     assert c["train_compile_s"] <= c["compile_s"] + 1e-9 and steps[-1]["compile_s"] == 0.0
     assert all(r["compile_s"] == 0.0 for r in steps if r["compiles"] == 0)
     assert steps[-1]["compiles"] == 0
+
+
+def test_compile_true_keeps_the_cache_off_in_auto_and_refuses_it_on(tmp_path, capsys):
+    # the cached forward runs the trainable blocks one by one, never model.forward, the one compiled region: with the
+    # cache in use (auto, the default) no training step was compiled, in silence
+    from layerfreeze.errors import ConfigError
+
+    cfg = build_config({
+        "train": {"epochs": 1, "batch_size": 16, "lr": 0.01, "compile": True, "compile_backend": "aot_eager"},
+        "freeze": {"strategy": "static", "params": {"k": 2}},
+        "run": {"dir": str(tmp_path / "true"), "progress": False, "device": "cpu"},
+    })
+    summary = Trainer(cfg, task=blob_task()).run()
+    assert "cache: auto, off: train.compile true compiles the model's forward" in capsys.readouterr().out
+    assert not summary["cache"]["used"] and summary["compile"]["train_compile_s"] > 0
+    with pytest.raises(ConfigError, match=r"train.compile true .* Use --compile blocks .* freeze.cache.mode=off"):
+        build_config({"train": {"compile": True}, "freeze": {"cache": {"mode": "on"}}})

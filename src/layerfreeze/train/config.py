@@ -378,7 +378,16 @@ class Config(_Section):
                                  "folder (no decoder LM weights install offline)")
         if self.run.device not in ("auto", "cpu") and not self.run.device.startswith("cuda"):
             raise ValueError(f"run.device must be auto, cpu or cuda[:N], got {self.run.device!r}")
+        if self.train.compile is True and self.freeze.cache.mode == "on":
+            raise ValueError(f"train.compile true compiles the model's forward, which {COMPILE_TRUE_BYPASSED}: "
+                             "training would run eager. Use --compile blocks (each block compiled, the cache kept), "
+                             "or the cache off (--set freeze.cache.mode=off)")
         return self
+
+
+#: Why ``train.compile: true`` and the activation cache do not go together (``mode: on`` is refused, ``auto`` stays
+#: off): the cached forward runs the trainable suffix block by block, never through ``model.forward``.
+COMPILE_TRUE_BYPASSED = "the activation cache bypasses (it runs the trainable blocks one by one)"
 
 
 #: What each task changes from the defaults above, unless the user sets it.

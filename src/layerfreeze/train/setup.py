@@ -47,7 +47,7 @@ from layerfreeze.runs.rundir import Event
 from layerfreeze.runs.summary import format_bytes
 from layerfreeze.strategies import Strategy, UnknownStrategyError, create_strategy
 from layerfreeze.train.compile import CompiledRegions
-from layerfreeze.train.config import Config
+from layerfreeze.train.config import COMPILE_TRUE_BYPASSED, Config
 from layerfreeze.train.config_file import leaf_values
 from layerfreeze.train.loop import lr_lambda, warmup_steps
 from layerfreeze.train.precision import Precision
@@ -444,7 +444,7 @@ def plan_run_memory(trainer: Trainer, model: nn.Module, blocks: list, announce: 
     batch = to_device(next(iter(loader)), trainer.device)
     cache_set, cache_dtype, cache_cap = None, None, None
     cache = cfg.freeze.cache
-    if cache.mode != "off":
+    if cache.mode != "off" and cfg.train.compile is not True:  # compile true: no cache (make_cache_runner)
         try:
             split_for(model, blocks)
             check_deterministic(trainer.train_set)
@@ -477,6 +477,10 @@ def make_cache_runner(trainer: Trainer, blocks: list) -> CachedPrefix | None:
         ConfigError: ``mode: on`` and the data or the model's family does not allow a cache.
     """
     cfg = trainer.config.freeze.cache
+    if cfg.mode == "auto" and trainer.config.train.compile is True:  # mode on is refused with it (config.py)
+        trainer.say(f"cache: auto, off: train.compile true compiles the model's forward, which {COMPILE_TRUE_BYPASSED}"
+                    "; --compile blocks compiles each block and keeps the cache")
+        return None
     dtype = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[cfg.dtype]
     directory = rundir.cache_dir(trainer.run_dir, trainer.rank if trainer.distributed else None)
     now = functools.partial(current_step, trainer)

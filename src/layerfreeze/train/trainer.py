@@ -343,15 +343,20 @@ class Trainer:
 
     def _end_epoch(self, epoch: int, epoch_time: float, train_loss: float) -> None:
         eval_start = time.perf_counter()
+        graphs = self.compiled.compiled_graphs() if self.compiled is not None else 0
         eval_loss, eval_acc = evaluate_trainer(self)
         eval_time = time.perf_counter() - eval_start
+        compiled = {}
+        if self.compiled is not None:  # the evaluation's own graphs: in the epoch's record, not the next step's
+            compiled = {"eval_compiles": self.compiled.compiled_graphs() - graphs}
+            self._graphs_logged += compiled["eval_compiles"]
         metric = self.task.objective.metric  # accuracy, or perplexity for a language model
         self.progress["epoch_times_s"].append(epoch_time)
         self.progress["history_eval"].append({"epoch": epoch, "loss": eval_loss, metric: eval_acc})
         self.telemetry.log_epoch(
             epoch, self.progress["step"], train_loss=train_loss, eval_loss=eval_loss, **{f"eval_{metric}": eval_acc},
             epoch_time_s=epoch_time, eval_time_s=eval_time, frozen_blocks=self.freezer.frozen_blocks,
-            peak_memory_bytes=measure.peak_memory_bytes(self.device), **self._cache_stats(),
+            peak_memory_bytes=measure.peak_memory_bytes(self.device), **self._cache_stats(), **compiled,
         )
         # one line per epoch, also without the progress bar
         if self.is_main:

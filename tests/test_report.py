@@ -100,6 +100,7 @@ def test_single_run_report_has_every_plot_and_the_summary(compare_dir):
     text, links = _check_page(index)
     assert _img_names(links) == RUN_PLOTS
     assert "static" in text
+    assert f"<th>precision</th><td>{summary['precision']}</td>" in text  # beside the strategy, not only in the config
     assert f"{100 * summary['test_accuracy']:.2f} %" in text
     assert "interrupted" not in text.lower()
     for block in summary["frozen_blocks"]:  # the freeze timeline list names the frozen blocks

@@ -178,6 +178,13 @@ def _run_summary_rows(run: Run) -> list[tuple[str, str]]:
     rows.append(("task", _e(run.task)))
     if run.model:
         rows.append(("model", _e(run.model)))
+    if run.get("precision"):
+        rows.append(("precision", _e(run.get("precision"))))
+    compiled = run.get("compile")
+    if isinstance(compiled, dict):  # train time counts every step, compiling included: said apart here
+        seconds = _fmt_seconds(compiled.get("train_compile_s"))
+        rows.append(("torch.compile", _e(f"{compiled.get('mode')} ({compiled.get('backend')}): "
+                                         f"{compiled.get('graphs')} graphs, {seconds} compiling in training steps")))
     rows.append(("status", "complete" if run.complete else "<strong>interrupted</strong> (incomplete)"))
     if run.complete:
         rows.append(("test accuracy", _e(_fmt_pct(run.get("test_accuracy")))))

@@ -189,35 +189,40 @@ class Trainer:
         """
         cfg = self.config
         measure.release_garbage()  # an earlier run in this process (compare's rows) must not count in this one's peak
-        self.setup()
-        self.telemetry.log_config(cfg.model_dump(mode="json"))
-        self.progress: dict[str, Any] = {
-            "step": 0, "flops_total": 0, "train_time_s": 0.0, "epoch_times_s": [], "flops_per_step": None,
-            "flops_first": None, "history_eval": [], "train_compile_s": 0.0,
-        }
-        start_epoch, skip = 0, 0
-        if cfg.run.resume:
-            start_epoch, skip = resume(self, Path(cfg.run.resume))
-            place(self)  # the resumed frozen set's prefix, offloaded as the interrupted run had it
-            if self.is_main:  # only now: a resume refused (a checkpoint that does not fit) leaves the run as it was
-                rundir.write_config(self.run_dir, cfg.model_dump(mode="json"))
-        restore_totals(self)  # the cache's counters and the ledger's peaks a resumed run goes on from
-        on_event = functools.partial(on_freeze_event, self)
-        if not cfg.run.resume or self.progress["step"] == 0:
-            for record in self.freezer.history:  # blocks frozen at the start stage
-                on_event(record)
-        self.freezer.on_event = on_event
-        for callback in self.step_callbacks:
-            callback(self)
-        if self.ddp is not None:
-            self.ddp.sync()  # the first build's bytes/time are logged before step 1, a resume's rebuild too
-        if self.fsdp and self.runner is not None:  # FSDP2's root module must run first; not inside a measured step
-            self.runner.warm_up(to_device(default_collate([self.train_set[0]]), self.device))
-        measure.reset_peak_memory(self.device)
-        wall_start = time.perf_counter()
-        self._measured_for: tuple[Any, ...] | None = None  # the frozen set (and epoch) the FLOPs were measured for
-        epoch, done_in_epoch = start_epoch, skip
-        self._last_checkpoint_time = time.monotonic()
+        try:  # what fails before training (a bad config, a refused resume) leaves no Freezer open on the model
+            self.setup()
+            self.telemetry.log_config(cfg.model_dump(mode="json"))
+            self.progress: dict[str, Any] = {
+                "step": 0, "flops_total": 0, "train_time_s": 0.0, "epoch_times_s": [], "flops_per_step": None,
+                "flops_first": None, "history_eval": [], "train_compile_s": 0.0,
+            }
+            start_epoch, skip = 0, 0
+            if cfg.run.resume:
+                start_epoch, skip = resume(self, Path(cfg.run.resume))
+                place(self)  # the resumed frozen set's prefix, offloaded as the interrupted run had it
+                if self.is_main:  # only now: a resume refused (a checkpoint that does not fit) leaves the run as it was
+                    rundir.write_config(self.run_dir, cfg.model_dump(mode="json"))
+            restore_totals(self)  # the cache's counters and the ledger's peaks a resumed run goes on from
+            on_event = functools.partial(on_freeze_event, self)
+            if not cfg.run.resume or self.progress["step"] == 0:
+                for record in self.freezer.history:  # blocks frozen at the start stage
+                    on_event(record)
+            self.freezer.on_event = on_event
+            for callback in self.step_callbacks:
+                callback(self)
+            if self.ddp is not None:
+                self.ddp.sync()  # the first build's bytes/time are logged before step 1, a resume's rebuild too
+            if self.fsdp and self.runner is not None:  # FSDP2's root module must run first; not inside a measured step
+                self.runner.warm_up(to_device(default_collate([self.train_set[0]]), self.device))
+            measure.reset_peak_memory(self.device)
+            wall_start = time.perf_counter()
+            self._measured_for: tuple[Any, ...] | None = None  # the frozen set (and epoch) the FLOPs were measured for
+            epoch, done_in_epoch = start_epoch, skip
+            self._last_checkpoint_time = time.monotonic()
+        except BaseException:
+            if getattr(self, "freezer", None) is not None:
+                self.freezer.close()
+            raise
         restore_sigint = self._install_sigint()
         try:
             for epoch in range(start_epoch, cfg.train.epochs):

@@ -162,3 +162,21 @@ def test_a_row_that_learns_nothing_is_reported_and_the_next_row_runs(tmp_path, t
     assert (run / "static" / "checkpoint").exists()  # the stopped row's run folder keeps its checkpoint
     line = next(ln for ln in (run / "compare.md").read_text().splitlines() if ln.startswith("| static |"))
     assert "stopped: the training loss has been at chance level for 3 steps" in line
+
+
+def test_the_table_says_the_precision_and_compile_its_rows_ran_under():
+    # a bf16-mixed or compiled comparison read like a float32 eager one, its train s holding the compile seconds
+    from layerfreeze.runs.compare_table import markdown_table, precision_note, rich_table
+
+    def row(name, precision="32-true", compiled=None):
+        return {"row": name, "precision": precision, "test_accuracy": 0.5, "train_time_s": 10.0, "flops_total": 1e9,
+                **({"compile": compiled} if compiled else {})}
+
+    assert precision_note([row("none"), row("static")]) is None
+    assert "Every row under" not in markdown_table([row("none"), row("static")])
+    blocks = {"mode": "blocks", "backend": "inductor", "graphs": 4, "train_compile_s": 6.0}
+    rows = [row("none", "bf16-mixed", blocks), row("static", "bf16-mixed", blocks)]
+    note = "every row under bf16-mixed, torch.compile blocks (train s counts 12.0 s of compiling in all)"
+    assert precision_note(rows) == note
+    assert f"\nE{note[1:]}.\n" in markdown_table(rows)
+    assert note in str(rich_table(rows).title)

@@ -105,8 +105,8 @@ def rich_table(results: list[dict[str, Any]]) -> Table:
     """The comparison as a rich table for the terminal: every column but the last (what froze when), which
     :func:`frozen_lines` gives below the table, so the table fits 120 columns (headers over two lines, numbers never
     broken)."""
-    note = budget_note(results)
-    table = Table(title="layerfreeze compare" + (f"\n{note}" if note else ""), padding=(0, 1))
+    notes = [n for n in (precision_note(results), budget_note(results)) if n]
+    table = Table(title="\n".join(["layerfreeze compare", *notes]), padding=(0, 1))
     for h in headers(results)[:-1]:
         words = h.split(" ")
         label = h if len(words) == 1 else " ".join(words[:-1]) + "\n" + words[-1]
@@ -114,6 +114,22 @@ def rich_table(results: list[dict[str, Any]]) -> Table:
     for r in results:
         table.add_row(*table_cells(r)[:-1])
     return table
+
+
+def precision_note(results: list[dict[str, Any]]) -> str | None:
+    """How the rows ran when it is not float32 eager (``train.precision``, ``train.compile``): ``"every row under
+    bf16-mixed, torch.compile blocks (its train s counts 12.3 s of compiling in all)"``; None for 32-true eager
+    rows, whose table says nothing more."""
+    ran = [r for r in results if r.get("precision") or r.get("compile")]
+    precisions = sorted({str(r.get("precision")) for r in ran if r.get("precision")})
+    compiled = [r["compile"] for r in ran if isinstance(r.get("compile"), dict)]
+    if precisions in ([], ["32-true"]) and not compiled:
+        return None
+    parts = [f"every row under {'/'.join(precisions)}"] if precisions else []
+    if compiled:
+        seconds = sum(float(c.get("train_compile_s") or 0.0) for c in compiled)
+        parts.append(f"torch.compile {compiled[0].get('mode')} (train s counts {seconds:.1f} s of compiling in all)")
+    return ", ".join(parts)
 
 
 def budget_note(results: list[dict[str, Any]]) -> str | None:
@@ -146,5 +162,5 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     head = headers(results)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(table_cells(r)) + " |" for r in results]
-    note = budget_note(results)
-    return "\n".join(lines) + "\n" + (f"\n{note[0].upper()}{note[1:]}.\n" if note else "")
+    notes = "".join(f"\n{n[0].upper()}{n[1:]}.\n" for n in (precision_note(results), budget_note(results)) if n)
+    return "\n".join(lines) + "\n" + notes

@@ -360,8 +360,8 @@ def test_a_freezer_given_no_model_or_another_models_optimizer_says_so():
 def test_a_second_open_freezer_on_one_model_is_refused_until_the_first_is_closed():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
     first = Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 1})
-    with pytest.raises(RuntimeError, match=r"this Sequential already has an open Freezer \(strategy 'static'\).* "
-                                           r"Close the first \(freezer.close\(\)"):
+    with pytest.raises(RuntimeError, match=r"this Sequential already has an open Freezer \(strategy 'static', on "
+                                           r"its Sequential\).* Close the first \(freezer.close\(\)"):
         Freezer(model, None, "lisa", {"k": 2})
     assert model[1].weight.requires_grad  # refused before anything was frozen
     first.close()
@@ -369,3 +369,31 @@ def test_a_second_open_freezer_on_one_model_is_refused_until_the_first_is_closed
         pass
     Freezer(model, None, "static", {"k": 1})  # so is the second, at the end of its with block
     Freezer(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), None, "static", {"k": 1})  # another model: its own
+
+
+
+def test_a_freezer_over_the_same_parameters_is_refused_and_a_lost_one_can_be_found_and_closed():
+    # a Freezer on a parent, a child or a torch.compile wrapper of a model with an open one ran two strategies over
+    # the same blocks; and one dropped without close() stays at work through its hooks, with no handle left
+    import layerfreeze
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+
+        def forward(self, x):
+            return self.net(x)
+
+    wrapper = Wrapper()
+    Freezer(wrapper.net, None, "static", {"k": 1})  # dropped without close()
+    for other in (wrapper, torch.compile(wrapper.net, backend="eager")):
+        with pytest.raises(RuntimeError, match=r"already has an open Freezer \(strategy 'static', on its Sequential\)"
+                                               r".* layerfreeze.open_freezer\(model\).close\(\)"):
+            Freezer(other, None, "lisa", {"k": 2})
+    lost = layerfreeze.open_freezer(wrapper)
+    assert lost is not None and lost.model is wrapper.net and lost.frozen_blocks == ["0"]
+    lost.close()
+    assert layerfreeze.open_freezer(wrapper) is None
+    with Freezer(wrapper, None, "static", {"k": 1}) as freezer:
+        assert freezer.frozen_blocks == ["net.0"]

@@ -316,6 +316,29 @@ def test_two_callbacks_on_one_model_are_refused(tmp_path):
     first, second = LayerFreezeCallback("static", {"k": 2}), LayerFreezeCallback("lisa", {"k": 5})
     trainer = Trainer(model=tiny_bert(), args=arguments(tmp_path, max_steps=4), train_dataset=TokenDataset(),
                       callbacks=[first, second])
-    with pytest.raises(RuntimeError, match=r"already has an open Freezer \(strategy 'static'\).* use one"):
+    with pytest.raises(RuntimeError, match=r"already has an open Freezer \(strategy 'static', on its Bert.* use one"):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+
+def test_train_again_after_a_train_that_raised_with_the_same_callback(tmp_path):
+    # HF calls no on_train_end after a train() that raised: the next train() was refused as "registered twice"
+    from transformers import TrainerCallback
+
+    class Interrupt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise KeyboardInterrupt("a Ctrl-C in a notebook")
+
+    model = tiny_bert()
+    callback = LayerFreezeCallback("static", {"k": 1})
+    trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=4), train_dataset=TokenDataset(),
+                      callbacks=[callback, Interrupt()])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    first = callback.freezer
+    trainer.remove_callback(Interrupt)
+    trainer.train()
+    assert first.closed and callback.freezer is not first and trainer.state.global_step == 4
+    assert not model.bert.embeddings.word_embeddings.weight.requires_grad

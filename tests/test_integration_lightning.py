@@ -278,5 +278,24 @@ def test_one_callback_fits_a_second_module_and_two_callbacks_on_one_module_are_r
     after = snapshot(second)
     assert torch.equal(before["0.weight"], after["0.weight"]) and not torch.equal(before["2.weight"], after["2.weight"])
     # two callbacks on one network would step two strategies over the same blocks
-    with pytest.raises(RuntimeError, match=r"already has an open Freezer \(strategy 'static'\)"):
+    with pytest.raises(RuntimeError, match=r"already has an open Freezer \(strategy 'static', on its"):
         fit(tmp_path / "c", LayerFreeze("static", {"k": 1}), callbacks=[LayerFreeze("lisa", {"k": 2})])
+
+
+
+def test_a_fit_that_raised_leaves_the_callback_ready_for_the_next_fit(tmp_path):
+    # Lightning calls no teardown after a fit that raised: the Freezer stayed open, the next fit kept it and trained
+    # the new module with nothing frozen, in silence
+    class Failing(Module):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 2:
+                raise RuntimeError("a data error at step 3")
+            return super().training_step(batch, batch_idx)
+
+    callback = LayerFreeze("static", {"k": 1}, submodule="net")
+    with pytest.raises(RuntimeError, match="a data error at step 3"):
+        fit(tmp_path / "a", callback, module=Failing())
+    assert callback.freezer.closed
+    second = Module()
+    fit(tmp_path / "b", callback, module=second)
+    assert callback.freezer.model is second.net and not second.net[0].weight.requires_grad

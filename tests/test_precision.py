@@ -195,6 +195,24 @@ def test_a_resume_that_would_cast_frozen_blocks_is_refused_before_anything_is_wr
     assert Trainer(resumed, task=blob_task()).run()["steps"] == 12
 
 
+def test_a_resume_into_or_out_of_16_mixed_is_refused(tmp_path):
+    # from 32-true it crashed in Adam ("Expected grad_scale and found_inf to be None": the saved param groups are not
+    # fused), after config.json and a checkpoint were rewritten: the run could not be resumed any more
+    from layerfreeze.errors import ConfigError
+
+    def press_ctrl_c(fetches):
+        if fetches == 16 * 4 + 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(_config(tmp_path, "cut", "32-true", {"strategy": "none"}), task=blob_task(press_ctrl_c)).run()
+    resumed = _config(tmp_path, "cut", "16-mixed", {"strategy": "none"})
+    resumed.run.resume = str(tmp_path / "cut")
+    with pytest.raises(ConfigError, match=r"trained under train.precision 32-true; 16-mixed steps the optimizer .* "
+                                          r"resume with --precision 32-true"):
+        Trainer(resumed, task=blob_task()).run()
+
+
 def test_an_unknown_precision_is_refused_with_the_names():
     from layerfreeze.errors import ConfigError
 

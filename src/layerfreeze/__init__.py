@@ -55,7 +55,7 @@ from layerfreeze.compute import (
 from layerfreeze.distributed import FreezeDDP, close_distributed, init_distributed, shard_blocks
 
 # The engine: freeze and thaw, in any loop.
-from layerfreeze.engine import Freezer, StabilityGuard, block_param_groups
+from layerfreeze.engine import Freezer, StabilityGuard, block_param_groups, open_freezer
 
 # Errors a user acts on.
 from layerfreeze.errors import (
@@ -136,6 +136,7 @@ __all__ = [
     "UserError",
     "__version__",
     "block_param_groups",
+    "open_freezer",
     "call",
     "close_distributed",
     "create_strategy",

@@ -30,7 +30,7 @@ The folder's map: one mechanism per module, top to bottom; each imports only mod
 from layerfreeze.engine.freezer import Freezer, PinnedBlockError
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenWeightsChangedError, UnfrozenParameterError
-from layerfreeze.engine.mechanics import frozen_parameters, set_eval_mode
+from layerfreeze.engine.mechanics import frozen_parameters, open_freezer, set_eval_mode
 from layerfreeze.engine.optim import block_param_groups
 from layerfreeze.engine.stages import share_decision
 
@@ -42,6 +42,7 @@ __all__ = [
     "UnfrozenParameterError",
     "block_param_groups",
     "frozen_parameters",
+    "open_freezer",
     "set_eval_mode",
     "share_decision",
 ]

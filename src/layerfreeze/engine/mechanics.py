@@ -96,21 +96,34 @@ def frozen_blocks_to_eval(blocks: list[Block], frozen: list[bool], train_bn: boo
 _OPEN: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 
 
+def open_freezer(model: nn.Module) -> Any:
+    """The open Freezer (built, not closed) whose model shares parameters with ``model`` (the model itself, a
+    submodule or a parent of it, a ``torch.compile`` wrapper of it), or None. What to close when a Freezer was
+    dropped without :meth:`~layerfreeze.engine.Freezer.close`: its hooks on the model keep it alive, and at work."""
+    mine = {id(p) for p in model.parameters()}
+    for other_model, ref in list(_OPEN.items()):
+        other = ref()
+        if other is not None and not other.closed and (
+                other_model is model or any(id(p) in mine for p in other_model.parameters())):
+            return other
+    return None
+
+
 def refuse_second_freezer(model: nn.Module) -> None:
-    """Refuse a Freezer on a model that has an open one (built, not closed).
+    """Refuse a Freezer on a model that shares parameters with one that has an open Freezer (:func:`open_freezer`).
 
     Raises:
-        RuntimeError: two Freezers on one model step two strategies over the same blocks, each freezing and thawing
-            what the other set, and each step counted twice: a framework callback registered twice (transformers
-            only warns, then calls it twice), two callbacks, or a Freezer built again without closing the first.
+        RuntimeError: two Freezers over the same blocks step two strategies, each freezing and thawing what the
+            other set, and each step counted twice: a framework callback registered twice (transformers only warns,
+            then calls it twice), two callbacks, or a Freezer built again without closing the first.
     """
-    ref = _OPEN.get(model)
-    other = ref() if ref is not None else None
-    if other is not None and not other.closed:
+    other = open_freezer(model)
+    if other is not None:
         raise RuntimeError(
-            f"this {type(model).__name__} already has an open Freezer (strategy {other.strategy.name!r}): a second "
-            "one would run its own strategy over the same blocks, freezing and thawing what the first set. Close the "
-            "first (freezer.close(), or build it in a `with` block) before building another. Two framework callbacks "
+            f"this {type(model).__name__} already has an open Freezer (strategy {other.strategy.name!r}, on its "
+            f"{type(other.model).__name__}): a second one would run its own strategy over the same blocks, freezing "
+            "and thawing what the first set. Close the first (freezer.close(), or build it in a `with` block; "
+            "lost it? layerfreeze.open_freezer(model).close()) before building another. Two framework callbacks "
             "(LayerFreeze, LayerFreezeCallback) on one model do the same: use one")
 
 

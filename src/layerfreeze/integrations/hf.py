@@ -160,6 +160,7 @@ class LayerFreezeCallback(transformers.TrainerCallback):
         self.trainer: Any = None
         self.freezer: Freezer | None = None
         self.session: FreezeSession | None = None
+        self._train_state: Any = None  # the TrainerState of the train() the Freezer was built in
 
     def attach(self, trainer: Any) -> LayerFreezeCallback:
         """Add the callback to ``trainer`` and keep a reference to it; returns the callback."""
@@ -189,13 +190,16 @@ class LayerFreezeCallback(transformers.TrainerCallback):
                 "trainer.model_wrapped, and logs through trainer.log; the Trainer passes neither to callbacks), and "
                 "no Trainer holding this callback is calling it: pass it in Trainer(..., callbacks=[...]) or add it "
                 "with LayerFreezeCallback(...).attach(trainer)")
-        if self.freezer is not None and not self.freezer.closed:
+        if self.freezer is not None and not self.freezer.closed and state is not self._train_state:
+            self.on_train_end(args, state, control)  # a train() that raised (no on_train_end): its Freezer goes
+        if self.freezer is not None and not self.freezer.closed:  # the same train() (its TrainerState) again
             self.on_train_end(args, state, control)
             raise RuntimeError(
                 "LayerFreezeCallback.on_train_begin ran twice in one train(): this callback is registered twice with "
                 "the Trainer (in Trainer(callbacks=[...]) and with .attach(trainer), or twice in the list; "
                 "transformers only warns of it, then calls it twice, which would step its strategy twice per "
                 "update). Register it once")
+        self._train_state = state
         optimizer = inner_optimizer(optimizer)
         saved = self._saved_state(args, state)
         snapshot = OptimizerSnapshot(optimizer) if saved is not None else None

@@ -230,9 +230,18 @@ class LayerFreeze(L.Callback):
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Release the strategy's hooks and threads and the checkpointing hook."""
-        if stage == "fit" and self.session is not None:
+        if stage == "fit":
+            self._release()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """A fit that raised gets no ``teardown``: release here, so a next fit (with this callback or another, on
+        this module or a new one) starts from a closed Freezer."""
+        self._release()
+
+    def _release(self) -> None:
+        if self.session is not None:
             self.session.close()
-        elif stage == "fit" and self.freezer is not None:  # the fit stopped before on_fit_start
+        elif self.freezer is not None:  # the fit stopped before on_fit_start
             self.freezer.close()
 
     # ---- internals -----------------------------------------------------------------------------------------

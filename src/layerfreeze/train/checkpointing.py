@@ -123,6 +123,11 @@ def resume(trainer: Trainer, path: Path) -> tuple[int, int]:
             f"blocks ({', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}); {precision} would "
             f"cast their weights, which stay as they froze: resume with --precision {saved_precision}, or start a "
             "new run")
+    if saved_precision not in (None, precision) and "16-mixed" in (saved_precision, precision):
+        raise ConfigError(  # its optimizer steps fused, with the scaler's scale: a param group's "fused" is saved
+            f"--resume {path}: the checkpoint was trained under train.precision {saved_precision}; 16-mixed steps "
+            "the optimizer with a loss scaler (fused where it can), and the optimizer state of one does not carry "
+            f"over to the other: resume with --precision {saved_precision}, or start a new run")
     done, end = int(extra["progress"]["step"]), trainer.total_steps
     if done > end:  # nothing would train, and the summary would say the run ended at this config's end
         train = trainer.config.train

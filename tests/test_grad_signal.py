@@ -209,14 +209,16 @@ def test_a_sum_of_another_shape_is_refused_when_loaded():
         sums.load_state_dict({"0.weight": torch.zeros(16, 16)})
 
 
-def accumulated_run(micro: int, scaler: torch.amp.GradScaler | None = None, overflow_at: int | None = None):
+def accumulated_run(micro: int, scaler: torch.amp.GradScaler | None = None, overflow_at: int | None = None,
+                    fused: bool = False):
     """AutoFreeze (interval 4) through the Freezer on the tiny model, ``micro`` backward passes per update with
     ``after_backward`` after each (as the README's loop), under ``scaler`` if given; ``overflow_at``: an inf gradient
     at that update (the scaler skips it). Returns the stages' grad_l1 and the reference: each update's final,
-    unscaled gradients summed once, for the updates the optimizer made."""
+    unscaled gradients summed once, for the updates the optimizer made. ``fused``: a fused AdamW, which the scaler
+    steps on an overflow too (handing it ``found_inf``)."""
     model = tiny(4)
     blocks = discover_blocks(model)
-    optimizer = torch.optim.AdamW(block_param_groups(model, blocks, lr=1e-2), lr=1e-2)
+    optimizer = torch.optim.AdamW(block_param_groups(model, blocks, lr=1e-2), lr=1e-2, fused=fused or None)
     freezer = Freezer(model, optimizer, "autofreeze", {"interval": 4, "percentile": 0}, blocks=blocks)
     ref, stages, refs = PublicCode(blocks), [], []
     g = torch.Generator().manual_seed(5)
@@ -248,8 +250,11 @@ def accumulated_run(micro: int, scaler: torch.amp.GradScaler | None = None, over
 def test_gradient_accumulation_and_a_grad_scaler_sum_each_updates_unscaled_gradients_once():
     # after_backward after each micro-batch added the running .grad each time (earlier micro-batches counted again);
     # a scaled gradient was summed 1024 times too large, and an overflow the scaler skipped put inf in the interval
+    # (with a fused optimizer too, which the scaler steps on an overflow, saying so in found_inf)
     for kwargs in ({"micro": 3}, {"micro": 2, "scaler": torch.amp.GradScaler("cpu", init_scale=1024.0)},
-                   {"micro": 1, "scaler": torch.amp.GradScaler("cpu", init_scale=1024.0), "overflow_at": 5}):
+                   {"micro": 1, "scaler": torch.amp.GradScaler("cpu", init_scale=1024.0), "overflow_at": 5},
+                   {"micro": 1, "scaler": torch.amp.GradScaler("cpu", init_scale=1024.0), "overflow_at": 5,
+                    "fused": True}):
         stages, refs = accumulated_run(**kwargs)
         assert len(stages) == 3
         for got, want in zip(stages, refs):

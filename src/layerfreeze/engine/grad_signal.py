@@ -87,12 +87,18 @@ class GradientSums:
         self._loaded: dict[Key, torch.Tensor] = {}  # a checkpoint's sums, taken by the next plan
         #: Gradients added since the last reset (0: :meth:`values` reads NaN, nothing was summed).
         self.added = 0
+        self._kept: torch.Tensor | None = None  # steps a GradScaler did not skip, on the device (add_trainable)
 
-    def add_trainable(self, frozen: Sequence[bool], params: BlockParams) -> None:
+    def add_trainable(self, frozen: Sequence[bool], params: BlockParams, found_inf: torch.Tensor | None = None) -> None:
         """Add this update's gradients of every block neither ``frozen`` nor in :attr:`skip` (``params.of(i)``:
         block ``i``'s parameters) to their running sums; the list is made once per frozen set and structure version
         (``params.version()``; every call when it is None). Parameters without a gradient are skipped. No host
-        synchronisation: one ``torch._foreach_add_`` queued on the gradients' device(s)."""
+        synchronisation: one ``torch._foreach_add_`` queued on the gradients' device(s).
+
+        ``found_inf``: a ``GradScaler``'s flag for this step (non-zero: it overflowed and the update was skipped),
+        given where the optimizer steps even then (a fused one: the scaler hands it ``found_inf`` instead of not
+        calling ``step``). Such a step's gradients are left out on the device, still with no synchronisation, and
+        an interval of only such steps reads NaN (:meth:`values`)."""
         plan = self.prepare(frozen, params)
         grads = list(map(_GRAD, plan.params))
         if plan.sharded:
@@ -100,7 +106,11 @@ class GradientSums:
         enabled = torch.is_grad_enabled()
         torch.set_grad_enabled(False)  # (a gradient made with create_graph=True must not put the sums in a graph)
         try:
-            if grads and grads[0] is not None and grads[0].device != plan.sums[0].device:
+            if found_inf is not None:
+                keep = found_inf == 0
+                self._kept = keep.float() if self._kept is None else self._kept + keep.float()
+                self._add_one_by_one(plan, grads, keep)  # where(keep, g, 0): an inf times 0 would be NaN
+            elif grads and grads[0] is not None and grads[0].device != plan.sums[0].device:
                 self._add_one_by_one(plan, grads)  # the model moved after the sums were made
             else:
                 torch._foreach_add_(plan.sums, grads)  # a None gradient raises TypeError, before adding anything
@@ -110,9 +120,10 @@ class GradientSums:
             torch.set_grad_enabled(enabled)
         self.added += 1
 
-    def _add_one_by_one(self, plan: _Plan, grads: list[torch.Tensor | None]) -> None:
-        """Add ``grads`` one by one, skipping a missing one; a sum on another device than its gradient (the model
-        was moved after the Freezer was built: ``accelerator.prepare``, ``model.to("cuda")``) follows it there."""
+    def _add_one_by_one(self, plan: _Plan, grads: list[torch.Tensor | None], keep: torch.Tensor | None = None) -> None:
+        """Add ``grads`` one by one, skipping a missing one (each masked by ``keep``, a 0-dim bool tensor, where
+        given); a sum on another device than its gradient (the model was moved after the Freezer was built:
+        ``accelerator.prepare``, ``model.to("cuda")``) follows it there."""
         for k, g in enumerate(grads):
             if g is None:
                 continue
@@ -121,7 +132,7 @@ class GradientSums:
                 s = plan.sums[k] = s.to(g.device)
                 key = next(key for key, p in self._params.items() if p is plan.params[k])
                 self._sums[key] = s
-            s.add_(g)
+            s.add_(g if keep is None else torch.where(keep.to(g.device), g, 0))
 
     def prepare(self, frozen: Sequence[bool], params: BlockParams) -> _Plan:
         """The sums of the trainable blocks of ``frozen``, allocated now (zeros) if they are not yet: the Freezer
@@ -204,6 +215,8 @@ class GradientSums:
         for total in totals:
             for i, v in enumerate(total.cpu().tolist()):
                 out[i] += v
+        if self._kept is not None and float(self._kept) == 0:  # every step a GradScaler skipped (add_trainable)
+            return [math.nan] * self.num_blocks
         return out if self.added else [math.nan] * self.num_blocks
 
     def reset(self) -> None:
@@ -212,6 +225,7 @@ class GradientSums:
             torch._foreach_zero_(list(self._sums.values()))
         self._loaded = {}
         self.added = 0
+        self._kept = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The sums of the interval in progress, as CPU tensors keyed ``"block.position"`` (a copy to the host: a

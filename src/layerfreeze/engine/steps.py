@@ -36,6 +36,8 @@ from layerfreeze.engine.stages import stage, sums_gradients
 from layerfreeze.strategies import Decision
 
 if TYPE_CHECKING:  # the hooks' work on a Freezer; the Freezer calls it, never the other way round
+    import torch
+
     from layerfreeze.engine.freezer import Freezer
 
 
@@ -50,14 +52,14 @@ def after_backward(freezer: Freezer) -> None:
         sum_gradients(freezer)
 
 
-def sum_gradients(freezer: Freezer) -> None:
+def sum_gradients(freezer: Freezer, found_inf: torch.Tensor | None = None) -> None:
     """Add the trainable blocks' gradients to the Freezer's running sums
     (:class:`~layerfreeze.engine.grad_signal.GradientSums`, on the gradients' device: one ``torch._foreach_add_``,
     no host synchronisation) when the strategy lists ``"grad_l1"``. Off rank 0 nothing is summed (no strategy reads
     it there; DDP all-reduced the gradients: rank 0's sums are global), except under FSDP2, where every rank sums its
     own shards (no collective: the stage all-reduces the per-block norms)."""
-    if sums_gradients(freezer):
-        freezer._grad_sums.add_trainable(freezer.frozen, freezer._params)  # lists the parameters once per frozen set
+    if sums_gradients(freezer):  # lists the parameters once per frozen set
+        freezer._grad_sums.add_trainable(freezer.frozen, freezer._params, found_inf)
 
 
 def hook_optimizer(freezer: Freezer) -> None:
@@ -79,8 +81,8 @@ def hook_optimizer(freezer: Freezer) -> None:
 
     def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         owner = ref()
-        if owner is not None:
-            sum_gradients(owner)
+        if owner is not None:  # a GradScaler steps a fused optimizer on an overflow too, saying so in found_inf
+            sum_gradients(owner, getattr(optimizer, "found_inf", None))
 
     freezer._grad_hook = optimizer.register_step_post_hook(after_step)
 

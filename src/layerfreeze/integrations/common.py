@@ -35,6 +35,7 @@ from layerfreeze.budget.plan import MemoryPlan, plan_memory
 from layerfreeze.distributed.ddp import rebuild_ddp
 from layerfreeze.engine.freezer import Freezer
 from layerfreeze.models.blocks import output_tensor
+from layerfreeze.models.discovery import refuse_pattern_string
 from layerfreeze.runs.ledger import MemoryLedger
 from layerfreeze.runs.telemetry import signals_of
 from layerfreeze.strategies.registry import check_strategy_arguments
@@ -220,9 +221,7 @@ def check_callback_arguments(where: str, strategy: Any, params: Any, blocks: Any
         TypeError: the message says what to pass instead.
     """
     check_strategy_arguments(strategy, params, where)
-    if isinstance(blocks, str):  # list() would split it into characters
-        raise TypeError(f"{where}: blocks must be a list of module-name patterns, got the string {blocks!r}: write "
-                        f"[{blocks!r}]")
+    refuse_pattern_string(blocks, where)  # before list() splits it into characters
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -190,15 +190,16 @@ class LayerFreezeCallback(transformers.TrainerCallback):
                 "trainer.model_wrapped, and logs through trainer.log; the Trainer passes neither to callbacks), and "
                 "no Trainer holding this callback is calling it: pass it in Trainer(..., callbacks=[...]) or add it "
                 "with LayerFreezeCallback(...).attach(trainer)")
-        if self.freezer is not None and not self.freezer.closed and state is not self._train_state:
-            self.on_train_end(args, state, control)  # a train() that raised (no on_train_end): its Freezer goes
-        if self.freezer is not None and not self.freezer.closed:  # the same train() (its TrainerState) again
+        if self.freezer is not None and not self.freezer.closed:
+            # a train() that raised got no on_train_end: its Freezer goes; in the same train() (its TrainerState)
+            # this is a second registration
             self.on_train_end(args, state, control)
-            raise RuntimeError(
-                "LayerFreezeCallback.on_train_begin ran twice in one train(): this callback is registered twice with "
-                "the Trainer (in Trainer(callbacks=[...]) and with .attach(trainer), or twice in the list; "
-                "transformers only warns of it, then calls it twice, which would step its strategy twice per "
-                "update). Register it once")
+            if state is self._train_state:
+                raise RuntimeError(
+                    "LayerFreezeCallback.on_train_begin ran twice in one train(): this callback is registered twice "
+                    "with the Trainer (in Trainer(callbacks=[...]) and with .attach(trainer), or twice in the list; "
+                    "transformers only warns of it, then calls it twice, which would step its strategy twice per "
+                    "update). Register it once")
         self._train_state = state
         optimizer = inner_optimizer(optimizer)
         saved = self._saved_state(args, state)

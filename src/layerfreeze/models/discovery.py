@@ -78,6 +78,17 @@ def _merge_empty_head(blocks: list[Block]) -> bool:
     return True
 
 
+def refuse_pattern_string(patterns: object, where: str = "") -> None:
+    """Refuse block patterns given as one string, which a list or a loop would split into characters.
+
+    Raises:
+        TypeError: the message (prefixed by ``where``, the API given them) says to write a list.
+    """
+    if isinstance(patterns, str):
+        raise TypeError(f"{where + ': ' if where else ''}blocks must be a list of module-name patterns, got the "
+                        f"string {patterns!r}: write [{patterns!r}]")
+
+
 def find_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> Discovery:
     """The model's blocks in forward order, with the rule that found them and the tied parameters.
 
@@ -91,9 +102,7 @@ def find_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> Disc
         TypeError: ``patterns`` is a string, not a list of them.
     """
     refuse_empty_parameters(model.named_parameters(), "discover_blocks")
-    if isinstance(patterns, str):  # each character would be a pattern
-        raise TypeError(f"blocks must be a list of module-name patterns, got the string {patterns!r}: write "
-                        f"[{patterns!r}]")
+    refuse_pattern_string(patterns)
     if patterns:
         blocks = blocks_from_patterns(model, patterns)
         return Discovery(blocks, "patterns", resolve_ties(blocks))

@@ -10,8 +10,8 @@ of the repetitions' medians is reported.
 
 What is timed (``time.perf_counter``; the model is on the CPU, so no clock waits for a device):
 
-* the Freezer's hooks, ``after_backward()``, its step pre-hook on the optimizer (AutoFreeze's gradient sums: timed
-  between two pre-hooks of the benchmark's own, registered before and after it) and ``step()`` (and ``epoch_end()``
+* the Freezer's hooks, ``after_backward()``, its step post-hook on the optimizer (AutoFreeze's gradient sums: timed
+  between two post-hooks of the benchmark's own, registered before and after it) and ``step()`` (and ``epoch_end()``
   at an epoch's end): the engine's and the strategy's per-step work, whatever the frozen set;
 * the whole step (forward, loss, backward, the hooks, ``optimizer.step()``, ``zero_grad``): for reference only, as
   a strategy that freezes blocks also makes the step cheaper.
@@ -82,11 +82,15 @@ def run(strategy: str, steps: int = STEPS, steps_per_epoch: int = STEPS_PER_EPOC
     forward: list[float] = []
     whole: list[float] = []
     clock = time.perf_counter
-    marks: list[float] = []  # around the Freezer's optimizer step pre-hook (AutoFreeze reads the gradients there)
-    optimizer.register_step_pre_hook(lambda *_: marks.append(clock()))  # runs before the Freezer's
+    marks: list[float] = []  # around the Freezer's optimizer step post-hook (AutoFreeze reads the gradients there)
+    optimizer.register_step_post_hook(lambda *_: marks.append(clock()))  # runs before the Freezer's
     with Freezer(model, optimizer, strategy, params, blocks=blocks, total_steps=steps,
                  steps_per_epoch=steps_per_epoch) as freezer:
-        optimizer.register_step_pre_hook(lambda *_: marks.append(clock()))  # and this one after it
+        optimizer.register_step_post_hook(lambda *_: marks.append(clock()))  # and this one after it
+        hook = freezer._grad_hook
+        if hook is not None and hook.id not in optimizer._optimizer_step_post_hooks:
+            raise RuntimeError("the Freezer reads the gradients in another optimizer hook than a step post-hook: "
+                               "move the benchmark's marks around it, or the table leaves its cost out")
         for i in range(steps):
             x, y = data[i % len(data)]
             every = freezer.strategy.stage_every  # read before step(): a stage may change the cadence

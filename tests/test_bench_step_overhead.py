@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -54,3 +55,19 @@ def test_rows_are_the_median_of_the_repetitions_against_none(bench, monkeypatch,
     assert none["hooks_step_s"] == 2.0 and static["hooks_step_s"] == 2.5  # medians of [1, 3, 2] and [1.5, 2.5, 9]
     assert static["step_added_ms"] == 500.0 and static["stage_added_ms"] == 2000.0
     assert none["stage_added_ms"] is None and static["forward_added_ms"] == 0.0
+
+
+def test_a_run_times_the_gradient_sums_the_freezer_makes_in_its_optimizer_hook(bench, monkeypatch):
+    # AutoFreeze's sums are made in the Freezer's step post-hook: the step's hooks time must hold them (it did not
+    # while the benchmark's marks sat in pre-hooks after the Freezer moved its hook to the post-step side)
+    import layerfreeze.engine.steps as steps
+
+    real = steps.sum_gradients
+
+    def slow_sums(*args, **kwargs):
+        time.sleep(0.005)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(steps, "sum_gradients", slow_sums)
+    run = bench.run("autofreeze", steps=6, steps_per_epoch=6, params={"interval": 3})
+    assert len(run["hooks"]["step"]) == 4 and min(run["hooks"]["step"]) >= 0.005

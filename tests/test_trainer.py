@@ -350,13 +350,14 @@ def test_a_resume_past_the_configs_end_is_refused_before_anything_is_written(tmp
     Trainer(config(tmp_path, "r", max_steps=6), task=blob_task()).run()
     run = tmp_path / "r"
     (run / "summary.json").unlink()  # an interrupted run, at step 6
-    saved = (run / "config.json").read_bytes()
+    saved, records = (run / "config.json").read_bytes(), (run / "metrics.jsonl").read_bytes()
     cfg = config(tmp_path, "r", max_steps=4)
     cfg.run.resume = str(run)
     with pytest.raises(ConfigError, match=r"the run is at step 6, past this config's end at step 4 \(train.epochs 2, "
                                           r"train.max_steps 4\); resume with a larger --epochs / --max-steps"):
         Trainer(cfg, task=blob_task()).run()
     assert (run / "config.json").read_bytes() == saved and not (run / "summary.json").exists()
+    assert (run / "metrics.jsonl").read_bytes() == records  # no config record of a run that never started
     cfg = config(tmp_path, "r", max_steps=6)  # at its own end: the run finishes (its last evaluation, the summary)
     cfg.run.resume = str(run)
     assert Trainer(cfg, task=blob_task()).run()["steps"] == 6

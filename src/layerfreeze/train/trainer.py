@@ -191,7 +191,6 @@ class Trainer:
         measure.release_garbage()  # an earlier run in this process (compare's rows) must not count in this one's peak
         try:  # what fails before training (a bad config, a refused resume) leaves no Freezer open on the model
             self.setup()
-            self.telemetry.log_config(cfg.model_dump(mode="json"))
             self.progress: dict[str, Any] = {
                 "step": 0, "flops_total": 0, "train_time_s": 0.0, "epoch_times_s": [], "flops_per_step": None,
                 "flops_first": None, "history_eval": [], "train_compile_s": 0.0,
@@ -202,6 +201,7 @@ class Trainer:
                 place(self)  # the resumed frozen set's prefix, offloaded as the interrupted run had it
                 if self.is_main:  # only now: a resume refused (a checkpoint that does not fit) leaves the run as it was
                     rundir.write_config(self.run_dir, cfg.model_dump(mode="json"))
+            self.telemetry.log_config(cfg.model_dump(mode="json"))  # after a resume was accepted, as config.json
             restore_totals(self)  # the cache's counters and the ledger's peaks a resumed run goes on from
             on_event = functools.partial(on_freeze_event, self)
             if not cfg.run.resume or self.progress["step"] == 0:

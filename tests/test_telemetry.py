@@ -244,3 +244,14 @@ def test_summary_table_says_what_a_resumed_distributed_budgeted_run_counts() -> 
     assert "predicted peak 2.00 MiB" in text and "(-0.8%)" in text and "within the budget" in text
     plain = _render(summary_table({"wall_time_s": 1.0, "train_time_s": 0.5, "flops_per_step_first": 1e9}))
     assert "wall time " in plain and "from step" not in plain and "FLOPs/step (first)" in plain
+
+
+def test_summary_table_says_the_cache_was_idle_when_no_prefix_ran_through_it() -> None:
+    # a `none` row's cache is on all run (mode auto) but never looked anything up: "0 hits (-), 0 B ..., ~0 s saved"
+    # read like a cache that ran and missed, beside a log that said it was idle
+    idle = {"mode": "auto", "used": True, "disabled": None, "hits": 0, "misses": 0, "hit_rate": None,
+            "memory_bytes": 0, "disk_bytes": 0, "saved_seconds": 0.0}
+    assert "on, idle: no frozen prefix to cache all run (0 lookups)" in _render(summary_table({"cache": idle}))
+    ran = {**idle, "hits": 96, "misses": 32, "hit_rate": 0.75, "memory_bytes": 2**20, "saved_seconds": 3.0}
+    text = _render(summary_table({"cache": ran}))
+    assert "96 hits (75%), 1.00 MiB of prefix outputs in memory" in text and "idle" not in text

@@ -3,9 +3,11 @@ non-finite frozen outputs and worker errors surface with names and tracebacks.""
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -449,3 +451,48 @@ def test_precompute_refuses_random_augmentation_and_a_corrupt_store_names_the_ca
     with pytest.warns(RuntimeWarning, match="precomputed again"), \
             pytest.raises(KeyError, match="found corrupt and dropped .* run precompute\\(\\) again"):
         [PrecomputedDataset(data, store)[i] for i in range(8)]
+
+
+class Noisy(Tokens):
+    """Random augmentation past the items precompute fetches twice (0-3): ``draw`` adds noise from a global RNG."""
+
+    def __init__(self, draw):
+        super().__init__(16)
+        self.draw = draw
+
+    def __getitem__(self, i):
+        item = super().__getitem__(i)
+        if i >= 4:
+            item["input_ids"] = item["input_ids"] + self.draw()
+        return item
+
+
+@pytest.mark.parametrize("draw", [lambda: torch.randint(0, 2, (12,)), lambda: int(random.random() < 0.5),
+                                  lambda: int(numpy.random.rand() < 0.5)], ids=["torch", "python", "numpy"])
+def test_precompute_refuses_a_dataset_that_draws_from_a_global_rng_past_its_first_items(draw):
+    # items 0-3 are fetched twice with the random states restored (the same draw twice): a dataset augmenting with
+    # torch's, Python's or NumPy's global RNG was stored with one draw per sample, trained on every epoch, in silence
+    frozen = encoder()
+    with pytest.raises(PrecomputeRefused, match=r"reading dataset items 4-7 drew from the global random number "
+                                                r"generator \(torch's, Python's random or NumPy's"):
+        precompute(Noisy(draw), lambda b: encode(frozen, b), batch_size=4)
+    store = precompute(Noisy(lambda: 0), lambda b: encode(frozen, b), batch_size=4)  # no draw: stored
+    assert len(store) == 16
+
+
+def test_a_precomputed_store_paired_with_another_dataset_is_refused_not_read():
+    # PrecomputedDataset(other_dataset, store) of the same size returned the first dataset's features for the other's
+    # items; each item's inputs are now checked against what fn ran on for that sample
+    frozen, data = encoder(), Tokens(16)
+    store = precompute(data, lambda b: encode(frozen, b), batch_size=4)
+    assert all(PrecomputedDataset(data, store)[i]["index"] == i for i in range(16))  # its own dataset: read
+    other = Tokens(16)
+    other.ids = other.ids.flip(0)  # the same size and keys, other samples
+    with pytest.raises(PrecomputeRefused, match=r"item 0 \(index 0\): its 'input_ids' is not the one precompute "
+                                                r"ran the frozen models on for this sample"):
+        PrecomputedDataset(other, store)[0]
+    other = Tokens(16)
+    other.ids[5, 3] += 1  # one token of one sample
+    assert PrecomputedDataset(other, store)[4]["index"] == 4
+    with pytest.raises(PrecomputeRefused, match=r"item 5 \(index 5\)"):
+        PrecomputedDataset(other, store)[5]

@@ -548,9 +548,10 @@ class CachedPrefix:
 
     def summary(self, carried: dict[str, float] | None = None) -> dict[str, Any]:
         """What the cache did, for a run's summary: ``used`` (False once turned off; ``disabled`` says why),
-        ``hits`` / ``misses`` (sample lookups; both 0: on but idle, no frozen prefix ever ran through it), ``hit_rate``, ``memory_bytes`` / ``disk_bytes`` / ``budget_bytes``,
-        ``saved_seconds`` (see the class docstring), ``corrupt_shards``; with a :class:`CachePolicy`, its counters
-        (``policy_skipped_last``, ``policy_skipped_unstable``, ``policy_freed``: this process's).
+        ``hits`` / ``misses`` (sample lookups; both 0: on but idle, no frozen prefix ever ran through it),
+        ``hit_rate``, ``memory_bytes`` / ``disk_bytes`` / ``budget_bytes``, ``saved_seconds`` (see the class
+        docstring), ``corrupt_shards``; with a :class:`CachePolicy`, its counters (``policy_skipped_last``,
+        ``policy_skipped_unstable``, ``policy_freed``: this process's).
 
         Args:
             carried: :data:`RUN_COUNTERS` of the processes before this one (a resumed run's checkpoint), added to

@@ -64,6 +64,36 @@ def _first_difference(a: Any, b: Any, path: str) -> str | None:
     return None if a == b else path
 
 
+def global_random_states() -> tuple[Any, ...]:
+    """The global random states a dataset or a frozen function could draw from: torch's CPU generator and, once CUDA
+    is initialized, every CUDA device's (never initializing CUDA), Python's ``random`` and NumPy's legacy global
+    generator (:func:`drew_from_global_random` compares two)."""
+    states: list[Any] = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += list(torch.cuda.get_rng_state_all())
+    return tuple(states), random.getstate(), np.random.get_state()
+
+
+def drew_from_global_random(before: tuple[Any, ...]) -> bool:
+    """Whether any global random state changed since ``before`` (:func:`global_random_states`)."""
+    (torch_before, py_before, np_before), (torch_now, py_now, np_now) = before, global_random_states()
+    if len(torch_before) != len(torch_now) or any(not torch.equal(a, b) for a, b in zip(torch_before, torch_now)):
+        return True
+    # NumPy's state: (name, (624,) uint32 keys, position, has_gauss, cached_gaussian)
+    return (py_before != py_now or not np.array_equal(np_before[1], np_now[1])
+            or (np_before[0], *np_before[2:]) != (np_now[0], *np_now[2:]))
+
+
+def input_fingerprint(value: Any) -> torch.Tensor:
+    """``(2,)`` float64: the plain and the position-weighted sum of ``value`` (a tensor or a number, any shape, read
+    flat on the host), as :meth:`~layerfreeze.models.forward_split.ModelSplit.fingerprint` takes them per sample: a
+    change of noise, a flip, a crop or another sample changes it. Not a hash."""
+    from layerfreeze.models.forward_split import position_weights
+
+    flat = torch.as_tensor(value).detach().reshape(-1).to("cpu", torch.float64)
+    return torch.stack([flat.sum(), (flat * position_weights(flat.numel())).sum()])
+
+
 def _two_fetches(dataset: Any, n: int) -> tuple[list[Any], list[Any]]:
     """Items ``0..n-1`` fetched twice, the global random states of Python, NumPy and torch restored afterwards (the
     check does not change the run's random stream: a run with the cache draws the same dropout masks as one

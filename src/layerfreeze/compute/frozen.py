@@ -53,7 +53,12 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 from torch.utils.data import Dataset
 
-from layerfreeze.compute.determinism import first_changed_item
+from layerfreeze.compute.determinism import (
+    drew_from_global_random,
+    first_changed_item,
+    global_random_states,
+    input_fingerprint,
+)
 from layerfreeze.compute.store import ActivationCache
 from layerfreeze.runs.ledger_buckets import Bucket
 
@@ -79,29 +84,15 @@ class GlobalRNGUsedError(RuntimeError):
 _STATE = threading.local()  # .precomputing: inside precompute() in this thread
 
 
-def _global_rng_states() -> list[torch.Tensor]:
-    """The CPU generator's state and, once CUDA is initialized, every CUDA device's (not initializing CUDA)."""
-    states = [torch.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states += list(torch.cuda.get_rng_state_all())
-    return states
-
-
-def _drew_from_global_rng(before: list[torch.Tensor]) -> bool:
-    """Whether the global RNG state changed since ``before`` (:func:`_global_rng_states`)."""
-    after = _global_rng_states()
-    return len(before) != len(after) or any(not torch.equal(a, b) for a, b in zip(before, after))
-
-
 def _call_without_global_rng(fn: Callable[[Any], Any], batch: Any, where: str) -> Any:
     """``fn(batch)``, raising :class:`GlobalRNGUsedError` when it changed the global RNG state.
 
     Only meaningful in a thread where nothing else draws meanwhile (the caller's thread before the worker starts;
     precompute's loop).
     """
-    before = _global_rng_states()
+    before = global_random_states()
     out = fn(batch)
-    if _drew_from_global_rng(before):
+    if drew_from_global_random(before):
         raise GlobalRNGUsedError(
             f"the frozen function given to {where} drew from the global RNG (torch.randn/rand without a generator, "
             "a VAE's latent_dist.sample(), dropout in train mode). Run ahead or precomputed, that changes the "
@@ -433,9 +424,9 @@ class FrozenPipeline:
                                         f"the caller's thread): {exc}") from exc
             rest: Iterator[Any] = batches
             if self.check_rng:  # the second batch is read here too: does reading a batch draw from the global RNG?
-                before = _global_rng_states()
+                before = global_random_states()
                 second = next(batches, self._DONE)
-                if _drew_from_global_rng(before):
+                if drew_from_global_random(before):
                     raise GlobalRNGUsedError(
                         "FrozenPipeline: reading a batch drew from the global random number generator (random "
                         "augmentation in the dataset?). The worker thread reads the batches, so its draws would "
@@ -506,7 +497,9 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
         PrecomputeRefused: ``fn`` calls a :class:`FrozenDifferentiable` model or returns a tensor that requires
             grad (a model in the gradient path cannot be precomputed: its inputs come from the trained model); an
             item of the dataset differs between two fetches (random augmentation: one draw would be stored for good;
-            items 0-3 are fetched twice, the global random states restored).
+            items 0-3 are fetched twice, the global random states restored), or reading the dataset's items drew
+            from a global random number generator (torch's, Python's ``random`` or NumPy's: checked at every
+            batch).
         GlobalRNGUsedError: ``fn`` drew from the global RNG (a stored sample would be reused every epoch and the
             trainer's random numbers would shift): store the distribution's parameters and sample in the trainer.
         ValueError: the dataset's items are not dicts with an ``"index"``.
@@ -532,9 +525,22 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
                              f"is {what}")
     store = store if store is not None else ActivationCache()
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, generator=torch.Generator())
+    batches, first = iter(loader), 0
     _STATE.precomputing = True
     try:
-        for batch in loader:
+        while True:
+            before = global_random_states()
+            batch = next(batches, None)
+            if batch is None:
+                break
+            if drew_from_global_random(before):  # the two fetches above restore the states: the same draw twice
+                raise PrecomputeRefused(
+                    f"precompute: reading dataset items {first}-{first + len(batch['index']) - 1} drew from the "
+                    "global random number generator (torch's, Python's random or NumPy's: random augmentation in "
+                    "the dataset): one draw per sample would be stored and trained on in every epoch. Give "
+                    "precompute a dataset without the random transform (augment the stored outputs in the trainer "
+                    "instead), or run the frozen models in the trainer (FrozenModule, FrozenPipeline)")
+            first += len(batch["index"])
             out = _call_without_global_rng(fn, batch, "precompute")
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"precompute's fn must return one (B, ...) tensor, got {type(out).__name__}")
@@ -543,7 +549,12 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
                     "precompute's fn returned a tensor that requires grad: something trainable or in the gradient "
                     "path is part of it, and its outputs change as training goes; precompute only frozen models "
                     "that feed the trained one")
-            store.put_batch(sample_indices(batch["index"]), key, out)
+            indices = sample_indices(batch["index"])
+            store.put_batch(indices, key, out)
+            names = _input_names(batch)
+            for row, index in enumerate(indices):
+                store.input_fingerprints[(index, key)] = (
+                    names, torch.stack([input_fingerprint(batch[name][row]) for name in names]))
     finally:
         _STATE.precomputing = False
     store.flush()
@@ -562,9 +573,15 @@ class PrecomputedDataset(Dataset):
         key: The depth key :func:`precompute` stored under.
         drop: Item keys to leave out.
 
+    Each item's inputs are checked against what :func:`precompute` ran ``fn`` on for its sample (a fingerprint of
+    every tensor or number of the item but ``"index"``, taken then: :func:`~layerfreeze.compute.determinism.
+    input_fingerprint`), so a store paired with another dataset of the same size is refused, not read.
+
     Raises:
         KeyError: a sample has no stored output (the store was built over another dataset, or the shard that held
             it was found corrupt and dropped: run :func:`precompute` again).
+        PrecomputeRefused: an item's inputs are not those its stored output was computed from (another dataset, or
+            one that changed since).
     """
 
     def __init__(self, dataset: Dataset, store: ActivationCache, feature_key: str = "features", key: int = 0,
@@ -583,6 +600,28 @@ class PrecomputedDataset(Dataset):
             raise KeyError(f"no precomputed output for sample {index}: " + (
                 f"{dropped} shard(s) of the store were found corrupt and dropped (warned); run precompute() again"
                 if dropped else "precompute() over this dataset first"))
+        self._check_inputs(i, index, item)
         item = {k: v for k, v in item.items() if k not in self.drop}
         item[self.feature_key] = out[0]
         return item
+
+    def _check_inputs(self, i: int, index: int, item: dict[str, Any]) -> None:
+        found = self.store.input_fingerprints.get((index, self.key))
+        if found is None:  # a store filled by hand (put_batch) holds none: nothing to check against
+            return
+        names, prints = found
+        for name, stored in zip(names, prints):
+            if name not in item or not torch.equal(input_fingerprint(item[name]), stored):
+                raise PrecomputeRefused(
+                    f"PrecomputedDataset: item {i} (index {index}): its {name!r} is not the one precompute ran the "
+                    "frozen models on for this sample: the store was built over another dataset (one store per "
+                    "dataset: precompute the eval set on its own), or the dataset changed since (an edit, random "
+                    "augmentation); run precompute over this dataset")
+
+
+def _input_names(batch: dict[str, Any]) -> tuple[str, ...]:
+    """The keys of a collated batch whose values are per-sample tensors, but ``"index"`` (what
+    :class:`PrecomputedDataset` checks an item against)."""
+    size = len(batch["index"])
+    return tuple(k for k, v in batch.items()
+                 if k != "index" and isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == size)

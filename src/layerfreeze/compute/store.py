@@ -159,6 +159,10 @@ class ActivationCache:
         self._shard_counter = 0
         self._root: Path | None = None
         self._finalizer: weakref.finalize | None = None
+        #: ``(index, depth) -> (input names, (len(names), 2) float64)``: the fingerprints of the inputs an entry was
+        #: computed from, where its writer gave them (:func:`~layerfreeze.compute.frozen.precompute`); a reader
+        #: checks a sample's inputs against them (:class:`~layerfreeze.compute.frozen.PrecomputedDataset`).
+        self.input_fingerprints: dict[tuple[int, int], tuple[tuple[str, ...], torch.Tensor]] = {}
 
     # ---- sizes ---------------------------------------------------------------------------------------------
 
@@ -330,6 +334,7 @@ class ActivationCache:
         """Forget one entry (deleting its shard file once no live entry is left in it). True if it existed."""
         key = (int(index), int(depth))
         entry = self._entries.pop(key, None)
+        self.input_fingerprints.pop(key, None)
         if entry is None:
             return False
         depths = self._depths.get(key[0])
@@ -388,6 +393,7 @@ class ActivationCache:
             self._remove_shard(name)
         self._entries.clear()
         self._depths.clear()
+        self.input_fingerprints.clear()
         self._pending, self._pending_bytes, self._resident_bytes = [], 0, 0
         self._write_index()
 

@@ -258,6 +258,19 @@ def test_float16_storage_is_close_and_half_the_size():
 # ---- disk shards ---------------------------------------------------------------------------------------------
 
 
+def test_the_memory_budget_holds_the_write_buffer_too(tmp_path):
+    # `freeze.cache.budget_mb=1` held 60 MiB: the default 64 MiB write buffer waited in memory above the budget
+    budget, row = 64 * 2**10, 256 * 4  # 64 KiB; one sample's state: 1 KiB
+    cache = ActivationCache(budget_bytes=budget, directory=tmp_path)  # the default shard_bytes, 64 MiB
+    states = torch.randn(160, 256)
+    for first in range(0, 160, 8):
+        cache.put_batch(range(first, first + 8), 1, states[first:first + 8])
+        assert cache.memory_bytes <= budget + 8 * row  # give or take one put_batch
+    assert cache.memory_bytes <= budget and cache.disk_bytes > 0 and len(cache.shard_paths()) >= 4
+    assert torch.equal(cache.get_batch(range(160), 1), states)  # what spilled reads back
+    cache.close()
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_disk_shards_read_back_equal_and_a_corrupt_shard_is_recomputed(tmp_path, damage):
     data = Blobs(32)

@@ -63,6 +63,18 @@ def test_resume_changes_lists_each_change_and_refuses_what_the_run_trains_on(tmp
     other["data"]["path"] = str(tmp_path / "other.csv")
     with pytest.raises(ConfigError, match="data.path"):
         resume_changes(tmp_path / "r", saved, other)
+    # how the frozen blocks are held: `--resume RUN --memory-budget 50%` froze the budget's prefix over blocks the
+    # checkpoint had trained, stopped at the checksum check blaming "something outside the optimizer", and had already
+    # written the budget into config.json (every later plain resume failed the same way); a demotion set or changed
+    # was refused late, saying nothing in the folder could be resumed
+    for section, value, shown in (("memory_budget", "50%", "freeze.memory_budget None -> '50%'"),
+                                  ("demote", {"dtype": "bfloat16"}, "freeze.demote.dtype None -> 'bfloat16'")):
+        other = json.loads(json.dumps(saved))
+        other["freeze"][section] = value
+        with pytest.raises(ConfigError, match=f"a resumed run keeps how its frozen blocks are held .* \({shown}"):
+            resume_changes(tmp_path / "r", saved, other)
+        with pytest.raises(ConfigError, match=f"\({shown.split(' ')[0]} .* -> None"):
+            resume_changes(tmp_path / "r", other, saved)  # taken away
 
 
 @pytest.mark.assets("minilm")

@@ -159,8 +159,8 @@ def test_byte_sources_the_cache_and_a_frozen_model_in_the_gradient_path():
     torch.manual_seed(0)
     trained = nn.Linear(8, 16)
     side = FrozenDifferentiable(nn.Linear(16, 4))  # in the gradient path: its weight is saved, never an activation
-    cache = ActivationCache(budget_bytes=3 * 16 * F32)
-    cache.put_batch([0, 1, 2, 3, 4], 1, torch.randn(5, 16))  # 3 entries fit the budget, 2 wait in the write buffer
+    cache = ActivationCache(budget_bytes=4 * 3 * 16 * F32)  # a write buffer of a quarter: 3 entries of 16 floats
+    cache.put_batch(list(range(11)), 1, torch.randn(11, 16))  # 9 entries fit the rest, 2 wait in the write buffer
     optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
     ledger = MemoryLedger(trained, optimizer, sources=[side, cache, lambda: {"replay": 100}])
     with ledger.step():
@@ -169,11 +169,11 @@ def test_byte_sources_the_cache_and_a_frozen_model_in_the_gradient_path():
     snap = ledger.last
     assert snap.buckets["side_models"] == (16 * 4 + 4) * F32
     assert snap.buckets["activations"] == B * 8 * F32  # only the trained Linear's input
-    assert snap.buckets["cache_memory"] == 5 * 16 * F32 and snap.buckets["cache_disk"] == 0
+    assert snap.buckets["cache_memory"] == 11 * 16 * F32 and snap.buckets["cache_disk"] == 0
     assert snap.buckets["replay"] == 100 and snap.devices["cpu"]["replay"] == 100  # a plain int: the ledger's device
     cache.flush()  # the write buffer goes to a shard on disk: disk bytes, not in the tensor total
     disk = ledger.sample()
-    assert disk.buckets["cache_memory"] == 3 * 16 * F32 and disk.devices["disk"]["cache_disk"] == cache.disk_bytes > 0
+    assert disk.buckets["cache_memory"] == 9 * 16 * F32 and disk.devices["disk"]["cache_disk"] == cache.disk_bytes > 0
     assert disk.tensor_bytes == sum(n for b, n in disk.buckets.items() if b != "cache_disk")
     ledger.add_source(lambda: {"bad": -1})
     with pytest.raises(ValueError, match="bytes must be ints >= 0"):

@@ -53,6 +53,11 @@ def _check_resume_parallel(run_dir: Path, saved: dict[str, Any], parallel: str) 
 #: ``freeze.strategy`` has its own message; ``run.parallel`` its own check.
 FIXED_ON_RESUME = ("task", "model.", "data.", "freeze.params.", "train.batch_size", "train.seed")
 FIXED_OPTIMIZER = ("train.optimizer", "train.lr", "train.lr_decay", "train.weight_decay", "train.momentum")
+#: How the frozen blocks are held: a memory budget freezes a prefix from the start (a resume that added one froze
+#: blocks the checkpoint trained, then stopped at the checksum check, and every later resume with it), demotion
+#: casts or moves the frozen blocks (the checkpoint's were held otherwise); where its float32 master copies wait
+#: (``freeze.demote.master``) may change.
+FIXED_FROZEN = ("freeze.memory_budget", "freeze.demote")
 
 
 def resume_changes(run_dir: Path, saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
@@ -66,11 +71,17 @@ def resume_changes(run_dir: Path, saved: dict[str, Any], config: dict[str, Any])
     before, after = ({'.'.join(k): v for k, v in leaf_values(d).items()} for d in (saved, config))
     changed = {k: (before.get(k), v) for k, v in after.items() if k in before and before[k] != v}
     changed.update({k: (v, None) for k, v in before.items() if k not in after and v is not None})
+    # a section set where the run had none (freeze.demote null -> {dtype: ...}): keys the saved config lacks
+    changed.update({k: (None, v) for k, v in after.items()
+                    if k not in before and v is not None and k.startswith(FIXED_FROZEN)})
     fixed = sorted(k for k in changed if k.startswith(FIXED_ON_RESUME) or k == "task")
     optimizer = sorted(k for k in changed if k.startswith(FIXED_OPTIMIZER))
+    frozen = sorted(k for k in changed if k.startswith(FIXED_FROZEN) and k != "freeze.demote.master")
     for keys, kept in ((fixed, "what it trains and on what"),
                        (optimizer, "its optimizer and the optimizer's settings (the checkpoint's optimizer state "
-                                   "brings them back)")):
+                                   "brings them back)"),
+                       (frozen, "how its frozen blocks are held (the memory budget's prefix frozen from the start, "
+                                "their demotion), as its checkpoints have them")):
         if keys:
             what = "; ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in keys)
             raise ConfigError(f"--resume {run_dir}: a resumed run keeps {kept} ({what}); drop those flags, or start "

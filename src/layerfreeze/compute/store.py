@@ -96,18 +96,19 @@ class ActivationCache:
     """Per-sample tensors keyed by ``(sample index, depth)``: a frozen prefix's boundary states, precomputed outputs.
 
     Args:
-        budget_bytes: Bytes of state kept in memory (host RAM); None (default): :func:`auto_budget_bytes`, a quarter
-            of the host memory available at construction. Entries that do not fit go to a write buffer that
-            is written to disk as one safetensors shard once it holds ``shard_bytes`` (so memory use can exceed the
-            budget by up to ``shard_bytes``). Sizes count tensor payload only (not the few hundred bytes of Python
-            objects per entry).
+        budget_bytes: Bytes of state kept in memory (host RAM), the write buffer included; None (default):
+            :func:`auto_budget_bytes`, a quarter of the host memory available at construction. Entries beyond
+            ``budget_bytes`` minus the write buffer go to the write buffer, which is written to disk as one
+            safetensors shard once it holds ``min(shard_bytes, budget_bytes // 4)`` (so memory use stays within the
+            budget, give or take one :meth:`put_batch`'s states). Sizes count tensor payload only (not the few
+            hundred bytes of Python objects per entry).
         dtype: Storage dtype: None keeps the computed dtype; ``torch.float16`` or ``torch.bfloat16`` halves a
             float32 cache (values are rounded; :meth:`get_batch` casts back to the dtype they were computed in).
             Non-floating states are never cast.
         directory: Where shards go: a fresh sub-directory is created in it (in the system temp directory when
             None) at the first spill, and deleted by :meth:`close` or when the cache is garbage collected.
-        shard_bytes: Write-buffer size that triggers a shard write (0: one shard per :meth:`put_batch` that
-            spills).
+        shard_bytes: Write-buffer size that triggers a shard write, at most a quarter of the budget (0: one shard
+            per :meth:`put_batch` that spills).
 
     Attributes:
         depth: The boundary depth currently cached (0: none yet); see :meth:`advance`.
@@ -144,6 +145,8 @@ class ActivationCache:
         self.dtype = dtype
         self.directory = None if directory is None else Path(directory)
         self.shard_bytes = int(shard_bytes)
+        # the write buffer is part of the budget: a budget of 1 MiB held up to 65 MiB with the default buffer
+        self._buffer_bytes = min(self.shard_bytes, self.budget_bytes // 4)
         self.depth = 0
         self.hits = 0
         self.misses = 0
@@ -262,7 +265,7 @@ class ActivationCache:
                 self.drop(index, d)
         nbytes = _nbytes(tensor)
         entry = _Entry(tensor, None, compute_dtype, nbytes)
-        if self._resident_bytes + nbytes <= self.budget_bytes:
+        if self._resident_bytes + nbytes <= self.budget_bytes - self._buffer_bytes:
             self._resident_bytes += nbytes
         else:
             entry.pending = True
@@ -272,7 +275,7 @@ class ActivationCache:
         self._depths.setdefault(index, set()).add(depth)
 
     def _maybe_flush(self) -> None:
-        if self._pending and self._pending_bytes >= self.shard_bytes:
+        if self._pending and self._pending_bytes >= self._buffer_bytes:
             self.flush()
 
     def _ensure_root(self) -> Path:

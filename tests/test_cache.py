@@ -6,6 +6,7 @@ detection, and the refusals (random augmentation, stochastic prefix modules, cha
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from torch.utils.data import Dataset, default_collate
 from layerfreeze import Freezer, discover_blocks
 from layerfreeze.compute.cache import CacheRefused, check_deterministic, check_prefix_deterministic
 from layerfreeze.compute.cached_prefix import CachedPrefix
-from layerfreeze.compute.store import ActivationCache
+from layerfreeze.compute.store import ActivationCache, CacheWriteError
 from layerfreeze.models.discovery import split_for
 from layerfreeze.models.families.bert import BertSplit
 from layerfreeze.models.families.sequential import SequentialSplit
@@ -350,6 +351,44 @@ def test_random_augmentation_is_refused_without_touching_the_random_stream():
     assert "pixel_values" in str(err.value) and "cache: off" in str(err.value)
     check_deterministic(Blobs(8))  # deterministic: accepted
     assert torch.equal(torch.rand(3), expected)
+
+
+def _full_disk(cache, path):
+    """Make the cache's next shard write hit a full disk, for real: its temporary file is a link to /dev/full."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f".shard-{cache._shard_counter + 1:06d}.safetensors.tmp").symlink_to("/dev/full")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_full_disk_keeps_the_entries_in_memory_and_a_fallback_cache_turns_itself_off(tmp_path):
+    # a full disk under the cache's shards ended a run with three chained tracebacks, in mode auto too
+    data, model = Blobs(32), mlp().eval()
+    freezer = frozen(model, 3)
+    batches = [collate(data, range(i, i + 8)) for i in range(0, 32, 8)]
+    cache = ActivationCache(budget_bytes=0, directory=tmp_path, shard_bytes=0)  # every batch spills at once
+    cache.put_batch(range(8), 1, torch.ones(8, 4))  # makes the folder
+    _full_disk(cache, cache.path)
+    with pytest.raises(CacheWriteError, match=r"could not write to .*No space left on device\. Free space there"):
+        cache.put_batch(range(8, 16), 1, torch.full((8, 4), 2.0))
+    assert torch.equal(cache.get_batch(range(8, 16), 1), torch.full((8, 4), 2.0))  # kept, in memory
+    assert not (cache.path / ".shard-000002.safetensors.tmp").exists()  # no half-written file left
+    cache.close()
+
+    runner = CachedPrefix(model, freezer.blocks, freezer=freezer, fallback=True,
+                          cache=ActivationCache(budget_bytes=0, directory=tmp_path / "fb", shard_bytes=0))
+    runner.forward(batches[0])
+    folder = runner.cache.path
+    _full_disk(runner.cache, folder)
+    with pytest.warns(RuntimeWarning, match="activation cache turned off.*No space left on device"):
+        logits = runner.forward(batches[1])
+    assert torch.equal(logits, model(batches[1]["pixel_values"])) and runner.disabled and not folder.exists()
+    assert torch.equal(runner.forward(batches[2]), model(batches[2]["pixel_values"]))  # the full forward from now on
+    runner = CachedPrefix(model, freezer.blocks, freezer=freezer,
+                          cache=ActivationCache(budget_bytes=0, directory=tmp_path / "on", shard_bytes=0))
+    runner.forward(batches[0])
+    _full_disk(runner.cache, runner.cache.path)
+    with pytest.raises(CacheWriteError, match="let it turn itself off"):  # mode on: the run stops, saying why
+        runner.forward(batches[1])
 
 
 def test_changed_inputs_of_a_cached_sample_are_refused_or_fall_back():

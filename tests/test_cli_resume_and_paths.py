@@ -71,9 +71,9 @@ def test_resume_changes_lists_each_change_and_refuses_what_the_run_trains_on(tmp
                                   ("demote", {"dtype": "bfloat16"}, "freeze.demote.dtype None -> 'bfloat16'")):
         other = json.loads(json.dumps(saved))
         other["freeze"][section] = value
-        with pytest.raises(ConfigError, match=f"a resumed run keeps how its frozen blocks are held .* \({shown}"):
+        with pytest.raises(ConfigError, match=rf"a resumed run keeps how its frozen blocks are held .* \({shown}"):
             resume_changes(tmp_path / "r", saved, other)
-        with pytest.raises(ConfigError, match=f"\({shown.split(' ')[0]} .* -> None"):
+        with pytest.raises(ConfigError, match=rf"\({shown.split(' ')[0]} .* -> None"):
             resume_changes(tmp_path / "r", other, saved)  # taken away
 
 

@@ -361,3 +361,16 @@ def test_a_resume_past_the_configs_end_is_refused_before_anything_is_written(tmp
     cfg = config(tmp_path, "r", max_steps=6)  # at its own end: the run finishes (its last evaluation, the summary)
     cfg.run.resume = str(run)
     assert Trainer(cfg, task=blob_task()).run()["steps"] == 6
+
+
+def test_cache_on_with_train_bn_is_refused_before_training(tmp_path):
+    # the first freeze of a block with BatchNorm stopped the run with a traceback (CacheRefused), a checkpoint later
+    cfg = config(tmp_path, "bn", freeze={"strategy": "static", "params": {"k": 2}, "train_bn": True,
+                                         "cache": {"mode": "on"}})
+    with pytest.raises(ConfigError, match=r"freeze.train_bn true keeps the BatchNorm layers of frozen blocks in "
+                                          r"training mode \(1, \.\.\.\).*Set freeze.train_bn false, or "
+                                          r"freeze.cache.mode auto or off"):
+        Trainer(cfg, task=blob_task()).run()
+    assert (tmp_path / "bn" / "metrics.jsonl").read_text() == ""  # not one step
+    cfg.freeze.cache.mode = "auto"  # auto: trains, without the cache once the BatchNorm block freezes
+    assert Trainer(cfg, task=blob_task()).run()["cache"]["used"] is False

@@ -91,6 +91,7 @@ def resume_changes(run_dir: Path, saved: dict[str, Any], config: dict[str, Any])
 
 
 def cmd_train(args: argparse.Namespace, console: Console) -> int:
+    from layerfreeze.compute import CacheRefused, CacheWriteError
     from layerfreeze.engine.integrity import FrozenWeightsChangedError, UnfrozenParameterError
     from layerfreeze.runs.summary import print_summary
     from layerfreeze.train.step import DivergenceError
@@ -158,10 +159,13 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
             else:
                 console.print(f"\n{what} before the first checkpoint; nothing to resume.")
         return 128 + int(by)  # 130 for Ctrl-C, 143 for SIGTERM, as a shell reports a process the signal ended
-    except (DivergenceError, FrozenWeightsChangedError, UnfrozenParameterError) as exc:
+    except (DivergenceError, FrozenWeightsChangedError, UnfrozenParameterError, CacheRefused,
+            CacheWriteError) as exc:
+        # the cache's own stops (freeze.cache.mode on) go on without it: the mode may change on a resume
+        off = " --set freeze.cache.mode=auto" if isinstance(exc, (CacheRefused, CacheWriteError)) else ""
         Console(stderr=True, soft_wrap=True).print(
             f"[bold red]layerfreeze: run stopped:[/] {escape(str(exc))}\nThe last checkpoint is in {checkpoint} "
-            f"(continue with: {again} train --resume {trainer.run_dir})", highlight=False)
+            f"(continue with: {again} train --resume {trainer.run_dir}{off})", highlight=False)
         return 1
     except RankLostError as exc:
         Console(stderr=True, soft_wrap=True).print(

@@ -44,12 +44,13 @@ from layerfreeze.compute.frozen import (
     per_sample_generators,
     precompute,
 )
-from layerfreeze.compute.store import ActivationCache, auto_budget_bytes
+from layerfreeze.compute.store import ActivationCache, CacheWriteError, auto_budget_bytes
 
 __all__ = [
     "CACHE_MODES",
     "ActivationCache",
     "CacheRefused",
+    "CacheWriteError",
     "CachedPrefix",
     "FrozenDifferentiable",
     "FrozenModule",

@@ -43,7 +43,7 @@ from torch import nn
 
 from layerfreeze.compute.cache_policy import CachePolicy, _Plan
 from layerfreeze.compute.determinism import CHANGED_INPUTS, CacheRefused, check_prefix_deterministic
-from layerfreeze.compute.store import ActivationCache, pad_dim0
+from layerfreeze.compute.store import ActivationCache, CacheWriteError, pad_dim0
 from layerfreeze.distributed import comm
 from layerfreeze.distributed.fsdp import fsdp_modules, reshard_all, root_parameters
 from layerfreeze.models.blocks import Block
@@ -424,7 +424,7 @@ class CachedPrefix:
 
     def _turn_off(self, reason: str) -> None:
         self.disabled = reason
-        self.cache.clear()
+        self.cache.close()  # its folder too: off for good (and a full disk gets its space back)
         if self.freezer is not None:
             self.freezer.offload_prefix(0)  # nothing is served from now on: offloaded weights come back
         warnings.warn(f"activation cache turned off, running the full forward from now on: {reason}",
@@ -530,8 +530,13 @@ class CachedPrefix:
                         self.policy.freed += self.cache.drop(indices[p], d)
         if keep:
             at = _on_device(keep, device)
-            self.cache.put_batch([indices[p] for p in keep], depth, states[at],
-                                 None if lengths is None else lengths[torch.tensor(keep)])
+            try:
+                self.cache.put_batch([indices[p] for p in keep], depth, states[at],
+                                     None if lengths is None else lengths[torch.tensor(keep)])
+            except CacheWriteError as exc:  # a full disk: the states are right, only storing them failed
+                if not self.fallback:
+                    raise
+                self._turn_off(str(exc))
         if hit_states is not None:  # states holds every row at the batch's shape; the hits replace theirs
             states = states.clone()
             states[_on_device(hit, states.device)] = hit_states.to(states.dtype)

@@ -92,6 +92,12 @@ def auto_budget_bytes(fraction: float = AUTO_BUDGET_FRACTION) -> int:
     return int(psutil.virtual_memory().available * fraction)
 
 
+class CacheWriteError(OSError):
+    """The activation cache could not write to its folder (a full disk, a quota, a folder that went read-only); the
+    entries that were to be written stay in memory, and the message says what to do. A prefix cache with
+    ``fallback`` turns itself off on it (:class:`~layerfreeze.compute.cached_prefix.CachedPrefix`)."""
+
+
 class ActivationCache:
     """Per-sample tensors keyed by ``(sample index, depth)``: a frozen prefix's boundary states, precomputed outputs.
 
@@ -309,8 +315,14 @@ class ActivationCache:
         tensors = {_key_str(k): self._entries[k].tensor for k in keys}
         data = save(tensors, metadata={"format": "layerfreeze-activation-cache", "version": str(INDEX_VERSION)})
         tmp = root / f".{name}.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, root / name)
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, root / name)
+        except OSError as exc:  # the entries stay in memory, in the write buffer, as they were
+            tmp.unlink(missing_ok=True)
+            self._pending = keys
+            self._pending_bytes = sum(self._entries[k].nbytes for k in keys)
+            raise self._write_error(exc) from exc
         entries = {}
         for key, t in tensors.items():
             entries[key] = {"crc32": _crc32(t), "shape": list(t.shape), "dtype": str(t.dtype)}
@@ -328,8 +340,18 @@ class ActivationCache:
         self._ensure_root()
         index = {"version": INDEX_VERSION, "dtype": str(self.dtype), "shards": self._shards}
         tmp = self._root / f".{INDEX_FILE}.tmp"
-        tmp.write_text(json.dumps(index, indent=1))
-        os.replace(tmp, self._root / INDEX_FILE)
+        try:
+            tmp.write_text(json.dumps(index, indent=1))
+            os.replace(tmp, self._root / INDEX_FILE)
+        except OSError as exc:  # index.json describes the shards for people; what is in memory is already right
+            tmp.unlink(missing_ok=True)
+            raise self._write_error(exc) from exc
+
+    def _write_error(self, exc: OSError) -> CacheWriteError:
+        return CacheWriteError(
+            exc.errno, f"the activation cache could not write to {self._root}: {exc.strerror or exc}. Free space "
+            "there, or give the cache more memory (freeze.cache.budget_mb; ActivationCache(budget_bytes=...)) or "
+            "another directory, or let it turn itself off (freeze.cache.mode auto; CachedPrefix(fallback=True))")
 
     # ---- dropping ------------------------------------------------------------------------------------------
 
@@ -402,7 +424,10 @@ class ActivationCache:
 
     def close(self) -> None:
         """Forget everything and delete the cache's directory."""
-        self.clear()
+        try:
+            self.clear()
+        except CacheWriteError:  # the empty index.json could not be written: the folder goes anyway
+            pass
         if self._finalizer is not None:
             self._finalizer()
         self._root = None

@@ -481,6 +481,16 @@ def make_cache_runner(trainer: Trainer, blocks: list) -> CachedPrefix | None:
         trainer.say(f"cache: auto, off: train.compile true compiles the model's forward, which {COMPILE_TRUE_BYPASSED}"
                     "; --compile blocks compiles each block and keeps the cache")
         return None
+    freeze = trainer.config.freeze
+    if cfg.mode == "on" and freeze.train_bn and freeze.strategy != "none":
+        # the first freeze of a block with BatchNorm stopped the run with a traceback: known before training
+        bn = next((name for b in blocks if not b.is_head for top, module in b.modules
+                   for name, m in module.named_modules(prefix=top) if isinstance(m, nn.modules.batchnorm._BatchNorm)),
+                  None)
+        if bn is not None:
+            raise ConfigError(f"freeze.cache.mode is on, but freeze.train_bn true keeps the BatchNorm layers of frozen "
+                              f"blocks in training mode ({bn}, ...): their outputs change with every batch and cannot "
+                              "be cached. Set freeze.train_bn false, or freeze.cache.mode auto or off")
     dtype = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[cfg.dtype]
     directory = rundir.cache_dir(trainer.run_dir, trainer.rank if trainer.distributed else None)
     now = functools.partial(current_step, trainer)

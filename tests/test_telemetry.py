@@ -255,3 +255,25 @@ def test_summary_table_says_the_cache_was_idle_when_no_prefix_ran_through_it() -
     ran = {**idle, "hits": 96, "misses": 32, "hit_rate": 0.75, "memory_bytes": 2**20, "saved_seconds": 3.0}
     text = _render(summary_table({"cache": ran}))
     assert "96 hits (75%), 1.00 MiB of prefix outputs in memory" in text and "idle" not in text
+
+
+def test_a_resume_purges_what_tensorboard_got_after_the_checkpoint(tmp_path: Path) -> None:
+    # after a SIGKILL at step 6 and a resume from the checkpoint at step 4, TensorBoard showed steps 5 and 6 twice
+    # (metrics.jsonl's replay rule already dropped the first ones)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    killed = Telemetry(tmp_path)
+    for step in range(1, 7):
+        killed.log_step(step, loss=float(step))
+    killed.log_event("freeze", 6, block="1", frozen_count=2)
+    killed.flush()  # a SIGKILL: nothing closes it
+    with Telemetry(tmp_path) as resumed:
+        resumed.purge_after(4)
+        for step in (5, 6, 7):
+            resumed.log_step(step, loss=10.0 * step)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 50.0), (6, 60.0), (7, 70.0)]
+    assert "blocks/frozen_count" not in events.Tags()["scalars"] or events.Scalars("blocks/frozen_count") == []
+    killed.close()

@@ -270,6 +270,23 @@ class Telemetry:
             self._writer.add_scalar("blocks/frozen_count", count, global_step=int(step))
         self._writer.flush()
 
+    def purge_after(self, step: int) -> None:
+        """A resume from a checkpoint at ``step``: TensorBoard drops the values this run's earlier processes logged
+        after it (the steps after a checkpoint are redone, and each was shown twice), as the replay rule does for
+        ``metrics.jsonl`` (:func:`~layerfreeze.runs.rundir.replay`). The event writer starts a new file whose first
+        event is TensorBoard's restart marker (``SummaryWriter(purge_step=step + 1)``). No-op without TensorBoard.
+
+        Raises:
+            RuntimeError: after :meth:`close`.
+        """
+        self._check_open()
+        if self._writer is None:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer.close()
+        self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=int(step) + 1)
+
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Record the run configuration.
 
@@ -375,7 +392,7 @@ class NullTelemetry:
     def _ignore(self, *args: Any, **kwargs: Any) -> None:
         return None
 
-    log_step = log_epoch = log_event = log_config = flush = close = _ignore
+    log_step = log_epoch = log_event = log_config = purge_after = flush = close = _ignore
 
 
 def signals_of(decision: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from layerfreeze import BlockDiscoveryError
 from layerfreeze.errors import ConfigError
-from layerfreeze.runs.rundir import read_metrics
+from layerfreeze.runs.rundir import read_metrics, replay
 from layerfreeze.train.config import build_config
 from layerfreeze.train.trainer import Trainer
 from tests.conftest import DEVICES, blob_task
@@ -87,6 +87,10 @@ def test_ctrl_c_leaves_a_checkpoint_and_resume_matches_the_uninterrupted_run(tmp
     assert summary["steps"] == 12
     assert summary["resumed_from_step"] == 9 and ref_summary["resumed_from_step"] is None
     assert "resumed from" in capsys.readouterr().out
+    # the cache's lookups in the last epoch record are the whole run's, as the summary's (they restarted from 0)
+    last = replay(read_metrics(tmp_path / "cut")).epochs[-1]
+    assert (last["cache_hits"], last["cache_misses"]) == (summary["cache"]["hits"], summary["cache"]["misses"])
+    assert summary["cache"]["hits"] > 0
     from layerfreeze.runs.report import write_report
 
     page = write_report(tmp_path / "cut").read_text()  # its wall time is this process's, beside the whole run's

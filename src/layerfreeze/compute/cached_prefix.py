@@ -599,10 +599,12 @@ class CachedPrefix:
         whole = self.summary(carried)
         return {k: whole[k] for k in self.RUN_COUNTERS}
 
-    def epoch_fields(self) -> dict[str, Any]:
+    def epoch_fields(self, carried: dict[str, float] | None = None) -> dict[str, Any]:
         """The numeric :meth:`stats` as ``cache_<name>`` fields of an epoch record (``cache_disabled``: why, once
-        the cache is off)."""
-        fields = {f"cache_{k}": v for k, v in self.stats().items() if isinstance(v, (int, float))}
+        the cache is off): :data:`RUN_COUNTERS` over the whole run (``carried``: those of the processes before this
+        one, as :meth:`summary` counts them), the others this process's."""
+        stats = {**self.stats(), **self.run_counts(carried)}
+        fields = {f"cache_{k}": v for k, v in stats.items() if isinstance(v, (int, float))}
         if self.disabled:
             fields["cache_disabled"] = self.disabled
         return fields

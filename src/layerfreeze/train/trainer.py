@@ -377,7 +377,7 @@ class Trainer:
         write_checkpoint(self, epoch + 1, 0, reason="epoch_end")
 
     def _cache_stats(self) -> dict[str, Any]:
-        return {} if self.runner is None else self.runner.epoch_fields()
+        return {} if self.runner is None else self.runner.epoch_fields(getattr(self, "_cache_base", {}))
 
     def _guard_check(self) -> None:
         val_loss, val_acc = evaluate_trainer(self, self.val_set)

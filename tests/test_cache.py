@@ -494,6 +494,10 @@ def test_the_input_key_of_an_nn_sequential_is_named_found_or_asked_for():
         named({"x": x, "index": torch.arange(6)})
     with pytest.raises(ValueError, match=r"the batch has no 'index' \(each sample's position"):
         found({"x": x})
+    fallback = CachedPrefix(model, freezer=freezer, fallback=True)  # falls back, as for its other refusals
+    with pytest.warns(RuntimeWarning, match=r"activation cache turned off.*the batch has no 'index'"):
+        assert torch.equal(fallback({"x": x}), expected)
+    assert fallback.disabled and torch.equal(fallback({"x": x, "index": torch.arange(6)}), expected)
     with pytest.raises(ValueError, match="one integer sample position per sample"):
         found({"x": x, "index": ["a"] * 6})
     # a TensorDataset's (x, y) batch: one line saying what to return, not "'tuple' object has no attribute 'items'"

@@ -262,7 +262,8 @@ class CachedPrefix:
         Raises:
             CacheRefused: a stochastic prefix module, a trainable prefix parameter, or a sample whose inputs
                 changed since it was cached (unless ``fallback``).
-            ValueError: no ``depth`` and no freezer; ``depth`` beyond the freezer's frozen prefix; no ``"index"``.
+            ValueError: no ``depth`` and no freezer; ``depth`` beyond the freezer's frozen prefix; no ``"index"``
+                (unless ``fallback``: the cache turns itself off).
             TypeError: ``batch`` is not a dict (a tuple batch).
         """
         if depth is None:
@@ -276,9 +277,14 @@ class CachedPrefix:
             self._warm = True
             return self.split.full(self.model, batch)
         if "index" not in batch:
-            raise ValueError("the batch has no 'index' (each sample's position in its dataset, e.g. "
-                             f"{{'index': i}} in the dataset's items); its keys: {', '.join(map(str, batch))}. The "
-                             "activation cache is keyed by it")
+            why = ("the batch has no 'index' (each sample's position in its dataset, e.g. "
+                   f"{{'index': i}} in the dataset's items); its keys: {', '.join(map(str, batch))}. The "
+                   "activation cache is keyed by it")
+            if not self.fallback:
+                raise ValueError(why)
+            self._turn_off(why)
+            self.full_forwards += 1
+            return self.split.full(self.model, batch)
         if not self._warm:
             self.warm_up(batch)
         refused: CacheRefused | None = None

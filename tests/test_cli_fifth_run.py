@@ -156,7 +156,8 @@ def test_ctrl_c_during_compare_is_exit_130_with_what_to_do(tmp_path, capsys, mon
     monkeypatch.setattr(compare, "compare", interrupted)
     assert main(["compare", "--rows", "none,static", "--run-dir", str(tmp_path / "cmp")]) == 130
     captured = capsys.readouterr()
-    assert "Interrupted. The rows run so far are in" in captured.out and "a comparison does not resume" in captured.out
+    assert "Interrupted. " in captured.out and "lists the rows run so far, the one cut and those not run" in \
+        captured.out and "a comparison itself does not resume" in captured.out
     assert captured.err == ""
 
 

@@ -180,3 +180,37 @@ def test_the_table_says_the_precision_and_compile_its_rows_ran_under():
     assert precision_note(rows) == note
     assert f"\nE{note[1:]}.\n" in markdown_table(rows)
     assert note in str(rich_table(rows).title)
+
+
+@pytest.mark.assets("minilm")
+def test_an_interrupted_comparison_says_which_rows_ran_and_a_row_finished_later_is_reported(tmp_path, tiny_bert_dir,
+                                                                                            tiny_csv):
+    # Ctrl-C in row 2 of 3 left compare.json with row 1 alone, nothing saying the comparison was cut; after the row
+    # was finished with `train --resume`, `layerfreeze report` still left it out
+    import os
+    import signal
+
+    from layerfreeze.runs.report.read import load_compare
+
+    run = tmp_path / "cmp"
+    base = {"task": "text-csv", "data": {"path": str(tiny_csv)},
+            "model": {"name_or_path": str(tiny_bert_dir), "max_length": 32},
+            "train": {"epochs": 1, "batch_size": 8}, "run": {"progress": False}}
+
+    def ctrl_c_after_step_2(trainer):
+        if trainer.progress["step"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        compare(base, ["none", "static", "freezeout"], run, row_callbacks={"static": [ctrl_c_after_step_2]})
+    rows = {r["row"]: r for r in json.loads((run / "compare.json").read_text())}
+    assert list(rows) == ["none", "static", "freezeout"] and rows["none"]["steps"] == 5
+    assert rows["static"]["stopped"] == f"interrupted: finish it with layerfreeze train --resume {run / 'static'}"
+    assert rows["freezeout"]["stopped"] == "not run: the comparison was interrupted before it"
+    table = (run / "compare.md").read_text()
+    assert "stopped: interrupted" in table and "stopped: not run" in table
+    assert main(["train", "--resume", str(run / "static"), "--no-report"]) == 0
+    rows = {r["row"]: r for r in load_compare(run)}
+    assert rows["static"]["steps"] == 5 and "stopped" not in rows["static"] and rows["static"]["flops_ratio"] < 1
+    assert rows["static"]["freeze_steps"] == {"bert.embeddings": 0}  # static's k for a 2-layer model
+    assert rows["freezeout"]["stopped"].startswith("not run")

@@ -13,10 +13,9 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from layerfreeze.runs.compare_table import markdown_table  # noqa: E402
+from layerfreeze.runs.compare_table import freeze_steps, markdown_table  # noqa: E402
 from layerfreeze.runs.report import write_report  # noqa: E402
 from layerfreeze.runs.summary import format_bytes  # noqa: E402
-from layerfreeze.train.compare import freeze_steps
 from layerfreeze.train.config import build_config  # noqa: E402
 from layerfreeze.train.trainer import Trainer  # noqa: E402
 from tests.conftest import blob_task  # noqa: E402

@@ -261,9 +261,10 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     try:
         results = compare(base, rows, run_dir, console=console, row_params=row_params, row_overrides=row_overrides)
     except KeyboardInterrupt:  # the row's own checkpoint is in its folder; a comparison is not resumed as a whole
-        console.print(f"\nInterrupted. The rows run so far are in {run_dir}; a comparison does not resume: run "
-                      "`layerfreeze compare` again with another --run-dir (or `layerfreeze train --resume "
-                      f"{Path(run_dir)}/<row>` to finish one row's run)", highlight=False)
+        console.print(f"\nInterrupted. {Path(run_dir) / rundir.COMPARE_MD} lists the rows run so far, the one cut "
+                      f"and those not run. `layerfreeze train --resume {Path(run_dir)}/<row>` finishes the cut row "
+                      f"(`layerfreeze report {run_dir}` then includes it); a comparison itself does not resume: run "
+                      "`layerfreeze compare` again with another --run-dir for the rows not run", highlight=False)
         return 130
     console.print(f"table: {Path(run_dir) / rundir.COMPARE_MD}   rows: {Path(run_dir) / rundir.COMPARE_JSON}   "
                   f"({len(results)} runs)")

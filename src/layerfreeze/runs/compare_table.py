@@ -16,6 +16,44 @@ from layerfreeze.runs.summary import format_bytes, format_flops
 BASELINE = "none"
 
 
+def freeze_steps(summary: dict[str, Any]) -> dict[str, int]:
+    """Block name -> the step it was (last) frozen at, for blocks frozen at the end of the run."""
+    steps: dict[str, int] = {}
+    for event in summary.get("freeze_timeline", []):
+        if event["action"] == "freeze":
+            steps[event["block"]] = event["step"]
+        else:
+            steps.pop(event["block"], None)
+    return steps
+
+
+def rotation_summary(summary: dict[str, Any]) -> dict[str, Any]:
+    """How a rotating strategy (``lisa``, ``badam``) moved through the run, from its summary's freeze timeline:
+    ``switches`` (the steps after the start at which blocks switched on), ``mean_trainable_fraction`` (the share of
+    the blocks trainable during a step, averaged over the run's steps: the frozen set after step ``s``'s events is
+    the one step ``s + 1`` trains) and ``most_trainable`` (the most blocks trainable at once)."""
+    blocks = list(summary.get("blocks") or [])
+    steps = int(summary.get("steps") or 0)
+    events = sorted(summary.get("freeze_timeline") or [], key=lambda e: e["step"])
+    frozen: set[str] = set()
+    trainable, i = [], 0
+    for step in range(1, steps + 1):
+        while i < len(events) and events[i]["step"] < step:
+            (frozen.add if events[i]["action"] == "freeze" else frozen.discard)(events[i]["block"])
+            i += 1
+        trainable.append(len(blocks) - len(frozen))
+    switches = len({e["step"] for e in events if e["action"] == "thaw" and e["step"] > 0})
+    mean = sum(trainable) / (len(trainable) * len(blocks)) if trainable and blocks else None
+    return {"switches": switches, "mean_trainable_fraction": mean, "most_trainable": max(trainable, default=None)}
+
+
+def row_result(row: str, summary: dict[str, Any], rotates: bool) -> dict[str, Any]:
+    """A finished row of ``compare.json``: ``row``, the run's summary, its :func:`freeze_steps` and, for a strategy
+    that ``rotates`` (``lisa``, ``badam``), its :func:`rotation_summary`."""
+    return {"row": row, **summary, "freeze_steps": freeze_steps(summary),
+            **({"rotation": rotation_summary(summary)} if rotates else {})}
+
+
 def ratios(row: dict[str, Any], base: dict[str, Any] | None) -> dict[str, float | None]:
     """A row's ``time_ratio``, ``flops_ratio`` and ``tensor_peak_ratio`` (its memory ledger's tensor peak,
     ``tensor_peak_bytes``, :mod:`layerfreeze.runs.ledger`) to the baseline row, its ``accuracy_delta`` (a fraction)

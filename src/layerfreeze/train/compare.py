@@ -18,7 +18,13 @@ from rich.markup import escape
 from layerfreeze.distributed.comm import launched_main_rank
 from layerfreeze.errors import ConfigError
 from layerfreeze.runs import rundir
-from layerfreeze.runs.compare_table import add_ratios, frozen_lines, markdown_table, rich_table
+from layerfreeze.runs.compare_table import (
+    add_ratios,
+    frozen_lines,
+    markdown_table,
+    rich_table,
+    row_result,
+)
 from layerfreeze.strategies import BUILTIN_STRATEGIES, DEFAULT_STRATEGY
 from layerfreeze.train.config import build_config
 from layerfreeze.train.config_file import deep_merge
@@ -107,37 +113,6 @@ def _check_block_params(configs: list[tuple[str, Any]]) -> None:
                               "strategies` lists them)") from None
 
 
-def freeze_steps(summary: dict[str, Any]) -> dict[str, int]:
-    """Block name -> the step it was (last) frozen at, for blocks frozen at the end of the run."""
-    steps: dict[str, int] = {}
-    for event in summary.get("freeze_timeline", []):
-        if event["action"] == "freeze":
-            steps[event["block"]] = event["step"]
-        else:
-            steps.pop(event["block"], None)
-    return steps
-
-
-def rotation_summary(summary: dict[str, Any]) -> dict[str, Any]:
-    """How a rotating strategy (``lisa``, ``badam``) moved through the run, from its summary's freeze timeline:
-    ``switches`` (the steps after the start at which blocks switched on), ``mean_trainable_fraction`` (the share of
-    the blocks trainable during a step, averaged over the run's steps: the frozen set after step ``s``'s events is
-    the one step ``s + 1`` trains) and ``most_trainable`` (the most blocks trainable at once)."""
-    blocks = list(summary.get("blocks") or [])
-    steps = int(summary.get("steps") or 0)
-    events = sorted(summary.get("freeze_timeline") or [], key=lambda e: e["step"])
-    frozen: set[str] = set()
-    trainable, i = [], 0
-    for step in range(1, steps + 1):
-        while i < len(events) and events[i]["step"] < step:
-            (frozen.add if events[i]["action"] == "freeze" else frozen.discard)(events[i]["block"])
-            i += 1
-        trainable.append(len(blocks) - len(frozen))
-    switches = len({e["step"] for e in events if e["action"] == "thaw" and e["step"] > 0})
-    mean = sum(trainable) / (len(trainable) * len(blocks)) if trainable and blocks else None
-    return {"switches": switches, "mean_trainable_fraction": mean, "most_trainable": max(trainable, default=None)}
-
-
 def _rotates(strategy: str) -> bool:
     """Whether a registered strategy rotates which layers train (a :class:`~layerfreeze.strategies.base.
     LayerRotation`: ``lisa``, ``badam``), so a comparison summarizes its rotation rather than its freeze steps."""
@@ -153,9 +128,9 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
             row_overrides: dict[str, dict[str, Any]] | None = None,
             row_callbacks: dict[str, list[Callable[[Any], None]]] | None = None) -> list[dict[str, Any]]:
     """Run every row and return one result dict per row (also written to ``run_dir/compare.json`` and ``.md``):
-    the row's summary, ``freeze_steps`` (:func:`freeze_steps`), for a rotating strategy ``rotation``
-    (:func:`rotation_summary`), and its ratios to the ``none`` row
-    (:func:`~layerfreeze.runs.compare_table.ratios`).
+    the row's summary, ``freeze_steps`` (:func:`~layerfreeze.runs.compare_table.freeze_steps`), for a rotating
+    strategy ``rotation`` (:func:`~layerfreeze.runs.compare_table.rotation_summary`), and its ratios to the ``none``
+    row (:func:`~layerfreeze.runs.compare_table.ratios`).
 
     Args:
         base: A user config dict (validated per row); ``freeze.params`` apply to the row of the same strategy.
@@ -169,7 +144,10 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
     at chance level for ``run.divergence_window_steps`` steps) does not end the comparison: its result is
     ``{"row", "stopped": <the error's message>, "run_dir"}`` (no accuracy, time or FLOPs; the table says why), its
     run folder keeps what the trainer wrote (metrics, and the checkpoint to resume unless ``run.checkpoint`` is off),
-    and the next row runs.
+    and the next row runs. A Ctrl-C (or SIGTERM) ends the comparison: the interrupted row (``"stopped":
+    "interrupted ..."``) and the rows not run (``"stopped": "not run ..."``) are written to ``compare.json`` and the
+    table before the interrupt is re-raised; a row finished later with ``layerfreeze train --resume`` is read from its
+    run folder by the report (:func:`~layerfreeze.runs.report.read.load_compare`).
 
     Raises:
         ConfigError: a row named twice, or a row's config is invalid (checked for every row before the first run
@@ -195,19 +173,28 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
         except ConfigError as exc:
             raise ConfigError(f"row {row}: {exc}") from None
     _check_block_params(configs)
-    results = []
-    for row, config in configs:
+    results: list[dict[str, Any]] = []
+    for at, (row, config) in enumerate(configs):
         console.print(f"[bold]compare[/]: {row} ({len(results) + 1}/{len(configs)})")
+        rotates = _rotates(config.freeze.strategy)
         try:
             summary = Trainer(config, step_callbacks=(row_callbacks or {}).get(row)).run()
         except DivergenceError as exc:
             console.print(f"[bold yellow]compare[/]: row {row} stopped, the next row runs: {escape(str(exc))}",
                           highlight=False)
-            results.append({"row": row, "stopped": str(exc), "run_dir": str(config.run.dir)})
+            results.append({"row": row, "stopped": str(exc), "run_dir": str(config.run.dir), "rotates": rotates})
             rundir.write_compare(run_dir, results)
             continue
-        results.append({"row": row, **summary, "freeze_steps": freeze_steps(summary),
-                        **({"rotation": rotation_summary(summary)} if _rotates(config.freeze.strategy) else {})})
+        except KeyboardInterrupt:  # the table says which rows ran, which was cut and which never started
+            results.append({"row": row, "stopped": "interrupted: finish it with layerfreeze train --resume "
+                            f"{config.run.dir}", "run_dir": str(config.run.dir), "rotates": rotates})
+            results += [{"row": r, "stopped": "not run: the comparison was interrupted before it",
+                         "run_dir": str(c.run.dir), "rotates": _rotates(c.freeze.strategy)}
+                        for r, c in configs[at + 1:]]
+            add_ratios(results)
+            rundir.write_compare(run_dir, results, markdown_table(results))
+            raise
+        results.append(row_result(row, summary, rotates))
         rundir.write_compare(run_dir, results)
     add_ratios(results)
     rundir.write_compare(run_dir, results, markdown_table(results))

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from layerfreeze.runs import rundir
-from layerfreeze.runs.compare_table import add_ratios
+from layerfreeze.runs.compare_table import add_ratios, row_result
 from layerfreeze.runs.rundir import Event, finite
 
 __all__ = ["Run", "find_row_dir", "load_compare", "load_run", "num"]
@@ -225,14 +225,20 @@ def load_run(run_dir: Path) -> Run:
 def load_compare(compare_dir: Path) -> list[dict[str, Any]]:
     """The rows of a comparison folder's ``compare.json``, each named (``row``) and with its ratios to ``none``
     (:func:`layerfreeze.runs.compare_table.add_ratios`: compare.json is rewritten after every row, and the ratios
-    appear in it only once all rows are done).
+    appear in it only once all rows are done). A row compare.json says stopped (interrupted, diverged, not run)
+    whose run folder now holds a ``summary.json`` (finished with ``layerfreeze train --resume``) is read from it.
 
     Raises:
         ValueError: ``compare.json`` is malformed.
     """
     rows = rundir.read_compare(compare_dir)
-    for r in rows:
+    for i, r in enumerate(rows):
         r.setdefault("row", r.get("strategy", "?"))
+        if r.get("stopped"):  # cut (Ctrl-C, a divergence) or never run; finished since with train --resume?
+            where = find_row_dir(compare_dir, r)
+            summary = None if where is None else rundir.read_summary(where)[0]
+            if summary is not None:
+                rows[i] = row_result(r["row"], summary, bool(r.get("rotates")))
     return add_ratios(rows)
 
 

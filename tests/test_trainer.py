@@ -81,12 +81,17 @@ def test_ctrl_c_leaves_a_checkpoint_and_resume_matches_the_uninterrupted_run(tmp
     assert "interrupted" in kinds
     assert max(r["step"] for r in read_metrics(tmp_path / "cut") if r["type"] == "step") == 9
 
+    killed = tmp_path / "cut" / "cache" / "layerfreeze-cache-killed"  # what a SIGKILLed process's cache leaves
+    killed.mkdir(parents=True)
+    (killed / "shard-000001.safetensors").write_bytes(bytes(1000))
     resumed = config(tmp_path, "cut")
     resumed.run.resume = str(tmp_path / "cut")
     summary = Trainer(resumed, task=blob_task()).run()
     assert summary["steps"] == 12
     assert summary["resumed_from_step"] == 9 and ref_summary["resumed_from_step"] is None
-    assert "resumed from" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "resumed from" in out and not killed.exists()
+    assert "cache: removed 1000 B of cache shards an earlier process of this run left in" in out
     # the cache's lookups in the last epoch record are the whole run's, as the summary's (they restarted from 0)
     last = replay(read_metrics(tmp_path / "cut")).epochs[-1]
     assert (last["cache_hits"], last["cache_misses"]) == (summary["cache"]["hits"], summary["cache"]["misses"])

@@ -33,6 +33,8 @@ from layerfreeze.runs.ledger_buckets import DISK, Bucket
 __all__ = ["ActivationCache", "pad_dim0"]
 
 INDEX_FILE = "index.json"
+#: The name a cache's own folder starts with, in its ``directory`` (what :func:`remove_stale_folders` removes).
+FOLDER_PREFIX = "layerfreeze-cache-"
 INDEX_VERSION = 1
 
 @dataclass
@@ -90,6 +92,22 @@ def auto_budget_bytes(fraction: float = AUTO_BUDGET_FRACTION) -> int:
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     return int(psutil.virtual_memory().available * fraction)
+
+
+def remove_stale_folders(directory: str | os.PathLike[str]) -> int:
+    """Delete the cache folders left in ``directory`` by processes that ended without closing their cache (a
+    SIGKILL, a crash): a cache is never read by another process, so they only take disk space. Call it before this
+    process's cache makes its own folder there; only folders named as caches make theirs are touched.
+
+    Returns:
+        The bytes freed.
+    """
+    freed = 0
+    for stale in Path(directory).glob(f"{FOLDER_PREFIX}*"):
+        if stale.is_dir() and not stale.is_symlink():
+            freed += sum(f.stat().st_size for f in stale.rglob("*") if f.is_file() and not f.is_symlink())
+            shutil.rmtree(stale, ignore_errors=True)
+    return freed
 
 
 class CacheWriteError(OSError):
@@ -288,7 +306,7 @@ class ActivationCache:
         if self._root is None:
             if self.directory is not None:
                 self.directory.mkdir(parents=True, exist_ok=True)
-            self._root = Path(tempfile.mkdtemp(prefix="layerfreeze-cache-", dir=self.directory))
+            self._root = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=self.directory))
             self._finalizer = weakref.finalize(self, shutil.rmtree, str(self._root), True)
         elif not self._root.is_dir():  # deleted during the run (a temp-folder cleaner, by hand)
             self._root.mkdir(parents=True)

@@ -32,7 +32,7 @@ from layerfreeze.compute.cache import build_cached_prefix
 from layerfreeze.compute.cache_policy import CachePolicy
 from layerfreeze.compute.cached_prefix import CachedPrefix
 from layerfreeze.compute.determinism import CacheRefused, check_deterministic
-from layerfreeze.compute.store import auto_budget_bytes
+from layerfreeze.compute.store import auto_budget_bytes, remove_stale_folders
 from layerfreeze.engine.demote import Demotion
 from layerfreeze.engine.freezer import Freezer
 from layerfreeze.engine.guard import StabilityGuard
@@ -493,6 +493,10 @@ def make_cache_runner(trainer: Trainer, blocks: list) -> CachedPrefix | None:
                               "be cached. Set freeze.train_bn false, or freeze.cache.mode auto or off")
     dtype = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[cfg.dtype]
     directory = rundir.cache_dir(trainer.run_dir, trainer.rank if trainer.distributed else None)
+    freed = remove_stale_folders(directory) if directory.is_dir() else 0  # a killed process's: never read again
+    if freed:
+        trainer.say(f"cache: removed {format_bytes(freed)} of cache shards an earlier process of this run left in "
+                    f"{directory}")
     now = functools.partial(current_step, trainer)
     policy = CachePolicy(now=now, next_visit=lambda key: trainer.visits.next_visit(key, now()),
                          boundary_since=lambda: trainer.freezer.prefix_since)

@@ -115,6 +115,33 @@ def test_a_damaged_meta_file_is_named_not_skipped(runs, capsys):
         assert f"{RUN}/{META_FILE} cannot be read" in out and "collect it again" in out
 
 
+def test_a_run_with_a_missing_or_foreign_file_is_named_not_left_out(runs, capsys):
+    # label and train dropped such a run in silence ("trained on 3 runs" of 4, exit 0)
+    assert predictor_cli(["predictor", "label", str(runs)]) == 0
+    capsys.readouterr()
+    meta = (runs / RUN / META_FILE).read_text()
+    (runs / RUN / META_FILE).write_text((runs / RUN / LABELS_FILE).read_text())  # another file of the pipeline
+    assert predictor_cli(["predictor", "label", str(runs)]) == 2
+    assert f"{RUN}/{META_FILE} is not a recorded run's meta (format None): delete the run folder {RUN} and collect " \
+        "it again" in _out(capsys)
+    (runs / RUN / META_FILE).write_text(meta.replace('"format_version": 1', '"format_version": 2'))
+    assert predictor_cli(["predictor", "label", str(runs)]) == 2
+    assert "has format_version 2, which this layerfreeze does not read (it reads 1)" in _out(capsys)
+    (runs / RUN / META_FILE).write_text(meta)
+    (runs / RUN / WEIGHTS_FILE).unlink()
+    assert predictor_cli(["predictor", "train", str(runs), "--holdout", "", "--epochs", "1",
+                          "--out", str(runs.parent / "p.safetensors")]) == 2
+    assert f"{RUN} is complete but has no {WEIGHTS_FILE}: delete the run folder {RUN} and collect it again" in \
+        _out(capsys)
+    assert (runs / RUN / "counterfactual.json").exists()
+    assert predictor_cli(["predictor", "collect", "--out", str(runs), "--recipes", "mlp-digits", "--seeds", "0",
+                          "--quick"]) == 0  # records it again, and drops what was derived from the old recording
+    assert (runs / RUN / WEIGHTS_FILE).exists() and not (runs / RUN / LABELS_FILE).exists()
+    assert not (runs / RUN / "counterfactual.json").exists()
+    assert predictor_cli(["predictor", "label", str(runs / RUN)]) == 2  # one run, not the folder of runs
+    assert _out(capsys).endswith(f"{runs / RUN} is one recorded run; give the folder that holds the runs, {runs}")
+
+
 def test_mistaken_flags_are_usage_errors(runs, tmp_path, capsys):
     for argv in (["collect", "--out", str(tmp_path / "x"), "--recipes", "", "--quick"],
                  ["collect", "--out", str(tmp_path / "x"), "--recipes", "mlp-digits", "--seeds", "", "--quick"],

@@ -69,6 +69,7 @@ from layerfreeze.runs.rundir import check_writable
 from layerfreeze.smartfrz.recipes import get_recipes
 from layerfreeze.smartfrz.runs import (
     ACTIVATIONS_FILE,
+    COUNTERFACTUAL_FILE,
     LABELS_FILE,
     META_FILE,
     RUN_FORMAT,
@@ -417,9 +418,10 @@ def collect(out: str | Path, recipes: list[str] | None = None, seeds: list[int] 
                         if on_run:
                             on_run(name, "skipped", meta)
                         continue
-                    (run_dir / LABELS_FILE).unlink(missing_ok=True)  # of the damaged recording
                     if on_run:
                         on_run(name, "redo", {"why": why})
+                for derived in (LABELS_FILE, COUNTERFACTUAL_FILE):  # of an earlier, damaged or unfinished recording
+                    (run_dir / derived).unlink(missing_ok=True)
                 setup = r.build(seed, quick, out)
                 info = {"recipe": r.name, "arch": r.arch, "dataset": r.dataset, "mode": r.mode, "quick": quick,
                         "lr_factor": factor, "lr_base": base}

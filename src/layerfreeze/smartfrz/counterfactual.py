@@ -50,11 +50,10 @@ from layerfreeze.models.discovery import discover_blocks
 from layerfreeze.smartfrz.collect import batch_order, evaluate_test, run_name, scaled_lrs
 from layerfreeze.smartfrz.labels import freezable_from_cka, label_run
 from layerfreeze.smartfrz.recipes import get_recipes
-from layerfreeze.smartfrz.runs import PipelineError, read_json, read_meta, write_json_atomic
+from layerfreeze.smartfrz.runs import COUNTERFACTUAL_FILE, PipelineError, read_json, read_meta, write_json_atomic
 from layerfreeze.smartfrz.setup import Setup, make_optimizer
 from layerfreeze.train.loop import lr_lambda, train_steps, warmup_steps
 
-COUNTERFACTUAL_FILE = "counterfactual.json"
 COUNTERFACTUAL_FORMAT = "layerfreeze-smartfrz-counterfactual"
 #: 2: every continuation starts from a copy of the kept optimizer state. Version 1 files (no ``version``) were
 #: computed with the state aliased: each continuation after the first at a grid step started from the AdamW moments

@@ -18,6 +18,7 @@ META_FILE = "meta.json"
 WEIGHTS_FILE = "weights.safetensors"
 ACTIVATIONS_FILE = "activations.safetensors"
 LABELS_FILE = "labels.json"
+COUNTERFACTUAL_FILE = "counterfactual.json"  # written by :mod:`layerfreeze.smartfrz.counterfactual`
 RUN_FORMAT = "layerfreeze-smartfrz-run"
 RUN_FORMAT_VERSION = 1
 
@@ -142,13 +143,43 @@ def list_runs(runs_dir: str | Path, include_diverged: bool = False) -> list[Path
     if not runs_dir.is_dir():
         raise PipelineError(f"{runs_dir} is not a folder of recorded runs (make one with `layerfreeze predictor "
                             "collect --out DIR`)")
+    if (runs_dir / META_FILE).is_file():
+        raise PipelineError(f"{runs_dir} is one recorded run; give the folder that holds the runs, "
+                            f"{runs_dir.parent}")
     out = []
     for d in sorted(p for p in runs_dir.iterdir() if p.is_dir()):
+        _check_recording(d)
         if not is_finished(d):
             continue
         if include_diverged or _usable(read_meta(d)):
             out.append(d)
     return out
+
+
+def _check_recording(run_dir: Path) -> None:
+    """Refuse a run folder whose recording is damaged, rather than leave it out in silence: a ``meta.json`` that is
+    not a recorded run's (another file of the pipeline copied over it) or is of a newer format, a complete run
+    missing a tensor file. A folder without ``meta.json``, or with a run still ``running`` (a collection stopped
+    before it), is unfinished: ``collect`` records it, the others skip it.
+
+    Raises:
+        PipelineError: the folder is damaged (the message names it and says what to do).
+    """
+    meta = read_meta(run_dir)
+    if meta is None:
+        return
+    if meta.get("format") != RUN_FORMAT:
+        raise PipelineError(f"{run_dir / META_FILE} is not a recorded run's meta (format {meta.get('format')!r}): "
+                            f"{_collect_again(run_dir)}")
+    version = meta.get("format_version")
+    if not isinstance(version, int) or version > RUN_FORMAT_VERSION:
+        raise PipelineError(f"{run_dir / META_FILE} has format_version {version!r}, which this layerfreeze does not "
+                            f"read (it reads {RUN_FORMAT_VERSION}): use the layerfreeze that wrote it, or "
+                            f"{_collect_again(run_dir)}")
+    if meta.get("status") == "complete":
+        missing = [name for name in (WEIGHTS_FILE, ACTIVATIONS_FILE) if not (run_dir / name).is_file()]
+        if missing:
+            raise PipelineError(f"{run_dir} is complete but has no {' or '.join(missing)}: {_collect_again(run_dir)}")
 
 
 def _usable(meta: dict[str, Any]) -> bool:

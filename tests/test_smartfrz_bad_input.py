@@ -282,3 +282,53 @@ def test_train_help_states_where_the_predictor_goes(capsys):
     assert exc.value.code == 0
     assert ("--out OUT predictor file (default predictor.safetensors in the current folder; PREDICTOR_CARD.md goes "
             "beside it)") in _out(capsys)
+
+
+MY_RECIPE = '''
+import torch
+from torch import nn
+
+from layerfreeze.smartfrz.recipes import register_recipe
+from layerfreeze.smartfrz.setup import Setup
+
+
+@register_recipe("my-blobs", arch="my-mlp", dataset="blobs", mode="scratch", lrs=(0.05,), minutes=0.01,
+                 description="a user's own model and data")
+def my_blobs(seed, quick, cache_dir):
+    g = torch.Generator().manual_seed(0)  # the data: the same for every seed
+    y = torch.randint(0, 4, (320,), generator=g)
+    x = torch.randn(4, 16, generator=g)[y] * 2 + torch.randn(320, 16, generator=g)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 4))
+    return Setup(model, {"x": x[:256]}, y[:256], {"x": x[256:288]}, test_x={"x": x[288:]}, test_y=y[288:],
+                 steps=24, batch_size=16, optimizer="sgd", snapshot_every=1, act_every=3)
+'''
+
+
+def test_your_own_recipe_through_the_whole_pipeline(tmp_path, capsys):
+    # the README said "train your own SmartFRZ predictor from your own runs", but collect knew the built-in recipes
+    # only; `--import` registers a user's (a .py file or a module)
+    from layerfreeze.smartfrz.recipes import RECIPES
+
+    source = tmp_path / "my_recipes.py"
+    source.write_text(MY_RECIPE)
+    out = tmp_path / "mine"
+    try:
+        assert predictor_cli(["predictor", "collect", "--import", str(source), "--recipes", "my-blobs",
+                              "--seeds", "0,1", "--out", str(out)]) == 0
+        assert "my-blobs_s0_lr0.05: complete" in _out(capsys)
+        assert predictor_cli(["predictor", "label", str(out)]) == 0
+        assert predictor_cli(["predictor", "train", str(out), "--holdout", "", "--epochs", "1",
+                              "--out", str(tmp_path / "mine.safetensors")]) == 0
+        assert "trained on 2 runs" in _out(capsys) and (tmp_path / "mine.safetensors").is_file()
+    finally:
+        RECIPES.unregister("my-blobs")
+    assert predictor_cli(["predictor", "collect", "--import", str(tmp_path / "none.py"), "--out", str(out)]) == 2
+    assert "--import " in _out(capsys)
+    (tmp_path / "empty.py").write_text("x = 1\n")
+    assert predictor_cli(["predictor", "collect", "--import", str(tmp_path / "empty.py"), "--out", str(out)]) == 2
+    assert "registered no recipe: decorate a function" in _out(capsys)
+    (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
+    assert predictor_cli(["predictor", "collect", "--import", str(tmp_path / "broken.py"), "--out", str(out)]) == 2
+    assert "failed: ModuleNotFoundError: No module named 'not_a_module_anywhere'" in _out(capsys)

@@ -12,6 +12,7 @@ pipeline.
     layerfreeze predictor calibrate runs/smartfrz                 # CKA rules against those costs
     layerfreeze predictor label runs/smartfrz --counterfactual    # CKA labels those costs do not contradict
     layerfreeze predictor collect --out runs/smartfrz --lr-factors 0.3,1   # + every recipe at x0.3 of its rates
+    layerfreeze predictor collect --out runs/mine --import my_recipes.py --recipes my-model   # your own runs
 
 Then ``freeze.params.predictor: predictor.safetensors`` (or ``SmartFRZ(predictor=...)``) uses it.
 
@@ -33,7 +34,7 @@ from layerfreeze.errors import ConfigError
 from layerfreeze.smartfrz.counterfactual import DEFAULT_EPS_POINTS, DEFAULT_FRACTIONS, DEFAULT_NULL_ORDERS, MAX_DEPTHS
 from layerfreeze.smartfrz.fit import DEFAULT_HISTORY, DEFAULT_MIN_HISTORY, DEFAULT_THRESHOLD, TrainConfig
 from layerfreeze.smartfrz.labels import DEFAULT_DELTA, DEFAULT_TAU, DEFAULT_TAU_SCRATCH, DEFAULT_WINDOW, label_rule
-from layerfreeze.smartfrz.recipes import DEFAULT_HOLDOUT, RECIPES, get_recipes
+from layerfreeze.smartfrz.recipes import DEFAULT_HOLDOUT, RECIPES, get_recipes, import_recipes
 from layerfreeze.smartfrz.runs import PipelineError
 from layerfreeze.strategies.smartfrz.predictor import PredictorError
 
@@ -194,6 +195,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     cal.add_argument("--eps", type=_number(float, 0), default=DEFAULT_EPS_POINTS,
                      help="accuracy points a freeze may lose beyond the unfrozen continuations' lowest and still "
                      f"count as costing nothing (default {DEFAULT_EPS_POINTS})")
+    for command in (c, e, cf):  # the commands that build or name recipes know a user's own too
+        command.add_argument("--import", dest="imports", action="append", default=[], metavar="FILE_OR_MODULE",
+                             help="a .py file or module that registers your own recipes with @register_recipe "
+                             "(layerfreeze.smartfrz.recipes); repeatable")
     for action in sub._choices_actions:  # each sub-command's --help opens with what it does
         command = sub.choices[action.dest]
         if command.description is None and action.help:
@@ -207,6 +212,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     commands = {"collect": _collect, "label": _label, "train": _train, "evaluate": _evaluate,
                 "counterfactual": _counterfactual, "calibrate": _calibrate}
     try:
+        import_recipes(getattr(args, "imports", []))
         return commands[args.predictor_command](args, console)
     except (PipelineError, PredictorError, ConfigError) as exc:
         console.print(f"[bold red]layerfreeze: error:[/] {escape(str(exc))}", highlight=False)

@@ -5,6 +5,9 @@ reverse (the registry style of every layerfreeze registry, :mod:`layerfreeze.reg
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,3 +81,43 @@ def get_recipes(names: list[str] | None) -> list[Recipe]:
 #: without freezing): under Adam every layer of a fine-tuned transformer moves its weights alike, and only runs of
 #: fine-tuned transformers show that the deep layers' representations still change.
 DEFAULT_HOLDOUT = ("resnet-fmnist", "tinybert-bbc")
+
+
+def import_recipes(sources: list[str]) -> list[str]:
+    """Import the modules that register a user's own recipes (``@register_recipe``), so the pipeline's commands
+    know them by name (``layerfreeze predictor collect --import my_recipes.py --recipes my-recipe``): each source is
+    a path to a ``.py`` file or an importable module's dotted name.
+
+    Returns:
+        The names of the recipes the sources registered, in registration order.
+
+    Raises:
+        PipelineError: a source cannot be found or fails to import (its error named), or registers no recipe.
+    """
+    added: list[str] = []
+    for source in sources:
+        before = set(RECIPES)
+        try:
+            if source.endswith(".py"):
+                path = Path(source)
+                if not path.is_file():
+                    raise PipelineError(f"--import {source}: no such file (a .py file that registers recipes with "
+                                        "@register_recipe, or a module's dotted name)")
+                name = f"layerfreeze_recipes_{path.stem}"
+                spec = importlib.util.spec_from_file_location(name, path)
+                module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+                sys.modules[name] = module  # a dataclass or pickle in it looks its module up by name
+                spec.loader.exec_module(module)  # type: ignore[union-attr]
+            else:
+                importlib.import_module(source)
+        except PipelineError:
+            raise
+        except Exception as exc:  # the user's module: whatever it raises is named, in one line
+            raise PipelineError(f"--import {source} failed: {type(exc).__name__}: {exc}") from exc
+        new = [n for n in RECIPES if n not in before]
+        if not new:
+            raise PipelineError(f"--import {source} registered no recipe: decorate a function (seed, quick, cache_dir) "
+                                "-> Setup with @layerfreeze.smartfrz.recipes.register_recipe(name, arch=..., "
+                                "dataset=..., mode=..., lrs=..., minutes=...)")
+        added += new
+    return added

@@ -188,6 +188,13 @@ def test_predictor_file_roundtrip_and_errors(tmp_path):
         load_predictor(bad_card)
     with pytest.raises(PredictorError, match="is a folder"):
         load_predictor(tmp_path)
+    other = tmp_path / "other_hidden.safetensors"  # the metadata's hidden edited: torch's ten size mismatches
+    save_file(load_file(str(path)), str(other), metadata={**meta_raw, "hidden": "64"})
+    with pytest.raises(PredictorError) as caught:
+        load_predictor(other)
+    text = str(caught.value)
+    assert "\n" not in text and "does not match the predictor architecture (its metadata says hidden 64): size " \
+        "mismatch for" in text and "more). Retrain it with `layerfreeze predictor train`" in text
 
 
 def test_loading_a_predictor_leaves_the_global_rng_alone(tmp_path):

@@ -138,7 +138,9 @@ def _load(path: Path, size: int, mtime_ns: int) -> tuple[FreezePredictor, dict[s
         raise PredictorError(f"SmartFRZ predictor file {path} is corrupt or not a safetensors file: {exc}.{_REMEDY}"
                              ) from None
     if meta.get("format") != FORMAT:
-        raise PredictorError(f"{path} is not a layerfreeze SmartFRZ predictor (format {meta.get('format')!r})")
+        raise PredictorError(f"{path} is not a layerfreeze SmartFRZ predictor (format {meta.get('format')!r}): give "
+                             "the file `layerfreeze predictor train --out` wrote, or leave the predictor unset to use "
+                             "the shipped one")
     for key, want in (("format_version", FORMAT_VERSION), ("feature_version", FEATURE_VERSION)):
         if meta.get(key) != str(want):
             raise PredictorError(f"{path} was written with {key} {meta.get(key)!r}; this layerfreeze needs {want}. "
@@ -166,9 +168,13 @@ def _load(path: Path, size: int, mtime_ns: int) -> tuple[FreezePredictor, dict[s
         model = FreezePredictor(hidden=hidden)
     try:
         model.load_state_dict(tensors)
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # torch lists every tensor on its own line: the first one says enough
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        first = next((line for line in lines[1:] if line[:1].isalpha()), lines[0] if lines else "")
+        more = f" (and {len(lines) - 2} more)" if len(lines) > 2 else ""
         raise PredictorError(
-            f"SmartFRZ predictor file {path} does not match the predictor architecture: {exc}") from None
+            f"SmartFRZ predictor file {path} does not match the predictor architecture (its metadata says hidden "
+            f"{hidden}): {first}{more}.{_REMEDY}") from None
     model.eval()
     out: dict[str, Any] = dict(meta)
     out["window"], out["min_window"] = window, min_window

@@ -112,8 +112,12 @@ def test_single_run_report_has_every_plot_and_the_summary(compare_dir):
 
 
 def test_run_without_freezing_still_gets_a_timeline(compare_dir):
+    stale = compare_dir / "none" / "report" / "an_old_plot.png"  # an earlier report's plot left in the folder
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes(PNG_SIGNATURE)
     text, links = _check_page(write_report(compare_dir / "none"))
     assert _img_names(links) == RUN_PLOTS
+    assert {p.name for p in stale.parent.glob("*.png")} == RUN_PLOTS  # every PNG there is one the page shows
     assert "no block was frozen" in text
 
 

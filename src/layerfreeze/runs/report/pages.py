@@ -250,12 +250,22 @@ def _run_summary_rows(run: Run) -> list[tuple[str, str]]:
     return rows
 
 
+def _without_stale(out: Path, plots: dict[str, str | None]) -> dict[str, str | None]:
+    """Delete the PNGs in ``out`` this report did not write (an earlier report's plot the run has nothing for now:
+    a page regenerated after a resume); returns ``plots``."""
+    written = {name for name in plots.values() if name}
+    for png in out.glob("*.png"):
+        if png.name not in written:
+            png.unlink(missing_ok=True)
+    return plots
+
+
 def write_run_report(run_dir: Path) -> Path:
     """Write ``run_dir/report/index.html`` and the run's plots; return the page's path."""
     run = load_run(run_dir)
     out = run_dir / rundir.REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
-    plots = plot_run(run, out)
+    plots = _without_stale(out, plot_run(run, out))
     title = f"layerfreeze report — {run.strategy} on {run.task}"
     body = [
         f"<h1>{_e(title)}</h1>",
@@ -326,7 +336,7 @@ def write_compare_report(compare_dir: Path) -> Path:
             continue
         rel = os.path.relpath(row_report, out).replace(os.sep, "/")
         links.append(f'<a href="{_e(urllib.parse.quote(rel))}">report</a>')
-    plots = plot_compare(rows, loaded, out)
+    plots = _without_stale(out, plot_compare(rows, loaded, out))
     tasks = sorted({str(r.get("task")) for r in rows if r.get("task")})
     title = "layerfreeze compare" + (f" — {', '.join(tasks)}" if tasks else "")
     columns = [*headers(rows), "run"]

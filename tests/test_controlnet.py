@@ -146,3 +146,13 @@ def test_the_demos_bad_options_are_one_line_before_anything_trains(flags, said, 
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"python -m benchmarks.controlnet: error: {said}" in err and "Traceback" not in err
+
+
+def test_the_tables_loss_window_is_never_longer_than_the_run(result):
+    # `--tiny --steps 6` printed "loss std (last 50)" over a 6-step run
+    from benchmarks.controlnet.report import format_table
+
+    res, _ = result
+    assert "| loss std (last 3) |" in format_table(res)  # window 3 of 4 steps
+    longer = {**res, "config": {**res["config"], "window": 50}}
+    assert "| loss std (last 4) |" in format_table(longer)

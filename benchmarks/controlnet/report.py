@@ -45,7 +45,8 @@ def _row_cells(r: dict[str, Any], no_control: float) -> list[str]:
 
 def format_table(result: dict[str, Any]) -> str:
     """The placement table as Markdown (one row per placement; ``window`` from the config)."""
-    lines = ["| " + " | ".join(_headers(result["config"]["window"])) + " |", "|" + "---|" * len(TABLE_HEADERS)]
+    window = min(result["config"]["window"], result["config"]["steps"])  # a run shorter than the window: its steps
+    lines = ["| " + " | ".join(_headers(window)) + " |", "|" + "---|" * len(TABLE_HEADERS)]
     for r in result["placements"]:
         lines.append("| " + " | ".join(_row_cells(r, result["heldout_no_control"])) + " |")
     return "\n".join(lines)
@@ -131,7 +132,7 @@ def write_report(result: dict[str, Any], folder: str | Path) -> Path:
     ax_loss.legend(fontsize=8, frameon=False)
     fig.savefig(folder / "loss_curves.png", format="png", metadata={"Software": None})
     cfg = result["config"]
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in _headers(cfg["window"]))
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in _headers(min(cfg["window"], cfg["steps"])))
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in
                                     _row_cells(r, result["heldout_no_control"])) + "</tr>"
                    for r in result["placements"])

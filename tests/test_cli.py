@@ -214,7 +214,7 @@ def test_too_small_or_one_class_data_is_a_config_error(tmp_path, tiny_bert_dir, 
     assert main([*base, "--data", str(one), "--run-dir", str(tmp_path / "a")]) == 2
     assert "has 1 class(es) (sport); a classifier needs at least 2" in capsys.readouterr().err
     assert main([*base, "--data", str(two), "--run-dir", str(tmp_path / "b")]) == 2
-    assert "cannot split the data into train and test: class 0 has 1 sample(s)" in capsys.readouterr().err
+    assert "cannot split the data into train and test: class 'money' has 1 sample(s)" in capsys.readouterr().err
 
 
 # ---- issue 32: config typos get a suggestion, `layerfreeze config`, the run folder named only once it exists -----

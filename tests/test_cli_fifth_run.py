@@ -249,3 +249,8 @@ def test_a_batchnorm_model_with_a_last_batch_of_one_sample_is_refused_before_tra
                   "samples, and the model's BatchNorm layers cannot train on one (\"Expected more than 1 value per " \
                   "channel when training\"); choose another batch size (e.g. 4), or another data.limit_train\n"
     assert not (tmp_path / "r" / "checkpoints").exists()
+    # a batch of 1 (every batch one sample) stopped with StopIteration: no size below it was looked at
+    assert main(["train", "--task", "image-folder", "--data", str(tmp_path / "imgs"), "--batch-size", "1",
+                 "--no-progress", "--run-dir", str(tmp_path / "r1")]) == 2
+    assert "train.batch_size 1: step 1's batch holds one sample of the 6 training samples" in \
+        capsys.readouterr().err.replace("\n", " ")

@@ -152,6 +152,40 @@ def test_load_text_csv_missing_column(tmp_path):
         data.load_text_csv(path)
 
 
+def test_a_test_file_is_labelled_with_the_training_files_classes(tmp_path):
+    # a test file of sport and tech only was labelled 0 and 1 by its own sorted classes, where training read them as
+    # 1 and 2: the accuracy was computed against wrong labels, in silence
+    path = tmp_path / "test.csv"
+    path.write_text("text,label\nmatch,sport\nchip,tech\n", encoding="utf-8")
+    _, labels, names = data.load_text_csv(path, classes=["biz", "sport", "tech"])
+    assert labels == [1, 2] and names == ["biz", "sport", "tech"]
+    path.write_text("text,label\nmatch,sport\nrain,weather\n", encoding="utf-8")  # crashed after an epoch
+    with pytest.raises(ValueError, match=r"line 3: class 'weather' is not one of the training data's \('biz', "):
+        data.load_text_csv(path, classes=["biz", "sport", "tech"])
+
+
+def test_a_csv_with_a_short_row_an_empty_label_or_a_huge_field(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text("text,label\nfine,a\nno label here\nok,b\n", encoding="utf-8")  # AttributeError on None
+    with pytest.raises(ValueError, match=r"line 3 has no 'label' field \(fewer fields than the header"):
+        data.load_text_csv(path)
+    path.write_text("text,label\nfine,a\nempty,\nok,b\n", encoding="utf-8")  # a class named ""
+    with pytest.raises(ValueError, match=r"line 3 has an empty 'label'"):
+        data.load_text_csv(path)
+    huge = "word " * 400_000  # 2 MB in one cell: `_csv.Error: field larger than field limit (131072)`
+    path.write_text(f"text,label\n{huge},a\nsmall,b\n", encoding="utf-8")
+    texts, labels, _ = data.load_text_csv(path)
+    assert texts[0] == huge and labels == [0, 1]
+    import csv
+
+    assert csv.field_size_limit() == 131072  # the module's limit is given back
+
+
+def test_split_errors_name_the_class():
+    with pytest.raises(ValueError, match="class 'rare' has 1 sample"):
+        data.stratified_split([0, 0, 1, 1, 2], names=["a", "b", "rare"])
+
+
 def _write_idx(path, magic, dims, payload):
     with gzip.open(path, "wb") as fh:
         fh.write(struct.pack(f">{1 + len(dims)}I", magic, *dims) + payload)
@@ -217,6 +251,22 @@ def test_load_image_folder(tmp_path):
     assert batch["pixel_values"].dtype == torch.float32
     assert batch["labels"].tolist() == [0, 0, 1, 1]
     assert batch["index"].tolist() == [0, 1, 2, 3]
+
+
+def test_an_image_test_folder_uses_the_training_folders_classes_and_hidden_folders_are_not_classes(tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    pytest.importorskip("torchvision")
+    for folder, names in (("train", ("cat", "dog", ".ipynb_checkpoints/cat")), ("test", ("dog",)),
+                          ("odd", ("dog", "fox"))):
+        for name in names:
+            (tmp_path / folder / name).mkdir(parents=True)
+            Image.new("RGB", (8, 8)).save(tmp_path / folder / name / "0.png")
+    train = data.load_image_folder(tmp_path / "train", size=8)
+    assert train.classes == ["cat", "dog"]  # a notebook's checkpoint folder is not a class
+    test = data.load_image_folder(tmp_path / "test", size=8, classes=train.classes)
+    assert [y for _, y in test.dataset.samples] == [1]  # dog: the training folder's 1, not its own 0
+    with pytest.raises(ValueError, match=r"class folder\(s\) 'fox' are not among the training data's classes"):
+        data.load_image_folder(tmp_path / "odd", size=8, classes=train.classes)
 
 
 def test_missing_fashion_mnist_suggests_sudo_when_not_root(tmp_path, monkeypatch):

@@ -242,3 +242,25 @@ def test_fsdp2_refuses_tied_embeddings_on_every_rank_before_sharding(tmp_path, t
     assert ranks.returncodes == [2, 2], ranks.outputs
     assert ranks.outputs[0].count("layerfreeze: error:") == 1 and f"layerfreeze: error: {said}" in ranks.outputs[0]
     assert "Traceback" not in ranks.outputs[0] + ranks.outputs[1]
+
+
+def test_a_decoder_and_a_classifier_of_another_label_count_load_as_text_csv_classifiers(tmp_path, tiny_bert_dir):
+    # GPT-2 / Llama folders as text-csv classifiers failed at step 1: "Cannot handle batch sizes > 1 if no padding
+    # token is defined"; a saved 2-label classifier for 3 classes raised transformers' size-mismatch error
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from layerfreeze.train.loaders import load_text_model
+
+    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOS]"
+                                         ).save_pretrained(tmp_path)  # GPT-2's way: no padding token
+    config = transformers.GPT2Config(vocab_size=len(VOCAB), n_embd=16, n_layer=2, n_head=2, n_positions=64,
+                                     eos_token_id=2, bos_token_id=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    model, tokenizer = load_text_model(tmp_path, num_labels=3)
+    batch = tokenizer(["the cat sat", "a dog ran on the mat"], padding=True, return_tensors="pt")
+    assert model(**batch).logits.shape == (2, 3) and model.config.pad_token_id == tokenizer.eos_token_id == 2
+    with pytest.warns(UserWarning, match=r"its classification head has 2 labels and the data 3: a new head of 3"):
+        model, _ = load_text_model(tiny_bert_dir, num_labels=3)  # a BertForSequenceClassification of 2 labels
+    assert model.classifier.out_features == 3

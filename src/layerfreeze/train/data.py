@@ -14,7 +14,6 @@ holding the item's position in its dataset (used as a cache key).
 
 from __future__ import annotations
 
-import csv
 import gzip
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from torch.utils.data import Dataset
 
 from layerfreeze.errors import ConfigError
 from layerfreeze.train.assets import bbc_news_dir, fashion_mnist_dir
+from layerfreeze.train.csv_rows import read_csv_columns
 
 __all__ = [
     "FASHION_MNIST_CLASSES",
@@ -93,52 +93,60 @@ def load_bbc_news(root: Path | None = None) -> tuple[list[str], list[int], list[
 
 
 def load_text_csv(
-    path: str | Path, text_column: str = "text", label_column: str = "label"
+    path: str | Path, text_column: str = "text", label_column: str = "label",
+    classes: Sequence[str] | None = None,
 ) -> tuple[list[str], list[int], list[str]]:
-    """Read a text classification CSV file (UTF-8, with a header row).
+    """Read a text classification CSV file (UTF-8, with a header row; :func:`read_csv_columns`).
 
     Labels are mapped to ``0..k-1`` in sorted order of their distinct values: numerically when
     every label is an integer, otherwise as strings. ``class_names[i]`` is the original value
-    (as written in the file) of label ``i``.
+    (as written in the file) of label ``i``. With ``classes`` (the training file's ``class_names``, for a test
+    file) labels are mapped to those instead, so label ``i`` means the same class in both files.
 
     Returns:
         ``(texts, labels, class_names)``.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: a column is missing (the message lists the columns present) or the file has
-            no data rows.
+        ValueError: a column is missing (the message lists the columns present), a row lacks a field or has an
+            empty label (naming its line), the file has no data rows, or (with ``classes``) a label is not one of
+            ``classes``.
     """
     path = Path(path)
-    with path.open(newline="", encoding="utf-8-sig") as fh:
-        reader = csv.DictReader(fh)
-        columns = reader.fieldnames or []
-        for column in (text_column, label_column):
-            if column not in columns:
-                raise ValueError(f"{path}: no column {column!r}; columns present: {columns}")
-        rows = [(row[text_column], row[label_column].strip()) for row in reader]
+    rows = [(line, text, label.strip()) for line, (text, label) in read_csv_columns(path, (text_column, label_column))]
     if not rows:
         raise ValueError(f"{path}: no data rows")
-
-    raw_labels = {label for _, label in rows}
-    try:
-        class_names = sorted(raw_labels, key=int)
-    except ValueError:
-        class_names = sorted(raw_labels)
+    empty = next((line for line, _, label in rows if not label), None)
+    if empty is not None:
+        raise ValueError(f"{path}: line {empty} has an empty {label_column!r}; give every row its class, or remove "
+                         "the row")
+    if classes is None:
+        raw_labels = {label for _, _, label in rows}
+        try:
+            class_names = sorted(raw_labels, key=int)
+        except ValueError:
+            class_names = sorted(raw_labels)
+    else:
+        class_names = list(classes)
+        unknown = next(((line, label) for line, _, label in rows if label not in class_names), None)
+        if unknown is not None:
+            raise ValueError(f"{path}: line {unknown[0]}: class {unknown[1]!r} is not one of the training data's "
+                             f"({', '.join(map(repr, class_names))}); a test set holds the classes the model is "
+                             "trained on")
     to_index = {name: i for i, name in enumerate(class_names)}
-    texts = [text for text, _ in rows]
-    labels = [to_index[label] for _, label in rows]
+    texts = [text for _, text, _ in rows]
+    labels = [to_index[label] for _, _, label in rows]
     return texts, labels, class_names
 
 
 def stratified_split(
-    labels: Sequence[int], test_fraction: float = 0.2, seed: int = 0
+    labels: Sequence[int], test_fraction: float = 0.2, seed: int = 0, names: Sequence[str] | None = None
 ) -> tuple[list[int], list[int]]:
     """Split sample positions into train and test sets, class by class.
 
     Each class with ``n`` samples puts ``round(n * test_fraction)`` of them (at least 1, at most
     ``n - 1``) in the test set, chosen by a ``numpy.random.Generator`` seeded with ``seed``; the
-    same arguments always give the same split.
+    same arguments always give the same split. ``names``: each label's class name, for the error message.
 
     Returns:
         ``(train_indices, test_indices)``: sorted, disjoint lists of ints covering
@@ -157,7 +165,8 @@ def stratified_split(
     for label in np.unique(labels_array):
         members = np.flatnonzero(labels_array == label)
         if len(members) < 2:
-            raise ValueError(f"class {label} has {len(members)} sample(s); need at least 2 to split")
+            name = f"class {names[int(label)]!r}" if names is not None else f"class {label}"
+            raise ValueError(f"{name} has {len(members)} sample(s); need at least 2 to split")
         n_test = min(max(round(len(members) * test_fraction), 1), len(members) - 1)
         shuffled = rng.permutation(members)
         test.extend(int(i) for i in shuffled[:n_test])
@@ -397,7 +406,8 @@ class ImageFolderDictDataset(Dataset):
         except OSError as err:  # PIL.UnidentifiedImageError, a truncated file
             samples = getattr(self.dataset, "samples", None)
             path = samples[i][0] if samples else f"sample {i}"
-            raise unreadable_image("data.path", path, err, then=", then resume the run") from None
+            raise unreadable_image("data.path", path, err, then=" (converted in place, under the same name, the run "
+                                   "resumes; removed, the data changed: start a new run)") from None
         return {
             "pixel_values": image,
             "labels": torch.tensor(label, dtype=torch.int64),
@@ -405,11 +415,19 @@ class ImageFolderDictDataset(Dataset):
         }
 
 
-def load_image_folder(root: str | Path, size: int = 32) -> ImageFolderDictDataset:
+def class_folders(root: str | Path) -> list[str]:
+    """The class sub-folders of an image folder, sorted: every sub-folder but hidden ones (``.ipynb_checkpoints``,
+    ``.git``: a notebook's checkpoint folder became a class of its own)."""
+    return sorted(p.name for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def load_image_folder(root: str | Path, size: int = 32, classes: Sequence[str] | None = None) -> ImageFolderDictDataset:
     """Load an image-classification folder ``root/<class>/<image>`` with torchvision's ImageFolder.
 
     Images are converted to RGB, resized to ``(size, size)``, scaled to [0, 1] and normalised with
-    the ImageNet mean and std. Classes are the sorted sub-folder names.
+    the ImageNet mean and std. Classes are the sorted sub-folder names (:func:`class_folders`: hidden ones left
+    out); with ``classes`` (the training folder's, for a test folder) labels are those classes' indices, and a class
+    the test folder lacks is fine.
 
     Returns:
         An :class:`ImageFolderDictDataset` with ``pixel_values`` ``(3, size, size)`` float32.
@@ -417,6 +435,7 @@ def load_image_folder(root: str | Path, size: int = 32) -> ImageFolderDictDatase
     Raises:
         ImportError: torchvision is not installed (``pip install layerfreeze[vision]``).
         FileNotFoundError: ``root`` has no class folders or no images (raised by ImageFolder).
+        ValueError: (with ``classes``) a sub-folder is not one of ``classes``.
     """
     try:
         from torchvision import datasets, transforms
@@ -424,6 +443,21 @@ def load_image_folder(root: str | Path, size: int = 32) -> ImageFolderDictDatase
         raise ImportError(
             "load_image_folder needs torchvision: pip install layerfreeze[vision]"
         ) from err
+
+    class Folder(datasets.ImageFolder):
+        def find_classes(self, directory: str | Path) -> tuple[list[str], dict[str, int]]:
+            found = class_folders(directory)
+            if not found:
+                raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
+            if classes is None:
+                return found, {name: i for i, name in enumerate(found)}
+            unknown = [name for name in found if name not in classes]
+            if unknown:
+                raise ValueError(f"{directory}: class folder(s) {', '.join(map(repr, unknown))} are not among the "
+                                 f"training data's classes ({', '.join(map(repr, classes))}); a test set holds the "
+                                 "classes the model is trained on")
+            return list(classes), {name: i for i, name in enumerate(classes)}
+
     transform = transforms.Compose(
         [
             transforms.Resize((size, size)),
@@ -431,7 +465,7 @@ def load_image_folder(root: str | Path, size: int = 32) -> ImageFolderDictDatase
             transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
         ]
     )
-    return ImageFolderDictDataset(datasets.ImageFolder(str(root), transform=transform))
+    return ImageFolderDictDataset(Folder(str(root), transform=transform, allow_empty=classes is not None))
 
 
 class GaussianBlobs(Dataset):

@@ -14,7 +14,6 @@ token loss over all the test chunks' tokens.
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 from layerfreeze.errors import ConfigError
+from layerfreeze.train.csv_rows import read_csv_columns
 
 IGNORE = -100
 """Label of a position that is not a real next token (padding)."""
@@ -171,16 +171,14 @@ def read_texts(path: str | Path, column: str = "text") -> list[str]:
         raise ConfigError(f"data.path {path} is not a file (text-lm reads a text file or a CSV column)")
     try:
         if path.suffix.lower() == ".csv":
-            with path.open(newline="", encoding="utf-8-sig") as fh:
-                reader = csv.DictReader(fh)
-                if column not in (reader.fieldnames or []):
-                    raise ConfigError(f"data file {path}: no column {column!r}; columns present: {reader.fieldnames}"
-                                      ". Name it with --set data.text_column=...")
-                texts = [row[column] for row in reader]
+            texts = [text for _, (text,) in read_csv_columns(path, (column,))]
         else:
             texts = [path.read_text(encoding="utf-8")]
     except UnicodeDecodeError:
         raise ConfigError(f"data file {path} is not UTF-8 text; save it as UTF-8") from None
+    except ValueError as exc:  # a missing column (named with the ones present), a short row (its line)
+        hint = ". Name it with --set data.text_column=..." if "no column" in str(exc) else ""
+        raise ConfigError(f"data file {exc}{hint}") from None
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise ConfigError(f"data file {path} holds no text")

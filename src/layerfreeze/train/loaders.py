@@ -10,6 +10,7 @@ load their models through these functions.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ def load_text_model(path: str | Path, num_labels: int) -> tuple[nn.Module, Any]:
         ConfigError: the folder does not exist or holds no model.
     """
     quiet_transformers()
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -59,7 +60,23 @@ def load_text_model(path: str | Path, num_labels: int) -> tuple[nn.Module, Any]:
                               "--task fashion-mnist (or image-folder with --data)")
         _not_a_model_folder(path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, local_files_only=True)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    saved = getattr(config, "num_labels", None)
+    if saved != num_labels and any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
+        warnings.warn(f"model.name_or_path {path}: its classification head has {saved} labels and the data "
+                      f"{num_labels}: a new head of {num_labels} is trained in its place", stacklevel=2)
+    # a classifier folder of another label count gets a new head (from_pretrained raised on the size mismatch)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, local_files_only=True,
+                                                               ignore_mismatched_sizes=True)
+    if tokenizer.pad_token is None:  # GPT-2's: a batch of texts is padded, and the classifier finds each one's end
+        if tokenizer.eos_token is None:
+            raise ConfigError(f"model.name_or_path {path}: its tokenizer has neither a padding nor an end-of-text "
+                              "token, and a batch of texts needs one to pad with; add one to the tokenizer")
+        tokenizer.pad_token = tokenizer.eos_token
+    if getattr(model.config, "pad_token_id", None) is None:
+        # a decoder classifier (GPT-2, Llama) reads the logits at each text's last token, found by the padding token;
+        # without one it refused any batch of more than one text
+        model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
 
 

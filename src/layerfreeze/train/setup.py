@@ -369,9 +369,10 @@ def check_batchnorm_batches(trainer: Trainer, model: nn.Module) -> None:
     where = f"rank {rank}'s share of step {step}'s batch" if trainer.distributed else f"step {step}'s batch"
     hint = ""
     if not trainer.distributed:
-        near = next(b for d in range(1, cfg.batch_size) for b in (cfg.batch_size - d, cfg.batch_size + d)
-                    if b >= 2 and n % b != 1)
-        hint = f" (e.g. {near})"
+        # the nearest size with no one-sample batch (a batch of 1, or 2 with n % 3 == 1, found none below it)
+        near = next((b for d in range(1, n + cfg.batch_size + 2) for b in (cfg.batch_size - d, cfg.batch_size + d)
+                     if b >= 2 and n % b != 1), None)
+        hint = f" (e.g. {near})" if near is not None else ""
     raise ConfigError(
         f"train.batch_size {cfg.batch_size}: {where} holds one sample of the {n} training samples, and the model's "
         f"BatchNorm layers cannot train on one (\"Expected more than 1 value per channel when training\"); choose "

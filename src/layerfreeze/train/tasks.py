@@ -149,20 +149,23 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
     return peft_model.base_model.model  # the original model class, now holding LoRA layers
 
 
-def _image_folder(path: str, size: int, key: str) -> data.ImageFolderDictDataset:
+def _image_folder(path: str, size: int, key: str, classes: list[str] | None = None) -> data.ImageFolderDictDataset:
     """:func:`data.load_image_folder`, its "no class folder / no image" errors (torchvision's, which list every
     sub-folder) as one line naming ``key``.
 
     Raises:
-        ConfigError: ``path`` has no class sub-folder, or no image in them (naming the sub-folders without one), or
-            a file whose header PIL cannot read (``Image.open``, a few dozen microseconds a file).
+        ConfigError: ``path`` has no class sub-folder, or no image in them (naming the sub-folders without one), a
+            file whose header PIL cannot read (``Image.open``, a few dozen microseconds a file), or (with
+            ``classes``, the training folder's) a class sub-folder that is not one of them.
     """
     try:
-        dataset = data.load_image_folder(path, size=size)
+        dataset = data.load_image_folder(path, size=size, classes=classes)
+    except ValueError as exc:
+        raise ConfigError(f"{key} {exc}") from None
     except FileNotFoundError:
         from torchvision.datasets.folder import IMG_EXTENSIONS  # here: torchvision's import costs ~1 s (Dynamo)
 
-        folders = sorted(child.name for child in Path(path).iterdir() if child.is_dir())
+        folders = data.class_folders(path)
         empty = [name for name in folders if not any(f.suffix.lower() in IMG_EXTENSIONS
                                                      for f in (Path(path) / name).rglob("*"))]
         what = (f"{len(folders)} sub-folder(s), no image in them" if len(empty) == len(folders)
@@ -177,9 +180,9 @@ def _image_folder(path: str, size: int, key: str) -> data.ImageFolderDictDataset
     return dataset
 
 
-def _split(dataset: Dataset, labels: list[int], cfg: Config) -> tuple[Dataset, Dataset]:
+def _split(dataset: Dataset, labels: list[int], cfg: Config, classes: list[str]) -> tuple[Dataset, Dataset]:
     try:
-        train_idx, test_idx = data.stratified_split(labels, cfg.data.test_fraction, cfg.data.split_seed)
+        train_idx, test_idx = data.stratified_split(labels, cfg.data.test_fraction, cfg.data.split_seed, classes)
     except ValueError as exc:
         raise ConfigError(f"cannot split the data into train and test: {exc}; add samples, or give a separate test "
                           "set with --set data.test_path=...") from None
@@ -193,9 +196,9 @@ def _check_classes(classes: list[str], path: str | None) -> None:
                           "classifier needs at least 2 (check the label column or the class sub-folders)")
 
 
-def _read_csv(path: str, cfg: Config) -> tuple[list[str], list[int], list[str]]:
+def _read_csv(path: str, cfg: Config, classes: list[str] | None = None) -> tuple[list[str], list[int], list[str]]:
     try:
-        return data.load_text_csv(path, cfg.data.text_column, cfg.data.label_column)
+        return data.load_text_csv(path, cfg.data.text_column, cfg.data.label_column, classes)
     except ValueError as exc:  # a missing column: say which setting names it; undecodable text: the encoding
         msg = str(exc) if str(exc).startswith(str(path)) else f"{path}: {exc}"
         if "no column" in msg:
@@ -233,10 +236,10 @@ def build_task(cfg: Config) -> Task:
         model, tokenizer = load_text_model(model_path, num_labels=len(classes))
         full = data.TokenizedTextDataset(texts, labels, tokenizer, cfg.model.max_length)
         if cfg.data.test_path:
-            t_texts, t_labels, _ = _read_csv(cfg.data.test_path, cfg)
+            t_texts, t_labels, _ = _read_csv(cfg.data.test_path, cfg, classes)  # label i: the training file's class i
             train_set, test_set = full, data.TokenizedTextDataset(t_texts, t_labels, tokenizer, cfg.model.max_length)
         else:
-            train_set, test_set = _split(full, labels, cfg)
+            train_set, test_set = _split(full, labels, cfg, classes)
         forward, model_name = text_forward, model_path
     else:
         if cfg.task == "fashion-mnist":
@@ -251,9 +254,10 @@ def build_task(cfg: Config) -> Task:
             classes = list(full.classes)
             _check_classes(classes, cfg.data.path)
             if cfg.data.test_path:
-                train_set, test_set = full, _image_folder(cfg.data.test_path, cfg.data.image_size, "data.test_path")
+                train_set, test_set = full, _image_folder(cfg.data.test_path, cfg.data.image_size, "data.test_path",
+                                                          classes)
             else:
-                train_set, test_set = _split(full, [y for _, y in full.dataset.samples], cfg)
+                train_set, test_set = _split(full, [y for _, y in full.dataset.samples], cfg, classes)
         name = cfg.model.name_or_path or "mobilenet_v2"
         model = load_vision_model(name, len(classes), cfg.model.pretrained)
         forward, model_name = image_forward, name
@@ -297,7 +301,7 @@ def build_model(cfg: Config) -> tuple[nn.Module, str]:
         classes = len(data.FASHION_MNIST_CLASSES)
         if cfg.task == "image-folder":
             folder = Path(cfg.data.path) if cfg.data.path else None
-            classes = len([d for d in folder.iterdir() if d.is_dir()]) if folder and folder.is_dir() else 2
+            classes = len(data.class_folders(folder)) if folder and folder.is_dir() else 2
         name = cfg.model.name_or_path or "mobilenet_v2"
         model = load_vision_model(name, max(2, classes), cfg.model.pretrained)
     if cfg.model.lora is not None:

@@ -4,6 +4,7 @@ non-finite frozen outputs and worker errors surface with names and tracebacks.""
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 
@@ -356,7 +357,7 @@ def test_precompute_as_the_readme_writes_it_and_what_precomputed_dataset_returns
     assert sorted(item) == ["attention_mask", "features", "index", "labels"] and item["index"] == 7
     torch.testing.assert_close(item["features"], full[7], rtol=1e-5, atol=1e-6)
     assert len(store) == 40
-    with pytest.raises(ValueError, match=r"items must be dicts holding 'index' .* item 0 is a dict with keys "
+    with pytest.raises(ValueError, match=r"items must be dicts holding 'index' .* an item is a dict with keys "
                                          r"input_ids, attention_mask, labels"):
         precompute([{k: v for k, v in data[i].items() if k != "index"} for i in range(4)], lambda b: b["labels"])
 
@@ -473,8 +474,8 @@ def test_precompute_refuses_a_dataset_that_draws_from_a_global_rng_past_its_firs
     # items 0-3 are fetched twice with the random states restored (the same draw twice): a dataset augmenting with
     # torch's, Python's or NumPy's global RNG was stored with one draw per sample, trained on every epoch, in silence
     frozen = encoder()
-    with pytest.raises(PrecomputeRefused, match=r"reading dataset items 4-7 drew from the global random number "
-                                                r"generator \(torch's, Python's random or NumPy's"):
+    with pytest.raises(PrecomputeRefused, match=r"reading dataset items 4-7 drew from or reseeded the global random "
+                                                r"number generator \(torch's, Python's random or NumPy's"):
         precompute(Noisy(draw), lambda b: encode(frozen, b), batch_size=4)
     store = precompute(Noisy(lambda: 0), lambda b: encode(frozen, b), batch_size=4)  # no draw: stored
     assert len(store) == 16
@@ -496,3 +497,44 @@ def test_a_precomputed_store_paired_with_another_dataset_is_refused_not_read():
     assert PrecomputedDataset(other, store)[4]["index"] == 4
     with pytest.raises(PrecomputeRefused, match=r"item 5 \(index 5\)"):
         PrecomputedDataset(other, store)[5]
+
+
+class Nested(torch.utils.data.Dataset):
+    """Items with nested inputs, a list of views and a string: ``shift`` changes every sample's inputs."""
+
+    def __init__(self, shift=0.0, text="doc"):
+        self.x = torch.randn(8, 6, generator=torch.Generator().manual_seed(3)) + shift
+        self.text = text
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return {"inputs": {"pixel_values": self.x[i]}, "views": [self.x[i], self.x[i].flip(0)],
+                "text": f"{self.text} {i}", "index": i}
+
+
+def test_nested_inputs_strings_and_an_item_without_tensors_are_fingerprinted_too():
+    # only the item's top-level tensors were fingerprinted: a store paired with another dataset of nested inputs,
+    # lists or strings returned the first dataset's features; an item with no top-level tensor crashed precompute
+    store = precompute(Nested(), lambda b: b["inputs"]["pixel_values"].sum(1, keepdim=True), batch_size=4)
+    assert PrecomputedDataset(Nested(), store)[5]["features"].shape == (1,)
+    for other, path in ((Nested(shift=1.0), "inputs.pixel_values"), (Nested(text="page"), "text")):
+        with pytest.raises(PrecomputeRefused, match=rf"item 5 \(index 5\): its '{re.escape(path)}' is not the one"):
+            PrecomputedDataset(other, store)[5]
+    texts = [{"text": f"doc {i}", "index": i} for i in range(6)]  # no tensor but the index
+    store = precompute(texts, lambda b: torch.tensor([[float(len(t))] for t in b["text"]]), batch_size=4)
+    assert float(PrecomputedDataset(texts, store)[3]["features"]) == 5.0
+    with pytest.raises(PrecomputeRefused, match=r"its 'text' is not the one"):
+        PrecomputedDataset([{**t, "text": t["text"].upper()} for t in texts], store)[3]
+
+
+def test_a_dataset_that_seeds_the_global_rng_per_item_is_refused_saying_so():
+    class Seeded(Tokens):
+        def __getitem__(self, i):
+            torch.manual_seed(i)  # deterministic per item, but the caller's random stream is not left as it was
+            return super().__getitem__(i)
+
+    frozen = encoder()
+    with pytest.raises(PrecomputeRefused, match=r"drew from or reseeded .* or a seed set per item"):
+        precompute(Seeded(16), lambda b: encode(frozen, b), batch_size=4)

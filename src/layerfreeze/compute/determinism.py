@@ -7,6 +7,7 @@ activation cache (:mod:`~layerfreeze.compute.cache`) raises, or turns itself off
 from __future__ import annotations
 
 import random
+import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -92,6 +93,38 @@ def input_fingerprint(value: Any) -> torch.Tensor:
 
     flat = torch.as_tensor(value).detach().reshape(-1).to("cpu", torch.float64)
     return torch.stack([flat.sum(), (flat * position_weights(flat.numel())).sum()])
+
+
+def item_fingerprint(item: Any) -> tuple[tuple[str, ...], torch.Tensor]:
+    """The fingerprint of a dataset item's inputs, for checking later that a stored output belongs to them:
+    ``(paths, (len(paths), 2) float64)``, one row per leaf of the item but its top-level ``"index"`` -- tensors,
+    numbers and NumPy arrays (:func:`input_fingerprint`), strings and bytes (their CRC-32 and length), None -- found
+    in dicts, lists and tuples at any depth, named by path (``"inputs.pixel_values"``, ``"views[1]"``, ``"text"``).
+    Leaves of other types are left out. Not a hash: see :func:`input_fingerprint`."""
+    paths: list[str] = []
+    rows: list[torch.Tensor] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not (path == "" and k == "index"):
+                    walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(value, (list, tuple)):
+            for j, v in enumerate(value):
+                walk(v, f"{path}[{j}]")
+        elif isinstance(value, (str, bytes)):
+            raw = value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value
+            paths.append(path)
+            rows.append(torch.tensor([float(zlib.crc32(raw)), float(len(raw))], dtype=torch.float64))
+        elif value is None:
+            paths.append(path)
+            rows.append(torch.tensor([0.0, -1.0], dtype=torch.float64))
+        elif isinstance(value, (torch.Tensor, np.ndarray, np.generic, bool, int, float)):
+            paths.append(path)
+            rows.append(input_fingerprint(value))
+
+    walk(item, "")
+    return tuple(paths), torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
 
 
 def _two_fetches(dataset: Any, n: int) -> tuple[list[Any], list[Any]]:

@@ -51,13 +51,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from layerfreeze.compute.determinism import (
     drew_from_global_random,
     first_changed_item,
     global_random_states,
-    input_fingerprint,
+    item_fingerprint,
 )
 from layerfreeze.compute.store import ActivationCache
 from layerfreeze.runs.ledger_buckets import Bucket
@@ -515,31 +515,41 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
             "in the dataset): one draw per sample would be stored and trained on in every epoch. Give precompute a "
             "dataset without the random transform (augment the stored outputs in the trainer instead), or run the "
             "frozen models in the trainer (FrozenModule, FrozenPipeline)")
-    if len(dataset) > 0:  # type: ignore[arg-type]
-        first = dataset[0]
+    store = store if store is not None else ActivationCache()
+    paths: dict[tuple[str, ...], tuple[str, ...]] = {}  # one tuple of input paths shared by the samples that have it
+
+    def collate(items: list[Any]) -> tuple[Any, list[tuple[tuple[str, ...], torch.Tensor]]]:
+        """The batch, and each item's fingerprint taken before collating (as PrecomputedDataset takes it)."""
+        first = items[0]
         if not isinstance(first, dict) or "index" not in first:
             what = f"a dict with keys {', '.join(map(str, first))}" if isinstance(first, dict) else \
                 type(first).__name__
             raise ValueError(f"precompute: the dataset's items must be dicts holding 'index' (the item's position, "
-                             f"which the outputs are stored under), e.g. {{'pixel_values': x, 'index': i}}; item 0 "
+                             f"which the outputs are stored under), e.g. {{'pixel_values': x, 'index': i}}; an item "
                              f"is {what}")
-    store = store if store is not None else ActivationCache()
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, generator=torch.Generator())
+        prints = [item_fingerprint(item) for item in items]
+        return default_collate(items), [(paths.setdefault(names, names), rows) for names, rows in prints]
+
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, generator=torch.Generator(),
+                        collate_fn=collate)
     batches, first = iter(loader), 0
     _STATE.precomputing = True
     try:
         while True:
             before = global_random_states()
-            batch = next(batches, None)
-            if batch is None:
+            got = next(batches, None)
+            if got is None:
                 break
+            batch, prints = got
             if drew_from_global_random(before):  # the two fetches above restore the states: the same draw twice
                 raise PrecomputeRefused(
-                    f"precompute: reading dataset items {first}-{first + len(batch['index']) - 1} drew from the "
-                    "global random number generator (torch's, Python's random or NumPy's: random augmentation in "
-                    "the dataset): one draw per sample would be stored and trained on in every epoch. Give "
-                    "precompute a dataset without the random transform (augment the stored outputs in the trainer "
-                    "instead), or run the frozen models in the trainer (FrozenModule, FrozenPipeline)")
+                    f"precompute: reading dataset items {first}-{first + len(batch['index']) - 1} drew from or "
+                    "reseeded the global random number generator (torch's, Python's random or NumPy's: random "
+                    "augmentation in the dataset, or a seed set per item): one draw per sample would be stored and "
+                    "trained on in every epoch, and the caller's random stream changed. Give precompute a dataset "
+                    "without the random transform (augment the stored outputs in the trainer instead; a dataset's "
+                    "own torch.Generator is fine), or run the frozen models in the trainer (FrozenModule, "
+                    "FrozenPipeline)")
             first += len(batch["index"])
             out = _call_without_global_rng(fn, batch, "precompute")
             if not isinstance(out, torch.Tensor):
@@ -551,10 +561,8 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
                     "that feed the trained one")
             indices = sample_indices(batch["index"])
             store.put_batch(indices, key, out)
-            names = _input_names(batch)
-            for row, index in enumerate(indices):
-                store.input_fingerprints[(index, key)] = (
-                    names, torch.stack([input_fingerprint(batch[name][row]) for name in names]))
+            for index, fingerprint in zip(indices, prints):
+                store.input_fingerprints[(index, key)] = fingerprint
     finally:
         _STATE.precomputing = False
     store.flush()
@@ -574,8 +582,10 @@ class PrecomputedDataset(Dataset):
         drop: Item keys to leave out.
 
     Each item's inputs are checked against what :func:`precompute` ran ``fn`` on for its sample (a fingerprint of
-    every tensor or number of the item but ``"index"``, taken then: :func:`~layerfreeze.compute.determinism.
-    input_fingerprint`), so a store paired with another dataset of the same size is refused, not read.
+    every tensor, number and string of the item, nested ones included, but ``"index"``, taken then:
+    :func:`~layerfreeze.compute.determinism.item_fingerprint`), so a store paired with another dataset of the same
+    size is refused, not read. A store filled by hand (:meth:`~layerfreeze.compute.store.ActivationCache.put_batch`)
+    holds no fingerprints: its items are not checked.
 
     Raises:
         KeyError: a sample has no stored output (the store was built over another dataset, or the shard that held
@@ -609,19 +619,18 @@ class PrecomputedDataset(Dataset):
         found = self.store.input_fingerprints.get((index, self.key))
         if found is None:  # a store filled by hand (put_batch) holds none: nothing to check against
             return
-        names, prints = found
-        for name, stored in zip(names, prints):
-            if name not in item or not torch.equal(input_fingerprint(item[name]), stored):
-                raise PrecomputeRefused(
-                    f"PrecomputedDataset: item {i} (index {index}): its {name!r} is not the one precompute ran the "
-                    "frozen models on for this sample: the store was built over another dataset (one store per "
-                    "dataset: precompute the eval set on its own), or the dataset changed since (an edit, random "
-                    "augmentation); run precompute over this dataset")
-
-
-def _input_names(batch: dict[str, Any]) -> tuple[str, ...]:
-    """The keys of a collated batch whose values are per-sample tensors, but ``"index"`` (what
-    :class:`PrecomputedDataset` checks an item against)."""
-    size = len(batch["index"])
-    return tuple(k for k, v in batch.items()
-                 if k != "index" and isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == size)
+        names, prints = item_fingerprint(item)
+        stored_names, stored = found
+        for j, name in enumerate(stored_names):
+            if j >= len(names) or names[j] != name or not torch.equal(prints[j], stored[j]):
+                differs = name
+                break
+        else:
+            if names == stored_names:
+                return
+            differs = names[len(stored_names)]  # an input the sample did not have
+        raise PrecomputeRefused(
+            f"PrecomputedDataset: item {i} (index {index}): its {differs!r} is not the one precompute ran the "
+            "frozen models on for this sample: the store was built over another dataset (one store per dataset: "
+            "precompute the eval set on its own), or the dataset changed since (an edit, random augmentation); run "
+            "precompute over this dataset")

@@ -60,6 +60,12 @@ def state_dict(freezer: Freezer, full: bool = False) -> dict[str, Any]:
     return state
 
 
+def _held(demote: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A demotion's settings that decide the frozen blocks' weights: its ``master`` (memory or disk: where the
+    float32 copies wait, restored bitwise either way) left out."""
+    return None if demote is None else {k: v for k, v in demote.items() if k != "master"}
+
+
 def load_state_dict(freezer: Freezer, state: dict[str, Any]) -> None:
     """Restore :func:`state_dict` into ``freezer``; see :meth:`~layerfreeze.engine.freezer.Freezer.load_state_dict`.
 
@@ -79,7 +85,7 @@ def load_state_dict(freezer: Freezer, state: dict[str, Any]) -> None:
         )
     freezer.train_bn = state.get("train_bn", freezer.train_bn)
     mine = freezer.demoter.spec.to_dict() if freezer.demoter is not None else None
-    if state.get("demote") != mine:
+    if _held(state.get("demote")) != _held(mine):  # where the master copies wait changes no weight
         raise ValueError(f"Checkpoint was written with demote={state.get('demote')!r}, this run has "
                          f"demote={mine!r}; resume with the same demotion (freeze.demote) so frozen blocks hold "
                          "the same weights")

@@ -198,7 +198,9 @@ def read_summary(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
 
 
 def write_compare(compare_dir: Path, rows: list[dict[str, Any]], markdown: str | None = None) -> None:
-    """Write ``compare.json`` (and ``compare.md`` when given)."""
+    """Write ``compare.json`` (and ``compare.md`` when given); ``compare_dir`` is made if missing (a comparison cut
+    before its first row made it)."""
+    compare_dir.mkdir(parents=True, exist_ok=True)
     (compare_dir / COMPARE_JSON).write_text(json.dumps(rows, indent=2))
     if markdown is not None:
         (compare_dir / COMPARE_MD).write_text(markdown)

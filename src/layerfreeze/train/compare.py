@@ -6,9 +6,12 @@ through the ``peft`` library) shows the parameter-efficient alternative on the s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +116,29 @@ def _check_block_params(configs: list[tuple[str, Any]]) -> None:
                               "strategies` lists them)") from None
 
 
+@contextlib.contextmanager
+def _interrupts() -> Iterator[list[int]]:
+    """While a comparison runs: a Ctrl-C is recorded (the list yielded) and raised as usual. Between two rows Python
+    may raise it inside a weakref callback or a ``__del__``, where it is printed and dropped ("Exception ignored
+    in ..."), and the comparison ran every row left; the record makes the loop stop before the next row. Inside a
+    row the trainer's own handler answers it (it stops after the step and checkpoints). Outside the main thread
+    (no signal handlers there) nothing is installed."""
+    interrupted: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupted
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _rotates(strategy: str) -> bool:
     """Whether a registered strategy rotates which layers train (a :class:`~layerfreeze.strategies.base.
     LayerRotation`: ``lisa``, ``badam``), so a comparison summarizes its rotation rather than its freeze steps."""
@@ -174,28 +200,34 @@ def compare(base: dict[str, Any], rows: list[str], run_dir: str | Path, console:
             raise ConfigError(f"row {row}: {exc}") from None
     _check_block_params(configs)
     results: list[dict[str, Any]] = []
-    for at, (row, config) in enumerate(configs):
-        console.print(f"[bold]compare[/]: {row} ({len(results) + 1}/{len(configs)})")
-        rotates = _rotates(config.freeze.strategy)
-        try:
-            summary = Trainer(config, step_callbacks=(row_callbacks or {}).get(row)).run()
-        except DivergenceError as exc:
-            console.print(f"[bold yellow]compare[/]: row {row} stopped, the next row runs: {escape(str(exc))}",
-                          highlight=False)
-            results.append({"row": row, "stopped": str(exc), "run_dir": str(config.run.dir), "rotates": rotates})
-            rundir.write_compare(run_dir, results)
-            continue
-        except KeyboardInterrupt:  # the table says which rows ran, which was cut and which never started
-            results.append({"row": row, "stopped": "interrupted: finish it with layerfreeze train --resume "
-                            f"{config.run.dir}", "run_dir": str(config.run.dir), "rotates": rotates})
-            results += [{"row": r, "stopped": "not run: the comparison was interrupted before it",
-                         "run_dir": str(c.run.dir), "rotates": _rotates(c.freeze.strategy)}
-                        for r, c in configs[at + 1:]]
-            add_ratios(results)
-            rundir.write_compare(run_dir, results, markdown_table(results))
-            raise
-        results.append(row_result(row, summary, rotates))
-        rundir.write_compare(run_dir, results)
+    with _interrupts() as interrupted:
+        for at, (row, config) in enumerate(configs):
+            rotates, started, done = _rotates(config.freeze.strategy), False, False
+            try:
+                if interrupted:  # a Ctrl-C between rows that landed where Python drops exceptions (a weakref callback)
+                    raise KeyboardInterrupt
+                console.print(f"[bold]compare[/]: {row} ({len(results) + 1}/{len(configs)})")
+                started = True
+                summary = Trainer(config, step_callbacks=(row_callbacks or {}).get(row)).run()
+                results.append(row_result(row, summary, rotates))
+                done = True
+                rundir.write_compare(run_dir, results)
+            except DivergenceError as exc:
+                console.print(f"[bold yellow]compare[/]: row {row} stopped, the next row runs: {escape(str(exc))}",
+                              highlight=False)
+                results.append({"row": row, "stopped": str(exc), "run_dir": str(config.run.dir), "rotates": rotates})
+                rundir.write_compare(run_dir, results)
+                continue
+            except KeyboardInterrupt:  # the table says which rows ran, which was cut and which never started
+                if started and not done:
+                    results.append({"row": row, "stopped": "interrupted: finish it with layerfreeze train --resume "
+                                    f"{config.run.dir}", "run_dir": str(config.run.dir), "rotates": rotates})
+                results += [{"row": r, "stopped": "not run: the comparison was interrupted before it",
+                             "run_dir": str(c.run.dir), "rotates": _rotates(c.freeze.strategy)}
+                            for r, c in configs[at + int(started):]]
+                add_ratios(results)
+                rundir.write_compare(run_dir, results, markdown_table(results))
+                raise
     add_ratios(results)
     rundir.write_compare(run_dir, results, markdown_table(results))
     console.print(rich_table(results))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -257,23 +258,41 @@ def test_summary_table_says_the_cache_was_idle_when_no_prefix_ran_through_it() -
     assert "96 hits (75%), 1.00 MiB of prefix outputs in memory" in text and "idle" not in text
 
 
+def _tensorboard(path: Path) -> dict[str, list[tuple[int, Any]]]:
+    """Every tag's (step, value) as TensorBoard's own loader reads them (the plugin accumulator: scalars and text
+    alike are tensors there, and its first start marker is the run's start, every later one a restart)."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    events = EventAccumulator(str(path))
+    events.Reload()
+    out = {}
+    for tag in events.Tags()["tensors"]:
+        out[tag] = [(e.step, tensor_util.make_ndarray(e.tensor_proto).tolist()) for e in events.Tensors(tag)]
+    return out
+
+
 def test_a_resume_purges_what_tensorboard_got_after_the_checkpoint(tmp_path: Path) -> None:
     # after a SIGKILL at step 6 and a resume from the checkpoint at step 4, TensorBoard showed steps 5 and 6 twice
-    # (metrics.jsonl's replay rule already dropped the first ones)
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
+    # (metrics.jsonl's replay rule already dropped the first ones); TensorBoard's own loader also ignored the first
+    # resume (a run's first start marker is its start: the original writer wrote none) and the freeze text stayed
     killed = Telemetry(tmp_path)
+    killed.log_config({"a": 1})
     for step in range(1, 7):
         killed.log_step(step, loss=float(step))
     killed.log_event("freeze", 6, block="1", frozen_count=2)
     killed.flush()  # a SIGKILL: nothing closes it
-    with Telemetry(tmp_path) as resumed:
-        resumed.purge_after(4)
+    with Telemetry(tmp_path, resuming=True) as resumed:
+        resumed.purge_from(5)  # the checkpoint was at step 4
+        resumed.log_config({"a": 2}, step=5)
         for step in (5, 6, 7):
             resumed.log_step(step, loss=10.0 * step)
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
-    events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
-        (1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 50.0), (6, 60.0), (7, 70.0)]
-    assert "blocks/frozen_count" not in events.Tags()["scalars"] or events.Scalars("blocks/frozen_count") == []
+    shown = _tensorboard(tmp_path / "tensorboard")
+    assert shown["train/loss"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 50.0), (6, 60.0), (7, 70.0)]
+    assert "blocks/frozen_count" not in shown or shown["blocks/frozen_count"] == []
+    assert not shown.get("events/text_summary") and [s for s, _ in shown["config/text_summary"]] == [0, 5]
+    with Telemetry(tmp_path, resuming=True) as again:  # stopped before its first checkpoint: from the beginning
+        again.purge_from(0)
+        again.log_step(1, loss=100.0)
+    assert _tensorboard(tmp_path / "tensorboard")["train/loss"] == [(1, 100.0)]
     killed.close()

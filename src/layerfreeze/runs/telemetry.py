@@ -115,6 +115,8 @@ class Telemetry:
         run_dir: run directory; created (with parents) if missing.
         tensorboard: also write TensorBoard event files under
             ``<run_dir>/tensorboard/``.
+        resuming: a process that goes on with a run from a checkpoint: it calls :meth:`purge_from` once it knows
+            the checkpoint's step (a new run's event files start with TensorBoard's start marker instead).
 
     ``metrics.jsonl`` is opened in append mode, so resuming a run keeps
     extending the same file.  If the file ends with an incomplete line (a
@@ -128,7 +130,7 @@ class Telemetry:
     dtypes, devices, enums, sets and datetimes are converted).
     """
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resuming: bool = False) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / rundir.METRICS_FILE
@@ -140,8 +142,9 @@ class Telemetry:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard_dir = self.run_dir / rundir.TENSORBOARD_DIR
-            try:
-                self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir))
+            try:  # a new run's events start with TensorBoard's start marker (its loader takes the first one as the
+                # run's start and every later one as a restart: purge_from); a resumed process writes its own there
+                self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=None if resuming else 0)
             except BaseException:
                 self._fh.close()
                 raise
@@ -270,11 +273,13 @@ class Telemetry:
             self._writer.add_scalar("blocks/frozen_count", count, global_step=int(step))
         self._writer.flush()
 
-    def purge_after(self, step: int) -> None:
-        """A resume from a checkpoint at ``step``: TensorBoard drops the values this run's earlier processes logged
-        after it (the steps after a checkpoint are redone, and each was shown twice), as the replay rule does for
-        ``metrics.jsonl`` (:func:`~layerfreeze.runs.rundir.replay`). The event writer starts a new file whose first
-        event is TensorBoard's restart marker (``SummaryWriter(purge_step=step + 1)``). No-op without TensorBoard.
+    def purge_from(self, step: int) -> None:
+        """A resume: TensorBoard drops the values this run's earlier processes logged at ``step`` and after (a
+        resume from a checkpoint at step ``s`` redoes the steps after it: ``purge_from(s + 1)``; a restart from the
+        beginning: ``purge_from(0)``; each value was shown twice), as the replay rule does for ``metrics.jsonl``
+        (:func:`~layerfreeze.runs.rundir.replay`). The event writer starts a new file whose first event is
+        TensorBoard's restart marker (``SummaryWriter(purge_step=step)``; TensorBoard's loader drops every value,
+        scalars and text alike, at or after it). No-op without TensorBoard.
 
         Raises:
             RuntimeError: after :meth:`close`.
@@ -285,14 +290,15 @@ class Telemetry:
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer.close()
-        self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=int(step) + 1)
+        self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=int(step))
 
-    def log_config(self, config: Mapping[str, Any]) -> None:
+    def log_config(self, config: Mapping[str, Any], step: int = 0) -> None:
         """Record the run configuration.
 
         Writes ``{"type": "config", "time": ..., "config": config}`` and, in
         TensorBoard, the text tag ``config`` holding the config as an indented
-        JSON block.
+        JSON block, at ``step`` (a resumed process: the first step it trains, so
+        a later resume from the same checkpoint purges it with the rest).
 
         Raises:
             TypeError: ``config`` is not a mapping or holds a value that is not
@@ -307,7 +313,7 @@ class Telemetry:
             pretty = json.dumps(dict(config), default=_json_default, indent=2, ensure_ascii=False)
             # Indented lines render as a code block in TensorBoard's markdown.
             block = "\n".join("    " + line for line in pretty.splitlines())
-            self._writer.add_text("config", block, global_step=0)
+            self._writer.add_text("config", block, global_step=int(step))
             self._writer.flush()
 
     def flush(self) -> None:
@@ -392,7 +398,7 @@ class NullTelemetry:
     def _ignore(self, *args: Any, **kwargs: Any) -> None:
         return None
 
-    log_step = log_epoch = log_event = log_config = purge_after = flush = close = _ignore
+    log_step = log_epoch = log_event = log_config = purge_from = flush = close = _ignore
 
 
 def signals_of(decision: Any) -> dict[str, Any]:

@@ -107,7 +107,7 @@ def resume(trainer: Trainer, path: Path) -> tuple[int, int]:
         if trainer.is_main:
             tqdm.write(f"resume: {path} has no checkpoint yet (the run stopped before its first one): "
                        "starting it again from the beginning")
-        trainer.telemetry.purge_after(0)
+        trainer.telemetry.purge_from(0)  # a restart from the beginning: everything is redone
         trainer.telemetry.log_event(Event.RESUMED, 0, epoch=0, path=None, from_start=True)
         trainer.rank_telemetry.log_event(Event.RESUMED, 0, epoch=0, path=None, from_start=True)
         return 0, 0
@@ -140,7 +140,7 @@ def resume(trainer: Trainer, path: Path) -> tuple[int, int]:
         set_rng_state(rngs[trainer.rank])  # each rank continues its own dropout stream
     saved_world = extra.get("world_size", 1)
     trainer.progress.update(extra["progress"])
-    trainer.telemetry.purge_after(trainer.progress["step"])
+    trainer.telemetry.purge_from(trainer.progress["step"] + 1)  # the steps after the checkpoint are redone
     trainer.telemetry.log_event(Event.RESUMED, trainer.progress["step"], epoch=extra["epoch"], path=str(ckpt),
                                 world_size=trainer.world, saved_world_size=saved_world)
     trainer.rank_telemetry.log_event(Event.RESUMED, trainer.progress["step"], epoch=extra["epoch"], path=str(ckpt))

@@ -310,7 +310,8 @@ def setup_trainer(trainer: Trainer, plan_only: bool = False) -> None:
         except OSError as err:
             raise ConfigError(f"run.dir (--run-dir) {trainer.run_dir} cannot be created ({err.strerror}); give a "
                               "folder you can write to") from None
-        trainer.telemetry = tm.Telemetry(trainer.run_dir, tensorboard=cfg.run.tensorboard)
+        trainer.telemetry = tm.Telemetry(trainer.run_dir, tensorboard=cfg.run.tensorboard,
+                                         resuming=bool(cfg.run.resume))
     else:
         trainer.telemetry = tm.NullTelemetry()
     if trainer.distributed:

@@ -201,7 +201,9 @@ class Trainer:
                 place(self)  # the resumed frozen set's prefix, offloaded as the interrupted run had it
                 if self.is_main:  # only now: a resume refused (a checkpoint that does not fit) leaves the run as it was
                     rundir.write_config(self.run_dir, cfg.model_dump(mode="json"))
-            self.telemetry.log_config(cfg.model_dump(mode="json"))  # after a resume was accepted, as config.json
+            # after a resume was accepted, as config.json; in TensorBoard at the first step this process trains
+            first = 0 if self.resumed_from_step is None else self.resumed_from_step + 1
+            self.telemetry.log_config(cfg.model_dump(mode="json"), step=first)
             restore_totals(self)  # the cache's counters and the ledger's peaks a resumed run goes on from
             on_event = functools.partial(on_freeze_event, self)
             if not cfg.run.resume or self.progress["step"] == 0:

@@ -75,6 +75,9 @@ def test_resume_changes_lists_each_change_and_refuses_what_the_run_trains_on(tmp
             resume_changes(tmp_path / "r", saved, other)
         with pytest.raises(ConfigError, match=rf"\({shown.split(' ')[0]} .* -> None"):
             resume_changes(tmp_path / "r", other, saved)  # taken away
+    budgeted, same = (json.loads(json.dumps(saved)) for _ in range(2))
+    budgeted["freeze"]["memory_budget"], same["freeze"]["memory_budget"] = "0.6", "60%"  # one budget, two spellings
+    assert resume_changes(tmp_path / "r", budgeted, same) == []
 
 
 @pytest.mark.assets("minilm")

@@ -381,5 +381,12 @@ def test_cache_on_with_train_bn_is_refused_before_training(tmp_path):
                                           r"freeze.cache.mode auto or off"):
         Trainer(cfg, task=blob_task()).run()
     assert (tmp_path / "bn" / "metrics.jsonl").read_text() == ""  # not one step
+    budget = config(tmp_path, "budget", freeze={"strategy": "none", "memory_budget": "0.6", "train_bn": True,
+                                                "cache": {"mode": "on"}})  # the budget's prefix freezes at the start
+    with pytest.raises(ConfigError, match=r"freeze.train_bn true keeps the BatchNorm layers of frozen blocks"):
+        Trainer(budget, task=blob_task()).run()
+    for bad in ("inf", "nan", "1e12"):  # inf crashed: "cannot convert float infinity to integer"
+        with pytest.raises(ConfigError, match="freeze.cache.budget_mb: (Input should be a finite number|must be <=)"):
+            config(tmp_path, "x", freeze={"strategy": "none", "cache": {"budget_mb": float(bad)}})
     cfg.freeze.cache.mode = "auto"  # auto: trains, without the cache once the BatchNorm block freezes
     assert Trainer(cfg, task=blob_task()).run()["cache"]["used"] is False

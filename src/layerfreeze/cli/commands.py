@@ -60,6 +60,18 @@ FIXED_OPTIMIZER = ("train.optimizer", "train.lr", "train.lr_decay", "train.weigh
 FIXED_FROZEN = ("freeze.memory_budget", "freeze.demote")
 
 
+def _same_budget(a: Any, b: Any) -> bool:
+    """Two ways of writing one memory budget (``0.6`` and ``60%``, ``1GiB`` and ``1073741824``)."""
+    from layerfreeze.budget import parse_budget
+    from layerfreeze.errors import BudgetError
+
+    try:
+        x, y = parse_budget(a), parse_budget(b)
+    except BudgetError:
+        return False
+    return (x.bytes, x.fraction) == (y.bytes, y.fraction)
+
+
 def resume_changes(run_dir: Path, saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
     """The settings the command line changes on a resumed run, one line each (``"train.epochs 3 -> 5"``), so no
     change goes unseen.
@@ -74,6 +86,9 @@ def resume_changes(run_dir: Path, saved: dict[str, Any], config: dict[str, Any])
     # a section set where the run had none (freeze.demote null -> {dtype: ...}): keys the saved config lacks
     changed.update({k: (None, v) for k, v in after.items()
                     if k not in before and v is not None and k.startswith(FIXED_FROZEN)})
+    budget = changed.get("freeze.memory_budget")
+    if budget is not None and None not in budget and _same_budget(*budget):  # 0.6 and 60%: one budget
+        del changed["freeze.memory_budget"]
     fixed = sorted(k for k in changed if k.startswith(FIXED_ON_RESUME) or k == "task")
     optimizer = sorted(k for k in changed if k.startswith(FIXED_OPTIMIZER))
     frozen = sorted(k for k in changed if k.startswith(FIXED_FROZEN) and k != "freeze.demote.master")

@@ -184,7 +184,8 @@ class CacheConfig(_Section):
 
     mode: Literal["off", "on", "auto"] = "auto"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    budget_mb: float | None = Field(None, ge=0, description="cache memory in MiB before spilling (null: auto)")
+    budget_mb: float | None = Field(None, ge=0, le=2**30, allow_inf_nan=False,
+                                    description="cache memory in MiB before spilling (null: auto)")
 
     @field_validator("mode", mode="before")
     @classmethod

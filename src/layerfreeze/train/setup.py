@@ -484,7 +484,7 @@ def make_cache_runner(trainer: Trainer, blocks: list) -> CachedPrefix | None:
                     "; --compile blocks compiles each block and keeps the cache")
         return None
     freeze = trainer.config.freeze
-    if cfg.mode == "on" and freeze.train_bn and freeze.strategy != "none":
+    if cfg.mode == "on" and freeze.train_bn and (freeze.strategy != "none" or freeze.memory_budget is not None):
         # the first freeze of a block with BatchNorm stopped the run with a traceback: known before training
         bn = next((name for b in blocks if not b.is_head for top, module in b.modules
                    for name, m in module.named_modules(prefix=top) if isinstance(m, nn.modules.batchnorm._BatchNorm)),

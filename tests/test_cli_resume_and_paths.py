@@ -134,7 +134,9 @@ def test_a_corrupt_image_is_named_in_one_config_error(tmp_path):
     assert data[0]["pixel_values"].shape == (3, 8, 8) and int(data[0]["labels"]) == 0
     broken = next(i for i, (path, _) in enumerate(data.dataset.samples) if path.endswith("broken.png"))
     with pytest.raises(ConfigError, match=r"data.path: .*broken\.png is not a readable image "
-                                          r"\(UnidentifiedImageError\); remove or convert it, then resume the run"):
+                                          r"\(UnidentifiedImageError\); remove or convert it \(converted in place, "
+                                          r"under the same name, the run resumes; removed, the data changed: start a "
+                                          r"new run\)"):
         data[broken]
 
 

@@ -86,14 +86,15 @@ def invalid(draw) -> tuple[str, str]:
         if "ge" in b:
             options.append(st.integers(-10**6, int(b["ge"]) - 1).map(str))
         if "le" in b:
-            options.append(st.integers(int(b["le"]) + 1, 10**7).map(str))
+            options.append(st.integers(int(b["le"]) + 1, max(10**7, 10 * int(b["le"]))).map(str))
     else:
         for attr, low in (("ge", False), ("gt", True)):
             if attr in b:
                 options.append(st.floats(-1e6, b[attr], exclude_max=not low, allow_nan=False).map(repr))
         for attr, high in (("le", False), ("lt", True)):
             if attr in b:
-                options.append(st.floats(b[attr], 1e7, exclude_min=not high, allow_nan=False).map(repr))
+                options.append(st.floats(b[attr], max(1e7, 10.0 * b[attr]), exclude_min=not high,
+                                         allow_nan=False).map(repr))
     return key, draw(st.one_of(options))
 
 

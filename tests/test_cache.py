@@ -379,8 +379,9 @@ def test_a_full_disk_keeps_the_entries_in_memory_and_a_fallback_cache_turns_itse
     runner.forward(batches[0])
     folder = runner.cache.path
     _full_disk(runner.cache, folder)
-    with pytest.warns(RuntimeWarning, match="activation cache turned off.*No space left on device"):
+    with pytest.warns(RuntimeWarning, match="activation cache turned off.*No space left on device") as caught:
         logits = runner.forward(batches[1])
+    assert "turn itself off" not in str(caught[0].message)  # it did: no advice to let it
     assert torch.equal(logits, model(batches[1]["pixel_values"])) and runner.disabled and not folder.exists()
     assert torch.equal(runner.forward(batches[2]), model(batches[2]["pixel_values"]))  # the full forward from now on
     runner = CachedPrefix(model, freezer.blocks, freezer=freezer,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -306,7 +307,7 @@ def my_blobs(seed, quick, cache_dir):
 '''
 
 
-def test_your_own_recipe_through_the_whole_pipeline(tmp_path, capsys):
+def test_your_own_recipe_through_the_whole_pipeline(tmp_path, capsys, monkeypatch):
     # the README said "train your own SmartFRZ predictor from your own runs", but collect knew the built-in recipes
     # only; `--import` registers a user's (a .py file or a module)
     from layerfreeze.smartfrz.recipes import RECIPES
@@ -315,8 +316,8 @@ def test_your_own_recipe_through_the_whole_pipeline(tmp_path, capsys):
     source.write_text(MY_RECIPE)
     out = tmp_path / "mine"
     try:
-        assert predictor_cli(["predictor", "collect", "--import", str(source), "--recipes", "my-blobs",
-                              "--seeds", "0,1", "--out", str(out)]) == 0
+        assert predictor_cli(["predictor", "collect", "--import", str(source), "--import", str(source),
+                              "--recipes", "my-blobs", "--seeds", "0,1", "--out", str(out)]) == 0  # twice: once
         assert "my-blobs_s0_lr0.05: complete" in _out(capsys)
         assert predictor_cli(["predictor", "label", str(out)]) == 0
         assert predictor_cli(["predictor", "train", str(out), "--holdout", "", "--epochs", "1",
@@ -324,6 +325,16 @@ def test_your_own_recipe_through_the_whole_pipeline(tmp_path, capsys):
         assert "trained on 2 runs" in _out(capsys) and (tmp_path / "mine.safetensors").is_file()
     finally:
         RECIPES.unregister("my-blobs")
+    monkeypatch.chdir(tmp_path)  # a module's name, from the folder the command runs in (as `python -m` finds it)
+    try:
+        assert predictor_cli(["predictor", "collect", "--import", "my_recipes", "--recipes", "my-blobs", "--seeds",
+                              "0", "--out", str(out)]) == 0
+    finally:
+        RECIPES.unregister("my-blobs")
+        sys.modules.pop("my_recipes", None)
+    assert predictor_cli(["predictor", "collect", "--recipes", "my-blobs", "--out", str(out)]) == 2
+    said = _out(capsys)
+    assert "unknown recipe(s) my-blobs" in said and "(your own recipes: --import the file or module" in said
     assert predictor_cli(["predictor", "collect", "--import", str(tmp_path / "none.py"), "--out", str(out)]) == 2
     assert "--import " in _out(capsys)
     (tmp_path / "empty.py").write_text("x = 1\n")

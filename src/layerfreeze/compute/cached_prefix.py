@@ -542,7 +542,7 @@ class CachedPrefix:
             except CacheWriteError as exc:  # a full disk: the states are right, only storing them failed
                 if not self.fallback:
                     raise
-                self._turn_off(str(exc))
+                self._turn_off(exc.reason)  # it turns itself off: the advice to let it is not for here
         if hit_states is not None:  # states holds every row at the batch's shape; the hits replace theirs
             states = states.clone()
             states[_on_device(hit, states.device)] = hit_states.to(states.dtype)

@@ -112,8 +112,11 @@ def remove_stale_folders(directory: str | os.PathLike[str]) -> int:
 
 class CacheWriteError(OSError):
     """The activation cache could not write to its folder (a full disk, a quota, a folder that went read-only); the
-    entries that were to be written stay in memory, and the message says what to do. A prefix cache with
-    ``fallback`` turns itself off on it (:class:`~layerfreeze.compute.cached_prefix.CachedPrefix`)."""
+    entries that were to be written stay in memory, and the message says what to do (:attr:`reason`: what happened,
+    without the advice). A prefix cache with ``fallback`` turns itself off on it
+    (:class:`~layerfreeze.compute.cached_prefix.CachedPrefix`)."""
+
+    reason: str = ""
 
 
 class ActivationCache:
@@ -366,10 +369,13 @@ class ActivationCache:
             raise self._write_error(exc) from exc
 
     def _write_error(self, exc: OSError) -> CacheWriteError:
-        return CacheWriteError(
-            exc.errno, f"the activation cache could not write to {self._root}: {exc.strerror or exc}. Free space "
-            "there, or give the cache more memory (freeze.cache.budget_mb; ActivationCache(budget_bytes=...)) or "
-            "another directory, or let it turn itself off (freeze.cache.mode auto; CachedPrefix(fallback=True))")
+        reason = f"the activation cache could not write to {self._root}: {exc.strerror or exc}"
+        error = CacheWriteError(
+            exc.errno, f"{reason}. Free space there, or give the cache more memory (freeze.cache.budget_mb; "
+            "ActivationCache(budget_bytes=...)) or another directory, or let it turn itself off (freeze.cache.mode "
+            "auto; CachedPrefix(fallback=True))")
+        error.reason = reason
+        return error
 
     # ---- dropping ------------------------------------------------------------------------------------------
 

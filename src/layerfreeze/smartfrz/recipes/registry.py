@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,7 +71,8 @@ def get_recipes(names: list[str] | None) -> list[Recipe]:
         return list(RECIPES.values())
     unknown = [n for n in names if n not in RECIPES]
     if unknown:
-        raise PipelineError(f"unknown recipe(s) {', '.join(unknown)}; known: {', '.join(RECIPES)}")
+        raise PipelineError(f"unknown recipe(s) {', '.join(unknown)}; known: {', '.join(RECIPES)} (your own recipes: "
+                            "--import the file or module that registers them)")
     return [RECIPES[n] for n in names]
 
 
@@ -95,7 +97,7 @@ def import_recipes(sources: list[str]) -> list[str]:
         PipelineError: a source cannot be found or fails to import (its error named), or registers no recipe.
     """
     added: list[str] = []
-    for source in sources:
+    for source in dict.fromkeys(sources):  # a source given twice is imported once
         before = set(RECIPES)
         try:
             if source.endswith(".py"):
@@ -108,8 +110,12 @@ def import_recipes(sources: list[str]) -> list[str]:
                 module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
                 sys.modules[name] = module  # a dataclass or pickle in it looks its module up by name
                 spec.loader.exec_module(module)  # type: ignore[union-attr]
-            else:
-                importlib.import_module(source)
+            else:  # from the folder the command runs in too, as `python -m` would (a console script does not)
+                sys.path.insert(0, os.getcwd())
+                try:
+                    importlib.import_module(source)
+                finally:
+                    sys.path.remove(os.getcwd())
         except PipelineError:
             raise
         except Exception as exc:  # the user's module: whatever it raises is named, in one line

@@ -100,6 +100,13 @@ def test_a_block_pattern_that_matches_nothing_is_one_line(tiny_bert_dir, tiny_cs
     err = _one_line(capsys, "layerfreeze: error: Block pattern 'foo' matches no module with parameters in "
                             "BertForSequenceClassification (its top-level children: bert (BertModel, ")
     assert "e.g. 'encoder.layer.*'" in err
+    # patterns that leave the embeddings out: `blocks` says so (it listed the blocks and nothing else)
+    assert main(["blocks", "--task", "text-csv", "--model", str(tiny_bert_dir), "--data", str(tiny_csv), "--set",
+                 'model.blocks=["bert.encoder.layer.*","bert.pooler","classifier"]']) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "not in any block: 5 trainable parameter(s) belong to no block (bert.embeddings.word_embeddings.weight, " \
+        "bert.embeddings.position_embeddings.weight, bert.embeddings.token_type_embeddings.weight, ... (5 in all))" \
+        in out
 
 
 @pytest.mark.assets("mobilenet_v2")

@@ -226,3 +226,25 @@ def test_a_closed_freezer_refuses_to_freeze_thaw_or_step():
         with pytest.raises(RuntimeError, match=r"Freezer\.\w+\(\) after close\(\)"):
             call()
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_trainable_parameters_outside_every_block_are_named(capsys):
+    # blocks given as patterns left a top-level input scale out: it trained all run, the frozen prefix's backward
+    # still ran for it, and nothing said so (the cache's refusal named a symptom)
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(8))
+            self.stem, self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.body(self.stem(x * self.scale)).relu())
+
+    model = Scaled()
+    with pytest.warns(UserWarning, match=r"Freezer: 1 trainable parameter\(s\) belong to no block \(scale\): nothing "
+                                         r"freezes them"):
+        Freezer(model, None, "static", {"k": 1}, blocks=["stem", "body", "head"]).close()
+    model.scale.requires_grad_(False)  # frozen by the user: nothing to say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Freezer(model, None, "static", {"k": 1}, blocks=["stem", "body", "head"]).close()

@@ -401,7 +401,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_blocks(args: argparse.Namespace, console: Console) -> int:
-    from layerfreeze.models.blocks import describe_blocks
+    from layerfreeze.models.blocks import describe_blocks, unassigned_warning
     from layerfreeze.models.discovery import find_blocks
     from layerfreeze.train.tasks import build_model
 
@@ -414,6 +414,8 @@ def cmd_blocks(args: argparse.Namespace, console: Console) -> int:
     console.print(describe_blocks(found.blocks), highlight=False)
     for line in found.ties:
         console.print(f"tied: {line}", highlight=False)
+    if (unassigned := unassigned_warning(model, found.blocks)) is not None:
+        console.print(f"not in any block: {unassigned}", highlight=False)
     return 0
 
 

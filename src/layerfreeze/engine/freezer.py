@@ -46,6 +46,7 @@ warning per block), the stability guard stops watching them, and :meth:`Freezer.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -77,7 +78,7 @@ from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, report_metric, run_length, start
 from layerfreeze.engine.timing import StepTimes
-from layerfreeze.models.blocks import Block, block_by_key
+from layerfreeze.models.blocks import Block, block_by_key, unassigned_warning
 from layerfreeze.models.discovery import discover_blocks, refuse_empty_parameters
 from layerfreeze.strategies import DEFAULT_STRATEGY, Decision, Strategy, create_strategy
 from layerfreeze.strategies.base import storage_bytes
@@ -199,6 +200,8 @@ class Freezer:
             self.blocks = discover_blocks(model, blocks)  # type: ignore[arg-type]
         # blocks given ready-made skip discovery's check
         refuse_empty_parameters(((n, p) for b in self.blocks for n, p in b.named_parameters()), "Freezer")
+        if (unassigned := unassigned_warning(model, self.blocks)) is not None:
+            warnings.warn(f"Freezer: {unassigned}", stacklevel=2)
         if isinstance(strategy, str):  # built and checked against the blocks here, once
             strategy = create_strategy(strategy, strategy_params, num_blocks=len(self.blocks))
         elif strategy_params:

@@ -275,6 +275,20 @@ def unassigned_parameters(model: nn.Module, blocks: Sequence[Block]) -> list[str
     return [n for n, p in model.named_parameters() if id(p) not in owned]
 
 
+def unassigned_warning(model: nn.Module, blocks: Sequence[Block]) -> str | None:
+    """The warning for trainable parameters of ``model`` that belong to no block (:func:`unassigned_parameters`),
+    or None when there are none: nothing freezes them, and where they feed a frozen block the backward still runs
+    through it (a top-level input scale, embeddings left out of ``model.blocks``; the cache then refuses the
+    prefix)."""
+    names = [n for n in unassigned_parameters(model, blocks) if model.get_parameter(n).requires_grad]
+    if not names:
+        return None
+    shown = ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+    return (f"{len(names)} trainable parameter(s) belong to no block ({shown}): nothing freezes them, and where "
+            "they feed a frozen block its backward still runs. Add them to a block (the block patterns, "
+            "model.blocks), or set their requires_grad to False")
+
+
 def describe_blocks(blocks: Sequence[Block]) -> str:
     """One line per block: index, name, parameter count, head marker."""
     return "\n".join(

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from layerfreeze import Freezer, block_param_groups, discover_blocks
+from layerfreeze import Freezer, StrategyError, UserError, block_param_groups, discover_blocks
 from layerfreeze.engine.stages import context
 from layerfreeze.strategies import Decision, StageContext, Strategy
 
@@ -213,8 +213,10 @@ class Attached(Scripted):
 
 def test_a_start_stage_that_raises_releases_what_the_strategy_attached():
     strategy = Attached({0: ([4], [])})  # the start stage asks to freeze the head
-    with pytest.raises(RuntimeError, match="head"):
+    # a UserError (the CLI's one line, not a traceback), still the RuntimeError it was
+    with pytest.raises(StrategyError, match=r"Strategy 'scripted' tried to freeze the head \(6\)"):
         Freezer(make_net(), None, strategy)
+    assert issubclass(StrategyError, UserError) and issubclass(StrategyError, RuntimeError)
     assert strategy.calls == 1 and strategy.attached == 0
 
 

@@ -66,6 +66,7 @@ from layerfreeze.errors import (
     ConfigError,
     EmptyParameterError,
     PredictorError,
+    StrategyError,
     UnknownStrategyError,
     UserError,
 )
@@ -114,6 +115,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "EmptyParameterError",
+    "StrategyError",
     "Decision",
     "FreezeDDP",
     "Freezer",

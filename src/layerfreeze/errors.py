@@ -7,7 +7,8 @@ trains (:class:`ConfigError`), a missing offline asset (:class:`AssetMissingErro
 found (:class:`BlockDiscoveryError`), an unknown strategy or parameter (:class:`UnknownStrategyError`), a checkpoint
 that is missing, corrupt or of another run (:class:`CheckpointError`), a SmartFRZ predictor file that is missing,
 corrupt or of another version (:class:`PredictorError`), a memory budget that is malformed or that no frozen set
-meets (:class:`BudgetError`), a parameter that holds no elements (:class:`EmptyParameterError`).
+meets (:class:`BudgetError`), a parameter that holds no elements (:class:`EmptyParameterError`), a strategy's
+decision the Freezer cannot apply (:class:`StrategyError`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ class BudgetError(UserError, ValueError):
     def __init__(self, message: str, smallest_bytes: int | None = None) -> None:
         super().__init__(message)
         self.smallest_bytes = smallest_bytes
+
+
+class StrategyError(UserError, RuntimeError):
+    """A strategy decided what the Freezer cannot do (freeze the head): a custom strategy's mistake, named with the
+    strategy and the block."""
 
 
 class EmptyParameterError(UserError, ValueError):

@@ -32,6 +32,7 @@ from torch import nn
 
 from layerfreeze.distributed import comm
 from layerfreeze.engine.lr_factors import apply_lr_scales, block_lrs, set_lr_scales
+from layerfreeze.errors import StrategyError
 from layerfreeze.strategies import Decision, StageContext, Strategy
 from layerfreeze.strategies.base import BlockView
 
@@ -181,15 +182,16 @@ def _admissible(freezer: Freezer, decision: Decision) -> Decision:
     without thaws of the floor (``Freezer.pin``).
 
     Raises:
-        RuntimeError: the strategy tried to freeze the head.
+        StrategyError: the strategy tried to freeze the head (a ``RuntimeError``).
         TypeError, IndexError: not a :class:`Decision`, or a block that is not an index ``0..n-1`` (a custom
             strategy's mistake, named with the strategy; ``-1`` is not read as the last block).
     """
     _check_decision(freezer, decision)
     for i in decision.freeze:
         if freezer.blocks[i].is_head:
-            raise RuntimeError(
-                f"Strategy {freezer.strategy.name!r} tried to freeze the head ({freezer.blocks[i].name})")
+            raise StrategyError(
+                f"Strategy {freezer.strategy.name!r} tried to freeze the head ({freezer.blocks[i].name}); a strategy "
+                "freezes the blocks before it (Block.is_head, StageContext.blocks[i].is_head)")
     if freezer.guard is not None:
         decision.freeze = [i for i in decision.freeze if not freezer.guard.blocks_freeze(i)]
     refused = [i for i in decision.thaw if i in freezer._floor]

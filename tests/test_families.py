@@ -468,3 +468,25 @@ def test_a_family_whose_library_was_never_imported_says_so_in_the_split_error(mo
     assert "Hugging Face BertForSequenceClassification: Module is not one (transformers is not imported)" in str(
         err.value)
     assert "torchvision MobileNetV2: Module is not a torchvision MobileNetV2" in str(err.value), str(err.value)
+
+
+def test_a_head_registered_before_the_stack_is_pointed_out():
+    # the generic rule put a classifier defined first in __init__ into the first block: static k=1 froze it, and
+    # nothing said so (the README's "never the head")
+    class HeadFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.classifier = nn.Linear(16, 3)
+            self.stem = nn.Linear(8, 16)
+            self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
+            self.norm = nn.LayerNorm(16)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.classifier(self.norm(x))
+
+    with pytest.warns(UserWarning, match=r"generic stack layers: classifier is registered before the stack, so it "
+                                         r"is part of the first block \(stem\), frozen with it, and not the head"):
+        blocks = discover_blocks(HeadFirst())
+    assert [b.name for b in blocks] == ["stem", "layers.0", "layers.1", "layers.2", "norm"]

@@ -10,6 +10,8 @@ for forward order, which is right for the usual ``__init__`` that builds modules
 
 from __future__ import annotations
 
+import warnings
+
 from torch import nn
 
 from layerfreeze.models.blocks import Block, Entry, has_params, head_entry, make_blocks
@@ -53,6 +55,10 @@ def around_stack(model: nn.Module, path: str, head: bool = True) -> list[Block] 
     return blocks or None
 
 
+#: Module names that usually hold a model's head (what :func:`discover_generic` warns about before the stack).
+HEAD_NAMES = ("classifier", "head", "lm_head", "fc", "output", "out", "score", "cls")
+
+
 def longest_stack(model: nn.Module) -> tuple[str, int, str] | None:
     """``(path, layers, layer type)`` of the longest list of same-type parametrised layers, or None."""
     best: tuple[str, int, str] | None = None
@@ -74,4 +80,11 @@ def discover_generic(model: nn.Module) -> tuple[list[Block], str] | None:
         return None
     path, count, kind = found
     blocks = around_stack(model, path)
+    if blocks and not blocks[0].is_head:
+        named_head = [n for n, _ in blocks[0].modules if n.rsplit(".", 1)[-1].lower() in HEAD_NAMES]
+        if named_head:  # registered before the stack: in the first block, frozen with it, and never the head
+            warnings.warn(f"generic stack {path}: {', '.join(named_head)} is registered before the stack, so it is "
+                          f"part of the first block ({blocks[0].name}), frozen with it, and not the head; if it is "
+                          "the model's head, give the blocks as patterns front to back (blocks=[...], model.blocks) "
+                          "or register it after the stack in __init__", stacklevel=2)
     return (blocks, f"generic stack: {path} ({count} x {kind})") if blocks else None

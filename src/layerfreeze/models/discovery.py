@@ -160,17 +160,17 @@ def split_for(model: nn.Module, blocks: Sequence[Block], input_key: str = "pixel
     reasons = []
     for cls in splits():
         if never_imported(cls.library):
-            reasons.append(f"  {cls.family}: {type(model).__name__} is not one ({cls.library} is not imported)")
+            reasons.append(f"{cls.family}: {type(model).__name__} is not one ({cls.library} is not imported)")
             continue
         try:
             cls.check_model(model)
         except ValueError as exc:
-            reasons.append(f"  {cls.family}: {exc}")
+            reasons.append(f"{cls.family}: {exc}")
             continue
         return cls.create(model, blocks, input_key)
-    raise ValueError(
-        f"Cannot split the forward of {type(model).__name__} for the activation cache. Supported families:\n"
-        + "\n".join(reasons)
-        + "\nRun without the cache (cache: off), or write a ModelSplit subclass for this model (README: "
+    raise ValueError(  # one line: the CLI prints it as its error, or in its cache_off line
+        f"Cannot split the forward of {type(model).__name__} for the activation cache. Supported families: "
+        + "; ".join(" ".join(r.split()) for r in reasons)
+        + ". Run without the cache (cache: off), or write a ModelSplit subclass for this model (README: "
         "\"Add your own model family\")."
     )

@@ -257,6 +257,11 @@ def test_layerfreeze_config_prints_every_key_with_its_default_as_a_config_file(t
     config = load_config(path)
     assert config.model.name_or_path == "mobilenet_v2" and config.train.lr == 1e-3
     assert config.freeze.params == {"k": 10} and config.freeze.guard.patience == 2
+    # the preset is written as the task's, not as the user's: the same file with another model takes the strategy's
+    # own defaults, as the flags would (static's k: 5 for MiniLM-L6 was refused for a 3-block model)
+    assert "params: {}  # the task's preset for its default model, {k: 10}, applies" in path.read_text()
+    other = load_config(path, [{"model": {"name_or_path": "resnet18"}}])
+    assert other.freeze.params == {}
     assert main(["config", "--set", "train.epoch=2"]) == 2
     assert "did you mean `train.epochs`?" in capsys.readouterr().err
 

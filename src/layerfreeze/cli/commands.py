@@ -426,7 +426,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     flags = {k: TRAIN_FLAGS[k] for k in ("task", "model", "data", "strategy")}
     config = load_config(args.config, overrides_of(args, flags), inputs=False)
     build_strategy(config)  # its parameter values checked as `train` checks them (the model's block count aside)
-    sys.stdout.write(config_yaml(config))
+    sys.stdout.write(config_yaml(config, preset_as_comment=not args.config))  # presets stay presets (a file's own)
     return 0
 
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel
 
-from layerfreeze.train.config import Config, build_config, section_class
+from layerfreeze.train.config import Config, build_config, section_class, strategy_preset
 
 
 def _yaml_value(value: Any) -> str:
@@ -108,13 +108,24 @@ def _yaml_lines(section: BaseModel, indent: str, prefix: str) -> list[str]:
     return lines
 
 
-def config_yaml(config: Config | None = None) -> str:
+def config_yaml(config: Config | None = None, preset_as_comment: bool = False) -> str:
     """``config`` (default: the default one) as a YAML config file: every key with its value, one per line, with what it
     means as a comment; an optional section that is off (``freeze.guard``, ``model.lora``) shows its keys with their
     defaults in its comment. Loading the text back (:func:`~layerfreeze.train.config_load.load_config`) gives the same
-    config. ``layerfreeze config`` prints it."""
+    config. ``layerfreeze config`` prints it.
+
+    ``preset_as_comment``: strategy parameters that are the task's preset for its default model
+    (:func:`~layerfreeze.train.config.strategy_preset`) are written as ``params: {}`` with the preset in the comment:
+    loaded back they apply to that model as before, and another ``--model`` gets the strategy's own defaults (a
+    preset written as the user's own, ``static``'s ``k: 5`` for MiniLM-L6, was refused for a 3-block model)."""
     config = config if config is not None else build_config({})
     head = ["# layerfreeze run configuration: every key, with its value (the defaults, unless set).",
             "# Use as `layerfreeze train --config FILE` (keep only the keys you change), or set one key with",
             "# `--set section.key=value`."]
-    return "\n".join(head + _yaml_lines(config, "", "")) + "\n"
+    lines = _yaml_lines(config, "", "")
+    preset = strategy_preset(config.task, config.freeze.strategy, config.model.name_or_path)
+    if preset_as_comment and preset and config.freeze.params == preset:
+        at = next(i for i, line in enumerate(lines) if line.startswith("  params: "))
+        lines[at] = (f"  params: {{}}  # the task's preset for its default model, {_yaml_value(preset)}, applies "
+                     "(another model.name_or_path: the strategy's own defaults); set values here to override")
+    return "\n".join(head + lines) + "\n"

@@ -26,7 +26,8 @@ from rich.table import Table
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from layerfreeze.compute.frozen import FrozenModule, FrozenPipeline, PrecomputedDataset, precompute
+from layerfreeze.compute.frozen import FrozenModule, FrozenPipeline
+from layerfreeze.compute.precompute import PrecomputedDataset, precompute
 from layerfreeze.train import assets, data
 from layerfreeze.train.loaders import quiet_transformers
 

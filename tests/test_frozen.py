@@ -21,11 +21,10 @@ from layerfreeze.compute.frozen import (
     FrozenWorkerError,
     GlobalRNGUsedError,
     NonFiniteOutputError,
-    PrecomputedDataset,
     PrecomputeRefused,
     per_sample_generators,
-    precompute,
 )
+from layerfreeze.compute.precompute import PrecomputedDataset, precompute
 
 
 class Tokens(torch.utils.data.Dataset):

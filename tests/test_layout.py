@@ -117,13 +117,14 @@ def test_old_paths_the_readme_used_to_show_still_work():
         from layerfreeze.cache import CachedPrefix
         from layerfreeze.families import register_blocks, register_split
         from layerfreeze.forward_split import ModelSplit, Stage, call, split_for
-        from layerfreeze.frozen import FrozenDifferentiable
+        from layerfreeze.frozen import FrozenDifferentiable, precompute
         from layerfreeze.fsdp import load_full_checkpoint, save_full_checkpoint, shard_blocks
         from layerfreeze.rundir import read_metrics
         from layerfreeze.trainer import Trainer
     assert discover_blocks is layerfreeze.discover_blocks and make_blocks is layerfreeze.make_blocks
     assert module_entry is layerfreeze.module_entry and qualified_names is layerfreeze.qualified_names
     assert CachedPrefix is layerfreeze.CachedPrefix and FrozenDifferentiable is layerfreeze.FrozenDifferentiable
+    assert precompute is layerfreeze.precompute  # moved on to compute.precompute
     assert register_blocks is layerfreeze.register_blocks and register_split is layerfreeze.register_split
     assert (ModelSplit, Stage, call, split_for) == (layerfreeze.ModelSplit, layerfreeze.Stage, layerfreeze.call,
                                                     layerfreeze.split_for)

@@ -38,7 +38,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "integrity": ("engine.integrity",),
     "cache": ("compute.cache",),
     "store": ("compute.store",),
-    "frozen": ("compute.frozen",),
+    "frozen": ("compute.frozen", "compute.precompute"),
     "fsdp": ("distributed.fsdp", "checkpoint"),
     "rundir": ("runs.rundir",),
     "telemetry": ("runs.telemetry", "runs.summary"),

@@ -10,27 +10,29 @@ Four ways to run them, one result:
   on the current one: bounded queue, order kept, clean shutdown, the worker's errors re-raised in the trainer with
   their traceback. On a CPU the "other device" is another thread (PyTorch releases the GIL inside ops); on GPUs,
   another card or a side CUDA stream.
-* :func:`precompute` — run the frozen models once over a dataset (its items dicts holding ``"index"``, the
-  item's position) and store their outputs per sample (in the :class:`~layerfreeze.compute.store.ActivationCache`,
-  memory then checksummed safetensors shards); training then reads them (:class:`PrecomputedDataset`: each item with the
-  output added under ``"features"``).
+* :func:`~.precompute.precompute` — run the frozen models once over a dataset (its items dicts
+  holding ``"index"``, the item's position) and store their outputs per sample (in the
+  :class:`~layerfreeze.compute.store.ActivationCache`, memory then checksummed safetensors shards); training then
+  reads them (:class:`~layerfreeze.compute.precompute.PrecomputedDataset`: each item with the output added under
+  ``"features"``). Its own module, :mod:`~layerfreeze.compute.precompute`.
 * :class:`FrozenDifferentiable` — a frozen model *in the gradient path*: the base denoiser a ControlNet feeds
   (Zhang, Rao, Agrawala, "Adding Conditional Control to Text-to-Image Diffusion Models", ICCV 2023; diffusers
   ``examples/controlnet/train_controlnet.py``), where the loss backpropagates through the frozen UNet into the
   ControlNet's residuals. Its parameters are frozen, autograd is kept, it runs on its own device and dtype and the
   gradients come back to the trainer's device and dtype. It can be neither precomputed nor run ahead (its inputs
-  come from the trained model): :func:`precompute` refuses it with :class:`PrecomputeRefused`.
+  come from the trained model): :func:`~.precompute.precompute` refuses it with :class:`PrecomputeRefused`.
 
 Running a frozen model elsewhere does not change the result: the same inputs give the same outputs bit for bit in
 float32 on CPU (a test trains in all modes and compares every loss). Two things would break that, and are guarded:
 
 * **The global RNG.** A frozen function that samples (a VAE's ``latent_dist.sample()``, as diffusers' scripts do)
   and runs ahead in a worker draws from the global generator in an order that depends on timing, so the trainer's
-  noise changes. :class:`FrozenPipeline` runs the first batch in the caller's thread and :func:`precompute` runs
-  every batch with the global RNG state compared before and after: a function that drew from it is refused with
-  :class:`GlobalRNGUsedError`. Return the distribution's parameters instead (``latent_dist.parameters``) and
-  sample in the trainer with its own ``torch.Generator``, or sample with :func:`per_sample_generators` (one
-  seeded generator per sample and epoch: the draw no longer depends on who draws first).
+  noise changes. :class:`FrozenPipeline` runs the first batch in the caller's thread and
+  :func:`~.precompute.precompute` runs every batch with the global RNG state compared before and after: a function
+  that drew from it is refused with :class:`GlobalRNGUsedError`. Return the distribution's parameters instead
+  (``latent_dist.parameters``) and sample in the trainer with its own ``torch.Generator``, or sample with
+  :func:`per_sample_generators` (one seeded generator per sample and epoch: the draw no longer depends on who draws
+  first).
 * **Threads.** On few cores a worker thread and the trainer both using every core oversubscribe them (a VAE step
   measured 0.8 s with one intra-op thread, 6-7 s with two, on 2 cores beside another job). The pipeline splits the
   cores between the two (``threads="auto"``) and reports the overlap it achieved (:meth:`FrozenPipeline.stats`).
@@ -51,15 +53,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
-from torch.utils.data import Dataset, default_collate
 
-from layerfreeze.compute.determinism import (
-    drew_from_global_random,
-    first_changed_item,
-    global_random_states,
-    item_fingerprint,
-)
-from layerfreeze.compute.store import ActivationCache
+from layerfreeze.compute.determinism import drew_from_global_random, global_random_states
 from layerfreeze.runs.ledger_buckets import Bucket
 
 
@@ -72,8 +67,8 @@ class FrozenWorkerError(RuntimeError):
 
 
 class PrecomputeRefused(ValueError):
-    """:func:`precompute` was asked for something that cannot be stored once: an output that needs autograd (a
-    :class:`FrozenDifferentiable` model, whose inputs come from the trained model)."""
+    """:func:`~.precompute.precompute` was asked for something that cannot be stored once: an output that needs
+    autograd (a :class:`FrozenDifferentiable` model, whose inputs come from the trained model)."""
 
 
 class GlobalRNGUsedError(RuntimeError):
@@ -109,8 +104,8 @@ def per_sample_generators(indices: Iterable[int], seed: int, epoch: int = 0,
 
     Random draws made with them (diffusers' ``randn_tensor`` and ``DiagonalGaussianDistribution.sample`` take a
     list of generators, one per batch row) do not depend on which thread draws first, on the batch composition or
-    on the placement: a frozen function may sample in a worker or in :func:`precompute` (for one epoch) and give
-    the sequential run's numbers.
+    on the placement: a frozen function may sample in a worker or in :func:`~.precompute.precompute` (for one epoch)
+    and give the sequential run's numbers.
 
     Args:
         indices: The samples' dataset indices, in batch order.
@@ -258,7 +253,7 @@ class FrozenDifferentiable(FrozenModule):
 
     Raises:
         NonFiniteOutputError: an output holds NaN/Inf (with ``check_finite``).
-        PrecomputeRefused: called inside :func:`precompute` (its outputs depend on the trained model).
+        PrecomputeRefused: called inside :func:`~.precompute.precompute` (its outputs depend on the trained model).
     """
 
     differentiable = True
@@ -468,169 +463,3 @@ class FrozenPipeline:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], batch_size: int = 32,
-               store: ActivationCache | None = None, key: int = 0) -> ActivationCache:
-    """Run ``fn`` (the frozen models) once over ``dataset`` and store one output row per sample.
-
-    Then train from :class:`PrecomputedDataset` ``(dataset, store)``: each item is ``dataset``'s item with the
-    stored output added under ``"features"``.
-
-    Args:
-        dataset: Items are dicts of tensors (or numbers) holding ``"index"``, the item's position in ``dataset``
-            (an int: ``{"pixel_values": ..., "labels": ..., "index": i}``), which is what the outputs are stored
-            under (as :mod:`layerfreeze.train.data`'s datasets give them).
-        fn: ``batch dict -> (B, ...) tensor``: the batch as torch's default collate makes it of ``batch_size``
-            items (``batch["index"]`` a ``(B,)`` tensor), in dataset order.
-        batch_size: Batch size of the pass (default 32; use the training batch size: CPU matmul kernels can round the
-            last bits differently for very small batches, and equal losses across modes need equal per-sample
-            outputs).
-        store: Where outputs go (default: an in-memory :class:`ActivationCache`); give one with a ``directory`` to
-            spill to checksummed safetensors shards.
-        key: The depth key entries are stored under.
-
-    Returns:
-        The store, holding ``(index, key)`` entries.
-
-    Raises:
-        PrecomputeRefused: ``fn`` calls a :class:`FrozenDifferentiable` model or returns a tensor that requires
-            grad (a model in the gradient path cannot be precomputed: its inputs come from the trained model); an
-            item of the dataset differs between two fetches (random augmentation: one draw would be stored for good;
-            items 0-3 are fetched twice, the global random states restored), or reading the dataset's items drew
-            from a global random number generator (torch's, Python's ``random`` or NumPy's: checked at every
-            batch).
-        GlobalRNGUsedError: ``fn`` drew from the global RNG (a stored sample would be reused every epoch and the
-            trainer's random numbers would shift): store the distribution's parameters and sample in the trainer.
-        ValueError: the dataset's items are not dicts with an ``"index"``.
-    """
-    from torch.utils.data import DataLoader
-
-    from layerfreeze.compute.cached_prefix import sample_indices
-
-    changed = first_changed_item(dataset)
-    if changed is not None:
-        raise PrecomputeRefused(
-            f"precompute: dataset item {changed[0]}: {changed[1]!r} differs between two fetches (random augmentation "
-            "in the dataset): one draw per sample would be stored and trained on in every epoch. Give precompute a "
-            "dataset without the random transform (augment the stored outputs in the trainer instead), or run the "
-            "frozen models in the trainer (FrozenModule, FrozenPipeline)")
-    store = store if store is not None else ActivationCache()
-    paths: dict[tuple[str, ...], tuple[str, ...]] = {}  # one tuple of input paths shared by the samples that have it
-
-    def collate(items: list[Any]) -> tuple[Any, list[tuple[tuple[str, ...], torch.Tensor]]]:
-        """The batch, and each item's fingerprint taken before collating (as PrecomputedDataset takes it)."""
-        first = items[0]
-        if not isinstance(first, dict) or "index" not in first:
-            what = f"a dict with keys {', '.join(map(str, first))}" if isinstance(first, dict) else \
-                type(first).__name__
-            raise ValueError(f"precompute: the dataset's items must be dicts holding 'index' (the item's position, "
-                             f"which the outputs are stored under), e.g. {{'pixel_values': x, 'index': i}}; an item "
-                             f"is {what}")
-        prints = [item_fingerprint(item) for item in items]
-        return default_collate(items), [(paths.setdefault(names, names), rows) for names, rows in prints]
-
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, generator=torch.Generator(),
-                        collate_fn=collate)
-    batches, first = iter(loader), 0
-    _STATE.precomputing = True
-    try:
-        while True:
-            before = global_random_states()
-            got = next(batches, None)
-            if got is None:
-                break
-            batch, prints = got
-            if drew_from_global_random(before):  # the two fetches above restore the states: the same draw twice
-                raise PrecomputeRefused(
-                    f"precompute: reading dataset items {first}-{first + len(batch['index']) - 1} drew from or "
-                    "reseeded the global random number generator (torch's, Python's random or NumPy's: random "
-                    "augmentation in the dataset, or a seed set per item): one draw per sample would be stored and "
-                    "trained on in every epoch, and the caller's random stream changed. Give precompute a dataset "
-                    "without the random transform (augment the stored outputs in the trainer instead; a dataset's "
-                    "own torch.Generator is fine), or run the frozen models in the trainer (FrozenModule, "
-                    "FrozenPipeline)")
-            first += len(batch["index"])
-            out = _call_without_global_rng(fn, batch, "precompute")
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(f"precompute's fn must return one (B, ...) tensor, got {type(out).__name__}")
-            if out.requires_grad:
-                raise PrecomputeRefused(
-                    "precompute's fn returned a tensor that requires grad: something trainable or in the gradient "
-                    "path is part of it, and its outputs change as training goes; precompute only frozen models "
-                    "that feed the trained one")
-            indices = sample_indices(batch["index"])
-            store.put_batch(indices, key, out)
-            for index, fingerprint in zip(indices, prints):
-                store.input_fingerprints[(index, key)] = fingerprint
-    finally:
-        _STATE.precomputing = False
-    store.flush()
-    return store
-
-
-class PrecomputedDataset(Dataset):
-    """``dataset``'s items with the precomputed frozen output added under ``feature_key`` (``"features"``): item
-    ``i`` is ``{**dataset[i], "features": the stored fn output of that sample}`` (one row of what :func:`precompute`'s
-    ``fn`` returned), minus the keys in ``drop`` (the raw inputs the frozen model no longer needs).
-
-    Args:
-        dataset: The dataset :func:`precompute` ran over (items are dicts holding ``"index"``).
-        store: What :func:`precompute` returned.
-        feature_key: The key the output goes under.
-        key: The depth key :func:`precompute` stored under.
-        drop: Item keys to leave out.
-
-    Each item's inputs are checked against what :func:`precompute` ran ``fn`` on for its sample (a fingerprint of
-    every tensor, number and string of the item, nested ones included, but ``"index"``, taken then:
-    :func:`~layerfreeze.compute.determinism.item_fingerprint`), so a store paired with another dataset of the same
-    size is refused, not read. A store filled by hand (:meth:`~layerfreeze.compute.store.ActivationCache.put_batch`)
-    holds no fingerprints: its items are not checked.
-
-    Raises:
-        KeyError: a sample has no stored output (the store was built over another dataset, or the shard that held
-            it was found corrupt and dropped: run :func:`precompute` again).
-        PrecomputeRefused: an item's inputs are not those its stored output was computed from (another dataset, or
-            one that changed since).
-    """
-
-    def __init__(self, dataset: Dataset, store: ActivationCache, feature_key: str = "features", key: int = 0,
-                 drop: tuple[str, ...] = ()) -> None:
-        self.dataset, self.store, self.feature_key, self.key, self.drop = dataset, store, feature_key, key, drop
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        item = self.dataset[i]
-        index = int(item["index"])
-        out = self.store.get_batch([index], self.key)
-        if out is None:
-            dropped = self.store.corrupt_shards
-            raise KeyError(f"no precomputed output for sample {index}: " + (
-                f"{dropped} shard(s) of the store were found corrupt and dropped (warned); run precompute() again"
-                if dropped else "precompute() over this dataset first"))
-        self._check_inputs(i, index, item)
-        item = {k: v for k, v in item.items() if k not in self.drop}
-        item[self.feature_key] = out[0]
-        return item
-
-    def _check_inputs(self, i: int, index: int, item: dict[str, Any]) -> None:
-        found = self.store.input_fingerprints.get((index, self.key))
-        if found is None:  # a store filled by hand (put_batch) holds none: nothing to check against
-            return
-        names, prints = item_fingerprint(item)
-        stored_names, stored = found
-        for j, name in enumerate(stored_names):
-            if j >= len(names) or names[j] != name or not torch.equal(prints[j], stored[j]):
-                differs = name
-                break
-        else:
-            if names == stored_names:
-                return
-            differs = names[len(stored_names)]  # an input the sample did not have
-        raise PrecomputeRefused(
-            f"PrecomputedDataset: item {i} (index {index}): its {differs!r} is not the one precompute ran the "
-            "frozen models on for this sample: the store was built over another dataset (one store per dataset: "
-            "precompute the eval set on its own), or the dataset changed since (an edit, random augmentation); run "
-            "precompute over this dataset")

@@ -209,7 +209,8 @@ def predictor_cli(argv: list[str]) -> int:
 
     from rich.console import Console
 
-    from layerfreeze.smartfrz.cli import add_parser, run
+    from layerfreeze.smartfrz.cli import run
+    from layerfreeze.smartfrz.parser import add_parser
 
     parser = argparse.ArgumentParser(prog="layerfreeze")
     add_parser(parser.add_subparsers(dest="command"))

@@ -29,7 +29,8 @@ NON_HEAD_BLOCKS = {"mlp": 3, "cnn": 5, "vit": 3}
 
 
 def _cli(args: list[str]) -> tuple[int, str]:
-    from layerfreeze.smartfrz.cli import add_parser, run
+    from layerfreeze.smartfrz.cli import run
+    from layerfreeze.smartfrz.parser import add_parser
 
     parser = argparse.ArgumentParser(prog="layerfreeze")
     add_parser(parser.add_subparsers(dest="command"))

@@ -192,9 +192,9 @@ def build_parser() -> Parser:
               "bucket) for a folder written by `layerfreeze train` or `compare` (needs matplotlib).")
     rep.add_argument("run_dir", metavar="RUN_DIR", help="a folder written by `layerfreeze train` or `compare`")
 
-    from layerfreeze.smartfrz import cli as smartfrz_cli
+    from layerfreeze.smartfrz import parser as smartfrz_parser
 
-    parser.subcommands["predictor"] = smartfrz_cli.add_parser(sub)  # type: ignore[attr-defined]
+    parser.subcommands["predictor"] = smartfrz_parser.add_parser(sub)  # type: ignore[attr-defined]
 
     conf = add(
         "config", help="print the full run configuration: every key with its default (YAML, a config file to edit)",

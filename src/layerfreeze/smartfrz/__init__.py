@@ -11,7 +11,8 @@
   the predictor file and its card (:mod:`~layerfreeze.smartfrz.card`);
 * :mod:`~layerfreeze.smartfrz.counterfactual` -- what freezing at step t really costs, to check the labels;
   :mod:`~layerfreeze.smartfrz.cflabels` -- CKA labels corrected by those costs (``label --counterfactual``);
-* :mod:`~layerfreeze.smartfrz.runs` -- the runs folder's format; :mod:`~layerfreeze.smartfrz.cli` -- the CLI.
+* :mod:`~layerfreeze.smartfrz.runs` -- the runs folder's format;
+* :mod:`~layerfreeze.smartfrz.parser` -- the CLI's arguments; :mod:`~layerfreeze.smartfrz.cli` -- its commands.
 
 The strategy that uses the shipped predictor at run time is :mod:`layerfreeze.strategies.smartfrz`.
 """

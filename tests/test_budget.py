@@ -345,15 +345,16 @@ def test_trainer_under_a_budget_freezes_the_plan_keeps_the_peak_predicted_and_fa
 
 
 def test_a_strategy_under_a_budget_freezes_beyond_the_floor_and_the_peak_stays_within_it(tmp_path):
-    """geometric freezes block 1 after epoch 2, beyond the plan's floor (block 0); the cache is on at depth 1 and 2
-    (its memory capped by what the budget leaves), off at depth 3 (the Dropout before it trains)."""
+    """geometric freezes block 1 after epoch 2 and block 4 after epoch 3 (ceil(3 * (1 - (2/3)^T)) = 1, 2, 3), beyond
+    the plan's floor (block 0); the cache is on at depth 1 and 2 (its memory capped by what the budget leaves), off
+    at depth 3 (the Dropout before it trains)."""
     cfg = _config(tmp_path, "geo", strategy="geometric", budget="0.9")
     cfg.train.epochs = 4
     summary = Trainer(cfg, task=blob_task()).run()
     plan = summary["memory_plan"]
     assert plan["frozen_from_start"] == ["0"] and plan["cache_budget_bytes"] > 0  # the blob model at batch 16
     timeline = [(t["block"], t["step"], t["action"]) for t in summary["freeze_timeline"]]
-    assert timeline == [("0", 0, "freeze"), ("1", 18, "freeze")]
+    assert timeline == [("0", 0, "freeze"), ("1", 12, "freeze"), ("4", 18, "freeze")]
     cache = summary["memory"]["buckets"]["cache_memory"]["peak_bytes"]
     assert 0 < cache <= plan["cache_budget_bytes"] + 96 * 16  # states within their budget, plus the fingerprints
     assert summary["tensor_peak_bytes"] <= plan["budget_bytes"] and abs(plan["error"]) <= 0.10

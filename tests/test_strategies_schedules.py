@@ -191,20 +191,22 @@ def test_linear_without_total_steps_is_a_clear_error():
 
 
 def geometric_hand(count, epochs, alpha):
-    return [min(count, math.floor(count * (1 - (1 - alpha) ** t))) for t in range(1, epochs + 1)]
+    return [min(count, math.ceil(count * (1 - (1 - alpha) ** t))) for t in range(1, epochs + 1)]
 
 
-def test_geometric_alpha_third_with_seven_blocks_freezes_2_3_4_5_6_then_stays():
+def test_geometric_alpha_third_with_seven_blocks_freezes_3_4_5_6_7_rounding_up_as_the_authors_code():
     spe, epochs = 2, 8
     freezer, _, _, _ = make_freezer(GeometricFreezing(), epochs=epochs, steps_per_epoch=spe)
     stages = run(freezer, epochs, spe)
-    # Hand: floor(7 * (1 - (2/3)^T)): T=1: 7/3 = 2.33 -> 2; T=2: 35/9 = 3.89 -> 3; T=3: 133/27 = 4.93 -> 4;
-    # T=4: 455/81 = 5.62 -> 5; T=5: 1477/243 = 6.08 -> 6; T=6..8: 6.39, 6.59, 6.73 -> 6 (never 7 for alpha < 1).
-    targets = [2, 3, 4, 5, 6, 6, 6, 6]
+    # Hand: ceil(7 * (1 - (2/3)^T)) (PipeTransformer's auto_freeze.py rounds up): T=1: 7/3 = 2.33 -> 3;
+    # T=2: 35/9 = 3.89 -> 4; T=3: 133/27 = 4.93 -> 5; T=4: 455/81 = 5.62 -> 6; T=5: 1477/243 = 6.08 -> 7 = L;
+    # T=6..8: 6.39, 6.59, 6.73 -> 7. The head (block 7) trains on.
+    targets = [3, 4, 5, 6, 7, 7, 7, 7]
     assert geometric_hand(7, epochs, Fraction(1, 3)) == targets
-    assert events(freezer, "freeze") == [(0, 2, 0), (1, 2, 0), (2, 4, 1), (3, 6, 2), (4, 8, 3), (5, 10, 4)]
+    assert events(freezer, "freeze") == [(0, 2, 0), (1, 2, 0), (2, 2, 0), (3, 4, 1), (4, 6, 2), (5, 8, 3),
+                                         (6, 10, 4)]
     assert events(freezer, "thaw") == []
-    assert freezer.frozen == [True] * 6 + [False, False]
+    assert freezer.frozen == [True] * 7 + [False]
     assert [s[2]["target_frozen"] for s in stages] == targets
     assert stages[0][2]["frozen_real"] == pytest.approx(7 / 3)
 
@@ -212,7 +214,8 @@ def test_geometric_alpha_third_with_seven_blocks_freezes_2_3_4_5_6_then_stays():
 @pytest.mark.parametrize("num_blocks, alpha", [
     (10, Fraction(1, 3)),  # 9 non-head blocks: T=1 is exactly 3 (floats: 2.9999999999999996), T=2 exactly 5
     (8, Fraction(1)),      # alpha = 1: everything but the head after the first epoch
-    (8, Fraction(1, 2)),   # 3.5, 5.25, 6.125, ... -> 3, 5, 6, 6, ...
+    (8, Fraction(1, 2)),   # 3.5, 5.25, 6.125, 6.5625, ... -> 4, 6, 7, 7, ...
+    (11, Fraction(1, 10)), # 1, 1.9, 2.71, 3.439, ... -> 1, 2, 3, 4, ...: T=1 exactly 1
 ])
 def test_geometric_other_parameters_match_the_hand_schedule(num_blocks, alpha):
     spe, epochs = 1, 6
@@ -227,7 +230,7 @@ def test_geometric_other_parameters_match_the_hand_schedule(num_blocks, alpha):
 def test_geometric_needs_no_total_steps():
     freezer, _, _, _ = make_freezer(GeometricFreezing(), total_steps=None, steps_per_epoch=None)
     run(freezer, 1, 2)
-    assert freezer.frozen_prefix == 2
+    assert freezer.frozen_prefix == 3  # ceil(7 / 3)
 
 
 # ---- parameters ----------------------------------------------------------------------------------------------------

@@ -287,7 +287,7 @@ GRAD_SERIES = [
 
 def drive_autofreeze(freezer, model, optimizer, stages):
     for values in stages:
-        for _ in range(freezer.strategy.interval):
+        for _ in range(freezer.strategy.stage_every):
             set_grads(model, freezer, values)
             freezer.after_backward()
             optimizer.step()
@@ -303,6 +303,45 @@ def test_autofreeze_through_the_freezer_with_crafted_gradients():
     drive_autofreeze(freezer, model, optimizer, GRAD_SERIES[2:])
     assert freeze_steps(freezer) == {0: 4, 1: 8}
     assert freezer.frozen == [True, True, False, False, False]
+
+
+@pytest.mark.parametrize("total_steps,num_intervals,every", [(20, 10, 2), (25, 10, 2), (8, 4, 2), (5, 10, 1),
+                                                               (1000, 10, 100)])
+def test_autofreeze_evaluates_num_intervals_times_a_run_as_its_public_code(total_steps, num_intervals, every):
+    # the public code: grad_eval_step = int(total_steps / num_intervals), num_intervals = 10 by default
+    model, optimizer, freezer = make_run(AutoFreeze(num_intervals=num_intervals), total_steps=total_steps)
+    assert freezer.strategy.stage_every == every
+    if every == 2:  # the crafted series at interval 2 freezes block 0 after stage 2 and block 1 after stage 4
+        drive_autofreeze(freezer, model, optimizer, GRAD_SERIES)
+        assert freeze_steps(freezer) == {0: 4, 1: 8}
+
+
+def test_autofreeze_without_the_run_length_evaluates_every_50_steps_and_says_so():
+    with pytest.warns(UserWarning, match="run length is unknown.*every 50 steps.*total_steps"):
+        _, _, freezer = make_run(AutoFreeze(), total_steps=None)
+    assert freezer.strategy.stage_every == 50
+    _, _, freezer = make_run(AutoFreeze(interval=7), total_steps=None)  # an explicit interval: no warning
+    assert freezer.strategy.stage_every == 7
+
+
+def test_autofreeze_resumes_at_the_interval_its_run_used():
+    model, optimizer, freezer = make_run(AutoFreeze(), total_steps=20)
+    drive_autofreeze(freezer, model, optimizer, GRAD_SERIES[:2])
+    saved = copy.deepcopy((freezer.state_dict(), model.state_dict(), optimizer.state_dict()))
+    model, optimizer, freezer = make_run(AutoFreeze(), total_steps=60, seed=1)  # a longer run: 6 steps apart
+    assert freezer.strategy.stage_every == 6
+    freezer.load_state_dict(saved[0])
+    model.load_state_dict(saved[1])
+    optimizer.load_state_dict(saved[2])
+    assert freezer.strategy.stage_every == 2  # the run goes on as it started
+    drive_autofreeze(freezer, model, optimizer, GRAD_SERIES[2:])
+    assert freeze_steps(freezer) == {0: 4, 1: 8}
+    # a checkpoint written before num_intervals existed recorded the fixed interval it ran at (50 then)
+    old = AutoFreeze()
+    old.load_state_dict({"interval": 50, "percentile": 50.0, "prev": None, "evaluations": 3})
+    assert (old.interval, old.stage_every, old.evaluations) == (50, 50, 3)
+    with pytest.raises(ValueError, match="num_intervals"):
+        AutoFreeze(num_intervals=5).load_state_dict(AutoFreeze().state_dict())
 
 
 def test_autofreeze_reads_the_gradients_at_the_optimizers_step_and_without_an_optimizer_needs_after_backward():
@@ -329,6 +368,7 @@ def test_autofreeze_reads_the_gradients_at_the_optimizers_step_and_without_an_op
 
 @pytest.mark.parametrize("kwargs,param", [
     ({"interval": 0}, "interval"), ({"interval": 2.5}, "interval"), ({"interval": True}, "interval"),
+    ({"num_intervals": 0}, "num_intervals"), ({"num_intervals": 1.5}, "num_intervals"),
     ({"percentile": -1}, "percentile"), ({"percentile": 100.5}, "percentile"),
     ({"percentile": float("nan")}, "percentile"), ({"percentile": "50"}, "percentile"),
 ])

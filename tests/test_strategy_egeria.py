@@ -7,6 +7,7 @@ import copy
 import io
 import math
 import threading
+import warnings
 
 import pytest
 import torch
@@ -104,6 +105,29 @@ def test_a_reference_refresh_compares_the_next_value_with_the_new_baseline():
     assert decision.signals["plasticity_change"][0] == pytest.approx(0.01)
     assert decision.signals["plasticity_change"][1] == pytest.approx(49.0)
     assert decision.freeze == [0]
+
+
+def test_a_refresh_every_patience_evaluations_or_sooner_freezes_nothing_and_is_warned_about():
+    # a stable block (plasticity 1.0 at every evaluation) against a refresh every R evaluations: the evaluation after a
+    # refresh compares 1.0 with the new reference's noise floor (1e-4) and restarts the count, so the count reaches at
+    # most R - 1 (evaluations 2..R of each window)
+    def first_freeze(refresh_every: int, patience: int) -> int | None:
+        strategy = Egeria(refresh_every=refresh_every, tolerance=0.1, patience=patience, synchronous=True)
+        frozen = [False] * 4
+        for e in range(1, 31):
+            refresh = e % refresh_every == 0
+            decision = strategy.apply_evaluation([1.0, 1.0, 1.0, None], _ctx(frozen),
+                                                 baseline=[1e-4, 1e-4, 1e-4, None] if refresh else None)
+            if decision.freeze:
+                return e
+        return None
+
+    with pytest.warns(UserWarning, match="refresh_every=3 <= patience=3.*usually nothing freezes"):
+        assert first_freeze(3, 3) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert first_freeze(4, 3) == 4  # evaluations 2, 3, 4 are stable
+        assert first_freeze(10, 3) == 4
 
 
 # ---- with the real Freezer ------------------------------------------------------------------------------------

@@ -267,7 +267,7 @@ def test_strategy_signals_reach_metrics_at_their_stages(tmp_path):
     cfg = config(tmp_path, "geometric", freeze={"strategy": "geometric"}, epochs=2)
     Trainer(cfg, task=blob_task()).run()
     stages = [r for r in read_metrics(tmp_path / "geometric") if r.get("kind") == "stage"]
-    assert [s["signal_target_frozen"] for s in stages] == [1, 1]  # floor(3 * (1 - (2/3)^T)) for T = 1, 2
+    assert [s["signal_target_frozen"] for s in stages] == [1, 2]  # ceil(3 * (1 - (2/3)^T)) for T = 1, 2
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -44,7 +44,9 @@ class BAdam(LayerRotation):
     * **The head keeps training** (one deviation): the engine never freezes the head (a classifier's new head must
       train), where BAdam's default freezes it too; it is what BAdam's ``active_modules`` (always-trainable
       modules) would give. With embeddings tied to the LM head (Llama 3.2, the LM benchmark's model) the LM head
-      matrix belongs to the embeddings and stays frozen, so the head trains its final norm only.
+      matrix belongs to the embeddings and stays frozen, so the head trains its final norm only. The head's Adam
+      state carries across switches, where ``BlockOptimizer.switch_trainable_params`` clears the whole optimizer
+      state, ``active_modules`` included: the head is trained as one block of an ordinary Adam run.
 
     Defaults: ``k=50`` (``switch_block_every`` of ``BlockOptimizer`` and LLaMA-Factory's ``badam_switch_interval``),
     ``order="ascending"`` (the BAdam README's example and LLaMA-Factory's ``badam_switch_mode``; the

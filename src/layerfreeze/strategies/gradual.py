@@ -3,8 +3,12 @@
 Source: Howard & Ruder, "Universal Language Model Fine-tuning for Text Classification", ACL 2018:
 sec. 3.2 (discriminative fine-tuning, ``eta^{l-1} = eta^l / 2.6``) and sec. 3.3 (gradual unfreezing: "we first
 unfreeze the last layer and fine-tune all unfrozen layers for one epoch. We then unfreeze the next lower frozen
-layer and repeat"). fastai's ``Learner.fine_tune`` is the two-stage special case of the same idea (train the head
-alone for ``freeze_epochs``, then everything with discriminative learning rates).
+layer and repeat").
+
+fastai's ``Learner.fine_tune`` (``fastai/callback/schedule.py``) is a different recipe, which this strategy does not
+reproduce: the head alone for ``freeze_epochs`` (one-cycle), then every layer group thawed at once, the base LR
+halved, with LRs spread geometrically over the groups from ``base_lr / lr_mult`` to ``base_lr`` (``lr_mult = 100``,
+not 2.6 per block). Here one block thaws per stage, each ``lr_decay`` times below the block above it.
 """
 
 from __future__ import annotations

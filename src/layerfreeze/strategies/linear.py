@@ -36,9 +36,10 @@ class LinearFreezing(PrefixSchedule):
 
     * ``fraction = 0`` if ``t <= freeze_start``, else ``freeze_level * (t - freeze_start) / (1 - freeze_start)``
       (Composer's ``_freeze_schedule``, same order of operations);
-    * ``count`` = number of blocks before the last one (``len(blocks) - 1``), i.e. every block but the head. This
-      is the count Composer uses (``len(flat_children[0:-1])``, all layers but the last, which it never freezes),
-      and it keeps ``fraction = 1`` from reaching the head;
+    * ``count`` = number of blocks before the last one (``len(blocks) - 1``), i.e. every block but the head.
+      Composer counts differently: the leaf modules that hold parameters, all but the last (its ``_get_layers``,
+      ``flat_children[0:-1]``), so the two agree where each block is one such layer; here a block (a Transformer
+      layer, a ResNet stage) freezes whole. Either way ``fraction = 1`` never reaches the head;
     * ``target = int(fraction * count)`` (truncation, as in Composer, after adding 1e-9 so a float rounding error
       such as ``1.9999999999999996`` does not lose a block; this is the one place we depart from Composer's floats),
       capped at ``count``;

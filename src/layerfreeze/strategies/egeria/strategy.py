@@ -9,6 +9,7 @@ its result.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -65,7 +66,8 @@ class Egeria(Strategy):
         interval: Optimizer steps between plasticity evaluations (``stage_every``), ``>= 1``.
         refresh_every: Evaluations between rebuilds of the reference from the current weights, ``>= 1``.
         tolerance: A block is stable at an evaluation when its plasticity's relative change is below this, ``> 0``.
-        patience: Consecutive stable evaluations before the front block freezes, ``>= 1``.
+        patience: Consecutive stable evaluations before the front block freezes, ``>= 1``; below ``refresh_every``
+            (a warning otherwise: the count restarts after each refresh, see :meth:`apply_evaluation`).
         probe_size: Samples of the first training batch kept as the fixed probe batch, ``>= 1``.
         synchronous: Run each evaluation inline at its stage (no lag, deterministic) instead of in the worker.
         reference_quantization: ``"dynamic"`` (PyTorch dynamic int8 for ``nn.Linear``, weight-only int8 for the
@@ -84,6 +86,14 @@ class Egeria(Strategy):
             raise ValueError(f"egeria: tolerance must be a finite number > 0 (relative change), got {tolerance!r}")
         self.tolerance = float(tolerance)
         self.patience = _check_int("patience", patience, 1)
+        if self.refresh_every <= self.patience:
+            warnings.warn(
+                f"egeria: refresh_every={self.refresh_every} <= patience={self.patience}: the evaluation after each "
+                "reference refresh is compared with the new reference's baseline (the int8 noise floor), which "
+                "restarts a block's stable count unless its plasticity stays within tolerance of that floor, so the "
+                f"count can reach {self.patience} only inside {self.refresh_every - 1} evaluations between two "
+                "refreshes and usually nothing freezes; use refresh_every > patience (defaults: 10 and 3)",
+                stacklevel=2)
         self.probe_size = _check_int("probe_size", probe_size, 1)
         if not isinstance(synchronous, bool):
             raise ValueError(f"egeria: synchronous must be True or False, got {synchronous!r}")

@@ -13,12 +13,13 @@ non-head blocks as a fraction of the run (never frozen = the end), and its FLOPs
     python -m benchmarks.suite                         # the whole suite (sizes: SIZES below), 3 seeds
     python -m benchmarks.suite --quick                 # a few minutes: tiny sizes, 1 seed; OUT/suite.md only
     python -m benchmarks.suite --tasks bbc --seeds 1 --rows none,static,lora
-    python -m benchmarks.suite --from-json runs/bench-suite/results.json   # only regenerate the Markdown
+    python -m benchmarks.suite --from-json runs/bench-suite/results.json --markdown BENCHMARKS.md   # regenerate
     python -m benchmarks.suite --resume --tasks fmnist-resnet   # run only the seeds results.json lacks
 
 Outputs: ``OUT/results.json`` (raw rows per task and seed, the oracle, the aggregates, machine and versions; rewritten
 after every seed), ``OUT/suite.md`` (the generated section), the section between ``<!-- suite:begin -->`` and
-``<!-- suite:end -->`` in ``--markdown`` (default BENCHMARKS.md; not written by ``--quick`` unless asked), one rich
+``<!-- suite:end -->`` in ``--markdown FILE`` (only when given: ``--markdown BENCHMARKS.md`` replaces the published
+section, hand-written notes in it included), one rich
 table per task on the terminal, and every row's run folder under ``OUT/<task>/seed<N>/``.
 """
 
@@ -163,11 +164,10 @@ def base_config(spec: TaskSpec, seed: int, threads: int | None) -> dict[str, Any
 
 
 def row_settings(spec: TaskSpec, steps: int) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-    """(row_params, row_overrides) for compare: static's k; AutoFreeze/Egeria evaluate about 8 times per run;
-    the LoRA row's learning rate."""
+    """(row_params, row_overrides) for compare: static's k; Egeria evaluates about 8 times per run (AutoFreeze 10
+    times, its own default as in its public code); the LoRA row's learning rate."""
     interval = max(1, round(steps / 8))
-    params = {"static": {"k": spec.static_k}, "autofreeze": {"interval": interval},
-              "egeria": {"interval": interval}}
+    params = {"static": {"k": spec.static_k}, "egeria": {"interval": interval}}
     overrides: dict[str, dict[str, Any]] = {}
     if spec.lora_lr is not None:
         overrides["lora"] = {"train": {"lr": spec.lora_lr}}  # targets: the per-model default (tasks.py)
@@ -612,9 +612,9 @@ def task_settings(spec: TaskSpec, rows: list[str]) -> dict[str, Any]:
         notes.append(spec.lora_note)
     row_params, row_overrides = row_settings(spec, steps)
     if "autofreeze" in task_rows or "egeria" in task_rows:
-        notes.append(f"AutoFreeze and Egeria evaluate every {row_params['autofreeze']['interval']} steps (about 8 "
-                     f"times per run); static freezes the first {spec.static_k} blocks; other strategies use "
-                     "their defaults.")
+        notes.append(f"AutoFreeze evaluates every {max(1, steps // 10)} steps (10 times per run, its default, as its "
+                     f"public code); Egeria every {row_params['egeria']['interval']} steps (about 8 times per run); "
+                     f"static freezes the first {spec.static_k} blocks; other strategies use their defaults.")
     # Through JSON, so that a fresh dict compares equal to one read back from results.json (tuples become lists).
     return json.loads(json.dumps({"title": spec.title, "spec": asdict(spec), "n_train": n_train, "n_test": n_test,
                                   "total_steps": steps, "rows": task_rows, "row_params": row_params,
@@ -734,8 +734,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", help="comma-separated rows (default: every registered strategy and lora; none "
                         "is always run, first)")
     parser.add_argument("--out", default="runs/bench-suite", help="results folder (default runs/bench-suite)")
-    parser.add_argument("--markdown", help="file whose suite section is (re)written (default BENCHMARKS.md; with "
-                        "--quick none unless given); '' for none")
+    parser.add_argument("--markdown", help="file whose suite section is (re)written, e.g. BENCHMARKS.md (default: "
+                        "none, so a reproduction does not overwrite the published tables; OUT/suite.md is always "
+                        "written)")
     parser.add_argument("--threads", type=int, help="torch threads per run (default: torch's)")
     parser.add_argument("--resume", action="store_true", help="keep the seeds OUT/results.json already holds and "
                         "run only the missing ones (same tasks' settings and rows, else an error before training)")
@@ -743,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
                         "results.json")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 180, soft_wrap=False)
-    markdown = args.markdown if args.markdown is not None else (None if args.quick else str(ROOT / "BENCHMARKS.md"))
+    markdown = args.markdown or None
 
     if args.from_json:
         try:

@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import statistics
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import suite  # the suite's bbc task spec and base config: the same job
+from benchmarks.cli import entry
 from benchmarks.markdown_section import update_section
 
 BEGIN, END = "<!-- adaptivity:begin -->", "<!-- adaptivity:end -->"
@@ -56,7 +56,8 @@ def run_variant(name: str, seed: int, out: Path, threads: int | None, console: C
                 max_steps: int | None = None) -> dict[str, Any]:
     """The oracle's and SmartFRZ's freeze steps (and accuracies) of one variant."""
     from benchmarks.oracle import ProbeRecorder, oracle_freeze_steps
-    from layerfreeze.train.compare import freeze_steps, row_config
+    from layerfreeze.runs.compare_table import freeze_steps
+    from layerfreeze.train.compare import row_config
     from layerfreeze.train.config import build_config
     from layerfreeze.train.trainer import Trainer
 
@@ -198,4 +199,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(entry(main))

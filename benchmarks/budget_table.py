@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cli import entry
 from layerfreeze import cli
 from layerfreeze.runs.summary import format_bytes
 
@@ -195,4 +196,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(entry(main))

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils.data import DataLoader
 
+from benchmarks.cli import count, entry
 from layerfreeze import Freezer, block_param_groups
 from layerfreeze.checkpoint import CheckpointStore
 from layerfreeze.runs.summary import format_bytes
@@ -26,7 +27,7 @@ from layerfreeze.train.tasks import build_task
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=count(1), default=3)
     args = parser.parse_args()
     task = build_task(build_config({}))
     model = task.model
@@ -60,4 +61,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(entry(main))

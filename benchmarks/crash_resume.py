@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from benchmarks.cli import count, entry
+
 # ---- the run that gets killed ------------------------------------------------------------------------------------
 
 
@@ -245,9 +247,9 @@ def mismatches(ref_dir: Path, cut_dir: Path) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", nargs=2, metavar=("RUN_DIR", "STEPS"), help=argparse.SUPPRESS)
-    parser.add_argument("--kills", type=int, default=100)
+    parser.add_argument("--kills", type=count(0), default=100)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=2400)
+    parser.add_argument("--steps", type=count(2), default=2400)
     parser.add_argument("--max-delay", type=float, default=0.3, help="seconds after training begins (max)")
     parser.add_argument("--out", default="runs/bench-crash-resume")
     args = parser.parse_args()
@@ -282,4 +284,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(entry(main))

@@ -24,6 +24,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.cli import count, entry
 from layerfreeze.runs.rundir import SUMMARY_FILE, read_metrics
 from layerfreeze.runs.summary import format_bytes
 
@@ -71,9 +72,9 @@ def phases(records: list[dict]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=count(1), default=2)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=count(1), default=3)
     parser.add_argument("--limit-train", type=int, default=480, help="training samples (BBC News has 1,780)")
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--out", default="runs/bench-ddp-freeze")
@@ -103,4 +104,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(entry(main))

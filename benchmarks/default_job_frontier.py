@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.cli import entry
 from benchmarks.oracle_replay import OracleSchedule  # freeze each block at a given step
 from layerfreeze.strategies import register_strategy
 from layerfreeze.train.config import build_config
@@ -121,4 +121,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(entry(main))

@@ -32,6 +32,7 @@ from typing import Any
 
 from rich.console import Console
 
+from benchmarks.cli import count, entry
 from benchmarks.jobs import parse_jobs
 from benchmarks.memory_table import markdown, rich_table
 from benchmarks.memory_table import task_config as memory_task_config
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated: {', '.join(TASKS)}, default-job")
     parser.add_argument("--rows", default=",".join(ROWS), help="freezing strategies (each run plain and demoted)")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
+    parser.add_argument("--seeds", type=count(1), default=3, help="seeds 0..N-1")
     parser.add_argument("--size", choices=("suite", "quick", "tiny"), default="suite",
                         help="the suite's SIZES, QUICK_SIZES, or 3 steps (tiny: a check that it runs)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="freeze.demote.dtype")
@@ -189,4 +190,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(entry(main))

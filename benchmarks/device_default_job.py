@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from benchmarks.cli import entry
 from layerfreeze.runs import rundir
 from layerfreeze.runs.rundir import Event, finite
 from layerfreeze.runs.summary import format_bytes
@@ -352,4 +353,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(entry(main))

@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
+from benchmarks.cli import count, entry
 from layerfreeze.runs.flops import FLOP_FORMULAS, TotalFlopCounter
 from layerfreeze.train.assets import AssetMissingError
 from layerfreeze.train.config import build_config
@@ -137,7 +138,7 @@ def measure(name: str, overrides: dict, steps: int, out: Path, batch_size: int |
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {', '.join(TASKS)}")
-    parser.add_argument("--steps", type=int, default=7, help="timed training steps per mode and task (>= 5)")
+    parser.add_argument("--steps", type=count(5), default=7, help="timed training steps per mode and task (>= 5)")
     parser.add_argument("--batch-size", type=int, help="instead of the task's (a quick look)")
     parser.add_argument("--max-length", type=int, help="tokens per text sample, instead of 128 (a quick look)")
     parser.add_argument("--threads", type=int, help="CPU threads (run.threads; 1 is steadier on a shared machine)")
@@ -170,4 +171,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(entry(main))

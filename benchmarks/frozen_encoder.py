@@ -26,6 +26,7 @@ from rich.table import Table
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
+from benchmarks.cli import count, entry
 from layerfreeze.compute.frozen import FrozenModule, FrozenPipeline
 from layerfreeze.compute.precompute import PrecomputedDataset, precompute
 from layerfreeze.train import assets, data
@@ -34,9 +35,10 @@ from layerfreeze.train.loaders import quiet_transformers
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=count(2), default=3,
+                        help="epochs (>= 2: the table compares the later epochs with the first)")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--limit", type=int, help="use only the first N training articles")
+    parser.add_argument("--limit", type=count(1), help="use only the first N training articles")
     parser.add_argument("--out", default="runs/bench-frozen-encoder")
     args = parser.parse_args()
 
@@ -113,4 +115,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(entry(main))

@@ -38,6 +38,8 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.cli import count, entry
+
 #: The step_overhead model's gradients: 8 blocks of Linear(32, 32) and the Linear(32, 10) head, weight and bias each.
 SHAPES = [(32, 32), (32,)] * 8 + [(10, 32), (10,)]
 
@@ -119,9 +121,9 @@ def after_backward(steps: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=400, help="training steps per candidate after a backward")
+    parser.add_argument("--calls", type=count(1), default=2000)
+    parser.add_argument("--repeats", type=count(1), default=7)
+    parser.add_argument("--steps", type=count(1), default=400, help="training steps per candidate after a backward")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     warm = measure(args.calls, args.repeats)
@@ -134,4 +136,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(entry(main))

@@ -22,6 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.cli import count, entry
 from layerfreeze.train.config import build_config
 from layerfreeze.train.evaluation import evaluate
 from layerfreeze.train.setup import resolve_device, seed_everything
@@ -70,7 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategies", default="none,smartfrz",
                         help="comma-separated; 'none' is the Trainer without the callback")
-    parser.add_argument("--max-steps", type=int, help="stop after this many steps (a quick check)")
+    parser.add_argument("--max-steps", type=count(1), help="stop after this many steps (a quick check)")
     parser.add_argument("--limit-train", type=int)
     parser.add_argument("--limit-test", type=int)
     parser.add_argument("--seed", type=int, default=0)
@@ -99,4 +100,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(entry(main))

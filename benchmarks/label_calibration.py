@@ -22,12 +22,12 @@ BENCHMARKS.md) and ``RUNS/label_calibration.md``. It times nothing (accuracies d
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
+from benchmarks.cli import entry
 from benchmarks.markdown_section import update_section
 from layerfreeze.smartfrz.counterfactual import (
     DEFAULT_EPS_POINTS,
@@ -138,4 +138,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(entry(main))

@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils.data import DataLoader
 
+from benchmarks.cli import count, entry
 from benchmarks.jobs import CLI_CONFIG, parse_jobs
 from layerfreeze.runs.ledger import MemoryLedger
 from layerfreeze.train.config import build_config
@@ -125,7 +126,7 @@ def measure(name: str, overrides: dict, steps: int, out: Path, batch_size: int |
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {', '.join(TASKS)}")
-    parser.add_argument("--steps", type=int, default=10, help="timed training steps per mode and task")
+    parser.add_argument("--steps", type=count(1), default=10, help="timed training steps per mode and task")
     parser.add_argument("--batch-size", type=int, help="instead of the task's (a quick look)")
     parser.add_argument("--max-length", type=int, help="tokens per text sample, instead of 128 (a quick look)")
     parser.add_argument("--out", default="runs/bench-ledger-overhead")
@@ -149,4 +150,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(entry(main))

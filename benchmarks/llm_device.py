@@ -65,6 +65,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.cli import entry
 from layerfreeze import Freezer, block_param_groups, discover_blocks
 from layerfreeze.runs.rundir import finite
 from layerfreeze.runs.summary import format_bytes
@@ -400,4 +401,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(entry(main))

@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.cli import count, entry
+
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = "tech"
 EOS = "<|endoftext|>"
@@ -475,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="reduced sizes, 1 seed (QUICK)")
     size.add_argument("--tiny", action="store_true", help="the test size: a tiny model, 40 articles per topic")
-    parser.add_argument("--seeds", type=int, help="seeds 0..N-1 (default: 3; 1 with --quick or --tiny)")
+    parser.add_argument("--seeds", type=count(1), help="seeds 0..N-1 (default: 3; 1 with --quick or --tiny)")
     parser.add_argument("--out", default="runs/lm-finetune", help="results folder (its rows/ is replaced)")
     parser.add_argument("--cache", default="runs/lm-finetune-stage1", help="stage-one cache folder")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
@@ -537,4 +539,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(entry(main))

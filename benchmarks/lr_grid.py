@@ -35,7 +35,6 @@ import json
 import re
 import shutil
 import statistics
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from typing import Any
 from rich.console import Console
 
 from benchmarks import suite  # the suite's task specs and base config: the same jobs
+from benchmarks.cli import entry
 from layerfreeze.errors import PredictorError
 from layerfreeze.strategies import STRATEGIES, register_strategy
 from layerfreeze.strategies.smartfrz import load_predictor
@@ -382,4 +382,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(entry(main))

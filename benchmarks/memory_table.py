@@ -45,6 +45,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.cli import entry
 from benchmarks.jobs import parse_jobs
 from benchmarks.suite import QUICK_SIZES, SIZE_FIELDS, TASKS, base_config, row_settings, task_spec, total_steps
 from layerfreeze.runs import rundir
@@ -233,4 +234,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(entry(main))

@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import suite  # the suite's task specs and configs: the replay must run the same job
+from benchmarks.cli import entry
 from layerfreeze.strategies import register_strategy
 from layerfreeze.strategies.base import Decision, StageContext, Strategy
 
@@ -182,4 +183,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(entry(main))

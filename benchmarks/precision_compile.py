@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import memory_table, suite
+from benchmarks.cli import entry
 from layerfreeze.train.config import build_config
 from layerfreeze.train.trainer import Trainer
 
@@ -140,4 +141,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(entry(main))

@@ -17,6 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.cli import count, entry
 from benchmarks.jobs import CLI_CONFIG, JOBS, parse_jobs
 from layerfreeze.runs.rundir import read_metrics
 from layerfreeze.runs.summary import format_bytes, format_flops
@@ -29,7 +30,7 @@ def main() -> None:
     parser.add_argument("--task", default="default-job", help=f"a benchmark job (benchmarks/jobs.py): "
                         f"{', '.join(j for j in JOBS if j != 'bbc')}")
     parser.add_argument("--k", type=int, default=6)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=count(1), default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--out", default="runs/bench-prefix-cache")
     args = parser.parse_args()
@@ -70,4 +71,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(entry(main))

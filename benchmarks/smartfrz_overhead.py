@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils.data import DataLoader
 
+from benchmarks.cli import count, entry
 from benchmarks.jobs import CLI_CONFIG, parse_jobs
 from layerfreeze.train.config import build_config
 from layerfreeze.train.setup import epoch_batches
@@ -116,7 +117,7 @@ def measure(name: str, overrides: dict, steps: int, every: int | None, out: Path
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {', '.join(TASKS)}")
-    parser.add_argument("--steps", type=int, default=10, help="timed training steps per task")
+    parser.add_argument("--steps", type=count(1), default=10, help="timed training steps per task")
     parser.add_argument("--every", type=int, help="stage interval in steps (default: the strategy's)")
     parser.add_argument("--out", default="runs/bench-smartfrz-overhead")
     args = parser.parse_args()
@@ -139,4 +140,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(entry(main))

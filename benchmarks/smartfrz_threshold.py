@@ -23,6 +23,7 @@ from pathlib import Path
 from rich.console import Console
 
 from benchmarks import suite  # the suite's task specs and configs: the same jobs
+from benchmarks.cli import entry
 from layerfreeze.strategies import register_strategy
 from layerfreeze.strategies.smartfrz.strategy import SmartFRZ
 
@@ -87,4 +88,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(entry(main))

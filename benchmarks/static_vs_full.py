@@ -17,6 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.cli import count, entry
 from benchmarks.jobs import CLI_CONFIG, JOBS, parse_jobs
 from layerfreeze.runs.summary import format_bytes, format_flops
 from layerfreeze.train.config import build_config
@@ -28,7 +29,7 @@ def main() -> None:
     parser.add_argument("--task", default="default-job", help=f"a benchmark job (benchmarks/jobs.py): "
                         f"{', '.join(j for j in JOBS if j != 'bbc')}")
     parser.add_argument("--k", type=int, default=5, help="static: number of leading blocks frozen")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=count(1), default=3)
     parser.add_argument("--limit-train", type=int)
     parser.add_argument("--limit-test", type=int)
     parser.add_argument("--seed", type=int, default=0)
@@ -73,4 +74,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(entry(main))

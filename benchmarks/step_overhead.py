@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.cli import entry
 from layerfreeze import Freezer, block_param_groups
 from layerfreeze.models.discovery import discover_blocks
 from layerfreeze.strategies import STRATEGIES
@@ -199,4 +200,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(entry(main))

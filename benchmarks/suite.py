@@ -43,6 +43,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.cli import count, entry
 from benchmarks.jobs import parse_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -730,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (QUICK_SIZES), 1 seed unless --seeds")
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {', '.join(TASKS)}")
-    parser.add_argument("--seeds", type=int, help="seeds 0..N-1 (default 3; 1 with --quick)")
+    parser.add_argument("--seeds", type=count(1), help="seeds 0..N-1 (default 3; 1 with --quick)")
     parser.add_argument("--rows", help="comma-separated rows (default: every registered strategy and lora; none "
                         "is always run, first)")
     parser.add_argument("--out", default="runs/bench-suite", help="results folder (default runs/bench-suite)")
@@ -805,4 +806,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(entry(main))

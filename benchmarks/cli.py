@@ -1,0 +1,45 @@
+"""What every benchmark script's command line shares: counts checked as argparse reads them, and the user's errors
+as one line.
+
+``python -m benchmarks.<name>`` ends each script with ``raise SystemExit(entry(main))``: a bad config, an unknown
+strategy, a folder that cannot be written or a missing asset prints ``benchmarks.<name>: error: <what to do>`` and
+exits 2, before or instead of a traceback, as ``layerfreeze``'s own CLI does. Anything else (a bug) keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from layerfreeze.errors import UserError
+
+
+def count(minimum: int = 1) -> Callable[[str], int]:
+    """An argparse ``type``: an integer ``>= minimum`` (steps, epochs, repeats, seeds), else argparse's one-line
+    error (exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}: give an integer >= {minimum}")
+        return value
+
+    return parse
+
+
+def entry(main: Callable[[], int | None]) -> int:
+    """Run a benchmark's ``main()``; its return value is the exit code (None: 0). A :class:`UserError` (bad config,
+    unknown strategy or row, missing asset) or an ``OSError`` (an output folder that cannot be made or written)
+    prints one line naming the script and exits 2."""
+    prog = "benchmarks." + sys.argv[0].rsplit("/", 1)[-1].removesuffix(".py") if sys.argv else "benchmarks"
+    try:
+        return main() or 0
+    except (UserError, OSError) as exc:
+        what = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.filename else str(exc)
+        print(f"{prog}: error: {what}", file=sys.stderr)
+        return 2

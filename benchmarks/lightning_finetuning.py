@@ -38,7 +38,7 @@ zips them with ``strict=True`` and the next scheduler step raises: that row is r
 others still run; the exit code is 1). The default, ``constant``, trains every row at a constant LR.
 
 Prints a rich table and writes ``OUT/results.json``. Run it alone on the machine (timings beside other processes are
-wrong); about 6 minutes on 2 CPU cores.
+wrong); about 4 minutes on 2 CPU cores.
 
     python -m benchmarks.lightning_finetuning                      # the measurement (4 rows, 104 steps each)
     python -m benchmarks.lightning_finetuning --tiny               # a check that it runs (4 steps a row)
@@ -54,6 +54,7 @@ import importlib.metadata as md
 import json
 import logging
 import re
+import statistics
 import sys
 import time
 import traceback
@@ -196,7 +197,8 @@ class Meter(L.Callback):
         self.counter: TotalFlopCounter | None = None
         self.counting: tuple[tuple[bool, ...], int] | None = None
         self.snapshot: list[list[torch.Tensor]] = []
-        self.t0 = self.train_s = 0.0
+        self.t0 = self.t_step = self.train_s = 0.0
+        self.step_s: list[float] = []
 
     def key(self, batch: dict[str, torch.Tensor]) -> tuple[tuple[bool, ...], int]:
         return tuple(p.requires_grad for ps in self.params for p in ps), len(batch["labels"])
@@ -220,6 +222,7 @@ class Meter(L.Callback):
                 b.name: sorted({lr_of.get(id(p)) for p in ps}, key=lambda v: (v is None, v or 0.0))
                 for b, ps in zip(self.blocks, self.params)}})
             self.snapshot = [[p.detach().clone() for p in ps] for ps in self.params]
+        self.t_step = time.perf_counter()
         key = self.key(batch)
         self.steps.append(key)
         self.order.update(batch["index"].cpu().numpy().tobytes())
@@ -232,6 +235,7 @@ class Meter(L.Callback):
             self.counter.__exit__(None, None, None)
             self.flops[self.counting] = int(self.counter.get_total_flops())
             self.counter = None
+        self.step_s.append(time.perf_counter() - self.t_step)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self.epochs[-1]["changed"] = [b.name for b, ps, before in zip(self.blocks, self.params, self.snapshot)
@@ -269,14 +273,15 @@ def make_trainer(folder: Path, **kwargs: Any) -> L.Trainer:
 def warm_up(task: Task, initial: nn.Module, size: Sizes, args: argparse.Namespace) -> None:
     """Three steps of ``none``, discarded: the process's first steps (allocator, kernels' first calls) are slower,
     and would count against the first row only."""
-    module = Classifier(copy.deepcopy(initial), size.lr, size.weight_decay, trainable_only=False, schedule="constant")
+    module = Classifier(copy.deepcopy(initial).train(), size.lr, size.weight_decay, trainable_only=False,
+                        schedule="constant")
     make_trainer(args.out / "warm-up", max_steps=3).fit(module, train_loader(task, size.batch_size, args.seed))
 
 
 def fit_row(row: str, task: Task, initial: nn.Module, args: argparse.Namespace, size: Sizes, out: Path) -> dict:
     """Train a fresh copy of the initial network with the row's callback; evaluate it; what the Meter saw."""
     seed_everything(args.seed)
-    model = copy.deepcopy(initial)
+    model = copy.deepcopy(initial).train()  # from_pretrained gives eval mode, which Lightning's fit keeps: no dropout
     module = Classifier(model, size.lr, size.weight_decay, trainable_only=row == "backbone-finetuning",
                         schedule=args.schedule)
     meter = Meter(model)
@@ -324,7 +329,8 @@ def summarize(raw: dict[str, Any], base: dict[str, Any] | None, reference: dict[
         "time_ratio": raw["train_s"] / base["train_s"] if base else None,
         "delta_points": 100 * (raw["test_accuracy"] - base["test_accuracy"]) if base else None,
         "blocks": [b.name for b in meter.blocks], "phases": phases(meter, reference), "epochs": meter.epochs,
-        "data_order_sha1": meter.order.hexdigest()})
+        "data_order_sha1": meter.order.hexdigest(), "step_s_median": statistics.median(meter.step_s),
+        "step_s": [round(t, 4) for t in meter.step_s]})
     return raw
 
 
@@ -454,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")  # lightning on torch 2.14
 
     config = build_config({"task": "bbc-news", "model": {"max_length": size.max_length},
                            "train": {"seed": args.seed, "batch_size": size.batch_size, "epochs": size.epochs},
@@ -484,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(summarize(raw, base, reference))
         if row == "none":
             base = rows[-1]
-        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("epochs", "blocks", "phases")}), flush=True)
+        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("epochs", "blocks", "phases", "step_s")}),
+              flush=True)
     steps = base["steps"] if base else next((r["steps"] for r in rows if "steps" in r), 0)
     title = (f"MiniLM-L6 / BBC News in lightning.Trainer: {size.epochs} epochs, {steps} steps, batch "
              f"{size.batch_size}, {size.max_length} tokens, AdamW {size.lr:g}, seed {args.seed}"

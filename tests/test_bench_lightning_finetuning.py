@@ -19,7 +19,7 @@ BLOCKS = ["bert.embeddings", *(f"bert.encoder.layer.{i}" for i in range(6)), "be
 
 
 @pytest.mark.assets("minilm", "bbc_news")
-def test_tiny_rows_freeze_what_their_callbacks_say_and_measure_it(tmp_path, capsys):
+def test_tiny_rows_freeze_what_their_callbacks_say_and_measure_it(tmp_path, one_thread, capsys):
     with benchmark_module("lightning_finetuning") as bench:
         assert bench.main(["--tiny", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -81,3 +81,18 @@ def test_bad_arguments_exit_2_with_what_to_give(argv, message, capsys):
     with benchmark_module("lightning_finetuning") as bench, pytest.raises(SystemExit) as exc:
         bench.main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.assets("minilm", "bbc_news")
+def test_a_per_step_scheduler_breaks_backbone_finetuning_at_the_thaw_and_the_row_is_reported(tmp_path, one_thread):
+    """``--schedule linear``: the LambdaLR holds one LR per param group of ``configure_optimizers``; the group that
+    ``BackboneFinetuning`` adds at the thaw has none, and torch >= 2.10 zips the two with ``strict=True``."""
+    torch = pytest.importorskip("torch")
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 10):
+        pytest.skip("torch < 2.10 zips the scheduler's LRs with the param groups without strict=True")
+    with benchmark_module("lightning_finetuning") as bench:
+        argv = ["--tiny", "--rows", "backbone-finetuning", "--schedule", "linear", "--out", str(tmp_path)]
+        assert bench.main(argv) == 1
+    (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert row["row"] == "backbone-finetuning"
+    assert row["error"] == "ValueError: zip() argument 2 is shorter than argument 1"

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Subset
 
 from benchmarks.cli import count, entry
 from layerfreeze.compute.frozen import FrozenModule, FrozenPipeline
-from layerfreeze.compute.precompute import PrecomputedDataset, precompute
+from layerfreeze.compute.precomputed import PrecomputedDataset, precompute
 from layerfreeze.train import assets, data
 from layerfreeze.train.loaders import quiet_transformers
 

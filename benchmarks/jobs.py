@@ -18,6 +18,8 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from layerfreeze.errors import ConfigError
+
 #: Every job, with what it is.
 JOBS: dict[str, str] = {
     "default-job": "make demo: MiniLM-L6 fine-tuned on BBC News with the CLI's defaults (3 epochs, 128 tokens, "
@@ -45,17 +47,17 @@ def parse_jobs(text: str, allowed: tuple[str, ...] | list[str] | None = None, fl
     """The jobs a comma-separated ``text`` names, each checked against ``allowed`` (default: every job).
 
     Raises:
-        SystemExit: a name that is not a job this script runs, with the name to use (:data:`RENAMED`, or the
-            closest job) and the jobs it runs.
+        ConfigError: a name that is not a job this script runs, with the name to use (:data:`RENAMED`, or the
+            closest job) and the jobs it runs (``benchmarks.cli.entry``: one line, exit 2).
     """
     allowed = list(allowed or JOBS)
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
-        raise SystemExit(f"{flag} is empty; name jobs from: {', '.join(allowed)}")
+        raise ConfigError(f"{flag} is empty; name jobs from: {', '.join(allowed)}")
     for name in names:
         if name not in allowed:
             guess = RENAMED.get(name) or next(iter(difflib.get_close_matches(name, allowed, n=1, cutoff=0.5)), None)
             hint = f" (did you mean {guess}? the benchmarks name their jobs {', '.join(JOBS)})" if guess else ""
-            raise SystemExit(f"{flag}: unknown job {name!r}{hint}; this script runs: "
+            raise ConfigError(f"{flag}: unknown job {name!r}{hint}; this script runs: "
                              + "; ".join(f"{j} ({JOBS[j]})" for j in allowed))
     return names

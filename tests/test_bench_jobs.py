@@ -7,6 +7,7 @@ import pytest
 from rich.console import Console
 
 from benchmarks.jobs import JOBS, parse_jobs
+from layerfreeze.errors import ConfigError
 from tests.conftest import benchmark_module
 
 
@@ -14,7 +15,7 @@ def test_every_script_takes_the_same_job_names_and_refuses_the_old_ones():
     assert parse_jobs("default-job,fmnist-mobilenet") == ["default-job", "fmnist-mobilenet"]
     renamed = (("fmnist", "fmnist-mobilenet"), ("bbc-news", "default-job"), ("fashion-mnist", "fmnist-mobilenet"))
     for old, new in renamed:
-        with pytest.raises(SystemExit) as exc:
+        with pytest.raises(ConfigError) as exc:  # benchmarks.cli.entry: one line, exit 2
             parse_jobs(old, ("default-job", "fmnist-mobilenet"))
         assert f"unknown job {old!r} (did you mean {new}?" in str(exc.value)
     for name in ("memory_table", "ledger_overhead", "smartfrz_overhead", "demote_accuracy", "suite"):
@@ -35,6 +36,6 @@ def test_memory_table_size_applies_to_the_default_job_and_its_headers_are_whole(
     console.print(table)
     text = console.export_text()
     assert "…" not in text and "static+bf16+offload" in text and "parameters," in text and "trainable" in text
-    with pytest.raises(SystemExit, match="did you mean fmnist-mobilenet"):
+    with pytest.raises(ConfigError, match="did you mean fmnist-mobilenet"):
         with benchmark_module("memory_table") as memory_table:
             memory_table.main(["--tasks", "fmnist", "--size", "tiny"])

@@ -91,8 +91,10 @@ def test_a_per_step_scheduler_breaks_backbone_finetuning_at_the_thaw_and_the_row
     if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 10):
         pytest.skip("torch < 2.10 zips the scheduler's LRs with the param groups without strict=True")
     with benchmark_module("lightning_finetuning") as bench:
-        argv = ["--tiny", "--rows", "backbone-finetuning", "--schedule", "linear", "--out", str(tmp_path)]
+        argv = ["--tiny", "--rows", "backbone-finetuning,static", "--schedule", "linear", "--out", str(tmp_path)]
         assert bench.main(argv) == 1
-    (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+    row, static = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert row["row"] == "backbone-finetuning"
     assert row["error"] == "ValueError: zip() argument 2 is shorter than argument 1"
+    # LayerFreeze keeps the optimizer's param groups as they are: the same scheduler trains on
+    assert static["row"] == "static" and "error" not in static and static["steps"] == 4 and static["test_accuracy"] > 0

@@ -178,3 +178,16 @@ def test_plan_check_without_a_run_dir_leaves_no_folder(tmp_path, tiny_bert_dir, 
     assert main(["plan", "--memory", "60%", *flags, "--check", "2"]) == 0
     assert "check: training 2 steps under the plan in a temporary folder (removed after" in capsys.readouterr().out
     assert list(Path(tmp_path).glob("layerfreeze-plan-check-*")) == []
+
+
+def test_a_classifiers_length_beyond_its_position_embeddings_is_refused_before_training(tmp_path, tiny_bert_dir,
+                                                                                        tiny_csv, capsys):
+    # the tiny BERT has 64 learned positions; the default model.max_length 128 failed inside the first forward with
+    # "The size of tensor a (128) must match the size of tensor b (64)", a raw traceback
+    args = ["train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir), "--run-dir",
+            str(tmp_path / "r"), "--no-progress", "--epochs", "1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "model.max_length 128 is more than the 64 positions model.name_or_path" in err
+    assert "set --set model.max_length=64 or less" in err and "Traceback" not in err
+    assert not (tmp_path / "r" / "checkpoints").exists()

@@ -44,6 +44,14 @@ def test_resume_changes_lists_each_change_and_refuses_what_the_run_trains_on(tmp
     assert resume_changes(tmp_path / "r", saved, changed) == [
         "train.epochs 3 -> 5 (from the command line)", "train.max_steps 2 -> 4 (from the command line)"]
     assert resume_changes(tmp_path / "r", saved, saved) == []
+    # a strategy parameter set where the run had none, and taken away: refused, named as it is (the message read
+    # "freeze.params {} -> None" for -p num_intervals=5)
+    params = json.loads(json.dumps(saved))
+    params["freeze"]["params"] = {"num_intervals": 5}
+    for before, after, shown in ((saved, params, "None -> 5"), (params, saved, "5 -> None")):
+        with pytest.raises(ConfigError, match=f"keeps what it trains and on what \\(freeze.params.num_intervals "
+                                              f"{shown}\\)"):
+            resume_changes(tmp_path / "r", before, after)
     for key, value, shown in (("batch_size", 4, "train.batch_size 8 -> 4"), ("seed", 1, "train.seed 0 -> 1")):
         other = json.loads(json.dumps(saved))
         other["train"][key] = value

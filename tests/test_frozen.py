@@ -24,7 +24,7 @@ from layerfreeze.compute.frozen import (
     PrecomputeRefused,
     per_sample_generators,
 )
-from layerfreeze.compute.precompute import PrecomputedDataset, precompute
+from layerfreeze.compute.precomputed import PrecomputedDataset, precompute
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -124,7 +124,15 @@ def test_old_paths_the_readme_used_to_show_still_work():
     assert discover_blocks is layerfreeze.discover_blocks and make_blocks is layerfreeze.make_blocks
     assert module_entry is layerfreeze.module_entry and qualified_names is layerfreeze.qualified_names
     assert CachedPrefix is layerfreeze.CachedPrefix and FrozenDifferentiable is layerfreeze.FrozenDifferentiable
-    assert precompute is layerfreeze.precompute  # moved on to compute.precompute
+    assert precompute is layerfreeze.precompute  # moved on to compute.precomputed
+    star: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        exec("from layerfreeze.frozen import *", star)  # noqa: S102 -- the old module's names, from both places
+    assert {"FrozenModule", "FrozenPipeline", "FrozenDifferentiable", "precompute", "PrecomputedDataset"} <= set(star)
+    import layerfreeze.compute.precomputed as module  # the module, not the function of the same name
+
+    assert module.PrecomputedDataset is layerfreeze.PrecomputedDataset
     assert register_blocks is layerfreeze.register_blocks and register_split is layerfreeze.register_split
     assert (ModelSplit, Stage, call, split_for) == (layerfreeze.ModelSplit, layerfreeze.Stage, layerfreeze.call,
                                                     layerfreeze.split_for)

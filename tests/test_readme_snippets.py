@@ -84,7 +84,7 @@ def test_the_names_the_readme_imports_and_names_exist():
     sections += text.split("## Frozen compute")[1].split("\n### ")[0]
     named = set(re.findall(r"`([A-Z]\w+|[a-z_]+)\(", sections)) | set(re.findall(r"`([A-Z][A-Za-z]+)`", sections))
     modules = [importlib.import_module(f"layerfreeze.{m}") for m in (
-        "compute.frozen", "compute.precompute", "compute.cache", "compute.store", "engine", "checkpoint",
+        "compute.frozen", "compute.precomputed", "compute.cache", "compute.store", "engine", "checkpoint",
         "engine.optim", "models.blocks")]
     ours = {n for n in named if any(getattr(m, n, None) is not None and getattr(getattr(m, n), "__module__", "")
                                     .startswith("layerfreeze") for m in modules)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -316,10 +317,27 @@ def test_autofreeze_evaluates_num_intervals_times_a_run_as_its_public_code(total
         assert freeze_steps(freezer) == {0: 4, 1: 8}
 
 
+@pytest.mark.parametrize("n_blocks, pinned", [(2, [0]), (3, [0, 1]), (1, [])])
+def test_autofreeze_with_only_the_head_trainable_trains_on(n_blocks, pinned):
+    # a memory budget's floor over every block but the head left no gradient to sum: torch._foreach_add_ raised
+    # "Tensor list must have at least one tensor" at the first update
+    model, optimizer, freezer = make_run(AutoFreeze(interval=2), n_blocks=n_blocks, total_steps=10)
+    freezer.pin(pinned)
+    head = [p.detach().clone() for p in freezer.blocks[-1].parameters()]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        real_step(model, optimizer, freezer, g)
+    assert freezer.frozen == [True] * (n_blocks - 1) + [False] and freeze_steps(freezer) == dict.fromkeys(pinned, 0)
+    assert any(not torch.equal(a, b) for a, b in zip(head, freezer.blocks[-1].parameters()))
+
+
 def test_autofreeze_without_the_run_length_evaluates_every_50_steps_and_says_so():
-    with pytest.warns(UserWarning, match="run length is unknown.*every 50 steps.*total_steps"):
-        _, _, freezer = make_run(AutoFreeze(), total_steps=None)
+    model, optimizer, freezer = make_run(AutoFreeze(), total_steps=None)
     assert freezer.strategy.stage_every == 50
+    with pytest.warns(UserWarning, match="run length is unknown.*every 50 steps.*total_steps.*max_steps"):
+        for _ in range(50):  # said at the first evaluation, once
+            real_step(model, optimizer, freezer, torch.Generator().manual_seed(0))
+    assert freezer.last_signals["interval"] == 50
     _, _, freezer = make_run(AutoFreeze(interval=7), total_steps=None)  # an explicit interval: no warning
     assert freezer.strategy.stage_every == 7
 
@@ -336,12 +354,35 @@ def test_autofreeze_resumes_at_the_interval_its_run_used():
     assert freezer.strategy.stage_every == 2  # the run goes on as it started
     drive_autofreeze(freezer, model, optimizer, GRAD_SERIES[2:])
     assert freeze_steps(freezer) == {0: 4, 1: 8}
-    # a checkpoint written before num_intervals existed recorded the fixed interval it ran at (50 then)
+    # a checkpoint written before num_intervals existed recorded the fixed interval it ran at (50 then); the run goes
+    # on at it, and its next checkpoint resumes again without -p interval=50
     old = AutoFreeze()
     old.load_state_dict({"interval": 50, "percentile": 50.0, "prev": None, "evaluations": 3})
-    assert (old.interval, old.stage_every, old.evaluations) == (50, 50, 3)
+    assert (old.interval, old.stage_every, old.evaluations) == (None, 50, 3)
+    again = AutoFreeze()
+    again.load_state_dict(old.state_dict())
+    assert (again.interval, again.stage_every, again.evaluations) == (None, 50, 3)
     with pytest.raises(ValueError, match="num_intervals"):
         AutoFreeze(num_intervals=5).load_state_dict(AutoFreeze().state_dict())
+    with pytest.raises(ValueError, match="interval"):  # an older checkpoint's interval against an explicit other one
+        AutoFreeze(interval=7).load_state_dict({"interval": 50, "percentile": 50.0, "prev": None, "evaluations": 3})
+
+
+def test_autofreeze_says_when_a_resume_keeps_a_cadence_this_runs_length_would_not_give():
+    model, optimizer, freezer = make_run(AutoFreeze(), total_steps=20)  # every 2 steps
+    drive_autofreeze(freezer, model, optimizer, GRAD_SERIES[:1])
+    state = copy.deepcopy(freezer.state_dict())
+    _, _, longer = make_run(AutoFreeze(), total_steps=60)
+    with pytest.warns(UserWarning, match="goes on evaluating every 2 steps, as it started; this run's length would "
+                                         "give every 6"):
+        longer.load_state_dict(state)
+    assert longer.strategy.stage_every == 2
+    with warnings.catch_warnings():  # without a run length: the checkpoint's cadence, and no warning about 50
+        warnings.simplefilter("error")
+        model, optimizer, unknown = make_run(AutoFreeze(), total_steps=None)
+        unknown.load_state_dict(state)
+        drive_autofreeze(unknown, model, optimizer, GRAD_SERIES[1:2])
+    assert unknown.strategy.stage_every == 2 and unknown.last_signals["interval"] == 2
 
 
 def test_autofreeze_reads_the_gradients_at_the_optimizers_step_and_without_an_optimizer_needs_after_backward():
@@ -369,6 +410,7 @@ def test_autofreeze_reads_the_gradients_at_the_optimizers_step_and_without_an_op
 @pytest.mark.parametrize("kwargs,param", [
     ({"interval": 0}, "interval"), ({"interval": 2.5}, "interval"), ({"interval": True}, "interval"),
     ({"num_intervals": 0}, "num_intervals"), ({"num_intervals": 1.5}, "num_intervals"),
+    ({"interval": 5, "num_intervals": 3}, "not both"),
     ({"percentile": -1}, "percentile"), ({"percentile": 100.5}, "percentile"),
     ({"percentile": float("nan")}, "percentile"), ({"percentile": "50"}, "percentile"),
 ])

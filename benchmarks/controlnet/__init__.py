@@ -22,7 +22,7 @@ the cores, and a CPU reduction over 1 thread rounds differently from one over 2,
 ``worker``      VAE and text encoder in a :class:`~layerfreeze.compute.frozen.FrozenPipeline` worker (on CPU the
                 stand-in for another device; on GPUs, ``frozen_device``); the UNet stays in the gradient path;
 ``precompute``  the VAE's latent *distribution* (mean and log-variance) per image and the ten prompts' embeddings
-                computed once (:func:`~layerfreeze.compute.precompute.precompute`); the trainer samples the latents;
+                computed once (:func:`~layerfreeze.compute.precomputed.precompute`); the trainer samples the latents;
 ``bf16``        like ``device`` with the three frozen models in bfloat16 (the ControlNet stays float32).
 
 RNG safety: the frozen VAE returns ``latent_dist.parameters``; the trainer samples the latents

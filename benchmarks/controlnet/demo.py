@@ -30,7 +30,7 @@ from benchmarks.controlnet.models import (
 )
 from benchmarks.controlnet.report import MEMORY_CAPTION, format_memory_table, format_table, write_report
 from layerfreeze.compute.frozen import FrozenDifferentiable, FrozenModule, FrozenPipeline, NonFiniteOutputError
-from layerfreeze.compute.precompute import PrecomputedDataset, precompute
+from layerfreeze.compute.precomputed import PrecomputedDataset, precompute
 from layerfreeze.runs import measure
 from layerfreeze.runs.ledger import MemoryLedger
 from layerfreeze.runs.ledger_buckets import DISK, Bucket

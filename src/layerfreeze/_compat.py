@@ -38,7 +38,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "integrity": ("engine.integrity",),
     "cache": ("compute.cache",),
     "store": ("compute.store",),
-    "frozen": ("compute.frozen", "compute.precompute"),
+    "frozen": ("compute.frozen", "compute.precomputed"),
     "fsdp": ("distributed.fsdp", "checkpoint"),
     "rundir": ("runs.rundir",),
     "telemetry": ("runs.telemetry", "runs.summary"),
@@ -76,6 +76,9 @@ class _View(types.ModuleType):
     def __init__(self, name: str, modules: list[types.ModuleType]) -> None:
         super().__init__(name, modules[0].__doc__)
         self._modules = modules
+        # ``from old import *``: every module's star names, as the old module gave them before it was split
+        self.__all__ = sorted({n for m in modules for n in getattr(m, "__all__", None)
+                               or [n for n in vars(m) if not n.startswith("_")]})
 
     def __getattr__(self, attr: str) -> Any:
         for module in self._modules:

@@ -82,10 +82,12 @@ def resume_changes(run_dir: Path, saved: dict[str, Any], config: dict[str, Any])
     """
     before, after = ({'.'.join(k): v for k, v in leaf_values(d).items()} for d in (saved, config))
     changed = {k: (before.get(k), v) for k, v in after.items() if k in before and before[k] != v}
-    changed.update({k: (v, None) for k, v in before.items() if k not in after and v is not None})
-    # a section set where the run had none (freeze.demote null -> {dtype: ...}): keys the saved config lacks
+    changed.update({k: (v, None) for k, v in before.items() if k not in after and v is not None
+                    and not any(a.startswith(k + ".") for a in after)})  # {} -> {num_intervals: 5}: the key below
+    # a section set where the run had none (freeze.demote null -> {dtype: ...}), a strategy parameter the run did not
+    # set (-p num_intervals=5): keys the saved config lacks
     changed.update({k: (None, v) for k, v in after.items()
-                    if k not in before and v is not None and k.startswith(FIXED_FROZEN)})
+                    if k not in before and v is not None and k.startswith((*FIXED_FROZEN, "freeze.params."))})
     budget = changed.get("freeze.memory_budget")
     if budget is not None and None not in budget and _same_budget(*budget):  # 0.6 and 60%: one budget
         del changed["freeze.memory_budget"]

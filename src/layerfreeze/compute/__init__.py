@@ -6,14 +6,14 @@ on one line of that contract import nothing from each other).
 
 * :mod:`~layerfreeze.compute.cache` -- the cache's overview and :func:`build_cached_prefix`, the cache a run's
   ``freeze.cache`` mode (:data:`CACHE_MODES`) asks for; imported by the trainer (``layerfreeze.train``) and this face;
-* :mod:`~layerfreeze.compute.precompute` -- frozen models run once over a dataset: :func:`precompute` /
+* :mod:`~layerfreeze.compute.precomputed` -- frozen models run once over a dataset: :func:`precompute` /
   :class:`PrecomputedDataset`; imported through this face (and by the ControlNet benchmark);
 * :mod:`~layerfreeze.compute.frozen` -- frozen models beside the trained one, in training: :class:`FrozenModule`,
-  :class:`FrozenDifferentiable`, :class:`FrozenPipeline`; imported by ``precompute`` and through this face (and by
+  :class:`FrozenDifferentiable`, :class:`FrozenPipeline`; imported by ``precomputed`` and through this face (and by
   the ControlNet benchmark);
 * :mod:`~layerfreeze.compute.cached_prefix` -- :class:`CachedPrefix`: the frozen prefix's per-sample output read
   from a store instead of running the prefix, with the checks that keep it exact; imported by ``cache``,
-  ``precompute`` (``sample_indices``), the trainer and this face;
+  ``precomputed`` (``sample_indices``), the trainer and this face;
 * :mod:`~layerfreeze.compute.cache_policy` -- :class:`~layerfreeze.compute.cache_policy.CachePolicy`, what the cache
   keeps, and the plan of one batch's lookups; imported by ``cache``, ``cached_prefix`` and the trainer;
 * :mod:`~layerfreeze.compute.determinism` -- :class:`CacheRefused`, :func:`check_deterministic`,
@@ -21,7 +21,7 @@ on one line of that contract import nothing from each other).
   trainer and the memory budget (``layerfreeze.budget``);
 * :mod:`~layerfreeze.compute.store` -- :class:`ActivationCache`: checksummed per-sample storage, memory then
   safetensors shards (the cache and :func:`precompute` write to it); imported by ``cache``, ``cached_prefix``,
-  ``precompute``, the trainer and this face.
+  ``precomputed``, the trainer and this face.
 
 Outside the folder, only the layers above ``layerfreeze.compute`` in the package's ``layers`` contract may import it.
 """
@@ -44,7 +44,7 @@ from layerfreeze.compute.frozen import (
     PrecomputeRefused,
     per_sample_generators,
 )
-from layerfreeze.compute.precompute import PrecomputedDataset, precompute
+from layerfreeze.compute.precomputed import PrecomputedDataset, precompute
 from layerfreeze.compute.store import ActivationCache, CacheWriteError, auto_budget_bytes
 
 __all__ = [

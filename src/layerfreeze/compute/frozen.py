@@ -10,17 +10,17 @@ Four ways to run them, one result:
   on the current one: bounded queue, order kept, clean shutdown, the worker's errors re-raised in the trainer with
   their traceback. On a CPU the "other device" is another thread (PyTorch releases the GIL inside ops); on GPUs,
   another card or a side CUDA stream.
-* :func:`~.precompute.precompute` — run the frozen models once over a dataset (its items dicts
+* :func:`~.precomputed.precompute` — run the frozen models once over a dataset (its items dicts
   holding ``"index"``, the item's position) and store their outputs per sample (in the
   :class:`~layerfreeze.compute.store.ActivationCache`, memory then checksummed safetensors shards); training then
-  reads them (:class:`~layerfreeze.compute.precompute.PrecomputedDataset`: each item with the output added under
-  ``"features"``). Its own module, :mod:`~layerfreeze.compute.precompute`.
+  reads them (:class:`~layerfreeze.compute.precomputed.PrecomputedDataset`: each item with the output added under
+  ``"features"``). Its own module, :mod:`~layerfreeze.compute.precomputed`.
 * :class:`FrozenDifferentiable` — a frozen model *in the gradient path*: the base denoiser a ControlNet feeds
   (Zhang, Rao, Agrawala, "Adding Conditional Control to Text-to-Image Diffusion Models", ICCV 2023; diffusers
   ``examples/controlnet/train_controlnet.py``), where the loss backpropagates through the frozen UNet into the
   ControlNet's residuals. Its parameters are frozen, autograd is kept, it runs on its own device and dtype and the
   gradients come back to the trainer's device and dtype. It can be neither precomputed nor run ahead (its inputs
-  come from the trained model): :func:`~.precompute.precompute` refuses it with :class:`PrecomputeRefused`.
+  come from the trained model): :func:`~.precomputed.precompute` refuses it with :class:`PrecomputeRefused`.
 
 Running a frozen model elsewhere does not change the result: the same inputs give the same outputs bit for bit in
 float32 on CPU (a test trains in all modes and compares every loss). Two things would break that, and are guarded:
@@ -28,7 +28,7 @@ float32 on CPU (a test trains in all modes and compares every loss). Two things 
 * **The global RNG.** A frozen function that samples (a VAE's ``latent_dist.sample()``, as diffusers' scripts do)
   and runs ahead in a worker draws from the global generator in an order that depends on timing, so the trainer's
   noise changes. :class:`FrozenPipeline` runs the first batch in the caller's thread and
-  :func:`~.precompute.precompute` runs every batch with the global RNG state compared before and after: a function
+  :func:`~.precomputed.precompute` runs every batch with the global RNG state compared before and after: a function
   that drew from it is refused with :class:`GlobalRNGUsedError`. Return the distribution's parameters instead
   (``latent_dist.parameters``) and sample in the trainer with its own ``torch.Generator``, or sample with
   :func:`per_sample_generators` (one seeded generator per sample and epoch: the draw no longer depends on who draws
@@ -67,7 +67,7 @@ class FrozenWorkerError(RuntimeError):
 
 
 class PrecomputeRefused(ValueError):
-    """:func:`~.precompute.precompute` was asked for something that cannot be stored once: an output that needs
+    """:func:`~.precomputed.precompute` was asked for something that cannot be stored once: an output that needs
     autograd (a :class:`FrozenDifferentiable` model, whose inputs come from the trained model)."""
 
 
@@ -104,7 +104,7 @@ def per_sample_generators(indices: Iterable[int], seed: int, epoch: int = 0,
 
     Random draws made with them (diffusers' ``randn_tensor`` and ``DiagonalGaussianDistribution.sample`` take a
     list of generators, one per batch row) do not depend on which thread draws first, on the batch composition or
-    on the placement: a frozen function may sample in a worker or in :func:`~.precompute.precompute` (for one epoch)
+    on the placement: a frozen function may sample in a worker or in :func:`~.precomputed.precompute` (for one epoch)
     and give the sequential run's numbers.
 
     Args:
@@ -253,7 +253,7 @@ class FrozenDifferentiable(FrozenModule):
 
     Raises:
         NonFiniteOutputError: an output holds NaN/Inf (with ``check_finite``).
-        PrecomputeRefused: called inside :func:`~.precompute.precompute` (its outputs depend on the trained model).
+        PrecomputeRefused: called inside :func:`~.precomputed.precompute` (its outputs depend on the trained model).
     """
 
     differentiable = True

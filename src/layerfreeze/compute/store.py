@@ -1,7 +1,7 @@
 """A checksummed per-sample tensor store: memory up to a budget, then safetensors shards on disk.
 
 Used for the frozen prefix's boundary states (:class:`~layerfreeze.compute.cache.CachedPrefix`) and for the outputs of
-frozen models computed once (:func:`~layerfreeze.compute.precompute.precompute`). Entries are keyed by ``(sample index,
+frozen models computed once (:func:`~layerfreeze.compute.precomputed.precompute`). Entries are keyed by ``(sample index,
 key)`` -- the key is the boundary depth for the prefix cache, any fixed integer for precomputed outputs. Entries are
 held in host memory up to a budget, then written as safetensors shards with a JSON index of sizes, SHA-256 and per-entry
 CRC-32 checksums; a shard that does not match them is dropped with a warning and its entries read as missing (never
@@ -190,8 +190,8 @@ class ActivationCache:
         self._root: Path | None = None
         self._finalizer: weakref.finalize | None = None
         #: ``(index, depth) -> (input names, (len(names), 2) float64)``: the fingerprints of the inputs an entry was
-        #: computed from, where its writer gave them (:func:`~layerfreeze.compute.precompute.precompute`); a reader
-        #: checks a sample's inputs against them (:class:`~layerfreeze.compute.precompute.PrecomputedDataset`).
+        #: computed from, where its writer gave them (:func:`~layerfreeze.compute.precomputed.precompute`); a reader
+        #: checks a sample's inputs against them (:class:`~layerfreeze.compute.precomputed.PrecomputedDataset`).
         self.input_fingerprints: dict[tuple[int, int], tuple[tuple[str, ...], torch.Tensor]] = {}
 
     # ---- sizes ---------------------------------------------------------------------------------------------

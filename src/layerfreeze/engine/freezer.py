@@ -105,7 +105,8 @@ class Freezer:
         train_bn: Keep BatchNorm layers of frozen blocks training (statistics and affine parameters).
         scheduler: The LR scheduler, if any; its ``base_lrs`` are updated when a thaw sets a learning rate.
         total_steps: Planned optimizer steps of the run; needed by ``smartfrz`` (the default), ``linear`` and
-            ``freezeout``, which place their stages by the fraction of training done.
+            ``freezeout``, which place their stages by the fraction of training done; ``autofreeze`` takes its
+            evaluation interval from it (a tenth of the run; 50 steps, with a warning, without it).
         steps_per_epoch: Optimizer steps per epoch, if known.
         on_event: Called with each freeze/thaw record (a dict), e.g. to log it to telemetry.
         guard: An optional :class:`~layerfreeze.engine.guard.StabilityGuard`; feed it with :meth:`report_metric`.

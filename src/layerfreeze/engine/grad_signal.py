@@ -110,7 +110,9 @@ class GradientSums:
                 keep = found_inf == 0
                 self._kept = keep.float() if self._kept is None else self._kept + keep.float()
                 self._add_one_by_one(plan, grads, keep)  # where(keep, g, 0): an inf times 0 would be NaN
-            elif grads and grads[0] is not None and grads[0].device != plan.sums[0].device:
+            elif not grads:
+                pass  # nothing to sum: every block but the head is frozen or pinned (a memory budget's floor)
+            elif grads[0] is not None and grads[0].device != plan.sums[0].device:
                 self._add_one_by_one(plan, grads)  # the model moved after the sums were made
             else:
                 torch._foreach_add_(plan.sums, grads)  # a None gradient raises TypeError, before adding anything

@@ -35,8 +35,7 @@ def percentile_linear(values: list[float], q: float) -> float:
 
 @register_strategy("autofreeze")
 class AutoFreeze(Strategy):
-    """AutoFreeze's gradient-norm test: ten times a run (every ``interval`` steps), freeze the front blocks that changed
-    least.
+    """AutoFreeze's gradient-norm test: ten times a run, freeze the front blocks that changed least.
 
     The rule, at each stage (every ``interval`` optimizer steps; ``grad_l1[i]`` = ``sum_p ||sum_t g_t(p)||_1`` over
     block ``i``'s parameters ``p``: the L1 norm of the gradient summed over the backward passes since the previous
@@ -84,22 +83,23 @@ class AutoFreeze(Strategy):
     Args:
         interval: Optimizer steps between two evaluations (``stage_every``); integer ``>= 1``, or None (default):
             ``floor(total_steps / num_intervals)``, at least 1.
-        num_intervals: Evaluations per run when ``interval`` is None; integer ``>= 1``, default 10 (the public
-            code's default).
+        num_intervals: Evaluations per run when ``interval`` is None; integer ``>= 1``, or None (default): 10, the
+            public code's default. Give ``interval`` or ``num_intervals``, not both.
         percentile: Percentile of the active blocks' ratios used as threshold, ``0 <= percentile <= 100``,
             default 50. 0 never freezes (the first candidate is always at or above the minimum); 100 freezes up to
             the block with the largest ratio.
 
     Raises:
         ValueError: a parameter outside its range.
-        UserWarning (a warning, at the start stage): neither ``interval`` nor the run length is known; it evaluates
-            every 50 steps.
+        UserWarning (a warning, at the first step stage): neither ``interval`` nor the run length is known; it
+            evaluates every 50 steps. At a resume: the checkpoint's cadence differs from this run's length's.
         RuntimeError (from the engine): a Freezer without an optimizer, and ``freezer.after_backward()`` was never
             called between two stages.
 
     Signals: ``ratios`` (per block; NaN for blocks without a ratio: frozen, head, or first stage), ``threshold``,
     ``candidates`` (size of the candidate run), ``first_unstable`` (``k``, -1 if none this stage),
-    ``grad_l1`` (the ``cur`` values; NaN for frozen blocks and the head).
+    ``grad_l1`` (the ``cur`` values; NaN for frozen blocks and the head), ``interval`` (the steps between two
+    evaluations this run uses).
     """
 
     signals = ("grad_l1",)
@@ -108,27 +108,37 @@ class AutoFreeze(Strategy):
     #: Steps between two evaluations when neither ``interval`` nor the run length is known.
     FALLBACK_INTERVAL = 50
 
-    def __init__(self, interval: int | None = None, percentile: float = 50.0, num_intervals: int = 10) -> None:
+    #: Evaluations per run when neither ``interval`` nor ``num_intervals`` is given (the public code's default).
+    NUM_INTERVALS = 10
+
+    def __init__(self, interval: int | None = None, percentile: float = 50.0, num_intervals: int | None = None
+                 ) -> None:
         super().__init__()
         if interval is not None and (not is_int(interval) or interval < 1):
             raise ValueError(
                 f"autofreeze: interval must be an integer >= 1 (optimizer steps between two evaluations) or null "
-                f"(a tenth of the run: total_steps / num_intervals), got {interval!r}"
+                f"(total_steps // num_intervals), got {interval!r}"
             )
-        if not is_int(num_intervals) or num_intervals < 1:
+        if num_intervals is not None and (not is_int(num_intervals) or num_intervals < 1):
             raise ValueError(f"autofreeze: num_intervals must be an integer >= 1 (evaluations per run), "
                              f"got {num_intervals!r}")
+        if interval is not None and num_intervals is not None:
+            raise ValueError(f"autofreeze: give interval ({interval} steps between evaluations) or num_intervals "
+                             f"({num_intervals} evaluations a run), not both")
         if (not is_number(percentile)
                 or not 0 <= percentile <= 100):
             raise ValueError(f"autofreeze: percentile must be a number in [0, 100], got {percentile!r}")
         self.interval = interval
-        self.num_intervals = int(num_intervals)
+        self.num_intervals = int(num_intervals) if num_intervals is not None else self.NUM_INTERVALS
         self.percentile = float(percentile)
         self.stage_every = interval  # None: set at the start stage from the run length
         #: ``cur`` of the previous evaluation, one entry per block (None where the block had no value).
         self.prev: list[float | None] | None = None
         #: Number of step-stages evaluated so far.
         self.evaluations = 0
+        #: The start stage found no run length and fell back to FALLBACK_INTERVAL: warn at the first step stage,
+        #: unless a checkpoint's cadence replaced it by then.
+        self._unknown_length = False
 
     def validate(self, num_blocks: int) -> None:
         """AutoFreeze works with any number of blocks (with fewer than 3 it can never freeze anything)."""
@@ -140,14 +150,17 @@ class AutoFreeze(Strategy):
             if ctx.total_steps:
                 self.stage_every = max(1, ctx.total_steps // self.num_intervals)
             else:
-                self.stage_every = self.FALLBACK_INTERVAL
-                warnings.warn(
-                    f"autofreeze: the run length is unknown, so it evaluates every {self.FALLBACK_INTERVAL} steps; "
-                    f"pass Freezer(total_steps=...) for {self.num_intervals} evaluations per run (the public code's "
-                    "default), or set interval", stacklevel=2)
+                self.stage_every, self._unknown_length = self.FALLBACK_INTERVAL, True
             return Decision(signals={"interval": self.stage_every})
         if ctx.event != "step":
             return Decision()
+        if self._unknown_length:
+            self._unknown_length = False
+            warnings.warn(
+                f"autofreeze: the run length is unknown, so it evaluates every {self.FALLBACK_INTERVAL} steps; give "
+                f"it (Freezer(total_steps=...); the CLI, Lightning and the Hugging Face Trainer pass it when "
+                f"max_steps or max_epochs is set) for {self.num_intervals} evaluations a run, or set interval",
+                stacklevel=2)
         grad = ctx.signals.get("grad_l1")
         if grad is None or len(grad) != len(ctx.blocks):
             raise RuntimeError(
@@ -160,7 +173,7 @@ class AutoFreeze(Strategy):
         for i in active:
             cur[i] = float(grad[i])
         self.evaluations += 1
-        signals: dict[str, Any] = {"grad_l1": [nan if v is None else v for v in cur]}
+        signals: dict[str, Any] = {"grad_l1": [nan if v is None else v for v in cur], "interval": self.stage_every}
         if any(not math.isfinite(cur[i]) for i in active):  # type: ignore[arg-type]
             return Decision(reason="", signals={**signals, "skipped_non_finite": 1})
         if self.prev is None:
@@ -208,22 +221,33 @@ class AutoFreeze(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``prev``, the evaluation count and the interval the run evaluates at.
 
-        A checkpoint written before ``num_intervals`` existed recorded the interval the run used (50 by
-        default then); with ``interval`` None here the run goes on at that interval.
+        The run goes on at the checkpoint's cadence, as the uninterrupted run would, also where this run's length
+        (``total_steps``, changed by ``--max-steps`` or ``--epochs``) would give another: that is warned about. A
+        checkpoint written before ``num_intervals`` existed recorded its fixed interval (50 by default then) as
+        ``interval``; with ``interval`` None here the run goes on at that interval.
 
         Raises:
             ValueError: the checkpoint was written with another ``interval``, ``num_intervals`` or ``percentile``.
         """
-        if "num_intervals" not in state and self.interval is None:  # an older run: keep its cadence
-            self.interval = state.get("interval", self.FALLBACK_INTERVAL)
-        for key in ("interval", "num_intervals", "percentile"):
+        older = "num_intervals" not in state
+        keys = ("percentile",) if older and self.interval is None else ("interval", "num_intervals", "percentile")
+        for key in keys:
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(
                     f"autofreeze: the checkpoint was written with {key}={state[key]!r}, this run has "
                     f"{key}={getattr(self, key)!r}; resume with the same freeze.params"
                 )
-        if state.get("stage_every", self.interval) is not None:
-            self.stage_every = int(state.get("stage_every", self.interval))
+        saved = state.get("stage_every", state.get("interval") if older else self.interval)
+        if saved is not None:
+            saved = int(saved)
+            if self.interval is None and self.stage_every is not None and not self._unknown_length \
+                    and saved != self.stage_every:
+                warnings.warn(
+                    f"autofreeze: the resumed run goes on evaluating every {saved} steps, as it started; this run's "
+                    f"length would give every {self.stage_every} ({self.num_intervals} evaluations a run)",
+                    stacklevel=2)
+            self.stage_every = saved
+            self._unknown_length = False
         prev = state.get("prev")
         self.prev = None if prev is None else [None if v is None else float(v) for v in prev]
         self.evaluations = int(state.get("evaluations", 0))

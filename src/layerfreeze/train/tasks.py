@@ -30,7 +30,7 @@ from torch.utils.data import Dataset, Subset
 from layerfreeze.errors import ConfigError
 from layerfreeze.train import assets, data
 from layerfreeze.train.config import Config
-from layerfreeze.train.lm import NextTokenPrediction, check_causal_lm, lm_datasets, lm_forward
+from layerfreeze.train.lm import NextTokenPrediction, check_causal_lm, check_max_length, lm_datasets, lm_forward
 from layerfreeze.train.loaders import load_causal_lm, load_text_model, load_vision_model
 
 
@@ -234,6 +234,7 @@ def build_task(cfg: Config) -> Task:
             _check_classes(classes, cfg.data.path)
         model_path = cfg.model.name_or_path or str(assets.minilm_dir())
         model, tokenizer = load_text_model(model_path, num_labels=len(classes))
+        check_max_length(model, model_path, cfg.model.max_length)
         full = data.TokenizedTextDataset(texts, labels, tokenizer, cfg.model.max_length)
         if cfg.data.test_path:
             t_texts, t_labels, _ = _read_csv(cfg.data.test_path, cfg, classes)  # label i: the training file's class i

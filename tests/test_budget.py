@@ -424,3 +424,15 @@ def test_cli_plan_under_bf16_true_measures_the_cache_on_bfloat16_inputs(tmp_path
     plan = MemoryPlan.from_dict(json.loads(out_json.read_text()))
     assert plan.measured.cache is not None and plan.measured.cache.samples == 6  # the 8 images less the test split
     assert "predicted peak" in capsys.readouterr().out
+
+
+def test_the_plans_copy_of_the_strategy_does_not_repeat_its_warnings():
+    # egeria warns about refresh_every <= patience when the run builds it; the plan's measuring twin said it again
+    # (the CLI printed the ~350-character warning twice under --memory-budget)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan_memory(_stack(), _batch(), "1MiB", loss=_loss, strategy="egeria",
+                    params={"refresh_every": 3, "patience": 3, "interval": 2, "probe_size": 2})
+    assert [str(w.message) for w in caught if "refresh_every" in str(w.message)] == []

@@ -84,7 +84,8 @@ def test_missing_asset_names_the_install_command(tmp_path, monkeypatch, capsys):
 @pytest.mark.assets("minilm")
 def test_static_k_reaching_the_head_and_bad_block_pattern_fail_before_training(tmp_path, tiny_bert_dir, tiny_csv,
                                                                                 capsys):
-    base = ["train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir), "--no-progress"]
+    base = ["train", "--task", "text-csv", "--data", str(tiny_csv), "--model", str(tiny_bert_dir), "--no-progress",
+            "--set", "model.max_length=16"]  # the tiny BERT has 64 positions
     assert main([*base, "-s", "static", "-p", "k=5", "--run-dir", str(tmp_path / "a")]) == 2
     assert "would freeze the head" in capsys.readouterr().err
     assert main([*base, "--set", "model.blocks=[nothing.here]", "--run-dir", str(tmp_path / "b")]) == 2
@@ -210,7 +211,8 @@ def test_too_small_or_one_class_data_is_a_config_error(tmp_path, tiny_bert_dir, 
     one, two = tmp_path / "one.csv", tmp_path / "two.csv"
     one.write_text("text,label\n" + "".join(f"goal match {i},sport\n" for i in range(6)))
     two.write_text("text,label\ngoal match,sport\nbank profit,money\n")
-    base = ["train", "--task", "text-csv", "--model", str(tiny_bert_dir), "--no-progress"]
+    base = ["train", "--task", "text-csv", "--model", str(tiny_bert_dir), "--no-progress", "--set",
+            "model.max_length=16"]  # the tiny BERT has 64 positions
     assert main([*base, "--data", str(one), "--run-dir", str(tmp_path / "a")]) == 2
     assert "has 1 class(es) (sport); a classifier needs at least 2" in capsys.readouterr().err
     assert main([*base, "--data", str(two), "--run-dir", str(tmp_path / "b")]) == 2

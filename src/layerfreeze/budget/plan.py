@@ -35,6 +35,7 @@ allocator rounding; on a GPU the allocator's peak beside it shows those.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -346,8 +347,10 @@ def _attached_twin(strategy: str | Strategy | None, params: dict[str, Any] | Non
     if strategy is None:
         yield [], None
         return
-    twin = copy.deepcopy(strategy) if isinstance(strategy, Strategy) else create_strategy(
-        strategy, params or None, num_blocks=len(blocks))
+    with warnings.catch_warnings():  # the run's own strategy says what it has to say (egeria's settings), once
+        warnings.simplefilter("ignore", UserWarning)
+        twin = copy.deepcopy(strategy) if isinstance(strategy, Strategy) else create_strategy(
+            strategy, params or None, num_blocks=len(blocks))
     with torch.random.fork_rng(devices=[]):
         twin.attach(model, blocks)
     held: list[Any] = [twin]

@@ -90,9 +90,9 @@ class Egeria(Strategy):
             warnings.warn(
                 f"egeria: refresh_every={self.refresh_every} <= patience={self.patience}: the evaluation after each "
                 "reference refresh is compared with the new reference's baseline (the int8 noise floor), which "
-                "restarts a block's stable count unless its plasticity stays within tolerance of that floor, so the "
-                f"count can reach {self.patience} only inside {self.refresh_every - 1} evaluations between two "
-                "refreshes and usually nothing freezes; use refresh_every > patience (defaults: 10 and 3)",
+                "restarts a block's stable count unless its plasticity stays within tolerance of that floor, so a "
+                f"block has at most {self.refresh_every - 1} stable evaluations between two refreshes to reach "
+                f"{self.patience}, and usually nothing freezes; use refresh_every > patience (defaults: 10 and 3)",
                 stacklevel=2)
         self.probe_size = _check_int("probe_size", probe_size, 1)
         if not isinstance(synchronous, bool):

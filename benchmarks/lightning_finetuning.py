@@ -324,7 +324,7 @@ def summarize(raw: dict[str, Any], base: dict[str, Any] | None, reference: dict[
     if base is None and raw["row"] == "none":
         base = raw  # its own reference: ratios 1, difference 0
     raw.update({
-        "flops_total": flops, "flop_counted_steps": len(meter.flops),
+        "flop_counted_steps": len(meter.flops),
         "flops_ratio": flops / base["flops_total"] if base else None,
         "time_ratio": raw["train_s"] / base["train_s"] if base else None,
         "delta_points": 100 * (raw["test_accuracy"] - base["test_accuracy"]) if base else None,

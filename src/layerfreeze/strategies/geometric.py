@@ -65,7 +65,7 @@ class GeometricFreezing(PrefixSchedule):
 
     def target_frozen(self, count: int, epochs_done: int) -> int:
         """Number of leading blocks frozen after ``epochs_done`` epochs with ``count`` freezable (non-head) blocks."""
-        return min(count, max(0, math.ceil(geometric_frozen(count, self.alpha, epochs_done) - _EPS)))
+        return min(count, math.ceil(geometric_frozen(count, self.alpha, epochs_done) - _EPS))
 
     def schedule(self, ctx: StageContext, count: int) -> tuple[int, dict[str, Any], str]:
         epochs_done = ctx.epoch + 1

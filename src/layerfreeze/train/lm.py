@@ -84,10 +84,13 @@ def position_limit(model: nn.Module) -> int | None:
     return limit if learned else None
 
 
-def check_max_length(model: nn.Module, path: Any, max_length: int | None) -> None:
+def check_max_length(model: nn.Module, path: Any, max_length: int | None) -> int | None:
     """Refuse a ``model.max_length`` above the positions the model has learned embeddings for
     (:func:`position_limit`): a longer sequence fails inside the first forward (GPT-2: ``IndexError``; BERT: "The size
     of tensor a (128) must match the size of tensor b (64)"), for ``text-lm`` and the text classifiers alike.
+
+    Returns:
+        The limit (:func:`position_limit`; None: the model has no learned position table).
 
     Raises:
         ConfigError: naming ``model.max_length``, the limit and the setting to use.
@@ -97,6 +100,7 @@ def check_max_length(model: nn.Module, path: Any, max_length: int | None) -> Non
         raise ConfigError(f"model.max_length {max_length} is more than the {limit} positions model.name_or_path "
                           f"{path} has learned embeddings for (max_position_embeddings / n_positions in its "
                           f"config.json); set --set model.max_length={limit} or less")
+    return limit
 
 
 def check_causal_lm(model: nn.Module, path: Any, max_length: int | None = None) -> None:
@@ -115,8 +119,7 @@ def check_causal_lm(model: nn.Module, path: Any, max_length: int | None = None) 
         ConfigError: naming the setting (``model.name_or_path``, ``model.max_length``) and what to set.
     """
     config = getattr(model, "config", None)
-    check_max_length(model, path, max_length)
-    limit = position_limit(model)
+    limit = check_max_length(model, path, max_length)
     vocab = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", 0) \
         if config is not None else 0
     if not vocab or vocab < 3:

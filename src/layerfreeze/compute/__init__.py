@@ -12,13 +12,16 @@ on one line of that contract import nothing from each other).
   :class:`FrozenDifferentiable`, :class:`FrozenPipeline`; imported by ``precomputed`` and through this face (and by
   the ControlNet benchmark);
 * :mod:`~layerfreeze.compute.cached_prefix` -- :class:`CachedPrefix`: the frozen prefix's per-sample output read
-  from a store instead of running the prefix, with the checks that keep it exact; imported by ``cache``,
-  ``precomputed`` (``sample_indices``), the trainer and this face;
+  from a store instead of running the prefix, with the checks that keep it exact; imported by ``cache``, the trainer
+  and this face;
 * :mod:`~layerfreeze.compute.cache_policy` -- :class:`~layerfreeze.compute.cache_policy.CachePolicy`, what the cache
   keeps, and the plan of one batch's lookups; imported by ``cache``, ``cached_prefix`` and the trainer;
 * :mod:`~layerfreeze.compute.determinism` -- :class:`CacheRefused`, :func:`check_deterministic`,
   :func:`check_prefix_deterministic`: what would make a cache wrong; imported by ``cache``, ``cached_prefix``, the
   trainer and the memory budget (``layerfreeze.budget``);
+* :mod:`~layerfreeze.compute.batch_inputs` -- what a batch must hold for the cached forward: its input under a key
+  the split reads, ``"index"`` (:func:`~layerfreeze.compute.batch_inputs.sample_indices`); imported by
+  ``cached_prefix`` and ``precomputed``;
 * :mod:`~layerfreeze.compute.store` -- :class:`ActivationCache`: checksummed per-sample storage, memory then
   safetensors shards (the cache and :func:`precompute` write to it); imported by ``cache``, ``cached_prefix``,
   ``precomputed``, the trainer and this face.

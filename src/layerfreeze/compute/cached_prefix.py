@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 from torch import nn
 
+from layerfreeze.compute.batch_inputs import names_its_input, resolve_input_key, sample_indices
 from layerfreeze.compute.cache_policy import CachePolicy, _Plan
 from layerfreeze.compute.determinism import CHANGED_INPUTS, CacheRefused, check_prefix_deterministic
 from layerfreeze.compute.store import ActivationCache, CacheWriteError, pad_dim0
@@ -85,37 +85,10 @@ class FrozenPrefixSource(Protocol):
         ...
 
 
-#: Batch keys that are never the model input (what :class:`CachedPrefix` skips when it looks for the input).
-_NOT_INPUTS = frozenset({"index", "labels", "label", "label_ids", "y", "target", "targets"})
-
-
-def _names_its_input(split: ModelSplit) -> bool:
-    """True for a split whose input key can be named (its ``create`` takes ``input_key``: ``nn.Sequential``)."""
-    return type(split).create.__func__ is not ModelSplit.create.__func__  # type: ignore[attr-defined]
-
-
 def _on_device(positions: list[int], device: torch.device | str | None) -> torch.Tensor:
     """``positions`` as a long tensor on ``device``, copied without blocking the host (``torch.tensor(...,
     device=cuda)`` copies and then synchronises the stream: a host synchronisation per call)."""
     return torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True)
-
-
-def sample_indices(index: Any) -> list[int]:
-    """A batch's ``"index"`` as a list of ints: a tensor (what torch's default collate makes of ints, any shape),
-    a list or tuple of ints or of 0-d tensors, or a NumPy array.
-
-    Raises:
-        ValueError: something else (the message shows what it got).
-    """
-    if isinstance(index, torch.Tensor):
-        return [int(i) for i in index.reshape(-1).tolist()]
-    if isinstance(index, np.ndarray):
-        return [int(i) for i in index.reshape(-1).tolist()]
-    if isinstance(index, (list, tuple)) and all(
-            isinstance(i, (int, np.integer)) or (isinstance(i, torch.Tensor) and i.numel() == 1) for i in index):
-        return [int(i) for i in index]
-    raise ValueError(f"the batch's 'index' must hold one integer sample position per sample (a tensor or a list of "
-                     f"ints), got {type(index).__name__}: {index!r:.80}")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -214,7 +187,7 @@ class CachedPrefix:
                 raise ValueError(
                     f"CachedPrefix(input_key={input_key!r}): the {split.family} split reads the batch keys "
                     f"{', '.join(split.input_keys)}, which are fixed for this family; leave input_key out")
-            self._find_input_key = self._find_input_key and _names_its_input(split)
+            self._find_input_key = self._find_input_key and names_its_input(split)
         self.split = split
         self.cache = cache if cache is not None else ActivationCache()
         self.freezer = freezer
@@ -337,40 +310,10 @@ class CachedPrefix:
     # ---- checks --------------------------------------------------------------------------------------------
 
     def _check_input_keys(self, batch: dict[str, Any]) -> None:
-        """The split's input keys are in ``batch``; on the first call, find the input key of a family that lets it
-        be named (``nn.Sequential``) when the default one is not there.
-
-        Raises:
-            TypeError: ``batch`` is not a mapping (a ``(x, y)`` tuple, as a ``TensorDataset`` loader yields).
-            ValueError: an input key is missing (or, to find it, the batch has none or several candidates): the
-                message names the key expected, the batch's keys and ``input_key=`` to name another.
-        """
-        if not isinstance(batch, Mapping):
-            raise TypeError(f"CachedPrefix needs a dict batch (its inputs and 'index', each sample's position in its "
-                            f"dataset), not a {type(batch).__name__}: have the dataset return dicts, e.g. "
-                            "{'pixel_values': x, 'labels': y, 'index': i}")
-        if self._find_input_key:
-            self._find_input_key = False
-            key = self.split.input_keys[0]
-            if key not in batch:
-                found = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in _NOT_INPUTS]
-                if len(found) != 1:
-                    which = (f"several could be it ({', '.join(map(str, found))})" if found else
-                             "none of them is a tensor other than the index and the labels")
-                    example = next((k for k in batch if k not in _NOT_INPUTS), "x")
-                    raise ValueError(
-                        f"CachedPrefix: the batch has no {key!r} (the {self.split.family} split's default input "
-                        f"key) and {which}; its keys: {', '.join(map(str, batch))}. Name the input: "
-                        f"CachedPrefix(model, freezer=freezer, input_key={example!r})")
-                self.split = split_for(self.model, self.blocks, input_key=found[0])
-        missing = [k for k in self.split.input_keys[:1] if k not in batch]
-        if missing:
-            hint = ("Name the batch key that holds it: CachedPrefix(model, freezer=freezer, input_key=...)"
-                    if _names_its_input(self.split) else
-                    f"The {self.split.family} split reads {', '.join(self.split.input_keys)} (the model's own "
-                    "input names): give the batch those keys")
-            raise ValueError(f"CachedPrefix: the batch has no {missing[0]!r}, the model input the "
-                             f"{self.split.family} split expects; its keys: {', '.join(map(str, batch))}. {hint}")
+        """The split's input is in ``batch`` (:func:`~layerfreeze.compute.batch_inputs.resolve_input_key`; its
+        TypeError and ValueError); on the first call, its input key is found if the family lets it be named."""
+        find, self._find_input_key = self._find_input_key, False
+        self.split = resolve_input_key(self.split, self.model, self.blocks, batch, find=find)
 
     def _check_prefix(self, depth: int) -> None:
         if self.freezer is not None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, default_collate
 
+from layerfreeze.compute.batch_inputs import sample_indices
 from layerfreeze.compute.determinism import (
     drew_from_global_random,
     first_changed_item,
@@ -65,8 +66,6 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
         ValueError: the dataset's items are not dicts with an ``"index"``.
     """
     from torch.utils.data import DataLoader
-
-    from layerfreeze.compute.cached_prefix import sample_indices
 
     changed = first_changed_item(dataset)
     if changed is not None:

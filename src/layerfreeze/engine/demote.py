@@ -67,7 +67,7 @@ from layerfreeze.engine.integrity import checksum
 from layerfreeze.models.blocks import Block
 from layerfreeze.runs.ledger_buckets import DISK, Bucket
 
-__all__ = ["DEMOTE_DTYPES", "DemotedWeightsError", "Demoter", "Demotion"]
+__all__ = ["DEMOTE_DTYPES", "DemotedWeightsError", "Demoter", "Demotion", "build_demoter"]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -541,3 +541,25 @@ class Demoter:
                     m.demoted = True
                 if offloaded:
                     self._offload(m)
+
+
+def build_demoter(demote: Demotion | dict[str, Any] | None, blocks: Sequence[Block], *, train_bn: bool,
+                  sharded: bool) -> Demoter | None:
+    """The :class:`Demoter` of ``Freezer(..., demote=...)``: a :class:`Demotion` or its keyword arguments as a dict
+    (``{"dtype": "bfloat16"}``); None without one.
+
+    Raises:
+        ValueError: ``train_bn`` (the BatchNorm layers of frozen blocks keep training, in float32, inside blocks that
+            demotion casts), an FSDP2-sharded model (``sharded``: its parameters are DTensor shards), or a bad
+            :class:`Demotion` setting.
+    """
+    if demote is None:
+        return None
+    spec = demote if isinstance(demote, Demotion) else Demotion(**demote)
+    if train_bn:
+        raise ValueError("demote needs train_bn=False: with train_bn the BatchNorm layers of frozen blocks keep "
+                         "training, in float32, inside blocks that demotion casts")
+    if sharded:
+        raise ValueError("demote does not work on an FSDP2-sharded model (its parameters are DTensor shards); "
+                         "shard_blocks frees the memory of frozen blocks another way")
+    return Demoter(spec, blocks)

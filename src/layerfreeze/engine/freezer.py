@@ -57,7 +57,7 @@ from layerfreeze.distributed import comm
 from layerfreeze.distributed.fsdp import check_optimizer_holds_sharded_parameters, fsdp_modules
 from layerfreeze.engine import state as checkpoint_state
 from layerfreeze.engine import steps
-from layerfreeze.engine.demote import Demoter
+from layerfreeze.engine.demote import Demoter, build_demoter
 from layerfreeze.engine.demotion import Demotion
 from layerfreeze.engine.freezing import freeze_block, thaw_block
 from layerfreeze.engine.grad_signal import GradientSums
@@ -76,7 +76,7 @@ from layerfreeze.engine.mechanics import (
 from layerfreeze.engine.optim import check_model_and_optimizer, group_origin, remove_from_optimizer
 from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
-from layerfreeze.engine.stages import FLOOR_REASON, report_metric, run_length, start
+from layerfreeze.engine.stages import FLOOR_REASON, prefix_since, report_metric, run_length, start
 from layerfreeze.engine.timing import StepTimes
 from layerfreeze.models.blocks import Block, block_by_key, unassigned_warning
 from layerfreeze.models.discovery import discover_blocks, refuse_empty_parameters
@@ -87,7 +87,6 @@ from layerfreeze.strategies.registry import check_strategy_arguments
 
 class PinnedBlockError(RuntimeError):
     """A thaw of a block the Freezer's floor keeps frozen (a memory budget's plan)."""
-
 
 
 class Freezer:
@@ -247,16 +246,9 @@ class Freezer:
                                    distributed=self.distributed)
         #: The :class:`~layerfreeze.engine.demote.Demoter` of ``demote`` (None without it): also a byte source of
         #: the memory ledger (master copies, offloaded weights).
-        self.demoter: Demoter | None = None
-        if demote is not None:
-            spec = demote if isinstance(demote, Demotion) else Demotion(**demote)
-            if train_bn:
-                raise ValueError("demote needs train_bn=False: with train_bn the BatchNorm layers of frozen blocks "
-                                 "keep training, in float32, inside blocks that demotion casts")
-            if self._fsdp:
-                raise ValueError("demote does not work on an FSDP2-sharded model (its parameters are DTensor shards); "
-                                 "shard_blocks frees the memory of frozen blocks another way")
-            self.demoter = Demoter(spec, self.blocks)
+        #: The :class:`~layerfreeze.engine.demote.Demoter` of ``demote`` (None without it): also a byte source of
+        #: the memory ledger (master copies, offloaded weights).
+        self.demoter: Demoter | None = build_demoter(demote, self.blocks, train_bn=train_bn, sharded=bool(self._fsdp))
         check_thaw_lrs(optimizer, self._origin, self.blocks, self.strategy)  # before attach: nothing to release
         if self.decides:
             if self._mirror is not None:
@@ -445,11 +437,7 @@ class Freezer:
     def prefix_since(self) -> int:
         """The step count at which the frozen prefix got its current length (0: before the first step, the start
         stage), from :attr:`history`; what the activation cache's ``auto`` policy measures the boundary's age from."""
-        since, prefix = 0, 0
-        for record in self.history:
-            if record.get("frozen_prefix", prefix) != prefix:
-                since, prefix = int(record["step"]), int(record["frozen_prefix"])
-        return since
+        return prefix_since(self.history)
 
     def refreeze_parameter(self, param: nn.Parameter, old: nn.Parameter | None = None) -> None:
         """Freeze ``param`` again (it replaced ``old`` in a frozen block, or was made trainable by someone else):

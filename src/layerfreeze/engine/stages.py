@@ -58,6 +58,16 @@ def run_length(name: str, value: Any) -> int | None:
     return int(value)
 
 
+def prefix_since(history: Sequence[dict[str, Any]]) -> int:
+    """The step count at which the frozen prefix got its current length, from a Freezer's freeze/thaw records (0:
+    before the first step, the start stage): :attr:`~layerfreeze.engine.freezer.Freezer.prefix_since`."""
+    since, prefix = 0, 0
+    for record in history:
+        if record.get("frozen_prefix", prefix) != prefix:
+            since, prefix = int(record["step"]), int(record["frozen_prefix"])
+    return since
+
+
 def on_shards(freezer: Freezer) -> bool:
     """Whether each rank holds a shard of every gradient (FSDP2 over several processes): every rank then sums its
     own, and reading the per-block norms is a collective (:func:`~layerfreeze.engine.stages.stage`)."""

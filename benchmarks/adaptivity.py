@@ -1,8 +1,8 @@
 """Does SmartFRZ follow convergence, or only training progress? Freeze steps across learning rates and run lengths.
 
 Issue 16: a policy that freezes at the same fraction of the run whatever the task is a schedule in disguise. On one
-task (the suite's MiniLM-L6 / BBC News job, ``suite.SIZES["bbc"]``) this script varies the learning rate (x0.3, x1,
-x3) and the run length (1, 2 and 4 epochs) and, per variant, in one process one after another:
+task (the suite's MiniLM-L6 / BBC News job, ``benchmarks.suite_tasks.SIZES["bbc"]``) this script varies the
+learning rate (x0.3, x1, x3) and the run length (1, 2 and 4 epochs) and, per variant, in one process one after another:
 
 1. an untimed ``none`` run with the oracle's :class:`~benchmarks.oracle.ProbeRecorder`: each block's oracle freeze
    step (:func:`~benchmarks.oracle.oracle_freeze_steps`, the first record where the block's CKA to its final
@@ -36,7 +36,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import suite  # the suite's bbc task spec and base config: the same job
+from benchmarks import suite_tasks  # the suite's bbc task spec and base config: the same job
 from benchmarks.cli import entry
 from benchmarks.markdown_section import update_section
 
@@ -51,6 +51,8 @@ VARIANTS: dict[str, tuple[float, int]] = {
     "lr1-ep4": (1.0, 4),
 }
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def run_variant(name: str, seed: int, out: Path, threads: int | None, console: Console,
                 max_steps: int | None = None) -> dict[str, Any]:
@@ -62,9 +64,9 @@ def run_variant(name: str, seed: int, out: Path, threads: int | None, console: C
     from layerfreeze.train.trainer import Trainer
 
     factor, epochs = VARIANTS[name]
-    spec = replace(suite.task_spec("bbc", quick=False), epochs=epochs)
+    spec = replace(suite_tasks.task_spec("bbc", quick=False), epochs=epochs)
     spec = replace(spec, lr=spec.lr * factor, max_steps=max_steps)
-    base = suite.base_config(spec, seed, threads)
+    base = suite_tasks.base_config(spec, seed, threads)
     folder = out / name
     console.rule(f"[bold]{name}[/] (lr {spec.lr:g}, {epochs} epochs): oracle run")
     recorder = ProbeRecorder()
@@ -167,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from VARIANTS")
-    p.add_argument("--out", type=Path, default=suite.ROOT / "runs" / "bench-adaptivity")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-adaptivity")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the trainer's choice)")
-    p.add_argument("--markdown", default=str(suite.ROOT / "BENCHMARKS.md"),
+    p.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"),
                    help="Markdown file whose adaptivity section is replaced ('' for none)")
     p.add_argument("--max-steps", type=int, default=None, help="cap every run (a smoke test, not a measurement)")
     p.add_argument("--from-json", type=Path, default=None, help="only regenerate the tables from a results.json")

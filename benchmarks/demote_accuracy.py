@@ -36,7 +36,7 @@ from benchmarks.cli import count, entry
 from benchmarks.jobs import parse_jobs
 from benchmarks.memory_table import markdown, rich_table
 from benchmarks.memory_table import task_config as memory_task_config
-from benchmarks.suite import SIZE_FIELDS, TASKS, base_config, dataset_sizes, row_settings, task_spec, total_steps
+from benchmarks.suite_tasks import SIZE_FIELDS, TASKS, base_config, dataset_sizes, row_settings, task_spec, total_steps
 from layerfreeze.runs.rundir import finite
 from layerfreeze.runs.summary import format_bytes
 from layerfreeze.train.compare import compare

@@ -2,7 +2,7 @@
 
 * ``default-job``: ``make demo``, ``layerfreeze train`` with no arguments (MiniLM-L6 fine-tuned on BBC News with the
   CLI's defaults: 3 epochs, 128 tokens, batch 32);
-* ``bbc``: the suite's MiniLM-L6 / BBC News (``benchmarks/suite.py`` ``TASKS``: its sizes, 104 steps);
+* ``bbc``: the suite's MiniLM-L6 / BBC News (``benchmarks/suite_tasks.py`` ``TASKS``: its sizes, 104 steps);
 * ``fmnist-mobilenet``: MobileNetV2 (ImageNet weights) fine-tuned on Fashion-MNIST;
 * ``fmnist-resnet``: ResNet-18 trained from scratch on Fashion-MNIST.
 

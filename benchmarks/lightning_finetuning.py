@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
-import importlib.metadata as md
 import json
 import logging
 import re
@@ -73,7 +72,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
 from benchmarks.cli import count, entry
-from benchmarks.suite import machine, machine_line, task_spec
+from benchmarks.machine import machine, machine_line, versions
+from benchmarks.suite_tasks import task_spec
 from layerfreeze.errors import UserError
 from layerfreeze.integrations.lightning import LayerFreeze
 from layerfreeze.models.discovery import discover_blocks
@@ -84,6 +84,8 @@ from layerfreeze.train.loop import lr_lambda, warmup_steps
 from layerfreeze.train.setup import epoch_batches, no_weight_decay, seed_everything
 from layerfreeze.train.tasks import Task, build_task, text_forward
 
+#: The packages whose versions results.json records.
+VERSIONS = ("torch", "lightning", "transformers", "layerfreeze")
 #: The rows, in the order they run; ``none`` first (the others' ratios are taken against it).
 ROWS = ("none", "backbone-finetuning", "static", "smartfrz")
 LABELS = {"none": "none", "backbone-finetuning": "Lightning BackboneFinetuning", "static": "layerfreeze static",
@@ -417,16 +419,6 @@ def notes(args: argparse.Namespace, size: Sizes) -> list[str]:
     ]
 
 
-def versions() -> dict[str, str]:
-    out = {"python": sys.version.split()[0]}
-    for name in ("torch", "lightning", "transformers", "layerfreeze"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            pass
-    return out
-
-
 # ---- main ----------------------------------------------------------------------------------------------------------
 
 def parse_rows(text: str) -> list[str]:
@@ -502,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
                             "static_k": args.static_k or size.static_k, "schedule": args.schedule, "seed": args.seed,
                             "grad_clip": 1.0, "test_samples": len(task.test_set),
                             "train_samples": len(task.train_set)},
-               "notes": notes(args, size), "machine": machine(), "versions": versions(), "rows": rows}
+               "notes": notes(args, size), "machine": machine(), "versions": versions(VERSIONS), "rows": rows}
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     console.print(table(rows, title))
     for line in results["notes"]:

@@ -1,6 +1,6 @@
 """Issue 29's grid: does the default strategy cost accuracy at other learning rates and run lengths?
 
-For each task (the suite's jobs and sizes, ``benchmarks.suite.SIZES``; by default ``bbc`` and
+For each task (the suite's jobs and sizes, ``benchmarks.suite_tasks.SIZES``; by default ``bbc`` and
 ``fmnist-mobilenet``), learning-rate factor (x0.3, x1, x3 of the suite's), run length (1, 2, 4 epochs) and seed,
 one :func:`layerfreeze.train.compare.compare` process trains `none` and the rows beside it (same seed, data order
 and budget): `smartfrz` (the strategy's defaults: the gradient signal-to-noise gate on, ``snr_gate=0.9``;
@@ -41,7 +41,7 @@ from typing import Any
 
 from rich.console import Console
 
-from benchmarks import suite  # the suite's task specs and base config: the same jobs
+from benchmarks import suite, suite_tasks  # the suite's task specs and base config: the same jobs
 from benchmarks.cli import entry
 from layerfreeze.errors import PredictorError
 from layerfreeze.strategies import STRATEGIES, register_strategy
@@ -113,16 +113,16 @@ def run_cell(task: str, lr_factor: float, epochs: int, seed: int, rows: list[str
     ``stopped`` (why a diverged row stopped, or None)."""
     from layerfreeze.train.compare import compare
 
-    spec = suite.task_spec(task, quick)
+    spec = suite_tasks.task_spec(task, quick)
     spec = replace(spec, epochs=epochs, lr=spec.lr * lr_factor)
-    base = suite.base_config(spec, seed, threads)
+    base = suite_tasks.base_config(spec, seed, threads)
     folder = out / task / f"lr{lr_factor:g}-ep{epochs}" / f"seed{seed}"
     shutil.rmtree(folder, ignore_errors=True)  # this script's own folder from an earlier run
     for r in rows:
         row_strategy(r)
     overrides = {}
     if any(r in GUARD_ROWS for r in rows):  # the run length, for the guard's interval (BBC: reads the data)
-        every = max(1, suite.total_steps(spec, suite.dataset_sizes(spec)[0]) // GUARD_CHECKS)
+        every = max(1, suite_tasks.total_steps(spec, suite_tasks.dataset_sizes(spec)[0]) // GUARD_CHECKS)
         overrides = {r: {"freeze": {"guard": {"every_steps": every}}} for r in rows if r in GUARD_ROWS}
     callbacks = {r: [reseed_at_half(seed)] for r in rows if r in RESEED_ROWS}
     none, *trained = compare(base, ["none", *rows], folder, console=console,
@@ -294,7 +294,7 @@ def variant(text: str) -> tuple[str, dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tasks", type=_csv(str), default=["bbc", "fmnist-mobilenet"],
-                   help=f"from {', '.join(suite.TASKS)}")
+                   help=f"from {', '.join(suite_tasks.TASKS)}")
     p.add_argument("--lrs", type=_csv(float), default=[0.3, 1.0, 3.0], help="learning-rate factors")
     p.add_argument("--epochs", type=_csv(int), default=[1, 2, 4])
     p.add_argument("--seeds", type=_csv(int), default=[0, 1, 2])
@@ -338,9 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [r for r in args.rows if r not in ROWS]
         if unknown:
             p.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
-        bad_tasks = [t for t in args.tasks if t not in suite.TASKS]
+        bad_tasks = [t for t in args.tasks if t not in suite_tasks.TASKS]
         if bad_tasks:
-            p.error(f"unknown tasks {bad_tasks}; choose from {list(suite.TASKS)}")
+            p.error(f"unknown tasks {bad_tasks}; choose from {list(suite_tasks.TASKS)}")
         if any(f <= 0 for f in args.lrs) or any(e < 1 for e in args.epochs):
             p.error(f"--lrs are factors > 0 and --epochs integers >= 1, got {args.lrs} and {args.epochs}")
         predictor = None

@@ -47,7 +47,7 @@ from rich.table import Table
 
 from benchmarks.cli import entry
 from benchmarks.jobs import parse_jobs
-from benchmarks.suite import QUICK_SIZES, SIZE_FIELDS, TASKS, base_config, row_settings, task_spec, total_steps
+from benchmarks.suite_tasks import QUICK_SIZES, SIZE_FIELDS, TASKS, base_config, row_settings, task_spec, total_steps
 from layerfreeze.runs import rundir
 from layerfreeze.runs.ledger_buckets import bucket_label
 from layerfreeze.runs.rundir import Event, finite

@@ -33,7 +33,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import suite  # the suite's task specs and configs: the replay must run the same job
+from benchmarks import suite, suite_tasks  # the suite's task specs and configs: the replay must run the same job
 from benchmarks.cli import entry
 from layerfreeze.strategies import register_strategy
 from layerfreeze.strategies.base import Decision, StageContext, Strategy
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", help="a results.json written by benchmarks/suite.py (with its oracle records)")
-    parser.add_argument("--task", required=True, choices=list(suite.TASKS))
+    parser.add_argument("--task", required=True, choices=list(suite_tasks.TASKS))
     parser.add_argument("--seeds", help="comma-separated seeds (default: every seed in the results)")
     parser.add_argument("--taus", default="0.9,0.95,0.98,0.99,0.995,0.998",
                         help="CKA thresholds for the computed FLOPs table")
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [row_name(t) for t in train_taus]
     for name in names:
         register_strategy(name)(oracle_strategy(name))
-    spec = replace(suite.TASKS[args.task], **sizes)
+    spec = replace(suite_tasks.TASKS[args.task], **sizes)
     trained = []
     for s in seeds:
         schedules = {name: schedule_at_tau(task, s["oracle"], t) for name, t in zip(names, train_taus)}

@@ -1,7 +1,7 @@
 """Issue 42: does a precision or torch.compile cost accuracy, and what do they cost or save in time, on the suite's
 tasks?
 
-For each task (the suite's jobs and sizes, ``benchmarks.suite.SIZES``, by default ``bbc``; or ``default-job``, the
+For each task (the suite's jobs and sizes, ``benchmarks.suite_tasks.SIZES``, by default ``bbc``; or ``default-job``, the
 CLI's defaults), seed and row (``none``,
 ``smartfrz``), one run per variant, a precision (``train.precision``: by default ``32-true`` and ``bf16-mixed``)
 crossed with a compile mode (``train.compile``: by default ``false``), one after another in this process. Reported
@@ -29,7 +29,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks import memory_table, suite
+from benchmarks import memory_table, suite_tasks
 from benchmarks.cli import entry
 from layerfreeze.train.config import build_config
 from layerfreeze.train.trainer import Trainer
@@ -50,7 +50,7 @@ def base_config(task: str, seed: int, quick: bool, threads: int | None) -> dict[
     ``benchmarks.memory_table`` runs it; ``--quick``: its quick size), another name a suite task at its size."""
     if task == "default-job":
         return memory_table.task_config(task, "quick" if quick else "suite", seed, threads)[0]
-    return suite.base_config(suite.task_spec(task, quick), seed, threads)
+    return suite_tasks.base_config(suite_tasks.task_spec(task, quick), seed, threads)
 
 
 def run_one(task: str, seed: int, row: str, precision: str, compile_mode: str, out: Path, quick: bool,
@@ -109,7 +109,7 @@ def table(results: dict[str, Any], variants: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", default="bbc", help="comma-separated tasks: default-job (the CLI's defaults) "
-                        "or suite tasks (benchmarks.suite.TASKS: bbc, fmnist-mobilenet, fmnist-resnet)")
+                        "or suite tasks (benchmarks.suite_tasks.TASKS: bbc, fmnist-mobilenet, fmnist-resnet)")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     parser.add_argument("--precisions", default="32-true,bf16-mixed", help="comma-separated train.precision values")
     parser.add_argument("--compiles", default="false", help="comma-separated train.compile values (false, blocks, "

@@ -51,7 +51,7 @@ def job_config(job: str) -> dict[str, Any] | None:
     """The job's config (None: the default job, run with no config at all)."""
     if job == "default-job":
         return None
-    from benchmarks.suite import base_config, task_spec
+    from benchmarks.suite_tasks import base_config, task_spec
 
     config = base_config(task_spec(job, quick=False), seed=0, threads=None)
     config["run"].update({"checkpoint": False})

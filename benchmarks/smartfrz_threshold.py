@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from benchmarks import suite  # the suite's task specs and configs: the same jobs
+from benchmarks import suite, suite_tasks  # the suite's task specs and configs: the same jobs
 from benchmarks.cli import entry
 from layerfreeze.strategies import register_strategy
 from layerfreeze.strategies.smartfrz.strategy import SmartFRZ
@@ -58,7 +58,7 @@ def format_steps(freeze_steps: dict[str, int | None], blocks: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", required=True, choices=list(suite.TASKS))
+    parser.add_argument("--task", required=True, choices=list(suite_tasks.TASKS))
     parser.add_argument("--thresholds", required=True, help="comma-separated decision thresholds, one row each")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     parser.add_argument("--cache", action="store_true", help="freeze.cache.mode=auto for every row")
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [row_name(t) for t in thresholds]
     for name in names:
         register_strategy(name)(threshold_strategy(name))
-    spec = suite.task_spec(args.task, False)
+    spec = suite_tasks.task_spec(args.task, False)
     console = Console(width=None if sys.stdout.isatty() else 160, soft_wrap=False)
     trained = []
     for seed in seeds:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks import suite_tasks
 from layerfreeze.strategies import STRATEGIES, register_strategy
 from layerfreeze.strategies.registry import unregister_strategy
 from layerfreeze.train.compare import row_config
@@ -25,8 +26,8 @@ def test_each_threshold_is_a_smartfrz_row_with_that_threshold(sweep, tmp_path):
     try:
         register_strategy(name)(sweep.threshold_strategy(name))  # the same class again: a no-op, not an error
         assert STRATEGIES[name] is cls and issubclass(cls, STRATEGIES["smartfrz"]) and cls.name == name
-        spec = sweep.suite.task_spec("bbc", True)
-        row = row_config(sweep.suite.base_config(spec, 0, 1), name, tmp_path, {name: {"threshold": 0.95}})
+        spec = suite_tasks.task_spec("bbc", True)
+        row = row_config(suite_tasks.base_config(spec, 0, 1), name, tmp_path, {name: {"threshold": 0.95}})
         cfg = build_config(row)
         assert cfg.freeze.strategy == name and cfg.freeze.params == {"threshold": 0.95}
         assert cls(**cfg.freeze.params).threshold == 0.95

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from benchmarks import machine as machine_info
+from benchmarks import suite_tasks
 from tests.conftest import benchmark_module
 
 GIB = 2**30
@@ -149,7 +151,7 @@ def test_every_row_runs_to_its_end_even_one_that_learns_nothing(suite):
     turns off the trainer's stop for a stuck loss (which raised and ended the whole suite), and the config is valid."""
     from layerfreeze.train.config import build_config
 
-    cfg = suite.base_config(suite.task_spec("bbc", False), 0, 1)
+    cfg = suite_tasks.base_config(suite_tasks.task_spec("bbc", False), 0, 1)
     assert cfg["run"]["divergence_window_steps"] is None
     assert build_config({**cfg, "freeze": {"strategy": "gradual"}}).run.divergence_window_steps is None
 
@@ -159,7 +161,7 @@ def _stored_for_resume(suite, rows, seeds):
     results = _results(suite)
     results["meta"]["seeds"] = list(seeds)
     task = results["tasks"]["bbc"]
-    task.update(suite.task_settings(suite.task_spec("bbc", False), rows))
+    task.update(suite.task_settings(suite_tasks.task_spec("bbc", False), rows))
     task["seeds"] = [{"seed": s} for s in seeds]
     return results
 
@@ -202,11 +204,12 @@ def test_resume_keeps_the_stored_seeds_and_runs_only_missing_ones(suite, tmp_pat
 
 def test_machine_line_names_the_cpu_family_and_simd_flags_when_recorded(suite):
     old = {"cpu": "AMD EPYC", "cores": 2, "ram_gib": 23.5, "device": "cpu"}
-    assert suite.machine_line(old) == "AMD EPYC, 2 cores, 23.5 GiB RAM, device cpu"
+    assert machine_info.machine_line(old) == "AMD EPYC, 2 cores, 23.5 GiB RAM, device cpu"
     new = {**old, "cpu_family_model": "25/1", "cpu_simd": ["avx", "avx2", "fma"]}
-    assert suite.machine_line(new) == "AMD EPYC (family/model 25/1; avx, avx2, fma), 2 cores, 23.5 GiB RAM, device cpu"
-    here = suite.machine()
-    assert set(here["cpu_simd"]) <= set(suite.SIMD_FLAGS) and here["cores"] >= 1
+    assert (machine_info.machine_line(new)
+            == "AMD EPYC (family/model 25/1; avx, avx2, fma), 2 cores, 23.5 GiB RAM, device cpu")
+    here = machine_info.machine()
+    assert set(here["cpu_simd"]) <= set(machine_info.SIMD_FLAGS) and here["cores"] >= 1
 
 
 def test_beside_none_table_lists_each_seed_then_the_mean_per_row(suite):

@@ -390,3 +390,21 @@ def test_cache_on_with_train_bn_is_refused_before_training(tmp_path):
             config(tmp_path, "x", freeze={"strategy": "none", "cache": {"budget_mb": float(bad)}})
     cfg.freeze.cache.mode = "auto"  # auto: trains, without the cache once the BatchNorm block freezes
     assert Trainer(cfg, task=blob_task()).run()["cache"]["used"] is False
+
+
+def test_an_epoch_cut_short_by_max_steps_is_marked_partial_and_left_out_of_the_mean(tmp_path):
+    # "time per epoch" averaged a 2-step last epoch in with the full 6-step ones, understating an epoch's time
+    from rich.console import Console
+
+    from layerfreeze.runs.report import write_report
+    from layerfreeze.runs.summary import summary_table
+
+    summary = Trainer(config(tmp_path, "r", max_steps=8), task=blob_task()).run()  # 96 samples / 16: 6 steps an epoch
+    assert summary["epoch_steps"] == [[6, 6], [2, 6]]
+    first, last = summary["time_per_epoch_s"]
+    console = Console(width=200, record=True)
+    console.print(summary_table(summary))
+    text = console.export_text()
+    assert f"mean {first:.2f} s over 1 full epoch  [{first:.2f}, {last:.2f} (partial: 2 of 6 steps)] s" in text
+    page = write_report(tmp_path / "r").read_text(encoding="utf-8")
+    assert "(partial: 2 of 6 steps)" in page

@@ -98,15 +98,36 @@ def format_seconds(s: float) -> str:
     return f"{h}h {m:02d}m {sec:02d}s"
 
 
-def _format_epoch_times(times: list[float]) -> str:
+def epoch_times_text(times: Sequence[float], steps: Sequence[Sequence[int]] | None = None) -> str:
+    """``time per epoch`` as the summary and the report show it: the mean over the full epochs, then each epoch.
+
+    Args:
+        times: Each epoch's training seconds (``summary.json``'s ``time_per_epoch_s``).
+        steps: Each epoch's ``[steps run, batches in a full epoch]`` (``epoch_steps``), if recorded: an epoch cut
+            short (``train.max_steps``) is marked partial and left out of the mean, which would otherwise understate
+            an epoch's time.
+
+    Returns:
+        ``"mean 12.30 s  [12.10, 12.50] s"``; with a partial epoch ``"mean 12.30 s over 2 full epochs  [12.10, 12.50,
+        3.20 (partial: 20 of 52 steps)] s"``; more than ten epochs as min/max; ``"-"`` for none.
+    """
     values = [float(t) for t in times]
     if not values:
         return "-"
-    mean = sum(values) / len(values)
+    runs = [(int(s[0]), int(s[1])) for s in steps] if steps is not None and len(steps) == len(values) else []
+    partial = {i for i, (ran, of) in enumerate(runs) if ran < of}
+    full = [t for i, t in enumerate(values) if i not in partial]
+    if not full:  # one epoch, cut short
+        return ", ".join(f"{t:.2f} s (partial: {ran} of {of} steps)" for t, (ran, of) in zip(values, runs))
+    mean = sum(full) / len(full)
+    head = f"mean {mean:.2f} s" + (f" over {len(full)} full epoch{'s' * (len(full) != 1)}" if partial else "")
     if len(values) <= 10:
-        listed = ", ".join(f"{t:.2f}" for t in values)
-        return f"mean {mean:.2f} s  [{listed}] s"
-    return f"mean {mean:.2f} s  (min {min(values):.2f}, max {max(values):.2f}, {len(values)} epochs)"
+        listed = ", ".join(f"{t:.2f}" + (f" (partial: {runs[i][0]} of {runs[i][1]} steps)" if i in partial else "")
+                           for i, t in enumerate(values))
+        return f"{head}  [{listed}] s"
+    cut = "".join(f"; epoch {i + 1} partial: {values[i]:.2f} s, {runs[i][0]} of {runs[i][1]} steps"
+                  for i in sorted(partial))
+    return f"{head}  (min {min(full):.2f}, max {max(full):.2f}, {len(values)} epochs{cut})"
 
 
 def _format_timeline(timeline: list[Mapping[str, Any]], blocks: list[str] | None = None) -> str:
@@ -134,7 +155,8 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
     left out, unknown keys are ignored): ``strategy``, ``model``, ``task``,
     ``test_accuracy`` (fraction in 0..1, shown as a percentage with 2
     decimals), ``test_perplexity`` (language models), ``test_loss``, ``epochs``, ``steps``, ``wall_time_s``,
-    ``train_time_s`` (seconds), ``time_per_epoch_s`` (list of seconds),
+    ``train_time_s`` (seconds), ``time_per_epoch_s`` (list of seconds; ``epoch_steps`` marks an epoch cut short,
+    :func:`epoch_times_text`),
     ``flops_total``, ``flops_per_step_first``, ``flops_per_step_last``
     (FLOPs), ``peak_memory_bytes`` (bytes), ``memory`` (the memory ledger's peaks, :func:`memory_lines`; in a
     distributed run rank 0's, and each rank's tensor peak from ``ranks``, :func:`rank_memory_lines`),
@@ -178,7 +200,7 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
         table.add_row("torch.compile", f"{compiled['mode']} ({compiled['backend']}): {compiled['graphs']} graphs in "
                       f"{compiled['regions']} regions, {format_seconds(compiled['compile_s'])} compiling{steps}")
     if get("time_per_epoch_s") is not None:
-        table.add_row("time per epoch", _format_epoch_times(list(get("time_per_epoch_s"))))
+        table.add_row("time per epoch", epoch_times_text(list(get("time_per_epoch_s")), get("epoch_steps")))
     if get("flops_total") is not None:
         table.add_row("training FLOPs", format_flops(get("flops_total")))
     first, last = get("flops_per_step_first"), get("flops_per_step_last")

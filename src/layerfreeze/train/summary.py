@@ -48,6 +48,9 @@ def write_summary(trainer: Trainer, wall_time: float, cache: dict[str, Any],
         "train_time_s": p["train_time_s"],
         "resumed_from_step": trainer.resumed_from_step,
         "time_per_epoch_s": list(p["epoch_times_s"]),
+        # [steps run, batches in a full epoch] per epoch, where every epoch of the run recorded it
+        **({"epoch_steps": [list(e) for e in p["epoch_steps"]]}
+           if len(p.get("epoch_steps", [])) == len(p["epoch_times_s"]) else {}),
         "flops_total": p["flops_total"],
         "flops_per_step_first": p["flops_first"],
         "flops_per_step_last": p["flops_per_step"],

@@ -275,7 +275,7 @@ class Trainer:
                     if due:
                         write_checkpoint(self, epoch, done_in_epoch, reason="periodic")
                 bar.close()
-                self._end_epoch(epoch, epoch_time, epoch_loss / max(1, epoch_n))
+                self._end_epoch(epoch, epoch_time, epoch_loss / max(1, epoch_n), steps=done_in_epoch, of=len(batches))
                 done_in_epoch = 0
         except BaseException as exc:
             coordinated = not self.distributed or isinstance(exc, DivergenceError) or (
@@ -348,7 +348,9 @@ class Trainer:
 
         return restore
 
-    def _end_epoch(self, epoch: int, epoch_time: float, train_loss: float) -> None:
+    def _end_epoch(self, epoch: int, epoch_time: float, train_loss: float, *, steps: int, of: int) -> None:
+        """The epoch's evaluation, records and end stage; it ran ``steps`` of its ``of`` batches (fewer: cut short by
+        ``train.max_steps``)."""
         eval_start = time.perf_counter()
         graphs = self.compiled.compiled_graphs() if self.compiled is not None else 0
         eval_loss, eval_acc = evaluate_trainer(self)
@@ -359,6 +361,7 @@ class Trainer:
             self._graphs_logged += compiled["eval_compiles"]
         metric = self.task.objective.metric  # accuracy, or perplexity for a language model
         self.progress["epoch_times_s"].append(epoch_time)
+        self.progress.setdefault("epoch_steps", []).append([steps, of])  # a checkpoint from before 0.2.x lacks it
         self.progress["history_eval"].append({"epoch": epoch, "loss": eval_loss, metric: eval_acc})
         self.telemetry.log_epoch(
             epoch, self.progress["step"], train_loss=train_loss, eval_loss=eval_loss, **{f"eval_{metric}": eval_acc},

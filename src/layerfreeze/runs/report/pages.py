@@ -207,7 +207,11 @@ def _run_summary_rows(run: Run) -> list[tuple[str, str]]:
     rows.append(("training time", _e(_fmt_seconds(train_time)) + ' <span class="muted">(sum of step times)</span>'))
     per_epoch = run.get("time_per_epoch_s") or [num(e.get("epoch_time_s")) for e in run.epochs]
     if per_epoch:
-        rows.append(("time per epoch", _e(", ".join(_fmt_seconds(t) for t in per_epoch))))
+        runs = run.get("epoch_steps") if run.get("time_per_epoch_s") else None
+        runs = runs if isinstance(runs, list) and len(runs) == len(per_epoch) else [None] * len(per_epoch)
+        rows.append(("time per epoch", _e(", ".join(
+            _fmt_seconds(t) + (f" (partial: {r[0]} of {r[1]} steps)" if r and r[0] < r[1] else "")
+            for t, r in zip(per_epoch, runs)))))
     flops_total = run.get("flops_total")
     if not finite(flops_total) and len(run.flops):
         flops_total = float(run.flops[-1])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from layerfreeze.errors import ConfigError
+from layerfreeze.errors import ConfigError, RunFileError
 from layerfreeze.runs.rundir import (
     CONFIG_FILE,
     SUMMARY_FILE,
@@ -79,3 +79,28 @@ def test_check_run_dir_refuses_mixing_two_runs(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="is a file"):
         check_run_dir(tmp_path / "file")
+
+
+def test_a_crash_cut_last_record_is_skipped_but_another_files_content_is_refused(tmp_path):
+    # a metrics.jsonl holding one line of something else read as an interrupted run with 0 steps
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"type": "step", "step": 1, "loss": 0.5}\n{"type": "step", "st')  # SIGKILL mid-write
+    assert read_metrics(tmp_path) == [{"type": "step", "step": 1, "loss": 0.5}]
+    path.write_text('{"type": "st')
+    assert read_metrics(tmp_path) == []
+    for other in ("step,loss\n1,0.5", "PK\x03\x04 not json", "hello"):
+        path.write_text(other)
+        with pytest.raises(RunFileError, match=r"metrics.jsonl: line \d is not valid JSON"):
+            read_metrics(tmp_path)
+
+
+def test_the_report_of_a_damaged_metrics_file_is_one_line(tmp_path):
+    # `layerfreeze report RUN` printed a 40-line traceback for a metrics.jsonl that was another file
+    import subprocess
+    import sys
+
+    (tmp_path / "metrics.jsonl").write_text("step,loss\n1,0.5\n")
+    done = subprocess.run([sys.executable, "-m", "layerfreeze", "report", str(tmp_path)], capture_output=True,
+                          text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().startswith("layerfreeze: error:") and "line 1 is not valid JSON" in done.stderr

@@ -34,6 +34,11 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, or from an incompatible version or run."""
 
 
+class RunFileError(UserError, ValueError):
+    """A run folder's record (``metrics.jsonl``, ``compare.json``) is not what a run writes: another file's content,
+    or damaged beyond a crash's cut last line. The message names the file and line."""
+
+
 class PredictorError(UserError, RuntimeError):
     """A SmartFRZ predictor file is missing, corrupt, or from an incompatible version."""
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from layerfreeze.errors import ConfigError
+from layerfreeze.errors import ConfigError, RunFileError
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -211,15 +211,16 @@ def read_compare(compare_dir: Path) -> list[dict[str, Any]]:
 
     Raises:
         FileNotFoundError: no ``compare.json``.
-        ValueError: it is not valid JSON, or not a list of objects.
+        RunFileError (a ValueError): it is not valid JSON, or not a list of objects.
     """
     path = compare_dir / COMPARE_JSON
     try:
         rows = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:
-        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+        raise RunFileError(f"{path}: not valid JSON ({exc}): it is not the file `layerfreeze compare` writes; run the "
+                           "comparison again into a new folder") from exc
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise ValueError(f"{path}: expected a list of row objects")
+        raise RunFileError(f"{path}: expected a list of row objects, as `layerfreeze compare` writes")
     return [dict(r) for r in rows]
 
 
@@ -229,13 +230,16 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     Args:
         run_dir: the run directory (or the path of the ``.jsonl`` file itself).
 
-    Blank lines are skipped.  A final line that is not valid JSON is taken to
-    be a record truncated by a crash and is skipped silently.
+    Blank lines are skipped.  A final line that is the start of a JSON object
+    (``{...`` cut short) is taken to be a record truncated by a crash and is
+    skipped silently.
 
     Raises:
         FileNotFoundError: no metrics file.
-        ValueError: a line other than the last is not valid JSON, or a line
-            is not a JSON object; the message names the file and line number.
+        RunFileError (a ValueError): a line other than the last is not valid JSON, the last is
+            neither valid JSON nor the start of an object (another file's
+            content, not a crash's cut), or a line is not a JSON object; the
+            message names the file and line number.
     """
     path = Path(run_dir)
     if path.is_dir():
@@ -248,11 +252,12 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            if pos == len(numbered) - 1:
+            if pos == len(numbered) - 1 and line.lstrip().startswith("{"):
                 break  # truncated final record
-            raise ValueError(f"{path}: line {lineno} is not valid JSON: {err.msg}") from err
+            raise RunFileError(f"{path}: line {lineno} is not valid JSON ({err.msg}): not a record a run writes, "
+                               "nor one a crash cut short") from err
         if not isinstance(record, dict):
-            raise ValueError(f"{path}: line {lineno} is not a JSON object")
+            raise RunFileError(f"{path}: line {lineno} is not a JSON object, as every record a run writes is")
         records.append(record)
     return records
 

@@ -195,3 +195,40 @@ def test_another_optimizer_class_or_a_missing_freezer_is_named_when_loading(tmp_
         load_checkpoint(path, fresh[0], fresh[1])
     load_checkpoint(path, fresh[0], fresh[1], freezer=fresh[3], scheduler=fresh[2])
     assert fresh[3].frozen[0]
+
+
+def test_an_optimizer_holding_a_parameter_outside_the_model_checkpoints_and_resumes_exactly(tmp_path):
+    # a CLIP-style temperature in the loss, in the optimizer but not in the model: the first checkpoint raised a bare
+    # KeyError (the Freezer's state named the optimizer's parameters by their model names)
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+        temperature = nn.Parameter(torch.ones(()))
+        optimizer = torch.optim.AdamW([{"params": model.parameters()}, {"params": [temperature], "lr": 0.05}],
+                                      lr=0.1)
+        return model, temperature, optimizer, Freezer(model, optimizer, "static", {"k": 1})
+
+    def train(model, temperature, optimizer, freezer, start, stop):
+        for t in range(start, stop):
+            g = torch.Generator().manual_seed(t)
+            loss = (model(torch.randn(4, 6, generator=g)) * temperature).square().mean()
+            loss.backward()
+            freezer.after_backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            freezer.step()
+
+    model, temperature, optimizer, freezer = build()
+    train(model, temperature, optimizer, freezer, 0, 3)
+    save_checkpoint(tmp_path / "ck", model, optimizer, freezer)
+    kept = temperature.detach().clone()  # the loss's own parameter is the user's to save, as any outside the model
+    resumed, temperature2, optimizer2, freezer2 = build()
+    load_checkpoint(tmp_path / "ck", resumed, optimizer2, freezer2)
+    with torch.no_grad():
+        temperature2.copy_(kept)
+    assert optimizer2.param_groups[1]["params"] == [temperature2] and temperature2 in optimizer2.state
+    train(resumed, temperature2, optimizer2, freezer2, 3, 6)
+    uninterrupted, temperature3, optimizer3, freezer3 = build()
+    train(uninterrupted, temperature3, optimizer3, freezer3, 0, 6)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), uninterrupted.state_dict().values()))
+    assert torch.equal(temperature2, temperature3)

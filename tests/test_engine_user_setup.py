@@ -191,9 +191,39 @@ def test_a_second_freezer_on_the_model_thaws_what_the_first_one_froze():
         first.freeze(0)
     assert not model[0].weight.requires_grad
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Freezer(model, optimizer, "none") as second:
+    with pytest.warns(UserWarning, match=r"block\(s\) 0 were left frozen by an earlier, closed Freezer"):
+        second = Freezer(model, optimizer, "none")
+    with second:
+        assert model[0].weight.requires_grad and model[0].bias.requires_grad
         assert second.freeze(0) and second.thaw(0)
         assert model[0].weight.requires_grad and model[0].bias.requires_grad
+
+
+@pytest.mark.parametrize("optimizer_of", ["all", "trainable"])
+def test_a_second_freezer_trains_what_the_first_left_frozen_in_training_mode(optimizer_of):
+    # the second Freezer reported block 0 trainable while it stayed frozen and never trained, in silence; and the
+    # first Freezer's eval-mode hooks, left on the model, kept a block the second thawed in eval mode (BatchNorm
+    # statistics frozen, dropout off) in a block that trained
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5)),
+                          nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 3))
+    blocks = ["0", "1", "2"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with Freezer(model, optimizer, "static", {"k": 1}, blocks=blocks) as first:
+        train(model, optimizer, first, 2)
+    # a framework's optimizer over what is trainable now (the HF Trainer's), or over everything
+    params = model.parameters() if optimizer_of == "all" else [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=0.1)
+    weight, mean = model[0][0].weight.detach().clone(), model[0][1].running_mean.clone()
+    with pytest.warns(UserWarning, match="left frozen by an earlier, closed Freezer"):
+        second = Freezer(model, optimizer, "none", blocks=blocks)
+    with second:
+        assert second.frozen == [False, False, False]
+        modes = []
+        model[0][2].register_forward_pre_hook(lambda m, a: modes.append(m.training))
+        train(model, optimizer, second, 2)
+    assert modes == [True, True]  # the first Freezer's hooks are gone: block 0 trains in training mode
+    assert not torch.equal(weight, model[0][0].weight) and not torch.equal(mean, model[0][1].running_mean)
 
 
 def test_block_patterns_listed_back_to_front_warn_before_the_head_is_frozen():
@@ -248,3 +278,84 @@ def test_trainable_parameters_outside_every_block_are_named(capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Freezer(model, None, "static", {"k": 1}, blocks=["stem", "body", "head"]).close()
+
+
+def test_a_thawed_block_with_sparse_gradients_is_checked_and_trains():
+    # the check that a thawed block is updated reshaped its gradient: a sparse one (nn.Embedding(sparse=True))
+    # raised "reshape is not implemented for sparse tensors" at the first backward after the thaw
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.mid, self.head = nn.Embedding(20, 4, sparse=True), nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.mid(self.emb(x).mean(1))))
+
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    freezer = Freezer(model, optimizer, "none", blocks=["emb", "mid", "head"])
+
+    def step():
+        model(torch.randint(0, 20, (3, 5))).sum().backward()
+        freezer.after_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        freezer.step()
+
+    step()
+    freezer.freeze(0)
+    step()
+    frozen = model.emb.weight.detach().clone()
+    freezer.thaw(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "thawed block was not updated" either
+        step()
+        step()
+    assert not torch.equal(frozen, model.emb.weight)
+    freezer.close()
+
+
+def test_block_keys_and_thaw_learning_rates_that_would_train_wrongly_are_refused():
+    model = net()
+    optimizer = torch.optim.AdamW(block_param_groups(model, discover_blocks(model), lr=0.05))
+    with Freezer(model, optimizer, "static", {"k": 1}) as freezer:
+        with pytest.raises(TypeError, match="not bool"):
+            freezer.freeze(True)  # True is the int 1: it froze block 1
+        with pytest.raises(ValueError, match=r"a finite lr > 0 \(got lr=inf\)"):
+            freezer.thaw(0, lr=math.inf)  # the block's weights were non-finite after one step
+        assert freezer.frozen == [True, False, False]
+
+
+def test_a_thaw_lr_with_a_scheduler_the_freezer_was_not_given_warns():
+    # the scheduler's next step set the LR back to its own schedule: thaw(lr=0.001) lasted no step, in silence
+    model = net()
+    optimizer = torch.optim.AdamW(block_param_groups(model, discover_blocks(model), lr=0.05))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    with Freezer(model, optimizer, "static", {"k": 1}) as freezer:
+        with pytest.warns(UserWarning, match=r"an LR scheduler over this optimizer .* was not given to the Freezer"):
+            freezer.thaw(0, lr=0.001)
+    model = net()
+    optimizer = torch.optim.AdamW(block_param_groups(model, discover_blocks(model), lr=0.05))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    with Freezer(model, optimizer, "static", {"k": 1}, scheduler=scheduler) as freezer:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            freezer.thaw(0, lr=0.001)
+        train(model, optimizer, freezer, 1, scheduler=scheduler)
+        assert optimizer.param_groups[0]["lr"] == 0.001
+
+
+def test_a_refused_attach_optimizer_leaves_the_freezer_and_the_optimizer_as_they_were():
+    # gradual needs a param group per block; a refused optimizer was half attached: the Freezer held it and the
+    # frozen blocks' parameters had left it
+    model = net()
+    with Freezer(model, None, "gradual") as freezer:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)  # one group for every block
+        held = list(optimizer.param_groups[0]["params"])
+        with pytest.raises(ValueError, match="param group 0 also holds other blocks' parameters"):
+            freezer.attach_optimizer(optimizer)
+        assert freezer.optimizer is None and optimizer.param_groups[0]["params"] == held
+        optimizer = torch.optim.AdamW(block_param_groups(model, freezer.blocks, lr=0.05))
+        freezer.attach_optimizer(optimizer)
+        assert freezer.optimizer is optimizer

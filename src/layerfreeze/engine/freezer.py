@@ -54,16 +54,17 @@ import torch
 from torch import nn
 
 from layerfreeze.distributed import comm
-from layerfreeze.distributed.fsdp import check_optimizer_holds_sharded_parameters, fsdp_modules
+from layerfreeze.distributed.fsdp import fsdp_modules
 from layerfreeze.engine import state as checkpoint_state
 from layerfreeze.engine import steps
+from layerfreeze.engine.attach import attach_optimizer
 from layerfreeze.engine.demote import Demoter, build_demoter
 from layerfreeze.engine.demotion import Demotion
-from layerfreeze.engine.freezing import freeze_block, thaw_block
+from layerfreeze.engine.freezing import freeze_block, refreeze, take_back, take_over, thaw_block, warn_taken_back
 from layerfreeze.engine.grad_signal import GradientSums
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
-from layerfreeze.engine.lr_factors import apply_lr_scales, check_block_lr, check_lr_scales, check_thaw_lrs, set_block_lr
+from layerfreeze.engine.lr_factors import check_block_lr, check_thaw_lrs, set_block_lr
 from layerfreeze.engine.mechanics import (
     claim_model,
     frozen_before,
@@ -73,7 +74,7 @@ from layerfreeze.engine.mechanics import (
     refuse_second_freezer,
     set_eval_mode,
 )
-from layerfreeze.engine.optim import check_model_and_optimizer, group_origin, remove_from_optimizer
+from layerfreeze.engine.optim import check_model_and_optimizer, group_origin
 from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, prefix_since, report_metric, run_length, start
@@ -183,6 +184,7 @@ class Freezer:
         check_model_and_optimizer(model, optimizer)
         check_strategy_arguments(strategy, strategy_params)
         refuse_second_freezer(model)
+        left_frozen = take_over(model)  # what a closed Freezer left frozen trains again (freezing.take_over)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -219,6 +221,7 @@ class Freezer:
         # what the user set before the Freezer, a thaw gives back as it was (mechanics.frozen_before, not_optimized)
         self._frozen_before = frozen_before(model)
         self._not_optimized = not_optimized(model, self._origin) if optimizer is not None else set()
+        taken_back = take_back(self, left_frozen) if left_frozen else []
         self._hooks: dict[int, list[Any]] = {}
         self._root_eval_hook: Any = None  # registered at the first freeze (_eval_frozen_blocks)
         self.integrity = FrozenSet(on_unfrozen, warn=functools.partial(steps.integrity_warning, self),
@@ -258,6 +261,7 @@ class Freezer:
                 self.strategy.attach(model, self.blocks)
         try:
             start(self, floor)  # the floor, then the start stage; its LR factors already apply to the first step
+            warn_taken_back(self, taken_back)
             steps.hook_optimizer(self)
         except BaseException:
             self.close()  # nobody holds this Freezer to close it: release the strategy's hooks and threads here
@@ -352,15 +356,17 @@ class Freezer:
 
         Args:
             key: Block index or name.
-            lr: Learning rate for the block's param groups (discriminative LR); None keeps the groups' LR.
+            lr: The base learning rate of the block's param groups (discriminative LR): what the LR scheduler's
+                schedule scales, as its ``base_lrs`` (under OneCycleLR ``max_lr / div_factor``, so the block peaks at
+                ``lr * div_factor``; :func:`~layerfreeze.engine.lr_factors.set_block_lr`); None keeps the groups' LR.
 
         Returns:
             True if the block was frozen and is now trainable.
 
         Raises:
-            ValueError: ``lr`` given but not ``> 0``, or a target param group also holds other blocks' parameters
-                (build the optimizer with :func:`~layerfreeze.engine.optim.block_param_groups`), or the optimizer
-                holds none of the block's parameters; checked before anything changes.
+            ValueError: ``lr`` given but not finite and ``> 0``, or a target param group also holds other blocks'
+                parameters (build the optimizer with :func:`~layerfreeze.engine.optim.block_param_groups`), or the
+                optimizer holds none of the block's parameters; checked before anything changes.
             PinnedBlockError: the block is in the floor (:meth:`pin`: a memory budget keeps it frozen).
             RuntimeError: after :meth:`close`.
         """
@@ -381,10 +387,12 @@ class Freezer:
         return was_frozen
 
     def set_block_lr(self, key: int | str | Block, lr: float) -> None:
-        """Set the learning rate of the param groups holding ``block``'s parameters (and the scheduler's base LR).
+        """Set the base learning rate of the param groups holding ``block``'s parameters, and the scheduler's (see
+        :meth:`thaw`'s ``lr``).
 
         Raises:
-            ValueError: no optimizer, ``lr <= 0``, or a group that also holds other blocks' parameters.
+            ValueError: no optimizer, ``lr`` not finite and ``> 0``, or a group that also holds other blocks'
+                parameters.
         """
         block = key if isinstance(key, Block) else self.block(key)
         check_block_lr(self.optimizer, self._origin, block, lr)
@@ -442,15 +450,7 @@ class Freezer:
     def refreeze_parameter(self, param: nn.Parameter, old: nn.Parameter | None = None) -> None:
         """Freeze ``param`` again (it replaced ``old`` in a frozen block, or was made trainable by someone else):
         no grad, out of the optimizer, and it takes over ``old``'s param-group origin and name."""
-        param.requires_grad_(False)
-        param.grad = None
-        if self.optimizer is not None:
-            remove_from_optimizer(self.optimizer, [param])
-        if old is not None and old is not param:
-            if id(old) in self._origin:
-                self._origin[id(param)] = self._origin.pop(id(old))
-            if id(old) in self._names:
-                self._names[id(param)] = self._names.pop(id(old))
+        refreeze(self, param, old)
 
     def verify_frozen_weights(self) -> None:
         """Check every frozen block's weights against their checksum from freeze time (bitwise).
@@ -473,23 +473,10 @@ class Freezer:
         back to group 0). Learning-rate factors the strategy set without an optimizer are applied now.
 
         Raises:
-            ValueError: a strategy's learning-rate factor on a block whose param group holds other blocks too.
+            ValueError: a strategy's learning-rate factor (or a thaw's LR) on a block whose param group holds other
+                blocks too; checked before anything changes (:func:`~layerfreeze.engine.attach.attach_optimizer`).
         """
-        self.optimizer = optimizer
-        if scheduler is not None:
-            self.scheduler = scheduler
-        registered = dict(self.model.named_parameters()) if self._fsdp else {}
-        sharded(self._fsdp)
-        check_optimizer_holds_sharded_parameters(self.model, optimizer, registered)
-        self._origin = group_origin(optimizer)
-        self._not_optimized = not_optimized(self.model, self._origin)
-        for block in self.blocks:
-            if self.frozen[block.index]:
-                remove_from_optimizer(optimizer, frozen_parameters(block, self.train_bn))
-        check_lr_scales(optimizer, self._origin, self.blocks, self._lr_scale)
-        check_thaw_lrs(optimizer, self._origin, self.blocks, self.strategy)
-        self._lr_written = {}
-        apply_lr_scales(optimizer, self.blocks, self._origin, self._lr_scale, self._lr_written)
+        attach_optimizer(self, optimizer, scheduler)
         steps.hook_optimizer(self)
 
     def close(self) -> None:

@@ -283,7 +283,8 @@ class FrozenSet:
             for p in freezer.blocks[index].parameters():
                 if not p.requires_grad or p.grad is None:
                     continue
-                grad = _local_tensor(p.grad).detach().reshape(-1)
+                grad = _local_tensor(p.grad).detach()
+                grad = (grad.to_dense() if grad.is_sparse else grad).reshape(-1)  # nn.Embedding(sparse=True)
                 where = torch.topk(grad.abs(), min(PROBE_VALUES, grad.numel()), sorted=False).indices
                 probes.append(_Probe(p, p._version, where, _local_tensor(p).detach().reshape(-1)[where].clone()))
             if probes:

@@ -12,6 +12,8 @@ optimizer, the blocks, the parameter -> param-group origin and the two dicts abo
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -61,10 +63,10 @@ def check_lr_scales(optimizer: torch.optim.Optimizer, origin: Mapping[int, int],
 
 def check_block_lr(optimizer: torch.optim.Optimizer | None, origin: Mapping[int, int], block: Block, lr: float,
                    purpose: str = "its own learning rate") -> None:
-    """Raise ValueError when ``lr`` cannot be given to ``block``: no optimizer, ``lr`` not ``> 0``, a param group
-    that also holds other blocks' parameters, or none of its parameters in a param group."""
-    if optimizer is None or not lr > 0:
-        raise ValueError(f"set_block_lr needs an optimizer and lr > 0 (got lr={lr})")
+    """Raise ValueError when ``lr`` cannot be given to ``block``: no optimizer, ``lr`` not finite and ``> 0``, a param
+    group that also holds other blocks' parameters, or none of its parameters in a param group."""
+    if optimizer is None or not 0 < lr < math.inf:
+        raise ValueError(f"set_block_lr needs an optimizer and a finite lr > 0 (got lr={lr})")
     if not exclusive_groups(optimizer, origin, block, purpose):
         raise ValueError(f"Cannot give block {block.name!r} {purpose}: none of its parameters is in a param group of "
                          "the optimizer (build the optimizer from layerfreeze.block_param_groups(...), one group per "
@@ -88,13 +90,24 @@ def check_thaw_lrs(optimizer: torch.optim.Optimizer | None, origin: Mapping[int,
 
 def set_block_lr(optimizer: torch.optim.Optimizer, origin: Mapping[int, int], block: Block, lr: float,
                  scheduler: Any, lr_written: dict[int, tuple[float, float]]) -> None:
-    """Set the LR of ``block``'s param groups (and the scheduler's base LR), forgetting what a factor wrote there.
+    """Set the base LR of ``block``'s param groups (and the scheduler's), forgetting what a factor wrote there.
+
+    ``lr`` is the base LR the schedule scales (:func:`~layerfreeze.engine.optim.set_group_lr`), as the scheduler's
+    ``base_lrs``. Under OneCycleLR that is ``max_lr / div_factor`` (the LR it starts from): ``lr`` peaks at ``lr *
+    div_factor``, as the other groups' peaks are their ``initial_lr * div_factor``.
+
+    Warns (UserWarning) when a group carries a scheduler's ``initial_lr`` but no ``scheduler`` was given: that
+    scheduler's next step would set the group's LR back (pass ``scheduler=`` to the Freezer).
 
     Raises:
         ValueError: a group that also holds other blocks' parameters.
     """
     for gi in exclusive_groups(optimizer, origin, block, "its own learning rate"):
         group = optimizer.param_groups[gi]
+        if scheduler is None and "initial_lr" in group:
+            warnings.warn(f"block {block.name!r} gets lr {lr:g}, but an LR scheduler over this optimizer (its param "
+                          "groups carry initial_lr) was not given to the Freezer: its next step sets the LR back. "
+                          "Pass it: Freezer(..., scheduler=scheduler)", stacklevel=4)
         unscaled, wrote = lr_written.pop(gi, (None, None))
         current = unscaled if unscaled is not None and group["lr"] == wrote else group["lr"]  # before any factor
         set_group_lr(optimizer, gi, lr, scheduler, base=base_lr(optimizer, [gi], {gi: (unscaled, wrote)}),

@@ -23,6 +23,8 @@ from layerfreeze.engine.sharding import sharded
 from layerfreeze.engine.stages import prepare_grad_sums, sums_gradients
 
 if TYPE_CHECKING:  # a Freezer's state; the Freezer calls these, never the other way round
+    from torch import nn
+
     from layerfreeze.engine.freezer import Freezer
 
 STATE_VERSION = 1
@@ -54,10 +56,24 @@ def state_dict(freezer: Freezer, full: bool = False) -> dict[str, Any]:
         "floor": freezer.floor,
     }
     if freezer.optimizer is not None:
-        state["param_groups"] = [[freezer._names[id(p)] for p in g["params"]]
-                                 for g in freezer.optimizer.param_groups]
-        state["origin"] = {freezer._names[i]: gi for i, gi in freezer._origin.items() if i in freezer._names}
+        names = {id(p): n for n, p in _named(freezer).items()}
+        state["param_groups"] = [[names[id(p)] for p in g["params"]] for g in freezer.optimizer.param_groups]
+        state["origin"] = {names[i]: gi for i, gi in freezer._origin.items() if i in names}
     return state
+
+
+def _named(freezer: Freezer) -> dict[str, nn.Parameter]:
+    """Every parameter the model or the optimizer holds, by name: the model's own names (read now: a parameter
+    replaced or added since the Freezer was built has one too), and for one the optimizer holds outside the model (a
+    loss's temperature, a CLIP logit scale) ``"<outside the model: param group G, #K>"``, K counting those of group G
+    in order. Those never freeze, so a resumed run's optimizer, built the same way, holds them at the same places."""
+    named = dict(freezer.model.named_parameters())
+    if freezer.optimizer is not None:
+        mine = {id(p) for p in named.values()}
+        for gi, group in enumerate(freezer.optimizer.param_groups):
+            outside = [p for p in group["params"] if id(p) not in mine]
+            named.update((f"<outside the model: param group {gi}, #{k}>", p) for k, p in enumerate(outside))
+    return named
 
 
 def _held(demote: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -97,7 +113,7 @@ def load_state_dict(freezer: Freezer, state: dict[str, Any]) -> None:
         elif not frozen and freezer.frozen[block.index] and block.index not in freezer._floor:
             freezer.thaw(block.index, reason="resume")
     if freezer.optimizer is not None and "param_groups" in state:
-        by_name = dict(freezer.model.named_parameters())
+        by_name = _named(freezer)
         load_param_groups(freezer.optimizer, state["param_groups"], by_name)
         freezer._origin = {id(by_name[n]): gi for n, gi in state["origin"].items()}
     freezer.integrity.load_state_dict(state.get("frozen_checksums", {}))

@@ -303,7 +303,7 @@ def block_by_key(blocks: Sequence[Block], key: int | str) -> Block:
     Raises:
         IndexError: an index outside 0..n-1 (the message lists the blocks with their indices and names).
         KeyError: no block has that name (the message lists the names).
-        TypeError: ``key`` is neither an integer nor a str.
+        TypeError: ``key`` is neither an integer nor a str (a bool is refused: ``True`` would be block 1).
     """
     def listing() -> str:  # for the errors only: a lookup by a freeze or thaw builds no string
         return ", ".join(f"{b.index}={b.name}" for b in blocks)
@@ -313,6 +313,8 @@ def block_by_key(blocks: Sequence[Block], key: int | str) -> Block:
             if b.name == key:
                 return b
         raise KeyError(f"No block named {key!r}; blocks (index=name): {listing()}")
+    if isinstance(key, bool):  # True is the int 1: freeze(True) froze block 1
+        raise TypeError("a block is given by its index (int) or its name (str), not bool")
     try:
         index = operator.index(key)
     except TypeError:

@@ -232,3 +232,19 @@ def test_an_optimizer_holding_a_parameter_outside_the_model_checkpoints_and_resu
     train(uninterrupted, temperature3, optimizer3, freezer3, 0, 6)
     assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), uninterrupted.state_dict().values()))
     assert torch.equal(temperature2, temperature3)
+
+
+def test_save_checkpoint_refuses_a_frozen_weight_that_moved(tmp_path):
+    # in your own loop a frozen weight changed in place was checkpointed without a word (the CLI trainer verified)
+    from layerfreeze.engine import FrozenWeightsChangedError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Freezer(model, optimizer, "static", {"k": 1}) as freezer:
+        save_checkpoint(tmp_path / "ok", model, optimizer, freezer)
+        with torch.no_grad():
+            model[0].weight.add_(1e-3)
+        with pytest.raises(FrozenWeightsChangedError, match="'0'"):
+            save_checkpoint(tmp_path / "ck", model, optimizer, freezer)
+        assert not (tmp_path / "ck").exists() and not (tmp_path / "ck.tmp").exists()

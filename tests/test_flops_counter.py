@@ -158,3 +158,24 @@ def test_decomposed_ops_are_counted_as_flop_counter_mode_counts_them() -> None:
     assert counter.get_total_flops() == reference.get_total_flops() == 2 * (2 * 4 * 6 * 6) * 27 == 15552
     torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(conv[1].running_var, twin[1].running_var, rtol=1e-6, atol=1e-7)
+
+
+def test_a_frozen_layers_fused_cpu_attention_is_counted(tiny_bert_dir) -> None:
+    # torch's registry leaves CPU's fused attention (_scaled_dot_product_flash_attention_for_cpu) at 0: the attention
+    # of a frozen (eval-mode) layer, or of any layer of a model without attention dropout, went uncounted on a CPU,
+    # while a training-mode layer with attention dropout (the decomposed path) was counted
+    batch = _text_batch("cpu")
+    counts = {}
+    for impl in ("sdpa", "eager"):  # the fused kernel against explicit matmuls
+        torch.manual_seed(0)
+        model = transformers.BertForSequenceClassification.from_pretrained(tiny_bert_dir, attn_implementation=impl)
+        model.eval()
+        with torch.no_grad(), TotalFlopCounter() as counter:
+            model(**batch)
+        counts[impl] = counter.get_total_flops()
+    assert counts["sdpa"] == counts["eager"] > 0
+    q = torch.randn(2, 3, SEQ, 8, requires_grad=True)
+    with TotalFlopCounter() as counter:
+        F.scaled_dot_product_attention(q, q, q).sum().backward()
+    # forward: Q K^T and P V; backward as torch counts its CUDA kernels: the scores again, then dV, dP, dQ, dK
+    assert counter.get_total_flops() == (2 + 5) * 2 * 2 * 3 * SEQ * SEQ * 8

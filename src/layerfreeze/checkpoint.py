@@ -124,6 +124,7 @@ def save_checkpoint(
     model_state: dict[str, torch.Tensor] | None = None,
     optimizer_state: dict[str, Any] | None = None,
     freezer_state: dict[str, Any] | None = None,
+    verify: bool = True,
 ) -> Path:
     """Write a checkpoint folder at ``path`` (replacing an older one atomically).
 
@@ -132,6 +133,10 @@ def save_checkpoint(
         model_state / optimizer_state / freezer_state: Full state dicts to write instead of ``model`` /
             ``optimizer`` / ``freezer``'s own (a sharded model's gathered state:
             :func:`layerfreeze.checkpoint.save_full_checkpoint`).
+        verify: With a ``freezer`` (and no ``freezer_state``), first check every frozen block's weights against
+            their checksum from freeze time (:meth:`~layerfreeze.engine.Freezer.verify_frozen_weights`): a weight
+            that moved while frozen is never checkpointed. ``False`` for a caller that has just verified them (the
+            CLI trainer does, on every rank).
 
     Returns:
         The checkpoint folder.
@@ -139,7 +144,11 @@ def save_checkpoint(
     Raises:
         EmptyParameterError: a weight to be written holds no elements (a DeepSpeed ZeRO-3 placeholder outside a
             gather, DeepSpeed#5041); nothing is written.
+        FrozenWeightsChangedError: a frozen weight moved since its block froze (``verify``), naming the block and
+            the parameter; nothing is written.
     """
+    if verify and freezer is not None and freezer_state is None:
+        freezer.verify_frozen_weights()
     if model_state is not None:
         refuse_empty_parameters(model_state.items(), "save_checkpoint")
     else:

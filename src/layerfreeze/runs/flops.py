@@ -1,7 +1,9 @@
 """A step's FLOPs: :class:`torch.utils.flop_counter.FlopCounterMode`'s counts, totals only, at a lower cost.
 
 * :func:`conv_backward_flops` -- ``aten.convolution_backward``'s count with grouped weight gradients per group;
-  :data:`FLOP_FORMULAS` -- the formulas layerfreeze puts over torch's registry (the ``custom_mapping``).
+  :func:`cpu_attention_flops` / :func:`cpu_attention_backward_flops` -- CPU's fused attention, which torch's
+  registry leaves at 0; :data:`FLOP_FORMULAS` -- the formulas layerfreeze puts over torch's registry (the
+  ``custom_mapping``).
 * :class:`TotalFlopCounter` -- a ``FlopCounterMode`` that keeps the total and nothing else: the same formulas
   (``torch.utils.flop_counter.flop_registry`` plus :data:`FLOP_FORMULAS`), the same ops counted, the same
   decompositions where a decomposition can dispatch a counted op; no per-module attribution.
@@ -47,7 +49,13 @@ import torch
 from torch.utils import flop_counter as _fc
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
-__all__ = ["FLOP_FORMULAS", "TotalFlopCounter", "conv_backward_flops"]
+__all__ = [
+    "FLOP_FORMULAS",
+    "TotalFlopCounter",
+    "conv_backward_flops",
+    "cpu_attention_backward_flops",
+    "cpu_attention_flops",
+]
 
 aten = torch.ops.aten
 
@@ -77,8 +85,34 @@ def conv_backward_flops(grad_out_shape: Any, x_shape: Any, w_shape: Any, _bias: 
     return flops
 
 
+def cpu_attention_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, out_shape: Any = None,
+                        **kwargs: Any) -> int:
+    """FLOPs of ``aten._scaled_dot_product_flash_attention_for_cpu``, CPU's fused attention: torch's count for the
+    fused attention kernels it registers (``sdpa_flop_count``: ``Q K^T`` and ``softmax(.) V``, ``4 B H S_q S_k D``).
+
+    Why: torch's registry (2.14) counts the CUDA kernels (flash, memory-efficient, cuDNN) but not this one, so on a CPU
+    the attention of a layer in eval mode (a frozen layer; any layer of a model without attention dropout, such as
+    Llama) counted 0, while a training-mode layer with attention dropout takes the decomposed path, whose ``bmm`` s
+    count. A frozen MiniLM-L6 layer's attention at 128 tokens went missing (201 MFLOP per layer at batch 8), so
+    freezing looked a little cheaper on the CPU than it is, and than the same step counted on a GPU.
+    """
+    return _fc.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def cpu_attention_backward_flops(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
+                                 out_shape: Any = None, **kwargs: Any) -> int:
+    """FLOPs of ``aten._scaled_dot_product_flash_attention_for_cpu_backward``: torch's ``sdpa_backward_flop_count``
+    (the scores recomputed, and the gradients of ``Q``, ``K`` and ``V``), as for the CUDA kernels
+    (:func:`cpu_attention_flops` says why)."""
+    return _fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
 #: The formulas layerfreeze puts over torch's registry (``FlopCounterMode(custom_mapping=...)``).
 FLOP_FORMULAS: dict[Any, Any] = {aten.convolution_backward: conv_backward_flops}
+for _op, _formula in (("_scaled_dot_product_flash_attention_for_cpu", cpu_attention_flops),
+                      ("_scaled_dot_product_flash_attention_for_cpu_backward", cpu_attention_backward_flops)):
+    if hasattr(aten, _op) and getattr(aten, _op) not in _fc.flop_registry:  # a later torch may count it itself
+        FLOP_FORMULAS[getattr(aten, _op)] = _formula
 
 # FlopCounterMode's dispatch returns NotImplemented for these metadata queries (so that subclasses with their own
 # sizes and strides, such as nested tensors, answer them): torch 2.14's _FlopCounterMode.__torch_dispatch__.

@@ -71,7 +71,7 @@ def write_checkpoint(trainer: Trainer, epoch: int, batch_in_epoch: int, reason: 
                                        trainer.scheduler, extra=extra)
     elif trainer.is_main:
         path = trainer.store.save(trainer.progress["step"], trainer.model, trainer.optimizer, trainer.freezer,
-                                  trainer.scheduler, extra=extra)
+                                  trainer.scheduler, extra=extra, verify=False)  # verified above, on every rank
     if trainer.distributed:
         torch.distributed.barrier()  # nobody goes on (or exits) before the checkpoint is complete
     seconds = time.perf_counter() - t0

@@ -191,7 +191,7 @@ def test_a_second_freezer_on_the_model_thaws_what_the_first_one_froze():
         first.freeze(0)
     assert not model[0].weight.requires_grad
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.warns(UserWarning, match=r"block\(s\) 0 were left frozen by an earlier, closed Freezer"):
+    with pytest.warns(UserWarning, match=r"block\(s\) 0 were left frozen by an earlier Freezer"):
         second = Freezer(model, optimizer, "none")
     with second:
         assert model[0].weight.requires_grad and model[0].bias.requires_grad
@@ -215,7 +215,7 @@ def test_a_second_freezer_trains_what_the_first_left_frozen_in_training_mode(opt
     params = model.parameters() if optimizer_of == "all" else [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=0.1)
     weight, mean = model[0][0].weight.detach().clone(), model[0][1].running_mean.clone()
-    with pytest.warns(UserWarning, match="left frozen by an earlier, closed Freezer"):
+    with pytest.warns(UserWarning, match="left frozen by an earlier Freezer"):
         second = Freezer(model, optimizer, "none", blocks=blocks)
     with second:
         assert second.frozen == [False, False, False]
@@ -359,3 +359,73 @@ def test_a_refused_attach_optimizer_leaves_the_freezer_and_the_optimizer_as_they
         optimizer = torch.optim.AdamW(block_param_groups(model, freezer.blocks, lr=0.05))
         freezer.attach_optimizer(optimizer)
         assert freezer.optimizer is optimizer
+
+
+def test_a_reused_optimizer_gets_what_the_first_freezer_took_out_back_in_its_own_param_groups():
+    # a Trainer's second train() reuses its optimizer: the taken-back biases and LayerNorm went into group 0 and
+    # trained with weight decay 0.1 (HF's no-decay group is group 1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 2))
+    decay = [model[0].weight, model[2].weight, model[3].weight]
+    no_decay = [model[0].bias, model[1].weight, model[1].bias, model[2].bias, model[3].bias]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}])
+    with Freezer(model, optimizer, "static", {"k": 2}):
+        assert len(optimizer.param_groups[1]["params"]) == 2
+    with pytest.warns(UserWarning, match="left frozen by an earlier Freezer"), Freezer(model, optimizer, "none"):
+        assert [set(map(id, g["params"])) for g in optimizer.param_groups] == [set(map(id, decay)),
+                                                                              set(map(id, no_decay))]
+
+
+def test_a_deep_copy_of_a_frozen_model_trains_under_a_new_freezer():
+    # copy.deepcopy drops the parameters' marks and copies the Freezer's eval hooks bound to a copy of it: the copy's
+    # frozen blocks were reported trainable, never trained, and stayed in eval mode
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Linear(8, 2))
+    model[2].bias.requires_grad_(False)  # the user's own: stays frozen
+    with Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 2}):
+        copied = copy.deepcopy(model)
+    optimizer = torch.optim.SGD([p for p in copied.parameters() if p.requires_grad], lr=0.1)
+    with pytest.warns(UserWarning, match=r"block\(s\) 0, 2 were left frozen by an earlier Freezer"):
+        freezer = Freezer(copied, optimizer, "none")
+    with freezer:
+        assert [p.requires_grad for p in copied.parameters()] == [True, True, True, False, True, True]
+        before = copied[0].weight.detach().clone()
+        copied.train()
+        copied(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        assert copied[1].training and not torch.equal(before, copied[0].weight)
+    assert not model[0].weight.requires_grad  # the original stays as the first Freezer left it
+
+
+def test_a_freezer_on_a_submodule_leaves_the_earlier_freezers_hold_on_the_rest():
+    # taking over removed every hook of the earlier Freezer: the frozen stem outside the new model ran BatchNorm in
+    # training mode and its running statistics drifted
+    torch.manual_seed(0)
+    stem, body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model = nn.Sequential(stem, body, nn.Linear(8, 2))
+    with Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 2}, blocks=["0", "1", "2"]):
+        pass
+    with pytest.warns(UserWarning, match=r"block\(s\) 0, 1 were left frozen"):
+        second = Freezer(body, torch.optim.SGD(body.parameters(), lr=0.1), "none", blocks=["0", "1"])
+    mean = stem[1].running_mean.clone()
+    model.train()
+    model(torch.randn(6, 4) * 5 + 3)
+    assert torch.equal(mean, stem[1].running_mean) and not stem[1].training
+    assert not any(p.requires_grad for p in stem.parameters()) and all(p.requires_grad for p in body.parameters())
+    second.close()
+
+
+def test_a_refused_freezer_takes_nothing_over():
+    model = net()
+    with Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 2}):
+        pass
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with pytest.raises(RuntimeError, match="total_steps"):
+        Freezer(model, optimizer, "linear")
+    assert [p.requires_grad for p in model.parameters()] == [False] * 4 + [True] * 2
+    assert len(optimizer.param_groups[0]["params"]) == 2
+    with pytest.warns(UserWarning, match="left frozen by an earlier Freezer"):
+        Freezer(model, optimizer, "none").close()
+    assert len(optimizer.param_groups[0]["params"]) == 6

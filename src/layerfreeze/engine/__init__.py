@@ -7,10 +7,12 @@ The folder's map: one mechanism per module, top to bottom; each imports only mod
 * ``steps`` -- a step's bookkeeping: after_backward / step / epoch_end (integrity checks), the optimizer hook that
   sums grad_l1; only freezer.py.
 * ``state`` -- the checkpointable state: state_dict / load_state_dict, STATE_VERSION; only freezer.py.
-* ``freezing`` -- a block's freeze and thaw wired to the Freezer's optimizer, hooks, checks and demotion; what a
-  closed Freezer left frozen, taken over by a new one; only freezer.py.
+* ``freezing`` -- a block's freeze and thaw wired to the Freezer's optimizer, hooks, checks and demotion; only
+  freezer.py.
 * ``attach`` -- an optimizer given after the Freezer was built (attach_optimizer), checked before anything changes;
   only freezer.py.
+* ``takeover`` -- a new Freezer on a model an earlier one froze (closed, or deep-copied with it): what it left frozen
+  trains again; freezer.py, attach.py.
 * ``stages`` -- a stage: context, admissible decisions, rank 0's shared (share_decision: anyone); freezer.py, steps.py.
 * ``lr_factors`` -- per-block LRs: the strategies' LR factors, a thaw's LR and its checks; freezer.py, steps.py,
   stages.py.

@@ -14,6 +14,7 @@ from layerfreeze.engine.lr_factors import apply_lr_scales, check_lr_scales, chec
 from layerfreeze.engine.mechanics import frozen_parameters, not_optimized
 from layerfreeze.engine.optim import group_origin, remove_from_optimizer
 from layerfreeze.engine.sharding import sharded
+from layerfreeze.engine.takeover import put_into
 
 if TYPE_CHECKING:
     from layerfreeze.engine.freezer import Freezer
@@ -49,6 +50,7 @@ def attach_optimizer(freezer: Freezer, optimizer: torch.optim.Optimizer, schedul
     freezer.optimizer = optimizer
     if scheduler is not None:
         freezer.scheduler = scheduler
+    put_into(freezer, optimizer, origin)  # what an earlier Freezer left frozen and this one took back
     freezer._origin = origin
     freezer._not_optimized = not_optimized(freezer.model, origin)
     freezer._lr_written = {}

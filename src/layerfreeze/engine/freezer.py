@@ -60,7 +60,7 @@ from layerfreeze.engine import steps
 from layerfreeze.engine.attach import attach_optimizer
 from layerfreeze.engine.demote import Demoter, build_demoter
 from layerfreeze.engine.demotion import Demotion
-from layerfreeze.engine.freezing import freeze_block, refreeze, take_back, take_over, thaw_block, warn_taken_back
+from layerfreeze.engine.freezing import freeze_block, refreeze, thaw_block
 from layerfreeze.engine.grad_signal import GradientSums
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
@@ -78,6 +78,7 @@ from layerfreeze.engine.optim import check_model_and_optimizer, group_origin
 from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, prefix_since, report_metric, run_length, start
+from layerfreeze.engine.takeover import take_over
 from layerfreeze.engine.timing import StepTimes
 from layerfreeze.models.blocks import Block, block_by_key, unassigned_warning
 from layerfreeze.models.discovery import discover_blocks, refuse_empty_parameters
@@ -184,7 +185,6 @@ class Freezer:
         check_model_and_optimizer(model, optimizer)
         check_strategy_arguments(strategy, strategy_params)
         refuse_second_freezer(model)
-        left_frozen = take_over(model)  # what a closed Freezer left frozen trains again (freezing.take_over)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -221,7 +221,8 @@ class Freezer:
         # what the user set before the Freezer, a thaw gives back as it was (mechanics.frozen_before, not_optimized)
         self._frozen_before = frozen_before(model)
         self._not_optimized = not_optimized(model, self._origin) if optimizer is not None else set()
-        taken_back = take_back(self, left_frozen) if left_frozen else []
+        self._taken_back: list[tuple[nn.Parameter, Any, int | None]] = []  # takeover.take_over: (param, its
+        # earlier Freezer's optimizer, its group there)
         self._hooks: dict[int, list[Any]] = {}
         self._root_eval_hook: Any = None  # registered at the first freeze (_eval_frozen_blocks)
         self.integrity = FrozenSet(on_unfrozen, warn=functools.partial(steps.integrity_warning, self),
@@ -261,7 +262,7 @@ class Freezer:
                 self.strategy.attach(model, self.blocks)
         try:
             start(self, floor)  # the floor, then the start stage; its LR factors already apply to the first step
-            warn_taken_back(self, taken_back)
+            take_over(self)  # what an earlier Freezer on the model left frozen trains again (engine/takeover.py)
             steps.hook_optimizer(self)
         except BaseException:
             self.close()  # nobody holds this Freezer to close it: release the strategy's hooks and threads here

@@ -11,14 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from layerfreeze.engine.mechanics import (
-    FROZEN_MARK,
-    closed_freezers,
-    frozen_parameters,
-    resume_training,
-    set_eval_mode,
-    stop_training,
-)
+from layerfreeze.engine.mechanics import frozen_parameters, resume_training, set_eval_mode, stop_training
 from layerfreeze.engine.optim import add_to_optimizer, remove_from_optimizer
 from layerfreeze.engine.sharding import sharded
 from layerfreeze.models.blocks import Block
@@ -105,55 +98,3 @@ def refreeze(freezer: Freezer, param: nn.Parameter, old: nn.Parameter | None) ->
             freezer._origin[id(param)] = freezer._origin.pop(id(old))
         if id(old) in freezer._names:
             freezer._names[id(param)] = freezer._names.pop(id(old))
-
-
-def take_over(model: nn.Module) -> list[nn.Parameter]:
-    """Make ``model`` what it was before any Freezer, for a new one (a second ``fit`` on the same model): remove the
-    eval-mode hooks of the closed Freezers that shared its parameters (they kept putting the blocks they froze in
-    eval mode before every forward, thawed or not: dropout off, BatchNorm statistics unchanged, in a block that
-    trains), and make trainable again each parameter a closed Freezer left frozen
-    (:data:`~layerfreeze.engine.mechanics.FROZEN_MARK`). What the user froze stays frozen.
-
-    Returns:
-        The parameters made trainable (for :func:`take_back`).
-    """
-    for other in closed_freezers(model):
-        for handle in [h for hooks in other._hooks.values() for h in hooks] + [other._root_eval_hook]:
-            if handle is not None:
-                handle.remove()
-        other._hooks, other._root_eval_hook = {}, None
-    left = [p for p in model.parameters() if not p.requires_grad and getattr(p, FROZEN_MARK, False)]
-    return resume_training(left, set())
-
-
-def take_back(freezer: Freezer, params: list[nn.Parameter]) -> list[Block]:
-    """Put ``params``, which a closed Freezer had left frozen and :func:`take_over` made trainable again, into
-    ``freezer``'s optimizer (param group 0 for one it does not hold: it was built while they were frozen), and their
-    blocks' modules out of eval mode.
-
-    Returns:
-        Their blocks, for :func:`warn_taken_back` once the strategy's start stage has run.
-    """
-    if freezer.optimizer is not None:
-        for p in params:
-            if id(p) not in freezer._origin:
-                add_to_optimizer(freezer.optimizer, [p], 0)
-                freezer._origin[id(p)] = 0
-    ids = {id(p) for p in params}
-    left = [b for b in freezer.blocks if any(id(p) in ids for p in b.parameters())]
-    for block in left:  # out of the eval mode their freeze set, as a thaw does
-        for _, module in block.modules:
-            module.train(freezer.model.training)
-    return left
-
-
-def warn_taken_back(freezer: Freezer, blocks: list[Block]) -> None:
-    """Warn naming the blocks of :func:`take_back` that train after the strategy's start stage: before, a new Freezer
-    on the model reported them trainable while they stayed frozen and never trained (a second ``fit`` on the same
-    model, its first Freezer closed); now they train, which the run before did not (a start stage that froze them
-    again needs no word)."""
-    names = [b.name for b in blocks if not freezer.frozen[b.index]]
-    if names:
-        warnings.warn(f"Freezer: block(s) {', '.join(names)} were left frozen by an earlier, closed Freezer on this "
-                      "model; they train again from this Freezer's start, where its strategy decides anew (to keep "
-                      "them frozen: Freezer(..., floor=[...]) or freezer.freeze(...))", stacklevel=3)

@@ -127,19 +127,6 @@ def refuse_second_freezer(model: nn.Module) -> None:
             "(LayerFreeze, LayerFreezeCallback) on one model do the same: use one")
 
 
-def closed_freezers(model: nn.Module) -> list[Any]:
-    """The closed Freezers whose model shares parameters with ``model`` and that are still alive: the eval-mode hooks
-    they left on the blocks they froze keep them (:func:`~layerfreeze.engine.freezing.take_over` removes them)."""
-    mine = {id(p) for p in model.parameters()}
-    found = []
-    for other_model, ref in list(_OPEN.items()):
-        other = ref()
-        if other is not None and other.closed and (
-                other_model is model or any(id(p) in mine for p in other_model.parameters())):
-            found.append(other)
-    return found
-
-
 def claim_model(model: nn.Module, freezer: Any) -> None:
     """Record ``freezer`` as ``model``'s open Freezer (:func:`refuse_second_freezer`)."""
     _OPEN[model] = weakref.ref(freezer)

@@ -533,3 +533,18 @@ def test_changed_inputs_name_every_likely_cause_not_only_augmentation():
     assert said.startswith("the inputs of sample 0 changed since its prefix output was cached. The cache keys each "
                            "sample by its 'index'")
     assert "random augmentation" in said and "a position within the batch" in said and "two datasets" in said
+
+
+def test_a_refused_tuple_batch_keeps_the_input_key_search_and_a_short_index_is_named():
+    # a (x, y) tuple batch was refused after the input-key search had been switched off: the next, right batch
+    # ({"x": ...}) was refused for lacking 'pixel_values'; an 'index' shorter than the batch failed with a shape error
+    # a call later
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 1}) as freezer:
+        runner = CachedPrefix(model, freezer=freezer)
+        x, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
+        with pytest.raises(TypeError, match="needs a dict batch"):
+            runner((x, y))
+        assert runner({"x": x, "labels": y, "index": torch.arange(4)}).shape == (4, 2)
+        with pytest.raises(ValueError, match=r"'index' holds 3 sample positions for 4 samples \(its 'x' has 4 rows"):
+            runner({"x": x, "labels": y, "index": torch.arange(3)})

@@ -248,3 +248,22 @@ def test_save_checkpoint_refuses_a_frozen_weight_that_moved(tmp_path):
         with pytest.raises(FrozenWeightsChangedError, match="'0'"):
             save_checkpoint(tmp_path / "ck", model, optimizer, freezer)
         assert not (tmp_path / "ck").exists() and not (tmp_path / "ck.tmp").exists()
+
+
+def test_an_outside_parameter_of_another_shape_is_refused_at_load(tmp_path):
+    # outside parameters are matched by param group and place: one of another shape loaded without a word and the
+    # first optimizer step failed with a size mismatch
+    def build(shape):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        scale = nn.Parameter(torch.ones(shape))
+        optimizer = torch.optim.AdamW([{"params": model.parameters()}, {"params": [scale]}], lr=0.1)
+        return model, scale, optimizer, Freezer(model, optimizer, "static", {"k": 1})
+
+    model, scale, optimizer, freezer = build((3,))
+    (model(torch.randn(2, 4)) * scale).sum().backward()
+    optimizer.step()
+    save_checkpoint(tmp_path / "ck", model, optimizer, freezer)
+    model2, _, optimizer2, freezer2 = build((5,))
+    with pytest.raises(CheckpointError, match=r"outside the model .* saved .*\[3\].* this run .*\[5\]"):
+        load_checkpoint(tmp_path / "ck", model2, optimizer2, freezer2)

@@ -429,3 +429,21 @@ def test_a_refused_freezer_takes_nothing_over():
     with pytest.warns(UserWarning, match="left frozen by an earlier Freezer"):
         Freezer(model, optimizer, "none").close()
     assert len(optimizer.param_groups[0]["params"]) == 6
+
+
+def test_a_thaw_lr_follows_a_sequential_lr_schedule():
+    # SequentialLR keeps no base_lrs of its own: the thaw's lr was lost at the next step (0.1, 0.05, ... in place of
+    # 0.7, 0.35, ...), the warning for a scheduler not given to the Freezer not firing since one was given
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(block_param_groups(model, discover_blocks(model), lr=0.1))
+    warm = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5)
+    scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warm, decay], milestones=[2])
+    with Freezer(model, optimizer, "static", {"k": 2}, scheduler=scheduler) as freezer:
+        freezer.thaw(0, lr=0.7)
+        lrs = []
+        for _ in range(4):
+            optimizer.step()
+            scheduler.step()
+            lrs.append((optimizer.param_groups[0]["lr"], optimizer.param_groups[3]["lr"]))
+    assert lrs == [(0.7, 0.1), (0.35, 0.05), (0.35, 0.05), (0.35, 0.05)]

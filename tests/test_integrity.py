@@ -272,3 +272,33 @@ def test_block_parameter_lists_are_walked_again_after_a_registration():
     assert params.of(0) == [model[0].weight, model[0].bias] and params.of(0) is not first
     walking = BlockParams(params.blocks, cache=False)  # FSDP2's choice: a new walk every call
     assert walking.of(0) == params.of(0) and walking.of(0) is not walking.of(0) and walking.version() is None
+
+
+def test_a_replaced_frozen_parameter_is_checksummed_anew_so_checkpoints_go_on(tmp_path):
+    # the re-frozen replacement kept the old parameter's checksum: every later checkpoint was refused as "a frozen
+    # weight that moved", while training went on
+    from layerfreeze import save_checkpoint
+    from layerfreeze.engine import FrozenWeightsChangedError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    freezer = Freezer(model, optimizer, "static", {"k": 1})
+
+    def step():
+        model(torch.randn(4, 4)).square().mean().backward()
+        freezer.after_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        freezer.step()
+
+    step()
+    model[0].weight = nn.Parameter(torch.randn(8, 4))  # loaded or resized weights
+    with pytest.warns(UserWarning, match="was replaced by a new Parameter"):
+        step()
+    save_checkpoint(tmp_path / "ck", model, optimizer, freezer)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # the replacement is guarded as the original was
+    with pytest.raises(FrozenWeightsChangedError):
+        save_checkpoint(tmp_path / "ck2", model, optimizer, freezer)
+    freezer.close()

@@ -88,9 +88,9 @@ def test_a_crash_cut_last_record_is_skipped_but_another_files_content_is_refused
     assert read_metrics(tmp_path) == [{"type": "step", "step": 1, "loss": 0.5}]
     path.write_text('{"type": "st')
     assert read_metrics(tmp_path) == []
-    for other in ("step,loss\n1,0.5", "PK\x03\x04 not json", "hello"):
+    for other in ("step,loss\n1,0.5", "PK\x03\x04 not json", "hello", '{"name": "some-package", "version": "1.0"}'):
         path.write_text(other)
-        with pytest.raises(RunFileError, match=r"metrics.jsonl: line \d is not valid JSON"):
+        with pytest.raises(RunFileError, match=r"metrics.jsonl: line \d (is not valid JSON|has no 'type')"):
             read_metrics(tmp_path)
 
 

@@ -19,7 +19,7 @@ from layerfreeze.models.blocks import Block
 from layerfreeze.models.discovery import split_for
 from layerfreeze.models.forward_split import ModelSplit
 
-__all__ = ["NOT_INPUTS", "names_its_input", "resolve_input_key", "sample_indices"]
+__all__ = ["NOT_INPUTS", "batch_indices", "names_its_input", "resolve_input_key", "sample_indices"]
 
 #: Batch keys that are never the model input (what :func:`resolve_input_key` skips when it looks for the input).
 NOT_INPUTS = frozenset({"index", "labels", "label", "label_ids", "y", "target", "targets"})
@@ -46,6 +46,22 @@ def sample_indices(index: Any) -> list[int]:
         return [int(i) for i in index]
     raise ValueError(f"the batch's 'index' must hold one integer sample position per sample (a tensor or a list of "
                      f"ints), got {type(index).__name__}: {index!r:.80}")
+
+
+def batch_indices(batch: Mapping[str, Any], input_key: str) -> list[int]:
+    """The batch's ``"index"`` (:func:`sample_indices`), one per sample of its input ``batch[input_key]``.
+
+    Raises:
+        ValueError: an ``"index"`` that is not one integer per sample, or holds another number of positions than
+            the input has rows (a sample's cached output would be read for another one, or a shape error later).
+    """
+    indices = sample_indices(batch["index"])
+    first = batch.get(input_key)
+    rows = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() > 0 else None
+    if rows is not None and rows != len(indices):
+        raise ValueError(f"the batch's 'index' holds {len(indices)} sample positions for {rows} samples (its "
+                         f"{input_key!r} has {rows} rows): give one position per sample, as the dataset's items do")
+    return indices
 
 
 def resolve_input_key(split: ModelSplit, model: nn.Module, blocks: Sequence[Block], batch: Any, *,

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from layerfreeze.compute.batch_inputs import names_its_input, resolve_input_key, sample_indices
+from layerfreeze.compute.batch_inputs import batch_indices, names_its_input, resolve_input_key, sample_indices
 from layerfreeze.compute.cache_policy import CachePolicy, _Plan
 from layerfreeze.compute.determinism import CHANGED_INPUTS, CacheRefused, check_prefix_deterministic
 from layerfreeze.compute.store import ActivationCache, CacheWriteError, pad_dim0
@@ -236,7 +236,8 @@ class CachedPrefix:
             CacheRefused: a stochastic prefix module, a trainable prefix parameter, or a sample whose inputs
                 changed since it was cached (unless ``fallback``).
             ValueError: no ``depth`` and no freezer; ``depth`` beyond the freezer's frozen prefix; no ``"index"``
-                (unless ``fallback``: the cache turns itself off).
+                (unless ``fallback``: the cache turns itself off); an ``"index"`` that is not one integer per sample
+                (:func:`~layerfreeze.compute.batch_inputs.batch_indices`).
             TypeError: ``batch`` is not a dict (a tuple batch).
         """
         if depth is None:
@@ -268,7 +269,7 @@ class CachedPrefix:
             if self.cache.depth != depth:
                 self.cache.advance(depth)
                 self._prune()
-            indices = sample_indices(batch["index"])
+            indices = batch_indices(batch, self.split.input_keys[0])
             self._check_inputs(indices, batch if host_batch is None else host_batch)
             plan = self._plan(batch, indices, depth)
         except CacheRefused as exc:
@@ -312,8 +313,8 @@ class CachedPrefix:
     def _check_input_keys(self, batch: dict[str, Any]) -> None:
         """The split's input is in ``batch`` (:func:`~layerfreeze.compute.batch_inputs.resolve_input_key`; its
         TypeError and ValueError); on the first call, its input key is found if the family lets it be named."""
-        find, self._find_input_key = self._find_input_key, False
-        self.split = resolve_input_key(self.split, self.model, self.blocks, batch, find=find)
+        self.split = resolve_input_key(self.split, self.model, self.blocks, batch, find=self._find_input_key)
+        self._find_input_key = False  # found (or the default one is there): a refused batch keeps the search on
 
     def _check_prefix(self, depth: int) -> None:
         if self.freezer is not None:

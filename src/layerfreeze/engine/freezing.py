@@ -88,7 +88,9 @@ def thaw_block(freezer: Freezer, block: Block) -> bool:
 
 def refreeze(freezer: Freezer, param: nn.Parameter, old: nn.Parameter | None) -> None:
     """:meth:`Freezer.refreeze_parameter <layerfreeze.engine.freezer.Freezer.refreeze_parameter>`: no grad, out of
-    the optimizer, and ``param`` takes over ``old``'s param-group origin and name."""
+    the optimizer, and ``param`` takes over ``old``'s param-group origin and name. A ``param`` that replaced ``old``
+    in a frozen block (``module.weight = nn.Parameter(...)``: loaded or resized weights, warned about) gets its own
+    checksum: the checkpoint's check of frozen weights refused every later checkpoint of the run."""
     param.requires_grad_(False)
     param.grad = None
     if freezer.optimizer is not None:
@@ -98,3 +100,8 @@ def refreeze(freezer: Freezer, param: nn.Parameter, old: nn.Parameter | None) ->
             freezer._origin[id(param)] = freezer._origin.pop(id(old))
         if id(old) in freezer._names:
             freezer._names[id(param)] = freezer._names.pop(id(old))
+        if freezer.demoter is None:  # a demoted block's checksum covers its float32 master copy
+            for block in freezer.blocks:
+                named = [(n, p) for n, p in freezer.named_frozen_parameters(block) if p is param]
+                if freezer.frozen[block.index] and named:
+                    freezer.integrity.retake(block.index, named)

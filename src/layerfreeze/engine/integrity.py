@@ -164,6 +164,12 @@ class FrozenSet:
         self.switched_on.discard(index)
         self.awaiting_update.pop(index, None)
 
+    def retake(self, index: int, named: list[tuple[str, nn.Parameter]]) -> None:
+        """Take the checksum of ``named`` (parameters that replaced others in frozen block ``index``) anew."""
+        if index in self.checksums:
+            self.checksums[index].update(checksum(named, self.gather))
+            self.params.setdefault(index, {}).update(named)
+
     def on_thaw(self, index: int) -> None:
         self._changes += 1
         self.params.pop(index, None)

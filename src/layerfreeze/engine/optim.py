@@ -128,6 +128,19 @@ def block_param_groups(
 SCHEDULED_KEYS = ("max_lr", "min_lr")
 
 
+def _schedulers(scheduler: Any) -> Any:
+    """``scheduler`` and, for a ``SequentialLR`` / ``ChainedScheduler``, the schedulers it runs (recursively), each
+    once; nothing for None."""
+    seen: set[int] = set()
+    todo = [scheduler] if scheduler is not None else []
+    while todo:
+        each = todo.pop()
+        if id(each) not in seen:
+            seen.add(id(each))
+            yield each
+            todo.extend(getattr(each, "_schedulers", None) or [])
+
+
 def set_group_lr(optimizer: torch.optim.Optimizer, group_index: int, lr: float, scheduler: Any = None,
                  base: float | None = None, current: float | None = None) -> None:
     """Give param group ``group_index`` the base learning rate ``lr``: its schedule scaled by ``lr / base``.
@@ -135,9 +148,12 @@ def set_group_lr(optimizer: torch.optim.Optimizer, group_index: int, lr: float, 
     Every learning rate of the group is scaled by that ratio: the LR of the next step (``current``, default the
     group's ``lr``: the schedule's factor at this step is kept, so a thaw during warmup or decay does not take one
     step at the unscheduled base), ``initial_lr``, OneCycleLR's / CyclicLR's ``max_lr`` and ``min_lr``, and the
-    scheduler's ``base_lrs`` and ``max_lrs`` entries. ``base`` is the group's base LR before (default: its
-    ``initial_lr``, else ``current``); when it is 0 the group's LRs are set to ``lr`` instead.
+    scheduler's ``base_lrs`` and ``max_lrs`` entries, and those of the schedulers a ``SequentialLR`` or
+    ``ChainedScheduler`` runs (it has none of its own: a warm-up then decay set the LR back at its next step).
+    ``base`` is the group's base LR before (default: its ``initial_lr``, else ``current``); when it is 0 the group's
+    LRs are set to ``lr`` instead.
     """
+    schedulers = list(_schedulers(scheduler))
     group = optimizer.param_groups[group_index]
     now = group["lr"] if current is None else current
     old = group.get("initial_lr", now) if base is None else base
@@ -145,8 +161,9 @@ def set_group_lr(optimizer: torch.optim.Optimizer, group_index: int, lr: float, 
         group["lr"] = lr
         if "initial_lr" in group:
             group["initial_lr"] = lr
-        if scheduler is not None and hasattr(scheduler, "base_lrs"):
-            scheduler.base_lrs[group_index] = lr
+        for each in schedulers:
+            if isinstance(getattr(each, "base_lrs", None), list) and group_index < len(each.base_lrs):
+                each.base_lrs[group_index] = lr
         return
     ratio = lr / old
 
@@ -157,10 +174,11 @@ def set_group_lr(optimizer: torch.optim.Optimizer, group_index: int, lr: float, 
     for key in ("initial_lr", *SCHEDULED_KEYS):
         if key in group:
             group[key] = scaled(group[key])
-    for name in ("base_lrs", "max_lrs"):
-        values = getattr(scheduler, name, None) if scheduler is not None else None
-        if isinstance(values, list) and group_index < len(values):
-            values[group_index] = scaled(values[group_index])
+    for each in schedulers:
+        for name in ("base_lrs", "max_lrs"):
+            values = getattr(each, name, None)
+            if isinstance(values, list) and group_index < len(values):
+                values[group_index] = scaled(values[group_index])
 
 
 def load_param_groups(optimizer: torch.optim.Optimizer, saved: Sequence[Sequence[str]],

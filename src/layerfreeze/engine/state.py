@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # a Freezer's state; the Freezer calls these, never the other
     from layerfreeze.engine.freezer import Freezer
 
 STATE_VERSION = 1
+_OUTSIDE = "<outside the model: "
 
 
 def state_dict(freezer: Freezer, full: bool = False) -> dict[str, Any]:
@@ -59,7 +60,14 @@ def state_dict(freezer: Freezer, full: bool = False) -> dict[str, Any]:
         names = {id(p): n for n, p in _named(freezer).items()}
         state["param_groups"] = [[names[id(p)] for p in g["params"]] for g in freezer.optimizer.param_groups]
         state["origin"] = {names[i]: gi for i, gi in freezer._origin.items() if i in names}
+        state["outside"] = _outside(freezer)
     return state
+
+
+def _outside(freezer: Freezer) -> dict[str, list[Any]]:
+    """``{name: [shape, dtype]}`` of the optimizer's parameters outside the model (:func:`_named`): what a resume
+    compares, since they are matched by place only."""
+    return {n: [list(p.shape), str(p.dtype)] for n, p in _named(freezer).items() if n.startswith(_OUTSIDE)}
 
 
 def _named(freezer: Freezer) -> dict[str, nn.Parameter]:
@@ -72,7 +80,7 @@ def _named(freezer: Freezer) -> dict[str, nn.Parameter]:
         mine = {id(p) for p in named.values()}
         for gi, group in enumerate(freezer.optimizer.param_groups):
             outside = [p for p in group["params"] if id(p) not in mine]
-            named.update((f"<outside the model: param group {gi}, #{k}>", p) for k, p in enumerate(outside))
+            named.update((f"{_OUTSIDE}param group {gi}, #{k}>", p) for k, p in enumerate(outside))
     return named
 
 
@@ -114,6 +122,12 @@ def load_state_dict(freezer: Freezer, state: dict[str, Any]) -> None:
             freezer.thaw(block.index, reason="resume")
     if freezer.optimizer is not None and "param_groups" in state:
         by_name = _named(freezer)
+        saved, now = state.get("outside"), _outside(freezer)
+        if saved is not None and saved != now:
+            raise ValueError(
+                f"the optimizer's parameters outside the model (matched by param group and place) differ from the "
+                f"checkpoint's: saved {saved}, this run {now}; build the optimizer as the saved run did, its outside "
+                "parameters in the same groups and order")
         load_param_groups(freezer.optimizer, state["param_groups"], by_name)
         freezer._origin = {id(by_name[n]): gi for n, gi in state["origin"].items()}
     freezer.integrity.load_state_dict(state.get("frozen_checksums", {}))

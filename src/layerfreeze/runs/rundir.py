@@ -238,8 +238,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         FileNotFoundError: no metrics file.
         RunFileError (a ValueError): a line other than the last is not valid JSON, the last is
             neither valid JSON nor the start of an object (another file's
-            content, not a crash's cut), or a line is not a JSON object; the
-            message names the file and line number.
+            content, not a crash's cut), or a line is not a JSON object with a
+            ``"type"``; the message names the file and line number.
     """
     path = Path(run_dir)
     if path.is_dir():
@@ -258,6 +258,9 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
                                "nor one a crash cut short") from err
         if not isinstance(record, dict):
             raise RunFileError(f"{path}: line {lineno} is not a JSON object, as every record a run writes is")
+        if not isinstance(record.get("type"), str):
+            raise RunFileError(f"{path}: line {lineno} has no 'type' (step, epoch, event, config), as every record a "
+                               "run writes has: it is another file's content")
         records.append(record)
     return records
 

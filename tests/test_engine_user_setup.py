@@ -447,3 +447,41 @@ def test_a_thaw_lr_follows_a_sequential_lr_schedule():
             scheduler.step()
             lrs.append((optimizer.param_groups[0]["lr"], optimizer.param_groups[3]["lr"]))
     assert lrs == [(0.7, 0.1), (0.35, 0.05), (0.35, 0.05), (0.35, 0.05)]
+
+
+def test_a_block_the_new_strategy_freezes_again_thaws_into_its_group_and_trains_in_training_mode():
+    # the earlier Freezer's hooks stayed on a block the new start stage froze again: thawed later, it trained in eval
+    # mode (BatchNorm statistics fixed, dropout off), in the weight-decay group, or (a deep copy) not at all
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5)), nn.Linear(8, 8),
+                          nn.Linear(8, 2))
+    decay = [model[0][0].weight, model[1].weight, model[2].weight]
+    no_decay = [model[0][0].bias, model[0][1].weight, model[0][1].bias, model[1].bias, model[2].bias]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}])
+    for _ in range(2):  # three Freezers in a row: static, static (block 0 frozen again), then a thaw
+        with Freezer(model, optimizer, "static", {"k": 1}):
+            pass
+    with Freezer(model, optimizer, "static", {"k": 1}) as third:
+        third.thaw(0)
+        assert [set(map(id, g["params"])) for g in optimizer.param_groups] == [set(map(id, decay)),
+                                                                              set(map(id, no_decay))]
+        mean = model[0][1].running_mean.clone()
+        model.train()
+        model(torch.randn(16, 4) * 3 + 2)
+        assert model[0][1].training and model[0][2].training and not torch.equal(mean, model[0][1].running_mean)
+    copied = copy.deepcopy(model)  # blocks 0 frozen by the third Freezer, carried into the copy
+    optimizer = torch.optim.SGD(copied.parameters(), lr=0.1)
+    with Freezer(copied, optimizer, "static", {"k": 1}) as freezer:
+        freezer.thaw(0)
+        assert copied[0][0].weight.requires_grad
+
+
+def test_a_floor_holding_the_head_freezes_nothing():
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="the floor cannot hold the head"):
+        Freezer(model, optimizer, "none", floor=[0, 2])
+    assert all(p.requires_grad for p in model.parameters()) and len(optimizer.param_groups[0]["params"]) == 6
+    assert not model[0]._forward_pre_hooks

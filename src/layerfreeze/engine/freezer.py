@@ -338,11 +338,12 @@ class Freezer:
         Raises:
             ValueError: a key is the head (a run must train something) or an unknown block.
         """
-        froze = []
-        for key in keys:
-            block = self.block(key)
+        blocks = [self.block(key) for key in keys]  # every key checked before anything freezes
+        for block in blocks:
             if block.is_head:
                 raise ValueError(f"the floor cannot hold the head ({block.name}): a run must train something")
+        froze = []
+        for block in blocks:
             self._floor.add(block.index)
             if self.freeze(block.index, reason=reason):
                 froze.append(block.index)
@@ -456,12 +457,17 @@ class Freezer:
     def verify_frozen_weights(self) -> None:
         """Check every frozen block's weights against their checksum from freeze time (bitwise).
 
+        A parameter that replaced one of a frozen block since the last :meth:`step` is re-frozen first, with its own
+        checksum and a warning (:class:`~layerfreeze.engine.integrity.FrozenSet`), as :meth:`step` would.
+
         Raises:
             FrozenWeightsChangedError: a frozen weight moved (the message names the block and parameter).
+            UnfrozenParameterError: a replaced or unfrozen parameter, with ``on_unfrozen="error"``.
 
         Under FSDP2 every rank calls it (it may reshard the model: :meth:`step`).
         """
         sharded(self._fsdp)
+        self.integrity.check(self)  # a parameter replaced since the last step is re-frozen first, and named
         self.integrity.verify_checksums(self)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:

@@ -38,56 +38,73 @@ def earlier_freezers(freezer: Freezer) -> list[Any]:
     return list(found.values())
 
 
-def _left_frozen(freezer: Freezer, other: Any, mine: set[int]) -> dict[int, list[nn.Parameter]]:
-    """``{block index of other: its parameters in freezer's model that other froze and freezer takes back}``: not
-    frozen by the user before ``other`` was built (by name, so that a deep copy's parameters are told apart too), not
-    in a block ``freezer`` froze, frozen still."""
-    names = {id(p): n for n, p in other.model.named_parameters()}
-    users = {other._names[i] for i in other._frozen_before if i in other._names}
-    kept = {id(p) for b in freezer.blocks if freezer.frozen[b.index] for p in b.parameters()}
-    left = {}
-    for block in other.blocks:
-        if other.frozen[block.index]:
-            params = [p for p in frozen_parameters(block, other.train_bn) if id(p) in mine and id(p) not in kept
-                      and not p.requires_grad and names.get(id(p)) not in users]
-            if params:
-                left[block.index] = params
-    return left
+def _release(other: Any, block: Any, model: nn.Module, train: bool) -> None:
+    """``other`` lets go of its frozen ``block``: its hooks leave the block's modules (by the hooks dict: a deep copy's
+    handles point at the original's), its record says the block is not frozen (its root hook skips it), its root
+    hook goes once it holds no block, and with ``train`` the modules take ``model``'s mode."""
+    for _, module in block.modules:
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if getattr(hook, "__self__", None) is other:
+                del module._forward_pre_hooks[key]
+        if train:
+            module.train(model.training)
+    other._hooks.pop(block.index, None)
+    other.frozen[block.index] = False
+    if not any(other.frozen):
+        for key, hook in list(other.model._forward_pre_hooks.items()):
+            if getattr(hook, "__self__", None) is other:
+                del other.model._forward_pre_hooks[key]
+        other._root_eval_hook = None
 
 
 def put_into(freezer: Freezer, optimizer: Any, origin: dict[int, int]) -> None:
     """Put the parameters :func:`take_over` made trainable that ``optimizer`` does not hold into it: the param group
     each had when the earlier Freezer's optimizer is ``optimizer`` (reused: a Trainer's second ``train()``), else
-    group 0 (an optimizer built while they were frozen, over what required grad); ``origin`` records the group."""
+    group 0 (an optimizer built while they were frozen, over what required grad); ``origin`` records the group. One
+    the new strategy froze again gets its earlier group recorded, for its thaw, when the optimizer is the same."""
     for p, earlier, group in freezer._taken_back:
-        if id(p) not in origin and p.requires_grad:
-            gi = group if earlier is optimizer and group is not None else 0
-            gi = min(gi, len(optimizer.param_groups) - 1)
+        if id(p) in origin:
+            continue
+        same = earlier is optimizer and group is not None
+        gi = min(group if same else 0, len(optimizer.param_groups) - 1)
+        if p.requires_grad:
             add_to_optimizer(optimizer, [p], gi)
+            origin[id(p)] = gi
+        elif same:
             origin[id(p)] = gi
 
 
 def take_over(freezer: Freezer) -> None:
     """Give ``freezer`` what earlier Freezers on its model left frozen (module docstring), once its strategy's start
-    stage has run; warn naming the blocks that train again."""
+    stage has run; warn naming the blocks that train again.
+
+    Every block of ``freezer``'s model that an earlier Freezer froze is let go of (:func:`_release`). Of its
+    parameters, those the user had frozen before that Freezer (told by name, so that a deep copy's are too) stay as
+    they are; the others are no longer taken as the user's (a thaw by ``freezer`` trains them) and keep their earlier
+    param group (:func:`put_into`), and those ``freezer``'s start stage did not freeze again train again.
+    """
     mine = {id(p) for p in freezer.model.parameters()}
+    kept = {id(p) for b in freezer.blocks if freezer.frozen[b.index]
+            for p in frozen_parameters(b, freezer.train_bn)}
     taken: list[nn.Parameter] = []
     for other in earlier_freezers(freezer):
-        for index, params in _left_frozen(freezer, other, mine).items():
-            for _, module in other.blocks[index].modules:  # its hooks stop putting the block in eval mode
-                for key, hook in list(module._forward_pre_hooks.items()):
-                    if getattr(hook, "__self__", None) is other:
-                        del module._forward_pre_hooks[key]  # not the handle: a deep copy's points at the original
-                module.train(freezer.model.training)
-            other._hooks.pop(index, None)
-            other.frozen[index] = False  # its root hook skips the block from now on
-            for p in params:
-                p.requires_grad_(True)
-                if hasattr(p, FROZEN_MARK):
-                    delattr(p, FROZEN_MARK)
+        names = {id(p): n for n, p in other.model.named_parameters()}
+        users = {other._names[i] for i in other._frozen_before if i in other._names}
+        for block in other.blocks:
+            ours = [p for p in frozen_parameters(block, other.train_bn) if id(p) in mine]
+            if not other.frozen[block.index] or not ours:
+                continue
+            _release(other, block, freezer.model, train=not any(id(p) in kept for p in ours))
+            for p in ours:
+                if names.get(id(p)) in users:
+                    continue
                 freezer._frozen_before.discard(id(p))
                 freezer._taken_back.append((p, other.optimizer, other._origin.get(id(p))))
-            taken += params
+                if id(p) not in kept and not p.requires_grad:
+                    p.requires_grad_(True)
+                    if hasattr(p, FROZEN_MARK):
+                        delattr(p, FROZEN_MARK)
+                    taken.append(p)
     if freezer.optimizer is not None:
         put_into(freezer, freezer.optimizer, freezer._origin)
     if taken:

@@ -626,3 +626,31 @@ def test_in_your_own_loop_the_cached_prefix_offloads_what_it_serves_and_trains_a
     losses, offloaded, back = run(Demotion("bfloat16", offload="cpu", directory=tmp_path / "b"))
     assert offloaded == [["0", "1"]] * 8 and back == []  # served blocks offloaded; brought back with the cache off
     assert losses == plain  # the same bfloat16 weights, wherever they are kept
+
+
+def test_a_deep_copy_of_a_model_with_demoted_blocks_is_refused_by_a_new_freezer():
+    # the copy carried bfloat16 weights and the open Freezer's demotion hooks, whose master copies are the original's:
+    # a new Freezer trained it in bfloat16 and its state_dict() returned the original model's weights
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    with Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 1},
+                 demote={"dtype": "bfloat16"}):
+        copied = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(copied.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"block\(s\) 0 are demoted by another Freezer .* after closing it"):
+        Freezer(copied, optimizer, "none")
+    assert copied[0].weight.dtype == torch.bfloat16 and len(optimizer.param_groups[0]["params"]) == 6  # untouched
+
+
+def test_a_replaced_parameter_in_a_demoted_frozen_block_is_refused():
+    # re-frozen with a warning, but the block's float32 master copy (what a checkpoint writes and a thaw restores)
+    # stayed the old weight: verify and save passed with weights other than the ones in use
+    from layerfreeze.engine import UnfrozenParameterError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Freezer(model, optimizer, "static", {"k": 1}, demote={"dtype": "bfloat16"}) as freezer:
+        model[0].weight = nn.Parameter(torch.randn(8, 4).to(torch.bfloat16))
+        with pytest.raises(UnfrozenParameterError, match="demoted frozen block '0' was replaced"):
+            freezer.verify_frozen_weights()

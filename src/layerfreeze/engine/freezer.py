@@ -78,7 +78,7 @@ from layerfreeze.engine.optim import check_model_and_optimizer, group_origin
 from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, prefix_since, report_metric, run_length, start
-from layerfreeze.engine.takeover import take_over
+from layerfreeze.engine.takeover import refuse_demoted_copy, take_over
 from layerfreeze.engine.timing import StepTimes
 from layerfreeze.models.blocks import Block, block_by_key, unassigned_warning
 from layerfreeze.models.discovery import discover_blocks, refuse_empty_parameters
@@ -156,6 +156,8 @@ class Freezer:
             FSDP2-sharded model.
         RuntimeError: the strategy needs ``total_steps`` and none was given (the message says to pass it); ``model``
             has an open Freezer (two would run two strategies over the same blocks: close the first).
+        ValueError: blocks of ``model`` are demoted by another Freezer (a ``copy.deepcopy`` taken while a Freezer
+            with ``demote`` was open: :func:`~layerfreeze.engine.takeover.refuse_demoted_copy`).
         ValueError: a ``floor`` block that is the head; ``total_steps``/``steps_per_epoch`` not an int >= 1.
 
     Use it as a context manager (``with Freezer(...) as freezer:``) or call :meth:`close` when training ends:
@@ -185,6 +187,7 @@ class Freezer:
         check_model_and_optimizer(model, optimizer)
         check_strategy_arguments(strategy, strategy_params)
         refuse_second_freezer(model)
+        refuse_demoted_copy(model, type(self))
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from layerfreeze.engine.integrity import UnfrozenParameterError
 from layerfreeze.engine.mechanics import frozen_parameters, resume_training, set_eval_mode, stop_training
 from layerfreeze.engine.optim import add_to_optimizer, remove_from_optimizer
 from layerfreeze.engine.sharding import sharded
@@ -90,7 +91,12 @@ def refreeze(freezer: Freezer, param: nn.Parameter, old: nn.Parameter | None) ->
     """:meth:`Freezer.refreeze_parameter <layerfreeze.engine.freezer.Freezer.refreeze_parameter>`: no grad, out of
     the optimizer, and ``param`` takes over ``old``'s param-group origin and name. A ``param`` that replaced ``old``
     in a frozen block (``module.weight = nn.Parameter(...)``: loaded or resized weights, warned about) gets its own
-    checksum: the checkpoint's check of frozen weights refused every later checkpoint of the run."""
+    checksum: the checkpoint's check of frozen weights refused every later checkpoint of the run.
+
+    Raises:
+        UnfrozenParameterError: ``param`` replaced one of a demoted block, whose float32 master copy is the old
+            weight's (a thaw would restore it, a checkpoint write it).
+    """
     param.requires_grad_(False)
     param.grad = None
     if freezer.optimizer is not None:
@@ -100,8 +106,13 @@ def refreeze(freezer: Freezer, param: nn.Parameter, old: nn.Parameter | None) ->
             freezer._origin[id(param)] = freezer._origin.pop(id(old))
         if id(old) in freezer._names:
             freezer._names[id(param)] = freezer._names.pop(id(old))
-        if freezer.demoter is None:  # a demoted block's checksum covers its float32 master copy
-            for block in freezer.blocks:
-                named = [(n, p) for n, p in freezer.named_frozen_parameters(block) if p is param]
-                if freezer.frozen[block.index] and named:
-                    freezer.integrity.retake(block.index, named)
+        for block in freezer.blocks:
+            named = [(n, p) for n, p in freezer.named_frozen_parameters(block) if p is param]
+            if not (freezer.frozen[block.index] and named):
+                continue
+            if freezer.demoter is not None and freezer.demoter.manages(block.index):
+                raise UnfrozenParameterError(
+                    f"parameter {named[0][0]!r} of demoted frozen block {block.name!r} was replaced: the block's "
+                    "float32 master copy, which a thaw restores and a checkpoint writes, is the old weight's. Thaw "
+                    "the block before replacing its weights (or build the Freezer without demote=)")
+            freezer.integrity.retake(block.index, named)

@@ -25,17 +25,36 @@ if TYPE_CHECKING:
     from layerfreeze.engine.freezer import Freezer
 
 
-def earlier_freezers(freezer: Freezer) -> list[Any]:
-    """The Freezers other than ``freezer`` whose eval-mode hooks are on ``freezer.model``'s modules: closed ones, and
-    deep copies (a copied model's hooks are bound to a copy of its Freezer, which nothing else knows of)."""
-    own = (type(freezer)._eval_hook, type(freezer)._eval_frozen_blocks)
+def earlier_freezers(model: nn.Module, cls: type, freezer: Any = None) -> list[Any]:
+    """The Freezers (of class ``cls``) other than ``freezer`` whose eval-mode hooks are on ``model``'s modules: closed
+    ones, and deep copies (a copied model's hooks are bound to a copy of its Freezer, which nothing else knows of)."""
+    own = (cls._eval_hook, cls._eval_frozen_blocks)
     found: dict[int, Any] = {}
-    for module in freezer.model.modules():
+    for module in model.modules():
         for hook in module._forward_pre_hooks.values():
             owner = getattr(hook, "__self__", None)
             if getattr(hook, "__func__", None) in own and owner is not freezer:
                 found[id(owner)] = owner
     return list(found.values())
+
+
+def refuse_demoted_copy(model: nn.Module, cls: type) -> None:
+    """Refuse a model whose blocks an earlier Freezer holds demoted: a ``copy.deepcopy`` taken while a Freezer with
+    ``demote`` was open carries bfloat16 weights and that Freezer's hooks, whose float32 master copies are the
+    original model's (a new Freezer trained the copy in bfloat16 and its ``state_dict()`` returned the original's
+    weights). A closed Freezer has given its blocks their float32 weights back.
+
+    Raises:
+        ValueError: naming the blocks, and what to do.
+    """
+    for other in earlier_freezers(model, cls):
+        demoted = [b.name for b in other.blocks if other.demoter is not None and other.demoter.is_demoted(b.index)]
+        if demoted:
+            raise ValueError(
+                f"this model's block(s) {', '.join(demoted)} are demoted by another Freezer (a copy.deepcopy of a "
+                "model taken while its Freezer with demote= was open): their weights are low-precision and their "
+                "float32 master copies are the original model's. Copy the model before building that Freezer or "
+                "after closing it (close() gives demoted blocks their float32 weights back)")
 
 
 def _release(other: Any, block: Any, model: nn.Module, train: bool) -> None:
@@ -87,7 +106,7 @@ def take_over(freezer: Freezer) -> None:
     kept = {id(p) for b in freezer.blocks if freezer.frozen[b.index]
             for p in frozen_parameters(b, freezer.train_bn)}
     taken: list[nn.Parameter] = []
-    for other in earlier_freezers(freezer):
+    for other in earlier_freezers(freezer.model, type(freezer), freezer):
         names = {id(p): n for n, p in other.model.named_parameters()}
         users = {other._names[i] for i in other._frozen_before if i in other._names}
         for block in other.blocks:

@@ -94,7 +94,8 @@ def set_block_lr(optimizer: torch.optim.Optimizer, origin: Mapping[int, int], bl
 
     ``lr`` is the base LR the schedule scales (:func:`~layerfreeze.engine.optim.set_group_lr`), as the scheduler's
     ``base_lrs``. Under OneCycleLR that is ``max_lr / div_factor`` (the LR it starts from): ``lr`` peaks at ``lr *
-    div_factor``, as the other groups' peaks are their ``initial_lr * div_factor``.
+    div_factor``, as the other groups' peaks are their ``initial_lr * div_factor``. ReduceLROnPlateau keeps no base
+    LR: there ``lr`` is the block's LR from now on, without the reductions made so far.
 
     Warns (UserWarning) when a group carries a scheduler's ``initial_lr`` but no ``scheduler`` was given: that
     scheduler's next step would set the group's LR back (pass ``scheduler=`` to the Freezer).

@@ -485,3 +485,38 @@ def test_a_floor_holding_the_head_freezes_nothing():
         Freezer(model, optimizer, "none", floor=[0, 2])
     assert all(p.requires_grad for p in model.parameters()) and len(optimizer.param_groups[0]["params"]) == 6
     assert not model[0]._forward_pre_hooks
+
+
+def test_what_a_new_freezer_cannot_take_over_is_refused_and_a_partly_refrozen_block_trains_in_training_mode():
+    # a Freezer on a submodule of a block an earlier Freezer froze reported it trainable while it stayed frozen; a
+    # block of the earlier Freezer frozen again only in part kept its other part in eval mode
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), nn.Linear(8, 8))
+    model = nn.Sequential(nn.Sequential(backbone, nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))),
+                          nn.Linear(8, 2))
+    with Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 1}, blocks=["0", "1"]):
+        pass
+    optimizer = torch.optim.SGD(backbone.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="block '0', frozen by an earlier Freezer on a larger model, reaches outside"):
+        Freezer(backbone, optimizer, "none")
+    model.train()
+    with pytest.warns(UserWarning, match=r"block\(s\) 0.1 were left frozen"):
+        second = Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 1},
+                         blocks=["0.0", "0.1", "1"])  # block 0.0 frozen again, 0.1 trains
+    with second:
+        bn = model[0][1][1]
+        mean = bn.running_mean.clone()
+        model(torch.randn(16, 4) * 3 + 2)
+        assert bn.training and not torch.equal(mean, bn.running_mean) and not model[0][0][0][1].training
+
+
+def test_gradual_after_an_earlier_freezer_with_the_same_per_block_optimizer():
+    # a Trainer's second train() with gradual: refused, as block 0's parameters had left the reused optimizer
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(block_param_groups(model, discover_blocks(model), 0.1), lr=0.1)
+    with Freezer(model, optimizer, "static", {"k": 2}):
+        pass
+    with Freezer(model, optimizer, "gradual", total_steps=40) as freezer:
+        assert freezer.frozen == [True, True, True, False]
+        freezer.thaw(0, lr=0.05)
+        assert optimizer.param_groups[0]["params"] == [model[0].weight, model[0].bias]

@@ -35,6 +35,9 @@ def attach_optimizer(freezer: Freezer, optimizer: torch.optim.Optimizer, schedul
     sharded(freezer._fsdp)
     check_optimizer_holds_sharded_parameters(freezer.model, optimizer, registered)
     origin = group_origin(optimizer)
+    for p, earlier, group in freezer._taken_back:  # a reused optimizer: the groups an earlier Freezer took them from
+        if earlier is optimizer and group is not None and id(p) not in origin:
+            origin[id(p)] = min(group, len(optimizer.param_groups) - 1)
     groups = [list(g["params"]) for g in optimizer.param_groups]
     frozen = [p for b in freezer.blocks if freezer.frozen[b.index] for p in frozen_parameters(b, freezer.train_bn)]
     state = {p: optimizer.state[p] for p in frozen if p in optimizer.state}

@@ -78,7 +78,7 @@ from layerfreeze.engine.optim import check_model_and_optimizer, group_origin
 from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, prefix_since, report_metric, run_length, start
-from layerfreeze.engine.takeover import refuse_demoted_copy, take_over
+from layerfreeze.engine.takeover import adopt_origins, check_earlier, take_over
 from layerfreeze.engine.timing import StepTimes
 from layerfreeze.models.blocks import Block, block_by_key, unassigned_warning
 from layerfreeze.models.discovery import discover_blocks, refuse_empty_parameters
@@ -157,7 +157,8 @@ class Freezer:
         RuntimeError: the strategy needs ``total_steps`` and none was given (the message says to pass it); ``model``
             has an open Freezer (two would run two strategies over the same blocks: close the first).
         ValueError: blocks of ``model`` are demoted by another Freezer (a ``copy.deepcopy`` taken while a Freezer
-            with ``demote`` was open: :func:`~layerfreeze.engine.takeover.refuse_demoted_copy`).
+            with ``demote`` was open), or a block an earlier Freezer froze reaches outside ``model``
+            (:func:`~layerfreeze.engine.takeover.check_earlier`).
         ValueError: a ``floor`` block that is the head; ``total_steps``/``steps_per_epoch`` not an int >= 1.
 
     Use it as a context manager (``with Freezer(...) as freezer:``) or call :meth:`close` when training ends:
@@ -187,7 +188,7 @@ class Freezer:
         check_model_and_optimizer(model, optimizer)
         check_strategy_arguments(strategy, strategy_params)
         refuse_second_freezer(model)
-        refuse_demoted_copy(model, type(self))
+        check_earlier(model, type(self))  # what a new Freezer cannot take over from earlier ones (takeover.py)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -221,6 +222,7 @@ class Freezer:
         self._origin: dict[int, int] = {}
         if optimizer is not None:
             self._origin = group_origin(optimizer)
+            adopt_origins(self)  # groups an earlier Freezer with this optimizer took parameters out of
         # what the user set before the Freezer, a thaw gives back as it was (mechanics.frozen_before, not_optimized)
         self._frozen_before = frozen_before(model)
         self._not_optimized = not_optimized(model, self._origin) if optimizer is not None else set()

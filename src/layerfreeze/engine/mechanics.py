@@ -109,6 +109,18 @@ def open_freezer(model: nn.Module) -> Any:
     return None
 
 
+def closed_freezers(model: nn.Module) -> list[Any]:
+    """The closed Freezers still alive (their hooks hold them) whose model shares parameters with ``model``."""
+    mine = {id(p) for p in model.parameters()}
+    found = []
+    for other_model, ref in list(_OPEN.items()):
+        other = ref()
+        if other is not None and other.closed and (
+                other_model is model or any(id(p) in mine for p in other_model.parameters())):
+            found.append(other)
+    return found
+
+
 def refuse_second_freezer(model: nn.Module) -> None:
     """Refuse a Freezer on a model that shares parameters with one that has an open Freezer (:func:`open_freezer`).
 

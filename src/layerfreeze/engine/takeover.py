@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from layerfreeze.engine.mechanics import FROZEN_MARK, frozen_parameters
+from layerfreeze.engine.mechanics import FROZEN_MARK, closed_freezers, frozen_parameters
 from layerfreeze.engine.optim import add_to_optimizer
 
 if TYPE_CHECKING:
@@ -26,10 +26,12 @@ if TYPE_CHECKING:
 
 
 def earlier_freezers(model: nn.Module, cls: type, freezer: Any = None) -> list[Any]:
-    """The Freezers (of class ``cls``) other than ``freezer`` whose eval-mode hooks are on ``model``'s modules: closed
-    ones, and deep copies (a copied model's hooks are bound to a copy of its Freezer, which nothing else knows of)."""
+    """The Freezers (of class ``cls``) other than ``freezer`` that froze blocks of ``model``: those whose eval-mode
+    hooks are on its modules, closed ones and deep copies (a copied model's hooks are bound to a copy of its Freezer,
+    which nothing else knows of), and the closed ones sharing its parameters (a Freezer on a parent model, whose
+    hooks sit on modules outside ``model``)."""
     own = (cls._eval_hook, cls._eval_frozen_blocks)
-    found: dict[int, Any] = {}
+    found: dict[int, Any] = {id(other): other for other in closed_freezers(model) if other is not freezer}
     for module in model.modules():
         for hook in module._forward_pre_hooks.values():
             owner = getattr(hook, "__self__", None)
@@ -38,15 +40,18 @@ def earlier_freezers(model: nn.Module, cls: type, freezer: Any = None) -> list[A
     return list(found.values())
 
 
-def refuse_demoted_copy(model: nn.Module, cls: type) -> None:
-    """Refuse a model whose blocks an earlier Freezer holds demoted: a ``copy.deepcopy`` taken while a Freezer with
-    ``demote`` was open carries bfloat16 weights and that Freezer's hooks, whose float32 master copies are the
-    original model's (a new Freezer trained the copy in bfloat16 and its ``state_dict()`` returned the original's
-    weights). A closed Freezer has given its blocks their float32 weights back.
+def check_earlier(model: nn.Module, cls: type) -> None:
+    """Refuse, before a new Freezer changes anything, what it cannot take over from earlier Freezers on ``model``.
 
     Raises:
-        ValueError: naming the blocks, and what to do.
+        ValueError: naming the blocks, and what to do: a block demoted by another Freezer (a ``copy.deepcopy`` taken
+            while a Freezer with ``demote`` was open carries low-precision weights whose float32 master copies are the
+            original model's: a new Freezer trained the copy in bfloat16 and its ``state_dict()`` returned the
+            original's weights; a closed Freezer has given them back), or a frozen block that reaches outside
+            ``model`` (a Freezer on a submodule of it: letting go of the block would leave its other part frozen
+            with nothing keeping it in eval mode, keeping it would report frozen weights as trainable).
     """
+    mine = {id(p) for p in model.parameters()}
     for other in earlier_freezers(model, cls):
         demoted = [b.name for b in other.blocks if other.demoter is not None and other.demoter.is_demoted(b.index)]
         if demoted:
@@ -55,6 +60,25 @@ def refuse_demoted_copy(model: nn.Module, cls: type) -> None:
                 "model taken while its Freezer with demote= was open): their weights are low-precision and their "
                 "float32 master copies are the original model's. Copy the model before building that Freezer or "
                 "after closing it (close() gives demoted blocks their float32 weights back)")
+        for block in other.blocks:
+            inside = [id(p) in mine for p in frozen_parameters(block, other.train_bn)]
+            if other.frozen[block.index] and any(inside) and not all(inside):
+                raise ValueError(
+                    f"block {block.name!r}, frozen by an earlier Freezer on a larger model, reaches outside this "
+                    "model: part of its weights are here, part outside. Build the Freezer on the model that holds "
+                    "the whole block, or on one that holds none of it")
+
+
+def adopt_origins(freezer: Freezer) -> None:
+    """Before ``freezer``'s own checks: the param groups that earlier Freezers sharing its optimizer recorded for the
+    parameters they took out of it, as if ``freezer`` had taken them out (a Trainer's second ``train()``: a thaw
+    learning rate's check of one group per block refused a block whose parameters had left the optimizer)."""
+    mine = {id(p) for p in freezer.model.parameters()}
+    for other in earlier_freezers(freezer.model, type(freezer), freezer):
+        if other.optimizer is not None and other.optimizer is freezer.optimizer:
+            for i, gi in other._origin.items():
+                if i in mine and i not in freezer._origin and gi < len(freezer.optimizer.param_groups):
+                    freezer._origin[i] = gi
 
 
 def _release(other: Any, block: Any, model: nn.Module, train: bool) -> None:
@@ -81,15 +105,15 @@ def put_into(freezer: Freezer, optimizer: Any, origin: dict[int, int]) -> None:
     each had when the earlier Freezer's optimizer is ``optimizer`` (reused: a Trainer's second ``train()``), else
     group 0 (an optimizer built while they were frozen, over what required grad); ``origin`` records the group. One
     the new strategy froze again gets its earlier group recorded, for its thaw, when the optimizer is the same."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     for p, earlier, group in freezer._taken_back:
-        if id(p) in origin:
-            continue
         same = earlier is optimizer and group is not None
-        gi = min(group if same else 0, len(optimizer.param_groups) - 1)
-        if p.requires_grad:
+        gi = origin.get(id(p), min(group if same else 0, len(optimizer.param_groups) - 1))
+        if p.requires_grad and id(p) not in held:
             add_to_optimizer(optimizer, [p], gi)
+            held.add(id(p))
             origin[id(p)] = gi
-        elif same:
+        elif not p.requires_grad and same and id(p) not in origin:
             origin[id(p)] = gi
 
 
@@ -113,7 +137,7 @@ def take_over(freezer: Freezer) -> None:
             ours = [p for p in frozen_parameters(block, other.train_bn) if id(p) in mine]
             if not other.frozen[block.index] or not ours:
                 continue
-            _release(other, block, freezer.model, train=not any(id(p) in kept for p in ours))
+            _release(other, block, freezer.model, train=True)
             for p in ours:
                 if names.get(id(p)) in users:
                     continue
@@ -124,6 +148,7 @@ def take_over(freezer: Freezer) -> None:
                     if hasattr(p, FROZEN_MARK):
                         delattr(p, FROZEN_MARK)
                     taken.append(p)
+    freezer.eval_frozen()  # the modules released took the model's mode: its own frozen blocks back in eval mode
     if freezer.optimizer is not None:
         put_into(freezer, freezer.optimizer, freezer._origin)
     if taken:

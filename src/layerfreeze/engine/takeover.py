@@ -8,7 +8,9 @@ frozen, dropout off) in a block that trains. :func:`take_over` gives the new Fre
 once its own start stage has run: every parameter of the new model that the earlier Freezer froze, that the user had
 not frozen before it, and that the new strategy did not freeze again, trains again (in the new optimizer: the param
 group it had when the same optimizer is reused, else group 0), its block's modules leave eval mode and the earlier
-Freezer's hooks stop touching that block. Blocks outside the new model keep the earlier Freezer's state and hooks.
+Freezer's hooks stop touching that block. Blocks outside the new model keep the earlier Freezer's state and hooks;
+what cannot be taken over (a block reaching outside the new model, blocks a deep copy's Freezer holds demoted) is
+refused before the new Freezer changes anything (:func:`check_earlier`).
 """
 
 from __future__ import annotations
@@ -81,16 +83,15 @@ def adopt_origins(freezer: Freezer) -> None:
                     freezer._origin[i] = gi
 
 
-def _release(other: Any, block: Any, model: nn.Module, train: bool) -> None:
+def _release(other: Any, block: Any, model: nn.Module) -> None:
     """``other`` lets go of its frozen ``block``: its hooks leave the block's modules (by the hooks dict: a deep copy's
-    handles point at the original's), its record says the block is not frozen (its root hook skips it), its root
-    hook goes once it holds no block, and with ``train`` the modules take ``model``'s mode."""
+    handles point at the original's), the modules take ``model``'s mode, its record says the block is not frozen (its
+    root hook skips it), and its root hook goes once it holds no block."""
     for _, module in block.modules:
         for key, hook in list(module._forward_pre_hooks.items()):
             if getattr(hook, "__self__", None) is other:
                 del module._forward_pre_hooks[key]
-        if train:
-            module.train(model.training)
+        module.train(model.training)
     other._hooks.pop(block.index, None)
     other.frozen[block.index] = False
     if not any(other.frozen):
@@ -137,7 +138,7 @@ def take_over(freezer: Freezer) -> None:
             ours = [p for p in frozen_parameters(block, other.train_bn) if id(p) in mine]
             if not other.frozen[block.index] or not ours:
                 continue
-            _release(other, block, freezer.model, train=True)
+            _release(other, block, freezer.model)
             for p in ours:
                 if names.get(id(p)) in users:
                     continue

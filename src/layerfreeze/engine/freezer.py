@@ -255,8 +255,6 @@ class Freezer:
                                    distributed=self.distributed)
         #: The :class:`~layerfreeze.engine.demote.Demoter` of ``demote`` (None without it): also a byte source of
         #: the memory ledger (master copies, offloaded weights).
-        #: The :class:`~layerfreeze.engine.demote.Demoter` of ``demote`` (None without it): also a byte source of
-        #: the memory ledger (master copies, offloaded weights).
         self.demoter: Demoter | None = build_demoter(demote, self.blocks, train_bn=train_bn, sharded=bool(self._fsdp))
         check_thaw_lrs(optimizer, self._origin, self.blocks, self.strategy)  # before attach: nothing to release
         if self.decides:

@@ -104,3 +104,15 @@ def test_the_report_of_a_damaged_metrics_file_is_one_line(tmp_path):
                           text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().startswith("layerfreeze: error:") and "line 1 is not valid JSON" in done.stderr
+
+
+def test_a_compare_json_of_something_else_is_refused(tmp_path):
+    # '[{"x": 1}]' made an empty comparison report
+    from layerfreeze.runs.rundir import COMPARE_JSON, read_compare
+
+    for other in ('[{"x": 1}]', '{"row": "none"}', '[1, 2]'):
+        (tmp_path / COMPARE_JSON).write_text(other)
+        with pytest.raises(RunFileError, match="expected a list of row objects, each with its 'row' name"):
+            read_compare(tmp_path)
+    (tmp_path / COMPARE_JSON).write_text('[{"row": "none", "stopped": "not run"}]')
+    assert read_compare(tmp_path) == [{"row": "none", "stopped": "not run"}]

@@ -211,7 +211,7 @@ def read_compare(compare_dir: Path) -> list[dict[str, Any]]:
 
     Raises:
         FileNotFoundError: no ``compare.json``.
-        RunFileError (a ValueError): it is not valid JSON, or not a list of objects.
+        RunFileError (a ValueError): it is not valid JSON, or not a list of objects each with a ``"row"`` name.
     """
     path = compare_dir / COMPARE_JSON
     try:
@@ -219,8 +219,9 @@ def read_compare(compare_dir: Path) -> list[dict[str, Any]]:
     except ValueError as exc:
         raise RunFileError(f"{path}: not valid JSON ({exc}): it is not the file `layerfreeze compare` writes; run the "
                            "comparison again into a new folder") from exc
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise RunFileError(f"{path}: expected a list of row objects, as `layerfreeze compare` writes")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("row"), str) for r in rows):
+        raise RunFileError(f"{path}: expected a list of row objects, each with its 'row' name, as `layerfreeze "
+                           "compare` writes")
     return [dict(r) for r in rows]
 
 

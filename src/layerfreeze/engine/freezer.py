@@ -188,7 +188,8 @@ class Freezer:
         check_model_and_optimizer(model, optimizer)
         check_strategy_arguments(strategy, strategy_params)
         refuse_second_freezer(model)
-        check_earlier(model, type(self))  # what a new Freezer cannot take over from earlier ones (takeover.py)
+        #: Earlier Freezers on the model (closed, or deep copies): what take_over takes from (engine/takeover.py).
+        self._earlier = check_earlier(model, type(self))  # refuses what cannot be taken over
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler

@@ -96,29 +96,28 @@ def frozen_blocks_to_eval(blocks: list[Block], frozen: list[bool], train_bn: boo
 _OPEN: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 
 
-def open_freezer(model: nn.Module) -> Any:
-    """The open Freezer (built, not closed) whose model shares parameters with ``model`` (the model itself, a
-    submodule or a parent of it, a ``torch.compile`` wrapper of it), or None. What to close when a Freezer was
-    dropped without :meth:`~layerfreeze.engine.Freezer.close`: its hooks on the model keep it alive, and at work."""
-    mine = {id(p) for p in model.parameters()}
-    for other_model, ref in list(_OPEN.items()):
-        other = ref()
-        if other is not None and not other.closed and (
-                other_model is model or any(id(p) in mine for p in other_model.parameters())):
-            return other
-    return None
-
-
-def closed_freezers(model: nn.Module) -> list[Any]:
-    """The closed Freezers still alive (their hooks hold them) whose model shares parameters with ``model``."""
+def _sharing(model: nn.Module) -> list[Any]:
+    """The registered Freezers still alive whose model shares parameters with ``model`` (the model itself, a
+    submodule or a parent of it, a ``torch.compile`` wrapper of it), open or closed."""
     mine = {id(p) for p in model.parameters()}
     found = []
     for other_model, ref in list(_OPEN.items()):
         other = ref()
-        if other is not None and other.closed and (
-                other_model is model or any(id(p) in mine for p in other_model.parameters())):
+        if other is not None and (other_model is model or any(id(p) in mine for p in other_model.parameters())):
             found.append(other)
     return found
+
+
+def open_freezer(model: nn.Module) -> Any:
+    """The open Freezer (built, not closed) whose model shares parameters with ``model`` (:func:`_sharing`), or
+    None. What to close when a Freezer was dropped without :meth:`~layerfreeze.engine.Freezer.close`: its hooks on
+    the model keep it alive, and at work."""
+    return next((other for other in _sharing(model) if not other.closed), None)
+
+
+def closed_freezers(model: nn.Module) -> list[Any]:
+    """The closed Freezers still alive (their hooks hold them) whose model shares parameters with ``model``."""
+    return [other for other in _sharing(model) if other.closed]
 
 
 def refuse_second_freezer(model: nn.Module) -> None:

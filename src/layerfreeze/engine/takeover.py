@@ -27,23 +27,26 @@ if TYPE_CHECKING:
     from layerfreeze.engine.freezer import Freezer
 
 
-def earlier_freezers(model: nn.Module, cls: type, freezer: Any = None) -> list[Any]:
-    """The Freezers (of class ``cls``) other than ``freezer`` that froze blocks of ``model``: those whose eval-mode
-    hooks are on its modules, closed ones and deep copies (a copied model's hooks are bound to a copy of its Freezer,
-    which nothing else knows of), and the closed ones sharing its parameters (a Freezer on a parent model, whose
-    hooks sit on modules outside ``model``)."""
+def earlier_freezers(model: nn.Module, cls: type) -> list[Any]:
+    """The Freezers (of class ``cls``) that froze blocks of ``model``, before a new one is built on it: those whose
+    eval-mode hooks are on its modules, closed ones and deep copies (a copied model's hooks are bound to a copy of its
+    Freezer, which nothing else knows of), and the closed ones sharing its parameters (a Freezer on a parent model,
+    whose hooks sit on modules outside ``model``)."""
     own = (cls._eval_hook, cls._eval_frozen_blocks)
-    found: dict[int, Any] = {id(other): other for other in closed_freezers(model) if other is not freezer}
+    found: dict[int, Any] = {id(other): other for other in closed_freezers(model)}
     for module in model.modules():
         for hook in module._forward_pre_hooks.values():
             owner = getattr(hook, "__self__", None)
-            if getattr(hook, "__func__", None) in own and owner is not freezer:
+            if getattr(hook, "__func__", None) in own:
                 found[id(owner)] = owner
     return list(found.values())
 
 
-def check_earlier(model: nn.Module, cls: type) -> None:
+def check_earlier(model: nn.Module, cls: type) -> list[Any]:
     """Refuse, before a new Freezer changes anything, what it cannot take over from earlier Freezers on ``model``.
+
+    Returns:
+        The earlier Freezers (:func:`earlier_freezers`), for :func:`adopt_origins` and :func:`take_over`.
 
     Raises:
         ValueError: naming the blocks, and what to do: a block demoted by another Freezer (a ``copy.deepcopy`` taken
@@ -54,7 +57,8 @@ def check_earlier(model: nn.Module, cls: type) -> None:
             with nothing keeping it in eval mode, keeping it would report frozen weights as trainable).
     """
     mine = {id(p) for p in model.parameters()}
-    for other in earlier_freezers(model, cls):
+    earlier = earlier_freezers(model, cls)
+    for other in earlier:
         demoted = [b.name for b in other.blocks if other.demoter is not None and other.demoter.is_demoted(b.index)]
         if demoted:
             raise ValueError(
@@ -69,6 +73,7 @@ def check_earlier(model: nn.Module, cls: type) -> None:
                     f"block {block.name!r}, frozen by an earlier Freezer on a larger model, reaches outside this "
                     "model: part of its weights are here, part outside. Build the Freezer on the model that holds "
                     "the whole block, or on one that holds none of it")
+    return earlier
 
 
 def adopt_origins(freezer: Freezer) -> None:
@@ -76,7 +81,7 @@ def adopt_origins(freezer: Freezer) -> None:
     parameters they took out of it, as if ``freezer`` had taken them out (a Trainer's second ``train()``: a thaw
     learning rate's check of one group per block refused a block whose parameters had left the optimizer)."""
     mine = {id(p) for p in freezer.model.parameters()}
-    for other in earlier_freezers(freezer.model, type(freezer), freezer):
+    for other in freezer._earlier:
         if other.optimizer is not None and other.optimizer is freezer.optimizer:
             for i, gi in other._origin.items():
                 if i in mine and i not in freezer._origin and gi < len(freezer.optimizer.param_groups):
@@ -131,7 +136,7 @@ def take_over(freezer: Freezer) -> None:
     kept = {id(p) for b in freezer.blocks if freezer.frozen[b.index]
             for p in frozen_parameters(b, freezer.train_bn)}
     taken: list[nn.Parameter] = []
-    for other in earlier_freezers(freezer.model, type(freezer), freezer):
+    for other in freezer._earlier:
         names = {id(p): n for n, p in other.model.named_parameters()}
         users = {other._names[i] for i in other._frozen_before if i in other._names}
         for block in other.blocks:

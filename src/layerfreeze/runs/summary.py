@@ -98,6 +98,12 @@ def format_seconds(s: float) -> str:
     return f"{h}h {m:02d}m {sec:02d}s"
 
 
+def partial_mark(steps: Sequence[int] | None) -> str:
+    """``" (partial: 20 of 52 steps)"`` for an epoch's ``[steps run, batches in a full epoch]`` that ran fewer than
+    its batches; ``""`` for a full one or None (not recorded)."""
+    return f" (partial: {steps[0]} of {steps[1]} steps)" if steps and steps[0] < steps[1] else ""
+
+
 def epoch_times_text(times: Sequence[float], steps: Sequence[Sequence[int]] | None = None) -> str:
     """``time per epoch`` as the summary and the report show it: the mean over the full epochs, then each epoch.
 
@@ -118,12 +124,11 @@ def epoch_times_text(times: Sequence[float], steps: Sequence[Sequence[int]] | No
     partial = {i for i, (ran, of) in enumerate(runs) if ran < of}
     full = [t for i, t in enumerate(values) if i not in partial]
     if not full:  # one epoch, cut short
-        return ", ".join(f"{t:.2f} s (partial: {ran} of {of} steps)" for t, (ran, of) in zip(values, runs))
+        return ", ".join(f"{t:.2f} s{partial_mark(r)}" for t, r in zip(values, runs))
     mean = sum(full) / len(full)
     head = f"mean {mean:.2f} s" + (f" over {len(full)} full epoch{'s' * (len(full) != 1)}" if partial else "")
     if len(values) <= 10:
-        listed = ", ".join(f"{t:.2f}" + (f" (partial: {runs[i][0]} of {runs[i][1]} steps)" if i in partial else "")
-                           for i, t in enumerate(values))
+        listed = ", ".join(f"{t:.2f}{partial_mark(runs[i]) if runs else ''}" for i, t in enumerate(values))
         return f"{head}  [{listed}] s"
     cut = "".join(f"; epoch {i + 1} partial: {values[i]:.2f} s, {runs[i][0]} of {runs[i][1]} steps"
                   for i in sorted(partial))

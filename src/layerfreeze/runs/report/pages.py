@@ -31,7 +31,14 @@ from layerfreeze.runs.report.plots import (
 )
 from layerfreeze.runs.report.read import Run, find_row_dir, load_compare, load_run, num
 from layerfreeze.runs.rundir import Event, finite
-from layerfreeze.runs.summary import format_bytes, format_flops, format_seconds, memory_lines, wall_time_label
+from layerfreeze.runs.summary import (
+    format_bytes,
+    format_flops,
+    format_seconds,
+    memory_lines,
+    partial_mark,
+    wall_time_label,
+)
 
 
 def _fmt_flops(x: Any) -> str:
@@ -210,7 +217,7 @@ def _run_summary_rows(run: Run) -> list[tuple[str, str]]:
         runs = run.get("epoch_steps") if run.get("time_per_epoch_s") else None
         runs = runs if isinstance(runs, list) and len(runs) == len(per_epoch) else [None] * len(per_epoch)
         rows.append(("time per epoch", _e(", ".join(
-            _fmt_seconds(t) + (f" (partial: {r[0]} of {r[1]} steps)" if r and r[0] < r[1] else "")
+            _fmt_seconds(t) + partial_mark(r)
             for t, r in zip(per_epoch, runs)))))
     flops_total = run.get("flops_total")
     if not finite(flops_total) and len(run.flops):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from layerfreeze import Freezer, block_param_groups, discover_blocks
+from layerfreeze import Freezer, block_param_groups, discover_blocks, release_earlier_freezers
 from layerfreeze.strategies import Decision, Strategy
 
 
@@ -520,3 +520,82 @@ def test_gradual_after_an_earlier_freezer_with_the_same_per_block_optimizer():
         assert freezer.frozen == [True, True, True, False]
         freezer.thaw(0, lr=0.05)
         assert optimizer.param_groups[0]["params"] == [model[0].weight, model[0].bias]
+
+
+def _normed_stack():
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(4 if i == 0 else 8, 8), nn.LayerNorm(8)) for i in range(3)),
+                         nn.Linear(8, 2))
+
+
+def _no_decay(name, p):
+    return name.endswith("bias") or p.ndim == 1
+
+
+def _left_frozen_by_static(model, k=2):
+    with Freezer(model, torch.optim.AdamW(model.parameters()), "static", {"k": k}):
+        pass
+
+
+@pytest.mark.parametrize("strategy", ["none", "gradual"])
+def test_taken_back_blocks_go_to_their_own_block_groups_in_an_optimizer_built_over_what_requires_grad(strategy):
+    # the CLI's build_optimizer after an earlier run: every taken-back parameter went to group 0 (block 0's decay
+    # group: block 1's weights at block 0's LR, every bias and norm under weight decay), and gradual was refused
+    # ("none of its parameters is in a param group") for an optimizer built from block_param_groups
+    model = _normed_stack()
+    _left_frozen_by_static(model)
+    groups = block_param_groups(model, discover_blocks(model), lr=0.1, weight_decay=0.1, lr_decay=2.0,
+                                no_decay=_no_decay)
+    for g in groups:
+        g["params"] = [p for p in g["params"] if p.requires_grad]
+    optimizer = torch.optim.AdamW(groups, lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        freezer = Freezer(model, optimizer, strategy, total_steps=40)
+    # none trains them again (and says so); gradual's start stage froze them again, its thaws train them
+    assert [str(w.message)[:44] for w in caught] == (["Freezer: block(s) 0, 1 were left frozen by a"]
+                                                     if strategy == "none" else [])
+    with freezer:
+        for block in range(3):
+            freezer.thaw(block)  # gradual's start froze them again: its thaw puts them where none's take-over does
+        expected = [[model[b][0].weight] if i % 2 == 0 else [model[b][0].bias, model[b][1].weight, model[b][1].bias]
+                    for b in range(3) for i in range(2)] + [[model[3].weight], [model[3].bias]]
+        assert [g["params"] for g in optimizer.param_groups] == expected
+        assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0] * 4
+
+
+def test_taken_back_biases_and_norms_join_the_no_decay_group_of_a_two_group_optimizer():
+    # the HF Trainer's groups (decay, no decay), built over what requires grad: the taken-back LayerNorm and biases
+    # were put under weight decay, and the resumed Trainer's optimizer did not load the checkpoint
+    model = _normed_stack()
+    _left_frozen_by_static(model)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([{"params": [p for n, p in named if not _no_decay(n, p)], "weight_decay": 0.1},
+                                   {"params": [p for n, p in named if _no_decay(n, p)], "weight_decay": 0.0}])
+    with pytest.warns(UserWarning, match="left frozen"), Freezer(model, optimizer, "none"):
+        names = {id(p): n for n, p in model.named_parameters()}
+        held = [sorted(names[id(p)] for p in g["params"]) for g in optimizer.param_groups]
+    everything = dict(model.named_parameters())
+    assert held == [sorted(n for n, p in everything.items() if not _no_decay(n, p)),
+                    sorted(n for n, p in everything.items() if _no_decay(n, p))]
+
+
+def test_release_earlier_freezers_before_the_optimizer_keeps_the_users_frozen_parameters():
+    model = _normed_stack()
+    model[1][1].weight.requires_grad_(False)  # the user's own freeze, before any Freezer
+    _left_frozen_by_static(model, k=3)
+    model.train()
+    model(torch.randn(2, 4))  # the frozen blocks' eval-mode hooks run
+    assert not model[0][0].weight.requires_grad and not model[0][1].training
+    with pytest.warns(UserWarning, match=r"block\(s\) 0, 1, 2 were left frozen .* trainable again before the "
+                                         "optimizer is built"):
+        released = release_earlier_freezers(model)
+    assert released == ["0", "1", "2"]
+    assert [n for n, p in model.named_parameters() if not p.requires_grad] == ["1.1.weight"]
+    model(torch.randn(2, 4))
+    assert all(m.training for m in model.modules())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is left to take over
+        assert release_earlier_freezers(model) == []
+        with Freezer(model, torch.optim.AdamW(p for p in model.parameters() if p.requires_grad), "none") as freezer:
+            assert freezer.frozen == [False] * 4

@@ -7,6 +7,7 @@ callback given in the Trainer's constructor or attached to it."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -342,3 +343,43 @@ def test_train_again_after_a_train_that_raised_with_the_same_callback(tmp_path):
     trainer.train()
     assert first.closed and callback.freezer is not first and trainer.state.global_step == 4
     assert not model.bert.embeddings.word_embeddings.weight.requires_grad
+
+
+@pytest.mark.parametrize("form", ["attach", "constructor"])
+def test_a_second_trainer_after_a_first_ones_freezes_resumes_from_its_own_checkpoint(tmp_path, form):
+    # phase 2 with a new Trainer on the model phase 1 left frozen: create_optimizer took only what required grad, the
+    # take-over put the embeddings' LayerNorm and every bias into the decay group, and resuming phase 2 failed
+    # ("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+    def phase1(model):
+        train(tmp_path / "p1", "static", {"k": 2}, model=model, max_steps=4)
+
+    def phase2(model, resume=None, warned=True):
+        args = arguments(tmp_path / "p2", max_steps=6, save_strategy="steps", save_steps=3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(),
+                              callbacks=[LayerFreezeCallback("none")] if form == "constructor" else [])
+            if form == "attach":
+                LayerFreezeCallback("none").attach(trainer)
+        said = [str(w.message) for w in caught if "left frozen" in str(w.message)]
+        assert said == (["Freezer: block(s) bert.embeddings, bert.encoder.layer.0 were left frozen by an earlier "
+                         "Freezer on this model (closed, or copied with it); they are trainable again before the "
+                         "optimizer is built, and the next Freezer's strategy decides anew"] if warned else [])
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    model = tiny_bert()
+    phase1(model)
+    full = phase2(model)
+    decays = [sorted(n for n, p in model.named_parameters() if any(p is q for q in g["params"]))
+              for g in full.optimizer.param_groups]
+    no_decay = set(full.get_decay_parameter_names(model))
+    assert decays == [sorted(no_decay), sorted(n for n, _ in model.named_parameters() if n not in no_decay)]
+    for fresh in (False, True):  # the script run again (phase 1, then phase 2 resumed), or phase 2 alone
+        again = tiny_bert()
+        if not fresh:
+            phase1(again)
+        resumed = phase2(again, resume=str(tmp_path / "p2" / "checkpoint-3"), warned=not fresh)
+        assert losses(resumed) == losses(full)
+        for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+            assert torch.equal(a, b), name

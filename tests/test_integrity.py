@@ -302,3 +302,35 @@ def test_a_replaced_frozen_parameter_is_checksummed_anew_so_checkpoints_go_on(tm
     with pytest.raises(FrozenWeightsChangedError):
         save_checkpoint(tmp_path / "ck2", model, optimizer, freezer)
     freezer.close()
+
+
+@pytest.mark.parametrize("which", [0, 2])  # a frozen block, a trainable one
+def test_a_block_module_replaced_after_the_freezer_was_built_is_refused_at_the_next_step(which):
+    # model[0] = nn.Linear(...) in a frozen block trained while the block was reported frozen (the Freezer held the
+    # old module); in a trainable one the new weights were in no param group and would never train or freeze
+    from layerfreeze.engine import BlockModuleReplacedError
+
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    freezer = Freezer(model, optimizer, "static", {"k": 1})
+    train_steps(model, optimizer, freezer, 2)
+    model[which] = nn.Linear(*reversed(model[which].weight.shape))
+    with pytest.raises(BlockModuleReplacedError, match=rf"^{which} \(block '{which}'\) is no longer in the model: "
+                                                       "it was replaced after the Freezer was built"):
+        train_steps(model, optimizer, freezer, 1)
+    freezer.close()
+
+
+def test_a_block_module_wrapped_in_place_is_still_found():
+    # activation checkpointing's wrapper replaces the module in its parent but runs it (and its hooks): not refused
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    freezer = Freezer(model, optimizer, "static", {"k": 1})
+    train_steps(model, optimizer, freezer, 1)
+    frozen = model[0].weight.detach().clone()
+    model[2] = checkpoint_wrapper(model[2])
+    train_steps(model, optimizer, freezer, 2)
+    assert torch.equal(model[0].weight, frozen) and freezer.frozen_blocks == ["0"]
+    freezer.close()

@@ -408,3 +408,26 @@ def test_an_epoch_cut_short_by_max_steps_is_marked_partial_and_left_out_of_the_m
     assert f"mean {first:.2f} s over 1 full epoch  [{first:.2f}, {last:.2f} (partial: 2 of 6 steps)] s" in text
     page = write_report(tmp_path / "r").read_text(encoding="utf-8")
     assert "(partial: 2 of 6 steps)" in page
+
+
+def test_a_second_run_on_the_same_task_builds_its_optimizer_over_every_block(tmp_path):
+    # the CLI trainer run twice in one process on one model: build_optimizer took only what required grad after the
+    # first run's static k=2, and the take-over put both blocks into block 0's decay group (weight decay on the
+    # BatchNorm, block 1's weights at block 0's learning rate)
+    import warnings
+
+    from layerfreeze.train.setup import build_optimizer
+
+    task = blob_task()
+    Trainer(config(tmp_path, "first", weight_decay=0.1, lr_decay=2.0), task=task).run()
+    second = Trainer(config(tmp_path, "second", {"strategy": "none"}, weight_decay=0.1, lr_decay=2.0), task=task)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        second.run()
+    assert [str(w.message)[:53] for w in caught if "earlier" in str(w.message)] == [
+        "Freezer: block(s) 0, 1 were left frozen by an earlier"]
+    fresh = build_optimizer(second.config, task.model, second.freezer.blocks)
+    assert [[id(p) for p in g["params"]] for g in second.optimizer.param_groups] == \
+           [[id(p) for p in g["params"]] for g in fresh.param_groups]
+    assert [(g["weight_decay"], g["block"]) for g in second.optimizer.param_groups] == \
+           [(g["weight_decay"], g["block"]) for g in fresh.param_groups]

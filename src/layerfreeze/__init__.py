@@ -55,7 +55,7 @@ from layerfreeze.compute import (
 from layerfreeze.distributed import FreezeDDP, close_distributed, init_distributed, shard_blocks
 
 # The engine: freeze and thaw, in any loop.
-from layerfreeze.engine import Freezer, StabilityGuard, block_param_groups, open_freezer
+from layerfreeze.engine import Freezer, StabilityGuard, block_param_groups, open_freezer, release_earlier_freezers
 
 # Errors a user acts on.
 from layerfreeze.errors import (
@@ -160,6 +160,7 @@ __all__ = [
     "register_blocks",
     "register_split",
     "register_strategy",
+    "release_earlier_freezers",
     "save_checkpoint",
     "save_full_checkpoint",
     "shard_blocks",

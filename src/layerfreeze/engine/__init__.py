@@ -31,14 +31,15 @@ The folder's map: one mechanism per module, top to bottom; each imports only mod
   freezer.py, integrity.py.
 """
 
-from layerfreeze.engine.freezer import Freezer, PinnedBlockError
+from layerfreeze.engine.freezer import Freezer, PinnedBlockError, release_earlier_freezers
 from layerfreeze.engine.guard import StabilityGuard
-from layerfreeze.engine.integrity import FrozenWeightsChangedError, UnfrozenParameterError
+from layerfreeze.engine.integrity import BlockModuleReplacedError, FrozenWeightsChangedError, UnfrozenParameterError
 from layerfreeze.engine.mechanics import frozen_parameters, open_freezer, set_eval_mode
 from layerfreeze.engine.optim import block_param_groups
 from layerfreeze.engine.stages import share_decision
 
 __all__ = [
+    "BlockModuleReplacedError",
     "Freezer",
     "FrozenWeightsChangedError",
     "PinnedBlockError",
@@ -47,6 +48,7 @@ __all__ = [
     "block_param_groups",
     "frozen_parameters",
     "open_freezer",
+    "release_earlier_freezers",
     "set_eval_mode",
     "share_decision",
 ]

@@ -14,7 +14,7 @@ from layerfreeze.engine.lr_factors import apply_lr_scales, check_lr_scales, chec
 from layerfreeze.engine.mechanics import frozen_parameters, not_optimized
 from layerfreeze.engine.optim import group_origin, remove_from_optimizer
 from layerfreeze.engine.sharding import sharded
-from layerfreeze.engine.takeover import put_into
+from layerfreeze.engine.takeover import put_into, seed_origins
 
 if TYPE_CHECKING:
     from layerfreeze.engine.freezer import Freezer
@@ -35,9 +35,7 @@ def attach_optimizer(freezer: Freezer, optimizer: torch.optim.Optimizer, schedul
     sharded(freezer._fsdp)
     check_optimizer_holds_sharded_parameters(freezer.model, optimizer, registered)
     origin = group_origin(optimizer)
-    for p, earlier, group in freezer._taken_back:  # a reused optimizer: the groups an earlier Freezer took them from
-        if earlier is optimizer and group is not None and id(p) not in origin:
-            origin[id(p)] = min(group, len(optimizer.param_groups) - 1)
+    seed_origins(freezer, optimizer, origin, freezer._taken_back)  # what an earlier Freezer left frozen: its groups
     groups = [list(g["params"]) for g in optimizer.param_groups]
     frozen = [p for b in freezer.blocks if freezer.frozen[b.index] for p in frozen_parameters(b, freezer.train_bn)]
     state = {p: optimizer.state[p] for p in frozen if p in optimizer.state}

@@ -78,7 +78,7 @@ from layerfreeze.engine.optim import check_model_and_optimizer, group_origin
 from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, prefix_since, report_metric, run_length, start
-from layerfreeze.engine.takeover import adopt_origins, check_earlier, take_over
+from layerfreeze.engine.takeover import adopt_origins, check_earlier, release_earlier, take_over
 from layerfreeze.engine.timing import StepTimes
 from layerfreeze.models.blocks import Block, block_by_key, unassigned_warning
 from layerfreeze.models.discovery import discover_blocks, refuse_empty_parameters
@@ -596,3 +596,25 @@ class Freezer:
             self.history.append(record)
         if self.on_event is not None:
             self.on_event(record)
+
+
+def release_earlier_freezers(model: nn.Module) -> list[str]:
+    """Make trainable again what earlier Freezers on ``model`` (closed, or deep-copied with it) left frozen, before
+    building an optimizer over the parameters that require grad.
+
+    A new :class:`Freezer` takes over what they left frozen by itself (:mod:`layerfreeze.engine.takeover`), but an
+    optimizer built before it over ``requires_grad`` parameters (the HF Trainer's ``create_optimizer``: a second
+    ``train()`` with a new Trainer on the same model) leaves those parameters out, and a checkpoint of that run did not
+    load into the optimizer its resume builds. Call this before building such an optimizer (the HF callback does it
+    when the Trainer is built; the CLI trainer before its optimizer). Parameters the user had frozen before an
+    earlier Freezer stay frozen; the released blocks' modules take ``model``'s training mode.
+
+    Returns:
+        The names of the blocks made trainable again (a warning names them too); empty when there were none.
+
+    Raises:
+        ValueError: a block an earlier Freezer holds demoted (a copy taken while it was open), or one that reaches
+            outside ``model`` (:func:`~layerfreeze.engine.takeover.check_earlier`).
+    """
+    return release_earlier(model, Freezer)
+

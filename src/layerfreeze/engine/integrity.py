@@ -59,6 +59,23 @@ class UnfrozenParameterError(RuntimeError):
     """A frozen block's parameter was replaced or made trainable again (raised when ``on_unfrozen="error"``)."""
 
 
+class BlockModuleReplacedError(UnfrozenParameterError):
+    """A block's module, or a parameter the block holds outside its modules, is no longer part of the model: it was
+    replaced (``model.layer[0] = nn.Linear(...)``) after the Freezer was built (raised whatever ``on_unfrozen``)."""
+
+
+def replaced_parts(model: nn.Module, blocks: Iterable[Any]) -> list[str]:
+    """What of ``blocks`` the model no longer holds: ``"<module name> (block <name>)"`` for each block module not
+    among ``model.modules()`` and each of a block's own parameters (``Block.params``) not among its parameters.
+    Identity, not names: a module wrapped in place (activation checkpointing's wrapper) is still found."""
+    modules = {id(m) for m in model.modules()}
+    params = {id(p) for p in model.parameters()}
+    gone = [f"{name or '(the model)'} (block {block.name!r})" for block in blocks for name, m in block.modules
+            if id(m) not in modules]
+    gone += [f"{name} (block {block.name!r})" for block in blocks for name, p in block.params if id(p) not in params]
+    return gone
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor's local data (a DTensor's shard under FSDP2), on the CPU, as raw bytes."""
     if hasattr(t, "to_local"):
@@ -153,6 +170,7 @@ class FrozenSet:
         self._changes = 0  # freezes, thaws and loads: a full check is due after each
         self._checked: tuple[Any, ...] | None = None  # what the last full check saw (_state)
         self._watched: list[nn.Parameter] = []  # the frozen parameters it found, for their requires_grad
+        self._structure_seen: int | None = None  # structure_version at the last look for replaced block modules
         #: Full walks :meth:`check` did (the quick path skips the others; tests read it).
         self.full_checks = 0
 
@@ -203,8 +221,22 @@ class FrozenSet:
         return structure_version(), id(optimizer), held, self._changes
 
     def _full_check(self, freezer: Any) -> list[str]:
-        """:meth:`check`'s walk over every frozen block's parameters."""
+        """:meth:`check`'s walk over every frozen block's parameters (and, after any registration, over the model's
+        modules for replaced block modules).
+
+        Raises:
+            BlockModuleReplacedError: a block's module was replaced since the Freezer was built.
+        """
         self.full_checks += 1
+        if not self.quick or structure_version() != self._structure_seen:
+            self._structure_seen = structure_version()
+            gone = replaced_parts(freezer.model, freezer.blocks)
+            if gone:  # frozen: the new module would train unseen; trainable: it is in no block and no param group
+                raise BlockModuleReplacedError(
+                    f"{', '.join(gone)} is no longer in the model: it was replaced after the Freezer was built, and "
+                    "the Freezer (its frozen set, checks, cache) and the optimizer still hold the old one. Replace "
+                    "modules before building the optimizer and the Freezer, or close this Freezer and build both "
+                    "again on the changed model")
         in_optimizer = ({id(p) for g in freezer.optimizer.param_groups for p in g["params"]}
                         if freezer.optimizer is not None else set())
         fixed = []

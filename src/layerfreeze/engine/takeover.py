@@ -7,15 +7,17 @@ trainable while they stayed frozen and never trained, and a block it thawed ran 
 frozen, dropout off) in a block that trains. :func:`take_over` gives the new Freezer's run what the earlier run froze,
 once its own start stage has run: every parameter of the new model that the earlier Freezer froze, that the user had
 not frozen before it, and that the new strategy did not freeze again, trains again (in the new optimizer: the param
-group it had when the same optimizer is reused, else group 0), its block's modules leave eval mode and the earlier
-Freezer's hooks stop touching that block. Blocks outside the new model keep the earlier Freezer's state and hooks;
-what cannot be taken over (a block reaching outside the new model, blocks a deep copy's Freezer holds demoted) is
-refused before the new Freezer changes anything (:func:`check_earlier`).
+group it had when the same optimizer is reused, else the one it would have had: :class:`_Placement`), its block's
+modules leave eval mode and the earlier Freezer's hooks stop touching that block. Blocks outside the new model keep
+the earlier Freezer's state and hooks; what cannot be taken over (a block reaching outside the new model, blocks a
+deep copy's Freezer holds demoted) is refused before the new Freezer changes anything (:func:`check_earlier`).
+:func:`release_earlier` lets go of the same blocks before an optimizer is built over what requires grad.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -76,16 +78,82 @@ def check_earlier(model: nn.Module, cls: type) -> list[Any]:
     return earlier
 
 
+def _left_frozen(model: nn.Module, earlier: list[Any]) -> Iterator[tuple[Any, Any, list[nn.Parameter]]]:
+    """``(earlier Freezer, its frozen block, parameters)`` for each block of ``model`` an earlier Freezer holds frozen:
+    the block's frozen parameters in ``model`` that the user had not frozen before that Freezer (told by name, so that
+    a deep copy's are too)."""
+    mine = {id(p) for p in model.parameters()}
+    for other in earlier:
+        names = {id(p): n for n, p in other.model.named_parameters()}
+        users = {other._names[i] for i in other._frozen_before if i in other._names}
+        for block in other.blocks:
+            ours = [p for p in frozen_parameters(block, other.train_bn) if id(p) in mine]
+            if other.frozen[block.index] and ours:
+                yield other, block, [p for p in ours if names.get(id(p)) not in users]
+
+
+class _Placement:
+    """The param group of ``optimizer`` a parameter it does not hold would have had, had it been trainable when the
+    optimizer was built over what required grad (the HF Trainer's ``create_optimizer``, the CLI's
+    ``build_optimizer``): in an optimizer of :func:`~layerfreeze.engine.optim.block_param_groups` (groups with a
+    ``"block"`` key), its own block's group; elsewhere, and between a block's decay and no-decay groups, the group of
+    its nearest *twin*, a parameter the optimizer holds of the same module class and attribute (``LayerNorm.weight``,
+    ``Linear.bias``: the same weight decay as the next layer's); group 0 when it has neither. Group 0 for everything
+    put the taken-back biases and norms under weight decay, and every taken-back block in the first block's LR group;
+    in the HF Trainer the resumed optimizer's groups then no longer matched the checkpoint's."""
+
+    def __init__(self, model: nn.Module, blocks: list[Any], optimizer: Any) -> None:
+        self.groups = optimizer.param_groups
+        order = {id(p): i for i, p in enumerate(model.parameters())}
+        self.kind: dict[int, tuple[Any, ...]] = {}
+        for module in model.modules():
+            for attr, p in module.named_parameters(recurse=False):
+                self.kind.setdefault(id(p), (type(module), attr, p.ndim))
+        self.twins: dict[tuple[Any, ...], list[tuple[int, int]]] = {}  # kind -> (model position, group), held
+        for gi, group in enumerate(self.groups):
+            for p in group["params"]:
+                if id(p) in self.kind:
+                    self.twins.setdefault(self.kind[id(p)], []).append((order[id(p)], gi))
+        self.order = order
+        self.block_of = {id(p): b.name for b in blocks for p in b.parameters()}
+
+    def group(self, p: nn.Parameter) -> int:
+        """The group index for ``p`` (class docstring)."""
+        held = self.twins.get(self.kind.get(id(p), ()), [])
+        where = self.order.get(id(p), 0)
+        twin = min(held, key=lambda pos_gi: abs(pos_gi[0] - where))[1] if held else None
+        block = self.block_of.get(id(p))
+        own = [gi for gi, g in enumerate(self.groups) if block is not None and g.get("block") == block]
+        if own:
+            decay = self.groups[twin].get("weight_decay") if twin is not None else None
+            return next((gi for gi in own if self.groups[gi].get("weight_decay") == decay), own[0])
+        return twin if twin is not None else 0
+
+
+def seed_origins(freezer: Freezer, optimizer: Any, origin: dict[int, int],
+                 left: list[tuple[nn.Parameter, Any, int | None]]) -> None:
+    """Record in ``origin`` (parameter id -> param group of ``optimizer``) the group of each parameter an earlier
+    Freezer left frozen that ``optimizer`` does not hold (``left``: ``(param, the earlier Freezer's optimizer, its group
+    there)``), before ``freezer``'s checks (a thaw learning rate's check of one group per block refused a block whose
+    parameters were not in the optimizer): the group it had when the optimizer is the earlier Freezer's (reused: a
+    Trainer's second ``train()``), else where :class:`_Placement` puts it."""
+    placement: _Placement | None = None
+    for p, earlier, group in left:
+        if id(p) in origin:
+            continue
+        if earlier is optimizer and group is not None and group < len(optimizer.param_groups):
+            origin[id(p)] = group
+            continue
+        placement = placement or _Placement(freezer.model, freezer.blocks, optimizer)
+        origin[id(p)] = placement.group(p)
+
+
 def adopt_origins(freezer: Freezer) -> None:
-    """Before ``freezer``'s own checks: the param groups that earlier Freezers sharing its optimizer recorded for the
-    parameters they took out of it, as if ``freezer`` had taken them out (a Trainer's second ``train()``: a thaw
-    learning rate's check of one group per block refused a block whose parameters had left the optimizer)."""
-    mine = {id(p) for p in freezer.model.parameters()}
-    for other in freezer._earlier:
-        if other.optimizer is not None and other.optimizer is freezer.optimizer:
-            for i, gi in other._origin.items():
-                if i in mine and i not in freezer._origin and gi < len(freezer.optimizer.param_groups):
-                    freezer._origin[i] = gi
+    """Before ``freezer``'s own checks: the param group of each parameter earlier Freezers left frozen that its
+    optimizer does not hold (:func:`seed_origins`), as if ``freezer`` had taken it out of that group."""
+    left = [(p, other.optimizer, other._origin.get(id(p)))
+            for other, _, params in _left_frozen(freezer.model, freezer._earlier) for p in params]
+    seed_origins(freezer, freezer.optimizer, freezer._origin, left)
 
 
 def _release(other: Any, block: Any, model: nn.Module) -> None:
@@ -107,20 +175,20 @@ def _release(other: Any, block: Any, model: nn.Module) -> None:
 
 
 def put_into(freezer: Freezer, optimizer: Any, origin: dict[int, int]) -> None:
-    """Put the parameters :func:`take_over` made trainable that ``optimizer`` does not hold into it: the param group
-    each had when the earlier Freezer's optimizer is ``optimizer`` (reused: a Trainer's second ``train()``), else
-    group 0 (an optimizer built while they were frozen, over what required grad); ``origin`` records the group. One
-    the new strategy froze again gets its earlier group recorded, for its thaw, when the optimizer is the same."""
+    """Put the parameters :func:`take_over` made trainable that ``optimizer`` does not hold into it, each into its
+    group in ``origin`` (:func:`seed_origins` recorded one for each)."""
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    for p, earlier, group in freezer._taken_back:
-        same = earlier is optimizer and group is not None
-        gi = origin.get(id(p), min(group if same else 0, len(optimizer.param_groups) - 1))
+    for p, _, _ in freezer._taken_back:
         if p.requires_grad and id(p) not in held:
-            add_to_optimizer(optimizer, [p], gi)
+            add_to_optimizer(optimizer, [p], origin[id(p)])
             held.add(id(p))
-            origin[id(p)] = gi
-        elif not p.requires_grad and same and id(p) not in origin:
-            origin[id(p)] = gi
+
+
+def _train_again(p: nn.Parameter) -> None:
+    """``p``, frozen by an earlier Freezer, trains again (and no longer carries that Freezer's mark)."""
+    p.requires_grad_(True)
+    if hasattr(p, FROZEN_MARK):
+        delattr(p, FROZEN_MARK)
 
 
 def take_over(freezer: Freezer) -> None:
@@ -132,28 +200,17 @@ def take_over(freezer: Freezer) -> None:
     they are; the others are no longer taken as the user's (a thaw by ``freezer`` trains them) and keep their earlier
     param group (:func:`put_into`), and those ``freezer``'s start stage did not freeze again train again.
     """
-    mine = {id(p) for p in freezer.model.parameters()}
     kept = {id(p) for b in freezer.blocks if freezer.frozen[b.index]
             for p in frozen_parameters(b, freezer.train_bn)}
     taken: list[nn.Parameter] = []
-    for other in freezer._earlier:
-        names = {id(p): n for n, p in other.model.named_parameters()}
-        users = {other._names[i] for i in other._frozen_before if i in other._names}
-        for block in other.blocks:
-            ours = [p for p in frozen_parameters(block, other.train_bn) if id(p) in mine]
-            if not other.frozen[block.index] or not ours:
-                continue
-            _release(other, block, freezer.model)
-            for p in ours:
-                if names.get(id(p)) in users:
-                    continue
-                freezer._frozen_before.discard(id(p))
-                freezer._taken_back.append((p, other.optimizer, other._origin.get(id(p))))
-                if id(p) not in kept and not p.requires_grad:
-                    p.requires_grad_(True)
-                    if hasattr(p, FROZEN_MARK):
-                        delattr(p, FROZEN_MARK)
-                    taken.append(p)
+    for other, block, params in list(_left_frozen(freezer.model, freezer._earlier)):
+        _release(other, block, freezer.model)
+        for p in params:
+            freezer._frozen_before.discard(id(p))
+            freezer._taken_back.append((p, other.optimizer, other._origin.get(id(p))))
+            if id(p) not in kept and not p.requires_grad:
+                _train_again(p)
+                taken.append(p)
     freezer.eval_frozen()  # the modules released took the model's mode: its own frozen blocks back in eval mode
     if freezer.optimizer is not None:
         put_into(freezer, freezer.optimizer, freezer._origin)
@@ -164,3 +221,28 @@ def take_over(freezer: Freezer) -> None:
                       "earlier Freezer on this model (closed, or copied with it); they train again from this "
                       "Freezer's start, where its strategy decides anew (to keep them frozen: Freezer(..., "
                       "floor=[...]) or freezer.freeze(...))", stacklevel=3)
+
+
+def release_earlier(model: nn.Module, cls: type) -> list[str]:
+    """Let go of every block of ``model`` that earlier Freezers (of class ``cls``) left frozen, before an optimizer is
+    built over what requires grad (see :func:`~layerfreeze.engine.freezer.release_earlier_freezers`).
+
+    Returns:
+        The names of the blocks let go of (warned about), in the earlier Freezers' order.
+
+    Raises:
+        ValueError: as :func:`check_earlier`.
+    """
+    released = []
+    for other, block, params in list(_left_frozen(model, check_earlier(model, cls))):
+        _release(other, block, model)
+        for p in params:
+            if not p.requires_grad:
+                _train_again(p)
+        released.append(block.name)
+    if released:
+        warnings.warn(f"Freezer: block(s) {', '.join(released)} were left frozen by an earlier Freezer on this model "
+                      "(closed, or copied with it); they are trainable again before the optimizer is built, and the "
+                      "next Freezer's strategy decides anew", stacklevel=3)
+    return released
+

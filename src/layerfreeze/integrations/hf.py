@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 from layerfreeze.budget.plan import MemoryPlan
-from layerfreeze.engine.freezer import Freezer
+from layerfreeze.engine.freezer import Freezer, release_earlier_freezers
 from layerfreeze.engine.optim import inner_optimizer
 from layerfreeze.integrations import require
 from layerfreeze.integrations.common import (
@@ -84,6 +84,16 @@ transformers = require("transformers", "hf")
 
 #: The Trainer's optimizer file in a checkpoint folder (``transformers.trainer.OPTIMIZER_NAME``).
 OPTIMIZER_FILE = "optimizer.pt"
+
+
+def _release_before_optimizer(trainer: Any, model: Any) -> None:
+    """Make trainable again what an earlier Freezer left frozen on ``model`` (a first ``train()`` with another
+    Trainer), when ``trainer`` will build its own optimizer: ``create_optimizer`` takes what requires grad, so those
+    parameters were left out of it, and the resumed run's optimizer, built the same way, did not load the checkpoint
+    (:func:`~layerfreeze.engine.release_earlier_freezers`). An optimizer given to the Trainer keeps the Freezer's
+    take-over instead."""
+    if model is not None and getattr(trainer, "optimizer", None) is None:
+        release_earlier_freezers(model)
 
 
 def _calling_trainer(callback: Any) -> Any:
@@ -166,6 +176,7 @@ class LayerFreezeCallback(transformers.TrainerCallback):
         """Add the callback to ``trainer`` and keep a reference to it; returns the callback."""
         self.trainer = trainer
         trainer.add_callback(self)
+        _release_before_optimizer(trainer, trainer.model)
         return self
 
     def _find_trainer(self) -> None:
@@ -176,9 +187,12 @@ class LayerFreezeCallback(transformers.TrainerCallback):
 
     # ---- hooks ---------------------------------------------------------------------------------------------
 
-    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Keep the Trainer being built (a callback given in ``Trainer(callbacks=[...])``)."""
+    def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        """Keep the Trainer being built (a callback given in ``Trainer(callbacks=[...])``); let go of what an earlier
+        Freezer left frozen on its model before the Trainer builds its optimizer (:func:`_release_before_optimizer`)."""
         self._find_trainer()
+        if self.trainer is not None:
+            _release_before_optimizer(self.trainer, model)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, train_dataloader: Any = None, **kwargs: Any) -> None:

@@ -34,7 +34,7 @@ from layerfreeze.compute.cached_prefix import CachedPrefix
 from layerfreeze.compute.determinism import CacheRefused, check_deterministic
 from layerfreeze.compute.store import auto_budget_bytes, remove_stale_folders
 from layerfreeze.engine.demote import Demotion
-from layerfreeze.engine.freezer import Freezer
+from layerfreeze.engine.freezer import Freezer, release_earlier_freezers
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.optim import block_param_groups
 from layerfreeze.errors import ConfigError
@@ -273,6 +273,7 @@ def setup_trainer(trainer: Trainer, plan_only: bool = False) -> None:
         trainer.task = build_task(cfg)
     seed_everything(cfg.train.seed)
     model = trainer.task.model
+    release_earlier_freezers(model)  # a task trained before (a second run in this process): before its optimizer
     blocks = discover_blocks(model, cfg.model.blocks)  # the module and parameter objects survive .to(device)
     check_strategy_fits(strategy, len(blocks))
     tied = dist_.tied_across_blocks(blocks) if trainer.fsdp else None

@@ -445,3 +445,20 @@ def test_autofreeze_state_dict_round_trip():
     optimizer.load_state_dict(saved[2])
     drive_autofreeze(freezer, model, optimizer, GRAD_SERIES[2:])
     assert freeze_steps(freezer) == {0: 4, 1: 8}
+
+
+def test_a_hand_thaw_of_a_block_freezeout_froze_warns_that_it_trains_at_lr_0():
+    # freezer.thaw(i) of a block past its t_i trained it at learning rate 0 (its factor stays 0, also under thaw's
+    # lr=) until freezeout froze it again, with nothing said
+    model, optimizer, freezer = make_run(FreezeOut(), total_steps=100)
+    g = torch.Generator().manual_seed(0)
+    while not freezer.frozen[0]:
+        real_step(model, optimizer, freezer, g)
+    weights = [p.detach().clone() for p in freezer.blocks[0].parameters()]
+    for lr in (None, 0.5):
+        with pytest.warns(UserWarning, match=r"block 0 thaws with the learning-rate factor 0 that strategy "
+                                             r"'freezeout' gives it .* learning rate 0, whatever lr= says"):
+            freezer.thaw(0, lr=lr)
+        real_step(model, optimizer, freezer, g)
+        assert all(torch.equal(a, b) for a, b in zip(weights, freezer.blocks[0].parameters()))  # what it says
+        assert freezer.frozen[0]  # frozen again at the next stage

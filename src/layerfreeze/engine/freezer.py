@@ -369,6 +369,10 @@ class Freezer:
         Returns:
             True if the block was frozen and is now trainable.
 
+        Warns:
+            UserWarning: the strategy's learning-rate factor for the block is 0 (FreezeOut past the block's ``t_i``):
+                it trains at learning rate 0 until the strategy freezes it again.
+
         Raises:
             ValueError: ``lr`` given but not finite and ``> 0``, or a target param group also holds other blocks'
                 parameters (build the optimizer with :func:`~layerfreeze.engine.optim.block_param_groups`), or the
@@ -388,6 +392,10 @@ class Freezer:
         was_frozen = thaw_block(self, block)
         if lr is not None:
             self.set_block_lr(block, lr)
+        if was_frozen and self._lr_scale.get(block.index) == 0.0:  # it trained at LR 0, in silence, until refrozen
+            warnings.warn(f"Freezer.thaw: block {block.name} thaws with the learning-rate factor 0 that strategy "
+                          f"{self.strategy.name!r} gives it (its schedule has ended for this block): it trains at "
+                          "learning rate 0, whatever lr= says, until the strategy freezes it again", stacklevel=2)
         if was_frozen:
             self._record("thaw", block, reason, lr=lr)
         return was_frozen

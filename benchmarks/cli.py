@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from layerfreeze.errors import UserError
 
@@ -28,6 +28,21 @@ def count(minimum: int = 1) -> Callable[[str], int]:
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value} is below {minimum}: give an integer >= {minimum}")
         return value
+
+    return parse
+
+
+def names(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse ``type``: comma-separated names, each one of ``choices`` (rows, tasks), as every script's
+    ``--rows`` takes them; else argparse's one-line error (exit 2)."""
+
+    def parse(text: str) -> list[str]:
+        given = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in given if name not in choices]
+        if unknown or not given:
+            raise argparse.ArgumentTypeError(f"{', '.join(unknown) or repr(text)}: give comma-separated names "
+                                             f"from {', '.join(choices)}")
+        return given
 
     return parse
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.cli import count, entry
+from benchmarks.cli import count, entry, names
 from layerfreeze.runs.rundir import SUMMARY_FILE, read_metrics
 from layerfreeze.runs.summary import format_bytes
 
@@ -76,9 +76,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     parser.add_argument("--epochs", type=count(1), default=3)
     parser.add_argument("--limit-train", type=int, default=480, help="training samples (BBC News has 1,780)")
-    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--rows", nargs="+", type=names(list(ROWS)), default=[list(ROWS)],
+                        help=f"rows, comma-separated as in the other scripts (spaces work too; default "
+                             f"{','.join(ROWS)})")
     parser.add_argument("--out", default="runs/bench-ddp-freeze")
     args = parser.parse_args()
+    args.rows = [name for group in args.rows for name in group]
 
     table = Table(title=f"MiniLM-L6 / BBC News on {args.ranks} ranks (gloo, {args.threads} thread(s) each), "
                         f"{args.limit_train} training samples, {args.epochs} epochs")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks.cli import count, entry
+from benchmarks.cli import count, entry, names
 from layerfreeze.errors import ConfigError
 
 
@@ -20,11 +20,20 @@ def test_count_takes_integers_at_or_above_its_minimum():
             count(minimum)(text)
 
 
+def test_names_takes_comma_separated_choices():
+    # ddp_freeze's --rows alone took space-separated rows; "--rows none,lisa" was refused as one unknown row
+    assert names(["none", "lisa", "badam"])("none, lisa,badam") == ["none", "lisa", "badam"]
+    for text in ("none,lisa2", ",", ""):
+        with pytest.raises(Exception, match="give comma-separated names from none, lisa, badam"):
+            names(["none", "lisa", "badam"])(text)
+
+
 @pytest.mark.parametrize("module, args, message", [
     ("benchmarks.frozen_encoder", ["--epochs", "1"], "argument --epochs: 1 is below 2: give an integer >= 2"),
     ("benchmarks.checkpoint_cost", ["--repeats", "0"], "argument --repeats: 0 is below 1"),
     ("benchmarks.crash_resume", ["--steps", "0"], "argument --steps: 0 is below 2"),
     ("benchmarks.suite", ["--seeds", "0"], "argument --seeds: 0 is below 1"),
+    ("benchmarks.ddp_freeze", ["--rows", "none,lisaa"], "argument --rows: lisaa: give comma-separated names from "),
 ])
 def test_a_benchmark_refuses_a_count_before_it_trains(module, args, message, monkeypatch, capsys):
     import importlib

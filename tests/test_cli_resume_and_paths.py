@@ -218,3 +218,43 @@ def test_the_freezer_takes_a_numpy_integer_run_length_as_an_int():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     freezer = Freezer(model, strategy="linear", total_steps=np.int64(40), steps_per_epoch=np.int32(10))
     assert type(freezer.total_steps) is int and freezer.total_steps == 40 and freezer.steps_per_epoch == 10
+
+
+@pytest.mark.assets("minilm")
+def test_a_resume_runs_from_any_folder_and_its_first_step_takes_the_new_schedules_lr(tmp_path, tiny_bert_dir,
+                                                                                      tiny_csv, capsys, monkeypatch):
+    # config.json kept data.path as typed ("texts.csv"): the resume from any other folder failed, "data.path
+    # texts.csv does not exist", and --data with its full path was refused as a change. The resume onto a longer
+    # run rebuilt the schedule, but its first step ran at the LR the old plan had saved (0 past its end: the step
+    # changed nothing); and each step's record logged the next step's LR (the curve one step early, ending at 0)
+    from safetensors.torch import load_file
+
+    from layerfreeze.runs.rundir import read_metrics
+
+    monkeypatch.chdir(tiny_csv.parent)
+    run = tmp_path / "r"
+    args = ["train", "--task", "text-csv", "--model", str(tiny_bert_dir), "--data", tiny_csv.name, "--strategy",
+            "none", "--max-steps", "1", "--lr", "1e-3", "--batch-size", "8", "--set", "model.max_length=16",
+            "--no-progress", "--run-dir", str(run)]
+    assert main(args) == 0
+    assert json.loads((run / "config.json").read_text())["data"]["path"] == str(tiny_csv.resolve())
+    (run / "summary.json").unlink()  # as a run killed after its last checkpoint
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--resume", str(run), "--max-steps", "2", "--no-progress"]) == 0
+    lrs = [r["lr"] for r in read_metrics(run) if r.get("type") == "step"]
+    assert lrs == [1e-3, 1e-3 * (1 - 1 / 2)]  # warm-up 0; linear: the run's first step at 1e-3, then the new plan's
+    first, second = (load_file(next((run / "checkpoints").glob(f"*-step00000000{s}")) / "model.safetensors")
+                     for s in (1, 2))
+    assert any(not first[k].equal(second[k]) for k in first)  # the resumed step trained
+    # a run saved before paths were kept absolute, resumed from another folder: what to do, then --data works
+    capsys.readouterr()
+    (run / "summary.json").unlink()
+    saved = json.loads((run / "config.json").read_text())
+    saved["data"]["path"] = tiny_csv.name
+    (run / "config.json").write_text(json.dumps(saved))
+    assert main(["train", "--resume", str(run), "--max-steps", "3", "--no-progress"]) == 2
+    _one_line(capsys, f"layerfreeze: error: --resume {run}: its data.path 'texts.csv' is relative to the folder the "
+                      f"run was started in, and {tmp_path} has no texts.csv: run the resume from that folder, or give "
+                      "--data with the file's path from here")
+    assert main(["train", "--resume", str(run), "--max-steps", "3", "--no-progress", "--data", str(tiny_csv)]) == 0
+    assert [r["step"] for r in read_metrics(run) if r.get("type") == "step"] == [1, 2, 3]

@@ -60,6 +60,38 @@ FIXED_OPTIMIZER = ("train.optimizer", "train.lr", "train.lr_decay", "train.weigh
 FIXED_FROZEN = ("freeze.memory_budget", "freeze.demote")
 
 
+#: Config keys holding a file or folder: a run started before they were saved absolute keeps a relative one.
+PATH_KEYS = ("data.path", "data.test_path", "model.name_or_path")
+
+
+def _same_path(a: Any, b: Any) -> bool:
+    """Two ways of writing one path (relative to this folder, and absolute)."""
+    if not (isinstance(a, str) and isinstance(b, str)):
+        return False
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def _check_saved_paths(run_dir: Path, saved: dict[str, Any], data: str | None) -> None:
+    """A resume whose saved config names a relative data path that is not here (a run started before config.json
+    kept absolute paths, resumed from another folder): take ``data`` (``--data``) in its place when given (the
+    checkpoint's record of the data's sizes still refuses other data), else refuse saying what to do.
+
+    Raises:
+        ConfigError: naming the path and the fix.
+    """
+    section = saved.get("data") or {}
+    for key in ("path", "test_path"):
+        value = section.get(key)
+        if not isinstance(value, str) or Path(value).expanduser().is_absolute() or Path(value).exists():
+            continue
+        if key == "path" and data is not None:
+            section[key] = data
+            continue
+        raise ConfigError(f"--resume {run_dir}: its data.{key} {value!r} is relative to the folder the run was "
+                          f"started in, and {Path.cwd()} has no {value}: run the resume from that folder"
+                          + (", or give --data with the file's path from here" if key == "path" else ""))
+
+
 def _same_budget(a: Any, b: Any) -> bool:
     """Two ways of writing one memory budget (``0.6`` and ``60%``, ``1GiB`` and ``1073741824``)."""
     from layerfreeze.budget import parse_budget
@@ -81,7 +113,8 @@ def resume_changes(run_dir: Path, saved: dict[str, Any], config: dict[str, Any])
             before anything is written.
     """
     before, after = ({'.'.join(k): v for k, v in leaf_values(d).items()} for d in (saved, config))
-    changed = {k: (before.get(k), v) for k, v in after.items() if k in before and before[k] != v}
+    changed = {k: (before.get(k), v) for k, v in after.items() if k in before and before[k] != v
+               and not (k in PATH_KEYS and _same_path(before[k], v))}
     changed.update({k: (v, None) for k, v in before.items() if k not in after and v is not None
                     and not any(a.startswith(k + ".") for a in after)})  # {} -> {num_intervals: 5}: the key below
     # a section set where the run had none (freeze.demote null -> {dtype: ...}), a strategy parameter the run did not
@@ -135,6 +168,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
         if getattr(args, "run_dir", None) and Path(args.run_dir).resolve() != run_dir.resolve():
             raise ConfigError(f"--resume {run_dir} goes on in that run's own folder; drop --run-dir {args.run_dir} "
                               f"(or start a new run there: --config {run_dir / rundir.CONFIG_FILE})")
+        _check_saved_paths(run_dir, saved, args.data)
         saved_strategy = (saved.get("freeze") or {}).get("strategy")
         if args.strategy is not None and args.strategy != saved_strategy:
             raise ConfigError(f"--resume {run_dir}: the run's strategy is {saved_strategy!r}; a resumed run keeps it "

@@ -64,7 +64,7 @@ from layerfreeze.engine.freezing import freeze_block, refreeze, thaw_block
 from layerfreeze.engine.grad_signal import GradientSums
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
-from layerfreeze.engine.lr_factors import check_block_lr, check_thaw_lrs, set_block_lr
+from layerfreeze.engine.lr_factors import apply_lr_scales, check_block_lr, check_thaw_lrs, set_block_lr
 from layerfreeze.engine.mechanics import (
     claim_model,
     frozen_before,
@@ -399,6 +399,14 @@ class Freezer:
         if was_frozen:
             self._record("thaw", block, reason, lr=lr)
         return was_frozen
+
+    def apply_lr_factors(self) -> None:
+        """Multiply the strategy's per-block learning-rate factors (FreezeOut's) into the param groups' LRs again,
+        after something other than the scheduler's step set those LRs (a resume onto a new schedule); each group's
+        factor applies to the LR found there, not compounded. No-op when no factor is set."""
+        self._check_open("apply_lr_factors")
+        if self._lr_scale:
+            apply_lr_scales(self.optimizer, self.blocks, self._origin, self._lr_scale, self._lr_written)
 
     def set_block_lr(self, key: int | str | Block, lr: float) -> None:
         """Set the base learning rate of the param groups holding ``block``'s parameters, and the scheduler's (see

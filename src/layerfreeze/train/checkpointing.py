@@ -135,6 +135,7 @@ def resume(trainer: Trainer, path: Path) -> tuple[int, int]:
         raise ConfigError(f"--resume {path}: the run is at step {done}, past this config's end at step {end} "
                           f"(train.epochs {train.epochs}, train.max_steps {train.max_steps}); resume with a larger "
                           "--epochs / --max-steps, or without them to go on to the run's own end")
+    reschedule(trainer)
     rngs = extra.get("rng_ranks")
     if trainer.distributed and rngs is not None and len(rngs) == trainer.world:
         set_rng_state(rngs[trainer.rank])  # each rank continues its own dropout stream
@@ -151,6 +152,25 @@ def resume(trainer: Trainer, path: Path) -> tuple[int, int]:
         tqdm.write(f"resuming a run saved on {saved_world} rank(s) on {trainer.world}: same global batches and "
                    "frozen set, but the per-rank random streams (dropout) differ from the interrupted run")
     return extra["epoch"], extra["batch_in_epoch"]
+
+
+def reschedule(trainer: Trainer) -> None:
+    """After a resume: the next step's learning rates from this run's schedule, not the saved run's.
+
+    A resume with another ``--epochs`` / ``--max-steps`` builds the schedule for the new length, but the optimizer's
+    groups hold the LRs the old plan set for the next step (they are part of its state), and a ``LambdaLR`` computes
+    its own only at its next ``step()``: the first resumed step ran at the old plan's LR (at LR 0 for a run resumed past
+    its old end, which then changed nothing). Each group's LR is set to ``base_lr * lambda(last_epoch)`` and the
+    strategy's LR factors go on top (:meth:`~layerfreeze.engine.Freezer.apply_lr_factors`); a resume onto the same
+    schedule finds the LRs it would set and changes nothing."""
+    scheduler, optimizer = trainer.scheduler, trainer.optimizer
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    if lrs == list(scheduler.get_last_lr()):
+        return
+    scheduler._last_lr = lrs  # what get_last_lr() reports for this step
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    trainer.freezer.apply_lr_factors()
 
 
 def data_shape(trainer: Trainer) -> dict[str, int]:

@@ -49,6 +49,13 @@ def _numeric_only(annotation: Any) -> bool:
     return annotation in (int, float)
 
 
+def absolute_path(path: str) -> str:
+    """``path`` made absolute (``~`` expanded, symbolic links resolved). The run's ``config.json`` keeps its paths
+    so: a relative ``data.path`` was read from the folder the run happened to start in, and its resume (or a new run
+    from its config) from any other folder failed, "data.path two.csv does not exist"."""
+    return str(Path(path).expanduser().resolve())
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -90,6 +97,12 @@ class ModelConfig(_Section):
     pretrained: bool | None = None
     lora: LoraConfig | None = None
 
+    @field_validator("name_or_path")
+    @classmethod
+    def _absolute_folder(cls, value: str | None) -> str | None:
+        """A model folder as an absolute path (an architecture name stays as it is): see :func:`absolute_path`."""
+        return absolute_path(value) if value and Path(value).expanduser().is_dir() else value
+
 
 class DataConfig(_Section):
     """Where the data comes from; ``path`` is a CSV file (text-csv), a folder of class sub-folders (image-folder), or
@@ -105,6 +118,12 @@ class DataConfig(_Section):
     limit_train: int | None = Field(None, ge=1, description="train on N samples: a random subset drawn with "
                                     "split_seed (fashion-mnist: its first N, stored in random order)")
     limit_test: int | None = Field(None, ge=1, description="evaluate on N samples, drawn as limit_train")
+
+    @field_validator("path", "test_path")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        """An existing path as an absolute one (:func:`absolute_path`); a missing one is named by ``_check_task``."""
+        return absolute_path(value) if value and Path(value).expanduser().exists() else value
 
 
 class TrainConfig(_Section):

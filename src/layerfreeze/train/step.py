@@ -151,6 +151,7 @@ def timed_step(trainer: Trainer, batch: dict[str, torch.Tensor], global_count: i
         trainer.prefix_clock.refresh(trainer.freezer.frozen_prefix)
         trainer.prefix_clock.arm()
     compiling = trainer.compiled.compile_seconds() if trainer.compiled is not None else 0.0
+    trainer._step_lr = trainer.optimizer.param_groups[-1]["lr"]  # the LR this step runs at (its record's lr)
     t0 = time.perf_counter()
     with ledger_step(trainer, trainer.progress["step"] + 1):
         if remeasure:
@@ -194,7 +195,7 @@ def record_step(trainer: Trainer, loss: float, count: int, step_time: float, dec
     if prefix is not None:  # the step's time split at the frozen prefix's end (see train/prefix_clock.py)
         rank_fields.update(prefix_forward_s=prefix, suffix_s=max(step_time - prefix, 0.0))
     trainer.telemetry.log_step(
-        trainer.progress["step"], loss=loss, lr=trainer.optimizer.param_groups[-1]["lr"],
+        trainer.progress["step"], loss=loss, lr=trainer._step_lr,
         step_time_s=step_time, samples_per_s=count / step_time,
         flops_per_step=trainer.progress["flops_per_step"], flops_total=trainer.progress["flops_total"],
         frozen_count=sum(trainer.freezer.frozen), frozen_prefix=trainer.freezer.frozen_prefix,

@@ -126,6 +126,9 @@ class Trainer:
         self.compiled: CompiledRegions | None = None  # set by setup() under train.compile
         self._graphs_logged = 0  # graphs compiled up to the last step record (its ``compiles``)
         self._step_compile_s = 0.0  # seconds the last timed step spent compiling (its record's ``compile_s``)
+        #: The head's param-group LR the last step ran at, read before its optimizer step (its record's ``lr``; read
+        #: after, it was the next step's: the logged curve ran one step early and ended at 0).
+        self._step_lr = 0.0
         self.prefix_clock: PrefixClock | None = None  # set by setup(): the frozen prefix's forward seconds per step
         #: Called once, by :meth:`say`, before the run's first console line (the CLI prints its run header then), so a
         #: run that fails while it is set up prints its error alone.

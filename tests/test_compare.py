@@ -214,6 +214,12 @@ def test_an_interrupted_comparison_says_which_rows_ran_and_a_row_finished_later_
     assert rows["static"]["steps"] == 5 and "stopped" not in rows["static"] and rows["static"]["flops_ratio"] < 1
     assert rows["static"]["freeze_steps"] == {"bert.embeddings": 0}  # static's k for a 2-layer model
     assert rows["freezeout"]["stopped"].startswith("not run")
+    # the report writes compare.json and compare.md again: they kept "stopped: interrupted" for the finished row
+    assert main(["report", str(run)]) == 0
+    written = {r["row"]: r for r in json.loads((run / "compare.json").read_text())}
+    assert written["static"] == rows["static"] and written["freezeout"]["stopped"].startswith("not run")
+    table = (run / "compare.md").read_text()
+    assert "stopped: interrupted" not in table and "stopped: not run" in table and "| static |" in table
 
 
 @pytest.mark.assets("minilm")

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from layerfreeze.runs import rundir
-from layerfreeze.runs.compare_table import BASELINE, headers, table_cells
+from layerfreeze.runs.compare_table import BASELINE, headers, markdown_table, table_cells
 from layerfreeze.runs.report.plots import (
     ACCURACY,
     ACCURACY_VS_TIME,
@@ -326,8 +326,12 @@ def write_run_report(run_dir: Path) -> Path:
 
 
 def write_compare_report(compare_dir: Path) -> Path:
-    """Write ``compare_dir/report/index.html`` (the table, the comparison's plots) and every row's own report."""
+    """Write ``compare_dir/report/index.html`` (the table, the comparison's plots) and every row's own report; when a
+    row compare.json says stopped has been finished since (``layerfreeze train --resume``), ``compare.json`` and
+    ``compare.md`` are written again with its results (they kept "stopped: interrupted" while the report showed it)."""
     rows = load_compare(compare_dir)
+    if [r.get("stopped") for r in rows] != [r.get("stopped") for r in rundir.read_compare(compare_dir)]:
+        rundir.write_compare(compare_dir, rows, markdown_table(rows))
     out = compare_dir / rundir.REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     links: list[str] = []

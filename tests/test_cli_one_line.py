@@ -191,3 +191,17 @@ def test_a_classifiers_length_beyond_its_position_embeddings_is_refused_before_t
     assert "model.max_length 128 is more than the 64 positions model.name_or_path" in err
     assert "set --set model.max_length=64 or less" in err and "Traceback" not in err
     assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("name, text, said", [
+    ("twice.yaml", "train:\n  lr: 1.0e-4\n  epochs: 1\n  lr: 2.0e-4\n",
+     "is not valid YAML: the key 'lr' is given twice in one mapping (keep one) (line 4, column 3)"),
+    ("twice.json", '{"train": {"lr": 1e-4, "epochs": 1, "lr": 2e-4}}',
+     "is not valid JSON: the key(s) 'lr' are given twice in one object (keep one)"),
+])
+def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path, capsys, name, text, said):
+    # PyYAML and json keep the last value in silence: the run trained at 2e-4 where the file also said 1e-4
+    path = tmp_path / name
+    path.write_text(text)
+    assert main(["train", "--config", str(path)]) == 2
+    assert said in _one_line(_err(capsys), "layerfreeze: error: Config file")

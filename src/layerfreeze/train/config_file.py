@@ -45,6 +45,30 @@ def leaf_values(d: Any, opaque: tuple[str, ...] = ()) -> dict[tuple[str, ...], A
     return dict(walk(d, ())) if isinstance(d, dict) else {(): d}
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader refusing a key given twice in one mapping (PyYAML keeps the last one, in silence: ``lr:
+    1e-4`` then, further down, ``lr: 2e-4`` trained at 2e-4 with nothing said)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice in one mapping "
+                                                        "(keep one)", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook`` refusing a key given twice in one object (JSON keeps the last)."""
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"the key(s) {', '.join(map(repr, twice))} are given twice in one object (keep one)")
+    return dict(pairs)
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Parse a ``.yaml``/``.yml``, ``.toml`` or ``.json`` file into a dict.
 
@@ -54,7 +78,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     itself.
 
     Raises:
-        ConfigError: missing file, unknown extension, a syntax error, or a top level that is not a mapping.
+        ConfigError: missing file, unknown extension, a syntax error, a key given twice in one mapping, or a top
+            level that is not a mapping.
     """
     path = Path(path)
     if not path.is_file():
@@ -65,14 +90,14 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     kind = {".yaml": "YAML", ".yml": "YAML", ".toml": "TOML", ".json": "JSON"}.get(path.suffix.lower())
     try:
         if kind == "YAML":
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 (a safe loader's subclass)
         elif kind == "TOML":
-            data = tomllib.loads(text)
+            data = tomllib.loads(text)  # refuses a key given twice itself
         elif kind == "JSON":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_pairs)
         else:
             raise ConfigError(f"Config file {path} must end in .yaml, .yml, .toml or .json")
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise ConfigError(f"Config file {path} is not valid {kind}: {_syntax_error(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"Config file {path} must hold a mapping at the top level, got {type(data).__name__}")

@@ -252,7 +252,10 @@ def test_summary_table_says_the_cache_was_idle_when_no_prefix_ran_through_it() -
     # read like a cache that ran and missed, beside a log that said it was idle
     idle = {"mode": "auto", "used": True, "disabled": None, "hits": 0, "misses": 0, "hit_rate": None,
             "memory_bytes": 0, "disk_bytes": 0, "saved_seconds": 0.0}
-    assert "on, idle: no frozen prefix to cache all run (0 lookups)" in _render(summary_table({"cache": idle}))
+    assert "auto, idle: no frozen prefix to cache all run (0 lookups)" in _render(summary_table({"cache": idle}))
+    # the mode the run had: "on" under freeze.cache.mode auto (the default) named a setting the user never made
+    assert "on, idle" not in _render(summary_table({"cache": idle}))
+    assert "on, idle: no frozen prefix" in _render(summary_table({"cache": {**idle, "mode": "on"}}))
     ran = {**idle, "hits": 96, "misses": 32, "hit_rate": 0.75, "memory_bytes": 2**20, "saved_seconds": 3.0}
     text = _render(summary_table({"cache": ran}))
     assert "96 hits (75%), 1.00 MiB of prefix outputs in memory" in text and "idle" not in text

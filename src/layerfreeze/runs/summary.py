@@ -291,7 +291,8 @@ def _format_cache(c: Mapping[str, Any]) -> str:
     if not c.get("used", False):
         return "off" if c.get("mode") == "off" else "off (see the cache_off event)"
     if not c.get("hits") and not c.get("misses"):  # on all run, but no block froze in front of the trained ones
-        return "on, idle: no frozen prefix to cache all run (0 lookups)"
+        # the mode the user set (auto, the default, or on), not "on": auto is what they have
+        return f"{c.get('mode') or 'on'}, idle: no frozen prefix to cache all run (0 lookups)"
     rate = "-" if c.get("hit_rate") is None else f"{100 * c['hit_rate']:.0f}%"
     disk = f" + {format_bytes(c['disk_bytes'])} on disk" if c.get("disk_bytes") else ""
     # the prefix outputs it holds at the end; the ledger's "activation cache (memory)" adds the inputs' fingerprints,

@@ -258,7 +258,24 @@ def test_summary_table_says_the_cache_was_idle_when_no_prefix_ran_through_it() -
     assert "on, idle: no frozen prefix" in _render(summary_table({"cache": {**idle, "mode": "on"}}))
     ran = {**idle, "hits": 96, "misses": 32, "hit_rate": 0.75, "memory_bytes": 2**20, "saved_seconds": 3.0}
     text = _render(summary_table({"cache": ran}))
-    assert "96 hits (75%), 1.00 MiB of prefix outputs in memory" in text and "idle" not in text
+    assert "96 hits (75%), ~3.00 s of prefix forward saved; at the end 1.00 MiB of prefix outputs in memory" in text
+    assert "idle" not in text and "freed" not in text
+
+
+def test_summary_table_says_the_cache_bytes_are_the_end_s_beside_the_ledger_s_peak() -> None:
+    # a static run's table showed "activation cache (memory)  12.0 MiB  (step 10)" (the ledger's peak) beside
+    # "192 hits (50%), 0 B of prefix outputs in memory" (what the cache held at the end, after the auto policy freed
+    # every entry after its last read): two figures for one cache, neither saying which moment it was
+    summary = {"cache": {"mode": "auto", "used": True, "disabled": None, "hits": 192, "misses": 192, "hit_rate": 0.5,
+                         "memory_bytes": 0, "disk_bytes": 0, "saved_seconds": 0.5, "policy_freed": 192},
+               "memory": {"tensor_peak_bytes": 40 * 2**20, "tensor_peak_step": 10,
+                          "buckets": {"cache_memory": {"peak_bytes": 12 * 2**20, "step": 10}}}}
+    console = Console(record=True, width=200)
+    console.print(summary_table(summary))
+    text = " ".join(console.export_text().split())
+    assert "memory by bucket (peak) │ activation cache (memory) 12.0 MiB (step 10)" in text
+    assert ("192 hits (50%), ~0.50 s of prefix forward saved; at the end 0 B of prefix outputs in memory (192 entries "
+            "freed once no longer needed)") in text
 
 
 def _tensorboard(path: Path) -> dict[str, list[tuple[int, Any]]]:

@@ -285,7 +285,9 @@ def rank_memory_lines(ranks: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def _format_cache(c: Mapping[str, Any]) -> str:
-    """The summary's ``cache`` entry in one line."""
+    """The summary's ``cache`` entry in one line: lookups, seconds saved, and the bytes it holds at the end of the run
+    (the ``auto`` policy frees an entry after its last read, so often 0 B; the peak is the ``memory by bucket``
+    row)."""
     if c.get("disabled"):
         return f"off during the run ({c['disabled']})"
     if not c.get("used", False):
@@ -295,10 +297,11 @@ def _format_cache(c: Mapping[str, Any]) -> str:
         return f"{c.get('mode') or 'on'}, idle: no frozen prefix to cache all run (0 lookups)"
     rate = "-" if c.get("hit_rate") is None else f"{100 * c['hit_rate']:.0f}%"
     disk = f" + {format_bytes(c['disk_bytes'])} on disk" if c.get("disk_bytes") else ""
-    # the prefix outputs it holds at the end; the ledger's "activation cache (memory)" adds the inputs' fingerprints,
-    # at the tensor peak's step (a reader saw 512 B there beside "0 B in memory" here)
-    return (f"{c['hits']:,} hits ({rate}), {format_bytes(c['memory_bytes'])} of prefix outputs in memory{disk}, "
-            f"~{format_seconds(c['saved_seconds'])} of prefix forward saved")
+    freed = f" ({c['policy_freed']:,} entries freed once no longer needed)" if c.get("policy_freed") else ""
+    # the prefix outputs it holds at the end, said so: the ledger's "activation cache (memory)" row is its peak (with
+    # the inputs' fingerprints), and "12.0 MiB (step 10)" there beside "0 B in memory" here read as a contradiction
+    return (f"{c['hits']:,} hits ({rate}), ~{format_seconds(c['saved_seconds'])} of prefix forward saved; at the end "
+            f"{format_bytes(c['memory_bytes'])} of prefix outputs in memory{disk}{freed}")
 
 
 def _format_demote(d: Mapping[str, Any]) -> str:

@@ -371,7 +371,7 @@ def test_a_demoted_run_names_demotion_up_front_and_where_its_master_copies_went(
     assert summary["demote"]["master_places"] == ["disk"]
     # item 8: metrics.jsonl counts epochs from 0, what people read from 1 (the README says so)
     freeze = next(r for r in read_metrics(run) if r.get("kind") == "freeze")
-    assert freeze["epoch"] == 0 and "bert.embeddings" in out and "frozen at step 0 (epoch 1)" in out
+    assert freeze["epoch"] == 0 and "bert.embeddings" in out and "frozen at step 0 (before training)" in out
     assert "The files count epochs from 0, as Python does" in " ".join(README.read_text(encoding="utf-8").split())
 
 

@@ -198,7 +198,7 @@ def test_summary_table_renders() -> None:
         "4.00 TFLOP",
         "2.50 TFLOP (-37.5% vs first)",
         "1.50 GiB",
-        "embeddings  frozen at step 0 (epoch 1)",  # epochs shown 1-based
+        "embeddings  frozen at step 0 (before training)",  # the start stage, in the report's words
         "layer.1     frozen at step 400 (epoch 2)",
         "layer.1     thawed at step 900 (epoch 3)",
     ):

@@ -15,8 +15,8 @@ from rich.table import Table
 
 from layerfreeze.runs.ledger_buckets import DISK, bucket_label
 
-__all__ = ["format_bytes", "format_flops", "format_seconds", "memory_lines", "print_summary", "rank_memory_lines",
-           "summary_table"]
+__all__ = ["format_bytes", "format_flops", "format_seconds", "freeze_step_text", "memory_lines", "print_summary",
+           "rank_memory_lines", "summary_table"]
 
 
 def _scaled(value: float, base: float, units: list[str]) -> tuple[str, str]:
@@ -135,6 +135,16 @@ def epoch_times_text(times: Sequence[float], steps: Sequence[Sequence[int]] | No
     return f"{head}  (min {min(full):.2f}, max {max(full):.2f}, {len(values)} epochs{cut})"
 
 
+def freeze_step_text(step: int, epoch: int | None = None) -> str:
+    """When a block froze or thawed, as the run summary and the report say it: ``"step 0 (before training)"`` (the
+    start stage, before the first optimizer step, whatever epoch it is filed under), else ``"step 40 (epoch 2)"``
+    (``epoch`` counted from 0 as the files count it, shown from 1 as the progress bar counts) or ``"step 40"`` when
+    the epoch is unknown. ``step``: optimizer steps done when it happened."""
+    if int(step) == 0:
+        return "step 0 (before training)"
+    return f"step {int(step)}" + (f" (epoch {int(epoch) + 1})" if epoch is not None else "")
+
+
 def _format_timeline(timeline: list[Mapping[str, Any]], blocks: list[str] | None = None) -> str:
     """One line per freeze or thaw, by step, and within a step front to back (the order of ``blocks``, the model's
     block order; events of a block not in it keep their recorded order)."""
@@ -146,10 +156,7 @@ def _format_timeline(timeline: list[Mapping[str, Any]], blocks: list[str] | None
         block = str(entry.get("block", "?"))
         action = str(entry.get("action", "freeze"))
         verb = {"freeze": "frozen", "thaw": "thawed"}.get(action, action)
-        line = f"{block.ljust(width)}  {verb} at step {int(entry.get('step', 0))}"
-        if entry.get("epoch") is not None:
-            line += f" (epoch {int(entry['epoch']) + 1})"  # 1-based, as the progress bar counts
-        lines.append(line)
+        lines.append(f"{block.ljust(width)}  {verb} at {freeze_step_text(entry.get('step', 0), entry.get('epoch'))}")
     return "\n".join(lines)
 
 
@@ -171,7 +178,7 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
     ``freeze_timeline`` (list of
     ``{"block", "step", "epoch", "action"}``; rendered one line per entry as
     ``"<block>  frozen at step N (epoch E)"``, blocks frozen from the start
-    having step 0).
+    having step 0, ``"frozen at step 0 (before training)"``: :func:`freeze_step_text`).
     """
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric", style="cyan", no_wrap=True)

@@ -35,6 +35,7 @@ from layerfreeze.runs.summary import (
     format_bytes,
     format_flops,
     format_seconds,
+    freeze_step_text,
     memory_lines,
     partial_mark,
     wall_time_label,
@@ -125,12 +126,11 @@ def _figure_html(name: str | None, alt: str, caption: str) -> str:
 
 
 def _when(step: Any, epoch: Any) -> str:
-    """``at step 0 (before training)`` / ``at step 40 (epoch 2)``; epochs counted from 1 as in the plots."""
+    """``at step 0 (before training)`` / ``at step 40 (epoch 2)`` (the run summary's words, :func:`freeze_step_text`);
+    epochs counted from 1 as in the plots."""
     if not finite(step):
         return "at an unknown step"
-    if int(step) == 0:
-        return "at step 0 (before training)"
-    return f"at step {int(step)}" + (f" (epoch {int(epoch) + 1})" if finite(epoch) else "")
+    return "at " + freeze_step_text(int(step), int(epoch) if finite(epoch) else None)
 
 
 def _timeline_html(run: Run) -> str:

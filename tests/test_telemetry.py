@@ -207,6 +207,21 @@ def test_summary_table_renders() -> None:
     assert text.index("embeddings  frozen") < text.index("layer.1     frozen") < text.index("thawed")
 
 
+def test_summary_table_marks_what_froze_after_the_last_step() -> None:
+    # linear froze its last blocks at the final epoch end, step 16 of 16: "frozen at step 16 (epoch 2)" read as a
+    # saving, though no step trained with them frozen
+    summary = {"steps": 16, "blocks": ["features.0", "features.1", "features.2"], "freeze_timeline": [
+        {"block": "features.0", "step": 8, "epoch": 0, "action": "freeze"},
+        {"block": "features.1", "step": 16, "epoch": 1, "action": "freeze"},
+        {"block": "features.2", "step": 16, "epoch": 1, "action": "freeze"}]}
+    text = _render(summary_table(summary))
+    cells = [line.split("│")[-2].strip() for line in text.splitlines() if line.count("│") == 3]
+    assert "features.0  frozen at step 8 (epoch 1)" in cells  # before the last step: unmarked
+    assert "features.1  frozen at step 16 (epoch 2, after the last step)" in text
+    assert "features.2  frozen at step 16 (epoch 2, after the last step)" in text
+    assert text.count("after the last step") == 2
+
+
 def test_summary_table_shows_only_present_keys() -> None:
     text = _render(summary_table({"test_accuracy": 0.5, "steps": None}))
     assert "50.00%" in text

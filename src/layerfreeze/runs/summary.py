@@ -15,8 +15,8 @@ from rich.table import Table
 
 from layerfreeze.runs.ledger_buckets import DISK, bucket_label
 
-__all__ = ["format_bytes", "format_flops", "format_seconds", "freeze_step_text", "memory_lines", "print_summary",
-           "rank_memory_lines", "summary_table"]
+__all__ = ["AFTER_LAST_STEP", "format_bytes", "format_flops", "format_seconds", "freeze_step_text", "memory_lines",
+           "print_summary", "rank_memory_lines", "summary_table"]
 
 
 def _scaled(value: float, base: float, units: list[str]) -> tuple[str, str]:
@@ -135,19 +135,30 @@ def epoch_times_text(times: Sequence[float], steps: Sequence[Sequence[int]] | No
     return f"{head}  (min {min(full):.2f}, max {max(full):.2f}, {len(values)} epochs{cut})"
 
 
-def freeze_step_text(step: int, epoch: int | None = None) -> str:
+#: What a freeze at the run's last step is marked with: it came after the last optimizer step and saved nothing.
+AFTER_LAST_STEP = "after the last step"
+
+
+def freeze_step_text(step: int, epoch: int | None = None, last_step: int | None = None) -> str:
     """When a block froze or thawed, as the run summary and the report say it: ``"step 0 (before training)"`` (the
     start stage, before the first optimizer step, whatever epoch it is filed under), else ``"step 40 (epoch 2)"``
     (``epoch`` counted from 0 as the files count it, shown from 1 as the progress bar counts) or ``"step 40"`` when
-    the epoch is unknown. ``step``: optimizer steps done when it happened."""
-    if int(step) == 0:
+    the epoch is unknown; at ``last_step`` (the run's steps, if given) ``"step 52 (epoch 2, after the last step)"``,
+    so a freeze that trained no step frozen does not read as a saving. ``step``: optimizer steps done when it
+    happened."""
+    step = int(step)
+    if step == 0:
         return "step 0 (before training)"
-    return f"step {int(step)}" + (f" (epoch {int(epoch) + 1})" if epoch is not None else "")
+    notes = ([f"epoch {int(epoch) + 1}"] if epoch is not None else []) + (
+        [AFTER_LAST_STEP] if last_step is not None and step >= int(last_step) else [])
+    return f"step {step}" + (f" ({', '.join(notes)})" if notes else "")
 
 
-def _format_timeline(timeline: list[Mapping[str, Any]], blocks: list[str] | None = None) -> str:
+def _format_timeline(timeline: list[Mapping[str, Any]], blocks: list[str] | None = None,
+                     last_step: int | None = None) -> str:
     """One line per freeze or thaw, by step, and within a step front to back (the order of ``blocks``, the model's
-    block order; events of a block not in it keep their recorded order)."""
+    block order; events of a block not in it keep their recorded order); those at ``last_step`` (the run's steps)
+    marked as after the last step (:func:`freeze_step_text`)."""
     position = {name: i for i, name in enumerate(blocks or [])}
     rows = sorted(timeline, key=lambda e: (int(e.get("step", 0)), position.get(str(e.get("block")), len(position))))
     width = max((len(str(e.get("block", ""))) for e in rows), default=0)
@@ -156,7 +167,8 @@ def _format_timeline(timeline: list[Mapping[str, Any]], blocks: list[str] | None
         block = str(entry.get("block", "?"))
         action = str(entry.get("action", "freeze"))
         verb = {"freeze": "frozen", "thaw": "thawed"}.get(action, action)
-        lines.append(f"{block.ljust(width)}  {verb} at {freeze_step_text(entry.get('step', 0), entry.get('epoch'))}")
+        when = freeze_step_text(entry.get("step", 0), entry.get("epoch"), last_step)
+        lines.append(f"{block.ljust(width)}  {verb} at {when}")
     return "\n".join(lines)
 
 
@@ -178,7 +190,8 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
     ``freeze_timeline`` (list of
     ``{"block", "step", "epoch", "action"}``; rendered one line per entry as
     ``"<block>  frozen at step N (epoch E)"``, blocks frozen from the start
-    having step 0, ``"frozen at step 0 (before training)"``: :func:`freeze_step_text`).
+    having step 0, ``"frozen at step 0 (before training)"``, those at the run's last ``steps`` marked
+    ``"after the last step"``: :func:`freeze_step_text`).
     """
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric", style="cyan", no_wrap=True)
@@ -252,7 +265,7 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
     timeline = get("freeze_timeline")
     if timeline:
         table.add_section()
-        table.add_row("freeze timeline", _format_timeline(list(timeline), get("blocks")))
+        table.add_row("freeze timeline", _format_timeline(list(timeline), get("blocks"), get("steps")))
     return table
 
 

@@ -410,6 +410,24 @@ def test_an_epoch_cut_short_by_max_steps_is_marked_partial_and_left_out_of_the_m
     assert "(partial: 2 of 6 steps)" in page
 
 
+def test_the_progress_bar_counts_the_epochs_max_steps_leaves(tmp_path, capsys):
+    # `--max-steps 1` on a 2- or 3-epoch run showed "epoch 1/3": the bar counted train.epochs, not what the run did
+    cfg = config(tmp_path, "one", max_steps=1, epochs=3)  # 96 samples / 16: 6 steps an epoch
+    cfg.run.progress = True
+    Trainer(cfg, task=blob_task()).run()
+    bar = capsys.readouterr().err
+    assert "epoch 1/1" in bar and "/3" not in bar and "epoch 2/" not in bar
+    cfg = config(tmp_path, "eight", max_steps=8, epochs=3)  # 6 steps, then 2 of the second epoch
+    cfg.run.progress = True
+    Trainer(cfg, task=blob_task()).run()
+    bar = capsys.readouterr().err
+    assert "epoch 1/2" in bar and "epoch 2/2" in bar and "/3" not in bar
+    cfg = config(tmp_path, "all", epochs=2)  # no max_steps: every epoch
+    cfg.run.progress = True
+    Trainer(cfg, task=blob_task()).run()
+    assert "epoch 2/2" in capsys.readouterr().err
+
+
 def test_a_second_run_on_the_same_task_builds_its_optimizer_over_every_block(tmp_path):
     # the CLI trainer run twice in one process on one model: build_optimizer took only what required grad after the
     # first run's static k=2, and the take-over put both blocks into block 0's decay group (weight decay on the

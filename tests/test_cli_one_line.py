@@ -50,6 +50,24 @@ def test_yaml_syntax_config_values_and_unknown_flags_are_one_line_each(tmp_path,
                             "layerfreeze train --help lists the options")
 
 
+def test_a_nan_or_infinity_in_any_float_key_is_refused_as_not_finite(tmp_path, capsys):
+    # `lr: .nan` said "train.lr: must be <= 10, got nan", as if nan were too large; `inf` the same
+    assert main(["train", "--lr", "nan"]) == 2
+    _one_line(_err(capsys), "layerfreeze: error: Invalid configuration: train.lr: must be a finite number, got 'nan'")
+    config = tmp_path / "nan.yaml"
+    config.write_text("train:\n  lr: .nan\n  weight_decay: .inf\ndata: {test_fraction: -.inf}\n"
+                      "freeze:\n  memory_budget: .nan\n  guard: {tolerance: .inf}\n")
+    assert main(["train", "--config", str(config)]) == 2
+    err = _one_line(_err(capsys), "layerfreeze: error: Invalid configuration: ")
+    for key, value in (("data.test_fraction", "-inf"), ("train.lr", "nan"), ("train.weight_decay", "inf"),
+                       ("freeze.guard.tolerance", "inf"), ("freeze.memory_budget", "nan")):
+        assert f"{key}: must be a finite number, got {value}" in err, key
+    assert "must be <=" not in err and "must be >" not in err and err.count("must be") == 5  # one error per key
+    assert main(["train", "--set", "run.checkpoint_every_minutes=.inf"]) == 2
+    _one_line(_err(capsys), "layerfreeze: error: Invalid configuration: run.checkpoint_every_minutes: must be a "
+                            "finite number, got inf")
+
+
 def test_version_and_no_command(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--version"])

@@ -100,6 +100,23 @@ def test_data_the_task_does_not_read_is_refused_and_missing_inputs_are_named(tmp
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.assets("minilm")
+def test_an_empty_csv_or_one_with_only_a_header_says_so(tmp_path, capsys):
+    # both read as "no column 'text'; columns present: []" (0 bytes) or "no data rows" (a header alone), which said
+    # nothing of what to write
+    data = tmp_path / "empty.csv"
+    data.write_bytes(b"")
+    run = ["--task", "text-csv", "--data", str(data), "--run-dir", str(tmp_path / "r")]
+    assert main(["train", *run]) == 2
+    _one_line(_err(capsys), f"layerfreeze: error: data file {data} is empty (0 bytes): a CSV file starts with a header "
+                            "row naming its columns (text,label), then one row per sample\n")
+    data.write_text("text,topic\n", encoding="utf-8")
+    assert main(["train", *run, "--set", "data.label_column=topic"]) == 2
+    _one_line(_err(capsys), f"layerfreeze: error: data file {data} has a header row but no data rows: add one row per "
+                            "sample below it (text,topic)\n")
+    assert not (tmp_path / "r").exists()
+
+
 def test_an_image_folder_without_images_names_data_path_in_one_line(tmp_path, capsys):
     for name in ("cats", "dogs", "notes"):  # class folders, but no image in them (torchvision lists them all)
         (tmp_path / "imgs" / name).mkdir(parents=True)

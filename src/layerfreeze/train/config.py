@@ -116,7 +116,8 @@ class DataConfig(_Section):
 
 
 class TrainConfig(_Section):
-    """Optimisation. ``lr`` is the head's learning rate; ``lr_decay`` > 1 gives earlier blocks smaller ones."""
+    """Optimisation. ``lr`` is every block's learning rate with ``lr_decay`` 1 (the default), the head's when
+    ``lr_decay`` > 1 gives earlier blocks smaller ones (each block's ``lr_decay`` times smaller than the next's)."""
 
     epochs: int = Field(3, ge=1)
     batch_size: int = Field(32, ge=1)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import layerfreeze
+from layerfreeze.budget.parse import parse_budget
 from layerfreeze.cli import commands as cli_commands
 from layerfreeze.cli import entry as cli_entry
 from layerfreeze.cli import main
@@ -60,6 +61,44 @@ def test_every_subcommand_and_option_has_help_text(capsys):
         assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "List every registered freezing strategy" in out and "Check which offline assets are installed" in out
+
+
+def _option_help(parser: argparse.ArgumentParser, flag: str) -> str:
+    return next(a.help for a in parser._actions if flag in a.option_strings)
+
+
+def test_help_gives_defaults_and_says_what_lr_deltas_and_the_predictor_steps_are():
+    # a newcomer's reading of --help: --seed and --max-steps without their defaults, --lr "of the head" though with
+    # lr_decay 1 (the default) every block has it, calibrate --deltas "default 0.01" and nothing else, `predictor`
+    # naming 4 of its 6 steps, and two lists of budget forms (train's without 2.5GB, plan's with it)
+    parser = cli_parser.build_parser()
+    for command in ("train", "compare", "plan"):
+        sub = parser.subcommands[command]
+        assert _option_help(sub, "--seed").endswith("(default 0)")
+        assert "(default: none, the run's epochs decide)" in _option_help(sub, "--max-steps")
+        lr = _option_help(sub, "--lr")
+        assert lr.startswith("learning rate of every block, the head's when train.lr_decay > 1") and "of the head" \
+            not in lr
+    forms = ("3GiB, 800MiB, 2.5GB, 1000000B; binary KiB/MiB/GiB/TiB, decimal kB/MB/GB/TB, or B for bytes), or a "
+             "fraction of the tensor peak with nothing frozen (0.6, or 60%%)")
+    for command, flag in (("train", "--memory-budget"), ("compare", "--memory-budget"), ("plan", "--memory")):
+        assert f"tensor-peak budget: a size with a unit ({forms}" in _option_help(parser.subcommands[command], flag)
+    for form in ("3GiB", "800MiB", "2.5GB", "1000000B", "0.6", "60%"):  # each listed form is one parse_budget reads
+        parse_budget(form)
+    predictor = parser.subcommands["predictor"]
+    text = " ".join(predictor.format_help().split())
+    assert "collect -> label -> train (-> evaluate); counterfactual (after collect)" in text
+    assert "calibrate scores labelling rules (tau, window, delta)" in text
+    calibrate = next(a for a in predictor._actions if isinstance(a, argparse._SubParsersAction)).choices["calibrate"]
+    deltas = _option_help(calibrate, "--deltas")
+    assert deltas.startswith("comma-separated largest CKA changes a rule allows over its stability window (max - min "
+                             "of a block's CKA to its final state, CKA being unitless in [0, 1]")
+    assert deltas.endswith("(default 0.01)")
+    from layerfreeze.train.config import TrainConfig
+    from layerfreeze.train.config_yaml import config_yaml
+
+    assert "lr`` is every block's learning rate with ``lr_decay`` 1" in TrainConfig.__doc__
+    assert "# every block's learning rate (the head's when lr_decay > 1" in config_yaml(build_config({}))
 
 
 # ---- item 9: budgets -------------------------------------------------------------------------------------------
@@ -371,7 +410,7 @@ def test_a_demoted_run_names_demotion_up_front_and_where_its_master_copies_went(
     assert summary["demote"]["master_places"] == ["disk"]
     # item 8: metrics.jsonl counts epochs from 0, what people read from 1 (the README says so)
     freeze = next(r for r in read_metrics(run) if r.get("kind") == "freeze")
-    assert freeze["epoch"] == 0 and "bert.embeddings" in out and "frozen at step 0 (epoch 1)" in out
+    assert freeze["epoch"] == 0 and "bert.embeddings" in out and "frozen at step 0 (before training)" in out
     assert "The files count epochs from 0, as Python does" in " ".join(README.read_text(encoding="utf-8").split())
 
 

@@ -50,6 +50,24 @@ def test_yaml_syntax_config_values_and_unknown_flags_are_one_line_each(tmp_path,
                             "layerfreeze train --help lists the options")
 
 
+def test_a_nan_or_infinity_in_any_float_key_is_refused_as_not_finite(tmp_path, capsys):
+    # `lr: .nan` said "train.lr: must be <= 10, got nan", as if nan were too large; `inf` the same
+    assert main(["train", "--lr", "nan"]) == 2
+    _one_line(_err(capsys), "layerfreeze: error: Invalid configuration: train.lr: must be a finite number, got 'nan'")
+    config = tmp_path / "nan.yaml"
+    config.write_text("train:\n  lr: .nan\n  weight_decay: .inf\ndata: {test_fraction: -.inf}\n"
+                      "freeze:\n  memory_budget: .nan\n  guard: {tolerance: .inf}\n")
+    assert main(["train", "--config", str(config)]) == 2
+    err = _one_line(_err(capsys), "layerfreeze: error: Invalid configuration: ")
+    for key, value in (("data.test_fraction", "-inf"), ("train.lr", "nan"), ("train.weight_decay", "inf"),
+                       ("freeze.guard.tolerance", "inf"), ("freeze.memory_budget", "nan")):
+        assert f"{key}: must be a finite number, got {value}" in err, key
+    assert "must be <=" not in err and "must be >" not in err and err.count("must be") == 5  # one error per key
+    assert main(["train", "--set", "run.checkpoint_every_minutes=.inf"]) == 2
+    _one_line(_err(capsys), "layerfreeze: error: Invalid configuration: run.checkpoint_every_minutes: must be a "
+                            "finite number, got inf")
+
+
 def test_version_and_no_command(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
@@ -79,6 +97,23 @@ def test_data_the_task_does_not_read_is_refused_and_missing_inputs_are_named(tmp
     assert f"data.path {tmp_path} is a folder; text-csv reads a CSV file (columns 'text' and 'label')" in _err(capsys)
     assert main(["train", "--resume", str(tmp_path / "gone")]) == 2
     _one_line(_err(capsys), f"layerfreeze: error: --resume {tmp_path / 'gone'}: does not exist")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.assets("minilm")
+def test_an_empty_csv_or_one_with_only_a_header_says_so(tmp_path, capsys):
+    # both read as "no column 'text'; columns present: []" (0 bytes) or "no data rows" (a header alone), which said
+    # nothing of what to write
+    data = tmp_path / "empty.csv"
+    data.write_bytes(b"")
+    run = ["--task", "text-csv", "--data", str(data), "--run-dir", str(tmp_path / "r")]
+    assert main(["train", *run]) == 2
+    _one_line(_err(capsys), f"layerfreeze: error: data file {data} is empty (0 bytes): a CSV file starts with a header "
+                            "row naming its columns (text,label), then one row per sample\n")
+    data.write_text("text,topic\n", encoding="utf-8")
+    assert main(["train", *run, "--set", "data.label_column=topic"]) == 2
+    _one_line(_err(capsys), f"layerfreeze: error: data file {data} has a header row but no data rows: add one row per "
+                            "sample below it (text,topic)\n")
     assert not (tmp_path / "r").exists()
 
 

@@ -182,6 +182,25 @@ def test_the_table_says_the_precision_and_compile_its_rows_ran_under():
     assert note in str(rich_table(rows).title)
 
 
+def test_the_table_sets_apart_blocks_frozen_at_the_last_step():
+    # `compare --rows none,static,linear --epochs 2` (16 steps): linear's cell read "features.0@16, ...,
+    # features.18@16", 19 blocks frozen at the last epoch end, after the last optimizer step: it looked like a saving
+    from layerfreeze.runs.compare_table import frozen_lines, markdown_table, table_cells
+
+    linear = {"row": "linear", "test_accuracy": 0.5, "train_time_s": 10.0, "steps": 16,
+              "freeze_steps": {"features.0": 8, "features.1": 16, "features.2": 16}}
+    assert table_cells(linear)[-1] == "features.0@8; after the last step (saved nothing): features.1@16, features.2@16"
+    only_last = {**linear, "freeze_steps": {"features.0": 16, "features.1": 16}}
+    assert table_cells(only_last)[-1] == "after the last step (saved nothing): features.0@16, features.1@16"
+    assert frozen_lines([only_last]) == [
+        "linear: frozen block@step: after the last step (saved nothing): features.0@16, features.1@16"]
+    static = {"row": "static", "test_accuracy": 0.5, "steps": 16, "freeze_steps": {"features.0": 0, "features.1": 0}}
+    assert table_cells(static)[-1] == "features.0@0, features.1@0"  # frozen before training: a saving all run
+    assert "| features.0@0, features.1@0 |" in markdown_table([static])
+    no_steps = {**linear, "steps": None}  # an older compare.json without the run's steps: as before
+    assert table_cells(no_steps)[-1] == "features.0@8, features.1@16, features.2@16"
+
+
 @pytest.mark.assets("minilm")
 def test_an_interrupted_comparison_says_which_rows_ran_and_a_row_finished_later_is_reported(tmp_path, tiny_bert_dir,
                                                                                             tiny_csv):

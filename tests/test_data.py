@@ -152,6 +152,27 @@ def test_load_text_csv_missing_column(tmp_path):
         data.load_text_csv(path)
 
 
+def test_an_empty_csv_a_blank_first_line_and_a_header_alone_are_told_apart(tmp_path):
+    from layerfreeze.train.csv_rows import read_csv_columns
+
+    path = tmp_path / "data.csv"
+    path.write_bytes(b"")  # was "no column 'text'; columns present: []"
+    with pytest.raises(ValueError, match=r"data\.csv is empty \(0 bytes\): a CSV file starts with a header row naming "
+                                         r"its columns \(text,label\), then one row per sample$"):
+        data.load_text_csv(path)
+    path.write_text("\n\ntext,label\nhi,a\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"data\.csv has no header row \(its first line is blank\)"):
+        data.load_text_csv(path)
+    path.write_text("text,label\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"data\.csv has a header row but no data rows: add one row per sample below "
+                                         r"it \(text,label\)$"):
+        data.load_text_csv(path)
+    corpus = tmp_path / "corpus.csv"  # text-lm reads one column: a header alone was "holds no text"
+    corpus.write_text("body\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"no data rows: add one row per sample below it \(body\)$"):
+        read_csv_columns(corpus, ("body",))
+
+
 def test_a_test_file_is_labelled_with_the_training_files_classes(tmp_path):
     # a test file of sport and tech only was labelled 0 and 1 by its own sorted classes, where training read them as
     # 1 and 2: the accuracy was computed against wrong labels, in silence

@@ -10,12 +10,13 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 pytest.importorskip("matplotlib")
 
 from layerfreeze.runs.compare_table import freeze_steps, markdown_table  # noqa: E402
 from layerfreeze.runs.report import write_report  # noqa: E402
-from layerfreeze.runs.summary import format_bytes  # noqa: E402
+from layerfreeze.runs.summary import format_bytes, summary_table  # noqa: E402
 from layerfreeze.train.config import build_config  # noqa: E402
 from layerfreeze.train.trainer import Trainer  # noqa: E402
 from tests.conftest import blob_task  # noqa: E402
@@ -103,7 +104,14 @@ def test_single_run_report_has_every_plot_and_the_summary(compare_dir):
     assert f"{100 * summary['test_accuracy']:.2f} %" in text
     assert "interrupted" not in text.lower()
     for block in summary["frozen_blocks"]:  # the freeze timeline list names the frozen blocks
-        assert f"<code>{block}</code> frozen at step 0" in text
+        assert f"<code>{block}</code> frozen at step 0 (before training)" in text
+    # one wording for the start stage: the CLI summary said "frozen at step 0 (epoch 1)" where this page said
+    # "(before training)" (freeze_step_text gives both)
+    console = Console(record=True, width=200)
+    console.print(summary_table(summary))
+    table = console.export_text()
+    assert all(f"{block}  frozen at step 0 (before training)" in table for block in summary["frozen_blocks"])
+    assert "(epoch 1)" not in table
     assert "<style>" in text and "<script" not in text  # self-contained, static
     # the memory ledger: the tensor peak and every bucket's peak
     peak = summary["memory"]["tensor_peak_bytes"]

@@ -198,13 +198,28 @@ def test_summary_table_renders() -> None:
         "4.00 TFLOP",
         "2.50 TFLOP (-37.5% vs first)",
         "1.50 GiB",
-        "embeddings  frozen at step 0 (epoch 1)",  # epochs shown 1-based
+        "embeddings  frozen at step 0 (before training)",  # the start stage, in the report's words
         "layer.1     frozen at step 400 (epoch 2)",
         "layer.1     thawed at step 900 (epoch 3)",
     ):
         assert expected in text, expected
     # timeline sorted by step
     assert text.index("embeddings  frozen") < text.index("layer.1     frozen") < text.index("thawed")
+
+
+def test_summary_table_marks_what_froze_after_the_last_step() -> None:
+    # linear froze its last blocks at the final epoch end, step 16 of 16: "frozen at step 16 (epoch 2)" read as a
+    # saving, though no step trained with them frozen
+    summary = {"steps": 16, "blocks": ["features.0", "features.1", "features.2"], "freeze_timeline": [
+        {"block": "features.0", "step": 8, "epoch": 0, "action": "freeze"},
+        {"block": "features.1", "step": 16, "epoch": 1, "action": "freeze"},
+        {"block": "features.2", "step": 16, "epoch": 1, "action": "freeze"}]}
+    text = _render(summary_table(summary))
+    cells = [line.split("│")[-2].strip() for line in text.splitlines() if line.count("│") == 3]
+    assert "features.0  frozen at step 8 (epoch 1)" in cells  # before the last step: unmarked
+    assert "features.1  frozen at step 16 (epoch 2, after the last step)" in text
+    assert "features.2  frozen at step 16 (epoch 2, after the last step)" in text
+    assert text.count("after the last step") == 2
 
 
 def test_summary_table_shows_only_present_keys() -> None:
@@ -252,10 +267,30 @@ def test_summary_table_says_the_cache_was_idle_when_no_prefix_ran_through_it() -
     # read like a cache that ran and missed, beside a log that said it was idle
     idle = {"mode": "auto", "used": True, "disabled": None, "hits": 0, "misses": 0, "hit_rate": None,
             "memory_bytes": 0, "disk_bytes": 0, "saved_seconds": 0.0}
-    assert "on, idle: no frozen prefix to cache all run (0 lookups)" in _render(summary_table({"cache": idle}))
+    assert "auto, idle: no frozen prefix to cache all run (0 lookups)" in _render(summary_table({"cache": idle}))
+    # the mode the run had: "on" under freeze.cache.mode auto (the default) named a setting the user never made
+    assert "on, idle" not in _render(summary_table({"cache": idle}))
+    assert "on, idle: no frozen prefix" in _render(summary_table({"cache": {**idle, "mode": "on"}}))
     ran = {**idle, "hits": 96, "misses": 32, "hit_rate": 0.75, "memory_bytes": 2**20, "saved_seconds": 3.0}
     text = _render(summary_table({"cache": ran}))
-    assert "96 hits (75%), 1.00 MiB of prefix outputs in memory" in text and "idle" not in text
+    assert "96 hits (75%), ~3.00 s of prefix forward saved; at the end 1.00 MiB of prefix outputs in memory" in text
+    assert "idle" not in text and "freed" not in text
+
+
+def test_summary_table_says_the_cache_bytes_are_the_end_s_beside_the_ledger_s_peak() -> None:
+    # a static run's table showed "activation cache (memory)  12.0 MiB  (step 10)" (the ledger's peak) beside
+    # "192 hits (50%), 0 B of prefix outputs in memory" (what the cache held at the end, after the auto policy freed
+    # every entry after its last read): two figures for one cache, neither saying which moment it was
+    summary = {"cache": {"mode": "auto", "used": True, "disabled": None, "hits": 192, "misses": 192, "hit_rate": 0.5,
+                         "memory_bytes": 0, "disk_bytes": 0, "saved_seconds": 0.5, "policy_freed": 192},
+               "memory": {"tensor_peak_bytes": 40 * 2**20, "tensor_peak_step": 10,
+                          "buckets": {"cache_memory": {"peak_bytes": 12 * 2**20, "step": 10}}}}
+    console = Console(record=True, width=200)
+    console.print(summary_table(summary))
+    text = " ".join(console.export_text().split())
+    assert "memory by bucket (peak) │ activation cache (memory) 12.0 MiB (step 10)" in text
+    assert ("192 hits (50%), ~0.50 s of prefix forward saved; at the end 0 B of prefix outputs in memory (192 entries "
+            "freed once no longer needed)") in text
 
 
 def _tensorboard(path: Path) -> dict[str, list[tuple[int, Any]]]:

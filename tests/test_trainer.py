@@ -386,7 +386,7 @@ def test_cache_on_with_train_bn_is_refused_before_training(tmp_path):
     with pytest.raises(ConfigError, match=r"freeze.train_bn true keeps the BatchNorm layers of frozen blocks"):
         Trainer(budget, task=blob_task()).run()
     for bad in ("inf", "nan", "1e12"):  # inf crashed: "cannot convert float infinity to integer"
-        with pytest.raises(ConfigError, match="freeze.cache.budget_mb: (Input should be a finite number|must be <=)"):
+        with pytest.raises(ConfigError, match="freeze.cache.budget_mb: (must be a finite number, got|must be <=)"):
             config(tmp_path, "x", freeze={"strategy": "none", "cache": {"budget_mb": float(bad)}})
     cfg.freeze.cache.mode = "auto"  # auto: trains, without the cache once the BatchNorm block freezes
     assert Trainer(cfg, task=blob_task()).run()["cache"]["used"] is False
@@ -408,6 +408,24 @@ def test_an_epoch_cut_short_by_max_steps_is_marked_partial_and_left_out_of_the_m
     assert f"mean {first:.2f} s over 1 full epoch  [{first:.2f}, {last:.2f} (partial: 2 of 6 steps)] s" in text
     page = write_report(tmp_path / "r").read_text(encoding="utf-8")
     assert "(partial: 2 of 6 steps)" in page
+
+
+def test_the_progress_bar_counts_the_epochs_max_steps_leaves(tmp_path, capsys):
+    # `--max-steps 1` on a 2- or 3-epoch run showed "epoch 1/3": the bar counted train.epochs, not what the run did
+    cfg = config(tmp_path, "one", max_steps=1, epochs=3)  # 96 samples / 16: 6 steps an epoch
+    cfg.run.progress = True
+    Trainer(cfg, task=blob_task()).run()
+    bar = capsys.readouterr().err
+    assert "epoch 1/1" in bar and "/3" not in bar and "epoch 2/" not in bar
+    cfg = config(tmp_path, "eight", max_steps=8, epochs=3)  # 6 steps, then 2 of the second epoch
+    cfg.run.progress = True
+    Trainer(cfg, task=blob_task()).run()
+    bar = capsys.readouterr().err
+    assert "epoch 1/2" in bar and "epoch 2/2" in bar and "/3" not in bar
+    cfg = config(tmp_path, "all", epochs=2)  # no max_steps: every epoch
+    cfg.run.progress = True
+    Trainer(cfg, task=blob_task()).run()
+    assert "epoch 2/2" in capsys.readouterr().err
 
 
 def test_a_second_run_on_the_same_task_builds_its_optimizer_over_every_block(tmp_path):

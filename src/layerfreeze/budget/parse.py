@@ -26,14 +26,16 @@ from dataclasses import dataclass
 from layerfreeze.errors import BudgetError
 from layerfreeze.runs.summary import format_bytes
 
-__all__ = ["Budget", "parse_budget"]
+__all__ = ["BUDGET_FORMS", "Budget", "parse_budget"]
 
 #: Bytes per unit (lower case).
 UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
-_FORMS = ("a size with a unit (3GiB, 800MiB, 2.5GB; binary KiB/MiB/GiB/TiB or decimal kB/MB/GB/TB), or a fraction "
-          "of the tensor peak with nothing frozen (0.6, or 60%)")
+#: The forms a budget is written in, as the errors here and the command line's help (``train --memory-budget``,
+#: ``compare --memory-budget``, ``plan --memory``) list them.
+BUDGET_FORMS = ("a size with a unit (3GiB, 800MiB, 2.5GB, 1000000B; binary KiB/MiB/GiB/TiB, decimal kB/MB/GB/TB, or B "
+                "for bytes), or a fraction of the tensor peak with nothing frozen (0.6, or 60%)")
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
 
 
@@ -79,7 +81,7 @@ def parse_budget(value: str | int | float | Budget) -> Budget:
     if isinstance(value, Budget):
         return value
     if isinstance(value, bool):
-        raise BudgetError(f"memory budget {value!r}: expected {_FORMS}")
+        raise BudgetError(f"memory budget {value!r}: expected {BUDGET_FORMS}")
     if isinstance(value, int):
         if value <= 0:
             raise BudgetError(f"memory budget {value} bytes: must be positive")
@@ -90,12 +92,12 @@ def parse_budget(value: str | int | float | Budget) -> Budget:
                               f"and must be in (0, 1]; for a size give an int of bytes or a string such as '3GiB'")
         return Budget(fraction=value, text=f"{value:g}")
     if not isinstance(value, str):
-        raise BudgetError(f"memory budget {value!r} ({type(value).__name__}): expected {_FORMS}")
+        raise BudgetError(f"memory budget {value!r} ({type(value).__name__}): expected {BUDGET_FORMS}")
     if value.strip().startswith("-"):
-        raise BudgetError(f"memory budget {value!r}: a budget must be positive; expected {_FORMS}")
+        raise BudgetError(f"memory budget {value!r}: a budget must be positive; expected {BUDGET_FORMS}")
     found = _NUMBER.match(value)
     if found is None:
-        raise BudgetError(f"memory budget {value!r}: expected {_FORMS}")
+        raise BudgetError(f"memory budget {value!r}: expected {BUDGET_FORMS}")
     number, unit = float(found.group(1)), found.group(2).lower()
     text = value.strip()
     if unit == "%":
@@ -107,12 +109,12 @@ def parse_budget(value: str | int | float | Budget) -> Budget:
         if not 0 < number <= 1:
             raise BudgetError(f"memory budget {value!r}: a number without a unit is a fraction of the tensor peak "
                               f"with nothing frozen and must be in (0, 1]{_bare_hint(found.group(1), number)}; "
-                              f"expected {_FORMS}")
+                              f"expected {BUDGET_FORMS}")
         return Budget(fraction=number, text=text)
     if unit not in UNITS:
         guess = {"k": "KiB", "m": "MiB", "g": "GiB", "t": "TiB"}.get(unit)
         hint = f" (did you mean {found.group(1)}{guess}?)" if guess else ""
-        raise BudgetError(f"memory budget {value!r}: unknown unit {found.group(2)!r}{hint}; expected {_FORMS}")
+        raise BudgetError(f"memory budget {value!r}: unknown unit {found.group(2)!r}{hint}; expected {BUDGET_FORMS}")
     nbytes = int(number * UNITS[unit])
     if nbytes <= 0:
         raise BudgetError(f"memory budget {value!r}: must be at least one byte")

@@ -10,6 +10,7 @@ import sys
 from typing import Any, NoReturn
 
 from layerfreeze._version import __version__
+from layerfreeze.budget.parse import BUDGET_FORMS
 from layerfreeze.distributed.comm import launched_main_rank
 from layerfreeze.errors import ConfigError
 from layerfreeze.strategies import DEFAULT_STRATEGY, STRATEGIES
@@ -165,8 +166,7 @@ def build_parser() -> Parser:
         "--check 20\n  layerfreeze plan --memory 800MiB --set model.max_length=64 --json plan.json",
         formatter_class=HelpFormatter)
     plan.add_argument("--memory", "-m", required=True, metavar="BUDGET",
-                      help="the budget: 3GiB, 800MiB, 2.5GB, 1000000B (a size), or 0.6 / 60%% (of the tensor peak "
-                      "with nothing frozen)")
+                      help=f"tensor-peak budget: {BUDGET_FORMS_HELP}")
     plan.add_argument("--check", type=int, metavar="N", help="then train N steps under the plan (at most the run's "
                       "length) and print the predicted against the measured tensor peak")
     plan.add_argument("--json", metavar="FILE", help="also write the plan (every prefix's cost) as JSON")
@@ -229,9 +229,10 @@ RUN_FLAG_HELP = {
     "strategy": f"freezing strategy (default {DEFAULT_STRATEGY}): {', '.join(sorted(STRATEGIES))}",
     "epochs": "passes over the training data (default: the task's; `layerfreeze config --task T` prints them)",
     "batch-size": "samples per optimizer step (the global batch under torchrun; default: the task's)",
-    "lr": "learning rate of the head (default: the task's)",
-    "seed": "seed of weights, data order and dropout",
-    "max-steps": "stop after this many optimizer steps",
+    "lr": "learning rate of every block, the head's when train.lr_decay > 1 gives earlier blocks smaller ones "
+          "(default: the task's)",
+    "seed": "seed of weights, data order and dropout (default 0)",
+    "max-steps": "stop after this many optimizer steps (default: none, the run's epochs decide)",
     "limit-train": "use only N training samples (a random subset drawn with data.split_seed; fashion-mnist: its "
                    "first N, stored in random order)",
     "limit-test": "use only N test samples (drawn as --limit-train's)",
@@ -243,9 +244,11 @@ RUN_FLAG_HELP = {
 }
 RUN_FLAG_TYPES: dict[str, Any] = {"epochs": int, "batch-size": int, "seed": int, "max-steps": int,
                                   "limit-train": int, "limit-test": int, "lr": float}
-MEMORY_BUDGET_HELP = ("tensor-peak budget (3GiB, 800MiB, 1000000B, or 0.6 / 60%% of the peak with nothing frozen): "
-                      "freeze the shortest prefix that fits from the start and never thaw it (`layerfreeze plan` "
-                      "shows it)")
+#: The budget forms ``train --memory-budget``, ``compare --memory-budget`` and ``plan --memory`` list: the text
+#: :func:`~layerfreeze.budget.parse.parse_budget`'s errors give (``%%``: argparse's escape of ``%``).
+BUDGET_FORMS_HELP = BUDGET_FORMS.replace("%", "%%")
+MEMORY_BUDGET_HELP = (f"tensor-peak budget: {BUDGET_FORMS_HELP}. Freezes the shortest prefix that fits from the start "
+                      "and never thaws it (`layerfreeze plan` shows it)")
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, run_dir_help: str | None = None) -> None:

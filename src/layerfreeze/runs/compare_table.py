@@ -10,7 +10,7 @@ from typing import Any
 from rich.table import Table
 
 from layerfreeze.runs.rundir import finite
-from layerfreeze.runs.summary import format_bytes, format_flops
+from layerfreeze.runs.summary import AFTER_LAST_STEP, format_bytes, format_flops
 
 #: The row every ratio is to: nothing frozen.
 BASELINE = "none"
@@ -87,9 +87,10 @@ def table_cells(r: dict[str, Any], missing: str = "-") -> list[str]:
     """One row's cells under :func:`headers` (the terminal, ``compare.md`` and the HTML report all show these),
     ``missing`` where a value is absent (a row that has not run, no baseline row). The metric's two cells follow the
     task: test accuracy in percent and its difference to the baseline in points, or (a language model) test
-    perplexity and its ratio to the baseline's. The last column lists the blocks frozen at the end with their step,
-    or for a rotating strategy (``lisa``, ``badam``: ``r["rotation"]``) how often the trained layers switched and
-    the mean share of blocks that trained."""
+    perplexity and its ratio to the baseline's. The last column lists the blocks frozen at the end with their step
+    (:func:`frozen_cell`: those frozen at the run's last step apart, as saving nothing), or for a rotating strategy
+    (``lisa``, ``badam``: ``r["rotation"]``) how often the trained layers switched and the mean share of blocks that
+    trained."""
     def ratio(x: Any) -> str:
         return f"{x:.3f}" if finite(x) else missing
 
@@ -102,7 +103,7 @@ def table_cells(r: dict[str, Any], missing: str = "-") -> list[str]:
         metric = f"{100 * r['test_accuracy']:.2f}" if finite(r.get("test_accuracy")) else missing
         change = f"{100 * r['accuracy_delta']:+.2f}" if finite(r.get("accuracy_delta")) else missing
     steps = r.get("freeze_steps") or {}
-    frozen = ", ".join(f"{b}@{s}" for b, s in steps.items()) if isinstance(steps, dict) else str(steps)
+    frozen = frozen_cell(steps, r.get("steps")) if isinstance(steps, dict) else str(steps)
     rotation = r.get("rotation")
     if isinstance(rotation, dict) and finite(rotation.get("mean_trainable_fraction")):
         frozen = (f"rotates: {rotation['switches']} switches, {100 * rotation['mean_trainable_fraction']:.0f}% of "
@@ -116,6 +117,16 @@ def table_cells(r: dict[str, Any], missing: str = "-") -> list[str]:
         amount(r.get("peak_memory_bytes"), format_bytes), amount(r.get("tensor_peak_bytes"), format_bytes),
         ratio(r.get("tensor_peak_ratio")), frozen or missing,
     ]
+
+
+def frozen_cell(steps: dict[str, int], last_step: Any = None) -> str:
+    """The ``frozen block@step`` cell: ``"features.0@4, features.1@8"``; blocks frozen at ``last_step`` (the run's
+    steps) grouped after ``"after the last step (saved nothing): "``, since no step trained with them frozen
+    (``linear`` freezes its last blocks at the final epoch end)."""
+    last = int(last_step) if finite(last_step) and last_step > 0 else None
+    during = ", ".join(f"{b}@{s}" for b, s in steps.items() if last is None or s < last)
+    after = ", ".join(f"{b}@{s}" for b, s in steps.items() if last is not None and s >= last)
+    return "; ".join(([during] if during else []) + ([f"{AFTER_LAST_STEP} (saved nothing): {after}"] if after else []))
 
 
 def is_language_model(r: dict[str, Any]) -> bool:

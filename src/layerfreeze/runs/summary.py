@@ -15,8 +15,8 @@ from rich.table import Table
 
 from layerfreeze.runs.ledger_buckets import DISK, bucket_label
 
-__all__ = ["format_bytes", "format_flops", "format_seconds", "memory_lines", "print_summary", "rank_memory_lines",
-           "summary_table"]
+__all__ = ["AFTER_LAST_STEP", "format_bytes", "format_flops", "format_seconds", "freeze_step_text", "memory_lines",
+           "print_summary", "rank_memory_lines", "summary_table"]
 
 
 def _scaled(value: float, base: float, units: list[str]) -> tuple[str, str]:
@@ -135,9 +135,30 @@ def epoch_times_text(times: Sequence[float], steps: Sequence[Sequence[int]] | No
     return f"{head}  (min {min(full):.2f}, max {max(full):.2f}, {len(values)} epochs{cut})"
 
 
-def _format_timeline(timeline: list[Mapping[str, Any]], blocks: list[str] | None = None) -> str:
+#: What a freeze at the run's last step is marked with: it came after the last optimizer step and saved nothing.
+AFTER_LAST_STEP = "after the last step"
+
+
+def freeze_step_text(step: int, epoch: int | None = None, last_step: int | None = None) -> str:
+    """When a block froze or thawed, as the run summary and the report say it: ``"step 0 (before training)"`` (the
+    start stage, before the first optimizer step, whatever epoch it is filed under), else ``"step 40 (epoch 2)"``
+    (``epoch`` counted from 0 as the files count it, shown from 1 as the progress bar counts) or ``"step 40"`` when
+    the epoch is unknown; at ``last_step`` (the run's steps, if given) ``"step 52 (epoch 2, after the last step)"``,
+    so a freeze that trained no step frozen does not read as a saving. ``step``: optimizer steps done when it
+    happened."""
+    step = int(step)
+    if step == 0:
+        return "step 0 (before training)"
+    notes = ([f"epoch {int(epoch) + 1}"] if epoch is not None else []) + (
+        [AFTER_LAST_STEP] if last_step is not None and step >= int(last_step) else [])
+    return f"step {step}" + (f" ({', '.join(notes)})" if notes else "")
+
+
+def _format_timeline(timeline: list[Mapping[str, Any]], blocks: list[str] | None = None,
+                     last_step: int | None = None) -> str:
     """One line per freeze or thaw, by step, and within a step front to back (the order of ``blocks``, the model's
-    block order; events of a block not in it keep their recorded order)."""
+    block order; events of a block not in it keep their recorded order); those at ``last_step`` (the run's steps)
+    marked as after the last step (:func:`freeze_step_text`)."""
     position = {name: i for i, name in enumerate(blocks or [])}
     rows = sorted(timeline, key=lambda e: (int(e.get("step", 0)), position.get(str(e.get("block")), len(position))))
     width = max((len(str(e.get("block", ""))) for e in rows), default=0)
@@ -146,10 +167,8 @@ def _format_timeline(timeline: list[Mapping[str, Any]], blocks: list[str] | None
         block = str(entry.get("block", "?"))
         action = str(entry.get("action", "freeze"))
         verb = {"freeze": "frozen", "thaw": "thawed"}.get(action, action)
-        line = f"{block.ljust(width)}  {verb} at step {int(entry.get('step', 0))}"
-        if entry.get("epoch") is not None:
-            line += f" (epoch {int(entry['epoch']) + 1})"  # 1-based, as the progress bar counts
-        lines.append(line)
+        when = freeze_step_text(entry.get("step", 0), entry.get("epoch"), last_step)
+        lines.append(f"{block.ljust(width)}  {verb} at {when}")
     return "\n".join(lines)
 
 
@@ -171,7 +190,8 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
     ``freeze_timeline`` (list of
     ``{"block", "step", "epoch", "action"}``; rendered one line per entry as
     ``"<block>  frozen at step N (epoch E)"``, blocks frozen from the start
-    having step 0).
+    having step 0, ``"frozen at step 0 (before training)"``, those at the run's last ``steps`` marked
+    ``"after the last step"``: :func:`freeze_step_text`).
     """
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric", style="cyan", no_wrap=True)
@@ -245,7 +265,7 @@ def summary_table(summary: Mapping[str, Any], title: str = "layerfreeze run") ->
     timeline = get("freeze_timeline")
     if timeline:
         table.add_section()
-        table.add_row("freeze timeline", _format_timeline(list(timeline), get("blocks")))
+        table.add_row("freeze timeline", _format_timeline(list(timeline), get("blocks"), get("steps")))
     return table
 
 
@@ -285,19 +305,23 @@ def rank_memory_lines(ranks: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def _format_cache(c: Mapping[str, Any]) -> str:
-    """The summary's ``cache`` entry in one line."""
+    """The summary's ``cache`` entry in one line: lookups, seconds saved, and the bytes it holds at the end of the run
+    (the ``auto`` policy frees an entry after its last read, so often 0 B; the peak is the ``memory by bucket``
+    row)."""
     if c.get("disabled"):
         return f"off during the run ({c['disabled']})"
     if not c.get("used", False):
         return "off" if c.get("mode") == "off" else "off (see the cache_off event)"
     if not c.get("hits") and not c.get("misses"):  # on all run, but no block froze in front of the trained ones
-        return "on, idle: no frozen prefix to cache all run (0 lookups)"
+        # the mode the user set (auto, the default, or on), not "on": auto is what they have
+        return f"{c.get('mode') or 'on'}, idle: no frozen prefix to cache all run (0 lookups)"
     rate = "-" if c.get("hit_rate") is None else f"{100 * c['hit_rate']:.0f}%"
     disk = f" + {format_bytes(c['disk_bytes'])} on disk" if c.get("disk_bytes") else ""
-    # the prefix outputs it holds at the end; the ledger's "activation cache (memory)" adds the inputs' fingerprints,
-    # at the tensor peak's step (a reader saw 512 B there beside "0 B in memory" here)
-    return (f"{c['hits']:,} hits ({rate}), {format_bytes(c['memory_bytes'])} of prefix outputs in memory{disk}, "
-            f"~{format_seconds(c['saved_seconds'])} of prefix forward saved")
+    freed = f" ({c['policy_freed']:,} entries freed once no longer needed)" if c.get("policy_freed") else ""
+    # the prefix outputs it holds at the end, said so: the ledger's "activation cache (memory)" row is its peak (with
+    # the inputs' fingerprints), and "12.0 MiB (step 10)" there beside "0 B in memory" here read as a contradiction
+    return (f"{c['hits']:,} hits ({rate}), ~{format_seconds(c['saved_seconds'])} of prefix forward saved; at the end "
+            f"{format_bytes(c['memory_bytes'])} of prefix outputs in memory{disk}{freed}")
 
 
 def _format_demote(d: Mapping[str, Any]) -> str:

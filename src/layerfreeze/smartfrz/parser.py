@@ -85,7 +85,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``predictor`` and its sub-commands to the main CLI's sub-parsers."""
     p = subparsers.add_parser(
         "predictor", help="collect runs, label them with CKA, train and evaluate the SmartFRZ predictor",
-        description="The offline SmartFRZ pipeline: collect -> label -> train -> evaluate.",
+        description="The offline SmartFRZ pipeline: collect -> label -> train (-> evaluate);\n"
+        "counterfactual (after collect) trains each run on from grid steps with a frozen\n"
+        "prefix, and calibrate scores labelling rules (tau, window, delta) against those\n"
+        "costs, to choose label's --tau / --window / --delta.",
         epilog=__doc__.split("::", 1)[1].split("Exit codes")[0].replace("``", "`"),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="predictor_command", metavar="SUBCOMMAND", required=True)
@@ -182,8 +185,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     cal.add_argument("--taus", type=_csv(float), default=[0.99, 0.995, 0.998, 0.999, 0.9995],
                      help="CKA thresholds (default 0.99,0.995,0.998,0.999,0.9995)")
     cal.add_argument("--windows", type=_csv(int), default=[DEFAULT_WINDOW],
-                     help=f"stability windows (default {DEFAULT_WINDOW})")
-    cal.add_argument("--deltas", type=_csv(float), default=[DEFAULT_DELTA], help=f"default {DEFAULT_DELTA}")
+                     help=f"stability windows, in activation snapshots (default {DEFAULT_WINDOW})")
+    cal.add_argument("--deltas", type=_csv(float), default=[DEFAULT_DELTA],
+                     help="comma-separated largest CKA changes a rule allows over its stability window (max - min of "
+                     "a block's CKA to its final state, CKA being unitless in [0, 1]; label's --delta), each >= 0; "
+                     f"every --taus / --windows / --deltas combination is scored (default {DEFAULT_DELTA})")
     cal.add_argument("--eps", type=_number(float, 0), default=DEFAULT_EPS_POINTS,
                      help="accuracy points a freeze may lose beyond the unfrozen continuations' lowest and still "
                      f"count as costing nothing (default {DEFAULT_EPS_POINTS})")

@@ -15,6 +15,7 @@ Example (YAML)::
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import types
 import typing
@@ -57,13 +58,20 @@ def absolute_path(path: str) -> str:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: every float key refuses NaN and infinities as not finite (YAML's .nan / .inf, --lr nan),
+    # before its bounds are checked ("train.lr: must be <= 10, got nan" said nothing useful)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, bool) and _numeric_only(cls.model_fields[info.field_name].annotation):
             raise ValueError(f"must be a number, not {str(value).lower()}")
+        # a NaN or infinity (YAML's .nan / .inf) in a key that takes a number: one message, also for a key that takes
+        # a number or a string (freeze.memory_budget), where pydantic would list one error per member of the union
+        if isinstance(value, float) and not math.isfinite(value) and _numeric_only(
+                cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"must be a finite number, got {value!r}")
         return value
 
 
@@ -127,7 +135,8 @@ class DataConfig(_Section):
 
 
 class TrainConfig(_Section):
-    """Optimisation. ``lr`` is the head's learning rate; ``lr_decay`` > 1 gives earlier blocks smaller ones."""
+    """Optimisation. ``lr`` is every block's learning rate with ``lr_decay`` 1 (the default), the head's when
+    ``lr_decay`` > 1 gives earlier blocks smaller ones (each block's ``lr_decay`` times smaller than the next's)."""
 
     epochs: int = Field(3, ge=1)
     batch_size: int = Field(32, ge=1)
@@ -539,6 +548,8 @@ def _plain_message(err: Any) -> str:
         return f"must be a whole number, got {got!r}"
     if kind in _NUMBER:
         return f"must be a number, got {got!r}"
+    if kind == "finite_number":
+        return f"must be a finite number, got {got!r}"
     if kind in ("bool_parsing", "bool_type"):
         return f"must be true or false, got {got!r}"
     if kind in ("model_type", "dict_type", "model_attributes_type"):

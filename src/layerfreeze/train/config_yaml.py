@@ -46,7 +46,7 @@ KEY_NOTES: dict[str, str] = {
     "train.epochs": "passes over the training data",
     "train.batch_size": "samples per optimizer step (the global batch under torchrun)",
     "train.eval_batch_size": "samples per evaluation batch",
-    "train.lr": "the head's learning rate",
+    "train.lr": "every block's learning rate (the head's when lr_decay > 1 gives earlier blocks smaller ones)",
     "train.lr_decay": "each earlier block's LR is this many times smaller (ULMFiT: 2.6; 1: one LR)",
     "train.weight_decay": "decoupled weight decay (AdamW) / L2 (SGD)",
     "train.momentum": "SGD momentum",

@@ -108,14 +108,12 @@ def load_text_csv(
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: a column is missing (the message lists the columns present), a row lacks a field or has an
-            empty label (naming its line), the file has no data rows, or (with ``classes``) a label is not one of
-            ``classes``.
+        ValueError: the file is empty or has no data rows, a column is missing (the message lists the columns
+            present), a row lacks a field or has an empty label (naming its line), or (with ``classes``) a label is
+            not one of ``classes``.
     """
     path = Path(path)
     rows = [(line, text, label.strip()) for line, (text, label) in read_csv_columns(path, (text_column, label_column))]
-    if not rows:
-        raise ValueError(f"{path}: no data rows")
     empty = next((line for line, _, label in rows if not label), None)
     if empty is not None:
         raise ValueError(f"{path}: line {empty} has an empty {label_column!r}; give every row its class, or remove "

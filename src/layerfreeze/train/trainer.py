@@ -51,6 +51,7 @@ holds each rank's ledger peaks, and a resumed rank restores its own.
 from __future__ import annotations
 
 import functools
+import math
 import signal
 import threading
 import time
@@ -229,6 +230,9 @@ class Trainer:
                 self.freezer.close()
             raise
         restore_sigint = self._install_sigint()
+        # the epochs the run reaches, which the progress bar counts to: train.max_steps may end it before
+        # train.epochs (`--max-steps 1` showed "epoch 1/3" for a run of one step)
+        epochs_run = min(cfg.train.epochs, math.ceil(self.total_steps / max(1, self.batches_per_epoch)))
         try:
             for epoch in range(start_epoch, cfg.train.epochs):
                 # a checkpoint taken after an epoch's last step but before its end (evaluation, epoch-end stage)
@@ -251,7 +255,7 @@ class Trainer:
                 self.model.train()
                 bar = tqdm(loader, total=done_in_epoch + len(todo), initial=done_in_epoch,  # max_steps may end it early
                            disable=not (cfg.run.progress and self.is_main),
-                           desc=f"epoch {epoch + 1}/{cfg.train.epochs}", unit="step", leave=False)
+                           desc=f"epoch {epoch + 1}/{epochs_run}", unit="step", leave=False)
                 for batch, n, local in zip(bar, global_sizes, local_counts):
                     loss, step_time, decision = timed_step(self, batch, n, local, epoch)
                     due = self._due

@@ -35,6 +35,7 @@ from layerfreeze.runs.summary import (
     format_bytes,
     format_flops,
     format_seconds,
+    freeze_step_text,
     memory_lines,
     partial_mark,
     wall_time_label,
@@ -124,13 +125,14 @@ def _figure_html(name: str | None, alt: str, caption: str) -> str:
             f"<figcaption>{caption}</figcaption></figure>")
 
 
-def _when(step: Any, epoch: Any) -> str:
-    """``at step 0 (before training)`` / ``at step 40 (epoch 2)``; epochs counted from 1 as in the plots."""
+def _when(step: Any, epoch: Any, last_step: Any = None) -> str:
+    """``at step 0 (before training)`` / ``at step 40 (epoch 2)`` / ``at step 52 (epoch 2, after the last step)``
+    (the run summary's words, :func:`freeze_step_text`; ``last_step``: the run's steps, when known); epochs counted
+    from 1 as in the plots."""
     if not finite(step):
         return "at an unknown step"
-    if int(step) == 0:
-        return "at step 0 (before training)"
-    return f"at step {int(step)}" + (f" (epoch {int(epoch) + 1})" if finite(epoch) else "")
+    return "at " + freeze_step_text(int(step), int(epoch) if finite(epoch) else None,
+                                    int(last_step) if finite(last_step) else None)
 
 
 def _timeline_html(run: Run) -> str:
@@ -139,13 +141,13 @@ def _timeline_html(run: Run) -> str:
     if events:
         for e in sorted(events, key=lambda e: num(e.get("step"))):
             verb = "frozen" if e.get("kind") == Event.FREEZE else "thawed"
-            where = _when(e.get("step"), e.get("epoch"))
+            where = _when(e.get("step"), e.get("epoch"), run.get("steps"))
             reason = f' <span class="muted">— {_e(e["reason"])}</span>' if e.get("reason") else ""
             items.append(f"<li><code>{_e(e['block'])}</code> {verb} {_e(where)}{reason}</li>")
     else:
         for t in run.get("freeze_timeline") or []:
             verb = {Event.FREEZE: "frozen", Event.THAW: "thawed"}.get(str(t.get("action")), str(t.get("action")))
-            where = _when(t.get("step"), t.get("epoch"))
+            where = _when(t.get("step"), t.get("epoch"), run.get("steps"))
             items.append(f"<li><code>{_e(t.get('block'))}</code> {_e(verb)} {_e(where)}</li>")
     if not items:
         return '<span class="muted">no block was frozen</span>'

@@ -40,8 +40,6 @@ KEY_NOTES: dict[str, str] = {
     "data.test_fraction": "share held out for testing when there is no test_path",
     "data.split_seed": "seed of the train/test split",
     "data.image_size": "image side in pixels",
-    "data.limit_train": "use only the first N training samples",
-    "data.limit_test": "use only the first N test samples",
     "train": "optimisation",
     "train.epochs": "passes over the training data",
     "train.batch_size": "samples per optimizer step (the global batch under torchrun)",

@@ -240,3 +240,19 @@ def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path, capsys, name, t
     path.write_text(text)
     assert main(["train", "--config", str(path)]) == 2
     assert said in _one_line(_err(capsys), "layerfreeze: error: Config file")
+
+
+def test_yaml_merge_keys_still_load_and_an_unhashable_key_is_one_line(tmp_path, capsys):
+    # the duplicate-key check constructed `<<` as a key ("could not determine a constructor for the tag ...merge")
+    # and let an unhashable key out as a TypeError traceback
+    from layerfreeze.train.config_file import read_config_file
+
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("base: &b {lr: 1.0e-4, epochs: 2}\nmore: &m {batch_size: 8}\n"
+                      "train:\n  <<: [*b, *m]\n  lr: 2.0e-4\n")
+    assert read_config_file(merged)["train"] == {"lr": 2.0e-4, "epochs": 2, "batch_size": 8}
+    bad = tmp_path / "unhashable.yaml"
+    bad.write_text("train:\n  ? [a, b]\n  : 1\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    said = _one_line(_err(capsys), "layerfreeze: error:")
+    assert "is not valid YAML: found unhashable key (line 2, column 5)" in said

@@ -251,10 +251,45 @@ def test_a_resume_runs_from_any_folder_and_its_first_step_takes_the_new_schedule
     (run / "summary.json").unlink()
     saved = json.loads((run / "config.json").read_text())
     saved["data"]["path"] = tiny_csv.name
+    saved["model"]["name_or_path"] = tiny_bert_dir.name
     (run / "config.json").write_text(json.dumps(saved))
     assert main(["train", "--resume", str(run), "--max-steps", "3", "--no-progress"]) == 2
     _one_line(capsys, f"layerfreeze: error: --resume {run}: its data.path 'texts.csv' is relative to the folder the "
                       f"run was started in, and {tmp_path} has no texts.csv: run the resume from that folder, or give "
-                      "--data with the file's path from here")
-    assert main(["train", "--resume", str(run), "--max-steps", "3", "--no-progress", "--data", str(tiny_csv)]) == 0
+                      "--data with its path from here")
+    assert main(["train", "--resume", str(run), "--max-steps", "3", "--no-progress", "--data", str(tiny_csv)]) == 2
+    _one_line(capsys, f"layerfreeze: error: --resume {run}: its model.name_or_path '{tiny_bert_dir.name}' is relative")
+    assert main(["train", "--resume", str(run), "--max-steps", "3", "--no-progress", "--data", str(tiny_csv),
+                 "--model", str(tiny_bert_dir)]) == 0
     assert [r["step"] for r in read_metrics(run) if r.get("type") == "step"] == [1, 2, 3]
+
+
+@pytest.mark.assets("minilm")
+def test_a_resume_onto_a_longer_run_gives_freezeouts_factors_for_the_new_length(tmp_path, tiny_bert_dir, tiny_csv):
+    # the first resumed step multiplied the new schedule's LR by the factors FreezeOut had computed for the old length
+    # (0.0004 where a run of the new length ran 0.00068): the restored factors are computed again
+    from layerfreeze.runs.rundir import read_metrics
+
+    common = ["--task", "text-csv", "--model", str(tiny_bert_dir), "--data", str(tiny_csv), "--strategy",
+              "freezeout", "--batch-size", "8", "--limit-train", "32", "--limit-test", "8", "--lr", "1e-3", "--set",
+              "model.max_length=16", "--no-progress", "--no-tensorboard", "--no-report"]
+    assert main(["train", *common, "--epochs", "2", "--run-dir", str(tmp_path / "straight")]) == 0
+    assert main(["train", *common, "--epochs", "1", "--run-dir", str(tmp_path / "cut")]) == 0
+    (tmp_path / "cut" / "summary.json").unlink()  # as a run killed after its last checkpoint, at step 4
+    assert main(["train", "--resume", str(tmp_path / "cut"), "--epochs", "2", "--no-progress"]) == 0
+    straight, resumed = ({r["step"]: r["lr"] for r in read_metrics(tmp_path / name) if r.get("type") == "step"}
+                         for name in ("straight", "cut"))
+    assert sorted(resumed) == list(range(1, 9)) and resumed[4] != straight[4]  # the cut run's own plan until step 4
+    assert [resumed[s] for s in range(5, 9)] == [straight[s] for s in range(5, 9)]
+
+
+def test_an_architecture_name_stays_a_name_beside_a_folder_of_that_name(tmp_path, monkeypatch, tiny_csv):
+    # model.name_or_path was made absolute whenever a folder of that name was here: "Unknown vision model
+    # '/.../resnet18'"; a text task's model folder given relative is kept absolute
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "resnet18").mkdir()
+    (tmp_path / "my-bert").mkdir()
+    image = load_config(None, [{"task": "fashion-mnist", "model": {"name_or_path": "resnet18"}}])
+    text = load_config(None, [{"task": "text-csv", "model": {"name_or_path": "my-bert"},
+                               "data": {"path": str(tiny_csv)}}])
+    assert image.model.name_or_path == "resnet18" and text.model.name_or_path == str(tmp_path / "my-bert")

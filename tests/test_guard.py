@@ -49,3 +49,14 @@ def test_guard_bad_parameters():
         StabilityGuard(patience=0)
     with pytest.raises(ValueError, match="mode"):
         StabilityGuard(mode="up")
+
+
+def test_the_guards_thaw_of_its_last_watched_block_names_the_reference_value():
+    # the thaw's reason read the reference after the guard had cleared it: "metric 1.2 worse than nan before the freeze"
+    model = make_net()
+    freezer = Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), Scripted({1: ([0], [])}),
+                      guard=StabilityGuard(tolerance=0.05, patience=1, cooldown=1))
+    assert freezer.report_metric(1.0) is None
+    freezer.step()
+    assert freezer.report_metric(1.2) == 0
+    assert freezer.history[-1]["reason"] == "guard: metric 1.2 worse than 1 before the freeze"

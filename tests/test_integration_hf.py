@@ -383,3 +383,33 @@ def test_a_second_trainer_after_a_first_ones_freezes_resumes_from_its_own_checkp
         assert losses(resumed) == losses(full)
         for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
             assert torch.equal(a, b), name
+
+
+def test_lora_after_a_freezers_run_keeps_the_base_model_frozen(tmp_path):
+    # phase 1 froze two blocks; get_peft_model then froze the whole base model for LoRA, and the next Trainer's
+    # callback made phase 1's blocks trainable again: 21 base tensors trained beside the adapters, in silence
+    peft = pytest.importorskip("peft")
+    from layerfreeze import Freezer, release_earlier_freezers
+
+    model = tiny_bert()
+    with Freezer(model, torch.optim.AdamW(model.parameters()), "static", {"k": 2}):
+        pass
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["query", "value"],
+                                                      modules_to_save=["classifier"]))
+    trains = sorted(n for n, p in lora.named_parameters() if p.requires_grad)
+    assert trains and all("lora_" in n or "modules_to_save" in n for n in trains)
+    with pytest.warns(UserWarning, match=r"block\(s\) bert.embeddings, bert.encoder.layer.0 were left frozen by an "
+                                         r"earlier Freezer on this model, and other parameters were frozen since it "
+                                         r"closed .* they stay frozen, as yours"):
+        assert release_earlier_freezers(lora) == []
+    assert sorted(n for n, p in lora.named_parameters() if p.requires_grad) == trains
+    base = {n: p.detach().clone() for n, p in lora.named_parameters() if not p.requires_grad}
+    trainer = Trainer(model=lora, args=arguments(tmp_path, max_steps=3), train_dataset=TokenDataset())
+    callback = LayerFreezeCallback("none").attach(trainer)
+    trainer.train()
+    assert callback.freezer.frozen_blocks == []
+    assert all(torch.equal(p, base[n]) for n, p in lora.named_parameters() if n in base)  # the base did not move
+    with Freezer(lora, torch.optim.AdamW(p for p in lora.parameters() if p.requires_grad), "none") as freezer:
+        with pytest.raises(RuntimeError, match="already has an open Freezer"):
+            release_earlier_freezers(lora)  # an open Freezer's blocks are its own
+        assert not freezer.frozen[0]

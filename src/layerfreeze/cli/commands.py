@@ -71,25 +71,31 @@ def _same_path(a: Any, b: Any) -> bool:
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
-def _check_saved_paths(run_dir: Path, saved: dict[str, Any], data: str | None) -> None:
-    """A resume whose saved config names a relative data path that is not here (a run started before config.json
-    kept absolute paths, resumed from another folder): take ``data`` (``--data``) in its place when given (the
-    checkpoint's record of the data's sizes still refuses other data), else refuse saying what to do.
+def _check_saved_paths(run_dir: Path, saved: dict[str, Any], args: argparse.Namespace) -> None:
+    """A resume whose saved config names a relative path that is not here (a run started before config.json kept
+    absolute paths, resumed from another folder): take the flag's path in its place when given (``--data``,
+    ``--model``; the checkpoint's record of the data's sizes, and its weights, still refuse what does not fit), else
+    refuse saying what to do.
 
     Raises:
         ConfigError: naming the path and the fix.
     """
-    section = saved.get("data") or {}
-    for key in ("path", "test_path"):
+    from layerfreeze.train.config import IMAGE_TASKS
+
+    places = [("data", "path", "--data", args.data), ("data", "test_path", None, None)]
+    if saved.get("task") not in IMAGE_TASKS:  # an image task's model.name_or_path is an architecture's name
+        places.append(("model", "name_or_path", "--model", args.model))
+    for section_name, key, flag, given in places:
+        section = saved.get(section_name) or {}
         value = section.get(key)
         if not isinstance(value, str) or Path(value).expanduser().is_absolute() or Path(value).exists():
             continue
-        if key == "path" and data is not None:
-            section[key] = data
+        if given is not None:
+            section[key] = given
             continue
-        raise ConfigError(f"--resume {run_dir}: its data.{key} {value!r} is relative to the folder the run was "
-                          f"started in, and {Path.cwd()} has no {value}: run the resume from that folder"
-                          + (", or give --data with the file's path from here" if key == "path" else ""))
+        raise ConfigError(f"--resume {run_dir}: its {section_name}.{key} {value!r} is relative to the folder the run "
+                          f"was started in, and {Path.cwd()} has no {value}: run the resume from that folder"
+                          + (f", or give {flag} with its path from here" if flag else ""))
 
 
 def _same_budget(a: Any, b: Any) -> bool:
@@ -168,7 +174,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
         if getattr(args, "run_dir", None) and Path(args.run_dir).resolve() != run_dir.resolve():
             raise ConfigError(f"--resume {run_dir} goes on in that run's own folder; drop --run-dir {args.run_dir} "
                               f"(or start a new run there: --config {run_dir / rundir.CONFIG_FILE})")
-        _check_saved_paths(run_dir, saved, args.data)
+        _check_saved_paths(run_dir, saved, args)
         saved_strategy = (saved.get("freeze") or {}).get("strategy")
         if args.strategy is not None and args.strategy != saved_strategy:
             raise ConfigError(f"--resume {run_dir}: the run's strategy is {saved_strategy!r}; a resumed run keeps it "

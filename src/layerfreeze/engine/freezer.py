@@ -77,7 +77,7 @@ from layerfreeze.engine.mechanics import (
 from layerfreeze.engine.optim import check_model_and_optimizer, group_origin
 from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
-from layerfreeze.engine.stages import FLOOR_REASON, prefix_since, report_metric, run_length, start
+from layerfreeze.engine.stages import FLOOR_REASON, prefix_since, report_metric, run_length, stage, start
 from layerfreeze.engine.takeover import adopt_origins, check_earlier, release_earlier, take_over
 from layerfreeze.engine.timing import StepTimes
 from layerfreeze.models.blocks import Block, block_by_key, unassigned_warning
@@ -393,20 +393,32 @@ class Freezer:
         if lr is not None:
             self.set_block_lr(block, lr)
         if was_frozen and self._lr_scale.get(block.index) == 0.0:  # it trained at LR 0, in silence, until refrozen
-            warnings.warn(f"Freezer.thaw: block {block.name} thaws with the learning-rate factor 0 that strategy "
+            by = "" if reason == "manual" else f" ({reason})"
+            warnings.warn(f"Freezer.thaw{by}: block {block.name} thaws with the learning-rate factor 0 that strategy "
                           f"{self.strategy.name!r} gives it (its schedule has ended for this block): it trains at "
-                          "learning rate 0, whatever lr= says, until the strategy freezes it again", stacklevel=2)
+                          f"learning rate 0{', whatever lr= says,' if lr is not None else ''} until the strategy "
+                          "freezes it again", stacklevel=2)
         if was_frozen:
             self._record("thaw", block, reason, lr=lr)
         return was_frozen
 
-    def apply_lr_factors(self) -> None:
-        """Multiply the strategy's per-block learning-rate factors (FreezeOut's) into the param groups' LRs again,
-        after something other than the scheduler's step set those LRs (a resume onto a new schedule); each group's
-        factor applies to the LR found there, not compounded. No-op when no factor is set."""
-        self._check_open("apply_lr_factors")
-        if self._lr_scale:
-            apply_lr_scales(self.optimizer, self.blocks, self._origin, self._lr_scale, self._lr_written)
+    def replan(self) -> Decision | None:
+        """After the run's length changed (a resume onto another ``total_steps``), run the strategy's stage at the
+        current step again and apply it, so its per-block learning-rate factors (FreezeOut's) and the freezes they
+        bring follow the new length from the next step: the factors restored with the state were computed for the old
+        length (a run resumed past its old end kept factor 0 and trained nothing for a step). Only for a strategy
+        that set factors; call it after the param groups hold this step's scheduled LRs (each factor multiplies the
+        LR found there). Collective when distributed: every rank calls it.
+
+        Returns:
+            The stage's decision, or None when the strategy set no factor (nothing to redo).
+        """
+        self._check_open("replan")
+        if not self._lr_scale:
+            return None
+        decision = stage(self, event="step")
+        apply_lr_scales(self.optimizer, self.blocks, self._origin, self._lr_scale, self._lr_written)
+        return decision
 
     def set_block_lr(self, key: int | str | Block, lr: float) -> None:
         """Set the base learning rate of the param groups holding ``block``'s parameters, and the scheduler's (see

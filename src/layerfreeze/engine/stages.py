@@ -248,9 +248,10 @@ def report_metric(freezer: Freezer, value: float) -> int | None:
     index, reference = None, float("nan")
     if freezer.decides:
         freezer.guard.release(freezer._floor)
+        before = freezer.guard.reference  # read first: a thaw of the last watched block clears it (it said "nan")
         index = freezer.guard.observe(float(value), list(freezer.frozen))
-        if freezer.guard.reference is not None:
-            reference = freezer.guard.reference
+        if before is not None:
+            reference = before
     if freezer.distributed:
         index, reference, value = comm.broadcast_object((index, reference, value))
     if index is not None and index in freezer._floor:  # never: the guard does not watch the floor

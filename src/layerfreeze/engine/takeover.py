@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from layerfreeze.engine.mechanics import FROZEN_MARK, closed_freezers, frozen_parameters
+from layerfreeze.engine.mechanics import FROZEN_MARK, closed_freezers, frozen_parameters, refuse_second_freezer
 from layerfreeze.engine.optim import add_to_optimizer
 
 if TYPE_CHECKING:
@@ -78,18 +78,49 @@ def check_earlier(model: nn.Module, cls: type) -> list[Any]:
     return earlier
 
 
-def _left_frozen(model: nn.Module, earlier: list[Any]) -> Iterator[tuple[Any, Any, list[nn.Parameter]]]:
-    """``(earlier Freezer, its frozen block, parameters)`` for each block of ``model`` an earlier Freezer holds frozen:
-    the block's frozen parameters in ``model`` that the user had not frozen before that Freezer (told by name, so that
-    a deep copy's are too)."""
+def _left_frozen(model: nn.Module, earlier: list[Any]) -> Iterator[tuple[Any, Any, list[nn.Parameter], bool]]:
+    """``(earlier Freezer, its frozen block, parameters, kept)`` for each block of ``model`` an earlier Freezer holds
+    frozen: the block's frozen parameters in ``model`` that the user had not frozen before that Freezer (told by name,
+    so that a deep copy's are too), and whether they are to stay frozen as the user's (:func:`_frozen_since`)."""
     mine = {id(p) for p in model.parameters()}
     for other in earlier:
         names = {id(p): n for n, p in other.model.named_parameters()}
         users = {other._names[i] for i in other._frozen_before if i in other._names}
+        kept = _frozen_since(other, mine, users)
         for block in other.blocks:
             ours = [p for p in frozen_parameters(block, other.train_bn) if id(p) in mine]
             if other.frozen[block.index] and ours:
-                yield other, block, [p for p in ours if names.get(id(p)) not in users]
+                yield other, block, [p for p in ours if names.get(id(p)) not in users], kept
+
+
+def _frozen_since(other: Any, mine: set[int], users: set[str]) -> bool:
+    """Whether every parameter of ``mine`` that trained under the earlier Freezer ``other`` (neither frozen by it nor
+    by the user before it) has been frozen since by something other than a Freezer: peft's ``get_peft_model`` freezing
+    the whole base model for LoRA (training what ``other`` left frozen trained a LoRA model's base weights). What
+    ``other`` left frozen then stays frozen, as the user's. One parameter frozen since (a scale the user fixed) says
+    nothing of the blocks: they train again."""
+    held = {id(p) for b in other.blocks if other.frozen[b.index] for p in frozen_parameters(b, other.train_bn)}
+    known = set(other._names.values())  # by name too: a deep copy's parameters are other objects
+    trained = [p for n, p in other.model.named_parameters()  # the parameters it saw, not those added since (LoRA's)
+               if (id(p) in other._names or n in known) and id(p) in mine and id(p) not in held and n not in users
+               and not getattr(p, FROZEN_MARK, False)]
+    return bool(trained) and not any(p.requires_grad for p in trained)
+
+
+def _keep_as_users(p: nn.Parameter) -> None:
+    """``p``, frozen by an earlier Freezer, stays frozen as the user's (:func:`_frozen_since`): without the Freezer's
+    mark, so no Freezer's thaw trains it."""
+    if hasattr(p, FROZEN_MARK):
+        delattr(p, FROZEN_MARK)
+
+
+def _warn_kept(kept: list[str], stacklevel: int) -> None:
+    """Say which blocks an earlier Freezer left frozen stay frozen as the user's."""
+    if kept:
+        warnings.warn(f"Freezer: block(s) {', '.join(kept)} were left frozen by an earlier Freezer on this model, and "
+                      "other parameters were frozen since it closed (peft's get_peft_model, requires_grad_(False)): "
+                      "they stay frozen, as yours (to train them, requires_grad_(True) on them before building the "
+                      "optimizer and the Freezer)", stacklevel=stacklevel + 1)
 
 
 class _Placement:
@@ -152,7 +183,7 @@ def adopt_origins(freezer: Freezer) -> None:
     """Before ``freezer``'s own checks: the param group of each parameter earlier Freezers left frozen that its
     optimizer does not hold (:func:`seed_origins`), as if ``freezer`` had taken it out of that group."""
     left = [(p, other.optimizer, other._origin.get(id(p)))
-            for other, _, params in _left_frozen(freezer.model, freezer._earlier) for p in params]
+            for other, _, params, kept in _left_frozen(freezer.model, freezer._earlier) if not kept for p in params]
     seed_origins(freezer, freezer.optimizer, freezer._origin, left)
 
 
@@ -203,8 +234,15 @@ def take_over(freezer: Freezer) -> None:
     kept = {id(p) for b in freezer.blocks if freezer.frozen[b.index]
             for p in frozen_parameters(b, freezer.train_bn)}
     taken: list[nn.Parameter] = []
-    for other, block, params in list(_left_frozen(freezer.model, freezer._earlier)):
+    users: list[str] = []
+    for other, block, params, as_users in list(_left_frozen(freezer.model, freezer._earlier)):
         _release(other, block, freezer.model)
+        if as_users:
+            for p in params:
+                _keep_as_users(p)
+                freezer._frozen_before.add(id(p))
+            users.append(block.name)
+            continue
         for p in params:
             freezer._frozen_before.discard(id(p))
             freezer._taken_back.append((p, other.optimizer, other._origin.get(id(p))))
@@ -214,6 +252,7 @@ def take_over(freezer: Freezer) -> None:
     freezer.eval_frozen()  # the modules released took the model's mode: its own frozen blocks back in eval mode
     if freezer.optimizer is not None:
         put_into(freezer, freezer.optimizer, freezer._origin)
+    _warn_kept(users, stacklevel=3)
     if taken:
         ids = {id(p) for p in taken}
         names = [b.name for b in freezer.blocks if any(id(p) in ids for p in b.parameters())]
@@ -228,18 +267,24 @@ def release_earlier(model: nn.Module, cls: type) -> list[str]:
     built over what requires grad (see :func:`~layerfreeze.engine.freezer.release_earlier_freezers`).
 
     Returns:
-        The names of the blocks let go of (warned about), in the earlier Freezers' order.
+        The names of the blocks made trainable again (warned about), in the earlier Freezers' order; those kept
+        frozen as the user's (:func:`_frozen_since`) are warned about apart.
 
     Raises:
         ValueError: as :func:`check_earlier`.
+        RuntimeError: ``model`` has an open Freezer (:func:`~layerfreeze.engine.mechanics.refuse_second_freezer`).
     """
-    released = []
-    for other, block, params in list(_left_frozen(model, check_earlier(model, cls))):
+    refuse_second_freezer(model)  # an open Freezer's blocks are its own
+    released, users = [], []
+    for other, block, params, kept in list(_left_frozen(model, check_earlier(model, cls))):
         _release(other, block, model)
         for p in params:
-            if not p.requires_grad:
+            if kept:
+                _keep_as_users(p)
+            elif not p.requires_grad:
                 _train_again(p)
-        released.append(block.name)
+        (users if kept else released).append(block.name)
+    _warn_kept(users, stacklevel=3)
     if released:
         warnings.warn(f"Freezer: block(s) {', '.join(released)} were left frozen by an earlier Freezer on this model "
                       "(closed, or copied with it); they are trainable again before the optimizer is built, and the "

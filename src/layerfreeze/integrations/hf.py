@@ -65,6 +65,7 @@ import torch
 
 from layerfreeze.budget.plan import MemoryPlan
 from layerfreeze.engine.freezer import Freezer, release_earlier_freezers
+from layerfreeze.engine.mechanics import open_freezer
 from layerfreeze.engine.optim import inner_optimizer
 from layerfreeze.integrations import require
 from layerfreeze.integrations.common import (
@@ -91,8 +92,9 @@ def _release_before_optimizer(trainer: Any, model: Any) -> None:
     Trainer), when ``trainer`` will build its own optimizer: ``create_optimizer`` takes what requires grad, so those
     parameters were left out of it, and the resumed run's optimizer, built the same way, did not load the checkpoint
     (:func:`~layerfreeze.engine.release_earlier_freezers`). An optimizer given to the Trainer keeps the Freezer's
-    take-over instead."""
-    if model is not None and getattr(trainer, "optimizer", None) is None:
+    take-over instead; a model whose Freezer is still open (a ``train()`` interrupted in a notebook) is left as it is,
+    and ``train()`` refuses it, saying what to do."""
+    if model is not None and getattr(trainer, "optimizer", None) is None and open_freezer(model) is None:
         release_earlier_freezers(model)
 
 

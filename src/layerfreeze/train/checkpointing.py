@@ -160,9 +160,10 @@ def reschedule(trainer: Trainer) -> None:
     A resume with another ``--epochs`` / ``--max-steps`` builds the schedule for the new length, but the optimizer's
     groups hold the LRs the old plan set for the next step (they are part of its state), and a ``LambdaLR`` computes
     its own only at its next ``step()``: the first resumed step ran at the old plan's LR (at LR 0 for a run resumed past
-    its old end, which then changed nothing). Each group's LR is set to ``base_lr * lambda(last_epoch)`` and the
-    strategy's LR factors go on top (:meth:`~layerfreeze.engine.Freezer.apply_lr_factors`); a resume onto the same
-    schedule finds the LRs it would set and changes nothing."""
+    its old end, which then changed nothing). Each group's LR is set to ``base_lr * lambda(last_epoch)``, and the
+    strategy's LR factors, computed for the old length too, are computed again for the new one
+    (:meth:`~layerfreeze.engine.Freezer.replan`); a resume onto the same schedule finds the LRs it would set and
+    changes nothing."""
     scheduler, optimizer = trainer.scheduler, trainer.optimizer
     lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     if lrs == list(scheduler.get_last_lr()):
@@ -170,7 +171,7 @@ def reschedule(trainer: Trainer) -> None:
     scheduler._last_lr = lrs  # what get_last_lr() reports for this step
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
-    trainer.freezer.apply_lr_factors()
+    trainer.freezer.replan()
 
 
 def data_shape(trainer: Trainer) -> dict[str, int]:

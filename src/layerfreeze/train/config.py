@@ -33,6 +33,8 @@ from layerfreeze.train.config_file import deep_merge
 PRECISION_ALIASES = {"16": "16-mixed", "fp16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "fp32": "32-true"}
 
 TASKS = ("bbc-news", "fashion-mnist", "text-csv", "image-folder", "text-lm")
+#: The tasks whose model.name_or_path is a torchvision architecture name, not a folder.
+IMAGE_TASKS = ("fashion-mnist", "image-folder")
 
 
 def _numeric_only(annotation: Any) -> bool:
@@ -104,12 +106,6 @@ class ModelConfig(_Section):
     max_length: int = Field(128, ge=8, le=4096, description="tokens per text sample")
     pretrained: bool | None = None
     lora: LoraConfig | None = None
-
-    @field_validator("name_or_path")
-    @classmethod
-    def _absolute_folder(cls, value: str | None) -> str | None:
-        """A model folder as an absolute path (an architecture name stays as it is): see :func:`absolute_path`."""
-        return absolute_path(value) if value and Path(value).expanduser().is_dir() else value
 
 
 class DataConfig(_Section):
@@ -391,6 +387,9 @@ class Config(_Section):
             raise ValueError(f"{key} is read by the text-csv, image-folder and text-lm tasks; task {self.task!r} "
                              "trains on its installed dataset. Drop --data, or choose the task your data is for "
                              "(--task text-csv for a CSV, image-folder for class sub-folders)")
+        folder = self.model.name_or_path
+        if self.task not in IMAGE_TASKS and folder and Path(folder).expanduser().is_dir():  # image tasks: a name
+            self.model.name_or_path = absolute_path(folder)  # config.json keeps it so (absolute_path)
         if (info.context or {}).get("inputs", True):
             if self.task in what and not self.data.path:
                 raise ValueError(f"task {self.task!r} needs data.path: {what[self.task]}")

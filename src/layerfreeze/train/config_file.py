@@ -52,8 +52,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` repeats keys on purpose: merged below
+                continue
             key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
-            if key in seen:
+            try:
+                twice = key in seen
+            except TypeError:  # an unhashable key: PyYAML's own error says so
+                continue
+            if twice:
                 raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice in one mapping "
                                                         "(keep one)", key_node.start_mark)
             seen.add(key)

@@ -71,7 +71,7 @@ from rich.text import Text
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
-from benchmarks.cli import count, entry
+from benchmarks.cli import count, entry, names
 from benchmarks.machine import machine, machine_line, versions
 from benchmarks.suite_tasks import task_spec
 from layerfreeze.errors import UserError
@@ -422,12 +422,10 @@ def notes(args: argparse.Namespace, size: Sizes) -> list[str]:
 # ---- main ----------------------------------------------------------------------------------------------------------
 
 def parse_rows(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [n for n in names if n not in ROWS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown row(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
-                                         f"rows: {', '.join(ROWS)}")
-    return [r for r in ROWS if r in names]  # none first: the ratios are against it
+    """``--rows``: comma-separated rows (:func:`benchmarks.cli.names`), in :data:`ROWS`' order, none first: the
+    ratios are against it."""
+    given = names(list(ROWS))(text)
+    return [r for r in ROWS if r in given]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,7 +74,7 @@ def test_tiny_rows_freeze_what_their_callbacks_say_and_measure_it(tmp_path, one_
 
 @pytest.mark.parametrize("argv, message", [
     (["--tiny", "--unfreeze-at", "2"], "--unfreeze-at 2: the job has 2 epochs"),
-    (["--rows", "none,lightning"], "unknown row(s) 'lightning'"),
+    (["--rows", "none,lightning"], "argument --rows: lightning: give comma-separated names from none, "),
     (["--static-k", "9"], "--static-k 9: MiniLM-L6 has 9 blocks"),
 ])
 def test_bad_arguments_exit_2_with_what_to_give(argv, message, capsys):

@@ -635,7 +635,9 @@ def release_earlier_freezers(model: nn.Module) -> list[str]:
     ``train()`` with a new Trainer on the same model) leaves those parameters out, and a checkpoint of that run did not
     load into the optimizer its resume builds. Call this before building such an optimizer (the HF callback does it
     when the Trainer is built; the CLI trainer before its optimizer). Parameters the user had frozen before an
-    earlier Freezer stay frozen; the released blocks' modules take ``model``'s training mode.
+    earlier Freezer stay frozen, and so does all it left frozen when everything that trained under it was frozen
+    since (peft's ``get_peft_model`` freezing the base for LoRA: a warning says so); the released blocks' modules
+    take ``model``'s training mode.
 
     Returns:
         The names of the blocks made trainable again (a warning names them too); empty when there were none.
@@ -643,6 +645,7 @@ def release_earlier_freezers(model: nn.Module) -> list[str]:
     Raises:
         ValueError: a block an earlier Freezer holds demoted (a copy taken while it was open), or one that reaches
             outside ``model`` (:func:`~layerfreeze.engine.takeover.check_earlier`).
+        RuntimeError: ``model`` still has an open Freezer, whose frozen blocks are its own (close it first).
     """
     return release_earlier(model, Freezer)
 

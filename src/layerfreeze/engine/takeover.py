@@ -207,7 +207,8 @@ def _release(other: Any, block: Any, model: nn.Module) -> None:
 
 def put_into(freezer: Freezer, optimizer: Any, origin: dict[int, int]) -> None:
     """Put the parameters :func:`take_over` made trainable that ``optimizer`` does not hold into it, each into its
-    group in ``origin`` (:func:`seed_origins` recorded one for each)."""
+    group in ``origin`` (:func:`seed_origins`, which the Freezer's checks already had, records any still missing)."""
+    seed_origins(freezer, optimizer, origin, freezer._taken_back)
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     for p, _, _ in freezer._taken_back:
         if p.requires_grad and id(p) not in held:

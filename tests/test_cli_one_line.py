@@ -256,3 +256,11 @@ def test_yaml_merge_keys_still_load_and_an_unhashable_key_is_one_line(tmp_path, 
     assert main(["train", "--config", str(bad)]) == 2
     said = _one_line(_err(capsys), "layerfreeze: error:")
     assert "is not valid YAML: found unhashable key (line 2, column 5)" in said
+
+
+def test_the_guard_with_freezeout_is_refused_before_training(capsys):
+    # the guard's thaws of blocks FreezeOut froze trained at learning rate 0 until FreezeOut froze them again: the
+    # guard did nothing, and the run said so only at each thaw
+    assert main(["train", "--strategy", "freezeout", "--set", "freeze.guard={}"]) == 2
+    _one_line(_err(capsys), "layerfreeze: error: Invalid configuration: freeze: guard with strategy freezeout: a block "
+                            "FreezeOut froze has annealed its learning rate to 0")

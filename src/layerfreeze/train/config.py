@@ -283,6 +283,16 @@ class FreezeConfig(_Section):
                              "(--set freeze.demote.dtype=bfloat16), or bfloat16 / float16 alone")
         return value
 
+    @model_validator(mode="after")
+    def _guard_with_freezeout(self) -> FreezeConfig:
+        """The stability guard cannot undo a FreezeOut freeze: the block's LR factor is 0 from its ``t_i`` on, so the
+        thawed block trained at learning rate 0 until FreezeOut froze it again (the guard's thaws did nothing)."""
+        if self.guard is not None and self.strategy == "freezeout":
+            raise ValueError("guard with strategy freezeout: a block FreezeOut froze has annealed its learning "
+                             "rate to 0, and a guard's thaw trains it at 0 until FreezeOut freezes it again. Drop "
+                             "freeze.guard, or pick a strategy the guard can undo (static, linear, smartfrz, ...)")
+        return self
+
     @field_validator("memory_budget")
     @classmethod
     def _check_budget(cls, value: Any) -> Any:

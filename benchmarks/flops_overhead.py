@@ -43,7 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from benchmarks.cli import count, entry
 from layerfreeze.runs.flops import FLOP_FORMULAS, TotalFlopCounter
 from layerfreeze.train.assets import AssetMissingError
-from layerfreeze.train.config import build_config
+from layerfreeze.train.config import IMAGE_TASKS, build_config
 from layerfreeze.train.setup import epoch_batches
 from layerfreeze.train.trainer import Trainer
 
@@ -87,7 +87,7 @@ def measure(name: str, overrides: dict, steps: int, out: Path, batch_size: int |
     overrides = json.loads(json.dumps(overrides))
     if batch_size:
         overrides.setdefault("train", {})["batch_size"] = batch_size
-    if max_length:
+    if max_length and overrides.get("task") not in IMAGE_TASKS:  # tokens per sample: the text tasks' alone
         overrides.setdefault("model", {})["max_length"] = max_length
     run = {"dir": str(out / name), "progress": False, "checkpoint": False, "tensorboard": False, "ledger": False}
     if threads:

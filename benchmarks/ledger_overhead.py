@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 from benchmarks.cli import count, entry
 from benchmarks.jobs import CLI_CONFIG, parse_jobs
 from layerfreeze.runs.ledger import MemoryLedger
-from layerfreeze.train.config import build_config
+from layerfreeze.train.config import IMAGE_TASKS, build_config
 from layerfreeze.train.setup import epoch_batches
 from layerfreeze.train.trainer import Trainer
 
@@ -80,7 +80,7 @@ def measure(name: str, overrides: dict, steps: int, out: Path, batch_size: int |
     overrides = json.loads(json.dumps(overrides))
     if batch_size:
         overrides.setdefault("train", {})["batch_size"] = batch_size
-    if max_length:
+    if max_length and overrides.get("task") not in IMAGE_TASKS:  # tokens per sample: the text tasks' alone
         overrides.setdefault("model", {})["max_length"] = max_length
     config = build_config({**overrides, "freeze": {"strategy": "none", "cache": {"mode": "off"}},
                            "run": {"dir": str(out / name), "progress": False, "checkpoint": False,

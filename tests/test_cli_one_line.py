@@ -264,3 +264,15 @@ def test_the_guard_with_freezeout_is_refused_before_training(capsys):
     assert main(["train", "--strategy", "freezeout", "--set", "freeze.guard={}"]) == 2
     _one_line(_err(capsys), "layerfreeze: error: Invalid configuration: freeze: guard with strategy freezeout: a block "
                             "FreezeOut froze has annealed its learning rate to 0")
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--task", "fashion-mnist", "--set", "model.max_length=64"],
+     "model.max_length 64 is read by the text tasks; task 'fashion-mnist' trains on images and would ignore it"),
+    (["--set", "data.image_size=64"],
+     "data.image_size 64 is read by the image tasks; task 'bbc-news' trains on text and would ignore it"),
+])
+def test_a_key_the_task_does_not_read_is_refused(args, said, capsys):
+    # --set model.max_length=64 on fashion-mnist was accepted and ignored, with nothing said
+    assert main(["train", *args]) == 2
+    _one_line(_err(capsys), f"layerfreeze: error: Invalid configuration: {said}")

@@ -397,8 +397,16 @@ class Config(_Section):
             raise ValueError(f"{key} is read by the text-csv, image-folder and text-lm tasks; task {self.task!r} "
                              "trains on its installed dataset. Drop --data, or choose the task your data is for "
                              "(--task text-csv for a CSV, image-folder for class sub-folders)")
+        image = self.task in IMAGE_TASKS
+        for key, value, default, reader in (
+                ("model.max_length", self.model.max_length, ModelConfig.model_fields["max_length"].default, "text"),
+                ("data.image_size", self.data.image_size, DataConfig.model_fields["image_size"].default, "image")):
+            if value != default and image == (reader == "text"):  # set for the other kind of task: read by none
+                raise ValueError(f"{key} {value} is read by the {reader} tasks; task {self.task!r} trains on "
+                                 f"{'images' if image else 'text'} and would ignore it. Drop it, or choose the task "
+                                 "it is for")
         folder = self.model.name_or_path
-        if self.task not in IMAGE_TASKS and folder and Path(folder).expanduser().is_dir():  # image tasks: a name
+        if not image and folder and Path(folder).expanduser().is_dir():  # image tasks: a name
             self.model.name_or_path = absolute_path(folder)  # config.json keeps it so (absolute_path)
         if (info.context or {}).get("inputs", True):
             if self.task in what and not self.data.path:

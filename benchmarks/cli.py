@@ -42,6 +42,9 @@ def names(choices: Sequence[str]) -> Callable[[str], list[str]]:
         if unknown or not given:
             raise argparse.ArgumentTypeError(f"{', '.join(unknown) or repr(text)}: give comma-separated names "
                                              f"from {', '.join(choices)}")
+        twice = sorted({name for name in given if given.count(name) > 1})
+        if twice:  # a row given twice ran twice
+            raise argparse.ArgumentTypeError(f"{', '.join(twice)} given twice: give each once")
         return given
 
     return parse

@@ -26,6 +26,8 @@ def test_names_takes_comma_separated_choices():
     for text in ("none,lisa2", ",", ""):
         with pytest.raises(Exception, match="give comma-separated names from none, lisa, badam"):
             names(["none", "lisa", "badam"])(text)
+    with pytest.raises(Exception, match="^none given twice: give each once$"):
+        names(["none", "lisa", "badam"])("none,lisa,none")
 
 
 @pytest.mark.parametrize("module, args, message", [

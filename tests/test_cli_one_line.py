@@ -262,7 +262,7 @@ def test_the_guard_with_freezeout_is_refused_before_training(capsys):
     # the guard's thaws of blocks FreezeOut froze trained at learning rate 0 until FreezeOut froze them again: the
     # guard did nothing, and the run said so only at each thaw
     assert main(["train", "--strategy", "freezeout", "--set", "freeze.guard={}"]) == 2
-    _one_line(_err(capsys), "layerfreeze: error: Invalid configuration: freeze: guard with strategy freezeout: a block "
+    _one_line(_err(capsys), "layerfreeze: error: Invalid configuration: freeze.guard with strategy freezeout: a block "
                             "FreezeOut froze has annealed its learning rate to 0")
 
 
@@ -274,5 +274,10 @@ def test_the_guard_with_freezeout_is_refused_before_training(capsys):
 ])
 def test_a_key_the_task_does_not_read_is_refused(args, said, capsys):
     # --set model.max_length=64 on fashion-mnist was accepted and ignored, with nothing said
+    from layerfreeze.train.config_load import load_config
+
     assert main(["train", *args]) == 2
     _one_line(_err(capsys), f"layerfreeze: error: Invalid configuration: {said}")
+    # a run saved so before the check still resumes
+    saved = {"task": "fashion-mnist", "model": {"max_length": 64}, "run": {"resume": "runs/old"}}
+    assert load_config(None, [saved]).model.max_length == 64

@@ -44,7 +44,8 @@ def leaves(model: type[BaseModel] = Config, prefix: str = "") -> dict[str, typin
 FIELDS = leaves()
 SECTIONS = {"model", "data", "train", "freeze", "run", "model.lora", "freeze.guard", "freeze.cache", "freeze.demote"}
 #: Keys valid only beside another one: a demotion needs a dtype or an offload target to do anything.
-NEEDS = {"freeze.demote.master": {"freeze": {"demote": {"dtype": "bfloat16"}}}}
+NEEDS = {"freeze.demote.master": {"freeze": {"demote": {"dtype": "bfloat16"}}},
+         "data.image_size": {"task": "fashion-mnist"}}  # read by the image tasks alone (others refuse it)
 
 
 def kind(field) -> tuple[str, tuple]:

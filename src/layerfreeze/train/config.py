@@ -283,16 +283,6 @@ class FreezeConfig(_Section):
                              "(--set freeze.demote.dtype=bfloat16), or bfloat16 / float16 alone")
         return value
 
-    @model_validator(mode="after")
-    def _guard_with_freezeout(self) -> FreezeConfig:
-        """The stability guard cannot undo a FreezeOut freeze: the block's LR factor is 0 from its ``t_i`` on, so the
-        thawed block trained at learning rate 0 until FreezeOut froze it again (the guard's thaws did nothing)."""
-        if self.guard is not None and self.strategy == "freezeout":
-            raise ValueError("guard with strategy freezeout: a block FreezeOut froze has annealed its learning "
-                             "rate to 0, and a guard's thaw trains it at 0 until FreezeOut freezes it again. Drop "
-                             "freeze.guard, or pick a strategy the guard can undo (static, linear, smartfrz, ...)")
-        return self
-
     @field_validator("memory_budget")
     @classmethod
     def _check_budget(cls, value: Any) -> Any:
@@ -397,11 +387,18 @@ class Config(_Section):
             raise ValueError(f"{key} is read by the text-csv, image-folder and text-lm tasks; task {self.task!r} "
                              "trains on its installed dataset. Drop --data, or choose the task your data is for "
                              "(--task text-csv for a CSV, image-folder for class sub-folders)")
+        # The stability guard cannot undo a FreezeOut freeze: the block's LR factor is 0 from its t_i on, so a guard's
+        # thaw trained it at LR 0 until FreezeOut froze it again (a run saved so before this check still resumes)
+        if self.freeze.guard is not None and self.freeze.strategy == "freezeout" and not self.run.resume:
+            raise ValueError("freeze.guard with strategy freezeout: a block FreezeOut froze has annealed its learning "
+                             "rate to 0, and a guard's thaw trains it at 0 until FreezeOut freezes it again. Drop "
+                             "freeze.guard, or pick a strategy the guard can undo (static, linear, smartfrz, ...)")
         image = self.task in IMAGE_TASKS
         for key, value, default, reader in (
                 ("model.max_length", self.model.max_length, ModelConfig.model_fields["max_length"].default, "text"),
                 ("data.image_size", self.data.image_size, DataConfig.model_fields["image_size"].default, "image")):
-            if value != default and image == (reader == "text"):  # set for the other kind of task: read by none
+            # set for the other kind of task: read by none (a run saved so before this check still resumes)
+            if value != default and image == (reader == "text") and not self.run.resume:
                 raise ValueError(f"{key} {value} is read by the {reader} tasks; task {self.task!r} trains on "
                                  f"{'images' if image else 'text'} and would ignore it. Drop it, or choose the task "
                                  "it is for")

@@ -263,7 +263,7 @@ def test_the_guard_with_freezeout_is_refused_before_training(capsys):
     # guard did nothing, and the run said so only at each thaw
     assert main(["train", "--strategy", "freezeout", "--set", "freeze.guard={}"]) == 2
     _one_line(_err(capsys), "layerfreeze: error: Invalid configuration: freeze.guard with strategy freezeout: a block "
-                            "FreezeOut froze has annealed its learning rate to 0")
+                            "it froze has annealed its learning rate to 0")
 
 
 @pytest.mark.parametrize("args, said", [

@@ -60,3 +60,11 @@ def test_the_guards_thaw_of_its_last_watched_block_names_the_reference_value():
     freezer.step()
     assert freezer.report_metric(1.2) == 0
     assert freezer.history[-1]["reason"] == "guard: metric 1.2 worse than 1 before the freeze"
+
+
+def test_a_guard_with_freezeout_is_warned_of_at_construction():
+    # its thaws train the block at LR 0 until FreezeOut freezes it again: the guard cannot undo FreezeOut's freezes
+    model = make_net()
+    with pytest.warns(UserWarning, match=r"a stability guard with strategy 'freezeout', which anneals a block's "
+                                         r"learning rate to 0 before it freezes it"):
+        Freezer(model, None, "freezeout", total_steps=10, guard=StabilityGuard()).close()

@@ -161,6 +161,10 @@ class Freezer:
             (:func:`~layerfreeze.engine.takeover.check_earlier`).
         ValueError: a ``floor`` block that is the head; ``total_steps``/``steps_per_epoch`` not an int >= 1.
 
+    Warns:
+        UserWarning: a ``guard`` with a strategy that anneals a block's learning rate to 0 before freezing it
+            (FreezeOut: ``Strategy.anneals_to_zero``): a guard's thaw cannot undo its freezes.
+
     Use it as a context manager (``with Freezer(...) as freezer:``) or call :meth:`close` when training ends:
     some strategies hold hooks and a background thread (Egeria's reference model).
     """
@@ -213,6 +217,11 @@ class Freezer:
             strategy = create_strategy(strategy, strategy_params, num_blocks=len(self.blocks))
         elif strategy_params:
             raise ValueError("strategy_params is only used with a strategy given by name")
+        if guard is not None and strategy.anneals_to_zero:  # the CLI's config refuses the pair for a new run
+            warnings.warn(f"Freezer: a stability guard with strategy {strategy.name!r}, which anneals a block's "
+                          "learning rate to 0 before it freezes it: a guard's thaw trains the block at 0 until the "
+                          "strategy freezes it again, so the guard cannot undo its freezes. Drop the guard, or pick "
+                          "a strategy the guard can undo", stacklevel=2)
         self.strategy = strategy
         self.frozen = [False] * len(self.blocks)
         self.step_count = 0

@@ -139,6 +139,10 @@ class Strategy:
     #: Whether ``grad_l1`` must cover the head too. False (AutoFreeze, which never scores the head): the engine keeps
     #: no gradient sums for the head and reports 0.0 for it; an LM head is often the largest block.
     head_signals: ClassVar[bool] = True
+    #: Whether a block's learning-rate factor reaches 0 where the strategy freezes it (FreezeOut): anyone else's thaw
+    #: of such a block trains it at LR 0 until the strategy freezes it again, so the stability guard cannot undo its
+    #: freezes (the Freezer refuses the pair).
+    anneals_to_zero: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.stage_every: int | None = None

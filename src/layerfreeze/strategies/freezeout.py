@@ -72,6 +72,8 @@ class FreezeOut(Strategy):
     for frozen blocks), ``active`` (number of trainable blocks).
     """
 
+    anneals_to_zero = True  # a block's factor is 0 from its t_i on
+
     def __init__(self, t0: float = 0.8, scaling: str = "cubic", scale_lr: bool = True) -> None:
         super().__init__()
         if not is_number(t0) or not 0 < t0 <= 1:

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from layerfreeze.budget.parse import parse_budget
 from layerfreeze.errors import BudgetError, ConfigError
-from layerfreeze.strategies import DEFAULT_STRATEGY, UnknownStrategyError, check_strategy
+from layerfreeze.strategies import DEFAULT_STRATEGY, STRATEGIES, UnknownStrategyError, check_strategy
 from layerfreeze.train.config_file import deep_merge
 
 #: Short precision names people write, as Lightning reads them (``Trainer(precision="bf16")`` is bf16-mixed).
@@ -389,10 +389,12 @@ class Config(_Section):
                              "(--task text-csv for a CSV, image-folder for class sub-folders)")
         # The stability guard cannot undo a FreezeOut freeze: the block's LR factor is 0 from its t_i on, so a guard's
         # thaw trained it at LR 0 until FreezeOut froze it again (a run saved so before this check still resumes)
-        if self.freeze.guard is not None and self.freeze.strategy == "freezeout" and not self.run.resume:
-            raise ValueError("freeze.guard with strategy freezeout: a block FreezeOut froze has annealed its learning "
-                             "rate to 0, and a guard's thaw trains it at 0 until FreezeOut freezes it again. Drop "
-                             "freeze.guard, or pick a strategy the guard can undo (static, linear, smartfrz, ...)")
+        if self.freeze.guard is not None and not self.run.resume and getattr(
+                STRATEGIES.get(self.freeze.strategy), "anneals_to_zero", False):
+            raise ValueError(f"freeze.guard with strategy {self.freeze.strategy}: a block it froze has annealed its "
+                             "learning rate to 0, and a guard's thaw trains it at 0 until the strategy freezes it "
+                             "again. Drop freeze.guard, or pick a strategy the guard can undo (static, linear, "
+                             "smartfrz, ...)")
         image = self.task in IMAGE_TASKS
         for key, value, default, reader in (
                 ("model.max_length", self.model.max_length, ModelConfig.model_fields["max_length"].default, "text"),

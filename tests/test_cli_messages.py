@@ -357,7 +357,7 @@ def test_blocks_of_a_text_csv_model_need_no_data(tiny_bert_dir, tiny_csv, capsys
     out = capsys.readouterr().out
     assert "5 blocks" in out and "bert.encoder.layer.1" in out and "classifier" in out
     # the head's size is the placeholder's, which the table showed as the model's: said so
-    assert "head: sized here for 2 classes, without data; a run sizes it for the classes in --data" in out
+    assert "head: sized here for 2 classes (no --data to read the classes from" in out
     assert main(["blocks", "--task", "text-csv", "--model", str(tiny_bert_dir), "--data", str(tiny_csv)]) == 0
     assert "head: sized here" not in capsys.readouterr().out
 

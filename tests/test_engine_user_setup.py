@@ -274,9 +274,9 @@ def test_trainable_parameters_outside_every_block_are_named(capsys):
     with pytest.warns(UserWarning, match=r"Freezer: 1 trainable parameter\(s\) belong to no block \(scale\): nothing "
                                          r"freezes them"):
         Freezer(model, None, "static", {"k": 1}, blocks=["stem", "body", "head"]).close()
-    model.scale.requires_grad_(False)  # frozen by the user: nothing to say
+    model.scale.requires_grad_(False)  # frozen by the user: nothing to say of it
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.filterwarnings("error", message=".*belong to no block")
         Freezer(model, None, "static", {"k": 1}, blocks=["stem", "body", "head"]).close()
 
 
@@ -599,3 +599,39 @@ def test_release_earlier_freezers_before_the_optimizer_keeps_the_users_frozen_pa
         assert release_earlier_freezers(model) == []
         with Freezer(model, torch.optim.AdamW(p for p in model.parameters() if p.requires_grad), "none") as freezer:
             assert freezer.frozen == [False] * 4
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l0, self.l1, self.l2, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.l2(self.l1(self.l0(x).relu()).relu()).relu())
+
+
+def _trainable(model):
+    return sorted({n.split(".")[0] for n, p in model.named_parameters() if p.requires_grad})
+
+
+def test_what_the_user_set_trainable_since_an_earlier_freezer_is_what_trains():
+    # the user froze everything after a first run, then made the head trainable: the next Freezer gave back the
+    # blocks the first had frozen, and put them into the user's head-only optimizer (they trained); a block the user
+    # made trainable again (l1) was recorded as the user's frozen one, so a freeze and thaw left it frozen for good
+    blocks = ["l0", "l1", "l2", "head"]
+    for unfrozen, trains, kept in (("head", ["head"], "l0, l1"), ("l1", ["l1"], "l0")):
+        model = _Stack()
+        with Freezer(model, torch.optim.AdamW(model.parameters()), "static", {"k": 2}, blocks=blocks):
+            pass
+        model.requires_grad_(False)
+        getattr(model, unfrozen).requires_grad_(True)
+        optimizer = torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)
+        with pytest.warns(UserWarning, match=rf"block\(s\) {kept} were left frozen by an earlier Freezer on this "
+                                             "model, and other parameters were frozen since"):
+            freezer = Freezer(model, optimizer, "none", blocks=blocks)
+        with freezer:
+            assert _trainable(model) == trains and len(optimizer.param_groups[0]["params"]) == 2
+            freezer.freeze(unfrozen if unfrozen != "head" else "l2")
+            freezer.thaw(unfrozen if unfrozen != "head" else "l2")
+            assert _trainable(model) == trains

@@ -413,3 +413,26 @@ def test_lora_after_a_freezers_run_keeps_the_base_model_frozen(tmp_path):
         with pytest.raises(RuntimeError, match="already has an open Freezer"):
             release_earlier_freezers(lora)  # an open Freezer's blocks are its own
         assert not freezer.frozen[0]
+
+
+def test_lora_adapters_inside_a_block_an_earlier_freezer_froze_train_after_a_thaw():
+    # the take-over recorded the adapters get_peft_model put inside such a block as the user's frozen parameters: after
+    # the new Freezer froze and thawed the block they stayed frozen, and the block's LoRA never trained again
+    peft = pytest.importorskip("peft")
+    from layerfreeze import Freezer
+
+    model = tiny_bert()
+    with Freezer(model, torch.optim.AdamW(model.parameters()), "static", {"k": 2}):
+        pass
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["query", "value"]))
+    adapters = sorted(n for n, p in lora.named_parameters() if "encoder.layer.0." in n and "lora_" in n)
+    assert len(adapters) == 4
+    optimizer = torch.optim.AdamW(p for p in lora.parameters() if p.requires_grad)
+    with pytest.warns(UserWarning, match="stay frozen, as yours"):
+        freezer = Freezer(lora, optimizer, "none")
+    with freezer:
+        block = next(b.name for b in freezer.blocks if b.name.endswith("encoder.layer.0"))
+        assert freezer.freeze(block) and freezer.thaw(block)
+        named = dict(lora.named_parameters())
+        assert all(named[n].requires_grad for n in adapters)
+        assert not any(p.requires_grad for n, p in named.items() if "encoder.layer.0." in n and "lora_" not in n)

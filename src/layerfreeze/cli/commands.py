@@ -458,9 +458,11 @@ def cmd_blocks(args: argparse.Namespace, console: Console) -> int:
         console.print(f"tied: {line}", highlight=False)
     if (unassigned := unassigned_warning(model, found.blocks)) is not None:
         console.print(f"not in any block: {unassigned}", highlight=False)
-    if config.task in ("text-csv", "image-folder") and not (config.data.path and Path(config.data.path).exists()):
-        console.print("head: sized here for 2 classes, without data; a run sizes it for the classes in --data "
-                      "(the other blocks do not change)", highlight=False)
+    sized = {"text-csv": Path.is_file, "image-folder": Path.is_dir}.get(config.task)  # what build_model reads
+    if sized is not None and not (config.data.path and sized(Path(config.data.path))):
+        console.print("head: sized here for 2 classes (no --data to read the classes from: a CSV file for "
+                      "text-csv, a folder for image-folder); a run sizes it for the classes in its data (the other "
+                      "blocks do not change)", highlight=False)
     return 0
 
 

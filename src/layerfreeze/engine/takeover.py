@@ -80,38 +80,43 @@ def check_earlier(model: nn.Module, cls: type) -> list[Any]:
 
 def _left_frozen(model: nn.Module, earlier: list[Any]) -> Iterator[tuple[Any, Any, list[nn.Parameter], bool]]:
     """``(earlier Freezer, its frozen block, parameters, kept)`` for each block of ``model`` an earlier Freezer holds
-    frozen: the block's frozen parameters in ``model`` that the user had not frozen before that Freezer (told by name,
-    so that a deep copy's are too), and whether they are to stay frozen as the user's (:func:`_frozen_since`)."""
+    frozen: the block's frozen parameters in ``model`` that the earlier Freezer knew (not those added to the block
+    since: peft's LoRA adapters inside it) and the user had not frozen before it (both told by name too, so that a
+    deep copy's are as well), and whether they are to stay frozen as the user's (:func:`_frozen_since`)."""
     mine = {id(p) for p in model.parameters()}
     for other in earlier:
         names = {id(p): n for n, p in other.model.named_parameters()}
+        known = set(other._names.values())
         users = {other._names[i] for i in other._frozen_before if i in other._names}
         kept = _frozen_since(other, mine, users)
         for block in other.blocks:
-            ours = [p for p in frozen_parameters(block, other.train_bn) if id(p) in mine]
+            ours = [p for p in frozen_parameters(block, other.train_bn) if id(p) in mine
+                    and (id(p) in other._names or names.get(id(p)) in known)]
             if other.frozen[block.index] and ours:
                 yield other, block, [p for p in ours if names.get(id(p)) not in users], kept
 
 
 def _frozen_since(other: Any, mine: set[int], users: set[str]) -> bool:
-    """Whether every parameter of ``mine`` that trained under the earlier Freezer ``other`` (neither frozen by it nor
-    by the user before it) has been frozen since by something other than a Freezer: peft's ``get_peft_model`` freezing
-    the whole base model for LoRA (training what ``other`` left frozen trained a LoRA model's base weights). What
-    ``other`` left frozen then stays frozen, as the user's. One parameter frozen since (a scale the user fixed) says
-    nothing of the blocks: they train again."""
+    """Whether a parameter of ``mine`` that trained under the earlier Freezer ``other`` (neither frozen by it nor by
+    the user before it) has been frozen since by something other than a Freezer: peft's ``get_peft_model`` freezing
+    the base model for LoRA, the user's ``requires_grad_(False)`` (freeze everything, then make the head trainable).
+    The user has set what trains since; what ``other`` left frozen then stays frozen, as the user's, but for what the
+    user made trainable again. Training it again trained a LoRA model's base weights, and the blocks of a head-only
+    run, added to its optimizer."""
     held = {id(p) for b in other.blocks if other.frozen[b.index] for p in frozen_parameters(b, other.train_bn)}
     known = set(other._names.values())  # by name too: a deep copy's parameters are other objects
-    trained = [p for n, p in other.model.named_parameters()  # the parameters it saw, not those added since (LoRA's)
+    return any(not p.requires_grad for n, p in other.model.named_parameters()  # those it saw, not LoRA's added since
                if (id(p) in other._names or n in known) and id(p) in mine and id(p) not in held and n not in users
-               and not getattr(p, FROZEN_MARK, False)]
-    return bool(trained) and not any(p.requires_grad for p in trained)
+               and not getattr(p, FROZEN_MARK, False))
 
 
-def _keep_as_users(p: nn.Parameter) -> None:
-    """``p``, frozen by an earlier Freezer, stays frozen as the user's (:func:`_frozen_since`): without the Freezer's
-    mark, so no Freezer's thaw trains it."""
+def _keep_as_users(p: nn.Parameter) -> bool:
+    """``p``, frozen by an earlier Freezer, is the user's from now on (:func:`_frozen_since`): without the Freezer's
+    mark, so no Freezer's thaw trains it while it stays frozen. Returns whether it is frozen (the user may have made it
+    trainable since)."""
     if hasattr(p, FROZEN_MARK):
         delattr(p, FROZEN_MARK)
+    return not p.requires_grad
 
 
 def _warn_kept(kept: list[str], stacklevel: int) -> None:
@@ -239,10 +244,10 @@ def take_over(freezer: Freezer) -> None:
     for other, block, params, as_users in list(_left_frozen(freezer.model, freezer._earlier)):
         _release(other, block, freezer.model)
         if as_users:
-            for p in params:
-                _keep_as_users(p)
-                freezer._frozen_before.add(id(p))
-            users.append(block.name)
+            frozen = [p for p in params if _keep_as_users(p)]
+            freezer._frozen_before.update(id(p) for p in frozen)
+            if frozen:
+                users.append(block.name)
             continue
         for p in params:
             freezer._frozen_before.discard(id(p))
@@ -279,12 +284,14 @@ def release_earlier(model: nn.Module, cls: type) -> list[str]:
     released, users = [], []
     for other, block, params, kept in list(_left_frozen(model, check_earlier(model, cls))):
         _release(other, block, model)
+        if kept:
+            if [p for p in params if _keep_as_users(p)]:
+                users.append(block.name)
+            continue
         for p in params:
-            if kept:
-                _keep_as_users(p)
-            elif not p.requires_grad:
+            if not p.requires_grad:
                 _train_again(p)
-        (users if kept else released).append(block.name)
+        released.append(block.name)
     _warn_kept(users, stacklevel=3)
     if released:
         warnings.warn(f"Freezer: block(s) {', '.join(released)} were left frozen by an earlier Freezer on this model "

@@ -394,7 +394,8 @@ class Config(_Section):
             raise ValueError(f"freeze.guard with strategy {self.freeze.strategy}: a block it froze has annealed its "
                              "learning rate to 0, and a guard's thaw trains it at 0 until the strategy freezes it "
                              "again. Drop freeze.guard, or pick a strategy the guard can undo (static, linear, "
-                             "smartfrz, ...)")
+                             "smartfrz, ...; in `layerfreeze compare`, drop that row's guard: --row-set "
+                             f"{self.freeze.strategy}.freeze.guard=null)")
         image = self.task in IMAGE_TASKS
         for key, value, default, reader in (
                 ("model.max_length", self.model.max_length, ModelConfig.model_fields["max_length"].default, "text"),

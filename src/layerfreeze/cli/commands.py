@@ -27,7 +27,7 @@ from layerfreeze.strategies import DEFAULT_STRATEGY, STRATEGIES, strategy_parame
 from layerfreeze.strategies.registry import did_you_mean
 from layerfreeze.train.assets import check_assets
 from layerfreeze.train.compare import DEFAULT_ROWS, unknown_rows
-from layerfreeze.train.config_file import leaf_values, parse_override
+from layerfreeze.train.config_file import leaf_values, parse_override, same_path
 from layerfreeze.train.config_load import load_config
 
 
@@ -62,13 +62,6 @@ FIXED_FROZEN = ("freeze.memory_budget", "freeze.demote")
 
 #: Config keys holding a file or folder: a run started before they were saved absolute keeps a relative one.
 PATH_KEYS = ("data.path", "data.test_path", "model.name_or_path")
-
-
-def _same_path(a: Any, b: Any) -> bool:
-    """Two ways of writing one path (relative to this folder, and absolute)."""
-    if not (isinstance(a, str) and isinstance(b, str)):
-        return False
-    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
 def _check_saved_paths(run_dir: Path, saved: dict[str, Any], args: argparse.Namespace) -> None:
@@ -120,7 +113,7 @@ def resume_changes(run_dir: Path, saved: dict[str, Any], config: dict[str, Any])
     """
     before, after = ({'.'.join(k): v for k, v in leaf_values(d).items()} for d in (saved, config))
     changed = {k: (before.get(k), v) for k, v in after.items() if k in before and before[k] != v
-               and not (k in PATH_KEYS and _same_path(before[k], v))}
+               and not (k in PATH_KEYS and same_path(before[k], v))}
     changed.update({k: (v, None) for k, v in before.items() if k not in after and v is not None
                     and not any(a.startswith(k + ".") for a in after)})  # {} -> {num_intervals: 5}: the key below
     # a section set where the run had none (freeze.demote null -> {dtype: ...}), a strategy parameter the run did not

@@ -19,6 +19,7 @@ contract in ``pyproject.toml``); outside the folder, the CLI (and ``smartfrz``, 
 * ``config_load`` -- a config from a file and the command line's overrides (:func:`~layerfreeze.train.config_load.
   load_config`); imported by the CLI only.
 * ``config`` -- the validated config's schema (:func:`~layerfreeze.train.config.build_config`); by any module above.
+* ``presets`` -- what a task and a strategy on it change from the config's defaults; by config, config_yaml.
 * ``loop`` -- the LR schedule and the optimizer step, shared with the SmartFRZ collector; by setup, step.
 * ``assets`` -- the offline assets (where they are, whether they are there); by data, loaders, tasks.
 """

@@ -28,6 +28,7 @@ from layerfreeze.budget.parse import parse_budget
 from layerfreeze.errors import BudgetError, ConfigError
 from layerfreeze.strategies import DEFAULT_STRATEGY, STRATEGIES, UnknownStrategyError, check_strategy
 from layerfreeze.train.config_file import deep_merge
+from layerfreeze.train.presets import TASK_PRESETS, strategy_preset
 
 #: Short precision names people write, as Lightning reads them (``Trainer(precision="bf16")`` is bf16-mixed).
 PRECISION_ALIASES = {"16": "16-mixed", "fp16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "fp32": "32-true"}
@@ -436,38 +437,6 @@ class Config(_Section):
 COMPILE_TRUE_BYPASSED = "the activation cache bypasses (it runs the trainable blocks one by one)"
 
 
-#: What each task changes from the defaults above, unless the user sets it.
-TASK_PRESETS: dict[str, dict[str, Any]] = {
-    "fashion-mnist": {
-        "model": {"name_or_path": "mobilenet_v2"},
-        "train": {"lr": 1e-3, "epochs": 2, "batch_size": 128, "eval_batch_size": 256, "weight_decay": 1e-4},
-    },
-    "image-folder": {
-        "model": {"name_or_path": "mobilenet_v2"},
-        "train": {"lr": 1e-3, "batch_size": 64, "eval_batch_size": 128, "weight_decay": 1e-4},
-    },
-}
-
-#: Per task, the parameters a strategy gets unless the user sets them: the ``k`` a practitioner would pick for
-#: ``static`` on the task's model (MiniLM-L6: embeddings + the first 4 of 6 encoder layers; MobileNetV2 at 32x32:
-#: stem + the first 9 inverted-residual stages); ``badam``'s steps per block on the default job, where BAdam's
-#: default (50, sized for runs of thousands of steps) would train 4 of its 7 middle blocks once in 168 steps: 12
-#: gives every block two turns (168 / (2 x 7)).
-STRATEGY_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "bbc-news": {"static": {"k": 5}, "badam": {"k": 12}},
-    "text-csv": {"static": {"k": 5}},
-    "fashion-mnist": {"static": {"k": 10}},
-    "image-folder": {"static": {"k": 10}},
-}
-
-#: The model each task's :data:`STRATEGY_PRESETS` were sized for (``model.name_or_path``; None: the installed
-#: MiniLM-L6, the text tasks' default). With another model (``--model resnet18``: 6 blocks, where ``static``'s k=10
-#: would freeze the head) the strategy's own defaults apply; set them with ``-p`` (``compare``: ``-p static.k=3``).
-PRESET_MODELS: dict[str, tuple[str | None, ...]] = {
-    "bbc-news": (None,), "text-csv": (None,), "fashion-mnist": ("mobilenet_v2",), "image-folder": ("mobilenet_v2",),
-}
-
-
 def section_class(annotation: Any) -> type[BaseModel] | None:
     """The config section class an annotation holds (``GuardConfig | None`` -> ``GuardConfig``), or None."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -595,21 +564,10 @@ def format_validation_error(exc: ValidationError, errors: list[Any] | None = Non
     return "Invalid configuration: " + "; ".join(lines)
 
 
-def strategy_preset(task: Any, strategy: Any, model: Any) -> dict[str, Any] | None:
-    """The parameters :data:`STRATEGY_PRESETS` gives ``strategy`` on ``task`` with ``model``
-    (``model.name_or_path``), or None: a preset sized for the task's default model (:data:`PRESET_MODELS`) does not
-    apply to another model, which gets the strategy's own defaults."""
-    if not (isinstance(task, str) and isinstance(strategy, str)):
-        return None
-    params = STRATEGY_PRESETS.get(task, {}).get(strategy)
-    if params and model not in PRESET_MODELS.get(task, (None,)):
-        return None
-    return params
-
-
 def build_config(user: dict[str, Any] | None = None, inputs: bool = True) -> Config:
-    """Validate a user config dict, after filling in the task preset (:data:`TASK_PRESETS`) and the strategy's
-    preset for the task's model (:func:`strategy_preset`).
+    """Validate a user config dict, after filling in the task preset
+    (:data:`~layerfreeze.train.presets.TASK_PRESETS`) and the strategy's preset for the task's model
+    (:func:`~layerfreeze.train.presets.strategy_preset`).
 
     Args:
         user: The config as the user wrote it (a file's mapping merged with overrides).

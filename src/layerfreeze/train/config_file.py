@@ -108,7 +108,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"Config file {path} must hold a mapping at the top level, got {type(data).__name__}")
     run = data.get("run")
-    if kind == "JSON" and isinstance(run, dict) and run.get("dir") and _same_folder(run["dir"], path.parent):
+    if kind == "JSON" and isinstance(run, dict) and run.get("dir") and same_path(run["dir"], path.parent):
         data = {**data, "run": {k: v for k, v in run.items() if k not in ("dir", "resume")}}
     return data
 
@@ -122,10 +122,13 @@ def _syntax_error(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
-def _same_folder(a: str | Path, b: str | Path) -> bool:
-    """Whether two paths name the same folder (a missing one compares by its absolute path)."""
+def same_path(a: Any, b: Any) -> bool:
+    """Whether two paths name the same file or folder (``~`` expanded, relative ones read from here, a missing one
+    compared by its absolute path); False when either is not a path (None, a number)."""
+    if not (isinstance(a, (str, Path)) and isinstance(b, (str, Path))):
+        return False
     try:
-        return Path(a).resolve() == Path(b).resolve()
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
     except OSError:
         return False
 

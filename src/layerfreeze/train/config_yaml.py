@@ -10,7 +10,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel
 
-from layerfreeze.train.config import Config, build_config, section_class, strategy_preset
+from layerfreeze.train.config import Config, build_config, section_class
+from layerfreeze.train.presets import strategy_preset
 
 
 def _yaml_value(value: Any) -> str:
@@ -113,7 +114,7 @@ def config_yaml(config: Config | None = None, preset_as_comment: bool = False) -
     config. ``layerfreeze config`` prints it.
 
     ``preset_as_comment``: strategy parameters that are the task's preset for its default model
-    (:func:`~layerfreeze.train.config.strategy_preset`) are written as ``params: {}`` with the preset in the comment:
+    (:func:`~layerfreeze.train.presets.strategy_preset`) are written as ``params: {}`` with the preset in the comment:
     loaded back they apply to that model as before, and another ``--model`` gets the strategy's own defaults (a
     preset written as the user's own, ``static``'s ``k: 5`` for MiniLM-L6, was refused for a 3-block model)."""
     config = config if config is not None else build_config({})

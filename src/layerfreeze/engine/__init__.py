@@ -3,11 +3,13 @@
 The folder's map: one mechanism per module, top to bottom; each imports only modules below it (the contract
 ``engine-layers`` in pyproject.toml). "Anyone" means code outside the engine too (names in an ``__all__``).
 
-* ``freezer`` -- :class:`Freezer`, the facade (freeze, thaw, the floor, the loop's hooks), PinnedBlockError; anyone.
+* ``freezer`` -- :class:`Freezer`, the facade (freeze, thaw, the floor, the loop's hooks); anyone.
 * ``steps`` -- a step's bookkeeping: after_backward / step / epoch_end (integrity checks), the optimizer hook that
   sums grad_l1; only freezer.py.
 * ``state`` -- the checkpointable state: state_dict / load_state_dict, STATE_VERSION; only freezer.py.
-* ``freezing`` -- a block's freeze and thaw wired to the Freezer's optimizer, hooks, checks and demotion; only
+* ``freezing`` -- a block's freeze and thaw wired to the Freezer's optimizer, hooks, checks and demotion, and what
+  freezing does and why; only freezer.py (PinnedBlockError: anyone).
+* ``arguments`` -- a Freezer's arguments checked and its blocks and strategy resolved, before anything changes; only
   freezer.py.
 * ``attach`` -- an optimizer given after the Freezer was built (attach_optimizer), checked before anything changes;
   only freezer.py.
@@ -31,7 +33,8 @@ The folder's map: one mechanism per module, top to bottom; each imports only mod
   freezer.py, integrity.py.
 """
 
-from layerfreeze.engine.freezer import Freezer, PinnedBlockError, release_earlier_freezers
+from layerfreeze.engine.freezer import Freezer, release_earlier_freezers
+from layerfreeze.engine.freezing import PinnedBlockError
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import BlockModuleReplacedError, FrozenWeightsChangedError, UnfrozenParameterError
 from layerfreeze.engine.mechanics import frozen_parameters, open_freezer, set_eval_mode

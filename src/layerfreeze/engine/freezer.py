@@ -14,39 +14,19 @@ Strategies decide, the engine applies. The mechanics are small helpers (in the s
                 freezer.step()                # after the scheduler: LR factors apply to this step's LR
             freezer.epoch_end()
 
-What freezing a block does, and why each part matters (each is a public fault seen in other tools):
-
-* ``requires_grad_(False)``: autograd builds no graph for a frozen prefix (its output does not require grad, so no
-  activations are kept for backward and backward stops at the first trainable block).
-* The parameters leave the optimizer's param groups and their optimizer state is freed
-  (:func:`~layerfreeze.engine.optim.remove_from_optimizer`: "frozen" weights would otherwise drift under momentum and
-  weight decay, and their state keep its memory).
-* ``.grad`` is set to None so no stale gradient is applied or clipped later. BatchNorm running statistics and
-  dropout go to eval mode (a forward pre-hook re-applies it after every ``model.train()``), unless ``train_bn=True``
-  (fastai / Lightning ``train_bn``): then BatchNorm layers keep training, affine parameters included.
-
-Thawing reverses all of it and puts each parameter back into the param group it came from (the number of param
-groups never changes), with no optimizer state: a block switched on starts from fresh state (zero Adam moments),
-as the rotating strategies' papers prescribe (``lisa``, ``badam``); a block frozen and thawed in the same stage is
-switched off and on again, its state cleared. A parameter the optimizer never held (its block was frozen before
-the optimizer was built) goes into param group 0, so a thaw never leaves a block untrained (LMFlow#726), and the
-first optimizer step after a thaw is checked to have changed the block
-(:meth:`~layerfreeze.engine.integrity.FrozenSet.check_updated`). The frozen blocks need not be a prefix: a frozen
-block above a trainable one saves its weight gradients and optimizer state, while backward still runs through it
-(only a frozen prefix, :attr:`Freezer.frozen_prefix`, saves its backward and is what the activation cache serves).
+What freezing and thawing a block do, and why each part matters: :mod:`layerfreeze.engine.freezing`.
 
 A thawed block's learning rate may be given (discriminative LR; param groups of one block each,
 :func:`~layerfreeze.engine.optim.block_param_groups`). A **floor** (``Freezer(..., floor=plan.floor)``,
 :meth:`Freezer.pin`) is a set of blocks that must stay frozen: a memory budget's plan (:mod:`layerfreeze.budget`)
 freezes them before the first step, and from then on a strategy may freeze more but its thaws of them are dropped (a
 warning per block), the stability guard stops watching them, and :meth:`Freezer.thaw` refuses them
-(:class:`PinnedBlockError`): a thaw past the floor would break the budget.
+(:class:`~layerfreeze.engine.freezing.PinnedBlockError`): a thaw past the floor would break the budget.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,13 +34,13 @@ import torch
 from torch import nn
 
 from layerfreeze.distributed import comm
-from layerfreeze.distributed.fsdp import fsdp_modules
 from layerfreeze.engine import state as checkpoint_state
 from layerfreeze.engine import steps
+from layerfreeze.engine.arguments import resolve
 from layerfreeze.engine.attach import attach_optimizer
 from layerfreeze.engine.demote import Demoter, build_demoter
 from layerfreeze.engine.demotion import Demotion
-from layerfreeze.engine.freezing import freeze_block, refreeze, thaw_block
+from layerfreeze.engine.freezing import freeze_block, refreeze, thaw_asked
 from layerfreeze.engine.grad_signal import GradientSums
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
@@ -71,24 +51,17 @@ from layerfreeze.engine.mechanics import (
     frozen_blocks_to_eval,
     frozen_parameters,
     not_optimized,
-    refuse_second_freezer,
     set_eval_mode,
 )
-from layerfreeze.engine.optim import check_model_and_optimizer, group_origin
+from layerfreeze.engine.optim import group_origin
 from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, prefix_since, report_metric, run_length, stage, start
-from layerfreeze.engine.takeover import adopt_origins, check_earlier, release_earlier, take_over
+from layerfreeze.engine.takeover import adopt_origins, release_earlier, take_over
 from layerfreeze.engine.timing import StepTimes
-from layerfreeze.models.blocks import Block, block_by_key, unassigned_warning
-from layerfreeze.models.discovery import discover_blocks, refuse_empty_parameters
-from layerfreeze.strategies import DEFAULT_STRATEGY, Decision, Strategy, create_strategy
+from layerfreeze.models.blocks import Block, block_by_key
+from layerfreeze.strategies import DEFAULT_STRATEGY, Decision, Strategy
 from layerfreeze.strategies.base import storage_bytes
-from layerfreeze.strategies.registry import check_strategy_arguments
-
-
-class PinnedBlockError(RuntimeError):
-    """A thaw of a block the Freezer's floor keeps frozen (a memory budget's plan)."""
 
 
 class Freezer:
@@ -189,11 +162,9 @@ class Freezer:
         demote: Demotion | dict[str, Any] | None = None,
         floor: Sequence[int | str] | None = None,
     ) -> None:
-        check_model_and_optimizer(model, optimizer)
-        check_strategy_arguments(strategy, strategy_params)
-        refuse_second_freezer(model)
+        resolved = resolve(model, optimizer, strategy, strategy_params, blocks, guard, type(self))  # raises first
         #: Earlier Freezers on the model (closed, or deep copies): what take_over takes from (engine/takeover.py).
-        self._earlier = check_earlier(model, type(self))  # refuses what cannot be taken over
+        self._earlier = resolved.earlier
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -202,26 +173,9 @@ class Freezer:
         self.steps_per_epoch = run_length("steps_per_epoch", steps_per_epoch)
         self.on_event = on_event
         self.guard = guard
-        self._fsdp = fsdp_modules(model)
-        registered = dict(model.named_parameters()) if self._fsdp else {}
-        sharded(self._fsdp)  # blocks, names and optimizer origins are read from the sharded parameters
-        if blocks and isinstance(blocks[0], Block):
-            self.blocks: list[Block] = list(blocks)  # type: ignore[arg-type]
-        else:
-            self.blocks = discover_blocks(model, blocks)  # type: ignore[arg-type]
-        # blocks given ready-made skip discovery's check
-        refuse_empty_parameters(((n, p) for b in self.blocks for n, p in b.named_parameters()), "Freezer")
-        if (unassigned := unassigned_warning(model, self.blocks)) is not None:
-            warnings.warn(f"Freezer: {unassigned}", stacklevel=2)
-        if isinstance(strategy, str):  # built and checked against the blocks here, once
-            strategy = create_strategy(strategy, strategy_params, num_blocks=len(self.blocks))
-        elif strategy_params:
-            raise ValueError("strategy_params is only used with a strategy given by name")
-        if guard is not None and strategy.anneals_to_zero:  # the CLI's config refuses the pair for a new run
-            warnings.warn(f"Freezer: a stability guard with strategy {strategy.name!r}, which anneals a block's "
-                          "learning rate to 0 before it freezes it: a guard's thaw trains the block at 0 until the "
-                          "strategy freezes it again, so the guard cannot undo its freezes. Drop the guard, or pick "
-                          "a strategy the guard can undo", stacklevel=2)
+        self._fsdp = resolved.fsdp
+        self.blocks: list[Block] = resolved.blocks
+        strategy = resolved.strategy
         self.strategy = strategy
         self.frozen = [False] * len(self.blocks)
         self.step_count = 0
@@ -260,7 +214,7 @@ class Freezer:
         self.decides = not self.distributed or comm.rank() == 0
         if self._fsdp and self.distributed:  # checksums of shards: the same on every rank (integrity.checksum)
             self.integrity.gather = comm.all_gather_object
-        check_parameters(model, self.blocks, optimizer, registered)
+        check_parameters(model, self.blocks, optimizer, resolved.registered)
         self._mirror = make_mirror(model, self.strategy, mirror, fsdp=self._fsdp, decides=self.decides,
                                    distributed=self.distributed)
         #: The :class:`~layerfreeze.engine.demote.Demoter` of ``demote`` (None without it): also a byte source of
@@ -326,7 +280,7 @@ class Freezer:
     # ---- freeze / thaw -------------------------------------------------------------------------------------
 
     def freeze(self, key: int | str, reason: str = "manual") -> bool:
-        """Freeze one block (see the module docstring for everything that entails).
+        """Freeze one block (:mod:`~layerfreeze.engine.freezing` says everything that entails).
 
         Returns:
             True if the block was trainable and is now frozen, False if it was already frozen.
@@ -386,30 +340,11 @@ class Freezer:
             ValueError: ``lr`` given but not finite and ``> 0``, or a target param group also holds other blocks'
                 parameters (build the optimizer with :func:`~layerfreeze.engine.optim.block_param_groups`), or the
                 optimizer holds none of the block's parameters; checked before anything changes.
-            PinnedBlockError: the block is in the floor (:meth:`pin`: a memory budget keeps it frozen).
+            ~layerfreeze.engine.freezing.PinnedBlockError: the block is in the floor (:meth:`pin`: a memory budget keeps it frozen).
             RuntimeError: after :meth:`close`.
         """
         self._check_open("thaw")
-        block = self.block(key)
-        if lr is not None:  # checked before anything changes: a refused lr left the block half thawed
-            check_block_lr(self.optimizer, self._origin, block, lr)
-        if block.index in self._floor:
-            raise PinnedBlockError(
-                f"block {block.name} is in the Freezer's floor ({FLOOR_REASON}: it stays frozen so the run's tensor "
-                "peak fits the budget); thawing it would bring back its gradients, optimizer state and saved "
-                "activations. Raise the budget (or plan without it) to train it")
-        was_frozen = thaw_block(self, block)
-        if lr is not None:
-            self.set_block_lr(block, lr)
-        if was_frozen and self._lr_scale.get(block.index) == 0.0:  # it trained at LR 0, in silence, until refrozen
-            by = "" if reason == "manual" else f" ({reason})"
-            warnings.warn(f"Freezer.thaw{by}: block {block.name} thaws with the learning-rate factor 0 that strategy "
-                          f"{self.strategy.name!r} gives it (its schedule has ended for this block): it trains at "
-                          f"learning rate 0{', whatever lr= says,' if lr is not None else ''} until the strategy "
-                          "freezes it again", stacklevel=2)
-        if was_frozen:
-            self._record("thaw", block, reason, lr=lr)
-        return was_frozen
+        return thaw_asked(self, self.block(key), lr, reason)
 
     def replan(self) -> Decision | None:
         """After the run's length changed (a resume onto another ``total_steps``), run the strategy's stage at the
@@ -624,15 +559,6 @@ class Freezer:
         # before the model's forward; why the blocks' own pre-hooks do not suffice: mechanics.frozen_blocks_to_eval
         if model.training:
             frozen_blocks_to_eval(self.blocks, self.frozen, self.train_bn)
-
-    def _record(self, kind: str, block: Block, reason: str, **extra: Any) -> None:
-        record = {"kind": kind, "block": block.name, "index": block.index, "step": self.step_count, "epoch": self.epoch,
-                  "reason": reason, "frozen_count": sum(self.frozen), "frozen_prefix": self.frozen_prefix,
-                  **{k: v for k, v in extra.items() if v is not None}}
-        if reason != "resume":
-            self.history.append(record)
-        if self.on_event is not None:
-            self.on_event(record)
 
 
 def release_earlier_freezers(model: nn.Module) -> list[str]:

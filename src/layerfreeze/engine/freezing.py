@@ -2,6 +2,28 @@
 (:mod:`~layerfreeze.engine.mechanics`, :mod:`~layerfreeze.engine.optim`) wired to its optimizer, its eval-mode hooks,
 its integrity checks, its demotion and its history. ``Freezer.freeze`` / ``Freezer.thaw`` resolve the block and check
 what they are asked first (the floor, a thaw's learning rate), then call these.
+
+What freezing a block does, and why each part matters (each is a public fault seen in other tools):
+
+* ``requires_grad_(False)``: autograd builds no graph for a frozen prefix (its output does not require grad, so no
+  activations are kept for backward and backward stops at the first trainable block).
+* The parameters leave the optimizer's param groups and their optimizer state is freed
+  (:func:`~layerfreeze.engine.optim.remove_from_optimizer`: "frozen" weights would otherwise drift under momentum and
+  weight decay, and their state keep its memory).
+* ``.grad`` is set to None so no stale gradient is applied or clipped later. BatchNorm running statistics and
+  dropout go to eval mode (a forward pre-hook re-applies it after every ``model.train()``), unless ``train_bn=True``
+  (fastai / Lightning ``train_bn``): then BatchNorm layers keep training, affine parameters included.
+
+Thawing reverses all of it and puts each parameter back into the param group it came from (the number of param
+groups never changes), with no optimizer state: a block switched on starts from fresh state (zero Adam moments),
+as the rotating strategies' papers prescribe (``lisa``, ``badam``); a block frozen and thawed in the same stage is
+switched off and on again, its state cleared. A parameter the optimizer never held (its block was frozen before
+the optimizer was built) goes into param group 0, so a thaw never leaves a block untrained (LMFlow#726), and the
+first optimizer step after a thaw is checked to have changed the block
+(:meth:`~layerfreeze.engine.integrity.FrozenSet.check_updated`). The frozen blocks need not be a prefix: a frozen
+block above a trainable one saves its weight gradients and optimizer state, while backward still runs through it
+(only a frozen prefix, :attr:`~layerfreeze.engine.freezer.Freezer.frozen_prefix`, saves its backward and is what the
+activation cache serves).
 """
 
 from __future__ import annotations
@@ -12,13 +34,19 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from layerfreeze.engine.integrity import UnfrozenParameterError
+from layerfreeze.engine.lr_factors import check_block_lr
 from layerfreeze.engine.mechanics import frozen_parameters, resume_training, set_eval_mode, stop_training
 from layerfreeze.engine.optim import add_to_optimizer, remove_from_optimizer
 from layerfreeze.engine.sharding import sharded
+from layerfreeze.engine.stages import FLOOR_REASON
 from layerfreeze.models.blocks import Block
 
 if TYPE_CHECKING:
     from layerfreeze.engine.freezer import Freezer
+
+
+class PinnedBlockError(RuntimeError):
+    """A thaw of a block the Freezer's floor keeps frozen (a memory budget's plan)."""
 
 
 def freeze_block(freezer: Freezer, block: Block, reason: str) -> bool:
@@ -49,7 +77,7 @@ def freeze_block(freezer: Freezer, block: Block, reason: str) -> bool:
             extra["demote_skipped"] = skipped
         elif freezer.demoter.is_demoted(block.index):
             extra["demoted"] = freezer.demoter.spec.dtype
-    freezer._record("freeze", block, reason, **extra)
+    record(freezer, "freeze", block, reason, **extra)
     if all(freezer.frozen):
         # no strategy freezes the head; a manual freeze can, and then the next loss.backward() raises torch's
         # "element 0 of tensors does not require grad", far from its cause; stacklevel 3: this function,
@@ -85,6 +113,45 @@ def thaw_block(freezer: Freezer, block: Block) -> bool:
     freezer.frozen[block.index] = False
     freezer.integrity.on_thaw(block.index)
     return True
+
+
+def thaw_asked(freezer: Freezer, block: Block, lr: float | None, reason: str) -> bool:
+    """A thaw asked of the Freezer (:meth:`Freezer.thaw <layerfreeze.engine.freezer.Freezer.thaw>`, whose docstring
+    gives the errors and the warning): ``lr`` and the floor checked before anything changes, then
+    :func:`thaw_block`, the block's learning rate, and the record."""
+    if lr is not None:  # checked before anything changes: a refused lr left the block half thawed
+        check_block_lr(freezer.optimizer, freezer._origin, block, lr)
+    if block.index in freezer._floor:
+        raise PinnedBlockError(
+            f"block {block.name} is in the Freezer's floor ({FLOOR_REASON}: it stays frozen so the run's tensor "
+            "peak fits the budget); thawing it would bring back its gradients, optimizer state and saved "
+            "activations. Raise the budget (or plan without it) to train it")
+    was_frozen = thaw_block(freezer, block)
+    if lr is not None:
+        freezer.set_block_lr(block, lr)
+    if was_frozen and freezer._lr_scale.get(block.index) == 0.0:  # it trained at LR 0, in silence, until refrozen
+        by = "" if reason == "manual" else f" ({reason})"
+        # stacklevel 3: this function, Freezer.thaw, its caller
+        warnings.warn(f"Freezer.thaw{by}: block {block.name} thaws with the learning-rate factor 0 that strategy "
+                      f"{freezer.strategy.name!r} gives it (its schedule has ended for this block): it trains at "
+                      f"learning rate 0{', whatever lr= says,' if lr is not None else ''} until the strategy "
+                      "freezes it again", stacklevel=3)
+    if was_frozen:
+        record(freezer, "thaw", block, reason, lr=lr)
+    return was_frozen
+
+
+def record(freezer: Freezer, kind: str, block: Block, reason: str, **extra: Any) -> None:
+    """Append a freeze or thaw to the Freezer's :attr:`history` (not one a resume replays) and pass it to its
+    ``on_event``: ``kind``, block name and index, step, epoch, reason, how many blocks are frozen, the frozen prefix,
+    and ``extra`` (None values left out)."""
+    rec = {"kind": kind, "block": block.name, "index": block.index, "step": freezer.step_count,
+           "epoch": freezer.epoch, "reason": reason, "frozen_count": sum(freezer.frozen),
+           "frozen_prefix": freezer.frozen_prefix, **{k: v for k, v in extra.items() if v is not None}}
+    if reason != "resume":
+        freezer.history.append(rec)
+    if freezer.on_event is not None:
+        freezer.on_event(rec)
 
 
 def refreeze(freezer: Freezer, param: nn.Parameter, old: nn.Parameter | None) -> None:

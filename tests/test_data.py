@@ -301,9 +301,12 @@ def test_limit_takes_a_seeded_random_subset_not_a_prefix():
     from layerfreeze.train.tasks import _limit
 
     data = [0] * 50 + [1] * 50 + [2] * 50  # stored sorted by class, like BBC News
-    sub = _limit(data, 30, seed=0)
+    sub = _limit(data, 30, 0, "data.limit_train")
     labels = [sub[i] for i in range(len(sub))]
     assert len(labels) == 30 and set(labels) == {0, 1, 2}
-    assert list(sub.indices) == sorted(sub.indices) == list(_limit(data, 30, seed=0).indices)
-    assert list(sub.indices) != list(_limit(data, 30, seed=1).indices)
-    assert _limit(data, 500, seed=0) is data and _limit(data, None, seed=0) is data
+    assert list(sub.indices) == sorted(sub.indices) == list(_limit(data, 30, 0, "data.limit_train").indices)
+    assert list(sub.indices) != list(_limit(data, 30, 1, "data.limit_train").indices)
+    assert _limit(data, None, 0, "data.limit_train") is data and _limit(data, 150, 0, "data.limit_train") is data
+    # a limit above the split's size used the whole split in silence ("evaluate on N samples")
+    with pytest.warns(UserWarning, match="data.limit_test 500 is above the 150 samples of its split: all 150 are used"):
+        assert _limit(data, 500, 0, "data.limit_test") is data

@@ -98,12 +98,18 @@ def image_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
     return model(batch["pixel_values"])
 
 
-def _limit(dataset: Dataset, limit: int | None, seed: int) -> Dataset:
+def _limit(dataset: Dataset, limit: int | None, seed: int, key: str) -> Dataset:
     """A seeded random subset of ``limit`` samples (in dataset order), or ``dataset`` when no limit applies.
 
     Random, not the first ``limit``: some datasets are stored sorted by class (BBC News), and a prefix would keep
     only the first classes.
+
+    Warns:
+        UserWarning: ``limit`` (the config's ``key``) is above the split's size: the whole split is used.
     """
+    if limit and limit > len(dataset):
+        warnings.warn(f"{key} {limit} is above the {len(dataset)} samples of its split: all {len(dataset)} are used",
+                      stacklevel=2)
     if not limit or limit >= len(dataset):
         return dataset
     keep = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:limit].sort().values
@@ -267,8 +273,8 @@ def build_task(cfg: Config) -> Task:
     return Task(
         name=cfg.task,
         model=model,
-        train_set=_limit(train_set, cfg.data.limit_train, cfg.data.split_seed),
-        test_set=_limit(test_set, cfg.data.limit_test, cfg.data.split_seed + 1),
+        train_set=_limit(train_set, cfg.data.limit_train, cfg.data.split_seed, "data.limit_train"),
+        test_set=_limit(test_set, cfg.data.limit_test, cfg.data.split_seed + 1, "data.limit_test"),
         num_classes=len(classes),
         model_name=model_name,
         forward=forward,

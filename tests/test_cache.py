@@ -457,6 +457,44 @@ def test_changed_prefix_weights_and_thaws_invalidate_entries():
         runner.forward(batch, depth=3)
 
 
+def test_a_cast_prefix_invalidates_its_entries_and_a_forward_under_another_autocast_runs_the_full_model():
+    # Module.to(dtype) changes no tensor version: the float32 entries were served to the float64 model (a raw dtype
+    # error on a fully cached batch). Entries filled under bfloat16 autocast were served to a float32 evaluation (up
+    # to 9.5e-4 off on a half-cached batch, in silence; a raw dtype error on a fully cached one).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))  # no buffers
+    freezer = frozen(model, 2)
+    batch = collate(Blobs(8), range(8))
+    runner = CachedPrefix(model, freezer.blocks, freezer=freezer)
+    runner.forward(batch)
+    model.to(torch.float64)
+    batch64 = {**batch, "pixel_values": batch["pixel_values"].double()}
+    assert torch.equal(runner.forward(batch64), model(batch64["pixel_values"]))
+    assert runner.invalidations == 8 and runner.prefix_samples == 16
+
+    model = mlp().eval()
+    freezer = frozen(model, 3)
+
+    model = mlp().eval()
+    freezer = frozen(model, 3)
+    runner = CachedPrefix(model, freezer.blocks, freezer=freezer)
+    data = Blobs(16)
+    batch, rest = collate(data, range(8)), collate(data, range(8, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        runner.forward(batch)  # samples 0..7 cached in bfloat16 precision
+    assert runner.precision == (True, torch.bfloat16)
+    mixed = collate(data, [*range(4), *range(8, 12)])  # 4 cached samples, 4 new
+    with pytest.warns(UserWarning, match="this forward runs without autocast, but the cache was filled under autocast "
+                                         "torch.bfloat16"):
+        assert torch.equal(runner.forward(mixed), model(mixed["pixel_values"]))
+    assert torch.equal(runner.forward(batch), model(batch["pixel_values"]))  # every sample cached
+    assert runner.full_forwards == 2 and runner.cache.hits == 0 and runner.prefix_samples == 8
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        runner.forward(rest)
+        runner.forward(batch)  # still served under the precision it was filled under
+    assert runner.cache.hits == 8
+
+
 def test_auto_budget_is_a_quarter_of_the_available_host_memory(monkeypatch):
     from types import SimpleNamespace
 

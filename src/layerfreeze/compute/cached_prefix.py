@@ -15,7 +15,11 @@ Correctness rules (each one guards against reusing a stale value silently):
   :class:`CacheRefused` (or, with ``fallback=True``, the cache turns itself off and the full forward runs).
 * A prefix module that is stochastic in its current mode -> :class:`CacheRefused` (or fallback).
 * A prefix block whose parameters or buffers were modified in place since they were cached (``Tensor._version``
-  changed: an optimizer step after a thaw, ``load_state_dict``) invalidates every entry that went through it.
+  changed: an optimizer step after a thaw, ``load_state_dict``), or cast or moved (``model.to(torch.float64)``, which
+  changes no version), invalidates every entry that went through it.
+* The cache serves the precision it was filled under: the autocast state (on or off, and its dtype) of its first
+  forward. A forward under another one (a float32 evaluation after bfloat16 mixed-precision training) runs the full
+  forward, with a warning the first time: the stored states were rounded to the other precision.
 * A thaw (shallower depth) drops entries deeper than the new boundary.
 * A shard file whose size, SHA-256 or per-entry CRC-32 does not match the index is dropped with a warning
   (``corrupt_shards``) and its entries are recomputed, never returned (:mod:`layerfreeze.compute.store`).
@@ -54,11 +58,18 @@ from layerfreeze.runs.ledger_buckets import Bucket
 __all__ = ["CachedPrefix", "FrozenPrefixSource", "sample_indices"]
 
 
-def _signature(block: Block) -> tuple[tuple[int, int], ...]:
-    """``(id, version)`` of the block's parameters and buffers (those held outside its modules, such as a class
-    token, included): changes when any is modified in place or replaced."""
+def _signature(block: Block) -> tuple[tuple[Any, ...], ...]:
+    """``(id, version, dtype, device)`` of the block's parameters and buffers (those held outside its modules, such as a
+    class token, included): changes when any is modified in place, replaced, cast or moved (``Module.to`` changes no
+    version)."""
     tensors = [t for _, module in block.modules for t in (*module.parameters(), *module.buffers())]
-    return tuple((id(t), t._version) for t in (*tensors, *(p for _, p in block.params)))
+    return tuple((id(t), t._version, t.dtype, t.device) for t in (*tensors, *(p for _, p in block.params)))
+
+
+def precision_key(device: torch.device) -> tuple[bool, torch.dtype | None]:
+    """The autocast state a forward on ``device`` runs under: ``(enabled, dtype)`` (dtype None when off)."""
+    enabled = torch.is_autocast_enabled(device.type)
+    return enabled, (torch.get_autocast_dtype(device.type) if enabled else None)
 
 
 class FrozenPrefixSource(Protocol):
@@ -203,7 +214,11 @@ class CachedPrefix:
         self._cost: dict[int, float] = {}  # depth -> measured seconds per sample to compute blocks 0..depth-1
         self._fingerprints: dict[int, torch.Tensor] = {}
         self._print_bytes = 0  # bytes of the fingerprints (each its own storage)
-        self._signatures: dict[int, tuple[tuple[int, int], ...]] = {}
+        self._signatures: dict[int, tuple[tuple[Any, ...], ...]] = {}
+        #: The autocast state the cache was filled under (:func:`precision_key`; None until its first forward): a
+        #: forward under another one runs the full forward.
+        self.precision: tuple[bool, torch.dtype | None] | None = None
+        self._precision_warned = False
         #: FSDP2 over several ranks: every call is agreed on by all ranks (see the class docstring).
         self.sharded = bool(fsdp_modules(model)) and comm.is_distributed()
         self._warm = not self.sharded
@@ -257,6 +272,9 @@ class CachedPrefix:
             if not self.fallback:
                 raise ValueError(why)
             self._turn_off(why)
+            self.full_forwards += 1
+            return self.split.full(self.model, batch)
+        if not self._same_precision(batch):
             self.full_forwards += 1
             return self.split.full(self.model, batch)
         if not self._warm:
@@ -315,6 +333,26 @@ class CachedPrefix:
         TypeError and ValueError); on the first call, its input key is found if the family lets it be named."""
         self.split = resolve_input_key(self.split, self.model, self.blocks, batch, find=self._find_input_key)
         self._find_input_key = False  # found (or the default one is there): a refused batch keeps the search on
+
+    def _same_precision(self, batch: dict[str, Any]) -> bool:
+        """Whether this forward runs under the autocast state the cache was filled under (the first one is taken);
+        warns the first time it does not: its stored states were computed, and rounded, in the other precision."""
+        first = batch[self.split.input_keys[0]]
+        key = precision_key(first.device if isinstance(first, torch.Tensor) else torch.device("cpu"))
+        if self.precision is None:
+            self.precision = key
+        if key == self.precision:
+            return True
+        if not self._precision_warned:
+            self._precision_warned = True
+            said = {False: "without autocast"}
+            warnings.warn(f"activation cache: this forward runs {said.get(key[0], f'under autocast {key[1]}')}, but "
+                          f"the cache was filled {said.get(self.precision[0], f'under autocast {self.precision[1]}')}; "
+                          "its states are not this forward's, so such forwards run the full model (the cache still "
+                          "serves the precision it was filled under). Run every forward through the cache under one "
+                          "precision (the training's autocast), or evaluate with the model's own forward",
+                          stacklevel=3)
+        return False
 
     def _check_prefix(self, depth: int) -> None:
         if self.freezer is not None:

@@ -635,3 +635,22 @@ def test_what_the_user_set_trainable_since_an_earlier_freezer_is_what_trains():
             freezer.freeze(unfrozen if unfrozen != "head" else "l2")
             freezer.thaw(unfrozen if unfrozen != "head" else "l2")
             assert _trainable(model) == trains
+
+
+def test_a_stage_never_leaves_nothing_to_train_and_a_hand_freeze_that_does_warns():
+    # peft's LoRA freezes the head: a strategy that froze every block before it left nothing training, and the next
+    # loss.backward() raised torch's "element 0 of tensors does not require grad" in the middle of the run
+    model = net()
+    model[4].requires_grad_(False)  # the head holds nothing to train
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before = model[2].weight.detach().clone()
+    with pytest.warns(UserWarning, match="strategy 'static' asked to freeze 2, which would have left nothing to train"):
+        freezer = Freezer(model, optimizer, "static", {"k": 2})
+    with freezer:
+        assert freezer.frozen == [True, False, False]
+        train(model, optimizer, freezer, 3)
+        assert not torch.equal(model[2].weight, before)
+        with pytest.warns(UserWarning, match="freezing block '2' left no trainable parameter in the blocks not frozen: "
+                                             "nothing trains"):
+            assert freezer.freeze(1)
+        assert freezer.thaw(1)

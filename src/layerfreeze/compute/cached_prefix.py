@@ -67,8 +67,12 @@ def _signature(block: Block) -> tuple[tuple[Any, ...], ...]:
 
 
 def precision_key(device: torch.device) -> tuple[bool, torch.dtype | None]:
-    """The autocast state a forward on ``device`` runs under: ``(enabled, dtype)`` (dtype None when off)."""
-    enabled = torch.is_autocast_enabled(device.type)
+    """The autocast state a forward on ``device`` runs under: ``(enabled, dtype)`` (dtype None when off; off on a
+    device type autocast does not know, such as ``meta``)."""
+    try:
+        enabled = torch.is_autocast_enabled(device.type)
+    except RuntimeError:  # "unknown device type for autocast"
+        return False, None
     return enabled, (torch.get_autocast_dtype(device.type) if enabled else None)
 
 

@@ -40,7 +40,7 @@ from layerfreeze.engine.arguments import resolve
 from layerfreeze.engine.attach import attach_optimizer
 from layerfreeze.engine.demote import Demoter, build_demoter
 from layerfreeze.engine.demotion import Demotion
-from layerfreeze.engine.freezing import freeze_block, refreeze, thaw_asked
+from layerfreeze.engine.freezing import freeze_block, refreeze, thaw_asked, warn_if_nothing_trains
 from layerfreeze.engine.grad_signal import GradientSums
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
@@ -205,6 +205,8 @@ class Freezer:
         self._lr_written: dict[int, tuple[float, float]] = {}  # group -> (unscaled lr, lr we wrote)
         self._floor: set[int] = set()
         self._refused: set[int] = set()  # floor blocks whose thaw a strategy asked for (warned once each)
+        self._in_stage = False  # stages.stage is applying a decision
+        self._kept: set[int] = set()  # blocks a stage kept training, or nothing would have trained (warned once each)
         self.closed = False  # close() ran: freeze, thaw and the loop hooks are refused from then on
         self.distributed = comm.is_distributed() if distributed is None else bool(distributed)
         if self.distributed and not comm.is_distributed():
@@ -289,7 +291,11 @@ class Freezer:
             RuntimeError: after :meth:`close`.
         """
         self._check_open("freeze")
-        return freeze_block(self, self.block(key), reason)
+        block = self.block(key)
+        froze = freeze_block(self, block, reason)
+        if froze and not self._in_stage:  # a stage half applied may train nothing for now (stages.keep_one_training)
+            warn_if_nothing_trains(self, block)
+        return froze
 
     def pin(self, keys: Sequence[int | str], reason: str = FLOOR_REASON) -> list[int]:
         """Add blocks to the floor: freeze them now (those not frozen yet) and keep them frozen.

@@ -78,13 +78,21 @@ def freeze_block(freezer: Freezer, block: Block, reason: str) -> bool:
         elif freezer.demoter.is_demoted(block.index):
             extra["demoted"] = freezer.demoter.spec.dtype
     record(freezer, "freeze", block, reason, **extra)
-    if all(freezer.frozen):
-        # no strategy freezes the head; a manual freeze can, and then the next loss.backward() raises torch's
-        # "element 0 of tensors does not require grad", far from its cause; stacklevel 3: this function,
-        # Freezer.freeze, its caller
-        warnings.warn(f"freezing block {block.name!r} left every block frozen: nothing trains, and "
-                      "loss.backward() raises; thaw a block (freezer.thaw(key)) before the next step", stacklevel=3)
     return True
+
+
+def warn_if_nothing_trains(freezer: Freezer, block: Block) -> None:
+    """Warn when freezing ``block`` by hand (:meth:`Freezer.freeze <layerfreeze.engine.freezer.Freezer.freeze>`)
+    left no parameter of the model training: the next ``loss.backward()`` raises torch's "element 0 of tensors does
+    not require grad", far from its cause. No strategy freezes the head, and a stage never leaves nothing to train
+    (:func:`~layerfreeze.engine.stages.keep_one_training`); a hand freeze can: of the head, or of the last block with
+    trainable parameters when the others hold none (peft's LoRA froze the base and the head)."""
+    if any(p.requires_grad for p in freezer.model.parameters()):
+        return
+    why = "every block frozen" if all(freezer.frozen) else "no trainable parameter in the blocks not frozen"
+    # stacklevel 3: this function, Freezer.freeze, its caller
+    warnings.warn(f"freezing block {block.name!r} left {why}: nothing trains, and loss.backward() raises; thaw a "
+                  "block (freezer.thaw(key)) before the next step", stacklevel=3)
 
 
 def thaw_block(freezer: Freezer, block: Block) -> bool:

@@ -32,6 +32,7 @@ from torch import nn
 
 from layerfreeze.distributed import comm
 from layerfreeze.engine.lr_factors import apply_lr_scales, block_lrs, set_lr_scales
+from layerfreeze.engine.mechanics import frozen_parameters
 from layerfreeze.errors import StrategyError
 from layerfreeze.strategies import Decision, StageContext, Strategy
 from layerfreeze.strategies.base import BlockView
@@ -133,11 +134,15 @@ def stage(freezer: Freezer, event: str) -> Decision:
         decision = share_decision(freezer.strategy, decision, error)
     freezer._grad_sums.reset()
     freezer._backward_calls = 0
-    for i in decision.freeze:
-        if freezer.freeze(i, reason=decision.reason or freezer.strategy.name) and freezer.guard is not None:
-            freezer.guard.on_freeze(i)
-    for i in decision.thaw:
-        freezer.thaw(i, lr=decision.thaw_lr.get(i), reason=decision.reason or freezer.strategy.name)
+    freezer._in_stage = True  # Freezer.freeze's "nothing trains" would see the decision half applied
+    try:
+        for i in decision.freeze:
+            if freezer.freeze(i, reason=decision.reason or freezer.strategy.name) and freezer.guard is not None:
+                freezer.guard.on_freeze(i)
+        for i in decision.thaw:
+            freezer.thaw(i, lr=decision.thaw_lr.get(i), reason=decision.reason or freezer.strategy.name)
+    finally:
+        freezer._in_stage = False
     set_lr_scales(freezer._lr_scale, decision.lr_scale, freezer.optimizer, freezer._origin, freezer.blocks)
     return decision
 
@@ -204,6 +209,7 @@ def _admissible(freezer: Freezer, decision: Decision) -> Decision:
                 "freezes the blocks before it (Block.is_head, StageContext.blocks[i].is_head)")
     if freezer.guard is not None:
         decision.freeze = [i for i in decision.freeze if not freezer.guard.blocks_freeze(i)]
+    keep_one_training(freezer, decision)
     refused = [i for i in decision.thaw if i in freezer._floor]
     if refused:
         decision.thaw = [i for i in decision.thaw if i not in freezer._floor]
@@ -217,6 +223,45 @@ def _admissible(freezer: Freezer, decision: Decision) -> Decision:
                           f"{', '.join(freezer.blocks[i].name for i in new)}, in the Freezer's floor "
                           f"({FLOOR_REASON}): they stay frozen", stacklevel=5)
     return decision
+
+
+def keep_one_training(freezer: Freezer, decision: Decision) -> None:
+    """Drop from ``decision.freeze`` the deepest block that trains now when the decision would leave no parameter of
+    the model training (warned once per block): then the next ``loss.backward()`` raised torch's "element 0 of tensors
+    does not require grad" in the middle of the run. Strategies never freeze the head, but a head with nothing to train
+    (peft's LoRA freezes the base model and the head: only the adapters in the blocks train) leaves the last block with
+    adapters as the only one that trains. A decision that leaves something training is left as it is."""
+    if not decision.freeze:
+        return
+    frozen = list(freezer.frozen)
+    for i in decision.freeze:
+        frozen[i] = True
+    for i in decision.thaw:
+        frozen[i] = False
+    of = freezer._params.of
+    for block in reversed(freezer.blocks):  # the head first: it trains in almost every model
+        i = block.index
+        if not frozen[i] and not freezer.frozen[i]:  # trainable now and after
+            if any(p.requires_grad for p in of(i)):
+                return
+        elif not frozen[i]:  # thawed by the decision: what a thaw makes trainable (mechanics.resume_training)
+            if any(id(p) not in freezer._frozen_before for p in frozen_parameters(block, freezer.train_bn)):
+                return
+        elif freezer.train_bn and any(p.requires_grad and id(p) not in keep for p in of(i)
+                                      for keep in [{id(q) for q in frozen_parameters(block, True)}]):
+            return  # BatchNorm layers of a frozen block keep training (train_bn)
+    training = [i for i in decision.freeze if not freezer.frozen[i] and any(p.requires_grad for p in of(i))]
+    if not training:
+        return
+    kept = max(training)
+    decision.freeze = [i for i in decision.freeze if i != kept]
+    if kept not in freezer._kept:
+        freezer._kept.add(kept)
+        # stacklevel 5: this function, _admissible, stage(), start() / steps.step() / steps.epoch_end(), the Freezer
+        warnings.warn(f"strategy {freezer.strategy.name!r} asked to freeze {freezer.blocks[kept].name}, which would "
+                      "have left nothing to train: the blocks it leaves trainable hold no trainable parameter (peft's "
+                      f"LoRA froze the base model and the head?). {freezer.blocks[kept].name} keeps training",
+                      stacklevel=6)
 
 
 def _check_decision(freezer: Freezer, decision: Any) -> None:

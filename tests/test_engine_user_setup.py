@@ -654,3 +654,25 @@ def test_a_stage_never_leaves_nothing_to_train_and_a_hand_freeze_that_does_warns
                                              "nothing trains"):
             assert freezer.freeze(1)
         assert freezer.thaw(1)
+
+
+def test_a_parameter_frozen_by_hand_mid_run_stays_frozen_through_thaws_and_a_resume():
+    # a rotating strategy's switch-on (a thaw) made a bias the user had frozen by hand mid-run train again, in silence
+    model = net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Freezer(model, optimizer, "none") as freezer:
+        train(model, optimizer, freezer, 1)
+        model[2].bias.requires_grad_(False)  # by hand, while its block trains
+        assert freezer.freeze(1) and freezer.thaw(1)
+        assert [p.requires_grad for p in model.parameters()] == [True, True, True, False, True, True]
+        kept = model[2].bias.detach().clone()
+        train(model, optimizer, freezer, 2)
+        assert torch.equal(model[2].bias, kept)
+        assert freezer.freeze(1)
+        state = freezer.state_dict()
+    resumed = net()  # the resumed script starts past the hand freeze
+    optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    with Freezer(resumed, optimizer, "none") as freezer:
+        freezer.load_state_dict(state)
+        assert freezer.thaw(1)
+        assert [p.requires_grad for p in resumed.parameters()] == [True, True, True, False, True, True]

@@ -327,7 +327,9 @@ class Freezer:
     def thaw(self, key: int | str, lr: float | None = None, reason: str = "manual") -> bool:
         """Thaw one block: it trains again, back in the param groups it came from. What was set before the Freezer
         was built comes back as it was: a parameter frozen then (the user's own frozen layer, peft's base weights)
-        stays frozen, and a parameter the optimizer did not hold is not added to it.
+        stays frozen, and a parameter the optimizer did not hold is not added to it. So does one frozen by hand since
+        (``requires_grad_(False)``) while its block trained, in the checkpoint too; one frozen by hand while its
+        block was frozen cannot be told from the freeze (``requires_grad`` was off already) and trains after a thaw.
 
         Args:
             key: Block index or name.

@@ -35,7 +35,7 @@ from torch import nn
 
 from layerfreeze.engine.integrity import UnfrozenParameterError
 from layerfreeze.engine.lr_factors import check_block_lr
-from layerfreeze.engine.mechanics import frozen_parameters, resume_training, set_eval_mode, stop_training
+from layerfreeze.engine.mechanics import FROZEN_MARK, frozen_parameters, resume_training, set_eval_mode, stop_training
 from layerfreeze.engine.optim import add_to_optimizer, remove_from_optimizer
 from layerfreeze.engine.sharding import sharded
 from layerfreeze.engine.stages import FLOOR_REASON
@@ -59,6 +59,9 @@ def freeze_block(freezer: Freezer, block: Block, reason: str) -> bool:
         return False
     sharded(freezer._fsdp)
     params = frozen_parameters(block, freezer.train_bn)
+    # frozen by the user since the Freezer was built (requires_grad_(False) by hand mid-run): the thaw leaves it
+    # frozen, as one frozen before (a rotating strategy's next thaw made it train again)
+    freezer._frozen_before.update(id(p) for p in params if not p.requires_grad and not getattr(p, FROZEN_MARK, False))
     stop_training(params, freezer._frozen_before)
     if freezer.optimizer is not None:
         freezer._origin.update(remove_from_optimizer(freezer.optimizer, params))

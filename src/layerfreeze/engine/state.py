@@ -55,6 +55,7 @@ def state_dict(freezer: Freezer, full: bool = False) -> dict[str, Any]:
         "frozen_checksums": freezer.integrity.state_dict(),
         "demote": freezer.demoter.spec.to_dict() if freezer.demoter is not None else None,
         "floor": freezer.floor,
+        "user_frozen": sorted(n for n, p in freezer.model.named_parameters() if id(p) in freezer._frozen_before),
     }
     if freezer.optimizer is not None:
         names = {id(p): n for n, p in _named(freezer).items()}
@@ -115,6 +116,7 @@ def load_state_dict(freezer: Freezer, state: dict[str, Any]) -> None:
                          "the same weights")
     sharded(freezer._fsdp)
     freezer._floor |= {int(i) for i in state.get("floor", [])}
+    _load_user_frozen(freezer, state.get("user_frozen", []))
     for block, frozen in zip(freezer.blocks, state["frozen"]):
         if (frozen or block.index in freezer._floor) and not freezer.frozen[block.index]:
             freezer.freeze(block.index, reason="resume")
@@ -148,6 +150,17 @@ def load_state_dict(freezer: Freezer, state: dict[str, Any]) -> None:
     if freezer.distributed:  # the stage cadence may come from the strategy's state (smartfrz): take rank 0's
         freezer.strategy.stage_every, freezer.strategy.at_epoch_end = comm.broadcast_object(
             (freezer.strategy.stage_every, freezer.strategy.at_epoch_end))
+
+
+def _load_user_frozen(freezer: Freezer, names: list[str]) -> None:
+    """What the user had frozen in the saved run (before its Freezer, or by hand since) stays frozen through this
+    one's thaws, and is frozen now: one frozen by hand in the middle of the run is not frozen again by the resumed
+    script, which starts past that point."""
+    params = dict(freezer.model.named_parameters())
+    for name in names:
+        if name in params:
+            freezer._frozen_before.add(id(params[name]))
+            params[name].requires_grad_(False)
 
 
 def _load_grad_sums(freezer: Freezer, state: dict[str, Any]) -> None:

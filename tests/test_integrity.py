@@ -85,6 +85,35 @@ def test_a_frozen_weight_that_moved_is_an_error_naming_the_block_and_no_checkpoi
     assert not (tmp_path / "moved" / "summary.json").exists()
 
 
+def test_frozen_weights_cast_after_the_freezer_was_built_get_their_checksum_again_and_checkpoints_go_on(tmp_path):
+    # model.to(torch.float64) after the Freezer (lossless): every later checkpoint was refused with "something updated
+    # it outside the optimizer", and the run could not be saved again
+    from layerfreeze import load_checkpoint, save_checkpoint
+
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Freezer(model, optimizer, "static", {"k": 2}) as freezer:
+        frozen = model[0].weight.detach().clone()
+        model.to(torch.float64)
+        with pytest.warns(UserWarning, match=r"frozen block '0': 0.bias, 0.weight were cast \(float32 -> float64\) "
+                                             r"since it froze \(a model.to\(dtype\) after the Freezer was built\)"):
+            freezer.verify_frozen_weights()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # taken again: said once
+            freezer.verify_frozen_weights()
+            save_checkpoint(tmp_path / "ck", model, optimizer, freezer)
+        assert torch.equal(model[0].weight, frozen.double())
+        with torch.no_grad():
+            model[2].bias[3] += 1e-3  # a value that moved is still an error
+        with pytest.raises(FrozenWeightsChangedError, match=r"frozen block '2' changed since it froze"):
+            freezer.verify_frozen_weights()
+    resumed = mlp().double()
+    optimizer = torch.optim.SGD(resumed.parameters(), lr=0.1)
+    with Freezer(resumed, optimizer, "static", {"k": 2}) as freezer:
+        load_checkpoint(tmp_path / "ck", resumed, optimizer, freezer)
+        assert torch.equal(resumed[0].weight, frozen.double())
+
+
 class Detach(nn.Module):
     def forward(self, x):
         return x.detach()

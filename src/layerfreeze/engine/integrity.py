@@ -161,6 +161,7 @@ class FrozenSet:
         self.gather = gather
         self.params: dict[int, dict[str, nn.Parameter]] = {}  # block index -> name -> the frozen object
         self.checksums: dict[int, dict[str, str]] = {}
+        self.dtypes: dict[int, dict[str, torch.dtype]] = {}  # block index -> name -> dtype its checksum was taken in
         self.gradients_pending = True  # check the next backward (the run starts with a new frozen set)
         self.switched_on: set[int] = set()  # blocks thawed since the last gradient check
         self.awaiting_update: dict[int, list[_Probe]] = {}  # thawed blocks with gradients, until the next step
@@ -178,6 +179,7 @@ class FrozenSet:
         self._changes += 1
         self.params[index] = dict(named)
         self.checksums[index] = checksum(named, self.gather)
+        self.dtypes[index] = {n: t.dtype for n, t in named}
         self.gradients_pending = True
         self.switched_on.discard(index)
         self.awaiting_update.pop(index, None)
@@ -186,12 +188,14 @@ class FrozenSet:
         """Take the checksum of ``named`` (parameters that replaced others in frozen block ``index``) anew."""
         if index in self.checksums:
             self.checksums[index].update(checksum(named, self.gather))
+            self.dtypes.setdefault(index, {}).update((n, t.dtype) for n, t in named)
             self.params.setdefault(index, {}).update(named)
 
     def on_thaw(self, index: int) -> None:
         self._changes += 1
         self.params.pop(index, None)
         self.checksums.pop(index, None)
+        self.dtypes.pop(index, None)
         self.gradients_pending = True
         self.switched_on.add(index)
 
@@ -262,14 +266,20 @@ class FrozenSet:
     def verify_checksums(self, freezer: Any) -> None:
         """Compare every frozen block's weights with their checksum from freeze time (bitwise).
 
+        A weight cast to another dtype since its block froze (``model.to(torch.float64)`` after the Freezer was built:
+        the bytes differ, whatever the values) gets its checksum taken again in the new dtype, with a warning.
+
         Raises:
             FrozenWeightsChangedError: naming the block and the parameters that moved.
         """
         for index, expected in self.checksums.items():
             block = freezer.blocks[index]
             kept = getattr(freezer, "kept_frozen_parameters", freezer.named_frozen_parameters)
-            now = checksum(kept(block), self.gather)
+            named = kept(block)
+            now = checksum(named, self.gather)
             moved = sorted(n for n in expected if now.get(n) != expected[n])
+            if moved:
+                moved = self._recast(block, named, now, moved)
             mismatched = getattr(freezer, "demotion_mismatches", lambda b: [])(block)
             if mismatched:
                 raise FrozenWeightsChangedError(
@@ -279,7 +289,27 @@ class FrozenSet:
                 raise FrozenWeightsChangedError(
                     f"frozen block {block.name!r} changed since it froze (parameters {', '.join(moved)}): something "
                     "updated it outside the optimizer (an in-place write, a loader, a second optimizer). Its "
-                    "checkpoint would not hold the weights that were trained against")
+                    "checkpoint would not hold the weights that were trained against. If you changed them on purpose "
+                    f"(loaded weights into it), thaw and freeze the block again (freezer.thaw({block.index}); "
+                    f"freezer.freeze({block.index})): its checksum is then taken from the new weights")
+
+    def _recast(self, block: Any, named: list[tuple[str, torch.Tensor]], now: dict[str, str],
+                moved: list[str]) -> list[str]:
+        """Of the ``moved`` weights of frozen ``block``, take those cast to another dtype since it froze as they are
+        now (their checksum ``now``), with a warning; returns the others (their values moved)."""
+        was = self.dtypes.get(block.index, {})
+        dtypes = {n: t.dtype for n, t in named}
+        cast = [n for n in moved if n in was and n in dtypes and dtypes[n] != was[n]]
+        if cast:
+            how = ", ".join(sorted({f"{str(was[n]).removeprefix('torch.')} -> {str(dtypes[n]).removeprefix('torch.')}"
+                                    for n in cast}))
+            self.checksums[block.index].update({n: now[n] for n in cast})
+            was.update({n: dtypes[n] for n in cast})
+            self._warn(f"frozen block {block.name!r}: {', '.join(cast)} were cast ({how}) since it froze (a "
+                       "model.to(dtype) after the Freezer was built); their checksum is taken again in the new dtype, "
+                       "so a cast that rounded them is not detected. Cast the model before building the Freezer",
+                       {"kind": "frozen_cast", "block": block.name, "parameters": cast})
+        return [n for n in moved if n not in cast]
 
     def check_gradients(self, freezer: Any) -> list[str]:
         """After the first backward since the frozen set changed: the trainable blocks that got no gradient.

@@ -449,6 +449,29 @@ def test_a_thaw_lr_follows_a_sequential_lr_schedule():
     assert lrs == [(0.7, 0.1), (0.35, 0.05), (0.35, 0.05), (0.35, 0.05)]
 
 
+def test_a_thaw_lr_under_reduce_lr_on_plateau_keeps_the_reductions_made_so_far():
+    # ReduceLROnPlateau keeps no base LR: after four halvings, thaw(lr=0.5) gave the block 0.5 itself, 40x the head's
+    # 0.0125 where LambdaLR's same halvings gave the 5x its base says; it survives a resume with the optimizer's state
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(block_param_groups(model, discover_blocks(model), lr=0.1))
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+    with Freezer(model, optimizer, "static", {"k": 2}, scheduler=scheduler) as freezer:
+        for step in range(5):
+            optimizer.step()
+            scheduler.step(1.0 + step)  # worse every time: halved from the second step on
+        assert optimizer.param_groups[2]["lr"] == 0.1 / 16
+        saved = optimizer.state_dict()
+        assert freezer.thaw(1, lr=0.5)
+        assert optimizer.param_groups[1]["lr"] == 0.5 / 16
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(block_param_groups(model, discover_blocks(model), lr=0.1))
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+    with Freezer(model, optimizer, "static", {"k": 2}, scheduler=scheduler) as freezer:
+        optimizer.load_state_dict(saved)  # the resumed run: its LRs are the reduced ones
+        assert freezer.thaw(1, lr=0.5)
+        assert optimizer.param_groups[1]["lr"] == 0.5 / 16
+
+
 def test_a_block_the_new_strategy_freezes_again_thaws_into_its_group_and_trains_in_training_mode():
     # the earlier Freezer's hooks stayed on a block the new start stage froze again: thawed later, it trained in eval
     # mode (BatchNorm statistics fixed, dropout off), in the weight-decay group, or (a deep copy) not at all

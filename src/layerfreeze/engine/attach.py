@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from layerfreeze.distributed.fsdp import check_optimizer_holds_sharded_parameters
-from layerfreeze.engine.lr_factors import apply_lr_scales, check_lr_scales, check_thaw_lrs
+from layerfreeze.engine.lr_factors import apply_lr_scales, check_lr_scales, check_thaw_lrs, keep_plateau_base
 from layerfreeze.engine.mechanics import frozen_parameters, not_optimized
 from layerfreeze.engine.optim import group_origin, remove_from_optimizer
 from layerfreeze.engine.sharding import sharded
@@ -51,6 +51,7 @@ def attach_optimizer(freezer: Freezer, optimizer: torch.optim.Optimizer, schedul
     freezer.optimizer = optimizer
     if scheduler is not None:
         freezer.scheduler = scheduler
+    keep_plateau_base(optimizer, freezer.scheduler)
     put_into(freezer, optimizer, origin)  # what an earlier Freezer left frozen and this one took back
     freezer._origin = origin
     freezer._not_optimized = not_optimized(freezer.model, origin)

@@ -18,10 +18,8 @@ What freezing and thawing a block do, and why each part matters: :mod:`layerfree
 
 A thawed block's learning rate may be given (discriminative LR; param groups of one block each,
 :func:`~layerfreeze.engine.optim.block_param_groups`). A **floor** (``Freezer(..., floor=plan.floor)``,
-:meth:`Freezer.pin`) is a set of blocks that must stay frozen: a memory budget's plan (:mod:`layerfreeze.budget`)
-freezes them before the first step, and from then on a strategy may freeze more but its thaws of them are dropped (a
-warning per block), the stability guard stops watching them, and :meth:`Freezer.thaw` refuses them
-(:class:`~layerfreeze.engine.freezing.PinnedBlockError`): a thaw past the floor would break the budget.
+:meth:`Freezer.pin`) is a set of blocks a memory budget's plan (:mod:`layerfreeze.budget`) keeps frozen from the
+first step: a thaw past it would break the budget.
 """
 
 from __future__ import annotations
@@ -44,7 +42,13 @@ from layerfreeze.engine.freezing import freeze_block, refreeze, thaw_asked, warn
 from layerfreeze.engine.grad_signal import GradientSums
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
-from layerfreeze.engine.lr_factors import apply_lr_scales, check_block_lr, check_thaw_lrs, set_block_lr
+from layerfreeze.engine.lr_factors import (
+    apply_lr_scales,
+    check_block_lr,
+    check_thaw_lrs,
+    keep_plateau_base,
+    set_block_lr,
+)
 from layerfreeze.engine.mechanics import (
     claim_model,
     frozen_before,
@@ -168,6 +172,7 @@ class Freezer:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
+        keep_plateau_base(optimizer, scheduler)
         self.train_bn = train_bn
         self.total_steps = run_length("total_steps", total_steps)
         self.steps_per_epoch = run_length("steps_per_epoch", steps_per_epoch)

@@ -88,14 +88,26 @@ def check_thaw_lrs(optimizer: torch.optim.Optimizer | None, origin: Mapping[int,
         check_block_lr(optimizer, origin, block, 1.0, f"the learning rate {strategy.name!r} gives a thawed block")
 
 
+def keep_plateau_base(optimizer: torch.optim.Optimizer | None, scheduler: Any) -> None:
+    """Under ``ReduceLROnPlateau``, which keeps no base LR, record each param group's LR now (before any reduction:
+    the Freezer is built after the scheduler, before the first step) as its ``initial_lr``, the base a thaw's ``lr``
+    scales (:func:`set_block_lr`): a thaw after reductions gave the block ``lr`` itself, ``2**k`` times its place in
+    the schedule after ``k`` halvings. ``initial_lr`` travels with the optimizer's state dict; another scheduler's
+    groups have it already."""
+    if optimizer is not None and isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+
+
 def set_block_lr(optimizer: torch.optim.Optimizer, origin: Mapping[int, int], block: Block, lr: float,
                  scheduler: Any, lr_written: dict[int, tuple[float, float]]) -> None:
     """Set the base LR of ``block``'s param groups (and the scheduler's), forgetting what a factor wrote there.
 
     ``lr`` is the base LR the schedule scales (:func:`~layerfreeze.engine.optim.set_group_lr`), as the scheduler's
     ``base_lrs``. Under OneCycleLR that is ``max_lr / div_factor`` (the LR it starts from): ``lr`` peaks at ``lr *
-    div_factor``, as the other groups' peaks are their ``initial_lr * div_factor``. ReduceLROnPlateau keeps no base
-    LR: there ``lr`` is the block's LR from now on, without the reductions made so far.
+    div_factor``, as the other groups' peaks are their ``initial_lr * div_factor``. Under ReduceLROnPlateau it is
+    the LR the group had when the Freezer got the scheduler (:func:`keep_plateau_base`): the reductions made so far
+    scale it too.
 
     Warns (UserWarning) when a group carries a scheduler's ``initial_lr`` but no ``scheduler`` was given: that
     scheduler's next step would set the group's LR back (pass ``scheduler=`` to the Freezer).

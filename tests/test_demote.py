@@ -628,18 +628,24 @@ def test_in_your_own_loop_the_cached_prefix_offloads_what_it_serves_and_trains_a
     assert losses == plain  # the same bfloat16 weights, wherever they are kept
 
 
-def test_a_deep_copy_of_a_model_with_demoted_blocks_is_refused_by_a_new_freezer():
+def test_a_deep_copy_of_a_model_with_demoted_blocks_is_refused_saying_what_to_copy():
     # the copy carried bfloat16 weights and the open Freezer's demotion hooks, whose master copies are the original's:
-    # a new Freezer trained it in bfloat16 and its state_dict() returned the original model's weights
+    # its forward raised a dtype error once the original closed, and its state_dict() returned the original's weights
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    weight = model[0].weight.detach().clone()
     with Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 1},
                  demote={"dtype": "bfloat16"}):
-        copied = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(copied.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"block\(s\) 0 are demoted by another Freezer .* after closing it"):
-        Freezer(copied, optimizer, "none")
-    assert copied[0].weight.dtype == torch.bfloat16 and len(optimizer.param_groups[0]["params"]) == 6  # untouched
+        assert model[0].weight.dtype == torch.bfloat16
+        with pytest.raises(TypeError, match=r"copy.deepcopy of a model whose Freezer holds demoted blocks .* copy "
+                                            r"model.state_dict\(\) \(it holds the float32 weights\)"):
+            copy.deepcopy(model)
+        snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    assert snapshot["0.weight"].dtype == torch.float32 and torch.equal(snapshot["0.weight"], weight)
+    copied = copy.deepcopy(model)  # closed: the float32 weights are back
+    assert copied[0].weight.dtype == torch.float32 and torch.equal(copied[0].weight, weight)
+    x = torch.randn(3, 4)
+    assert torch.equal(copied(x), model(x))
 
 
 def test_a_replaced_parameter_in_a_demoted_frozen_block_is_refused():

@@ -399,6 +399,33 @@ def test_a_deep_copy_of_a_frozen_model_trains_under_a_new_freezer():
     assert not model[0].weight.requires_grad  # the original stays as the first Freezer left it
 
 
+def test_a_copy_of_a_model_with_frozen_blocks_carries_what_it_froze_not_the_freezers_optimizer_or_strategy():
+    # the copy's hooks copied the whole Freezer: Egeria's worker thread made copy.deepcopy and AveragedModel (EMA)
+    # raise "cannot pickle '_queue.SimpleQueue'" once a block froze, and every copy held the optimizer's state again
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with Freezer(model, optimizer, "egeria", total_steps=20) as freezer:
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()  # Adam state for every parameter
+        assert freezer.freeze(0)
+        ema = torch.optim.swa_utils.AveragedModel(model)
+        copied = copy.deepcopy(model)
+        for each in (ema.module, copied):
+            owners = {id(h.__self__): h.__self__ for h in each[0]._forward_pre_hooks.values()}
+            (carried,) = owners.values()
+            assert carried is not freezer and carried.closed and carried.optimizer is None
+            assert carried.frozen == [True, False, False] and carried.model is each
+            each.train()
+            each(torch.randn(5, 4))
+            assert not each[0].training and each[2].training  # the copy's frozen block still runs in eval mode
+    with pytest.warns(UserWarning, match=r"block\(s\) 0 were left frozen by an earlier Freezer"):
+        with Freezer(copied, torch.optim.SGD(copied.parameters(), lr=0.1), "none") as again:
+            assert again.frozen == [False, False, False] and copied[0].weight.requires_grad
+
+
 def test_a_freezer_on_a_submodule_leaves_the_earlier_freezers_hold_on_the_rest():
     # taking over removed every hook of the earlier Freezer: the frozen stem outside the new model ran BatchNorm in
     # training mode and its running statistics drifted

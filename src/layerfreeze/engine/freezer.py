@@ -61,7 +61,7 @@ from layerfreeze.engine.optim import group_origin
 from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, prefix_since, report_metric, run_length, stage, start
-from layerfreeze.engine.takeover import adopt_origins, release_earlier, take_over
+from layerfreeze.engine.takeover import adopt_origins, copied, release_earlier, take_over
 from layerfreeze.engine.timing import StepTimes
 from layerfreeze.models.blocks import Block, block_by_key
 from layerfreeze.strategies import DEFAULT_STRATEGY, Decision, Strategy
@@ -444,16 +444,14 @@ class Freezer:
         refreeze(self, param, old)
 
     def verify_frozen_weights(self) -> None:
-        """Check every frozen block's weights against their checksum from freeze time (bitwise).
-
-        A parameter that replaced one of a frozen block since the last :meth:`step` is re-frozen first, with its own
-        checksum and a warning (:class:`~layerfreeze.engine.integrity.FrozenSet`), as :meth:`step` would.
+        """Check every frozen block's weights against their checksum from freeze time (bitwise). A parameter that
+        replaced one of a frozen block since the last :meth:`step` is re-frozen first, with its own checksum and a
+        warning (:class:`~layerfreeze.engine.integrity.FrozenSet`), as :meth:`step` would. Under FSDP2 every rank
+        calls it (it may reshard the model: :meth:`step`).
 
         Raises:
             FrozenWeightsChangedError: a frozen weight moved (the message names the block and parameter).
             UnfrozenParameterError: a replaced or unfrozen parameter, with ``on_unfrozen="error"``.
-
-        Under FSDP2 every rank calls it (it may reshard the model: :meth:`step`).
         """
         sharded(self._fsdp)
         self.integrity.check(self)  # a parameter replaced since the last step is re-frozen first, and named
@@ -476,9 +474,8 @@ class Freezer:
         steps.hook_optimizer(self)
 
     def close(self) -> None:
-        """Release what the strategy attached (hooks, background threads) and give demoted blocks their float32
-        weights back on the device (they stay frozen; :meth:`~layerfreeze.engine.demote.Demoter.close`). Idempotent.
-        """
+        """Release what the strategy attached (hooks, threads); demoted blocks get their float32 weights back on the
+        device and stay frozen (:meth:`~layerfreeze.engine.demote.Demoter.close`). Idempotent."""
         self.closed = True
         steps.release_gradients(self)
         if self.decides:
@@ -494,6 +491,10 @@ class Freezer:
         if self.closed:
             raise RuntimeError(f"Freezer.{what}() after close() (or after its `with` block): the strategy is detached "
                                "and demoted blocks are restored; build a new Freezer for more training")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Freezer:
+        """What a copied model carries of this Freezer: :func:`~layerfreeze.engine.takeover.copied`."""
+        return copied(self, memo)
 
     def __enter__(self) -> Freezer:
         return self

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from copy import deepcopy
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -42,6 +43,34 @@ def earlier_freezers(model: nn.Module, cls: type) -> list[Any]:
             if getattr(hook, "__func__", None) in own:
                 found[id(owner)] = owner
     return list(found.values())
+
+
+def copied(freezer: Freezer, memo: dict[int, Any]) -> Freezer:
+    """What a ``copy.deepcopy`` of a model (an EMA copy, ``torch.optim.swa_utils.AveragedModel``, a best-model
+    snapshot) carries of its Freezer, whose eval-mode hooks sit on its frozen blocks' modules: a closed Freezer over the
+    copy that knows only which blocks are frozen, what it may take over (the parameters' names, the user's frozen ones,
+    the param groups they came from) and keeps the copy's frozen blocks in eval mode. Not the optimizer and its state,
+    the strategy (Egeria's worker thread could not be copied: ``TypeError: cannot pickle '_queue.SimpleQueue'``) or
+    the checks: the copy carried the whole Freezer, twice the optimizer state in memory.
+
+    Raises:
+        TypeError: ``freezer`` holds demoted or offloaded blocks (``demote=``): the copy would get their low-precision
+            weights, with the demotion's hooks bound to this model's float32 master copies (its forward failed, its
+            ``state_dict()`` returned this model's weights). The message says what to copy instead.
+    """
+    if freezer.demoter is not None and any(freezer.demoter.manages(b.index) for b in freezer.blocks):
+        raise TypeError(
+            "copy.deepcopy of a model whose Freezer holds demoted blocks (demote=): the copy would hold their "
+            "low-precision weights, with hooks bound to this model's float32 master copies. For a snapshot of the "
+            "weights copy model.state_dict() (it holds the float32 weights); for a copy of the model, copy it before "
+            "building the Freezer or after closing it (close() gives the blocks their float32 weights back)")
+    copy = object.__new__(type(freezer))
+    memo[id(freezer)] = copy
+    copy.__dict__.update(
+        model=deepcopy(freezer.model, memo), blocks=deepcopy(freezer.blocks, memo), frozen=list(freezer.frozen),
+        train_bn=freezer.train_bn, _names=dict(freezer._names), _frozen_before=set(freezer._frozen_before),
+        _origin=dict(freezer._origin), optimizer=None, demoter=None, _hooks={}, _root_eval_hook=None, closed=True)
+    return copy
 
 
 def check_earlier(model: nn.Module, cls: type) -> list[Any]:

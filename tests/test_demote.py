@@ -660,3 +660,21 @@ def test_a_replaced_parameter_in_a_demoted_frozen_block_is_refused():
         model[0].weight = nn.Parameter(torch.randn(8, 4).to(torch.bfloat16))
         with pytest.raises(UnfrozenParameterError, match="demoted frozen block '0' was replaced"):
             freezer.verify_frozen_weights()
+
+
+def test_a_frozen_weight_beyond_float16s_range_keeps_its_block_in_float32_with_a_warning():
+    # cast to float16, a bias of 1e5 became inf, exactly the cast of its master copy, so no check saw it: the loss
+    # went NaN in the user's own loop
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[0].bias[0] = 1e5
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Freezer(model, optimizer, "none", demote={"dtype": "float16"}) as freezer:
+        with pytest.warns(UserWarning, match=r"demote: frozen block '0' stays in float32: its weights 0.bias exceed "
+                                             r"float16's range \(\+-65504\)"):
+            freezer.freeze(0)
+        assert model[0].bias.dtype == torch.float32 and not freezer.demoter.is_demoted(0)
+        assert freezer.history[-1]["demote_skipped"].startswith("its weights 0.bias exceed float16's range")
+        freezer.freeze(1)  # in range: demoted
+        assert model[1].weight.dtype == torch.float16

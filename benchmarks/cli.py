@@ -32,6 +32,23 @@ def count(minimum: int = 1) -> Callable[[str], int]:
     return parse
 
 
+def seed_list(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated seeds (``0,1,2``; ``0`` for one), each an integer >= 0 given once, as
+    every script's ``--seeds`` takes them; else argparse's one-line error (exit 2). Some scripts took a count of seeds
+    (``--seeds 3``: seeds 0, 1, 2) and others a list (the same ``--seeds 3``: seed 3 alone), in silence."""
+    given = [part.strip() for part in text.split(",") if part.strip()]
+    try:
+        values = [int(part) for part in given]
+    except ValueError:
+        values = []
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated seeds, integers >= 0 (0,1,2 for three)")
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"seed(s) {', '.join(map(str, twice))} given twice: give each once")
+    return values
+
+
 def names(choices: Sequence[str]) -> Callable[[str], list[str]]:
     """An argparse ``type``: comma-separated names, each one of ``choices`` (rows, tasks), as every script's
     ``--rows`` takes them; else argparse's one-line error (exit 2)."""

@@ -11,9 +11,9 @@ per device and its ratio demoted / plain. Bytes come from the memory ledger (``r
 on any machine; times are not reported.
 
     python -m benchmarks.demote_accuracy                         # the suite's three tasks, static and smartfrz, 3 seeds
-    python -m benchmarks.demote_accuracy --tasks default-job --seeds 1      # the default job (MiniLM-L6 / BBC News)
+    python -m benchmarks.demote_accuracy --tasks default-job --seeds 0      # the default job (MiniLM-L6 / BBC News)
     python -m benchmarks.demote_accuracy --offload cpu --device cuda        # offloaded too, bytes per device
-    python -m benchmarks.demote_accuracy --tasks fmnist-mobilenet --size tiny --seeds 1 --rows static   # seconds
+    python -m benchmarks.demote_accuracy --tasks fmnist-mobilenet --size tiny --seeds 0 --rows static   # seconds
 
 Tasks: the suite's (``benchmarks/suite.py`` TASKS, at SIZES; ``--size quick`` for QUICK_SIZES, ``--size tiny`` for
 3 steps, a check that the script runs) and ``default-job`` (``make demo``: the CLI's defaults). Writes
@@ -32,7 +32,7 @@ from typing import Any
 
 from rich.console import Console
 
-from benchmarks.cli import count, entry
+from benchmarks.cli import entry, seed_list
 from benchmarks.jobs import parse_jobs
 from benchmarks.memory_table import markdown, rich_table
 from benchmarks.memory_table import task_config as memory_task_config
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated: {', '.join(TASKS)}, default-job")
     parser.add_argument("--rows", default=",".join(ROWS), help="freezing strategies (each run plain and demoted)")
-    parser.add_argument("--seeds", type=count(1), default=3, help="seeds 0..N-1")
+    parser.add_argument("--seeds", type=seed_list, default=[0, 1, 2], help="comma-separated seeds (default 0,1,2)")
     parser.add_argument("--size", choices=("suite", "quick", "tiny"), default="suite",
                         help="the suite's SIZES, QUICK_SIZES, or 3 steps (tiny: a check that it runs)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="freeze.demote.dtype")
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     md = []
     for task in parse_jobs(args.tasks, (*TASKS, "default-job")):
         per_seed: list[dict[str, dict[str, Any]]] = []
-        for seed in range(args.seeds):
+        for seed in args.seeds:
             base, params, overrides = task_config(task, args.size, seed, args.threads)
             base = deep_merge(base, {"run": {"ledger": True, "ledger_every": 1}})
             if args.device:
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             (out / "results.json").write_text(json.dumps(results, indent=2))
         head, cells = table(results["tasks"][task]["rows"])
         title = (f"{task}: demoted ({args.dtype}" + (f", offload {args.offload}" if args.offload else "")
-                 + f") vs not, {args.seeds} seed(s)")
+                 + f") vs not, seed(s) {', '.join(map(str, args.seeds))}")
         console.print(rich_table(title, head, cells))
         md += [f"**{title}**", "", markdown(head, cells)]
     out.mkdir(parents=True, exist_ok=True)

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.cli import count, entry
+from benchmarks.cli import entry, seed_list
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = "tech"
@@ -477,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="reduced sizes, 1 seed (QUICK)")
     size.add_argument("--tiny", action="store_true", help="the test size: a tiny model, 40 articles per topic")
-    parser.add_argument("--seeds", type=count(1), help="seeds 0..N-1 (default: 3; 1 with --quick or --tiny)")
+    parser.add_argument("--seeds", type=seed_list,
+                        help="comma-separated seeds (default: 0,1,2; 0 with --quick or --tiny)")
     parser.add_argument("--out", default="runs/lm-finetune", help="results folder (its rows/ is replaced)")
     parser.add_argument("--cache", default="runs/lm-finetune-stage1", help="stage-one cache folder")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
@@ -498,10 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             update_section(Path(args.markdown), MARK_BEGIN, MARK_END, text, "## Language-model fine-tuning")
         return 0
     sizes = TINY if args.tiny else QUICK if args.quick else SIZES
-    if args.seeds is not None:
-        if args.seeds < 1:
-            parser.error(f"--seeds must be >= 1, got {args.seeds}")
-        sizes = replace(sizes, seeds=args.seeds)
+    seeds = args.seeds if args.seeds is not None else list(range(sizes.seeds))
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console(width=None if sys.stdout.isatty() else 200, soft_wrap=False)
@@ -520,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     pretrained = pretrained_perplexity(sizes, folder, data)
     log(f"held-out topic {HELD_OUT}: {len(train_texts)} articles to fine-tune on, {len(test_texts)} held out; "
         f"pretrained model's perplexity on them {pretrained:.2f}; {sizes.steps} steps per row")
-    per_seed = [run_seed(sizes, folder, data, out / "rows", seed, args.threads, console) for seed in range(sizes.seeds)]
+    per_seed = [run_seed(sizes, folder, data, out / "rows", seed, args.threads, console) for seed in seeds]
     table = aggregate(per_seed)
     text = markdown(table, pretrained)
     console.print(text, highlight=False, markup=False)

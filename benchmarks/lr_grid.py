@@ -42,7 +42,7 @@ from typing import Any
 from rich.console import Console
 
 from benchmarks import suite, suite_tasks  # the suite's task specs and base config: the same jobs
-from benchmarks.cli import entry
+from benchmarks.cli import entry, seed_list
 from layerfreeze.errors import PredictorError
 from layerfreeze.strategies import STRATEGIES, register_strategy
 from layerfreeze.strategies.smartfrz import load_predictor
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"from {', '.join(suite_tasks.TASKS)}")
     p.add_argument("--lrs", type=_csv(float), default=[0.3, 1.0, 3.0], help="learning-rate factors")
     p.add_argument("--epochs", type=_csv(int), default=[1, 2, 4])
-    p.add_argument("--seeds", type=_csv(int), default=[0, 1, 2])
+    p.add_argument("--seeds", type=seed_list, default=[0, 1, 2], help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--rows", type=_csv(str), default=DEFAULT_ROWS,
                    help=f"from {', '.join(ROWS)} (default {','.join(DEFAULT_ROWS)}; `none` always runs)")
     p.add_argument("--oracle", action="store_true", help="also the CKA oracle's freeze steps (one more none run)")

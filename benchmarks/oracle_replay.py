@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import suite, suite_tasks  # the suite's task specs and configs: the replay must run the same job
-from benchmarks.cli import entry
+from benchmarks.cli import entry, seed_list
 from layerfreeze.strategies import register_strategy
 from layerfreeze.strategies.base import Decision, StageContext, Strategy
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", help="a results.json written by benchmarks/suite.py (with its oracle records)")
     parser.add_argument("--task", required=True, choices=list(suite_tasks.TASKS))
-    parser.add_argument("--seeds", help="comma-separated seeds (default: every seed in the results)")
+    parser.add_argument("--seeds", type=seed_list, help="comma-separated seeds (default: every seed in the results)")
     parser.add_argument("--taus", default="0.9,0.95,0.98,0.99,0.995,0.998",
                         help="CKA thresholds for the computed FLOPs table")
     parser.add_argument("--train-taus", help="comma-separated CKA thresholds whose oracle schedules are trained, one "
@@ -148,9 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     taus = _taus(parser, "--taus", args.taus)
     train_taus: list[float | None] = [None] if args.train_taus is None else _taus(parser, "--train-taus",
                                                                                  args.train_taus)
-    seeds = [s for s in task["seeds"] if args.seeds is None or str(s["seed"]) in args.seeds.split(",")]
-    if not seeds:
-        parser.error(f"--seeds {args.seeds}: the results hold seeds {[s['seed'] for s in task['seeds']]}")
+    held = [s["seed"] for s in task["seeds"]]
+    if args.seeds is not None and set(args.seeds) - set(held):
+        parser.error(f"--seeds: the results hold seeds {', '.join(map(str, held))}, not "
+                     f"{', '.join(str(s) for s in args.seeds if s not in held)}")
+    seeds = [s for s in task["seeds"] if args.seeds is None or s["seed"] in args.seeds]
     console = Console(width=None if sys.stdout.isatty() else 160, soft_wrap=False)
 
     table = Table(title=f"{task['title']}: oracle FLOPs ratio by CKA threshold (computed, no cache)")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import memory_table, suite_tasks
-from benchmarks.cli import entry
+from benchmarks.cli import entry, seed_list
 from layerfreeze.train.config import build_config
 from layerfreeze.train.trainer import Trainer
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", default="bbc", help="comma-separated tasks: default-job (the CLI's defaults) "
                         "or suite tasks (benchmarks.suite_tasks.TASKS: bbc, fmnist-mobilenet, fmnist-resnet)")
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    parser.add_argument("--seeds", type=seed_list, default=[0, 1, 2], help="comma-separated seeds (default 0,1,2)")
     parser.add_argument("--precisions", default="32-true,bf16-mixed", help="comma-separated train.precision values")
     parser.add_argument("--compiles", default="false", help="comma-separated train.compile values (false, blocks, "
                         "true)")
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = [variant(p, c) for p, c in pairs]
     results: dict[str, Any] = {}
     for task in args.tasks.split(","):
-        for seed in (int(s) for s in args.seeds.split(",")):
+        for seed in args.seeds:
             for row in args.rows.split(","):
                 for precision, compile_mode in pairs:
                     got = run_one(task, seed, row, precision, compile_mode, out, args.quick, args.threads)

@@ -23,7 +23,7 @@ from pathlib import Path
 from rich.console import Console
 
 from benchmarks import suite, suite_tasks  # the suite's task specs and configs: the same jobs
-from benchmarks.cli import entry
+from benchmarks.cli import entry, seed_list
 from layerfreeze.strategies import register_strategy
 from layerfreeze.strategies.smartfrz.strategy import SmartFRZ
 
@@ -60,15 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", required=True, choices=list(suite_tasks.TASKS))
     parser.add_argument("--thresholds", required=True, help="comma-separated decision thresholds, one row each")
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    parser.add_argument("--seeds", type=seed_list, default=[0, 1, 2], help="comma-separated seeds (default 0,1,2)")
     parser.add_argument("--cache", action="store_true", help="freeze.cache.mode=auto for every row")
     parser.add_argument("--out", default="runs/smartfrz-threshold", help="run folders")
     args = parser.parse_args(argv)
     thresholds = parse_thresholds(parser, args.thresholds)
-    try:
-        seeds = [int(s) for s in args.seeds.split(",")]
-    except ValueError:
-        parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    seeds = args.seeds
     names = [row_name(t) for t in thresholds]
     for name in names:
         register_strategy(name)(threshold_strategy(name))

@@ -12,7 +12,7 @@ non-head blocks as a fraction of the run (never frozen = the end), and its FLOPs
 
     python -m benchmarks.suite                         # the whole suite (sizes: SIZES below), 3 seeds
     python -m benchmarks.suite --quick                 # a few minutes: tiny sizes, 1 seed; OUT/suite.md only
-    python -m benchmarks.suite --tasks bbc --seeds 1 --rows none,static,lora
+    python -m benchmarks.suite --tasks bbc --seeds 0 --rows none,static,lora
     python -m benchmarks.suite --from-json runs/bench-suite/results.json --markdown BENCHMARKS.md   # regenerate
     python -m benchmarks.suite --resume --tasks fmnist-resnet   # run only the seeds results.json lacks
 
@@ -39,7 +39,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.cli import count, entry
+from benchmarks.cli import entry, seed_list
 from benchmarks.jobs import parse_jobs
 from benchmarks.machine import machine, machine_line, versions
 from benchmarks.suite_tasks import (
@@ -544,9 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     from layerfreeze.train.compare import DEFAULT_ROWS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (QUICK_SIZES), 1 seed unless --seeds")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (QUICK_SIZES), seed 0 unless --seeds")
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {', '.join(TASKS)}")
-    parser.add_argument("--seeds", type=count(1), help="seeds 0..N-1 (default 3; 1 with --quick)")
+    parser.add_argument("--seeds", type=seed_list, help="comma-separated seeds (default 0,1,2; 0 with --quick)")
     parser.add_argument("--rows", help="comma-separated rows (default: every registered strategy and lora; none "
                         "is always run, first)")
     parser.add_argument("--out", default="runs/bench-suite", help="results folder (default runs/bench-suite)")
@@ -581,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown_rows:
         parser.error(f"unknown row(s) {', '.join(unknown_rows)} (known: {', '.join(sorted(STRATEGIES))}, lora)")
     rows = ["none"] + [r for r in rows if r != "none"]
-    seeds = list(range(args.seeds if args.seeds is not None else (1 if args.quick else 3)))
+    seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     out = Path(args.out)
     args_given = argv if argv is not None else sys.argv[1:]
     run_info = {"command": " ".join(["python", "-m", "benchmarks.suite", *args_given]),

@@ -30,11 +30,30 @@ def test_names_takes_comma_separated_choices():
         names(["none", "lisa", "badam"])("none,lisa,none")
 
 
+def test_every_benchmark_takes_its_seeds_as_one_comma_separated_list():
+    # three scripts read --seeds 3 as a count (seeds 0, 1, 2) and four as a list (seed 3 alone), in silence
+    import argparse
+    import importlib
+
+    from benchmarks.cli import seed_list
+
+    assert seed_list("3") == [3] and seed_list("0, 1,2") == [0, 1, 2]
+    for text in ("a", "", "1.5", "-2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="give comma-separated seeds, integers >= 0"):
+            seed_list(text)
+    for name in ("suite", "demote_accuracy", "lm_finetune", "lr_grid", "precision_compile", "smartfrz_threshold",
+                 "oracle_replay"):
+        source = importlib.util.find_spec(f"benchmarks.{name}").origin
+        text = open(source).read()
+        assert '"--seeds", type=seed_list' in text, name
+
+
 @pytest.mark.parametrize("module, args, message", [
     ("benchmarks.frozen_encoder", ["--epochs", "1"], "argument --epochs: 1 is below 2: give an integer >= 2"),
     ("benchmarks.checkpoint_cost", ["--repeats", "0"], "argument --repeats: 0 is below 1"),
     ("benchmarks.crash_resume", ["--steps", "0"], "argument --steps: 0 is below 2"),
-    ("benchmarks.suite", ["--seeds", "0"], "argument --seeds: 0 is below 1"),
+    ("benchmarks.suite", ["--seeds", "-1"], "argument --seeds: '-1': give comma-separated seeds, integers >= 0"),
+    ("benchmarks.suite", ["--seeds", "0,1,0"], "argument --seeds: seed(s) 0 given twice: give each once"),
     ("benchmarks.ddp_freeze", ["--rows", "none,lisaa"], "argument --rows: lisaa: give comma-separated names from "),
 ])
 def test_a_benchmark_refuses_a_count_before_it_trains(module, args, message, monkeypatch, capsys):

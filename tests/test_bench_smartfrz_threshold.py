@@ -44,7 +44,7 @@ def test_format_steps_lists_frozen_blocks_in_forward_order(sweep):
 @pytest.mark.parametrize(("argv", "message"), [
     (["--task", "bbc", "--thresholds", "0.9,x"], "comma-separated numbers"),
     (["--task", "bbc", "--thresholds", "0.9,1"], "probabilities in (0, 1)"),
-    (["--task", "bbc", "--thresholds", "0.9", "--seeds", "0,a"], "comma-separated integers"),
+    (["--task", "bbc", "--thresholds", "0.9", "--seeds", "0,a"], "give comma-separated seeds, integers >= 0"),
 ])
 def test_bad_arguments_are_parser_errors_before_training(sweep, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

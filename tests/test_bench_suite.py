@@ -188,7 +188,7 @@ def test_resume_keeps_the_stored_seeds_and_runs_only_missing_ones(suite, tmp_pat
     stored = _stored_for_resume(suite, ["none", "static", "lora"], [0, 1])
     (tmp_path / "results.json").write_text(json.dumps(stored))
     md = tmp_path / "BENCH.md"
-    assert suite.main(["--resume", "--out", str(tmp_path), "--tasks", "bbc", "--seeds", "2", "--rows",
+    assert suite.main(["--resume", "--out", str(tmp_path), "--tasks", "bbc", "--seeds", "0,1", "--rows",
                        "none,static,lora", "--markdown", str(md)]) == 0
     after = json.loads((tmp_path / "results.json").read_text())
     assert after["tasks"]["bbc"]["seeds"] == stored["tasks"]["bbc"]["seeds"]

@@ -340,7 +340,8 @@ class Freezer:
             ValueError: ``lr`` given but not finite and ``> 0``, or a target param group also holds other blocks'
                 parameters (build the optimizer with :func:`~layerfreeze.engine.optim.block_param_groups`), or the
                 optimizer holds none of the block's parameters; checked before anything changes.
-            ~layerfreeze.engine.freezing.PinnedBlockError: the block is in the floor (:meth:`pin`: a memory budget keeps it frozen).
+            ~layerfreeze.engine.freezing.PinnedBlockError: the block is in the floor (:meth:`pin`: a memory budget
+                keeps it frozen).
             RuntimeError: after :meth:`close`.
         """
         self._check_open("thaw")

@@ -64,6 +64,27 @@ def test_budgets_parse_as_sizes_or_fractions_of_nothing_frozen():
     assert issubclass(BudgetError, UserError)
 
 
+def test_a_budget_too_large_for_a_float_is_refused_in_one_line():
+    # "1e400GiB" overflowed to infinity and int() raised OverflowError: a traceback and exit code 1 on the CLI
+    for bad, says in [("1e400GiB", "memory budget '1e400GiB': 1e400 is too large a number (it overflows a float)"),
+                      ("1e306TiB", "memory budget '1e306TiB': too large a size (its bytes overflow a float)"),
+                      ("1e400", "1e400 is too large a number"), ("1e400%", "1e400 is too large a number")]:
+        with pytest.raises(BudgetError, match=re.escape(says)):
+            parse_budget(bad)
+    assert parse_budget("1e3GiB").bytes == 1000 * 2**30
+
+
+def test_cli_refuses_a_budget_too_large_for_a_float_with_exit_code_2(tmp_path, capsys):
+    # refused with the config, before any data loads
+    for args in (["plan", "--memory", "1e400GiB"], ["train", "--memory-budget", "1e400GiB"],
+                 ["train", "--set", "freeze.memory_budget=1e400GiB"]):
+        assert main([*args, "--task", "fashion-mnist", "--run-dir", str(tmp_path / "run")]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("layerfreeze: error: ") and len(err.strip().splitlines()) == 1, err
+        assert "memory budget '1e400GiB': 1e400 is too large a number" in err
+    assert not (tmp_path / "run").exists()
+
+
 # ---- measured bytes against bytes by hand, predictions against real frozen runs -------------------------------------
 
 

@@ -25,6 +25,7 @@ from layerfreeze.budget import (
     plan_memory,
     plan_prefix,
 )
+from layerfreeze.budget.plan import budget_at_least
 from layerfreeze.cli import main
 from layerfreeze.engine import PinnedBlockError
 from layerfreeze.runs.ledger import MemoryLedger
@@ -210,6 +211,22 @@ def test_the_plan_freezes_the_shortest_prefix_that_fits_and_names_the_smallest_p
     head, cells = plan.rows()
     assert head[0] == "k" and [c[-1] for c in cells] == ["no", "yes <-", "yes"]
     assert MemoryPlan.from_dict(json.loads(json.dumps(plan.to_dict()))).to_dict() == plan.to_dict()
+
+
+def test_the_no_fit_message_advises_a_budget_that_is_then_accepted():
+    # the advice was format_bytes of the smallest peak, rounded to the nearest: "at least 31.3 KiB" for 32076 bytes,
+    # and 31.3KiB (32051 bytes) was refused again
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    batch = (torch.randn(B, 8), torch.randint(0, 4, (B,)))
+    with pytest.raises(BudgetError) as err:
+        plan_memory(model, batch, "1KiB")
+    advice = re.search(r"Raise the budget to at least (.+?), or lower", str(err.value)).group(1)
+    assert err.value.smallest_bytes == 32076 and advice == "31.4KiB"  # 32153 bytes
+    plan = plan_memory(model, batch, advice)
+    assert plan.k == 2 and plan.budget_bytes == 32153 and plan.predicted_peak_bytes == 32076
+    assert [budget_at_least(n) for n in (1, 1023, 1024, 32076, 3 * 2**29, 3 * 2**29 + 1)] == [
+        "1B", "1023B", "1.00KiB", "31.4KiB", "1.50GiB", "1.51GiB"]
 
 
 def test_what_the_strategy_holds_counts_in_every_prefix_and_not_in_nones_peak():

@@ -55,7 +55,7 @@ from layerfreeze.runs.summary import format_bytes
 from layerfreeze.strategies import Strategy, create_strategy
 from layerfreeze.strategies.base import storage_bytes
 
-__all__ = ["MemoryPlan", "PrefixCost", "plan_memory", "plan_prefix"]
+__all__ = ["MemoryPlan", "PrefixCost", "budget_at_least", "plan_memory", "plan_prefix"]
 
 
 @dataclass
@@ -229,6 +229,24 @@ class MemoryPlan:
         return cls(**data)
 
 
+def budget_at_least(nbytes: int) -> str:
+    """``nbytes`` written as a budget that reads back (:func:`~layerfreeze.budget.parse.parse_budget`) as at least
+    ``nbytes``: :func:`~layerfreeze.runs.summary.format_bytes`'s figure rounded up, not to the nearest (``32076`` ->
+    ``"31.4KiB"``, where ``format_bytes`` says ``"31.3 KiB"``, 32051 bytes), or ``"512B"`` below a KiB."""
+    if nbytes < 1024:
+        return f"{nbytes}B"
+    unit, size = next((u, s) for u, s in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+                      if nbytes >= s)
+    decimals = 2 if nbytes / size < 10 else 1
+    step = 10**decimals
+    ticks = -(-nbytes * step // size)  # ceil(nbytes / size * step), in integers: no float rounding
+    while True:  # the parser multiplies in floats: one more step where that lands a byte short
+        text = f"{ticks / step:.{decimals}f}{unit}"
+        if parse_budget(text).bytes >= nbytes:  # type: ignore[operator]
+            return text
+        ticks += 1
+
+
 def plan_prefix(measured: BlockBytes, budget: str | int | float | Budget, *, cache_budget_bytes: int | None = None,
                 strategy_freezes: bool = True) -> MemoryPlan:
     """The shortest frozen prefix whose predicted tensor peak fits ``budget`` (module docstring: the prediction).
@@ -263,7 +281,7 @@ def plan_prefix(measured: BlockBytes, budget: str | int | float | Budget, *, cac
             f"frozen needs {format_bytes(none_peak)}"
             + (f" and the freezing strategy holds {format_bytes(best.buckets.get(Bucket.STRATEGY, 0))} more there "
                "(its own state: another strategy may hold less)" if best.buckets.get(Bucket.STRATEGY, 0) else "")
-            + f". Raise the budget to at least {format_bytes(best.least_bytes)}, or lower train.batch_size (saved "
+            + f". Raise the budget to at least {budget_at_least(best.least_bytes)}, or lower train.batch_size (saved "
             "activations scale with it)", smallest_bytes=best.least_bytes)
     chosen = fitting[0]
     return MemoryPlan(budget=str(parsed), budget_bytes=limit, none_peak_bytes=none_peak, k=chosen.k,

@@ -160,6 +160,48 @@ def test_every_prefix_predicted_against_the_ledger_of_a_real_step_with_it_frozen
             p.requires_grad_(True)
 
 
+def _ending_in(act):
+    """Blocks that end in an activation: ReLU and Tanh save their output, which the next block's Linear saves too."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Sequential(nn.Linear(8, 16), act()), nn.Sequential(nn.Linear(16, 16), act()),
+                         nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, nn.Tanh, nn.GELU])
+def test_a_prefix_ending_in_an_activation_that_saves_its_output_keeps_it_for_the_next_block(act):
+    """A ReLU or Tanh at a block's end saves its output, the next block's Linear saves the same storage as its input,
+    and the ledger counts it for the first: a frozen prefix does not give it back (the first trainable block still
+    saves it). The plan subtracted it, predicted the prefix's output too little, and the run went over its budget.
+    GELU saves its input instead: nothing shared."""
+    measured = measure_blocks(_ending_in(act), _batch(), loss=_loss)
+    out = B * 16 * F32  # one block's output
+    if act is nn.GELU:  # Linear's input and GELU's input (the Linear's output) per block; the head's input
+        assert measured.blocks["activations"] == [B * 8 * F32 + out, 2 * out, out]
+        assert measured.activations_shared == [0, 0, 0]
+    else:  # Linear's input and the activation's output per block; the head's input is block 1's output
+        assert measured.blocks["activations"] == [B * 8 * F32 + out, out, 0]
+        assert measured.activations_shared == [0, out, out]
+    assert measured.returned(1)["activations"] == B * 8 * F32 + (out if act is nn.GELU else 0)
+    assert measured.returned(2)["activations"] == B * 8 * F32 + (3 * out if act is nn.GELU else out)
+    model = _ending_in(act)
+    for k in range(measured.max_prefix + 1):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with Freezer(model, optimizer, "none", floor=list(range(k))) as freezer, \
+                MemoryLedger(model, optimizer, freezer=freezer) as ledger:
+            for _ in range(2):
+                with ledger.step():
+                    _loss(model, _batch()).backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        assert measured.model_bytes(k) == ledger.last.tensor_bytes, k  # exact: no prefix goes over its prediction
+        assert measured.model_buckets(k)["activations"] == ledger.last.buckets["activations"], k
+        for p in model.parameters():
+            p.requires_grad_(True)
+    plan = plan_prefix(measured, measured.model_bytes(1))
+    assert plan.k == 1 and plan.predicted_peak_bytes == measured.model_bytes(1)
+    assert BlockBytes.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
+
+
 def test_measuring_leaves_the_model_its_optimizer_and_the_rng_as_they_were():
     task = blob_task()
     model = task.model

@@ -97,6 +97,10 @@ class BlockBytes:
         devices: ``{device: {bucket: bytes}}`` of the measured step.
         tensor_bytes: Its tensor total: ``none``'s tensor peak on this batch.
         activations_outside: Saved-activation bytes of no block (the loss, ops after the last block).
+        activations_shared: Per block ``k``, the saved-activation bytes counted for blocks before ``k`` that block
+            ``k`` or a later one saves too (the ledger's
+            :attr:`~layerfreeze.runs.ledger_records.LedgerSnapshot.activations_shared`): a frozen prefix of ``k``
+            blocks does not give them back. Empty (read as zeros) in a measurement written before it existed.
         batch_size: Samples in the measured batch.
         steps: Steps run; the one with the largest tensor total is kept.
         allocator: On CUDA, the caching allocator's figures at the kept step (``peak_allocated``, ...).
@@ -114,6 +118,7 @@ class BlockBytes:
     steps: int
     allocator: dict[str, dict[str, int]] = field(default_factory=dict)
     cache: CacheBytes | None = None
+    activations_shared: list[int] = field(default_factory=list)
 
     @property
     def max_prefix(self) -> int:
@@ -122,10 +127,15 @@ class BlockBytes:
 
     def returned(self, k: int) -> dict[str, int]:
         """``{bucket: bytes}`` a frozen prefix of ``k`` blocks gives back (:data:`RETURNED`): its gradients, its
-        optimizer state and its saved activations (the first trainable block still saves its input, the prefix's
-        output, and counts it: the ledger gives a tensor to the block whose modules saved it); and, where
-        :attr:`blocks` has a ``strategy`` list, what the strategy holds per block (AutoFreeze's gradient sums)."""
-        return {b: sum(self.blocks[b][:k]) for b in (*RETURNED, Bucket.STRATEGY) if b in self.blocks}
+        optimizer state and its saved activations but for those the blocks from ``k`` on save too
+        (:attr:`activations_shared`: the prefix's output, where its last block's ReLU saved it and the first trainable
+        block's Linear saves it as its input; the ledger counts a storage once, for the first block that saved it);
+        and, where :attr:`blocks` has a ``strategy`` list, what the strategy holds per block (AutoFreeze's gradient
+        sums)."""
+        out = {b: sum(self.blocks[b][:k]) for b in (*RETURNED, Bucket.STRATEGY) if b in self.blocks}
+        if 0 < k < len(self.activations_shared):
+            out[Bucket.ACTIVATIONS] -= self.activations_shared[k]
+        return out
 
     def model_buckets(self, k: int) -> dict[str, int]:
         """The buckets predicted with blocks ``0..k-1`` frozen (the cache left out): the measured ones less
@@ -314,7 +324,7 @@ def measure_blocks(model: nn.Module, batch: Any, *, loss: Callable[[nn.Module, A
         blocks={b: list(snap.blocks[b]) for b in BLOCK_BUCKETS}, buckets=dict(snap.buckets),
         devices={d: dict(per) for d, per in snap.devices.items()}, tensor_bytes=snap.tensor_bytes,
         activations_outside=snap.activations_outside, batch_size=_batch_size(batch), steps=steps,
-        allocator={d: dict(v) for d, v in snap.allocator.items()})
+        allocator={d: dict(v) for d, v in snap.allocator.items()}, activations_shared=list(snap.activations_shared))
 
 
 def _measure_steps(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], torch.Tensor],

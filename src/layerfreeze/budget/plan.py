@@ -4,14 +4,17 @@
 per block its parameters ``P``, gradients ``G``, optimizer state ``O`` and saved activations ``A``), the tensor peak
 (:mod:`layerfreeze.runs.ledger`) with blocks ``0..k-1`` frozen is predicted as
 
-    ``peak(k) = peak(0) - sum over b < k of (G_b + O_b + A_b) + cache(k)``
+    ``peak(k) = peak(0) - sum over b < k of (G_b + O_b + A_b) + S_k + cache(k)``
 
 A frozen prefix keeps its parameters (now frozen: same bytes) and buffers, and gives back its gradients, its
 optimizer state (the Freezer frees it) and every activation it saved: it builds no graph, so only its output stays,
-saved by the first trainable block and counted there (the ledger gives a saved tensor to the block whose modules
-saved it). A block frozen *above* a trainable one gives back only ``G + O`` (backward still runs through it), so
-prefixes are the frozen sets worth considering: for the same number of frozen blocks they save the most, and the
-search is over ``k = 0 .. (first head block)``. The prediction is exact where the first trainable block saves its
+saved by the first trainable block. The ledger counts a storage once, for the first block whose modules saved it, so
+where the prefix's last block saved its output too (it ends in a ReLU, a Tanh or a Sigmoid, which save their output;
+ResNet's blocks do) the output counts in ``A`` of the prefix: ``S_k`` is what blocks before ``k`` saved that blocks
+from ``k`` on save too (``BlockBytes.activations_shared``, measured per boundary), which the prefix does not give
+back. A block frozen *above* a trainable one gives back only ``G + O`` (backward still runs through it), so prefixes
+are the frozen sets worth considering: for the same number of frozen blocks they save the most, and the search is
+over ``k = 0 .. (first head block)``. The prediction is exact where the first trainable block saves its
 input whether or not that input requires grad (every block of a BERT-like encoder or of MobileNetV2 opens with a
 linear map or a convolution, which saves it for its weight gradient); a block that opens with a parameter-free op on
 its input (the head's dropout) saves a little less once its input is frozen, so the prediction is an upper bound

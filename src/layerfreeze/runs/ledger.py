@@ -356,11 +356,11 @@ class MemoryLedger:
             _count_optimizer(tally, self.optimizers, self._block)
         _count_buffers(tally, self.model)
         self._held = tally.held | _source_tensors(self.sources)
-        outside = 0
+        outside, shared = 0, []
         if activations and self._segments:
             # a forward whose backward never ran (no backward in the step) counts what it holds now
-            per_device, per_block, outside, casts = max((seg.close() for seg in self._segments),
-                                                        key=lambda r: sum(r[0].values()) + sum(r[3].values()))
+            per_device, per_block, outside, casts, shared = max(
+                (seg.close() for seg in self._segments), key=lambda r: sum(r[0].values()) + sum(r[3].values()))
             for device, n in per_device.items():
                 tally.add(Bucket.ACTIVATIONS, device, n)
             for device, n in casts.items():  # autocast's copies of the weights (train.precision *-mixed)
@@ -378,7 +378,8 @@ class MemoryLedger:
             step=step, devices=devices, params_dtype=tally.params_dtype,
             block_names=[str(b.name) for b in self.blocks],
             blocks=tally.blocks if self.blocks else {}, blocks_frozen=frozen if self.blocks else [],
-            activations_outside=outside, allocator=_allocator(tally.devices),
+            activations_outside=outside, activations_shared=list(shared) if self.blocks else [],
+            allocator=_allocator(tally.devices),
             rss_bytes=int(self._process.memory_info().rss))
 
     # ---- lifetime -----------------------------------------------------------------------------------------------

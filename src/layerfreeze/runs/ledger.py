@@ -75,7 +75,6 @@ from layerfreeze.runs.ledger_counting import (
     _is_weight_cast,
     _Saved,
     _Segment,
-    _source_tensors,
     _storage,
     _Tally,
 )
@@ -193,7 +192,6 @@ class MemoryLedger:
                 self._hooks.append(module.register_forward_hook(self._leave_block, always_call=True))
         for opt in self.optimizers:
             self._hooks.append(opt.register_step_post_hook(self._after_optimizer_step))
-        self._held = _held_storages(self.model, self.sources)
 
     # ---- configuration ----------------------------------------------------------------------------------------
 
@@ -245,6 +243,9 @@ class MemoryLedger:
         self._requested = False
         self._sampling = True
         self._stack, self._segments, self._unpacked, self._after_opt = [], [_Segment(len(self.blocks))], False, None
+        # the storages of the parameters, buffers and sources as they are now: one freed since the last sample (a
+        # demotion's cast, a thaw's restore, a LISA switch) may hold one of this step's activations now
+        self._held = _held_storages(self.model, self.sources)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saved_hooks.__enter__()
         return True
@@ -355,7 +356,6 @@ class MemoryLedger:
             _count_model(tally, self.model, self._block)
             _count_optimizer(tally, self.optimizers, self._block)
         _count_buffers(tally, self.model)
-        self._held = tally.held | _source_tensors(self.sources)
         outside, shared = 0, []
         if activations and self._segments:
             # a forward whose backward never ran (no backward in the step) counts what it holds now

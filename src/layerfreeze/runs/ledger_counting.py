@@ -6,8 +6,8 @@ The ledger (:class:`~layerfreeze.runs.ledger.MemoryLedger`) wires these into a t
 * storages: :func:`_storage` (a storage's key, bytes and device), :func:`_is_parameter`, :func:`_dtype_name`;
 * a tally of one snapshot (:class:`_Tally`) and the walks that fill it: parameters and gradients
   (:func:`_count_model`), buffers (:func:`_count_buffers`), optimizer state (:func:`_count_optimizer`), byte sources
-  (:func:`_count_sources`), the storages that are never saved activations (:func:`_held_storages`,
-  :func:`_source_tensors`), the CUDA caching allocator's figures (:func:`_allocator`);
+  (:func:`_count_sources`), the storages that are never saved activations (:func:`_held_storages`), the CUDA
+  caching allocator's figures (:func:`_allocator`);
 * saved tensors: what the saved-tensor hooks keep (:class:`_Saved`) and the storages one forward holds for backward
   (:class:`_Segment`, :class:`_Live`);
 * optimizers: :func:`innermost_optimizer` (a framework's wrapper unwrapped), :func:`_inner_optimizers`.
@@ -129,7 +129,6 @@ class _Tally:
         self.blocks = {b: [0] * num_blocks for b in BLOCK_BUCKETS}
         self.params_dtype: dict[str, dict[str, int]] = {}
         self.seen: set[Any] = set()
-        self.held: set[Any] = set()  # storage keys of the parameters and buffers walked
 
     def add(self, bucket: str, device: str, nbytes: int) -> None:
         per = self.devices.setdefault(str(device), {})
@@ -146,29 +145,16 @@ def _held_storages(model: nn.Module, sources: Iterable[Any]) -> set[Any]:
     return {info[0] for info in map(_storage, tensors) if info is not None}
 
 
-def _source_tensors(sources: Iterable[Any]) -> set[Any]:
-    keys = set()
-    for source in sources:
-        held = getattr(source, "ledger_tensors", None)
-        for t in (held() if held is not None else ()):
-            info = _storage(t)
-            if info is not None:
-                keys.add(info[0])
-    return keys
-
-
 def _count_model(tally: _Tally, model: nn.Module, block: Callable[[torch.Tensor], int | None]) -> None:
     """The parameters (trainable/frozen, by dtype, per block) and their gradients, in one walk."""
     sums: dict[tuple[str, str], int] = {}
     dtypes = tally.params_dtype
-    held = set()
     per_block_params, per_block_grads = tally.blocks["params"], tally.blocks["grads"]
     for p in model.parameters():
         index = block(p)
         info = _storage(p)
         if info is not None:
             key, nbytes, device = info
-            held.add(key)
             if key not in tally.seen:
                 tally.seen.add(key)
                 kind = "trainable" if p.requires_grad else "frozen"
@@ -188,7 +174,6 @@ def _count_model(tally: _Tally, model: nn.Module, block: Callable[[torch.Tensor]
                 per_block_grads[index] += nbytes
     for (bucket, device), n in sums.items():
         tally.add(bucket, device, n)
-    tally.held = held
 
 
 def _count_buffers(tally: _Tally, model: nn.Module) -> None:
@@ -198,7 +183,6 @@ def _count_buffers(tally: _Tally, model: nn.Module) -> None:
         if info is None:
             continue
         key, nbytes, device = info
-        tally.held.add(key)
         if key not in tally.seen:
             tally.seen.add(key)
             sums[device] = sums.get(device, 0) + nbytes

@@ -440,6 +440,58 @@ def test_a_strategy_under_a_budget_freezes_beyond_the_floor_and_the_peak_stays_w
     assert summary["tensor_peak_bytes"] <= plan["budget_bytes"] and abs(plan["error"]) <= 0.10
 
 
+def _with_bn():
+    torch.manual_seed(0)  # blocks "0" (Linear), "1" (BatchNorm: floating buffers too), "3" (Linear), "5" (the head)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("master", ["memory", "disk"])
+def test_a_plan_with_demotion_counts_the_demoted_weights_and_the_master_copies_kept_in_memory(master, tmp_path):
+    """A demoted frozen block holds its weights (and floating buffers) in bfloat16, half their float32 bytes, and a
+    float32 master copy: in host memory (``master: memory``; ``auto`` on a GPU) it counts in the tensor peak, on disk
+    not. The plan ignored both: 132096 bytes over its budget with master copies in memory (t15), a prefix longer than
+    needed with them on disk."""
+    demote = {"dtype": "bfloat16", "master": master, "directory": str(tmp_path)}
+    plan = plan_memory(_with_bn(), _batch(), "1MiB", loss=_loss, demote=demote)
+    p0, bn, p3 = (8 * 16 + 16) * F32, 2 * 16 * F32, (16 * 16 + 16) * F32  # BatchNorm: weight and bias
+    stats = 2 * 16 * F32  # running mean and variance (num_batches_tracked is an int64: not cast)
+    assert plan.measured.demoted == {
+        "params_frozen": [-p0 // 2, -bn // 2, -p3 // 2, 0], "buffers": [0, -stats // 2, 0, 0],
+        "params_master": [p0, bn + stats, p3, 0] if master == "memory" else [0, 0, 0, 0]}
+    measured = plan.measured
+    model = _with_bn()
+    for k in range(measured.max_prefix + 1):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with Freezer(model, optimizer, "none", floor=list(range(k)), demote=demote) as freezer, \
+                MemoryLedger(model, optimizer, freezer=freezer, sources=[freezer.demoter]) as ledger:
+            for _ in range(2):
+                with ledger.step():
+                    _loss(model, _batch()).backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        real = ledger.last
+        assert measured.model_bytes(k) == real.tensor_bytes, k  # exact, master copies and bfloat16 weights counted
+        predicted = measured.model_buckets(k)
+        assert {b: real.buckets.get(b, 0) for b in ("params_frozen", "buffers")} == {
+            b: predicted[b] for b in ("params_frozen", "buffers")}, k
+        assert real.tensor_bytes_on("cpu") == real.tensor_bytes  # a master copy on disk is not memory
+        for p in model.parameters():
+            p.requires_grad_(True)
+    with pytest.raises(ValueError, match="demote needs train_bn=False"):
+        plan_memory(_with_bn(), _batch(), "1MiB", loss=_loss, demote=demote, train_bn=True)
+
+
+def test_trainer_under_a_budget_with_demotion_keeps_the_peak_it_predicted(tmp_path):
+    # freeze.demote with master copies in memory: the CLI's run went over the budget its plan said it fits (t16)
+    cfg = _config(tmp_path, "demoted", budget="0.7", demote={"dtype": "bfloat16", "master": "memory"},
+                  cache={"mode": "off"})
+    summary = Trainer(cfg, task=blob_task()).run()
+    plan = summary["memory_plan"]
+    assert plan["k"] >= 1 and summary["memory"]["buckets"]["params_master"]["peak_bytes"] > 0
+    assert plan["measured_peak_bytes"] == plan["predicted_peak_bytes"] <= plan["budget_bytes"]
+
+
 # ---- layerfreeze plan ----------------------------------------------------------------------------------------------
 
 

@@ -101,6 +101,11 @@ class BlockBytes:
             ``k`` or a later one saves too (the ledger's
             :attr:`~layerfreeze.runs.ledger_records.LedgerSnapshot.activations_shared`): a frozen prefix of ``k``
             blocks does not give them back. Empty (read as zeros) in a measurement written before it existed.
+        demoted: ``{bucket: [bytes per block]}``: how a block's bytes on memory devices change when the run demotes
+            it at its freeze (``Freezer(demote=...)``, ``freeze.demote``;
+            :meth:`~layerfreeze.engine.demote.Demoter.demoted_bytes`): ``params_frozen`` and ``buffers`` negative
+            (the cast), ``params_master`` its float32 master copy where it is kept in host memory (one on disk is not
+            memory: 0). Empty without demotion; :func:`~layerfreeze.budget.plan.plan_memory` fills it.
         batch_size: Samples in the measured batch.
         steps: Steps run; the one with the largest tensor total is kept.
         allocator: On CUDA, the caching allocator's figures at the kept step (``peak_allocated``, ...).
@@ -119,6 +124,7 @@ class BlockBytes:
     allocator: dict[str, dict[str, int]] = field(default_factory=dict)
     cache: CacheBytes | None = None
     activations_shared: list[int] = field(default_factory=list)
+    demoted: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def max_prefix(self) -> int:
@@ -139,20 +145,28 @@ class BlockBytes:
 
     def model_buckets(self, k: int) -> dict[str, int]:
         """The buckets predicted with blocks ``0..k-1`` frozen (the cache left out): the measured ones less
-        :meth:`returned`, the prefix's parameters moved from trainable to frozen."""
+        :meth:`returned`, the prefix's parameters moved from trainable to frozen, plus what demoting them changes
+        (:attr:`demoted`)."""
         out = {b: n for b, n in self.buckets.items() if b not in CACHE_BUCKETS}
         for bucket, n in self.returned(k).items():
             out[bucket] = out.get(bucket, 0) - n
         moved = sum(self.blocks["params"][:k])
         out[Bucket.PARAMS_TRAINABLE] = out.get(Bucket.PARAMS_TRAINABLE, 0) - moved
         out[Bucket.PARAMS_FROZEN] = out.get(Bucket.PARAMS_FROZEN, 0) + moved
+        for bucket, n in self.demotion(k).items():
+            out[bucket] = out.get(bucket, 0) + n
         return out
+
+    def demotion(self, k: int) -> dict[str, int]:
+        """``{bucket: bytes}`` demoting blocks ``0..k-1`` changes on memory devices (:attr:`demoted`; empty
+        without demotion)."""
+        return {b: sum(per[:k]) for b, per in self.demoted.items()} if k else {}
 
     def model_bytes(self, k: int) -> int:
         """The predicted tensor total with blocks ``0..k-1`` frozen, the cache left out: ``tensor_bytes`` less
-        :meth:`returned` (a measured cache, if the step held one, is left out too)."""
+        :meth:`returned`, plus :meth:`demotion` (a measured cache, if the step held one, is left out too)."""
         cache = sum(n for d, per in self.devices.items() if d != DISK for b, n in per.items() if b in CACHE_BUCKETS)
-        return self.tensor_bytes - cache - sum(self.returned(k).values())
+        return self.tensor_bytes - cache - sum(self.returned(k).values()) + sum(self.demotion(k).values())
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON)."""

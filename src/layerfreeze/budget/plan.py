@@ -4,21 +4,23 @@
 per block its parameters ``P``, gradients ``G``, optimizer state ``O`` and saved activations ``A``), the tensor peak
 (:mod:`layerfreeze.runs.ledger`) with blocks ``0..k-1`` frozen is predicted as
 
-    ``peak(k) = peak(0) - sum over b < k of (G_b + O_b + A_b) + S_k + cache(k)``
+    ``peak(k) = peak(0) - sum over b < k of (G_b + O_b + A_b - D_b) + S_k + cache(k)``
 
-A frozen prefix keeps its parameters (now frozen: same bytes) and buffers, and gives back its gradients, its
-optimizer state (the Freezer frees it) and every activation it saved: it builds no graph, so only its output stays,
-saved by the first trainable block. The ledger counts a storage once, for the first block whose modules saved it, so
-where the prefix's last block saved its output too (it ends in a ReLU, a Tanh or a Sigmoid, which save their output;
-ResNet's blocks do) the output counts in ``A`` of the prefix: ``S_k`` is what blocks before ``k`` saved that blocks
-from ``k`` on save too (``BlockBytes.activations_shared``, measured per boundary), which the prefix does not give
-back. A block frozen *above* a trainable one gives back only ``G + O`` (backward still runs through it), so prefixes
-are the frozen sets worth considering: for the same number of frozen blocks they save the most, and the search is
-over ``k = 0 .. (first head block)``. The prediction is exact where the first trainable block saves its
-input whether or not that input requires grad (every block of a BERT-like encoder or of MobileNetV2 opens with a
-linear map or a convolution, which saves it for its weight gradient); a block that opens with a parameter-free op on
-its input (the head's dropout) saves a little less once its input is frozen, so the prediction is an upper bound
-there (measured: 6.6% above for MobileNetV2's classifier alone, 0.05% for MiniLM-L6's).
+A frozen prefix keeps its parameters (now frozen: same bytes) and buffers, and gives back its gradients, its optimizer
+state (the Freezer frees it) and every activation it saved: it builds no graph, so only its output stays, saved by the
+first trainable block. The ledger counts a storage once, for the first block whose modules saved it, so where the
+prefix's last block saved its output too (it ends in a ReLU, a Tanh or a Sigmoid, which save their output; ResNet's
+blocks do) the output counts in ``A`` of the prefix: ``S_k`` is what blocks before ``k`` saved that blocks from ``k`` on
+save too (``BlockBytes.activations_shared``, measured per boundary), which the prefix does not give back. A block frozen
+*above* a trainable one gives back only ``G + O`` (backward still runs through it), so prefixes are the frozen sets
+worth considering: for the same number of frozen blocks they save the most, and the search is over ``k = 0 .. (first
+head block)``. ``D_b`` is what demoting block ``b`` at its freeze changes (``Freezer(demote=...)``, ``freeze.demote``; 0
+without): its weights and floating buffers at the demoted dtype (``-P_b / 2`` from float32 to bfloat16) plus their
+float32 master copy where it is kept in host memory (``+P_b``; not on disk). The prediction is exact where the first
+trainable block saves its input whether or not that input requires grad (every block of a BERT-like encoder or of
+MobileNetV2 opens with a linear map or a convolution, which saves it for its weight gradient); a block that opens with a
+parameter-free op on its input (the head's dropout) saves a little less once its input is frozen, so the prediction is
+an upper bound there (measured: 6.6% above for MobileNetV2's classifier alone, 0.05% for MiniLM-L6's).
 
 **Freezing more never costs more** than the prefix the plan freezes, with one exception the plan bounds: the
 activation cache (:mod:`layerfreeze.compute.cache`), which keeps each training sample's prefix output in host
@@ -49,11 +51,12 @@ from torch import nn
 
 from layerfreeze.budget.measure import BlockBytes, blocks_of, measure_blocks, measure_cache
 from layerfreeze.budget.parse import Budget, parse_budget
+from layerfreeze.engine.demote import Demoter, Demotion, build_demoter
 from layerfreeze.engine.grad_signal import GradientSums
 from layerfreeze.engine.params import BlockParams
 from layerfreeze.errors import BudgetError
 from layerfreeze.models.blocks import Block
-from layerfreeze.runs.ledger_buckets import Bucket
+from layerfreeze.runs.ledger_buckets import DISK, Bucket
 from layerfreeze.runs.summary import format_bytes
 from layerfreeze.strategies import Strategy, create_strategy
 from layerfreeze.strategies.base import storage_bytes
@@ -300,7 +303,7 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
                 cache_budget_bytes: int | None = None, strategy_freezes: bool = True,
                 sources: Sequence[Any] = (), train_bn: bool = False, unfrozen: bool = False,
                 strategy: str | Strategy | None = None, params: dict[str, Any] | None = None,
-                cache_batch: Any = None) -> MemoryPlan:
+                cache_batch: Any = None, demote: Demotion | dict[str, Any] | None = None) -> MemoryPlan:
     """Measure ``model`` on ``batch`` and plan the frozen prefix that fits ``budget``.
 
     Two real training steps with nothing frozen (:func:`~layerfreeze.budget.measure.measure_blocks`: the model, its
@@ -333,6 +336,11 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
         strategy / params: The run's strategy (a name and its parameters, or an instance not yet attached), or
             None: what it holds (SmartFRZ's recorder, Egeria's shadow copy and reference: the ledger's ``strategy``
             bucket) counts in every prefix's peak, measured on a twin of it attached to ``model`` for the steps.
+        demote: The run's ``Freezer(demote=...)`` (a :class:`~layerfreeze.engine.demote.Demotion` or its keyword
+            arguments), or None: a frozen prefix's weights and floating buffers count at the demoted dtype, plus
+            their float32 master copy where it is kept in host memory (``master: memory``, or ``auto`` on an
+            accelerator); one on disk (``auto`` on the CPU) is not memory. An offload moves the cast weights to host
+            memory, which changes no total.
 
     Returns:
         A :class:`MemoryPlan`: ``plan.floor``, ``plan.predicted_peak_bytes``, ``plan.gives_up()``, every prefix in
@@ -341,20 +349,34 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
     Raises:
         BudgetError: the budget cannot be read or cannot be met (``smallest_bytes``).
         BlockDiscoveryError / TypeError / ValueError: as :func:`~layerfreeze.budget.measure.measure_blocks` and
-            :func:`~layerfreeze.budget.measure.measure_cache`.
+            :func:`~layerfreeze.budget.measure.measure_cache`; ValueError also for a ``demote`` the Freezer refuses
+            (a bad setting, ``train_bn``).
     """
     parsed = parse_budget(budget)  # a malformed budget fails before anything runs
-    if strategy is not None:
+    if strategy is not None or demote is not None:
         blocks = blocks_of(model, blocks)
+    demoter = build_demoter(demote, blocks, train_bn=train_bn, sharded=False)  # type: ignore[arg-type]
     with _attached_twin(strategy, params, model, blocks) as (held, per_block):
         measured = measure_blocks(model, batch, loss=loss, optimizer=optimizer, blocks=blocks, steps=steps,
                                   sources=[*sources, *held], unfrozen=unfrozen)
     if per_block is not None:  # AutoFreeze's gradient sums: a frozen prefix's are never allocated
         measured.blocks[Bucket.STRATEGY] = per_block
+    if demoter is not None:
+        measured.demoted = _demoted_per_block(demoter, blocks)  # type: ignore[arg-type]
     if cache_dataset is not None:
         measured.cache = measure_cache(model, batch if cache_batch is None else cache_batch, cache_dataset,
                                        blocks=blocks, dtype=cache_dtype, train_bn=train_bn)
     return plan_prefix(measured, parsed, cache_budget_bytes=cache_budget_bytes, strategy_freezes=strategy_freezes)
+
+
+def _demoted_per_block(demoter: Demoter, blocks: Sequence[Block]) -> dict[str, list[int]]:
+    """``{bucket: [bytes per block]}`` demoting each block changes on memory devices (the disk left out; 0 for the
+    head, never frozen)."""
+    out: dict[str, list[int]] = {}
+    for i, block in enumerate(blocks):
+        for bucket, per in ({} if block.is_head else demoter.demoted_bytes(block)).items():
+            out.setdefault(str(bucket), [0] * len(blocks))[i] = sum(n for d, n in per.items() if d != DISK)
+    return out
 
 
 @contextmanager

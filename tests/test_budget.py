@@ -19,6 +19,7 @@ from layerfreeze import Freezer, StabilityGuard, UserError
 from layerfreeze.budget import (
     BlockBytes,
     BudgetError,
+    CacheBytes,
     MemoryPlan,
     measure_blocks,
     parse_budget,
@@ -490,6 +491,37 @@ def test_trainer_under_a_budget_with_demotion_keeps_the_peak_it_predicted(tmp_pa
     plan = summary["memory_plan"]
     assert plan["k"] >= 1 and summary["memory"]["buckets"]["params_master"]["peak_bytes"] > 0
     assert plan["measured_peak_bytes"] == plan["predicted_peak_bytes"] <= plan["budget_bytes"]
+
+
+def test_a_strategy_that_always_trains_block_0_is_charged_no_cache_where_the_floor_is_empty():
+    """lisa never freezes its embeddings (block 0): with no floor, its run has no frozen prefix and the cache serves
+    nothing. The plan charged k=0 the cache as for any strategy that freezes, found "100%" did not fit, and froze
+    the embeddings for the whole run (lisa's thaw of them then refused)."""
+    measured = measure_blocks(_stack(), _batch(), loss=_loss)
+    measured.cache = CacheBytes(samples=100, full=[100 * 16 * F32, 100 * 16 * F32], fingerprints=100 * 8,
+                                dtype="float32")
+    none = measured.model_bytes(0)
+    freezes = plan_prefix(measured, "100%")  # a strategy that may freeze block 0 later: k=0 keeps room for the cache
+    assert freezes.k == 1 and freezes.candidates[0].least_bytes == none + 800 and not freezes.candidates[0].fits
+    lisa = plan_prefix(measured, "100%", strategy_starts_prefix=False)
+    c = lisa.candidates[0]
+    assert lisa.k == 0 and (c.cache_bytes, c.cache_full_bytes, c.cache_budget_bytes) == (0, 0, None)
+    assert lisa.predicted_peak_bytes == none and not lisa.strategy_starts_prefix
+    assert lisa.candidates[1].cache_full_bytes == 100 * 16 * F32  # a floor: lisa may freeze the blocks after it
+    assert MemoryPlan.from_dict(json.loads(json.dumps(lisa.to_dict()))).to_dict() == lisa.to_dict()
+    assert plan_memory(_stack(), _batch(), "1MiB", loss=_loss, strategy="lisa",
+                       params={"gamma": 1}).strategy_starts_prefix is False
+    assert plan_memory(_stack(), _batch(), "1MiB", loss=_loss, strategy="static").strategy_starts_prefix is True
+
+
+def test_trainer_under_a_full_budget_with_lisa_freezes_nothing(tmp_path):
+    cfg = _config(tmp_path, "lisa", strategy="lisa", budget="100%", params={"k": 2, "gamma": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # lisa's thaw of a block in the floor warned
+        summary = Trainer(cfg, task=blob_task()).run()
+    plan = summary["memory_plan"]
+    assert plan["k"] == 0 and plan["frozen_from_start"] == [] and plan["cache_budget_bytes"] is None
+    assert plan["measured_peak_bytes"] <= plan["budget_bytes"]
 
 
 # ---- layerfreeze plan ----------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ an upper bound there (measured: 6.6% above for MobileNetV2's classifier alone, 0
 **Freezing more never costs more** than the prefix the plan freezes, with one exception the plan bounds: the
 activation cache (:mod:`layerfreeze.compute.cache`), which keeps each training sample's prefix output in host
 memory. ``cache(k)`` is the input fingerprints plus the states of every sample at the deepest-costing boundary from
-``k`` on (a strategy may freeze further; each sample keeps one entry), capped by the memory the budget leaves:
+``k`` on (a strategy may freeze further; each sample keeps one entry; at ``k = 0`` none for a strategy that never
+freezes block 0, ``lisa``, whose run has no frozen prefix then), capped by the memory the budget leaves:
 the plan gives the cache ``budget - peak_model(k) - fingerprints`` (``cache_budget_bytes``) and the cache spills the
 rest to checksummed shards on disk batch by batch (``shard_bytes=0``: no write buffer above its budget), which the
 tensor peak leaves out.
@@ -102,14 +103,17 @@ ROW_NOTES = (
     "gives back: the gradients, optimizer state and saved activations the frozen prefix returns; peak, no cache: "
     "the predicted tensor peak of the model; cache in memory: what the activation cache keeps in host memory under "
     "the budget (the rest spills to disk), sized for the deepest prefix the strategy may freeze from k on, so k=0 "
-    "has one when the strategy freezes later ('-': nothing cached); predicted peak: the two together")
+    "has one when the strategy freezes later, from block 0 ('-': nothing cached); predicted peak: the two together")
 
 
-def _cost(measured: BlockBytes, k: int, budget: int, cache_cap: int | None, strategy_freezes: bool) -> PrefixCost:
+def _cost(measured: BlockBytes, k: int, budget: int, cache_cap: int | None, strategy_freezes: bool,
+          starts_prefix: bool) -> PrefixCost:
     model = measured.model_bytes(k)
     cache = measured.cache
     full = fingerprints = 0
-    used = cache is not None and (cache.usable(k) or (strategy_freezes and cache.usable(max(k, 1))))
+    # with no floor, the cache serves a prefix only where the strategy freezes block 0 itself (not lisa's)
+    later = strategy_freezes and (k > 0 or starts_prefix)
+    used = cache is not None and (cache.usable(k) or (later and cache.usable(max(k, 1))))
     if used:
         full = cache.deepest_from(k) if strategy_freezes else cache.at(k)
         fingerprints = cache.fingerprints
@@ -143,6 +147,8 @@ class MemoryPlan:
         measured: The measurement it was made from (:class:`~layerfreeze.budget.measure.BlockBytes`).
         strategy_freezes: Whether the run's strategy may freeze beyond the floor (the cache is then sized for the
             deepest-costing boundary).
+        strategy_starts_prefix: Whether it may freeze block 0 itself, starting a frozen prefix where the floor is
+            empty (False for ``lisa``, whose embeddings always train: ``k = 0`` has no cache).
     """
 
     budget: str
@@ -155,6 +161,7 @@ class MemoryPlan:
     candidates: list[PrefixCost]
     measured: BlockBytes
     strategy_freezes: bool = True
+    strategy_starts_prefix: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -254,7 +261,7 @@ def budget_at_least(nbytes: int) -> str:
 
 
 def plan_prefix(measured: BlockBytes, budget: str | int | float | Budget, *, cache_budget_bytes: int | None = None,
-                strategy_freezes: bool = True) -> MemoryPlan:
+                strategy_freezes: bool = True, strategy_starts_prefix: bool = True) -> MemoryPlan:
     """The shortest frozen prefix whose predicted tensor peak fits ``budget`` (module docstring: the prediction).
 
     Args:
@@ -265,7 +272,11 @@ def plan_prefix(measured: BlockBytes, budget: str | int | float | Budget, *, cac
         cache_budget_bytes: The most host memory the run gives the cache anyway (``freeze.cache.budget_mb``); the
             plan gives it at most what the budget leaves.
         strategy_freezes: Whether the run's strategy may freeze beyond the floor (False for ``none``): then the
-            cache is sized for the deepest-costing boundary, and counted even when the floor is empty.
+            cache is sized for the deepest-costing boundary, and counted even when the floor is empty unless
+            ``strategy_starts_prefix`` is False.
+        strategy_starts_prefix: Whether the strategy may freeze block 0 itself (False for a strategy that always
+            trains it, :attr:`~layerfreeze.strategies.base.Strategy.trains_first_block`: ``lisa``): with no floor
+            such a run has no frozen prefix, so nothing for the activation cache.
 
     Raises:
         BudgetError: the budget cannot be read, or no prefix fits (``smallest_bytes``: the least any reaches, every
@@ -275,7 +286,7 @@ def plan_prefix(measured: BlockBytes, budget: str | int | float | Budget, *, cac
     held = measured.buckets.get(Bucket.STRATEGY, 0)  # what the strategy holds, in every prefix's peak
     none_peak = measured.model_bytes(0) - held  # the `none` row's peak: what a fraction is taken of
     limit = parsed.resolve(none_peak)
-    candidates = [_cost(measured, k, limit, cache_budget_bytes, strategy_freezes)
+    candidates = [_cost(measured, k, limit, cache_budget_bytes, strategy_freezes, strategy_starts_prefix)
                   for k in range(measured.max_prefix + 1)]
     fitting = [c for c in candidates if c.fits]
     if not fitting:
@@ -293,7 +304,7 @@ def plan_prefix(measured: BlockBytes, budget: str | int | float | Budget, *, cac
     return MemoryPlan(budget=str(parsed), budget_bytes=limit, none_peak_bytes=none_peak, k=chosen.k,
                       block_names=list(measured.block_names), predicted_peak_bytes=chosen.predicted_bytes,
                       cache_budget_bytes=chosen.cache_budget_bytes, candidates=candidates, measured=measured,
-                      strategy_freezes=strategy_freezes)
+                      strategy_freezes=strategy_freezes, strategy_starts_prefix=strategy_starts_prefix)
 
 
 def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget, *,
@@ -328,7 +339,8 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
         cache_batch: ``batch`` as the model's forward takes it, for the cache's prefix (default ``batch``): where
             ``loss`` converts the batch (``bf16-true``'s bfloat16 inputs), the same conversion.
         cache_budget_bytes: The most host memory the cache gets anyway.
-        strategy_freezes: Whether the strategy may freeze beyond the floor (False for ``none``).
+        strategy_freezes: Whether the strategy may freeze beyond the floor (False for ``none``). A ``strategy``
+            that never freezes block 0 (``lisa``) is charged no activation cache where the floor is empty.
         sources: Byte sources beside the model (frozen side models), counted in every prefix's peak.
         train_bn: BatchNorm layers of frozen blocks keep training (the cache then refuses a prefix holding one).
         unfrozen: Measure as if no block were frozen (a Freezer already froze some; see
@@ -366,7 +378,9 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
     if cache_dataset is not None:
         measured.cache = measure_cache(model, batch if cache_batch is None else cache_batch, cache_dataset,
                                        blocks=blocks, dtype=cache_dtype, train_bn=train_bn)
-    return plan_prefix(measured, parsed, cache_budget_bytes=cache_budget_bytes, strategy_freezes=strategy_freezes)
+    starts = not (held and getattr(held[0], "trains_first_block", False))  # held[0]: the strategy's twin
+    return plan_prefix(measured, parsed, cache_budget_bytes=cache_budget_bytes, strategy_freezes=strategy_freezes,
+                       strategy_starts_prefix=starts)
 
 
 def _demoted_per_block(demoter: Demoter, blocks: Sequence[Block]) -> dict[str, list[int]]:

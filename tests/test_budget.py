@@ -19,12 +19,14 @@ from layerfreeze import Freezer, StabilityGuard, UserError
 from layerfreeze.budget import (
     BlockBytes,
     BudgetError,
+    CacheBytes,
     MemoryPlan,
     measure_blocks,
     parse_budget,
     plan_memory,
     plan_prefix,
 )
+from layerfreeze.budget.plan import budget_at_least
 from layerfreeze.cli import main
 from layerfreeze.engine import PinnedBlockError
 from layerfreeze.runs.ledger import MemoryLedger
@@ -62,6 +64,27 @@ def test_budgets_parse_as_sizes_or_fractions_of_nothing_frozen():
         with pytest.raises(BudgetError, match=re.escape(says)):
             parse_budget(bad)
     assert issubclass(BudgetError, UserError)
+
+
+def test_a_budget_too_large_for_a_float_is_refused_in_one_line():
+    # "1e400GiB" overflowed to infinity and int() raised OverflowError: a traceback and exit code 1 on the CLI
+    for bad, says in [("1e400GiB", "memory budget '1e400GiB': 1e400 is too large a number (it overflows a float)"),
+                      ("1e306TiB", "memory budget '1e306TiB': too large a size (its bytes overflow a float)"),
+                      ("1e400", "1e400 is too large a number"), ("1e400%", "1e400 is too large a number")]:
+        with pytest.raises(BudgetError, match=re.escape(says)):
+            parse_budget(bad)
+    assert parse_budget("1e3GiB").bytes == 1000 * 2**30
+
+
+def test_cli_refuses_a_budget_too_large_for_a_float_with_exit_code_2(tmp_path, capsys):
+    # refused with the config, before any data loads
+    for args in (["plan", "--memory", "1e400GiB"], ["train", "--memory-budget", "1e400GiB"],
+                 ["train", "--set", "freeze.memory_budget=1e400GiB"]):
+        assert main([*args, "--task", "fashion-mnist", "--run-dir", str(tmp_path / "run")]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("layerfreeze: error: ") and len(err.strip().splitlines()) == 1, err
+        assert "memory budget '1e400GiB': 1e400 is too large a number" in err
+    assert not (tmp_path / "run").exists()
 
 
 # ---- measured bytes against bytes by hand, predictions against real frozen runs -------------------------------------
@@ -138,6 +161,48 @@ def test_every_prefix_predicted_against_the_ledger_of_a_real_step_with_it_frozen
             p.requires_grad_(True)
 
 
+def _ending_in(act):
+    """Blocks that end in an activation: ReLU and Tanh save their output, which the next block's Linear saves too."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Sequential(nn.Linear(8, 16), act()), nn.Sequential(nn.Linear(16, 16), act()),
+                         nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, nn.Tanh, nn.GELU])
+def test_a_prefix_ending_in_an_activation_that_saves_its_output_keeps_it_for_the_next_block(act):
+    """A ReLU or Tanh at a block's end saves its output, the next block's Linear saves the same storage as its input,
+    and the ledger counts it for the first: a frozen prefix does not give it back (the first trainable block still
+    saves it). The plan subtracted it, predicted the prefix's output too little, and the run went over its budget.
+    GELU saves its input instead: nothing shared."""
+    measured = measure_blocks(_ending_in(act), _batch(), loss=_loss)
+    out = B * 16 * F32  # one block's output
+    if act is nn.GELU:  # Linear's input and GELU's input (the Linear's output) per block; the head's input
+        assert measured.blocks["activations"] == [B * 8 * F32 + out, 2 * out, out]
+        assert measured.activations_shared == [0, 0, 0]
+    else:  # Linear's input and the activation's output per block; the head's input is block 1's output
+        assert measured.blocks["activations"] == [B * 8 * F32 + out, out, 0]
+        assert measured.activations_shared == [0, out, out]
+    assert measured.returned(1)["activations"] == B * 8 * F32 + (out if act is nn.GELU else 0)
+    assert measured.returned(2)["activations"] == B * 8 * F32 + (3 * out if act is nn.GELU else out)
+    model = _ending_in(act)
+    for k in range(measured.max_prefix + 1):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with Freezer(model, optimizer, "none", floor=list(range(k))) as freezer, \
+                MemoryLedger(model, optimizer, freezer=freezer) as ledger:
+            for _ in range(2):
+                with ledger.step():
+                    _loss(model, _batch()).backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        assert measured.model_bytes(k) == ledger.last.tensor_bytes, k  # exact: no prefix goes over its prediction
+        assert measured.model_buckets(k)["activations"] == ledger.last.buckets["activations"], k
+        for p in model.parameters():
+            p.requires_grad_(True)
+    plan = plan_prefix(measured, measured.model_bytes(1))
+    assert plan.k == 1 and plan.predicted_peak_bytes == measured.model_bytes(1)
+    assert BlockBytes.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
+
+
 def test_measuring_leaves_the_model_its_optimizer_and_the_rng_as_they_were():
     task = blob_task()
     model = task.model
@@ -189,6 +254,22 @@ def test_the_plan_freezes_the_shortest_prefix_that_fits_and_names_the_smallest_p
     head, cells = plan.rows()
     assert head[0] == "k" and [c[-1] for c in cells] == ["no", "yes <-", "yes"]
     assert MemoryPlan.from_dict(json.loads(json.dumps(plan.to_dict()))).to_dict() == plan.to_dict()
+
+
+def test_the_no_fit_message_advises_a_budget_that_is_then_accepted():
+    # the advice was format_bytes of the smallest peak, rounded to the nearest: "at least 31.3 KiB" for 32076 bytes,
+    # and 31.3KiB (32051 bytes) was refused again
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    batch = (torch.randn(B, 8), torch.randint(0, 4, (B,)))
+    with pytest.raises(BudgetError) as err:
+        plan_memory(model, batch, "1KiB")
+    advice = re.search(r"Raise the budget to at least (.+?), or lower", str(err.value)).group(1)
+    assert err.value.smallest_bytes == 32076 and advice == "31.4KiB"  # 32153 bytes
+    plan = plan_memory(model, batch, advice)
+    assert plan.k == 2 and plan.budget_bytes == 32153 and plan.predicted_peak_bytes == 32076
+    assert [budget_at_least(n) for n in (1, 1023, 1024, 32076, 3 * 2**29, 3 * 2**29 + 1)] == [
+        "1B", "1023B", "1.00KiB", "31.4KiB", "1.50GiB", "1.51GiB"]
 
 
 def test_what_the_strategy_holds_counts_in_every_prefix_and_not_in_nones_peak():
@@ -358,6 +439,89 @@ def test_a_strategy_under_a_budget_freezes_beyond_the_floor_and_the_peak_stays_w
     cache = summary["memory"]["buckets"]["cache_memory"]["peak_bytes"]
     assert 0 < cache <= plan["cache_budget_bytes"] + 96 * 16  # states within their budget, plus the fingerprints
     assert summary["tensor_peak_bytes"] <= plan["budget_bytes"] and abs(plan["error"]) <= 0.10
+
+
+def _with_bn():
+    torch.manual_seed(0)  # blocks "0" (Linear), "1" (BatchNorm: floating buffers too), "3" (Linear), "5" (the head)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("master", ["memory", "disk"])
+def test_a_plan_with_demotion_counts_the_demoted_weights_and_the_master_copies_kept_in_memory(master, tmp_path):
+    """A demoted frozen block holds its weights (and floating buffers) in bfloat16, half their float32 bytes, and a
+    float32 master copy: in host memory (``master: memory``; ``auto`` on a GPU) it counts in the tensor peak, on disk
+    not. The plan ignored both: 132096 bytes over its budget with master copies in memory (t15), a prefix longer than
+    needed with them on disk."""
+    demote = {"dtype": "bfloat16", "master": master, "directory": str(tmp_path)}
+    plan = plan_memory(_with_bn(), _batch(), "1MiB", loss=_loss, demote=demote)
+    p0, bn, p3 = (8 * 16 + 16) * F32, 2 * 16 * F32, (16 * 16 + 16) * F32  # BatchNorm: weight and bias
+    stats = 2 * 16 * F32  # running mean and variance (num_batches_tracked is an int64: not cast)
+    assert plan.measured.demoted == {
+        "params_frozen": [-p0 // 2, -bn // 2, -p3 // 2, 0], "buffers": [0, -stats // 2, 0, 0],
+        "params_master": [p0, bn + stats, p3, 0] if master == "memory" else [0, 0, 0, 0]}
+    measured = plan.measured
+    model = _with_bn()
+    for k in range(measured.max_prefix + 1):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with Freezer(model, optimizer, "none", floor=list(range(k)), demote=demote) as freezer, \
+                MemoryLedger(model, optimizer, freezer=freezer, sources=[freezer.demoter]) as ledger:
+            for _ in range(2):
+                with ledger.step():
+                    _loss(model, _batch()).backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        real = ledger.last
+        assert measured.model_bytes(k) == real.tensor_bytes, k  # exact, master copies and bfloat16 weights counted
+        predicted = measured.model_buckets(k)
+        assert {b: real.buckets.get(b, 0) for b in ("params_frozen", "buffers")} == {
+            b: predicted[b] for b in ("params_frozen", "buffers")}, k
+        assert real.tensor_bytes_on("cpu") == real.tensor_bytes  # a master copy on disk is not memory
+        for p in model.parameters():
+            p.requires_grad_(True)
+    with pytest.raises(ValueError, match="demote needs train_bn=False"):
+        plan_memory(_with_bn(), _batch(), "1MiB", loss=_loss, demote=demote, train_bn=True)
+
+
+def test_trainer_under_a_budget_with_demotion_keeps_the_peak_it_predicted(tmp_path):
+    # freeze.demote with master copies in memory: the CLI's run went over the budget its plan said it fits (t16)
+    cfg = _config(tmp_path, "demoted", budget="0.7", demote={"dtype": "bfloat16", "master": "memory"},
+                  cache={"mode": "off"})
+    summary = Trainer(cfg, task=blob_task()).run()
+    plan = summary["memory_plan"]
+    assert plan["k"] >= 1 and summary["memory"]["buckets"]["params_master"]["peak_bytes"] > 0
+    assert plan["measured_peak_bytes"] == plan["predicted_peak_bytes"] <= plan["budget_bytes"]
+
+
+def test_a_strategy_that_always_trains_block_0_is_charged_no_cache_where_the_floor_is_empty():
+    """lisa never freezes its embeddings (block 0): with no floor, its run has no frozen prefix and the cache serves
+    nothing. The plan charged k=0 the cache as for any strategy that freezes, found "100%" did not fit, and froze
+    the embeddings for the whole run (lisa's thaw of them then refused)."""
+    measured = measure_blocks(_stack(), _batch(), loss=_loss)
+    measured.cache = CacheBytes(samples=100, full=[100 * 16 * F32, 100 * 16 * F32], fingerprints=100 * 8,
+                                dtype="float32")
+    none = measured.model_bytes(0)
+    freezes = plan_prefix(measured, "100%")  # a strategy that may freeze block 0 later: k=0 keeps room for the cache
+    assert freezes.k == 1 and freezes.candidates[0].least_bytes == none + 800 and not freezes.candidates[0].fits
+    lisa = plan_prefix(measured, "100%", strategy_starts_prefix=False)
+    c = lisa.candidates[0]
+    assert lisa.k == 0 and (c.cache_bytes, c.cache_full_bytes, c.cache_budget_bytes) == (0, 0, None)
+    assert lisa.predicted_peak_bytes == none and not lisa.strategy_starts_prefix
+    assert lisa.candidates[1].cache_full_bytes == 100 * 16 * F32  # a floor: lisa may freeze the blocks after it
+    assert MemoryPlan.from_dict(json.loads(json.dumps(lisa.to_dict()))).to_dict() == lisa.to_dict()
+    assert plan_memory(_stack(), _batch(), "1MiB", loss=_loss, strategy="lisa",
+                       params={"gamma": 1}).strategy_starts_prefix is False
+    assert plan_memory(_stack(), _batch(), "1MiB", loss=_loss, strategy="static").strategy_starts_prefix is True
+
+
+def test_trainer_under_a_full_budget_with_lisa_freezes_nothing(tmp_path):
+    cfg = _config(tmp_path, "lisa", strategy="lisa", budget="100%", params={"k": 2, "gamma": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # lisa's thaw of a block in the floor warned
+        summary = Trainer(cfg, task=blob_task()).run()
+    plan = summary["memory_plan"]
+    assert plan["k"] == 0 and plan["frozen_from_start"] == [] and plan["cache_budget_bytes"] is None
+    assert plan["measured_peak_bytes"] <= plan["budget_bytes"]
 
 
 # ---- layerfreeze plan ----------------------------------------------------------------------------------------------

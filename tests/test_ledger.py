@@ -129,6 +129,44 @@ def test_the_loss_counts_outside_the_blocks_and_gradient_accumulation_counts_one
     ledger.close()
 
 
+def test_a_storage_a_parameter_gave_up_since_the_last_sample_counts_when_an_activation_reuses_it():
+    """The ledger leaves out saved tensors whose storage is a parameter's or a buffer's. It took that set at the end of
+    the previous sample; a demotion, a thaw's restore or a LISA switch frees weight storages in between, the allocator
+    gives their addresses to the next step's activations, and those were dropped. Here the storage a weight gave up
+    is the next step's input (the same address, deterministically)."""
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    width = 8 * 16  # Linear(8, 16)'s weight holds 16 x 8 floats: one input of batch 16
+    with MemoryLedger(model, optimizer) as ledger:
+        first = _step(model, optimizer, ledger, torch.randn(16, 8))
+        old = model[0].weight.data
+        model[0].weight.data = old.clone()  # the weight moves to a new storage (a demotion's cast, a restore)
+        second = _step(model, optimizer, ledger, old.view(16, 8))  # its old storage is now an activation
+    # Linear(8, 16) saves its input, the ReLU its output (the head's Linear saves it too)
+    assert first.buckets["activations"] == second.buckets["activations"] == width * F32 + 16 * 16 * F32
+
+
+def test_identical_steps_under_lisa_with_demotion_count_the_same_activations():
+    """LR 0, the same batch: every step saves the same tensors, whatever blocks LISA switched on and demotion cast."""
+    torch.manual_seed(0)
+    w = 64
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(w, w), nn.GELU()) for _ in range(6)], nn.Linear(w, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    x, y = torch.randn(w, w), torch.randint(0, 4, (w,))
+    figures = []
+    with Freezer(model, optimizer, "lisa", {"k": 1, "gamma": 1},
+                 demote={"dtype": "bfloat16", "master": "memory"}) as freezer, \
+            MemoryLedger(model, optimizer, freezer=freezer) as ledger:
+        for _ in range(20):
+            figures.append(_step(model, optimizer, ledger, x, lambda out: F.cross_entropy(out, y)).buckets[
+                "activations"])
+            freezer.step()
+    # the embeddings and the middle block switched on: Linear's input and GELU's input; the 4 middle blocks switched
+    # off (frozen, demoted, backward runs through them): GELU's bfloat16 input; the head's input; cross-entropy's
+    # log-softmax output, int64 targets and total weight
+    assert figures == [2 * 2 * w * w * F32 + 4 * w * w * 2 + w * w * F32 + w * 4 * F32 + w * 8 + F32] * 20
+
+
 def test_cadence_request_and_peaks_state():
     model = _mlp()
     optimizer = torch.optim.AdamW(model.parameters())

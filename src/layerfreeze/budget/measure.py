@@ -97,6 +97,15 @@ class BlockBytes:
         devices: ``{device: {bucket: bytes}}`` of the measured step.
         tensor_bytes: Its tensor total: ``none``'s tensor peak on this batch.
         activations_outside: Saved-activation bytes of no block (the loss, ops after the last block).
+        activations_shared: Per block ``k``, the saved-activation bytes counted for blocks before ``k`` that block
+            ``k`` or a later one saves too (the ledger's
+            :attr:`~layerfreeze.runs.ledger_records.LedgerSnapshot.activations_shared`): a frozen prefix of ``k``
+            blocks does not give them back. Empty (read as zeros) in a measurement written before it existed.
+        demoted: ``{bucket: [bytes per block]}``: how a block's bytes on memory devices change when the run demotes
+            it at its freeze (``Freezer(demote=...)``, ``freeze.demote``;
+            :meth:`~layerfreeze.engine.demote.Demoter.demoted_bytes`): ``params_frozen`` and ``buffers`` negative
+            (the cast), ``params_master`` its float32 master copy where it is kept in host memory (one on disk is not
+            memory: 0). Empty without demotion; :func:`~layerfreeze.budget.plan.plan_memory` fills it.
         batch_size: Samples in the measured batch.
         steps: Steps run; the one with the largest tensor total is kept.
         allocator: On CUDA, the caching allocator's figures at the kept step (``peak_allocated``, ...).
@@ -114,6 +123,8 @@ class BlockBytes:
     steps: int
     allocator: dict[str, dict[str, int]] = field(default_factory=dict)
     cache: CacheBytes | None = None
+    activations_shared: list[int] = field(default_factory=list)
+    demoted: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def max_prefix(self) -> int:
@@ -122,27 +133,40 @@ class BlockBytes:
 
     def returned(self, k: int) -> dict[str, int]:
         """``{bucket: bytes}`` a frozen prefix of ``k`` blocks gives back (:data:`RETURNED`): its gradients, its
-        optimizer state and its saved activations (the first trainable block still saves its input, the prefix's
-        output, and counts it: the ledger gives a tensor to the block whose modules saved it); and, where
-        :attr:`blocks` has a ``strategy`` list, what the strategy holds per block (AutoFreeze's gradient sums)."""
-        return {b: sum(self.blocks[b][:k]) for b in (*RETURNED, Bucket.STRATEGY) if b in self.blocks}
+        optimizer state and its saved activations but for those the blocks from ``k`` on save too
+        (:attr:`activations_shared`: the prefix's output, where its last block's ReLU saved it and the first trainable
+        block's Linear saves it as its input; the ledger counts a storage once, for the first block that saved it);
+        and, where :attr:`blocks` has a ``strategy`` list, what the strategy holds per block (AutoFreeze's gradient
+        sums)."""
+        out = {b: sum(self.blocks[b][:k]) for b in (*RETURNED, Bucket.STRATEGY) if b in self.blocks}
+        if 0 < k < len(self.activations_shared):
+            out[Bucket.ACTIVATIONS] -= self.activations_shared[k]
+        return out
 
     def model_buckets(self, k: int) -> dict[str, int]:
         """The buckets predicted with blocks ``0..k-1`` frozen (the cache left out): the measured ones less
-        :meth:`returned`, the prefix's parameters moved from trainable to frozen."""
+        :meth:`returned`, the prefix's parameters moved from trainable to frozen, plus what demoting them changes
+        (:attr:`demoted`)."""
         out = {b: n for b, n in self.buckets.items() if b not in CACHE_BUCKETS}
         for bucket, n in self.returned(k).items():
             out[bucket] = out.get(bucket, 0) - n
         moved = sum(self.blocks["params"][:k])
         out[Bucket.PARAMS_TRAINABLE] = out.get(Bucket.PARAMS_TRAINABLE, 0) - moved
         out[Bucket.PARAMS_FROZEN] = out.get(Bucket.PARAMS_FROZEN, 0) + moved
+        for bucket, n in self.demotion(k).items():
+            out[bucket] = out.get(bucket, 0) + n
         return out
+
+    def demotion(self, k: int) -> dict[str, int]:
+        """``{bucket: bytes}`` demoting blocks ``0..k-1`` changes on memory devices (:attr:`demoted`; empty
+        without demotion)."""
+        return {b: sum(per[:k]) for b, per in self.demoted.items()} if k else {}
 
     def model_bytes(self, k: int) -> int:
         """The predicted tensor total with blocks ``0..k-1`` frozen, the cache left out: ``tensor_bytes`` less
-        :meth:`returned` (a measured cache, if the step held one, is left out too)."""
+        :meth:`returned`, plus :meth:`demotion` (a measured cache, if the step held one, is left out too)."""
         cache = sum(n for d, per in self.devices.items() if d != DISK for b, n in per.items() if b in CACHE_BUCKETS)
-        return self.tensor_bytes - cache - sum(self.returned(k).values())
+        return self.tensor_bytes - cache - sum(self.returned(k).values()) + sum(self.demotion(k).values())
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON)."""
@@ -314,7 +338,7 @@ def measure_blocks(model: nn.Module, batch: Any, *, loss: Callable[[nn.Module, A
         blocks={b: list(snap.blocks[b]) for b in BLOCK_BUCKETS}, buckets=dict(snap.buckets),
         devices={d: dict(per) for d, per in snap.devices.items()}, tensor_bytes=snap.tensor_bytes,
         activations_outside=snap.activations_outside, batch_size=_batch_size(batch), steps=steps,
-        allocator={d: dict(v) for d, v in snap.allocator.items()})
+        allocator={d: dict(v) for d, v in snap.allocator.items()}, activations_shared=list(snap.activations_shared))
 
 
 def _measure_steps(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], torch.Tensor],

@@ -9,9 +9,9 @@ Two kinds, one rule each:
   (``60%``): the tensor peak the same model reaches with nothing frozen, measured by the planner on the same batch
   (:mod:`layerfreeze.budget.plan`). A float in ``(0, 1]`` given to the library reads the same way.
 
-Anything else (a bare number above 1, ``3G``, a negative or zero size) raises
-:class:`~layerfreeze.errors.BudgetError` with the accepted forms and, where one is likely, what was meant: ``60`` ->
-``60%`` or ``60GiB``; ``1000000000`` -> ``1000000000B`` (bytes take a unit in a string: the command line's
+Anything else (a bare number above 1, ``3G``, a negative or zero size, a number too large for a float: ``1e400GiB``)
+raises :class:`~layerfreeze.errors.BudgetError` with the accepted forms and, where one is likely, what was meant: ``60``
+-> ``60%`` or ``60GiB``; ``1000000000`` -> ``1000000000B`` (bytes take a unit in a string: the command line's
 ``--memory`` / ``--memory-budget`` always give a string, so ``60`` there is never 60 bytes); ``3G`` -> ``3GiB``. The
 budget is compared with the memory ledger's tensor peak (:mod:`layerfreeze.runs.ledger`: every bucket on every memory
 device, the disk left out), not with the process's RSS or the CUDA allocator's reserved bytes.
@@ -76,7 +76,8 @@ def parse_budget(value: str | int | float | Budget) -> Budget:
 
     Raises:
         BudgetError: an unknown unit, a bare number above 1, a size or fraction that is not positive, a percentage
-            above 100, a float above 1 (say what it is: ``"3GiB"`` or an int of bytes).
+            above 100, a float above 1 (say what it is: ``"3GiB"`` or an int of bytes), a number or size too large
+            for a float (``"1e400GiB"``).
     """
     if isinstance(value, Budget):
         return value
@@ -100,6 +101,9 @@ def parse_budget(value: str | int | float | Budget) -> Budget:
         raise BudgetError(f"memory budget {value!r}: expected {BUDGET_FORMS}")
     number, unit = float(found.group(1)), found.group(2).lower()
     text = value.strip()
+    if not math.isfinite(number):  # "1e400GiB": the number overflows a float
+        raise BudgetError(f"memory budget {value!r}: {found.group(1)} is too large a number (it overflows a float); "
+                          f"expected {BUDGET_FORMS}")
     if unit == "%":
         if not 0 < number <= 100:
             raise BudgetError(f"memory budget {value!r}: a percentage of the tensor peak with nothing frozen must be "
@@ -115,7 +119,11 @@ def parse_budget(value: str | int | float | Budget) -> Budget:
         guess = {"k": "KiB", "m": "MiB", "g": "GiB", "t": "TiB"}.get(unit)
         hint = f" (did you mean {found.group(1)}{guess}?)" if guess else ""
         raise BudgetError(f"memory budget {value!r}: unknown unit {found.group(2)!r}{hint}; expected {BUDGET_FORMS}")
-    nbytes = int(number * UNITS[unit])
+    size = number * UNITS[unit]
+    if not math.isfinite(size):  # "1e306TiB": the number is finite, its bytes are not
+        raise BudgetError(f"memory budget {value!r}: too large a size (its bytes overflow a float); expected "
+                          f"{BUDGET_FORMS}")
+    nbytes = int(size)
     if nbytes <= 0:
         raise BudgetError(f"memory budget {value!r}: must be at least one byte")
     return Budget(bytes=nbytes, text=text)

@@ -4,23 +4,29 @@
 per block its parameters ``P``, gradients ``G``, optimizer state ``O`` and saved activations ``A``), the tensor peak
 (:mod:`layerfreeze.runs.ledger`) with blocks ``0..k-1`` frozen is predicted as
 
-    ``peak(k) = peak(0) - sum over b < k of (G_b + O_b + A_b) + cache(k)``
+    ``peak(k) = peak(0) - sum over b < k of (G_b + O_b + A_b - D_b) + S_k + cache(k)``
 
-A frozen prefix keeps its parameters (now frozen: same bytes) and buffers, and gives back its gradients, its
-optimizer state (the Freezer frees it) and every activation it saved: it builds no graph, so only its output stays,
-saved by the first trainable block and counted there (the ledger gives a saved tensor to the block whose modules
-saved it). A block frozen *above* a trainable one gives back only ``G + O`` (backward still runs through it), so
-prefixes are the frozen sets worth considering: for the same number of frozen blocks they save the most, and the
-search is over ``k = 0 .. (first head block)``. The prediction is exact where the first trainable block saves its
-input whether or not that input requires grad (every block of a BERT-like encoder or of MobileNetV2 opens with a
-linear map or a convolution, which saves it for its weight gradient); a block that opens with a parameter-free op on
-its input (the head's dropout) saves a little less once its input is frozen, so the prediction is an upper bound
-there (measured: 6.6% above for MobileNetV2's classifier alone, 0.05% for MiniLM-L6's).
+A frozen prefix keeps its parameters (now frozen: same bytes) and buffers, and gives back its gradients, its optimizer
+state (the Freezer frees it) and every activation it saved: it builds no graph, so only its output stays, saved by the
+first trainable block. The ledger counts a storage once, for the first block whose modules saved it, so where the
+prefix's last block saved its output too (it ends in a ReLU, a Tanh or a Sigmoid, which save their output; ResNet's
+blocks do) the output counts in ``A`` of the prefix: ``S_k`` is what blocks before ``k`` saved that blocks from ``k`` on
+save too (``BlockBytes.activations_shared``, measured per boundary), which the prefix does not give back. A block frozen
+*above* a trainable one gives back only ``G + O`` (backward still runs through it), so prefixes are the frozen sets
+worth considering: for the same number of frozen blocks they save the most, and the search is over ``k = 0 .. (first
+head block)``. ``D_b`` is what demoting block ``b`` at its freeze changes (``Freezer(demote=...)``, ``freeze.demote``; 0
+without): its weights and floating buffers at the demoted dtype (``-P_b / 2`` from float32 to bfloat16) plus their
+float32 master copy where it is kept in host memory (``+P_b``; not on disk). The prediction is exact where the first
+trainable block saves its input whether or not that input requires grad (every block of a BERT-like encoder or of
+MobileNetV2 opens with a linear map or a convolution, which saves it for its weight gradient); a block that opens with a
+parameter-free op on its input (the head's dropout) saves a little less once its input is frozen, so the prediction is
+an upper bound there (measured: 6.6% above for MobileNetV2's classifier alone, 0.05% for MiniLM-L6's).
 
 **Freezing more never costs more** than the prefix the plan freezes, with one exception the plan bounds: the
 activation cache (:mod:`layerfreeze.compute.cache`), which keeps each training sample's prefix output in host
 memory. ``cache(k)`` is the input fingerprints plus the states of every sample at the deepest-costing boundary from
-``k`` on (a strategy may freeze further; each sample keeps one entry), capped by the memory the budget leaves:
+``k`` on (a strategy may freeze further; each sample keeps one entry; at ``k = 0`` none for a strategy that never
+freezes block 0, ``lisa``, whose run has no frozen prefix then), capped by the memory the budget leaves:
 the plan gives the cache ``budget - peak_model(k) - fingerprints`` (``cache_budget_bytes``) and the cache spills the
 rest to checksummed shards on disk batch by batch (``shard_bytes=0``: no write buffer above its budget), which the
 tensor peak leaves out.
@@ -46,16 +52,17 @@ from torch import nn
 
 from layerfreeze.budget.measure import BlockBytes, blocks_of, measure_blocks, measure_cache
 from layerfreeze.budget.parse import Budget, parse_budget
+from layerfreeze.engine.demote import Demoter, Demotion, build_demoter
 from layerfreeze.engine.grad_signal import GradientSums
 from layerfreeze.engine.params import BlockParams
 from layerfreeze.errors import BudgetError
 from layerfreeze.models.blocks import Block
-from layerfreeze.runs.ledger_buckets import Bucket
+from layerfreeze.runs.ledger_buckets import DISK, Bucket
 from layerfreeze.runs.summary import format_bytes
 from layerfreeze.strategies import Strategy, create_strategy
 from layerfreeze.strategies.base import storage_bytes
 
-__all__ = ["MemoryPlan", "PrefixCost", "plan_memory", "plan_prefix"]
+__all__ = ["MemoryPlan", "PrefixCost", "budget_at_least", "plan_memory", "plan_prefix"]
 
 
 @dataclass
@@ -96,14 +103,17 @@ ROW_NOTES = (
     "gives back: the gradients, optimizer state and saved activations the frozen prefix returns; peak, no cache: "
     "the predicted tensor peak of the model; cache in memory: what the activation cache keeps in host memory under "
     "the budget (the rest spills to disk), sized for the deepest prefix the strategy may freeze from k on, so k=0 "
-    "has one when the strategy freezes later ('-': nothing cached); predicted peak: the two together")
+    "has one when the strategy freezes later, from block 0 ('-': nothing cached); predicted peak: the two together")
 
 
-def _cost(measured: BlockBytes, k: int, budget: int, cache_cap: int | None, strategy_freezes: bool) -> PrefixCost:
+def _cost(measured: BlockBytes, k: int, budget: int, cache_cap: int | None, strategy_freezes: bool,
+          starts_prefix: bool) -> PrefixCost:
     model = measured.model_bytes(k)
     cache = measured.cache
     full = fingerprints = 0
-    used = cache is not None and (cache.usable(k) or (strategy_freezes and cache.usable(max(k, 1))))
+    # with no floor, the cache serves a prefix only where the strategy freezes block 0 itself (not lisa's)
+    later = strategy_freezes and (k > 0 or starts_prefix)
+    used = cache is not None and (cache.usable(k) or (later and cache.usable(max(k, 1))))
     if used:
         full = cache.deepest_from(k) if strategy_freezes else cache.at(k)
         fingerprints = cache.fingerprints
@@ -137,6 +147,8 @@ class MemoryPlan:
         measured: The measurement it was made from (:class:`~layerfreeze.budget.measure.BlockBytes`).
         strategy_freezes: Whether the run's strategy may freeze beyond the floor (the cache is then sized for the
             deepest-costing boundary).
+        strategy_starts_prefix: Whether it may freeze block 0 itself, starting a frozen prefix where the floor is
+            empty (False for ``lisa``, whose embeddings always train: ``k = 0`` has no cache).
     """
 
     budget: str
@@ -149,6 +161,7 @@ class MemoryPlan:
     candidates: list[PrefixCost]
     measured: BlockBytes
     strategy_freezes: bool = True
+    strategy_starts_prefix: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -229,8 +242,26 @@ class MemoryPlan:
         return cls(**data)
 
 
+def budget_at_least(nbytes: int) -> str:
+    """``nbytes`` written as a budget that reads back (:func:`~layerfreeze.budget.parse.parse_budget`) as at least
+    ``nbytes``: :func:`~layerfreeze.runs.summary.format_bytes`'s figure rounded up, not to the nearest (``32076`` ->
+    ``"31.4KiB"``, where ``format_bytes`` says ``"31.3 KiB"``, 32051 bytes), or ``"512B"`` below a KiB."""
+    if nbytes < 1024:
+        return f"{nbytes}B"
+    unit, size = next((u, s) for u, s in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+                      if nbytes >= s)
+    decimals = 2 if nbytes / size < 10 else 1
+    step = 10**decimals
+    ticks = -(-nbytes * step // size)  # ceil(nbytes / size * step), in integers: no float rounding
+    while True:  # the parser multiplies in floats: one more step where that lands a byte short
+        text = f"{ticks / step:.{decimals}f}{unit}"
+        if parse_budget(text).bytes >= nbytes:  # type: ignore[operator]
+            return text
+        ticks += 1
+
+
 def plan_prefix(measured: BlockBytes, budget: str | int | float | Budget, *, cache_budget_bytes: int | None = None,
-                strategy_freezes: bool = True) -> MemoryPlan:
+                strategy_freezes: bool = True, strategy_starts_prefix: bool = True) -> MemoryPlan:
     """The shortest frozen prefix whose predicted tensor peak fits ``budget`` (module docstring: the prediction).
 
     Args:
@@ -241,7 +272,11 @@ def plan_prefix(measured: BlockBytes, budget: str | int | float | Budget, *, cac
         cache_budget_bytes: The most host memory the run gives the cache anyway (``freeze.cache.budget_mb``); the
             plan gives it at most what the budget leaves.
         strategy_freezes: Whether the run's strategy may freeze beyond the floor (False for ``none``): then the
-            cache is sized for the deepest-costing boundary, and counted even when the floor is empty.
+            cache is sized for the deepest-costing boundary, and counted even when the floor is empty unless
+            ``strategy_starts_prefix`` is False.
+        strategy_starts_prefix: Whether the strategy may freeze block 0 itself (False for a strategy that always
+            trains it, :attr:`~layerfreeze.strategies.base.Strategy.trains_first_block`: ``lisa``): with no floor
+            such a run has no frozen prefix, so nothing for the activation cache.
 
     Raises:
         BudgetError: the budget cannot be read, or no prefix fits (``smallest_bytes``: the least any reaches, every
@@ -251,7 +286,7 @@ def plan_prefix(measured: BlockBytes, budget: str | int | float | Budget, *, cac
     held = measured.buckets.get(Bucket.STRATEGY, 0)  # what the strategy holds, in every prefix's peak
     none_peak = measured.model_bytes(0) - held  # the `none` row's peak: what a fraction is taken of
     limit = parsed.resolve(none_peak)
-    candidates = [_cost(measured, k, limit, cache_budget_bytes, strategy_freezes)
+    candidates = [_cost(measured, k, limit, cache_budget_bytes, strategy_freezes, strategy_starts_prefix)
                   for k in range(measured.max_prefix + 1)]
     fitting = [c for c in candidates if c.fits]
     if not fitting:
@@ -263,13 +298,13 @@ def plan_prefix(measured: BlockBytes, budget: str | int | float | Budget, *, cac
             f"frozen needs {format_bytes(none_peak)}"
             + (f" and the freezing strategy holds {format_bytes(best.buckets.get(Bucket.STRATEGY, 0))} more there "
                "(its own state: another strategy may hold less)" if best.buckets.get(Bucket.STRATEGY, 0) else "")
-            + f". Raise the budget to at least {format_bytes(best.least_bytes)}, or lower train.batch_size (saved "
+            + f". Raise the budget to at least {budget_at_least(best.least_bytes)}, or lower train.batch_size (saved "
             "activations scale with it)", smallest_bytes=best.least_bytes)
     chosen = fitting[0]
     return MemoryPlan(budget=str(parsed), budget_bytes=limit, none_peak_bytes=none_peak, k=chosen.k,
                       block_names=list(measured.block_names), predicted_peak_bytes=chosen.predicted_bytes,
                       cache_budget_bytes=chosen.cache_budget_bytes, candidates=candidates, measured=measured,
-                      strategy_freezes=strategy_freezes)
+                      strategy_freezes=strategy_freezes, strategy_starts_prefix=strategy_starts_prefix)
 
 
 def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget, *,
@@ -279,7 +314,7 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
                 cache_budget_bytes: int | None = None, strategy_freezes: bool = True,
                 sources: Sequence[Any] = (), train_bn: bool = False, unfrozen: bool = False,
                 strategy: str | Strategy | None = None, params: dict[str, Any] | None = None,
-                cache_batch: Any = None) -> MemoryPlan:
+                cache_batch: Any = None, demote: Demotion | dict[str, Any] | None = None) -> MemoryPlan:
     """Measure ``model`` on ``batch`` and plan the frozen prefix that fits ``budget``.
 
     Two real training steps with nothing frozen (:func:`~layerfreeze.budget.measure.measure_blocks`: the model, its
@@ -304,7 +339,8 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
         cache_batch: ``batch`` as the model's forward takes it, for the cache's prefix (default ``batch``): where
             ``loss`` converts the batch (``bf16-true``'s bfloat16 inputs), the same conversion.
         cache_budget_bytes: The most host memory the cache gets anyway.
-        strategy_freezes: Whether the strategy may freeze beyond the floor (False for ``none``).
+        strategy_freezes: Whether the strategy may freeze beyond the floor (False for ``none``). A ``strategy``
+            that never freezes block 0 (``lisa``) is charged no activation cache where the floor is empty.
         sources: Byte sources beside the model (frozen side models), counted in every prefix's peak.
         train_bn: BatchNorm layers of frozen blocks keep training (the cache then refuses a prefix holding one).
         unfrozen: Measure as if no block were frozen (a Freezer already froze some; see
@@ -312,6 +348,11 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
         strategy / params: The run's strategy (a name and its parameters, or an instance not yet attached), or
             None: what it holds (SmartFRZ's recorder, Egeria's shadow copy and reference: the ledger's ``strategy``
             bucket) counts in every prefix's peak, measured on a twin of it attached to ``model`` for the steps.
+        demote: The run's ``Freezer(demote=...)`` (a :class:`~layerfreeze.engine.demote.Demotion` or its keyword
+            arguments), or None: a frozen prefix's weights and floating buffers count at the demoted dtype, plus
+            their float32 master copy where it is kept in host memory (``master: memory``, or ``auto`` on an
+            accelerator); one on disk (``auto`` on the CPU) is not memory. An offload moves the cast weights to host
+            memory, which changes no total.
 
     Returns:
         A :class:`MemoryPlan`: ``plan.floor``, ``plan.predicted_peak_bytes``, ``plan.gives_up()``, every prefix in
@@ -320,20 +361,36 @@ def plan_memory(model: nn.Module, batch: Any, budget: str | int | float | Budget
     Raises:
         BudgetError: the budget cannot be read or cannot be met (``smallest_bytes``).
         BlockDiscoveryError / TypeError / ValueError: as :func:`~layerfreeze.budget.measure.measure_blocks` and
-            :func:`~layerfreeze.budget.measure.measure_cache`.
+            :func:`~layerfreeze.budget.measure.measure_cache`; ValueError also for a ``demote`` the Freezer refuses
+            (a bad setting, ``train_bn``).
     """
     parsed = parse_budget(budget)  # a malformed budget fails before anything runs
-    if strategy is not None:
+    if strategy is not None or demote is not None:
         blocks = blocks_of(model, blocks)
+    demoter = build_demoter(demote, blocks, train_bn=train_bn, sharded=False)  # type: ignore[arg-type]
     with _attached_twin(strategy, params, model, blocks) as (held, per_block):
         measured = measure_blocks(model, batch, loss=loss, optimizer=optimizer, blocks=blocks, steps=steps,
                                   sources=[*sources, *held], unfrozen=unfrozen)
     if per_block is not None:  # AutoFreeze's gradient sums: a frozen prefix's are never allocated
         measured.blocks[Bucket.STRATEGY] = per_block
+    if demoter is not None:
+        measured.demoted = _demoted_per_block(demoter, blocks)  # type: ignore[arg-type]
     if cache_dataset is not None:
         measured.cache = measure_cache(model, batch if cache_batch is None else cache_batch, cache_dataset,
                                        blocks=blocks, dtype=cache_dtype, train_bn=train_bn)
-    return plan_prefix(measured, parsed, cache_budget_bytes=cache_budget_bytes, strategy_freezes=strategy_freezes)
+    starts = not (held and getattr(held[0], "trains_first_block", False))  # held[0]: the strategy's twin
+    return plan_prefix(measured, parsed, cache_budget_bytes=cache_budget_bytes, strategy_freezes=strategy_freezes,
+                       strategy_starts_prefix=starts)
+
+
+def _demoted_per_block(demoter: Demoter, blocks: Sequence[Block]) -> dict[str, list[int]]:
+    """``{bucket: [bytes per block]}`` demoting each block changes on memory devices (the disk left out; 0 for the
+    head, never frozen)."""
+    out: dict[str, list[int]] = {}
+    for i, block in enumerate(blocks):
+        for bucket, per in ({} if block.is_head else demoter.demoted_bytes(block)).items():
+            out.setdefault(str(bucket), [0] * len(blocks))[i] = sum(n for d, n in per.items() if d != DISK)
+    return out
 
 
 @contextmanager

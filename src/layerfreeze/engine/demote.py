@@ -284,6 +284,27 @@ class Demoter:
             elif index >= depth and m.offloaded:
                 self._restore_offloaded(m)
 
+    def demoted_bytes(self, block: Block) -> dict[str, dict[str, int]]:
+        """What demoting ``block`` at its freeze changes, in bytes per bucket and device, the block left untouched (a
+        memory plan's figure): ``params_frozen`` and ``buffers`` shrink by the cast (negative, on the tensors'
+        devices), ``params_master`` grows by the master copy, in host memory (``"cpu"``) or on disk (:data:`DISK`).
+        Empty for a block it would not manage (:attr:`skipped`) or with nothing to cast. Offloading moves the cast
+        weights to host memory (``params_offloaded``), which changes no total: left out."""
+        if self.dtype is None or block.index in self.skipped:
+            return {}
+        m = _Managed(block, list(block.named_parameters()))
+        size = torch.empty((), dtype=self.dtype).element_size()
+        owned = {n for n, _ in m.params}
+        out: dict[str, dict[str, int]] = {}
+        for name, t in m.tensors:
+            if t.is_floating_point() and t.dtype != self.dtype:
+                per = out.setdefault(Bucket.PARAMS_FROZEN if name in owned else Bucket.BUFFERS, {})
+                per[str(t.device)] = per.get(str(t.device), 0) - t.numel() * (t.element_size() - size)
+        if out:  # _demote takes a master copy of every tensor of the block
+            place = "cpu" if self._master_place(m) == "memory" else DISK
+            out[Bucket.PARAMS_MASTER] = {place: sum(_nbytes(t) for _, t in m.tensors)}
+        return out
+
     # ---- integrity -----------------------------------------------------------------------------------------
 
     def kept(self, block: Block, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

@@ -75,7 +75,6 @@ from layerfreeze.runs.ledger_counting import (
     _is_weight_cast,
     _Saved,
     _Segment,
-    _source_tensors,
     _storage,
     _Tally,
 )
@@ -193,7 +192,6 @@ class MemoryLedger:
                 self._hooks.append(module.register_forward_hook(self._leave_block, always_call=True))
         for opt in self.optimizers:
             self._hooks.append(opt.register_step_post_hook(self._after_optimizer_step))
-        self._held = _held_storages(self.model, self.sources)
 
     # ---- configuration ----------------------------------------------------------------------------------------
 
@@ -245,6 +243,9 @@ class MemoryLedger:
         self._requested = False
         self._sampling = True
         self._stack, self._segments, self._unpacked, self._after_opt = [], [_Segment(len(self.blocks))], False, None
+        # the storages of the parameters, buffers and sources as they are now: one freed since the last sample (a
+        # demotion's cast, a thaw's restore, a LISA switch) may hold one of this step's activations now
+        self._held = _held_storages(self.model, self.sources)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saved_hooks.__enter__()
         return True
@@ -355,12 +356,11 @@ class MemoryLedger:
             _count_model(tally, self.model, self._block)
             _count_optimizer(tally, self.optimizers, self._block)
         _count_buffers(tally, self.model)
-        self._held = tally.held | _source_tensors(self.sources)
-        outside = 0
+        outside, shared = 0, []
         if activations and self._segments:
             # a forward whose backward never ran (no backward in the step) counts what it holds now
-            per_device, per_block, outside, casts = max((seg.close() for seg in self._segments),
-                                                        key=lambda r: sum(r[0].values()) + sum(r[3].values()))
+            per_device, per_block, outside, casts, shared = max(
+                (seg.close() for seg in self._segments), key=lambda r: sum(r[0].values()) + sum(r[3].values()))
             for device, n in per_device.items():
                 tally.add(Bucket.ACTIVATIONS, device, n)
             for device, n in casts.items():  # autocast's copies of the weights (train.precision *-mixed)
@@ -378,7 +378,8 @@ class MemoryLedger:
             step=step, devices=devices, params_dtype=tally.params_dtype,
             block_names=[str(b.name) for b in self.blocks],
             blocks=tally.blocks if self.blocks else {}, blocks_frozen=frozen if self.blocks else [],
-            activations_outside=outside, allocator=_allocator(tally.devices),
+            activations_outside=outside, activations_shared=list(shared) if self.blocks else [],
+            allocator=_allocator(tally.devices),
             rss_bytes=int(self._process.memory_info().rss))
 
     # ---- lifetime -----------------------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ The ledger (:class:`~layerfreeze.runs.ledger.MemoryLedger`) wires these into a t
 * storages: :func:`_storage` (a storage's key, bytes and device), :func:`_is_parameter`, :func:`_dtype_name`;
 * a tally of one snapshot (:class:`_Tally`) and the walks that fill it: parameters and gradients
   (:func:`_count_model`), buffers (:func:`_count_buffers`), optimizer state (:func:`_count_optimizer`), byte sources
-  (:func:`_count_sources`), the storages that are never saved activations (:func:`_held_storages`,
-  :func:`_source_tensors`), the CUDA caching allocator's figures (:func:`_allocator`);
+  (:func:`_count_sources`), the storages that are never saved activations (:func:`_held_storages`), the CUDA
+  caching allocator's figures (:func:`_allocator`);
 * saved tensors: what the saved-tensor hooks keep (:class:`_Saved`) and the storages one forward holds for backward
   (:class:`_Segment`, :class:`_Live`);
 * optimizers: :func:`innermost_optimizer` (a framework's wrapper unwrapped), :func:`_inner_optimizers`.
@@ -129,7 +129,6 @@ class _Tally:
         self.blocks = {b: [0] * num_blocks for b in BLOCK_BUCKETS}
         self.params_dtype: dict[str, dict[str, int]] = {}
         self.seen: set[Any] = set()
-        self.held: set[Any] = set()  # storage keys of the parameters and buffers walked
 
     def add(self, bucket: str, device: str, nbytes: int) -> None:
         per = self.devices.setdefault(str(device), {})
@@ -146,29 +145,16 @@ def _held_storages(model: nn.Module, sources: Iterable[Any]) -> set[Any]:
     return {info[0] for info in map(_storage, tensors) if info is not None}
 
 
-def _source_tensors(sources: Iterable[Any]) -> set[Any]:
-    keys = set()
-    for source in sources:
-        held = getattr(source, "ledger_tensors", None)
-        for t in (held() if held is not None else ()):
-            info = _storage(t)
-            if info is not None:
-                keys.add(info[0])
-    return keys
-
-
 def _count_model(tally: _Tally, model: nn.Module, block: Callable[[torch.Tensor], int | None]) -> None:
     """The parameters (trainable/frozen, by dtype, per block) and their gradients, in one walk."""
     sums: dict[tuple[str, str], int] = {}
     dtypes = tally.params_dtype
-    held = set()
     per_block_params, per_block_grads = tally.blocks["params"], tally.blocks["grads"]
     for p in model.parameters():
         index = block(p)
         info = _storage(p)
         if info is not None:
             key, nbytes, device = info
-            held.add(key)
             if key not in tally.seen:
                 tally.seen.add(key)
                 kind = "trainable" if p.requires_grad else "frozen"
@@ -188,7 +174,6 @@ def _count_model(tally: _Tally, model: nn.Module, block: Callable[[torch.Tensor]
                 per_block_grads[index] += nbytes
     for (bucket, device), n in sums.items():
         tally.add(bucket, device, n)
-    tally.held = held
 
 
 def _count_buffers(tally: _Tally, model: nn.Module) -> None:
@@ -198,7 +183,6 @@ def _count_buffers(tally: _Tally, model: nn.Module) -> None:
         if info is None:
             continue
         key, nbytes, device = info
-        tally.held.add(key)
         if key not in tally.seen:
             tally.seen.add(key)
             sums[device] = sums.get(device, 0) + nbytes
@@ -276,12 +260,15 @@ def _allocator(devices: Iterable[str]) -> dict[str, dict[str, int]]:
 
 
 class _Live:
-    """One storage autograd holds for backward: how many saved tensors hold it, its bytes, device and block."""
+    """One storage autograd holds for backward: how many saved tensors hold it, its bytes, device and block (the
+    first block that saved it, which it counts for), and ``last``: the last block that saved it (the number of
+    blocks when an op after the last block, the loss, saved it too; None until known)."""
 
-    __slots__ = ("block", "cast", "count", "device", "nbytes")
+    __slots__ = ("block", "cast", "count", "device", "last", "nbytes")
 
     def __init__(self, nbytes: int, device: str, block: int | None, cast: bool = False) -> None:
         self.count, self.nbytes, self.device, self.block, self.cast = 0, nbytes, device, block, cast
+        self.last = block
 
 
 class _Saved:
@@ -298,6 +285,12 @@ class _Saved:
             self.segment.release(self.key)
 
 
+#: What one forward's saved activations come to (:meth:`_Segment.close`): bytes per device, per block, outside every
+#: block, autocast's weight casts per device, and per block ``k`` the bytes a frozen prefix of ``k`` blocks still
+#: holds of the storages counted for blocks before ``k`` (:meth:`_Segment.close`).
+SegmentResult = tuple[dict[str, int], list[int], int, dict[str, int], list[int]]
+
+
 class _Segment:
     """The saved activations of one forward (a step with gradient accumulation has several; the largest counts):
     the storages autograd holds, counted when the backward starts (its first unpack), so a graph dropped during the
@@ -307,8 +300,8 @@ class _Segment:
         self.num_blocks = num_blocks
         self.live: dict[Any, _Live] = {}
         self.pending: list[_Live] = []  # saved between blocks: they count for the next block that runs
-        # (activations per device, per block, outside any block, autocast's weight casts per device)
-        self.result: tuple[dict[str, int], list[int], int, dict[str, int]] | None = None
+        self.again: list[_Live] = []  # saved again between blocks: the next block that runs saved them last
+        self.result: SegmentResult | None = None
 
     def hold(self, key: Any, nbytes: int, device: str, block: int | None, cast: bool = False) -> None:
         entry = self.live.get(key)
@@ -316,6 +309,10 @@ class _Segment:
             entry = self.live[key] = _Live(nbytes, device, block, cast)
             if block is None:
                 self.pending.append(entry)
+        elif block is None:
+            self.again.append(entry)
+        elif entry.last is None or block > entry.last:
+            entry.last = block
         entry.count += 1
 
     def release(self, key: Any) -> None:
@@ -327,23 +324,39 @@ class _Segment:
 
     def enter_block(self, index: int) -> None:
         for entry in self.pending:
-            entry.block = index
-        self.pending = []
+            entry.block = entry.last = index
+        for entry in self.again:
+            entry.last = index if entry.last is None else max(entry.last, index)
+        self.pending, self.again = [], []
 
-    def close(self) -> tuple[dict[str, int], list[int], int, dict[str, int]]:
+    def close(self) -> SegmentResult:
         """The bytes held now (once: later calls return the first result): activations per device, per block and
-        outside every block, and autocast's weight casts per device (counted per block with the activations)."""
+        outside every block, autocast's weight casts per device (counted per block with the activations), and
+        ``shared``: per block ``k``, the bytes of the storages counted for a block before ``k`` that block ``k`` or a
+        later one (or the loss) saved too. A ReLU or Tanh at a block's end saves its output, the next block's first
+        Linear saves the same storage as its input, and the storage counts for the first; a frozen prefix of ``k``
+        blocks gives back what its blocks saved less ``shared[k]``, which the blocks from ``k`` on still save."""
         if self.result is None:
             devices: dict[str, int] = {}
             casts: dict[str, int] = {}
             blocks, outside = [0] * self.num_blocks, 0
+            change = [0] * (self.num_blocks + 1)
+            for entry in self.again:  # saved again after the last block: the loss holds them whatever is frozen
+                entry.last = self.num_blocks
             for entry in self.live.values():
                 where = casts if entry.cast else devices
                 where[entry.device] = where.get(entry.device, 0) + entry.nbytes
                 if entry.block is None:
                     outside += entry.nbytes
-                else:
-                    blocks[entry.block] += entry.nbytes
-            self.result = devices, blocks, outside, casts
-            self.live, self.pending = {}, []
+                    continue
+                blocks[entry.block] += entry.nbytes
+                if entry.last is not None and entry.last > entry.block:  # held across boundaries block+1 .. last
+                    change[entry.block + 1] += entry.nbytes
+                    change[min(entry.last, self.num_blocks - 1) + 1] -= entry.nbytes
+            shared, running = [], 0
+            for k in range(self.num_blocks):
+                running += change[k]
+                shared.append(running)
+            self.result = devices, blocks, outside, casts, shared
+            self.live, self.pending, self.again = {}, [], []
         return self.result

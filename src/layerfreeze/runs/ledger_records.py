@@ -49,6 +49,11 @@ class LedgerSnapshot:
         blocks_frozen: Per block, whether it was frozen (from the freezer; empty without one).
         activations_outside: Saved-activation bytes no block's modules were running for (the loss, ops after the
             last block; ops between two blocks count for the block after them).
+        activations_shared: Per block ``k``, the saved-activation bytes counted for blocks before ``k`` (a storage
+            counts for the first block that saved it) that block ``k`` or a later one (or the loss) saved too: a
+            block ending in a ReLU, which saves its output, and the next block's Linear, which saves the same storage
+            as its input. A frozen prefix of ``k`` blocks still holds them (the memory planner,
+            :mod:`layerfreeze.budget.measure`, reads it). Not in :meth:`to_record`: empty in a snapshot read back.
         allocator: ``{cuda device: {"allocated", "reserved", "peak_allocated", "peak_reserved"}}`` from the CUDA
             caching allocator when the step ended (peaks since the last ``torch.cuda.reset_peak_memory_stats``);
             empty on CPU.
@@ -62,6 +67,7 @@ class LedgerSnapshot:
     blocks: dict[str, list[int]] = field(default_factory=dict)
     blocks_frozen: list[bool] = field(default_factory=list)
     activations_outside: int = 0
+    activations_shared: list[int] = field(default_factory=list)
     allocator: dict[str, dict[str, int]] = field(default_factory=dict)
     rss_bytes: int = 0
 

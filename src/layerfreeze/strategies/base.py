@@ -143,6 +143,10 @@ class Strategy:
     #: of such a block trains it at LR 0 until the strategy freezes it again, so the stability guard cannot undo its
     #: freezes (the Freezer refuses the pair).
     anneals_to_zero: ClassVar[bool] = False
+    #: Whether block 0 always trains (LISA's embeddings): with no floor below it the run has no frozen prefix, so
+    #: the activation cache serves nothing, and a memory plan charges the strategy none
+    #: (:func:`~layerfreeze.budget.plan.plan_memory`).
+    trains_first_block: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.stage_every: int | None = None

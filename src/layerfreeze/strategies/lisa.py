@@ -60,6 +60,8 @@ class LISA(LayerRotation):
             (:meth:`validate`, at the start stage and when the strategy is built for a model).
     """
 
+    trains_first_block = True  # the embeddings: no frozen prefix of its own, nothing for the activation cache
+
     def __init__(self, gamma: int = 2, k: int = 20, seed: int | None = None) -> None:
         if not is_int(gamma) or gamma < 1:
             raise ValueError(f"lisa: gamma must be an integer >= 1 (middle layers trained at a time), got {gamma!r}")

@@ -433,8 +433,10 @@ def plan_run_memory(trainer: Trainer, model: nn.Module, blocks: list, announce: 
     """The memory budget's plan (``freeze.memory_budget``, :func:`~layerfreeze.budget.plan.plan_memory`): two real steps
     on the first batch of epoch 1 with nothing frozen (the model, its buffers and the RNG come back as they were), the
     activation cache's bytes for the training set when the run will keep one, what the strategy itself holds (the
-    ledger's ``strategy`` bucket, on a twin of it), and the shortest frozen prefix that fits. Runs before the run folder
-    exists. ``announce``: write :func:`plan_headline` (``layerfreeze plan`` prints it itself, under its own header).
+    ledger's ``strategy`` bucket, on a twin of it), what ``freeze.demote`` makes of the frozen prefix's weights (the
+    demoted dtype, the master copies kept in host memory), and the shortest frozen prefix that fits. Runs before the
+    run folder exists. ``announce``: write :func:`plan_headline` (``layerfreeze plan`` prints it itself, under its own
+    header).
 
     Raises:
         BudgetError: no frozen prefix fits (exit code 2; the message names the smallest reachable peak).
@@ -457,6 +459,8 @@ def plan_run_memory(trainer: Trainer, model: nn.Module, blocks: list, announce: 
         cache_dtype = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[cache.dtype]
         cache_cap = auto_budget_bytes() if cache.budget_mb is None else int(cache.budget_mb * 2**20)
     task, precision = trainer.task, trainer.precision
+    d = cfg.freeze.demote  # the frozen prefix's weights at the demoted dtype, their master copies where they are kept
+    demote = Demotion(d.dtype, d.offload, d.master) if d is not None else None
 
     def loss(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:  # the step's forward (train.precision)
         with precision.autocast():
@@ -466,7 +470,8 @@ def plan_run_memory(trainer: Trainer, model: nn.Module, blocks: list, announce: 
                        optimizer=trainer.optimizer, blocks=blocks, cache_dataset=cache_set, cache_dtype=cache_dtype,
                        cache_budget_bytes=cache_cap, strategy_freezes=cfg.freeze.strategy != "none",
                        train_bn=cfg.freeze.train_bn, strategy=cfg.freeze.strategy, params=cfg.freeze.params,
-                       cache_batch=precision.convert_input(batch))  # bf16-true: bfloat16 inputs, as the weights
+                       cache_batch=precision.convert_input(batch),  # bf16-true: bfloat16 inputs, as the weights
+                       demote=demote)
     if announce:
         trainer.say(plan_headline(plan))
     return plan

@@ -53,7 +53,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -63,7 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerfreeze.engine.demotion import DEMOTE_DTYPES, DemotedWeightsError, Demotion, cast_floating
+from layerfreeze.engine.demotion import DEMOTE_DTYPES, DemotedWeightsError, Demotion, cast_floating, out_of_range
 from layerfreeze.engine.integrity import checksum
 from layerfreeze.models.blocks import Block
 from layerfreeze.runs.ledger_buckets import DISK, Bucket
@@ -224,32 +223,14 @@ class Demoter:
             return self.skipped[block.index]
         if block.index in self._managed:
             return None
-        if (why := self._out_of_range(block, params)) is not None:
-            return why
+        if self.dtype is not None and (why := out_of_range(block.name, self.dtype, params)) is not None:
+            return why  # float32 while frozen (a later freeze checks again)
         m = _Managed(block, params)
         self._managed[block.index] = m
         if self.dtype is not None and any(t.is_floating_point() and t.dtype != self.dtype for _, t in m.tensors):
             self._demote(m, take_master=True)
         self._install_hooks(m)
         return None
-
-    def _out_of_range(self, block: Block, params: list[tuple[str, nn.Parameter]]) -> str | None:
-        """Why ``block`` is not demoted at this freeze (None: it is): a finite weight beyond the demotion dtype's range
-        (float16's is +-65504), which the cast turns into inf, exactly the cast of its master copy, so no check saw
-        it: the loss went NaN, in silence in the user's own loop. Warns naming the block and tensors; the block stays
-        in float32 while frozen (a later freeze checks again)."""
-        if self.dtype is None:
-            return None
-        limit = torch.finfo(self.dtype).max
-        over = [n for n, t in params if t.is_floating_point() and t.dtype != self.dtype
-                and bool((torch.isfinite(t) & (t.detach().abs() > limit)).any())]
-        if not over:
-            return None
-        why = (f"its weights {', '.join(over)} exceed {str(self.dtype).removeprefix('torch.')}'s range (+-{limit:g}): "
-               "demoted, they would be inf")
-        warnings.warn(f"demote: frozen block {block.name!r} stays in float32: {why}; demote to bfloat16 (float32's "
-                      "range) instead", stacklevel=5)
-        return why
 
     def on_thaw(self, block: Block) -> None:
         """Give a block that thaws its float32 weights back, exactly, on the training device, and remove its hooks.

@@ -1,6 +1,6 @@
 """What a demotion of frozen blocks is: its settings (:class:`Demotion`: the dtype, the offload target, where the
-float32 master copy goes), its error (:class:`DemotedWeightsError`), and the cast of a block's nested inputs and
-outputs (:func:`cast_floating`).
+float32 master copy goes), its error (:class:`DemotedWeightsError`), the cast of a block's nested inputs and
+outputs (:func:`cast_floating`), and what may not be cast (:func:`out_of_range`).
 
 The spec, with no state: the :class:`~layerfreeze.engine.demote.Demoter` (:mod:`layerfreeze.engine.demote`, which
 explains what demotion does and re-exports these names) holds the demoted weights, their master copies and hooks.
@@ -8,6 +8,8 @@ explains what demotion does and re-exports these names) holds the demoted weight
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,3 +108,20 @@ def cast_floating(obj: Any, to: torch.dtype, only: torch.dtype | None = None) ->
             obj[k] = cast_floating(obj[k], to, only)
         return obj
     return obj
+
+
+def out_of_range(block: str, dtype: torch.dtype, params: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """Why frozen block ``block`` is not demoted to ``dtype`` (None: it may be): a finite weight beyond ``dtype``'s
+    range (float16's is +-65504), which the cast turns into inf, exactly the cast of its master copy, so no check saw
+    it and the loss went NaN, in silence in the user's own loop. Warns naming the block and tensors."""
+    limit = torch.finfo(dtype).max
+    over = [n for n, t in params if t.is_floating_point() and t.dtype != dtype
+            and bool((torch.isfinite(t) & (t.detach().abs() > limit)).any())]
+    if not over:
+        return None
+    why = f"its weights {', '.join(over)} exceed {str(dtype).removeprefix('torch.')}'s range (+-{limit:g}): demoted, " \
+          "they would be inf"
+    # stacklevel 5: this function, Demoter.on_freeze, freeze_block, Freezer.freeze, its caller
+    warnings.warn(f"demote: frozen block {block!r} stays in float32: {why}; demote to bfloat16 (float32's range) "
+                  "instead", stacklevel=5)
+    return why

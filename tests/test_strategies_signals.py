@@ -217,6 +217,35 @@ def test_autofreeze_ratios_and_percentile_decisions_on_crafted_series():
     assert d4.freeze == [1] and d4.signals["candidates"] == 4
 
 
+def test_autofreeze_scores_only_the_stacks_layers_and_freezes_the_embeddings_with_a_layer():
+    # the public code scores only the encoder layers: the embeddings and BERT's pooler were scored too, so the
+    # embeddings froze alone (BENCHMARKS' bert.embeddings@26) and the pooler could be what alone still trained
+    def ctx(step, grad, frozen=None):
+        frozen = frozen or [False] * 7
+        blocks = [BlockView(str(i), i, frozen[i], i == 6, 10, is_layer=1 <= i <= 4) for i in range(7)]
+        return StageContext(step=step, epoch=0, event="step", blocks=blocks, signals={"grad_l1": list(grad)})
+
+    # the helper's measured ratios: embeddings 3.23, layers 6.66 6.34 6.63 6.67, pooler 2.81
+    prev = [1.0] * 6 + [1.0]
+    cur = [4.23, 7.66, 7.34, 7.63, 7.67, 3.81, 1.0]
+    s = AutoFreeze()
+    s.decide(ctx(50, prev))
+    d = s.decide(ctx(100, cur))
+    assert d.signals["threshold"] == pytest.approx(np.percentile([6.66, 6.34, 6.63, 6.67], 50))
+    assert math.isnan(d.signals["ratios"][0]) and math.isnan(d.signals["ratios"][5])
+    assert d.signals["first_unstable"] == 1 and d.freeze == []  # was [0]: the embeddings alone
+    # the embeddings above the layers' median: they no longer hold the layers back; they freeze with layers 1, 2
+    s = AutoFreeze()
+    s.decide(ctx(50, prev))
+    d = s.decide(ctx(100, [9.0, 1.1, 1.2, 5.0, 6.0, 1.0, 1.0]))  # layer ratios .1 .2 4 5 -> median 2.1
+    assert d.signals["first_unstable"] == 3 and d.freeze == [0, 1, 2]
+    # the last layer unstable, everything else stable: the pooler (block 5) never freezes
+    s = AutoFreeze(percentile=100)
+    s.decide(ctx(50, prev))
+    d = s.decide(ctx(100, [1.0, 1.0, 1.0, 1.0, 9.0, 1.0, 1.0]))
+    assert d.freeze == [0, 1, 2, 3]
+
+
 def test_autofreeze_freezes_several_blocks_at_once_and_percentile_parameter():
     prev, cur = [1.0, 1.0, 1.0, 1.0, 5.0], [0.99, 0.98, 0.1, 0.2, 5.0]  # ratios .01 .02 .9 .8
     s = AutoFreeze()
@@ -304,6 +333,27 @@ def test_autofreeze_through_the_freezer_with_crafted_gradients():
     drive_autofreeze(freezer, model, optimizer, GRAD_SERIES[2:])
     assert freeze_steps(freezer) == {0: 4, 1: 8}
     assert freezer.frozen == [True, True, False, False, False]
+
+
+def test_autofreeze_keeps_gradient_sums_only_for_the_stacks_layers_of_a_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from layerfreeze.models.blocks import stack_layers
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=3,
+                                                     num_attention_heads=2, intermediate_size=32))
+    blocks = discover_blocks(model)
+    assert stack_layers(blocks) == [False, True, True, True, False, False]  # embeddings, 3 layers, pooler, head
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Freezer(model, optimizer, "autofreeze", total_steps=20) as freezer:
+        ids = torch.randint(0, 64, (4, 8))
+        model(input_ids=ids, labels=torch.tensor([0, 1, 0, 1])).loss.backward()
+        optimizer.step()
+        held = {i for i in range(6) if freezer._grad_sums.of_block(i)}
+        assert held == {1, 2, 3}  # no float32 copy of the embeddings' gradients (the largest block), the pooler's
+        assert sum(t.numel() for i in held for t in freezer._grad_sums.of_block(i)) == sum(
+            p.numel() for b in blocks[1:4] for p in b.parameters())
 
 
 @pytest.mark.parametrize("total_steps,num_intervals,every", [(20, 10, 2), (25, 10, 2), (8, 4, 2), (5, 10, 1),

@@ -53,10 +53,10 @@ from torch import nn
 from layerfreeze.budget.measure import BlockBytes, blocks_of, measure_blocks, measure_cache
 from layerfreeze.budget.parse import Budget, parse_budget
 from layerfreeze.engine.demote import Demoter, Demotion, build_demoter
-from layerfreeze.engine.grad_signal import GradientSums
+from layerfreeze.engine.grad_signal import GradientSums, unsummed
 from layerfreeze.engine.params import BlockParams
 from layerfreeze.errors import BudgetError
-from layerfreeze.models.blocks import Block
+from layerfreeze.models.blocks import Block, stack_layers
 from layerfreeze.runs.ledger_buckets import DISK, Bucket
 from layerfreeze.runs.summary import format_bytes
 from layerfreeze.strategies import Strategy, create_strategy
@@ -413,7 +413,7 @@ def _attached_twin(strategy: str | Strategy | None, params: dict[str, Any] | Non
     held: list[Any] = [twin]
     per_block = None
     if "grad_l1" in twin.signals:
-        sums = GradientSums(len(blocks), [b.is_head and not twin.head_signals for b in blocks])
+        sums = GradientSums(len(blocks), unsummed(blocks, stack_layers(blocks), twin))
         sums.prepare([False] * len(blocks), BlockParams(blocks, cache=False))
         held.append(lambda: {Bucket.STRATEGY: storage_bytes(sums.held_tensors())})
         per_block = [sum(t.numel() * t.element_size() for t in sums.of_block(i)) for i in range(len(blocks))]

@@ -19,7 +19,7 @@ from layerfreeze.engine.mechanics import refuse_second_freezer
 from layerfreeze.engine.optim import check_model_and_optimizer
 from layerfreeze.engine.sharding import sharded
 from layerfreeze.engine.takeover import check_earlier
-from layerfreeze.models.blocks import Block, unassigned_warning
+from layerfreeze.models.blocks import Block, stack_layers, unassigned_warning
 from layerfreeze.models.discovery import discover_blocks, refuse_empty_parameters
 from layerfreeze.strategies import Strategy, create_strategy
 from layerfreeze.strategies.registry import check_strategy_arguments
@@ -33,6 +33,7 @@ class Resolved(NamedTuple):
     earlier: list[Any]  # earlier Freezers on the model (closed, or deep copies): what take_over takes from
     fsdp: list[nn.Module]  # the model's FSDP2 modules (empty: not sharded)
     registered: dict[str, nn.Parameter]  # a sharded model's parameters by name, read before the blocks ({} otherwise)
+    layers: list[bool]  # per block, a layer of the repeated stack (stack_layers)
 
 
 def resolve(model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy: str | Strategy,
@@ -69,4 +70,4 @@ def resolve(model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy:
                       "rate to 0 before it freezes it: a guard's thaw trains the block at 0 until the strategy freezes "
                       "it again, so the guard cannot undo its freezes. Drop the guard, or pick a strategy the guard "
                       "can undo", stacklevel=3)
-    return Resolved(resolved, strategy, earlier, fsdp, registered)
+    return Resolved(resolved, strategy, earlier, fsdp, registered, stack_layers(resolved))

@@ -39,7 +39,7 @@ from layerfreeze.engine.attach import attach_optimizer
 from layerfreeze.engine.demote import Demoter, build_demoter
 from layerfreeze.engine.demotion import Demotion
 from layerfreeze.engine.freezing import freeze_block, refreeze, thaw_asked, warn_if_nothing_trains
-from layerfreeze.engine.grad_signal import GradientSums
+from layerfreeze.engine.grad_signal import GradientSums, unsummed
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
 from layerfreeze.engine.lr_factors import (
@@ -195,14 +195,14 @@ class Freezer:
         # what the user set before the Freezer, a thaw gives back as it was (mechanics.frozen_before, not_optimized)
         self._frozen_before = frozen_before(model)
         self._not_optimized = not_optimized(model, self._origin) if optimizer is not None else set()
-        self._taken_back: list[tuple[nn.Parameter, Any, int | None]] = []  # takeover.take_over: (param, its
-        # earlier Freezer's optimizer, its group there)
+        self._taken_back: list[tuple[nn.Parameter, Any, int | None]] = []  # take_over's (param, optimizer, group)
         self._hooks: dict[int, list[Any]] = {}
         self._root_eval_hook: Any = None  # registered at the first freeze (_eval_frozen_blocks)
         self.integrity = FrozenSet(on_unfrozen, warn=functools.partial(steps.integrity_warning, self),
                                    quick=not self._fsdp)
         self._params = BlockParams(self.blocks, cache=not self._fsdp)  # walked again after a structure change
-        self._grad_sums = GradientSums(len(self.blocks), [b.is_head and not strategy.head_signals for b in self.blocks])
+        self._layers = resolved.layers  # the repeated stack's blocks (BlockView.is_layer: models.blocks.stack_layers)
+        self._grad_sums = GradientSums(len(self.blocks), unsummed(self.blocks, self._layers, strategy))
         self._grad_hook: Any = None  # the optimizer step post-hook adding gradients to the grad_l1 sums (steps.py)
         self._step_times = StepTimes()  # the step intervals the strategies read (timing.py)
         self._backward_calls = 0

@@ -68,13 +68,21 @@ class _Plan:
     sharded: bool
 
 
+def unsummed(blocks: Sequence[Any], layers: Sequence[bool], strategy: Any) -> list[bool]:
+    """Per block, whether ``strategy`` never reads its ``grad_l1`` (:class:`GradientSums`' ``skip``): the head unless
+    ``strategy.head_signals``, and every block but the stack's ``layers`` when ``strategy.layer_signals_only``
+    (:func:`~layerfreeze.models.blocks.stack_layers`)."""
+    return [(b.is_head and not strategy.head_signals) or (strategy.layer_signals_only and not layers[b.index])
+            for b in blocks]
+
+
 class GradientSums:
     """Per-parameter running sums of the trainable blocks' gradients since the last stage, and each block's L1 norm
     of them (module docstring).
 
     Args:
         num_blocks: The number of blocks (one ``grad_l1`` value each).
-        skip: Per block, whether it is never summed (a head the strategy does not read: ``Strategy.head_signals``);
+        skip: Per block, whether it is never summed (a block the strategy does not read: :func:`unsummed`);
             default none.
     """
 

@@ -160,8 +160,8 @@ def context(freezer: Freezer, event: str, grad_l1: list[float] | None = None) ->
             called since the last stage.
     """
     of = freezer._params.of  # each block's parameters, listed once per structure change (Block.num_parameters walks)
-    views = [BlockView(b.name, b.index, freezer.frozen[b.index], b.is_head, sum(p.numel() for p in of(b.index)))
-             for b in freezer.blocks]
+    views = [BlockView(b.name, b.index, freezer.frozen[b.index], b.is_head, sum(p.numel() for p in of(b.index)),
+                       freezer._layers[b.index]) for b in freezer.blocks]
     signals: dict[str, Any] = {}
     if "grad_l1" in freezer.strategy.signals and event != "start":
         if freezer._backward_calls == 0 and freezer._grad_hook is None:  # no optimizer step reads them either

@@ -43,27 +43,33 @@ class AutoFreeze(Strategy):
     ``optimizer.step()``, after a ``GradScaler`` unscaled them, once per update whatever the gradient accumulation;
     a Freezer without an optimizer at ``Freezer.after_backward``; :mod:`layerfreeze.engine.grad_signal`):
 
-    1. ``cur[i] = grad_l1[i]`` for every *active non-head* block ``i`` (the head is never a candidate, as the
-       public code scores only the encoder layers).
+    1. ``cur[i] = grad_l1[i]`` for every *active layer* ``i``: a layer of the model's repeated stack
+       (``BlockView.is_layer``, :func:`~layerfreeze.models.blocks.stack_layers`: BERT's ``encoder.layer.N``), not the
+       embeddings, a pooler or the head, as the public code scores only the encoder layers (the parameters whose name
+       holds ``encoder``, ``freeze_intermediate_e2e_lr.py``).
     2. At the first stage there is no previous value: ``cur`` is stored as ``prev`` and nothing is decided.
     3. Otherwise ``ratio[i] = |prev[i] - cur[i]| / prev[i]``, the relative change of the block's gradient norm
        between two intervals. ``prev[i] = 0`` (the block got no gradient in the previous interval, or it was not
        active then) gives ``ratio = inf``: "not known to be stable", so the block and every block after it stay
        trainable at this stage.
-    4. ``threshold`` = the ``percentile``-th percentile of the active non-head blocks' ratios, by linear
+    4. ``threshold`` = the ``percentile``-th percentile of the active layers' ratios, by linear
        interpolation between the two nearest ranks (``numpy.percentile``'s default method; an ``inf`` pair gives
        ``inf``, not NaN). The default 50 is the median, as in the paper.
-    5. Let ``k`` be the first active non-head block with ``ratio[k] >= threshold``. Freeze the active blocks
-       before ``k`` that lie in the contiguous run of active blocks that starts right after the current frozen
-       prefix (the candidates), so the frozen blocks stay a prefix; the public code sets ``start_layer = k``.
-       Since the maximum ratio is always ``>= threshold``, at least one non-head block stays trainable, and the
-       head is never frozen. Blocks are never thawed.
+    5. Let ``k`` be the first active layer with ``ratio[k] >= threshold``. Freeze the active blocks before ``k``
+       that lie in the contiguous run of active blocks that starts right after the current frozen prefix (the
+       candidates), so the frozen blocks stay a prefix; the public code sets ``start_layer = k``. The embeddings (the
+       blocks before the stack) freeze with the first frozen layer, never alone, as the public code freezes them
+       when ``start_layer > 0``. Since the maximum ratio is always ``>= threshold``, at least one layer stays
+       trainable, and what follows the stack (a pooler, the head) never freezes. Blocks are never thawed.
     6. ``prev = cur``.
 
     If an active block's ``grad_l1`` is not finite (NaN / inf from an overflow, or NaN: every optimizer step of
     the interval was skipped), the stage decides nothing and keeps the previous ``prev``.
 
-    Differences from the public code, all at edges: it raises ZeroDivisionError for ``prev = 0`` (here ``inf``),
+    Differences from the public code: at each freeze it builds the model and a new BERTAdam again (its
+    ``frozen_model``), which resets the Adam moments of the layers that keep training; here their state is kept (the
+    engine frees only the frozen blocks' state), which changes the next intervals' gradients a little. The others are
+    at edges: it raises ZeroDivisionError for ``prev = 0`` (here ``inf``),
     and gives ratio 0 to a layer with ``cur = 0`` (here the formula, i.e. 1.0). It sums a layer's norms in float32
     on the host (here float64). It adds ``param.grad`` after every backward, so with gradient accumulation a
     micro-batch's gradient is added once for each later micro-batch of its step too (here once per update).
@@ -75,8 +81,9 @@ class AutoFreeze(Strategy):
     warning. How often it evaluates matters: each evaluation can freeze, so a fixed interval that is short for the run
     freezes more and earlier (a 2,000-step run: every 50 steps froze 8 of 9 blocks, every 200 steps 6).
 
-    Memory and cost: the running sums are one float32 copy of the trainable blocks' gradients on their device, the head
-    left out (the public code holds the same, the classifier included), freed block by block as blocks freeze, in the
+    Memory and cost: the running sums are one float32 copy of the trainable layers' gradients on their device, the
+    embeddings, a pooler and the head left out (the public code holds them for every parameter, the classifier
+    included), freed block by block as blocks freeze, in the
     memory ledger's ``strategy`` bucket and in a memory plan; a checkpoint holds them too. Per update: one
     ``torch._foreach_add_``, no host synchronisation; a stage reads the norms with one copy to the host.
 
@@ -96,14 +103,15 @@ class AutoFreeze(Strategy):
         RuntimeError (from the engine): a Freezer without an optimizer, and ``freezer.after_backward()`` was never
             called between two stages.
 
-    Signals: ``ratios`` (per block; NaN for blocks without a ratio: frozen, head, or first stage), ``threshold``,
-    ``candidates`` (size of the candidate run), ``first_unstable`` (``k``, -1 if none this stage),
-    ``grad_l1`` (the ``cur`` values; NaN for frozen blocks and the head), ``interval`` (the steps between two
+    Signals: ``ratios`` (per block; NaN for blocks without a ratio: frozen, not a layer, or first stage),
+    ``threshold``, ``candidates`` (size of the candidate run), ``first_unstable`` (``k``, -1 if none this stage),
+    ``grad_l1`` (the ``cur`` values; NaN for frozen blocks and those not a layer), ``interval`` (the steps between two
     evaluations this run uses).
     """
 
     signals = ("grad_l1",)
     head_signals = False  # the head is never a candidate: no gradient sums for it
+    layer_signals_only = True  # nor the embeddings or a pooler: only the stack's layers are scored
 
     #: Steps between two evaluations when neither ``interval`` nor the run length is known.
     FALLBACK_INTERVAL = 50
@@ -168,7 +176,7 @@ class AutoFreeze(Strategy):
                 "layerfreeze.Freezer and call freezer.after_backward() after each loss.backward()"
             )
         nan = math.nan
-        active = [b.index for b in ctx.blocks if not b.frozen and not b.is_head]
+        active = [b.index for b in ctx.blocks if not b.frozen and not b.is_head and b.is_layer]
         cur: list[float | None] = [None] * len(ctx.blocks)
         for i in active:
             cur[i] = float(grad[i])
@@ -198,6 +206,8 @@ class AutoFreeze(Strategy):
                 break
             run.append(b.index)
         freeze = [i for i in run if i < first]
+        if not any(ctx.blocks[i].is_layer for i in freeze):  # the embeddings freeze with a layer, never alone
+            freeze = []
         signals.update(threshold=threshold, candidates=len(run), first_unstable=first)
         reason = ""
         if freeze:

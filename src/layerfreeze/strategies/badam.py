@@ -37,6 +37,8 @@ class BAdam(LayerRotation):
     * Every ``k`` optimizer steps (a step stage): the active block switches off (the engine frees its Adam state)
       and the next one switches on with fresh state, also when it is the same block (a rotation of one, or a
       reshuffle that ends and starts with it): the state is cleared on every switch, as in ``BlockOptimizer``.
+      The switches fall at steps ``k, 2k, ...``; ``BlockOptimizer`` switches when ``(global_step + 1) % k == 0``
+      after counting the step, so its first block trains ``k - 1`` steps and every switch comes one step earlier.
       ``ascending``: rotation positions 0, 1, ..., D-1, 0, ...; ``descending``: D-1, ..., 0, D-1, ...; ``random``:
       a permutation of the positions per block-epoch, taken from its end (``torch.randperm(D).tolist()`` then
       ``.pop()`` in ``BlockOptimizer``), from the strategy's own generator (``seed``), whose state the checkpoint

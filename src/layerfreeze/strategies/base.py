@@ -34,6 +34,9 @@ class BlockView:
     frozen: bool
     is_head: bool
     num_parameters: int
+    #: A layer of the model's repeated stack, not its embeddings, stem, pooler or head
+    #: (:func:`~layerfreeze.models.blocks.stack_layers`).
+    is_layer: bool = True
 
 
 @dataclass
@@ -139,6 +142,9 @@ class Strategy:
     #: Whether ``grad_l1`` must cover the head too. False (AutoFreeze, which never scores the head): the engine keeps
     #: no gradient sums for the head and reports 0.0 for it; an LM head is often the largest block.
     head_signals: ClassVar[bool] = True
+    #: Whether ``grad_l1`` covers only the layers of the repeated stack (``BlockView.is_layer``; AutoFreeze scores
+    #: only the encoder layers): the engine keeps no gradient sums for the embeddings, a pooler or the head.
+    layer_signals_only: ClassVar[bool] = False
     #: Whether a block's learning-rate factor reaches 0 where the strategy freezes it (FreezeOut): anyone else's thaw
     #: of such a block trains it at LR 0 until the strategy freezes it again, so the stability guard cannot undo its
     #: freezes (the Freezer refuses the pair).

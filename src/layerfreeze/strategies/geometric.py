@@ -35,7 +35,10 @@ class GeometricFreezing(PrefixSchedule):
     Rule, at the end of epoch ``T`` (``T = ctx.epoch + 1`` epochs completed):
 
     * ``L`` = number of blocks before the last one (``len(blocks) - 1``), i.e. every block but the head: the paper
-      freezes the Transformer's layers and never its task head, and freezing the head would stop all learning;
+      freezes the Transformer's layers and never its task head, and freezing the head would stop all learning.
+      The authors' code counts the encoder layers alone (``num_layer = 12``) and freezes the embeddings with them;
+      ``L`` here counts the embeddings and a pooler (BERT's) too, so the prefix may differ by one block in an
+      epoch, and ``frozen = L`` freezes a pooler as well;
     * ``frozen(T) = L * (1 - (1 - alpha) ** T)`` (the closed form of ``L_T = L_{T-1} + alpha * (L - L_{T-1})``,
       ``L_0 = 0``), rounded up to an int as the authors' code does (after taking 1e-9 off, against float rounding)
       and capped at ``L``;

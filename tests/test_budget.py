@@ -143,22 +143,27 @@ def test_every_prefix_predicted_against_the_ledger_of_a_real_step_with_it_frozen
         over = {2: 2 * B * 32 * F32}  # the ReLU's output and the Dropout's mask (float32 on CPU)
     measured = measure_blocks(model, batch, loss=_loss)
     for k in range(measured.max_prefix + 1):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        with Freezer(model, optimizer, "none", floor=list(range(k))) as freezer, \
-                MemoryLedger(model, optimizer, freezer=freezer) as ledger:
-            for _ in range(2):
-                with ledger.step():
-                    _loss(model, batch).backward()
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-        real = ledger.last
+        real = _trained_under_floor(model, batch, k)
         assert real.blocks_frozen == [i < k for i in range(len(measured.block_names))]
         assert measured.model_bytes(k) - real.tensor_bytes == over.get(k, 0), k
         predicted = measured.model_buckets(k)
         predicted["activations"] -= over.get(k, 0)
         assert {b: real.buckets[b] for b in predicted} == predicted, k
-        for p in model.parameters():
-            p.requires_grad_(True)
+
+
+def _trained_under_floor(model, batch, k):
+    """The ledger's last snapshot of two steps with blocks 0..k-1 frozen as a floor; the model trainable again after."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Freezer(model, optimizer, "none", floor=list(range(k))) as freezer, \
+            MemoryLedger(model, optimizer, freezer=freezer) as ledger:
+        for _ in range(2):
+            with ledger.step():
+                _loss(model, batch).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return ledger.last
 
 
 def _ending_in(act):
@@ -186,18 +191,9 @@ def test_a_prefix_ending_in_an_activation_that_saves_its_output_keeps_it_for_the
     assert measured.returned(2)["activations"] == B * 8 * F32 + (3 * out if act is nn.GELU else out)
     model = _ending_in(act)
     for k in range(measured.max_prefix + 1):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        with Freezer(model, optimizer, "none", floor=list(range(k))) as freezer, \
-                MemoryLedger(model, optimizer, freezer=freezer) as ledger:
-            for _ in range(2):
-                with ledger.step():
-                    _loss(model, _batch()).backward()
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-        assert measured.model_bytes(k) == ledger.last.tensor_bytes, k  # exact: no prefix goes over its prediction
-        assert measured.model_buckets(k)["activations"] == ledger.last.buckets["activations"], k
-        for p in model.parameters():
-            p.requires_grad_(True)
+        last = _trained_under_floor(model, _batch(), k)
+        assert measured.model_bytes(k) == last.tensor_bytes, k  # exact: no prefix goes over its prediction
+        assert measured.model_buckets(k)["activations"] == last.buckets["activations"], k
     plan = plan_prefix(measured, measured.model_bytes(1))
     assert plan.k == 1 and plan.predicted_peak_bytes == measured.model_bytes(1)
     assert BlockBytes.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured

@@ -218,20 +218,20 @@ def test_torchrun_train_parallel_fsdp_freezes_thaws_and_resumes_bitwise(tmp_path
     assert summary["parallel"] == "fsdp" and summary["world_size"] == 2 and summary["steps"] == 12
     records = read_metrics(run_dir)
     events = [(r["kind"], r["block"], r["step"]) for r in records if r.get("kind") in ("freeze", "thaw")]
-    # autofreeze (gradient norms of sharded gradients, summed over each 3-step interval) froze the embeddings and the
-    # first two layers at step 6; the guard thawed the layers when the hold-out loss got worse
-    assert events[:5] == [("freeze", "bert.embeddings", 6), ("freeze", "bert.encoder.layer.0", 6),
-                          ("freeze", "bert.encoder.layer.1", 6), ("thaw", "bert.encoder.layer.1", 8),
-                          ("thaw", "bert.encoder.layer.0", 8)]
+    # autofreeze (gradient norms of sharded gradients, summed over each 3-step interval, over the two encoder layers)
+    # froze the first layer and the embeddings with it at step 6; the guard thawed both when the hold-out loss got
+    # worse
+    assert events == [("freeze", "bert.embeddings", 6), ("freeze", "bert.encoder.layer.0", 6),
+                      ("thaw", "bert.encoder.layer.0", 8), ("thaw", "bert.embeddings", 8)]
 
     # every step's full checkpoint: the frozen blocks did not move while frozen (steps 7-8), layer 0 trained again
-    # after its thaw (step 9), the embeddings never did
+    # after its thaw (step 9)
     ckpts = checkpoints_by_step(run_dir)
     assert sorted(ckpts) == list(range(1, 13))
     weights = {s: load_file(p / "model.safetensors") for s, p in ckpts.items()}
     emb = [k for k in weights[6] if k.startswith("bert.embeddings.") and k.endswith("weight")]
     layer0 = [k for k in weights[6] if k.startswith("bert.encoder.layer.0.") and k.endswith("weight")]
-    assert emb and all(torch.equal(weights[s][k], weights[6][k]) for s in range(7, 13) for k in emb)
+    assert emb and all(torch.equal(weights[s][k], weights[6][k]) for s in (7, 8) for k in emb)
     assert layer0 and all(torch.equal(weights[s][k], weights[6][k]) for s in (7, 8) for k in layer0)
     assert any(not torch.equal(weights[9][k], weights[8][k]) for k in layer0)
     assert any(not torch.equal(weights[7][k], weights[6][k]) for k in weights[6] if k.startswith("classifier."))

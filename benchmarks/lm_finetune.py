@@ -500,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sizes = TINY if args.tiny else QUICK if args.quick else SIZES
     seeds = args.seeds if args.seeds is not None else list(range(sizes.seeds))
+    sizes = replace(sizes, seeds=len(seeds))  # results.json's sizes say how many ran
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console(width=None if sys.stdout.isatty() else 200, soft_wrap=False)
@@ -523,8 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(table, pretrained)
     console.print(text, highlight=False, markup=False)
     results = {"command": " ".join(["python", "-m", "benchmarks.lm_finetune", *(argv or sys.argv[1:])]),
-               "sizes": asdict(sizes), "stage1": info, "pretrained_perplexity": pretrained, "table": table,
-               "per_seed": per_seed, "wall_time_s": time.perf_counter() - wall, "threads": torch.get_num_threads()}
+               "sizes": asdict(sizes), "seeds": seeds, "stage1": info, "pretrained_perplexity": pretrained,
+               "table": table, "per_seed": per_seed, "wall_time_s": time.perf_counter() - wall,
+               "threads": torch.get_num_threads()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "table.md").write_text(text)

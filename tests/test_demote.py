@@ -671,10 +671,23 @@ def test_a_frozen_weight_beyond_float16s_range_keeps_its_block_in_float32_with_a
         model[0].bias[0] = 1e5
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with Freezer(model, optimizer, "none", demote={"dtype": "float16"}) as freezer:
-        with pytest.warns(UserWarning, match=r"demote: frozen block '0' stays in float32: its weights 0.bias exceed "
+        with pytest.warns(UserWarning, match=r"demote: frozen block '0' stays in float32: its tensors 0.bias exceed "
                                              r"float16's range \(\+-65504\)"):
             freezer.freeze(0)
         assert model[0].bias.dtype == torch.float32 and not freezer.demoter.is_demoted(0)
-        assert freezer.history[-1]["demote_skipped"].startswith("its weights 0.bias exceed float16's range")
+        assert freezer.history[-1]["demote_skipped"].startswith("its tensors 0.bias exceed float16's range")
         freezer.freeze(1)  # in range: demoted
         assert model[1].weight.dtype == torch.float16
+
+
+def test_a_frozen_buffer_beyond_float16s_range_keeps_its_block_in_float32_too():
+    # the range check read the parameters only: a BatchNorm running_var of 1e6 became inf, and the frozen block's
+    # output was the same for every input
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    model[1].running_var.fill_(1e6)
+    with Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "none", demote={"dtype": "float16"}) as freezer:
+        with pytest.warns(UserWarning, match=r"frozen block '1' stays in float32: its tensors 1.running_var exceed"):
+            freezer.freeze(1)
+        assert model[1].running_var.dtype == torch.float32 and torch.isfinite(model[1].running_var).all()
+

@@ -713,6 +713,7 @@ def test_a_parameter_frozen_by_hand_mid_run_stays_frozen_through_thaws_and_a_res
     with Freezer(model, optimizer, "none") as freezer:
         train(model, optimizer, freezer, 1)
         model[2].bias.requires_grad_(False)  # by hand, while its block trains
+        assert freezer.state_dict()["user_frozen"] == ["2.bias"]  # saved before any freeze of its block too
         assert freezer.freeze(1) and freezer.thaw(1)
         assert [p.requires_grad for p in model.parameters()] == [True, True, True, False, True, True]
         kept = model[2].bias.detach().clone()
@@ -726,3 +727,74 @@ def test_a_parameter_frozen_by_hand_mid_run_stays_frozen_through_thaws_and_a_res
         freezer.load_state_dict(state)
         assert freezer.thaw(1)
         assert [p.requires_grad for p in resumed.parameters()] == [True, True, True, False, True, True]
+
+
+def deep(seed: int = 0, head_frozen: bool = True) -> nn.Sequential:
+    """Four blocks and a head that holds nothing to train (peft LoRA freezes the head)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+                          nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    model[8].requires_grad_(not head_frozen)
+    return model
+
+
+def test_a_floor_or_a_parameter_outside_the_blocks_is_counted_when_a_stage_keeps_one_block_training():
+    # keep_one_training counted a thaw the floor then refused: badam's switch froze the last block with adapters and
+    # loss.backward() raised at step 1; a trainable parameter outside every block was not counted: static k=2 was cut
+    # to k=1 with a false "nothing to train" warning
+    model = deep()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the floor's refusal and the kept block are warned about
+        freezer = Freezer(model, optimizer, "badam", {"k": 1}, floor=[2])
+    with freezer, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(model, optimizer, freezer, 4)  # raised "element 0 of tensors does not require grad"
+        assert freezer.trainable_parameters() > 0
+
+    model = net()
+    model.scale = nn.Parameter(torch.ones(()))  # outside every block, trains
+    model[4].requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Freezer(model, optimizer, "static", {"k": 2}) as freezer:
+            assert freezer.frozen == [True, True, False]
+    assert not [w for w in seen if "nothing to train" in str(w.message)]
+
+
+def test_a_resume_applies_the_saved_frozen_set_without_a_false_nothing_trains_warning():
+    # load_state_dict froze the saved blocks one by one, outside a stage: with a head that holds nothing to train it
+    # warned "nothing trains ... loss.backward() raises" before thawing the block that trains
+    def make():
+        model = deep()
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    model, optimizer = make()
+    with Freezer(model, optimizer, "badam", {"k": 1}) as freezer:
+        train(model, optimizer, freezer, 2)
+        state = freezer.state_dict()
+    model, optimizer = make()
+    with Freezer(model, optimizer, "badam", {"k": 1}) as freezer, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        freezer.load_state_dict(state)
+        assert freezer.frozen == state["frozen"]
+
+
+def test_a_parameter_the_user_made_trainable_again_trains_through_thaws_and_a_resume():
+    # the set of the user's frozen parameters only grew: one frozen before the Freezer and made trainable by hand
+    # stayed frozen after a freeze and thaw of its block, and a resume froze it
+    model = net()
+    model[2].weight.requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Freezer(model, optimizer, "none") as freezer:
+        model[2].weight.requires_grad_(True)  # by hand: it trains from now on
+        assert freezer.freeze(1) and freezer.thaw(1)
+        assert model[2].weight.requires_grad
+        state = freezer.state_dict()
+    assert state["user_frozen"] == []
+    resumed = net()
+    optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    with Freezer(resumed, optimizer, "none") as freezer:
+        freezer.load_state_dict(state)
+        assert resumed[2].weight.requires_grad

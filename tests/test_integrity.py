@@ -112,6 +112,19 @@ def test_frozen_weights_cast_after_the_freezer_was_built_get_their_checksum_agai
     with Freezer(resumed, optimizer, "static", {"k": 2}) as freezer:
         load_checkpoint(tmp_path / "ck", resumed, optimizer, freezer)
         assert torch.equal(resumed[0].weight, frozen.double())
+    # a float32 checkpoint resumed into a model cast before its Freezer (as the warning advises): the saved float32
+    # checksums replaced this run's, and every later checkpoint was refused
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Freezer(model, optimizer, "static", {"k": 2}) as freezer:
+        save_checkpoint(tmp_path / "ck32", model, optimizer, freezer)
+    resumed = mlp().double()
+    optimizer = torch.optim.SGD(resumed.parameters(), lr=0.1)
+    with Freezer(resumed, optimizer, "static", {"k": 2}) as freezer, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_checkpoint(tmp_path / "ck32", resumed, optimizer, freezer)
+        freezer.verify_frozen_weights()
+        save_checkpoint(tmp_path / "ck64", resumed, optimizer, freezer)
 
 
 class Detach(nn.Module):

@@ -345,6 +345,17 @@ def test_autofreeze_keeps_gradient_sums_only_for_the_stacks_layers_of_a_bert():
                                                      num_attention_heads=2, intermediate_size=32))
     blocks = discover_blocks(model)
     assert stack_layers(blocks) == [False, True, True, True, False, False]  # embeddings, 3 layers, pooler, head
+    # an encoder-decoder: both stacks and what lies between them (the decoder could never freeze with the encoder
+    # alone as the stack); torchvision's Swin, stages alternating with patch merging: every non-head block
+    import torchvision
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=3,
+                                             num_decoder_layers=3, num_heads=2))
+    assert [b.name for b, layer in zip(discover_blocks(t5), stack_layers(discover_blocks(t5))) if not layer] == [
+        "encoder.embeddings", "head"]
+    swin = discover_blocks(torchvision.models.swin_t(num_classes=3))
+    assert stack_layers(swin) == [not b.is_head for b in swin]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with Freezer(model, optimizer, "autofreeze", total_steps=20) as freezer:
         ids = torch.randint(0, 64, (4, 8))

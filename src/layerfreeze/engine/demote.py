@@ -223,9 +223,9 @@ class Demoter:
             return self.skipped[block.index]
         if block.index in self._managed:
             return None
-        if self.dtype is not None and (why := out_of_range(block.name, self.dtype, params)) is not None:
-            return why  # float32 while frozen (a later freeze checks again)
         m = _Managed(block, params)
+        if self.dtype is not None and (why := out_of_range(block.name, self.dtype, m.tensors)) is not None:
+            return why  # float32 while frozen (a later freeze checks again)
         self._managed[block.index] = m
         if self.dtype is not None and any(t.is_floating_point() and t.dtype != self.dtype for _, t in m.tensors):
             self._demote(m, take_master=True)

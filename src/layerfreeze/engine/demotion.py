@@ -111,15 +111,16 @@ def cast_floating(obj: Any, to: torch.dtype, only: torch.dtype | None = None) ->
 
 
 def out_of_range(block: str, dtype: torch.dtype, params: Iterable[tuple[str, torch.Tensor]]) -> str | None:
-    """Why frozen block ``block`` is not demoted to ``dtype`` (None: it may be): a finite weight beyond ``dtype``'s
-    range (float16's is +-65504), which the cast turns into inf, exactly the cast of its master copy, so no check saw
-    it and the loss went NaN, in silence in the user's own loop. Warns naming the block and tensors."""
+    """Why frozen block ``block`` is not demoted to ``dtype`` (None: it may be): a finite weight or floating buffer
+    (``params``: both, a BatchNorm's ``running_var`` too) beyond ``dtype``'s range (float16's is +-65504), which the
+    cast turns into inf, exactly the cast of its master copy, so no check saw it and the loss went NaN, in silence in
+    the user's own loop. Warns naming the block and tensors."""
     limit = torch.finfo(dtype).max
     over = [n for n, t in params if t.is_floating_point() and t.dtype != dtype
             and bool((torch.isfinite(t) & (t.detach().abs() > limit)).any())]
     if not over:
         return None
-    why = f"its weights {', '.join(over)} exceed {str(dtype).removeprefix('torch.')}'s range (+-{limit:g}): demoted, " \
+    why = f"its tensors {', '.join(over)} exceed {str(dtype).removeprefix('torch.')}'s range (+-{limit:g}): demoted, " \
           "they would be inf"
     # stacklevel 5: this function, Demoter.on_freeze, freeze_block, Freezer.freeze, its caller
     warnings.warn(f"demote: frozen block {block!r} stays in float32: {why}; demote to bfloat16 (float32's range) "

@@ -59,9 +59,11 @@ def freeze_block(freezer: Freezer, block: Block, reason: str) -> bool:
         return False
     sharded(freezer._fsdp)
     params = frozen_parameters(block, freezer.train_bn)
-    # frozen by the user since the Freezer was built (requires_grad_(False) by hand mid-run): the thaw leaves it
-    # frozen, as one frozen before (a rotating strategy's next thaw made it train again)
+    # what the user set since the Freezer was built: frozen by hand mid-run (requires_grad_(False)), the thaw leaves
+    # it frozen, as one frozen before (a rotating strategy's next thaw made it train again); made trainable again,
+    # the thaw trains it (it was kept frozen)
     freezer._frozen_before.update(id(p) for p in params if not p.requires_grad and not getattr(p, FROZEN_MARK, False))
+    freezer._frozen_before.difference_update(id(p) for p in params if p.requires_grad)
     stop_training(params, freezer._frozen_before)
     if freezer.optimizer is not None:
         freezer._origin.update(remove_from_optimizer(freezer.optimizer, params))

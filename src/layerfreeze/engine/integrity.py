@@ -390,12 +390,19 @@ class FrozenSet:
     def state_dict(self) -> dict[str, Any]:
         return {str(i): dict(c) for i, c in self.checksums.items()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def dtypes_state_dict(self) -> dict[str, dict[str, str]]:
+        """``{block index: {name: dtype}}`` the checksums were taken in (``"torch.float32"``), saved beside them."""
+        return {str(i): {n: str(d) for n, d in dtypes.items()} for i, dtypes in self.dtypes.items()}
+
+    def load_state_dict(self, state: dict[str, Any], dtypes: dict[str, dict[str, str]] | None = None) -> None:
         """Take the saved checksums (the weights at freeze time), for blocks frozen in this run too.
 
         A block whose saved checksums were taken on another layout (sharded over another number of ranks, or
         unsharded: :func:`checksum`) keeps the ones its re-freeze just took from the loaded weights (which the
-        checkpoint's SHA-256 verified): digests of other shards are not comparable."""
+        checkpoint's SHA-256 verified): digests of other shards are not comparable. So does a weight whose saved dtype
+        (``dtypes``, :meth:`dtypes_state_dict`; None for a checkpoint written before it) is not this run's: a float32
+        checkpoint resumed into a model cast before the Freezer (``model.to(torch.float64)``) failed every later
+        checkpoint's check."""
         self._changes += 1
         for key, sums in state.items():
             mine = self.checksums.get(int(key))
@@ -403,4 +410,6 @@ class FrozenSet:
                 continue
             if {_layout(d) for d in sums.values()} != {_layout(d) for d in mine.values()}:
                 continue
-            self.checksums[int(key)] = dict(sums)
+            saved, now = (dtypes or {}).get(key, {}), self.dtypes.get(int(key), {})
+            cast = {n for n, d in saved.items() if n in now and n in mine and str(now[n]) != d}
+            self.checksums[int(key)] = {n: mine[n] if n in cast else d for n, d in sums.items()}

@@ -209,7 +209,6 @@ def _admissible(freezer: Freezer, decision: Decision) -> Decision:
                 "freezes the blocks before it (Block.is_head, StageContext.blocks[i].is_head)")
     if freezer.guard is not None:
         decision.freeze = [i for i in decision.freeze if not freezer.guard.blocks_freeze(i)]
-    keep_one_training(freezer, decision)
     refused = [i for i in decision.thaw if i in freezer._floor]
     if refused:
         decision.thaw = [i for i in decision.thaw if i not in freezer._floor]
@@ -222,6 +221,7 @@ def _admissible(freezer: Freezer, decision: Decision) -> Decision:
             warnings.warn(f"strategy {freezer.strategy.name!r} asked to thaw "
                           f"{', '.join(freezer.blocks[i].name for i in new)}, in the Freezer's floor "
                           f"({FLOOR_REASON}): they stay frozen", stacklevel=5)
+    keep_one_training(freezer, decision)  # after the floor's refusals: a refused thaw trains nothing
     return decision
 
 
@@ -250,6 +250,9 @@ def keep_one_training(freezer: Freezer, decision: Decision) -> None:
         elif freezer.train_bn and any(p.requires_grad and id(p) not in keep for p in of(i)
                                       for keep in [{id(q) for q in frozen_parameters(block, True)}]):
             return  # BatchNorm layers of a frozen block keep training (train_bn)
+    freezing = {id(p) for i in decision.freeze for p in frozen_parameters(freezer.blocks[i], freezer.train_bn)}
+    if any(p.requires_grad and id(p) not in freezing for p in freezer.model.parameters()):
+        return  # a parameter outside every block trains (a loss's scale, a prompt)
     training = [i for i in decision.freeze if not freezer.frozen[i] and any(p.requires_grad for p in of(i))]
     if not training:
         return

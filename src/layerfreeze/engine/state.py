@@ -18,6 +18,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from layerfreeze.distributed import comm
+from layerfreeze.engine.mechanics import FROZEN_MARK
 from layerfreeze.engine.optim import load_param_groups
 from layerfreeze.engine.sharding import sharded
 from layerfreeze.engine.stages import prepare_grad_sums, sums_gradients
@@ -53,9 +54,10 @@ def state_dict(freezer: Freezer, full: bool = False) -> dict[str, Any]:
         "lr_written": dict(freezer._lr_written),
         "guard": freezer.guard.state_dict() if freezer.guard is not None else None,
         "frozen_checksums": freezer.integrity.state_dict(),
+        "frozen_dtypes": freezer.integrity.dtypes_state_dict(),
         "demote": freezer.demoter.spec.to_dict() if freezer.demoter is not None else None,
         "floor": freezer.floor,
-        "user_frozen": sorted(n for n, p in freezer.model.named_parameters() if id(p) in freezer._frozen_before),
+        "user_frozen": user_frozen(freezer),
     }
     if freezer.optimizer is not None:
         names = {id(p): n for n, p in _named(freezer).items()}
@@ -117,11 +119,15 @@ def load_state_dict(freezer: Freezer, state: dict[str, Any]) -> None:
     sharded(freezer._fsdp)
     freezer._floor |= {int(i) for i in state.get("floor", [])}
     _load_user_frozen(freezer, state.get("user_frozen", []))
-    for block, frozen in zip(freezer.blocks, state["frozen"]):
-        if (frozen or block.index in freezer._floor) and not freezer.frozen[block.index]:
-            freezer.freeze(block.index, reason="resume")
-        elif not frozen and freezer.frozen[block.index] and block.index not in freezer._floor:
-            freezer.thaw(block.index, reason="resume")
+    freezer._in_stage = True  # the saved frozen set, applied block by block: "nothing trains" would see it half done
+    try:
+        for block, frozen in zip(freezer.blocks, state["frozen"]):
+            if (frozen or block.index in freezer._floor) and not freezer.frozen[block.index]:
+                freezer.freeze(block.index, reason="resume")
+            elif not frozen and freezer.frozen[block.index] and block.index not in freezer._floor:
+                freezer.thaw(block.index, reason="resume")
+    finally:
+        freezer._in_stage = False
     if freezer.optimizer is not None and "param_groups" in state:
         by_name = _named(freezer)
         saved, now = state.get("outside"), _outside(freezer)
@@ -132,7 +138,7 @@ def load_state_dict(freezer: Freezer, state: dict[str, Any]) -> None:
                 "parameters in the same groups and order")
         load_param_groups(freezer.optimizer, state["param_groups"], by_name)
         freezer._origin = {id(by_name[n]): gi for n, gi in state["origin"].items()}
-    freezer.integrity.load_state_dict(state.get("frozen_checksums", {}))
+    freezer.integrity.load_state_dict(state.get("frozen_checksums", {}), state.get("frozen_dtypes"))
     freezer.step_count = state["step"]
     freezer.epoch = state["epoch"]
     freezer.history = list(state["history"])
@@ -150,6 +156,13 @@ def load_state_dict(freezer: Freezer, state: dict[str, Any]) -> None:
     if freezer.distributed:  # the stage cadence may come from the strategy's state (smartfrz): take rank 0's
         freezer.strategy.stage_every, freezer.strategy.at_epoch_end = comm.broadcast_object(
             (freezer.strategy.stage_every, freezer.strategy.at_epoch_end))
+
+
+def user_frozen(freezer: Freezer) -> list[str]:
+    """Names of the parameters the user has frozen now: frozen, and not by a Freezer (no ``FROZEN_MARK``: before the
+    Freezer, by hand since, or kept as the user's from an earlier Freezer), whatever their block."""
+    return sorted(n for n, p in freezer.model.named_parameters()
+                  if not p.requires_grad and not getattr(p, FROZEN_MARK, False))
 
 
 def _load_user_frozen(freezer: Freezer, names: list[str]) -> None:

@@ -143,24 +143,27 @@ def make_blocks(entries: Sequence[Entry], head: bool, params: Sequence[tuple[str
 
 def stack_layers(blocks: Sequence[Block]) -> list[bool]:
     """Which blocks are the *layers* of the model's repeated stack (BERT's ``encoder.layer.N``, a decoder's
-    ``layers.N``, MobileNetV2's inverted residuals ``features.1-17``, ResNet's ``layer1-4``): the longest run of
-    consecutive non-head blocks made of modules of the same classes (the first such run on a tie). What comes before
-    it (embeddings, a stem) and after it (a pooler, a final norm, the head) is not a layer. Without a run of two
-    (blocks named by patterns over unlike modules), every non-head block counts as a layer.
+    ``layers.N``, MobileNetV2's inverted residuals ``features.1-17``, ResNet's ``layer1-4``; both stacks of T5 or BART
+    and what lies between them; a hybrid's Mamba and attention layers alike): every block from the first to the last
+    run of two or more consecutive non-head blocks made of modules of the same classes. What comes before the first run
+    (embeddings, a stem) and after the last (a pooler, a final norm, the head) is not a layer. When no such run exists,
+    or the runs' span holds fewer than half of the non-head blocks (torchvision's Swin, whose stages alternate with
+    patch merging), every non-head block counts as a layer.
 
     What strategies whose papers speak of layers read (``BlockView.is_layer``): AutoFreeze scores only the encoder
     layers (the authors' public code), and freezes the embeddings with the first frozen layer.
     """
     kinds = [tuple(type(m) for _, m in b.modules) if not b.is_head else None for b in blocks]
-    best, start = (0, 0), 0
+    runs, start = [], 0
     for i in range(1, len(blocks) + 1):
         if i == len(blocks) or kinds[i] is None or kinds[i] != kinds[start]:
-            if kinds[start] is not None and i - start > best[1] - best[0]:
-                best = (start, i)
+            if kinds[start] is not None and i - start >= 2:
+                runs.append((start, i))
             start = i
-    if best[1] - best[0] < 2:
+    body = sum(not b.is_head for b in blocks)
+    if not runs or 2 * (runs[-1][1] - runs[0][0]) < body:
         return [not b.is_head for b in blocks]
-    return [best[0] <= i < best[1] for i in range(len(blocks))]
+    return [runs[0][0] <= i < runs[-1][1] for i in range(len(blocks))]
 
 
 def qualified_names(model: nn.Module) -> dict[int, str]:

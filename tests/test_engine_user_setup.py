@@ -798,3 +798,62 @@ def test_a_parameter_the_user_made_trainable_again_trains_through_thaws_and_a_re
     with Freezer(resumed, optimizer, "none") as freezer:
         freezer.load_state_dict(state)
         assert resumed[2].weight.requires_grad
+
+
+def test_update_bn_recalibrates_a_frozen_blocks_batchnorm_in_an_averaged_copy():
+    # torch.optim.swa_utils.update_bn (and Lightning's StochasticWeightAveraging) reset every BatchNorm's statistics
+    # and average them anew in training mode, with momentum=None: the Freezer's hooks put the frozen block back in
+    # eval mode, its statistics stayed 0 and 1, and the averaged model's output was wrong
+    import copy
+
+    from torch.optim.swa_utils import AveragedModel, update_bn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)),
+                          nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)), nn.Linear(8, 2))
+    data = [torch.randn(16, 4) * 3 + 5 for _ in range(4)]
+    reference = AveragedModel(copy.deepcopy(model))  # no Freezer: update_bn recomputes every BatchNorm
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Freezer(model, optimizer, "static", {"k": 1}) as freezer:
+        assert freezer.frozen_blocks == ["0"]
+        ema = AveragedModel(model)
+        update_bn(data, ema)
+        update_bn(data, reference)
+        bn, ref = ema.module[0][1], reference.module[0][1]
+        assert torch.equal(bn.running_mean, ref.running_mean) and torch.equal(bn.running_var, ref.running_var)
+        assert not torch.equal(bn.running_var, torch.ones(8))  # was reset and left at 1
+        model.train()
+        model(data[0])
+        assert not model[0][1].training and model[0][1].momentum == 0.1  # as usual: the frozen block in eval
+
+
+def test_a_parameter_made_trainable_by_hand_while_its_block_is_frozen_trains_once_the_block_thaws():
+    # frozen by hand while its block trained, then made trainable again while the block was frozen: the check
+    # re-froze it ("requires grad again") and it stayed frozen for good, through the thaw and a resume
+    model = net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Freezer(model, optimizer, "none") as freezer:
+        model[2].bias.requires_grad_(False)
+        assert freezer.freeze(1)
+        model[2].bias.requires_grad_(True)
+        with pytest.warns(UserWarning, match=r"'2.bias' of frozen block '2' requires grad again: .*; re-frozen until "
+                                             r"its block thaws"):
+            train(model, optimizer, freezer, 1)
+        assert not model[2].bias.requires_grad and freezer.state_dict()["user_frozen"] == []
+        assert freezer.thaw(1)
+        assert model[2].bias.requires_grad
+
+
+def test_a_block_kept_training_at_freezeouts_factor_0_says_its_steps_change_nothing():
+    # the warning said the block "keeps training" while FreezeOut's factor for it was 0: the run's last steps paid
+    # a backward and updated nothing
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    model[4].requires_grad_(False)
+    optimizer = torch.optim.SGD(block_param_groups(model, discover_blocks(model), lr=0.1))
+    with Freezer(model, optimizer, "freezeout", total_steps=6) as freezer:
+        with pytest.warns(UserWarning, match=r"2 keeps training at the learning-rate factor 0 the strategy gives it "
+                                             r"\(its schedule has ended\): its steps change nothing"):
+            train(model, optimizer, freezer, 6)
+        assert freezer.frozen == [True, False, False]
+

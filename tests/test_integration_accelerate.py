@@ -129,3 +129,27 @@ def test_egeria_built_after_prepare_under_bf16_runs_its_reference_in_fp32(fresh_
         assert freezer.strategy.evaluations == 2 and "forward" not in vars(freezer.strategy._shadow)
     finally:
         freezer.close()
+
+
+def test_the_cached_forward_under_accelerates_mixed_precision_warns_without_its_autocast(fresh_accelerate_state):
+    # accelerate's bf16 wraps model.forward; the cache runs the blocks itself, so the suffix ran in float32, in
+    # silence (the run differed from the uncached one from the first cached forward)
+    from layerfreeze import CachedPrefix
+
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    freezer = Freezer(model, optimizer, "static", {"k": 1})
+    model, optimizer = accelerator.prepare(model, optimizer)
+    forward = CachedPrefix(model, freezer=freezer, input_key="x")
+    x, _ = blobs(8)
+    batch = {"x": x, "index": torch.arange(8)}
+    dtypes = set()
+    model[4].register_forward_hook(lambda m, args, out: dtypes.add(out.dtype))
+    with pytest.warns(UserWarning, match=r"Call the cached forward under `with accelerator.autocast\(\):`"):
+        forward(batch)
+    assert dtypes == {torch.float32}
+    with accelerator.autocast():
+        forward(batch)
+    assert dtypes == {torch.float32, torch.bfloat16}
+    freezer.close()

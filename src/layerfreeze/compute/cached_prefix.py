@@ -343,6 +343,11 @@ class CachedPrefix:
         warns the first time it does not: its stored states were computed, and rounded, in the other precision."""
         first = batch[self.split.input_keys[0]]
         key = precision_key(first.device if isinstance(first, torch.Tensor) else torch.device("cpu"))
+        if not key[0] and "_original_forward" in vars(self.model) and not self._precision_warned:
+            self._precision_warned = True  # accelerate's mixed precision wraps model.forward, which the split skips
+            warnings.warn("activation cache: the model's forward runs under an autocast that accelerate put around it "
+                          "(mixed_precision), but the cached forward calls its blocks, not model.forward, so they run "
+                          "in float32. Call the cached forward under `with accelerator.autocast():`", stacklevel=3)
         if self.precision is None:
             self.precision = key
         if key == self.precision:

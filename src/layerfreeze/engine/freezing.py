@@ -177,8 +177,9 @@ def refreeze(freezer: Freezer, param: nn.Parameter, old: nn.Parameter | None) ->
         UnfrozenParameterError: ``param`` replaced one of a demoted block, whose float32 master copy is the old
             weight's (a thaw would restore it, a checkpoint write it).
     """
-    param.requires_grad_(False)
-    param.grad = None
+    if param.requires_grad:  # made trainable by hand while its block is frozen: it trains when the block thaws
+        freezer._frozen_before.discard(id(param))
+    stop_training([param], freezer._frozen_before)  # (the Freezer's mark: not the user's frozen parameter)
     if freezer.optimizer is not None:
         remove_from_optimizer(freezer.optimizer, [param])
     if old is not None and old is not param:

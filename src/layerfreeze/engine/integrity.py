@@ -259,8 +259,9 @@ class FrozenSet:
                 freezer.refreeze_parameter(p, old)
                 frozen[name] = p
                 fixed.append(name)
-                self._warn(message + "; re-frozen", {"kind": "refrozen", "block": block.name, "parameter": name,
-                                                     "cause": what})
+                until = " until its block thaws" if what == "requires grad again" else ""
+                self._warn(message + f"; re-frozen{until}", {"kind": "refrozen", "block": block.name,
+                                                             "parameter": name, "cause": what})
         return fixed
 
     def verify_checksums(self, freezer: Any) -> None:

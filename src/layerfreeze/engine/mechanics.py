@@ -69,9 +69,15 @@ def resume_training(params: Iterable[nn.Parameter], before: set[int]) -> list[nn
 
 
 def set_eval_mode(module: nn.Module, train_bn: bool = False) -> None:
-    """Put ``module`` and its sub-modules in eval mode (BatchNorm layers excepted when ``train_bn``)."""
+    """Put ``module`` and its sub-modules in eval mode (BatchNorm layers excepted when ``train_bn``).
+
+    A BatchNorm layer in training mode with ``momentum=None`` is being recalibrated (its statistics were reset and
+    are averaged anew over a pass of the data: ``torch.optim.swa_utils.update_bn``, Lightning's
+    ``StochasticWeightAveraging``) and keeps training mode: in eval mode a frozen block's reset statistics stayed at
+    0 and 1, and the averaged model's output was wrong."""
     for sub in module.modules():
-        sub.training = bool(train_bn and isinstance(sub, _NORM_TYPES) and sub.training)
+        norm = isinstance(sub, _NORM_TYPES)
+        sub.training = bool(norm and sub.training and (train_bn or sub.momentum is None))
 
 
 def frozen_blocks_to_eval(blocks: list[Block], frozen: list[bool], train_bn: bool = False) -> None:

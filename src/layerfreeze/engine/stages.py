@@ -261,9 +261,11 @@ def keep_one_training(freezer: Freezer, decision: Decision) -> None:
     if kept not in freezer._kept:
         freezer._kept.add(kept)
         # stacklevel 5: this function, _admissible, stage(), start() / steps.step() / steps.epoch_end(), the Freezer
+        idle = (" at the learning-rate factor 0 the strategy gives it (its schedule has ended): its steps change "
+                "nothing" if decision.lr_scale.get(kept, freezer._lr_scale.get(kept)) == 0.0 else "")
         warnings.warn(f"strategy {freezer.strategy.name!r} asked to freeze {freezer.blocks[kept].name}, which would "
                       "have left nothing to train: the blocks it leaves trainable hold no trainable parameter (peft's "
-                      f"LoRA froze the base model and the head?). {freezer.blocks[kept].name} keeps training",
+                      f"LoRA froze the base model and the head?). {freezer.blocks[kept].name} keeps training{idle}",
                       stacklevel=6)
 
 

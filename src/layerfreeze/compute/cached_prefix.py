@@ -46,7 +46,13 @@ from torch import nn
 
 from layerfreeze.compute.batch_inputs import batch_indices, names_its_input, resolve_input_key, sample_indices
 from layerfreeze.compute.cache_policy import CachePolicy, _Plan
-from layerfreeze.compute.determinism import CHANGED_INPUTS, CacheRefused, check_prefix_deterministic
+from layerfreeze.compute.determinism import (
+    CHANGED_INPUTS,
+    CacheRefused,
+    check_prefix_deterministic,
+    precision_key,
+    precision_warning,
+)
 from layerfreeze.compute.store import ActivationCache, CacheWriteError, pad_dim0
 from layerfreeze.distributed import comm
 from layerfreeze.distributed.fsdp import fsdp_modules, reshard_all, root_parameters
@@ -64,16 +70,6 @@ def _signature(block: Block) -> tuple[tuple[Any, ...], ...]:
     version)."""
     tensors = [t for _, module in block.modules for t in (*module.parameters(), *module.buffers())]
     return tuple((id(t), t._version, t.dtype, t.device) for t in (*tensors, *(p for _, p in block.params)))
-
-
-def precision_key(device: torch.device) -> tuple[bool, torch.dtype | None]:
-    """The autocast state a forward on ``device`` runs under: ``(enabled, dtype)`` (dtype None when off; off on a
-    device type autocast does not know, such as ``meta``)."""
-    try:
-        enabled = torch.is_autocast_enabled(device.type)
-    except RuntimeError:  # "unknown device type for autocast"
-        return False, None
-    return enabled, (torch.get_autocast_dtype(device.type) if enabled else None)
 
 
 class FrozenPrefixSource(Protocol):
@@ -339,29 +335,15 @@ class CachedPrefix:
         self._find_input_key = False  # found (or the default one is there): a refused batch keeps the search on
 
     def _same_precision(self, batch: dict[str, Any]) -> bool:
-        """Whether this forward runs under the autocast state the cache was filled under (the first one is taken);
-        warns the first time it does not: its stored states were computed, and rounded, in the other precision."""
+        """Whether this forward runs under the autocast state the cache was filled under (the first one is taken;
+        :func:`~layerfreeze.compute.determinism.precision_warning` says what the first one that does not is)."""
         first = batch[self.split.input_keys[0]]
         key = precision_key(first.device if isinstance(first, torch.Tensor) else torch.device("cpu"))
-        if not key[0] and "_original_forward" in vars(self.model) and not self._precision_warned:
-            self._precision_warned = True  # accelerate's mixed precision wraps model.forward, which the split skips
-            warnings.warn("activation cache: the model's forward runs under an autocast that accelerate put around it "
-                          "(mixed_precision), but the cached forward calls its blocks, not model.forward, so they run "
-                          "in float32. Call the cached forward under `with accelerator.autocast():`", stacklevel=3)
-        if self.precision is None:
-            self.precision = key
-        if key == self.precision:
-            return True
-        if not self._precision_warned:
+        self.precision = key if self.precision is None else self.precision
+        if not self._precision_warned and (why := precision_warning(self.model, key, self.precision)) is not None:
             self._precision_warned = True
-            said = {False: "without autocast"}
-            warnings.warn(f"activation cache: this forward runs {said.get(key[0], f'under autocast {key[1]}')}, but "
-                          f"the cache was filled {said.get(self.precision[0], f'under autocast {self.precision[1]}')}; "
-                          "its states are not this forward's, so such forwards run the full model (the cache still "
-                          "serves the precision it was filled under). Run every forward through the cache under one "
-                          "precision (the training's autocast), or evaluate with the model's own forward",
-                          stacklevel=3)
-        return False
+            warnings.warn(why, stacklevel=3)
+        return key == self.precision
 
     def _check_prefix(self, depth: int) -> None:
         if self.freezer is not None:

@@ -1,7 +1,9 @@
 """What would make a cached frozen-prefix output wrong, refused with a message that says why: random augmentation in
 the dataset (:func:`check_deterministic`), a module of the prefix that is stochastic in its current mode
 (:func:`check_prefix_deterministic`: dropout, BatchNorm in training mode). :class:`CacheRefused` is what the
-activation cache (:mod:`~layerfreeze.compute.cache`) raises, or turns itself off on, with ``fallback``.
+activation cache (:mod:`~layerfreeze.compute.cache`) raises, or turns itself off on, with ``fallback``. And a forward
+under another autocast precision than the cache was filled under (:func:`precision_key`, :func:`precision_warning`),
+which runs the full model.
 """
 
 from __future__ import annotations
@@ -224,3 +226,32 @@ def check_prefix_deterministic(
                     "run to run, so it cannot be cached. Put it in eval mode, freeze with train_bn=False, or set "
                     "cache: off"
                 )
+
+
+def precision_key(device: torch.device) -> tuple[bool, torch.dtype | None]:
+    """The autocast state a forward on ``device`` runs under: ``(enabled, dtype)`` (dtype None when off; off on a
+    device type autocast does not know, such as ``meta``)."""
+    try:
+        enabled = torch.is_autocast_enabled(device.type)
+    except RuntimeError:  # "unknown device type for autocast"
+        return False, None
+    return enabled, (torch.get_autocast_dtype(device.type) if enabled else None)
+
+
+def precision_warning(model: nn.Module, key: tuple[bool, torch.dtype | None],
+                      filled: tuple[bool, torch.dtype | None]) -> str | None:
+    """Why a cached forward under autocast state ``key`` (:func:`precision_key`) is not what it should be, or None:
+    the cache was filled under another (``filled``: its states were computed, and rounded, in that precision, so this
+    forward runs the full model), or ``model.forward`` carries accelerate's mixed-precision autocast, which the cached
+    forward skips (it calls the blocks), so the blocks run in float32."""
+    if not key[0] and "_original_forward" in vars(model):
+        return ("activation cache: the model's forward runs under an autocast that accelerate put around it "
+                "(mixed_precision), but the cached forward calls its blocks, not model.forward, so they run in "
+                "float32. Call the cached forward under `with accelerator.autocast():`")
+    if key == filled:
+        return None
+    said = {False: "without autocast"}
+    return (f"activation cache: this forward runs {said.get(key[0], f'under autocast {key[1]}')}, but the cache was "
+            f"filled {said.get(filled[0], f'under autocast {filled[1]}')}; its states are not this forward's, so such "
+            "forwards run the full model (the cache still serves the precision it was filled under). Run every forward "
+            "through the cache under one precision (the training's autocast), or evaluate with the model's own forward")

@@ -260,7 +260,8 @@ def keep_one_training(freezer: Freezer, decision: Decision) -> None:
     decision.freeze = [i for i in decision.freeze if i != kept]
     if kept not in freezer._kept:
         freezer._kept.add(kept)
-        # stacklevel 5: this function, _admissible, stage(), start() / steps.step() / steps.epoch_end(), the Freezer
+        # stacklevel 6: this function, _admissible, stage(), start() / steps.step() / steps.epoch_end(), the Freezer
+        # constructor / step() / epoch_end(), the training loop that called it
         idle = (" at the learning-rate factor 0 the strategy gives it (its schedule has ended): its steps change "
                 "nothing" if decision.lr_scale.get(kept, freezer._lr_scale.get(kept)) == 0.0 else "")
         warnings.warn(f"strategy {freezer.strategy.name!r} asked to freeze {freezer.blocks[kept].name}, which would "

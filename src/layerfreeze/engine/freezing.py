@@ -35,7 +35,13 @@ from torch import nn
 
 from layerfreeze.engine.integrity import UnfrozenParameterError
 from layerfreeze.engine.lr_factors import check_block_lr
-from layerfreeze.engine.mechanics import FROZEN_MARK, frozen_parameters, resume_training, set_eval_mode, stop_training
+from layerfreeze.engine.mechanics import (
+    frozen_by_user,
+    frozen_parameters,
+    resume_training,
+    set_eval_mode,
+    stop_training,
+)
 from layerfreeze.engine.optim import add_to_optimizer, remove_from_optimizer
 from layerfreeze.engine.sharding import sharded
 from layerfreeze.engine.stages import FLOOR_REASON
@@ -62,7 +68,7 @@ def freeze_block(freezer: Freezer, block: Block, reason: str) -> bool:
     # what the user set since the Freezer was built: frozen by hand mid-run (requires_grad_(False)), the thaw leaves
     # it frozen, as one frozen before (a rotating strategy's next thaw made it train again); made trainable again,
     # the thaw trains it (it was kept frozen)
-    freezer._frozen_before.update(id(p) for p in params if not p.requires_grad and not getattr(p, FROZEN_MARK, False))
+    freezer._frozen_before.update(id(p) for p in params if frozen_by_user(p))
     freezer._frozen_before.difference_update(id(p) for p in params if p.requires_grad)
     stop_training(params, freezer._frozen_before)
     if freezer.optimizer is not None:

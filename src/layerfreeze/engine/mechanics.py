@@ -31,11 +31,17 @@ def frozen_parameters(block: Block, train_bn: bool = False) -> list[nn.Parameter
 FROZEN_MARK = "_layerfreeze_frozen"
 
 
+def frozen_by_user(p: nn.Parameter) -> bool:
+    """Whether ``p`` is frozen, and not by a Freezer (it carries no :data:`FROZEN_MARK`): by the user or a library
+    (peft's base weights), before a Freezer or since."""
+    return not p.requires_grad and not getattr(p, FROZEN_MARK, False)
+
+
 def frozen_before(model: nn.Module) -> set[int]:
-    """``id`` of each parameter of ``model`` frozen before a Freezer was built (by the user, or by a library: peft's
-    base weights), so that a thaw leaves it frozen (a thaw made the user's frozen layer train); one an earlier
-    Freezer froze (:data:`FROZEN_MARK`) is not among them."""
-    return {id(p) for p in model.parameters() if not p.requires_grad and not getattr(p, FROZEN_MARK, False)}
+    """``id`` of each parameter of ``model`` frozen before a Freezer was built (:func:`frozen_by_user`), so that a
+    thaw leaves it frozen (a thaw made the user's frozen layer train); one an earlier Freezer froze is not among
+    them."""
+    return {id(p) for p in model.parameters() if frozen_by_user(p)}
 
 
 def not_optimized(model: nn.Module, origin: Mapping[int, int]) -> set[int]:

@@ -233,26 +233,18 @@ def keep_one_training(freezer: Freezer, decision: Decision) -> None:
     adapters as the only one that trains. A decision that leaves something training is left as it is."""
     if not decision.freeze:
         return
-    frozen = list(freezer.frozen)
-    for i in decision.freeze:
-        frozen[i] = True
-    for i in decision.thaw:
-        frozen[i] = False
     of = freezer._params.of
-    for block in reversed(freezer.blocks):  # the head first: it trains in almost every model
-        i = block.index
-        if not frozen[i] and not freezer.frozen[i]:  # trainable now and after
-            if any(p.requires_grad for p in of(i)):
-                return
-        elif not frozen[i]:  # thawed by the decision: what a thaw makes trainable (mechanics.resume_training)
-            if any(id(p) not in freezer._frozen_before for p in frozen_parameters(block, freezer.train_bn)):
-                return
-        elif freezer.train_bn and any(p.requires_grad and id(p) not in keep for p in of(i)
-                                      for keep in [{id(q) for q in frozen_parameters(block, True)}]):
-            return  # BatchNorm layers of a frozen block keep training (train_bn)
+    for i in decision.thaw:
+        if freezer.frozen[i]:  # what the thaw makes trainable (mechanics.resume_training)
+            trains = any(id(p) not in freezer._frozen_before for p in frozen_parameters(freezer.blocks[i],
+                                                                                       freezer.train_bn))
+        else:  # switched off and on in this stage: it trains as it does now
+            trains = any(p.requires_grad for p in of(i))
+        if trains:
+            return
     freezing = {id(p) for i in decision.freeze for p in frozen_parameters(freezer.blocks[i], freezer.train_bn)}
     if any(p.requires_grad and id(p) not in freezing for p in freezer.model.parameters()):
-        return  # a parameter outside every block trains (a loss's scale, a prompt)
+        return  # the head, a block the decision leaves training, train_bn's BatchNorm, a parameter outside the blocks
     training = [i for i in decision.freeze if not freezer.frozen[i] and any(p.requires_grad for p in of(i))]
     if not training:
         return

@@ -18,7 +18,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from layerfreeze.distributed import comm
-from layerfreeze.engine.mechanics import FROZEN_MARK
+from layerfreeze.engine.mechanics import frozen_by_user
 from layerfreeze.engine.optim import load_param_groups
 from layerfreeze.engine.sharding import sharded
 from layerfreeze.engine.stages import prepare_grad_sums, sums_gradients
@@ -159,10 +159,9 @@ def load_state_dict(freezer: Freezer, state: dict[str, Any]) -> None:
 
 
 def user_frozen(freezer: Freezer) -> list[str]:
-    """Names of the parameters the user has frozen now: frozen, and not by a Freezer (no ``FROZEN_MARK``: before the
-    Freezer, by hand since, or kept as the user's from an earlier Freezer), whatever their block."""
-    return sorted(n for n, p in freezer.model.named_parameters()
-                  if not p.requires_grad and not getattr(p, FROZEN_MARK, False))
+    """Names of the parameters the user has frozen now (:func:`~layerfreeze.engine.mechanics.frozen_by_user`: before
+    the Freezer, by hand since, or kept as the user's from an earlier Freezer), whatever their block."""
+    return sorted(n for n, p in freezer.model.named_parameters() if frozen_by_user(p))
 
 
 def _load_user_frozen(freezer: Freezer, names: list[str]) -> None:

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from layerfreeze.engine.mechanics import FROZEN_MARK, closed_freezers, frozen_parameters, refuse_second_freezer
+from layerfreeze.engine.mechanics import (
+    FROZEN_MARK,
+    closed_freezers,
+    frozen_by_user,
+    frozen_parameters,
+    refuse_second_freezer,
+)
 from layerfreeze.engine.optim import add_to_optimizer
 
 if TYPE_CHECKING:
@@ -134,9 +140,8 @@ def _frozen_since(other: Any, mine: set[int], users: set[str]) -> bool:
     run, added to its optimizer."""
     held = {id(p) for b in other.blocks if other.frozen[b.index] for p in frozen_parameters(b, other.train_bn)}
     known = set(other._names.values())  # by name too: a deep copy's parameters are other objects
-    return any(not p.requires_grad for n, p in other.model.named_parameters()  # those it saw, not LoRA's added since
-               if (id(p) in other._names or n in known) and id(p) in mine and id(p) not in held and n not in users
-               and not getattr(p, FROZEN_MARK, False))
+    return any(frozen_by_user(p) for n, p in other.model.named_parameters()  # those it saw, not LoRA's added since
+               if (id(p) in other._names or n in known) and id(p) in mine and id(p) not in held and n not in users)
 
 
 def _keep_as_users(p: nn.Parameter) -> bool:

@@ -648,6 +648,22 @@ def test_a_deep_copy_of_a_model_with_demoted_blocks_is_refused_saying_what_to_co
     assert torch.equal(copied(x), model(x))
 
 
+def test_saving_a_model_with_demoted_blocks_is_refused_saying_what_to_save(tmp_path):
+    # torch.save(model) failed with "Can't pickle local object 'Demoter._post_hook.<locals>.hook'", saying nothing of
+    # what to do; a dtype alone (demote="bfloat16") failed with "argument after ** must be a mapping, not str"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    with Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 1}, demote="bfloat16"):
+        assert model[0].weight.dtype == torch.bfloat16
+        with pytest.raises(TypeError, match=r"pickling a model \(torch.save\(model\)\) whose Freezer holds demoted "
+                                            r"blocks .* save or copy model.state_dict\(\)"):
+            torch.save(model, tmp_path / "model.pt")
+        torch.save(model.state_dict(), tmp_path / "weights.pt")
+    assert torch.load(tmp_path / "weights.pt")["0.weight"].dtype == torch.float32
+    with pytest.raises(TypeError, match=r"demote must be a Demotion, a dict of its settings .* or a dtype"):
+        Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 1}, demote=16)
+
+
 def test_a_replaced_parameter_in_a_demoted_frozen_block_is_refused():
     # re-frozen with a warning, but the block's float32 master copy (what a checkpoint writes and a thaw restores)
     # stayed the old weight: verify and save passed with weights other than the ones in use

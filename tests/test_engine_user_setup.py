@@ -426,6 +426,31 @@ def test_a_copy_of_a_model_with_frozen_blocks_carries_what_it_froze_not_the_free
             assert again.frozen == [False, False, False] and copied[0].weight.requires_grad
 
 
+def test_a_saved_model_with_frozen_blocks_carries_what_it_froze_and_loads_under_a_new_freezer(tmp_path):
+    # torch.save(model) pickled the Freezer its hooks are bound to, whole: the model's file held the optimizer and its
+    # Adam state and the strategy, and the loaded model's hooks were bound to an open Freezer with a stray optimizer
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Linear(8, 2))
+    model[2].bias.requires_grad_(False)  # the user's own: stays frozen after the load too
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with Freezer(model, optimizer, "egeria", total_steps=20) as freezer:
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        assert freezer.freeze(0)
+        torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    (carried,) = {id(h.__self__): h.__self__ for h in loaded[0]._forward_pre_hooks.values()}.values()
+    assert carried.closed and carried.optimizer is None and carried.model is loaded and carried.frozen[0]
+    assert not hasattr(carried, "strategy") and torch.equal(loaded[0].weight, model[0].weight)
+    loaded.train()
+    loaded(torch.randn(5, 4))
+    assert not loaded[0].training and loaded[2].training  # the loaded model's frozen block still runs in eval mode
+    with pytest.warns(UserWarning, match=r"block\(s\) 0 were left frozen by an earlier Freezer"):
+        again = Freezer(loaded, torch.optim.SGD([p for p in loaded.parameters() if p.requires_grad], lr=0.1), "none")
+    with again:
+        assert [p.requires_grad for p in loaded.parameters()] == [True, True, True, False, True, True]
+
+
 def test_a_freezer_on_a_submodule_leaves_the_earlier_freezers_hold_on_the_rest():
     # taking over removed every hook of the earlier Freezer: the frozen stem outside the new model ran BatchNorm in
     # training mode and its running statistics drifted

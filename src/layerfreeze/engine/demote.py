@@ -54,7 +54,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -566,19 +566,28 @@ class Demoter:
                     self._offload(m)
 
 
-def build_demoter(demote: Demotion | dict[str, Any] | None, blocks: Sequence[Block], *, train_bn: bool,
-                  sharded: bool) -> Demoter | None:
-    """The :class:`Demoter` of ``Freezer(..., demote=...)``: a :class:`Demotion` or its keyword arguments as a dict
-    (``{"dtype": "bfloat16"}``); None without one.
+def build_demoter(demote: Demotion | dict[str, Any] | str | torch.dtype | None, blocks: Sequence[Block], *,
+                  train_bn: bool, sharded: bool) -> Demoter | None:
+    """The :class:`Demoter` of ``Freezer(..., demote=...)``: a :class:`Demotion`, its keyword arguments as a dict
+    (``{"dtype": "bfloat16"}``) or a dtype alone (``"bfloat16"``, ``torch.float16``: ``Demotion(dtype=...)``); None
+    without one.
 
     Raises:
+        TypeError: ``demote`` is none of these.
         ValueError: ``train_bn`` (the BatchNorm layers of frozen blocks keep training, in float32, inside blocks that
             demotion casts), an FSDP2-sharded model (``sharded``: its parameters are DTensor shards), or a bad
             :class:`Demotion` setting.
     """
     if demote is None:
         return None
-    spec = demote if isinstance(demote, Demotion) else Demotion(**demote)
+    if isinstance(demote, (str, torch.dtype)):
+        demote = Demotion(dtype=demote)
+    elif isinstance(demote, Mapping):
+        demote = Demotion(**demote)
+    elif not isinstance(demote, Demotion):
+        raise TypeError(f"demote must be a Demotion, a dict of its settings ({{'dtype': 'bfloat16'}}) or a dtype "
+                        f"('bfloat16', 'float16'), got {type(demote).__name__}")
+    spec = demote
     if train_bn:
         raise ValueError("demote needs train_bn=False: with train_bn the BatchNorm layers of frozen blocks keep "
                          "training, in float32, inside blocks that demotion casts")

@@ -61,7 +61,7 @@ from layerfreeze.engine.optim import group_origin
 from layerfreeze.engine.params import BlockParams
 from layerfreeze.engine.sharding import check_parameters, make_mirror, sharded
 from layerfreeze.engine.stages import FLOOR_REASON, prefix_since, report_metric, run_length, stage, start
-from layerfreeze.engine.takeover import adopt_origins, copied, release_earlier, take_over
+from layerfreeze.engine.takeover import adopt_origins, closed_record, copied, release_earlier, take_over
 from layerfreeze.engine.timing import StepTimes
 from layerfreeze.models.blocks import Block, block_by_key
 from layerfreeze.strategies import DEFAULT_STRATEGY, Decision, Strategy
@@ -96,12 +96,12 @@ class Freezer:
             :class:`~layerfreeze.engine.integrity.FrozenSet`): ``"warn"`` re-freezes it and warns naming it, ``"error"``
             raises :class:`~layerfreeze.engine.integrity.UnfrozenParameterError`.
         demote: Demote frozen blocks (:mod:`layerfreeze.engine.demote`): a
-            :class:`~layerfreeze.engine.demote.Demotion` (or its keyword arguments as a dict, e.g.
-            ``{"dtype": "bfloat16"}``): each block that freezes is cast to that dtype (its float32 master copy kept in
-            host memory or on disk, restored exactly at a thaw) and/or, with ``offload="cpu"``, moved to host memory
-            while :meth:`offload_prefix` says the activation cache serves it. None (default): frozen blocks keep
-            their weights as they are. Every rank of a distributed run demotes the same blocks (the same decisions,
-            the same settings).
+            :class:`~layerfreeze.engine.demote.Demotion`, its keyword arguments as a dict (``{"dtype": "bfloat16",
+            "master": "disk"}``) or a dtype alone (``"bfloat16"``): each block that freezes is cast to that dtype
+            (its float32 master copy kept in host memory or on disk, restored exactly at a thaw) and/or, with
+            ``offload="cpu"``, moved to host memory while :meth:`offload_prefix` says the activation cache serves it.
+            None (default): frozen blocks keep their weights as they are. Every rank of a distributed run demotes the
+            same blocks (the same decisions, the same settings).
         distributed: Decide on rank 0 and broadcast each decision to every rank (``torch.distributed``), so all
             ranks freeze and thaw the same blocks at the same step whatever the strategy looks at. Default: on when
             a process group of more than one rank is initialized. Only rank 0 runs the strategy (its hooks,
@@ -163,7 +163,7 @@ class Freezer:
         distributed: bool | None = None,
         on_unfrozen: str = "warn",
         mirror: nn.Module | None = None,
-        demote: Demotion | dict[str, Any] | None = None,
+        demote: Demotion | dict[str, Any] | str | torch.dtype | None = None,
         floor: Sequence[int | str] | None = None,
     ) -> None:
         resolved = resolve(model, optimizer, strategy, strategy_params, blocks, guard, type(self))  # raises first
@@ -495,6 +495,11 @@ class Freezer:
     def __deepcopy__(self, memo: dict[int, Any]) -> Freezer:
         """What a copied model carries of this Freezer: :func:`~layerfreeze.engine.takeover.copied`."""
         return copied(self, memo)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a pickled model (``torch.save(model)``) carries of this Freezer: the same closed record as a copy's
+        (:func:`~layerfreeze.engine.takeover.closed_record`)."""
+        return closed_record(self, "pickling a model (torch.save(model))")
 
     def __enter__(self) -> Freezer:
         return self

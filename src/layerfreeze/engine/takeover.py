@@ -51,31 +51,44 @@ def earlier_freezers(model: nn.Module, cls: type) -> list[Any]:
     return list(found.values())
 
 
-def copied(freezer: Freezer, memo: dict[int, Any]) -> Freezer:
-    """What a ``copy.deepcopy`` of a model (an EMA copy, ``torch.optim.swa_utils.AveragedModel``, a best-model
-    snapshot) carries of its Freezer, whose eval-mode hooks sit on its frozen blocks' modules: a closed Freezer over the
-    copy that knows only which blocks are frozen, what it may take over (the parameters' names, the user's frozen ones,
-    the param groups they came from) and keeps the copy's frozen blocks in eval mode. Not the optimizer and its state,
-    the strategy (Egeria's worker thread could not be copied: ``TypeError: cannot pickle '_queue.SimpleQueue'``) or
-    the checks: the copy carried the whole Freezer, twice the optimizer state in memory.
+def closed_record(freezer: Freezer, what: str = "copy.deepcopy of a model") -> dict[str, Any]:
+    """The attributes of what a copy (``copy.deepcopy``: an EMA copy, ``torch.optim.swa_utils.AveragedModel``, a
+    best-model snapshot) or a pickle (``torch.save(model)``) of a model carries of its Freezer, whose eval-mode hooks
+    sit on its frozen blocks' modules: a closed Freezer that knows only which blocks are frozen, what it may take over
+    (the parameters' names, the user's frozen ones) and keeps the frozen blocks in eval mode. Not the optimizer and
+    its state, the strategy (Egeria's worker thread could not be copied: ``TypeError: cannot pickle
+    '_queue.SimpleQueue'``) or the checks: a copy carried the whole Freezer, twice the optimizer state in memory, and
+    ``torch.save(model)`` wrote the optimizer's state into the model's file.
 
     Raises:
         TypeError: ``freezer`` holds demoted or offloaded blocks (``demote=``): the copy would get their low-precision
-            weights, with the demotion's hooks bound to this model's float32 master copies (its forward failed, its
-            ``state_dict()`` returned this model's weights). The message says what to copy instead.
+            weights, with the demotion's hooks bound to this model's float32 master copies (a copy's forward failed,
+            its ``state_dict()`` returned this model's weights; a pickle failed with "Can't pickle local object").
+            The message, which starts with ``what``, says what to copy or save instead.
     """
     if freezer.demoter is not None and any(freezer.demoter.manages(b.index) for b in freezer.blocks):
         raise TypeError(
-            "copy.deepcopy of a model whose Freezer holds demoted blocks (demote=): the copy would hold their "
-            "low-precision weights, with hooks bound to this model's float32 master copies. For a snapshot of the "
-            "weights copy model.state_dict() (it holds the float32 weights); for a copy of the model, copy it before "
-            "building the Freezer or after closing it (close() gives the blocks their float32 weights back)")
+            f"{what} whose Freezer holds demoted blocks (demote=): the copy would hold their low-precision weights, "
+            "with hooks bound to this model's float32 master copies. For a snapshot of the weights save or copy "
+            "model.state_dict() (it holds the float32 weights); for the model itself, copy or save it before building "
+            "the Freezer or after closing it (close() gives the blocks their float32 weights back)")
+    # the parameters it knew and the user's frozen ones by name, not by id(): an id of this model's parameter means
+    # nothing in a copy or another process, and a live object may reuse it (the param groups they came from go too:
+    # without an optimizer they are never read, :func:`seed_origins`)
+    names = freezer._names
+    return dict(model=freezer.model, blocks=freezer.blocks, frozen=list(freezer.frozen), train_bn=freezer.train_bn,
+                _names={n: n for n in names.values()}, _frozen_before={names[i] for i in freezer._frozen_before
+                                                                       if i in names},
+                _origin={}, optimizer=None, demoter=None, _hooks={}, _root_eval_hook=None, closed=True)
+
+
+def copied(freezer: Freezer, memo: dict[int, Any]) -> Freezer:
+    """What a ``copy.deepcopy`` of a model carries of its Freezer: a closed Freezer over the copy, with the
+    attributes of :func:`closed_record` (which raises ``TypeError`` while blocks are demoted)."""
+    record = closed_record(freezer)
     copy = object.__new__(type(freezer))
     memo[id(freezer)] = copy
-    copy.__dict__.update(
-        model=deepcopy(freezer.model, memo), blocks=deepcopy(freezer.blocks, memo), frozen=list(freezer.frozen),
-        train_bn=freezer.train_bn, _names=dict(freezer._names), _frozen_before=set(freezer._frozen_before),
-        _origin=dict(freezer._origin), optimizer=None, demoter=None, _hooks={}, _root_eval_hook=None, closed=True)
+    copy.__dict__.update(deepcopy(record, memo))
     return copy
 
 

@@ -299,3 +299,24 @@ def test_a_fit_that_raised_leaves_the_callback_ready_for_the_next_fit(tmp_path):
     second = Module()
     fit(tmp_path / "b", callback, module=second)
     assert callback.freezer.model is second.net and not second.net[0].weight.requires_grad
+
+
+def test_swa_s_batchnorm_epoch_is_not_a_step_of_the_freezers_run(tmp_path):
+    # StochasticWeightAveraging adds an epoch of forward passes on a model with BatchNorm (no backward, no weight
+    # changed) that Lightning counts as one optimizer step: the Freezer got a 25th step of a 24-step run and warned
+    # "freezer.step() was called 25 times, more than total_steps=24", telling the user to fix a loop that was right
+    import warnings
+
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    module = Module()
+    module.net[1] = nn.BatchNorm1d(16)
+    callback = LayerFreeze("linear", submodule="net")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, trainer = fit(tmp_path, callback, max_epochs=3, module=module,
+                         callbacks=[StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)])
+    assert trainer.global_step == 25 and callback.freezer.total_steps == 24  # the BatchNorm epoch's one step
+    assert callback.freezer.step_count == 24
+    assert not [w for w in caught if "total_steps" in str(w.message)]
+    assert [(h["block"], h["step"]) for h in callback.freezer.history] == [("0", 16), ("1", 24), ("2", 24), ("4", 24)]

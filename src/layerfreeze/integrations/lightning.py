@@ -203,7 +203,8 @@ class LayerFreeze(L.Callback):
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """Collect gradient signals for strategies that read them (after backward, before the step)."""
-        self.freezer.after_backward()
+        if not _backward_skipped(trainer):
+            self.freezer.after_backward()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """Before the first micro-batch of an optimizer step: the memory ledger's step opens."""
@@ -219,6 +220,8 @@ class LayerFreeze(L.Callback):
             if memory and trainer.is_global_zero:
                 for logger in trainer.loggers:
                     logger.log_metrics(memory, step=trainer.global_step)
+        if _backward_skipped(trainer):  # no weight changed: not a step of the strategy's run (total_steps)
+            self._steps_seen = trainer.global_step
         while self._steps_seen < trainer.global_step:
             self._steps_seen += 1
             decision = self.freezer.step()
@@ -255,6 +258,14 @@ class LayerFreeze(L.Callback):
         if metrics and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _backward_skipped(trainer: Any) -> bool:
+    """Whether this epoch's steps run no backward: ``StochasticWeightAveraging``'s extra epoch on a model with
+    BatchNorm, one forward pass over the data to recompute the statistics, counted by Lightning as one optimizer step
+    (``global_step`` one past ``estimated_stepping_batches``). Counting it made the Freezer warn that it was called
+    more than ``total_steps`` times."""
+    return bool(getattr(trainer.fit_loop, "_skip_backward", False))
 
 
 def _training_step_loss(pl_module: Any, batch: Any) -> torch.Tensor:

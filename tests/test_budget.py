@@ -479,6 +479,29 @@ def test_a_plan_with_demotion_counts_the_demoted_weights_and_the_master_copies_k
         plan_memory(_with_bn(), _batch(), "1MiB", loss=_loss, demote=demote, train_bn=True)
 
 
+def test_a_plan_with_float16_demotion_counts_a_block_beyond_its_range_in_float32(tmp_path):
+    """A frozen block with a value beyond float16's range stays in float32 (``demotion.out_of_range``); the plan
+    counted it demoted, half its bytes and a master copy: a prefix predicted to fit that did not."""
+    def model():
+        net = _with_bn()
+        net[1].running_var.fill_(1e5)  # beyond +-65504: block "1" stays float32
+        return net
+
+    demote = {"dtype": "float16", "master": "memory", "directory": str(tmp_path)}
+    plan = plan_memory(model(), _batch(), "1MiB", loss=_loss, demote=demote)
+    p0, p3 = (8 * 16 + 16) * F32, (16 * 16 + 16) * F32
+    assert plan.measured.demoted == {"params_frozen": [-p0 // 2, 0, -p3 // 2, 0], "params_master": [p0, 0, p3, 0]}
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    with pytest.warns(UserWarning, match=r"frozen block '1' stays in float32: its tensors 1.running_var exceed"), \
+            Freezer(net, optimizer, "none", floor=[0, 1, 2], demote=demote) as freezer, \
+            MemoryLedger(net, optimizer, freezer=freezer, sources=[freezer.demoter]) as ledger:
+        with ledger.step():
+            _loss(net, _batch()).backward()
+            optimizer.step()
+    assert plan.measured.model_bytes(3) == ledger.last.tensor_bytes
+
+
 def test_trainer_under_a_budget_with_demotion_keeps_the_peak_it_predicted(tmp_path):
     # freeze.demote with master copies in memory: the CLI's run went over the budget its plan said it fits (t16)
     cfg = _config(tmp_path, "demoted", budget="0.7", demote={"dtype": "bfloat16", "master": "memory"},

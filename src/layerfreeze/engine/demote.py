@@ -62,6 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from layerfreeze.engine import demotion
 from layerfreeze.engine.demotion import DEMOTE_DTYPES, DemotedWeightsError, Demotion, cast_floating, out_of_range
 from layerfreeze.engine.integrity import checksum
 from layerfreeze.models.blocks import Block
@@ -269,11 +270,12 @@ class Demoter:
         """What demoting ``block`` at its freeze changes, in bytes per bucket and device, the block left untouched (a
         memory plan's figure): ``params_frozen`` and ``buffers`` shrink by the cast (negative, on the tensors'
         devices), ``params_master`` grows by the master copy, in host memory (``"cpu"``) or on disk (:data:`DISK`).
-        Empty for a block it would not manage (:attr:`skipped`) or with nothing to cast. Offloading moves the cast
-        weights to host memory (``params_offloaded``), which changes no total: left out."""
-        if self.dtype is None or block.index in self.skipped:
-            return {}
+        Empty for a block it would not manage (:attr:`skipped`), one it would keep in float32 for values beyond the
+        dtype's range (:func:`~layerfreeze.engine.demotion.out_of_range`), or with nothing to cast. Offloading moves
+        the cast weights to host memory (``params_offloaded``), which changes no total: left out."""
         m = _Managed(block, list(block.named_parameters()))
+        if self.dtype is None or block.index in self.skipped or demotion.beyond_range(self.dtype, m.tensors):
+            return {}
         size = torch.empty((), dtype=self.dtype).element_size()
         owned = {n for n, _ in m.params}
         out: dict[str, dict[str, int]] = {}

@@ -110,16 +110,23 @@ def cast_floating(obj: Any, to: torch.dtype, only: torch.dtype | None = None) ->
     return obj
 
 
+def beyond_range(dtype: torch.dtype, params: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of ``params``' floating tensors with a finite value beyond ``dtype``'s range (:func:`out_of_range`,
+    which warns; a memory plan asks this without a warning)."""
+    limit = torch.finfo(dtype).max
+    return [n for n, t in params if t.is_floating_point() and t.dtype != dtype
+            and bool((torch.isfinite(t) & (t.detach().abs() > limit)).any())]
+
+
 def out_of_range(block: str, dtype: torch.dtype, params: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     """Why frozen block ``block`` is not demoted to ``dtype`` (None: it may be): a finite weight or floating buffer
     (``params``: both, a BatchNorm's ``running_var`` too) beyond ``dtype``'s range (float16's is +-65504), which the
     cast turns into inf, exactly the cast of its master copy, so no check saw it and the loss went NaN, in silence in
     the user's own loop. Warns naming the block and tensors."""
-    limit = torch.finfo(dtype).max
-    over = [n for n, t in params if t.is_floating_point() and t.dtype != dtype
-            and bool((torch.isfinite(t) & (t.detach().abs() > limit)).any())]
+    over = beyond_range(dtype, params)
     if not over:
         return None
+    limit = torch.finfo(dtype).max
     why = f"its tensors {', '.join(over)} exceed {str(dtype).removeprefix('torch.')}'s range (+-{limit:g}): demoted, " \
           "they would be inf"
     # stacklevel 5: this function, Demoter.on_freeze, freeze_block, Freezer.freeze, its caller

@@ -139,6 +139,13 @@ def _named_tensors(obj: Any, prefix: str = "output") -> Iterator[tuple[str, torc
             yield from _named_tensors(v, f"{prefix}[{i}]")
 
 
+def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, asynchronously only towards a CUDA device (its stream orders the copy before any use there).
+    A copy to the host must block: a non-blocking one returns a pinned tensor before its data has arrived, and the CPU
+    (a cast, the trainer, the store) would read it unfinished, in silence."""
+    return t.to(device, non_blocking=device.type == "cuda")
+
+
 class FrozenModule:
     """A frozen model on a chosen device and dtype, run under ``torch.no_grad()``.
 
@@ -186,7 +193,7 @@ class FrozenModule:
         self.check_finite = check_finite
 
     def _in(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.to(self.device, non_blocking=True)
+        t = _move(t, self.device)
         return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
 
     def ledger_tensors(self) -> list[torch.Tensor]:
@@ -211,7 +218,7 @@ class FrozenModule:
     def _out(self, t: torch.Tensor) -> torch.Tensor:
         # Contiguous: a CPU convolution returns channels-last tensors, and the trained model's kernels (so the last
         # bits of the loss) depend on the memory format: it must be the same computed here, in a worker or stored.
-        t = t.to(self.output_device, non_blocking=True).contiguous()
+        t = _move(t, self.output_device).contiguous()
         return t.to(self.output_dtype) if t.is_floating_point() else t
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,42 @@
+"""Frozen models beside the trained one, at their edges: copies to the host, gradients that must or must not flow,
+inputs with NaN, a worker that dies, pipelines that overlap, weights changed after precompute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from layerfreeze.compute.frozen import FrozenModule
+
+
+class _RecordsCopies(torch.Tensor):
+    """A tensor that records the destination and ``non_blocking`` of every ``.to(device, ...)``."""
+
+    copies: list[tuple[str, bool]] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], (str, torch.device)):
+            cls.copies.append((torch.device(args[1]).type, bool(kwargs.get("non_blocking", False))))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_copies_to_the_host_block():
+    # a frozen model on a GPU with the default output_device="cpu" (or one offloaded to the CPU beside a GPU trainer)
+    # copied with non_blocking=True: the pinned result is returned before the copy has landed, and the cast to float32,
+    # the trainer or precompute's store read it unfinished, in silence (PyTorch's "pinmem_nonblock" tutorial)
+    _RecordsCopies.copies = []
+    out = FrozenModule(nn.Identity())(torch.randn(2, 3).as_subclass(_RecordsCopies))
+    assert [t for t, _ in _RecordsCopies.copies] == ["cpu", "cpu"]  # the input's copy, the output's
+    assert not any(non_blocking for _, non_blocking in _RecordsCopies.copies)
+    assert out.dtype == torch.float32
+
+
+@pytest.mark.cuda
+def test_a_gpu_frozen_models_output_on_the_host_is_complete():
+    frozen = FrozenModule(nn.Identity(), device="cuda", dtype=torch.bfloat16)  # output_device: cpu (default)
+    x = torch.ones(4096, 4096, device="cuda")
+    for _ in range(20):
+        assert float(frozen(x * 2).mean()) == 2.0

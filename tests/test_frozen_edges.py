@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from layerfreeze.compute.frozen import FrozenModule
+from layerfreeze.compute.frozen import FrozenDifferentiable, FrozenModule
 
 
 class _RecordsCopies(torch.Tensor):
@@ -40,3 +40,36 @@ def test_a_gpu_frozen_models_output_on_the_host_is_complete():
     x = torch.ones(4096, 4096, device="cuda")
     for _ in range(20):
         assert float(frozen(x * 2).mean()) == 2.0
+
+
+def test_a_frozen_module_refuses_an_input_whose_gradient_it_would_drop():
+    # a perceptual loss (or a soft prompt fed to a frozen text encoder) through FrozenModule: under no_grad its term
+    # gave no gradient, and the trained model trained on the other terms only, in silence
+    trained, vgg = nn.Linear(3, 3), FrozenModule(nn.Linear(3, 3), name="perceptual net")
+    pred = trained(torch.randn(2, 3))
+    with pytest.raises(ValueError, match=r"perceptual net: input.args\[0\] requires grad.*FrozenDifferentiable"):
+        vgg(pred)
+    assert not vgg(pred.detach()).requires_grad
+    with torch.no_grad():
+        vgg(trained(torch.randn(2, 3)))  # evaluation: nothing to drop
+    differentiable = FrozenDifferentiable(nn.Linear(3, 3))
+    differentiable(trained(torch.randn(2, 3))).sum().backward()
+    assert trained.weight.grad is not None
+
+
+def test_a_frozen_base_model_gets_no_gradient_when_a_parent_unfreezes_it():
+    # ControlNet training with both models in one wrapper: wrapper.requires_grad_(True) reached the frozen UNet, and
+    # every backward filled a UNet-sized gradient (an optimizer over wrapper.parameters() trained the "frozen" UNet)
+    torch.manual_seed(0)
+    unet, controlnet = nn.Linear(4, 4), nn.Linear(4, 4)
+    unet(torch.randn(2, 4)).sum().backward()  # a gradient left from before it was frozen
+    frozen = FrozenDifferentiable(unet)
+    assert unet.weight.grad is None and not unet.weight.requires_grad
+    wrapper = nn.ModuleDict({"unet": unet, "controlnet": controlnet})
+    wrapper.requires_grad_(True)
+    optimizer = torch.optim.SGD(wrapper.parameters(), lr=0.1)
+    before = unet.weight.clone()
+    frozen(controlnet(torch.randn(2, 4))).square().sum().backward()
+    optimizer.step()
+    assert all(p.grad is None and not p.requires_grad for p in unet.parameters())
+    assert torch.equal(unet.weight, before) and controlnet.weight.grad is not None

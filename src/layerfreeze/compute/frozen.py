@@ -163,7 +163,9 @@ class FrozenModule:
         check_finite: Raise :class:`NonFiniteOutputError` naming the module and output when an output holds NaN/Inf.
 
     The module stays in eval mode: a ``.train()`` that reaches it (a parent module's, at the start of an epoch) is
-    undone at the next call, so its dropout stays off and its BatchNorm statistics never change.
+    undone at the next call, so its dropout stays off and its BatchNorm statistics never change. Its parameters stay
+    frozen the same way (a parent's ``requires_grad_(True)`` is undone at the next call) and hold no gradient (one left
+    from before is dropped).
 
     Calling it: ``frozen(*args, **kwargs)`` takes what the module takes (tensors moved to ``device``) and returns
     its outputs (tensors, tuples, dicts, Hugging Face ``ModelOutput``) on ``output_device``. Other objects in the
@@ -172,6 +174,8 @@ class FrozenModule:
 
     Raises:
         NonFiniteOutputError: an output holds NaN/Inf (with ``check_finite``), naming the module and the output.
+        ValueError: an input requires grad while grad is enabled: run under ``no_grad``, the module would drop the
+            gradient that a frozen model run inline passes on (use :class:`FrozenDifferentiable`, or ``.detach()``).
     """
 
     differentiable = False  # FrozenDifferentiable: autograd kept through the module
@@ -179,7 +183,8 @@ class FrozenModule:
     def __init__(self, module: nn.Module, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  output_device: str | torch.device = "cpu", output_dtype: torch.dtype = torch.float32,
                  name: str | None = None, check_finite: bool = True) -> None:
-        self.module = module.eval().requires_grad_(False)
+        self.module = module.eval()
+        self._freeze_parameters()
         self._all_modules = list(module.modules())  # their train flags are checked at every call
         if device is not None or dtype is not None:
             self.module.to(device=device, dtype=dtype)
@@ -221,9 +226,29 @@ class FrozenModule:
         t = _move(t, self.output_device).contiguous()
         return t.to(self.output_dtype) if t.is_floating_point() else t
 
+    def _freeze_parameters(self) -> None:
+        """No parameter requires grad or holds one (a gradient left from before it was frozen is memory for nothing)."""
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+            p.grad = None
+
+    def _refuse_inputs_that_need_grad(self, args: Any, kwargs: Any) -> None:
+        if self.differentiable or not torch.is_grad_enabled():
+            return
+        for where, t in _named_tensors({"args": args, "kwargs": kwargs}, "input"):
+            if t.requires_grad:
+                raise ValueError(
+                    f"frozen module {self.name}: {where} requires grad, and FrozenModule runs under torch.no_grad(): "
+                    "the gradient through it would be dropped in silence (inline, a frozen model passes it on). "
+                    "For a model in the gradient path (a perceptual loss, a base model a ControlNet or a prompt feeds) "
+                    "use FrozenDifferentiable; to drop the gradient on purpose, pass the input .detach()ed")
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if any(m.training for m in self._all_modules):  # a parent's .train() reached it: frozen means eval, always
             self.module.eval()
+        if any(p.requires_grad for p in self.module.parameters()):  # a parent's requires_grad_(True) reached it
+            self._freeze_parameters()  # else FrozenDifferentiable's backward fills (and an optimizer steps) its weights
+        self._refuse_inputs_that_need_grad(args, kwargs)
         if self.differentiable and getattr(_STATE, "precomputing", False):
             raise PrecomputeRefused(
                 f"frozen model {self.name} is in the gradient path (FrozenDifferentiable): its inputs come from the "

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from layerfreeze.compute.frozen import FrozenDifferentiable, FrozenModule
+from layerfreeze.compute.frozen import FrozenDifferentiable, FrozenModule, PrecomputeRefused
+from layerfreeze.compute.precomputed import PrecomputedDataset, precompute
 
 
 class _RecordsCopies(torch.Tensor):
@@ -73,3 +74,17 @@ def test_a_frozen_base_model_gets_no_gradient_when_a_parent_unfreezes_it():
     optimizer.step()
     assert all(p.grad is None and not p.requires_grad for p in unet.parameters())
     assert torch.equal(unet.weight, before) and controlnet.weight.grad is not None
+
+
+def test_inputs_with_missing_values_are_the_same_inputs_twice():
+    # a NaN in an item (a missing value) was "random augmentation" to precompute (NaN != NaN) and, past that, every
+    # such item was "not the one precompute ran the frozen models on" to PrecomputedDataset
+    import numpy as np
+
+    nan = float("nan")
+    data = [{"x": torch.tensor([1.0, nan, float(i)]), "np": np.array([nan, i]), "f": nan, "index": i} for i in range(6)]
+    store = precompute(data, lambda b: torch.nan_to_num(b["x"]), batch_size=4)
+    assert PrecomputedDataset(data, store)[5]["features"].tolist() == [1.0, 0.0, 5.0]
+    other = [{**item, "x": item["x"] + 1} for item in data]
+    with pytest.raises(PrecomputeRefused, match=r"item 2 \(index 2\): its 'x' is not the one"):
+        PrecomputedDataset(other, store)[2]

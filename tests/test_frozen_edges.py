@@ -3,11 +3,19 @@ inputs with NaN, a worker that dies, pipelines that overlap, weights changed aft
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
 
-from layerfreeze.compute.frozen import FrozenDifferentiable, FrozenModule, PrecomputeRefused
+from layerfreeze.compute.frozen import (
+    FrozenDifferentiable,
+    FrozenModule,
+    FrozenPipeline,
+    FrozenWorkerError,
+    PrecomputeRefused,
+)
 from layerfreeze.compute.precomputed import PrecomputedDataset, precompute
 
 
@@ -88,3 +96,56 @@ def test_inputs_with_missing_values_are_the_same_inputs_twice():
     other = [{**item, "x": item["x"] + 1} for item in data]
     with pytest.raises(PrecomputeRefused, match=r"item 2 \(index 2\): its 'x' is not the one"):
         PrecomputedDataset(other, store)[2]
+
+
+def _consume(pipe, seconds=10.0):
+    """``list(pipe)`` in a thread: what it gave, or raised, or "hung" after ``seconds``."""
+    got = []
+
+    def run():
+        try:
+            got.append(list(pipe))
+        except BaseException as exc:  # noqa: BLE001
+            got.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return "hung" if thread.is_alive() else got[0]
+
+
+def test_a_worker_that_dies_without_a_word_ends_the_iteration_with_an_error():
+    # an exception whose str() raises killed the worker inside its own error report, and the trainer waited forever;
+    # so did a worker thread that ended any other way without putting its end
+    class Odd(Exception):
+        def __str__(self):
+            raise RuntimeError("no text")
+
+    def fn(x):
+        if x == 3:
+            raise Odd()
+        return x
+
+    got = _consume(FrozenPipeline(range(6), fn, threads=None))
+    assert isinstance(got, FrozenWorkerError)
+    assert "Odd in the frozen-model worker: <str() of the Odd failed>" in str(got)
+    silent = FrozenPipeline(range(6), lambda x: x, threads=None)
+    silent._work = lambda batches, run: None  # the worker thread ends, nothing said
+    got = _consume(silent)
+    assert isinstance(got, FrozenWorkerError) and "ended without a batch" in str(got)
+
+
+def test_overlapping_pipelines_give_the_trainer_its_thread_count_back():
+    # two pipelines zipped (or an eval pipeline left open): each restored the count it found when it started, so the
+    # one that ended last left the trainer on the other's share (one thread of two) for the rest of the run
+    torch.set_num_threads(2)
+    try:
+        first, second = iter(FrozenPipeline(range(3), lambda x: x, threads=(1, 1))), None
+        next(first)
+        second = iter(FrozenPipeline(range(5), lambda x: x, threads=(1, 1)))
+        next(second)
+        assert list(first) == [1, 2] and torch.get_num_threads() == 1  # the other pipeline still splits the cores
+        assert list(second) == [1, 2, 3, 4]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(2)

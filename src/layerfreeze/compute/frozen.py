@@ -77,6 +77,15 @@ class GlobalRNGUsedError(RuntimeError):
 
 
 _STATE = threading.local()  # .precomputing: inside precompute() in this thread
+_TRAINER_THREADS = {"lock": threading.Lock(), "pipelines": 0, "count": 0}  # the count before the first live pipeline
+
+
+def _text(exc: BaseException) -> str:
+    """``str(exc)``, or a stand-in when that raises (the worker's report must never fail, or the consumer waits)."""
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - any failure of a user's __str__
+        return f"<str() of the {type(exc).__name__} failed>"
 
 
 def _call_without_global_rng(fn: Callable[[Any], Any], batch: Any, where: str) -> Any:
@@ -319,6 +328,12 @@ class _Run:
             except queue.Empty:
                 if self.stop.is_set():
                     return done
+                if self.thread is not None and not self.thread.is_alive():  # it ended without a word: never wait
+                    try:
+                        return self.queue.get_nowait()
+                    except queue.Empty:
+                        return FrozenWorkerError("the frozen-model worker thread ended without a batch, an end or an "
+                                                 "error (killed, or its report failed); the iteration cannot go on")
 
     def close(self) -> None:
         """Stop the worker, unblock it, join it, drop what it prepared."""
@@ -428,14 +443,17 @@ class FrozenPipeline:
                     return
             run.put(self._DONE)
         except BaseException as exc:  # noqa: BLE001 - every worker failure goes to the consumer
-            run.put(FrozenWorkerError(f"{type(exc).__name__} in the frozen-model worker: {exc}\n"
+            run.put(FrozenWorkerError(f"{type(exc).__name__} in the frozen-model worker: {_text(exc)}\n"
                                       f"worker traceback:\n{traceback.format_exc()}"))
 
     def __iter__(self) -> Iterator[Any]:
         self.close()  # an earlier iteration left early (a break): its worker stops, its prepared batches are dropped
         run = self._run = _Run(self.queue_size)  # this iteration's own queue: nothing of an earlier one
-        trainer_threads = torch.get_num_threads()
         batches = iter(self.batches)  # here: a sampler's seed is drawn in the trainer's thread, at a fixed point
+        with _TRAINER_THREADS["lock"]:  # the first of overlapping pipelines saves the count, the last restores it
+            if _TRAINER_THREADS["pipelines"] == 0:
+                _TRAINER_THREADS["count"] = torch.get_num_threads()
+            _TRAINER_THREADS["pipelines"] += 1
         try:
             first = next(batches, self._DONE)
             if first is self._DONE:
@@ -482,7 +500,10 @@ class FrozenPipeline:
                 self._wait_s += time.perf_counter() - start
         finally:
             run.close()
-            torch.set_num_threads(trainer_threads)
+            with _TRAINER_THREADS["lock"]:  # another pipeline still running keeps the split
+                _TRAINER_THREADS["pipelines"] -= 1
+                if _TRAINER_THREADS["pipelines"] == 0:
+                    torch.set_num_threads(_TRAINER_THREADS["count"])
 
     def close(self) -> None:
         """Stop the worker of the current iteration and wait for it (idempotent); the batches it prepared are

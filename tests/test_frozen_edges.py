@@ -149,3 +149,26 @@ def test_overlapping_pipelines_give_the_trainer_its_thread_count_back():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(2)
+
+
+def test_a_frozen_model_whose_weights_change_after_precompute_is_not_read_stale():
+    # precompute ran before the pretrained weights were loaded (or the encoder trained later on): PrecomputedDataset
+    # served the outputs of weights the model no longer had, in silence
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(3), "index": i} for i in range(8)]
+    encoder = FrozenModule(nn.Linear(3, 2), name="text encoder")
+    store = precompute(data, lambda b: encoder(b["x"]), batch_size=4)
+    assert PrecomputedDataset(data, store)[3]["features"].shape == (2,)
+    encoder.module.load_state_dict(nn.Linear(3, 2).state_dict())  # the pretrained weights, loaded too late
+    with pytest.raises(PrecomputeRefused, match=r"a weight \('weight'\) of frozen model text encoder changed since "
+                                                r"precompute ran it .* run precompute again"):
+        PrecomputedDataset(data, store)[3]
+    store = precompute(data, lambda b: encoder(b["x"]), batch_size=4)  # again, after the change: read
+    assert torch.allclose(PrecomputedDataset(data, store)[3]["features"], encoder(data[3]["x"][None])[0])
+    encoder.module.to(torch.float64)
+    with pytest.raises(PrecomputeRefused, match="changed since precompute"):
+        PrecomputedDataset(data, store)[0]
+    encoder.module.to(torch.float32)
+    encoder.module.bias = nn.Parameter(torch.zeros(2))  # replaced
+    with pytest.raises(PrecomputeRefused, match=r"\('bias'\)"):
+        PrecomputedDataset(data, store)[0]

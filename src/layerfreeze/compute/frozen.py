@@ -76,7 +76,7 @@ class GlobalRNGUsedError(RuntimeError):
     would change the trainer's random numbers depending on timing."""
 
 
-_STATE = threading.local()  # .precomputing: inside precompute() in this thread
+_STATE = threading.local()  # .precomputing: inside precompute() in this thread; .ran: the FrozenModules it ran
 _TRAINER_THREADS = {"lock": threading.Lock(), "pipelines": 0, "count": 0}  # the count before the first live pipeline
 
 
@@ -263,6 +263,8 @@ class FrozenModule:
                 f"frozen model {self.name} is in the gradient path (FrozenDifferentiable): its inputs come from the "
                 "trained model and the loss backpropagates through it, so its outputs cannot be precomputed. "
                 "Precompute only the frozen models that feed the trained one (a VAE encoder, a text encoder)")
+        if getattr(_STATE, "precomputing", False):
+            _STATE.ran[id(self)] = self  # precompute watches their weights for PrecomputedDataset
         with torch.set_grad_enabled(self.differentiable and torch.is_grad_enabled()):
             args, kwargs = tree_map_only(torch.Tensor, self._in, (args, kwargs))  # containers walked by torch's pytree
             out = self.module(*args, **kwargs)

@@ -172,3 +172,18 @@ def test_a_frozen_model_whose_weights_change_after_precompute_is_not_read_stale(
     encoder.module.bias = nn.Parameter(torch.zeros(2))  # replaced
     with pytest.raises(PrecomputeRefused, match=r"\('bias'\)"):
         PrecomputedDataset(data, store)[0]
+
+
+def test_precompute_takes_a_collate_fn_for_items_of_different_lengths():
+    # token ids of different lengths: precompute stacked them with torch's default collate, raised torch's "stack
+    # expects each tensor to be equal size", and had no way to be given the padding collate the DataLoader uses
+    data = [{"ids": torch.arange(3 + i % 3), "index": i} for i in range(6)]
+    with pytest.raises(ValueError, match=r"items of a batch differ in shape .* give precompute a collate_fn"):
+        precompute(data, lambda b: b["ids"].float().sum(1, keepdim=True), batch_size=4)
+
+    def pad(items):
+        ids = nn.utils.rnn.pad_sequence([item["ids"] for item in items], batch_first=True)
+        return {"ids": ids, "index": torch.tensor([item["index"] for item in items])}
+
+    store = precompute(data, lambda b: b["ids"].float().sum(1, keepdim=True), batch_size=4, collate_fn=pad)
+    assert [float(PrecomputedDataset(data, store)[i]["features"]) for i in range(6)] == [3.0, 6.0, 10.0, 3.0, 6.0, 10.0]

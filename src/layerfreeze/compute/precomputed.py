@@ -54,7 +54,8 @@ def _changed_weight(weights: list[tuple[Any, ...]]) -> str | None:
 
 
 def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], batch_size: int = 32,
-               store: ActivationCache | None = None, key: int = 0) -> ActivationCache:
+               store: ActivationCache | None = None, key: int = 0,
+               collate_fn: Callable[[list[Any]], Any] | None = None) -> ActivationCache:
     """Run ``fn`` (the frozen models) once over ``dataset`` and store one output row per sample.
 
     Then train from :class:`PrecomputedDataset` ``(dataset, store)``: each item is ``dataset``'s item with the
@@ -64,14 +65,17 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
         dataset: Items are dicts of tensors (or numbers) holding ``"index"``, the item's position in ``dataset``
             (an int: ``{"pixel_values": ..., "labels": ..., "index": i}``), which is what the outputs are stored
             under (as :mod:`layerfreeze.train.data`'s datasets give them).
-        fn: ``batch dict -> (B, ...) tensor``: the batch as torch's default collate makes it of ``batch_size``
-            items (``batch["index"]`` a ``(B,)`` tensor), in dataset order.
+        fn: ``batch dict -> (B, ...) tensor``: the batch as ``collate_fn`` makes it of ``batch_size`` items
+            (``batch["index"]`` a ``(B,)`` tensor), in dataset order.
         batch_size: Batch size of the pass (default 32; use the training batch size: CPU matmul kernels can round the
             last bits differently for very small batches, and equal losses across modes need equal per-sample
             outputs).
         store: Where outputs go (default: an in-memory :class:`ActivationCache`); give one with a ``directory`` to
             spill to checksummed safetensors shards.
         key: The depth key entries are stored under.
+        collate_fn: Makes the batch of a list of items, as a DataLoader's (default: torch's default collate; give
+            one that pads when the items' inputs differ in shape, such as token ids of different lengths). It must
+            keep ``"index"`` as a ``(B,)`` tensor.
 
     Returns:
         The store, holding ``(index, key)`` entries.
@@ -85,7 +89,8 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
             batch).
         GlobalRNGUsedError: ``fn`` drew from the global RNG (a stored sample would be reused every epoch and the
             trainer's random numbers would shift): store the distribution's parameters and sample in the trainer.
-        ValueError: the dataset's items are not dicts with an ``"index"``.
+        ValueError: the dataset's items are not dicts with an ``"index"``, or differ in shape and no
+            ``collate_fn`` was given.
     """
     from torch.utils.data import DataLoader
 
@@ -109,7 +114,15 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
                              f"which the outputs are stored under), e.g. {{'pixel_values': x, 'index': i}}; an item "
                              f"is {what}")
         prints = [item_fingerprint(item) for item in items]
-        return default_collate(items), [(paths.setdefault(names, names), rows) for names, rows in prints]
+        try:
+            batch = (collate_fn or default_collate)(items)
+        except RuntimeError as exc:
+            if collate_fn is not None or "equal size" not in str(exc):
+                raise
+            raise ValueError(f"precompute: the items of a batch differ in shape ({exc}); torch's default collate "
+                             "cannot stack them: give precompute a collate_fn that pads them (the one your "
+                             "DataLoader uses, e.g. transformers' DataCollatorWithPadding)") from exc
+        return batch, [(paths.setdefault(names, names), rows) for names, rows in prints]
 
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, generator=torch.Generator(),
                         collate_fn=collate)

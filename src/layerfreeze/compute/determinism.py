@@ -38,12 +38,22 @@ class CacheRefused(ValueError):
     """Raised when caching the frozen prefix's output would give wrong results (the message says why)."""
 
 
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal``, with NaN equal to NaN where both hold one (an input with a missing value is the same input
+    twice; ``torch.equal`` called it changed)."""
+    if torch.equal(a, b):
+        return True
+    if a.shape != b.shape or not (a.is_floating_point() or a.is_complex()):
+        return False
+    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
 def _first_difference(a: Any, b: Any, path: str) -> str | None:
     """The path of the first value that differs between two fetches of an item, or None if they are equal."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         same = (
             isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+            and a.dtype == b.dtype and a.shape == b.shape and same_values(a, b)
         )
         return None if same else path
     if isinstance(a, dict) and isinstance(b, dict):
@@ -63,7 +73,10 @@ def _first_difference(a: Any, b: Any, path: str) -> str | None:
                 return found
         return None
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return None if np.array_equal(a, b) else path
+        floating = all(isinstance(v, np.ndarray) and v.dtype.kind in "fc" for v in (a, b))
+        return None if np.array_equal(a, b, equal_nan=floating) else path
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:  # NaN, both times
+        return None
     return None if a == b else path
 
 
@@ -90,10 +103,13 @@ def drew_from_global_random(before: tuple[Any, ...]) -> bool:
 def input_fingerprint(value: Any) -> torch.Tensor:
     """``(2,)`` float64: the plain and the position-weighted sum of ``value`` (a tensor or a number, any shape, read
     flat on the host), as :meth:`~layerfreeze.models.forward_split.ModelSplit.fingerprint` takes them per sample: a
-    change of noise, a flip, a crop or another sample changes it. Not a hash."""
+    change of noise, a flip, a crop or another sample changes it. NaN and infinities are read as large constants (a
+    NaN made both sums NaN: a missing value hid every other change, and equal inputs never compared equal). Not a
+    hash."""
     from layerfreeze.models.forward_split import position_weights
 
     flat = torch.as_tensor(value).detach().reshape(-1).to("cpu", torch.float64)
+    flat = torch.nan_to_num(flat, nan=1e4 + 0.5, posinf=1e8 + 0.25, neginf=-1e8 - 0.25)
     return torch.stack([flat.sum(), (flat * position_weights(flat.numel())).sum()])
 
 
@@ -145,7 +161,8 @@ def _two_fetches(dataset: Any, n: int) -> tuple[list[Any], list[Any]]:
 
 def first_changed_item(dataset: Any, n: int = 4) -> tuple[int, str] | None:
     """The first of items ``0..n-1`` that differs between two fetches (random augmentation), as ``(item, the first
-    key that differs)``, or None when they are all equal. Every tensor is compared exactly (dtype, shape, values)."""
+    key that differs)``, or None when they are all equal. Every tensor is compared exactly (dtype, shape, values; NaN
+    equal to NaN)."""
     for i, (a, b) in enumerate(zip(*_two_fetches(dataset, n))):
         key = _first_difference(a, b, "")
         if key is not None:

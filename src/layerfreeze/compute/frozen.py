@@ -76,7 +76,16 @@ class GlobalRNGUsedError(RuntimeError):
     would change the trainer's random numbers depending on timing."""
 
 
-_STATE = threading.local()  # .precomputing: inside precompute() in this thread
+_STATE = threading.local()  # .precomputing: inside precompute() in this thread; .ran: the FrozenModules it ran
+_TRAINER_THREADS = {"lock": threading.Lock(), "pipelines": 0, "count": 0}  # the count before the first live pipeline
+
+
+def _text(exc: BaseException) -> str:
+    """``str(exc)``, or a stand-in when that raises (the worker's report must never fail, or the consumer waits)."""
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - any failure of a user's __str__
+        return f"<str() of the {type(exc).__name__} failed>"
 
 
 def _call_without_global_rng(fn: Callable[[Any], Any], batch: Any, where: str) -> Any:
@@ -139,6 +148,13 @@ def _named_tensors(obj: Any, prefix: str = "output") -> Iterator[tuple[str, torc
             yield from _named_tensors(v, f"{prefix}[{i}]")
 
 
+def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, asynchronously only towards a CUDA device (its stream orders the copy before any use there).
+    A copy to the host must block: a non-blocking one returns a pinned tensor before its data has arrived, and the CPU
+    (a cast, the trainer, the store) would read it unfinished, in silence."""
+    return t.to(device, non_blocking=device.type == "cuda")
+
+
 class FrozenModule:
     """A frozen model on a chosen device and dtype, run under ``torch.no_grad()``.
 
@@ -156,7 +172,9 @@ class FrozenModule:
         check_finite: Raise :class:`NonFiniteOutputError` naming the module and output when an output holds NaN/Inf.
 
     The module stays in eval mode: a ``.train()`` that reaches it (a parent module's, at the start of an epoch) is
-    undone at the next call, so its dropout stays off and its BatchNorm statistics never change.
+    undone at the next call, so its dropout stays off and its BatchNorm statistics never change. Its parameters stay
+    frozen the same way (a parent's ``requires_grad_(True)`` is undone at the next call) and hold no gradient (one left
+    from before is dropped).
 
     Calling it: ``frozen(*args, **kwargs)`` takes what the module takes (tensors moved to ``device``) and returns
     its outputs (tensors, tuples, dicts, Hugging Face ``ModelOutput``) on ``output_device``. Other objects in the
@@ -165,6 +183,8 @@ class FrozenModule:
 
     Raises:
         NonFiniteOutputError: an output holds NaN/Inf (with ``check_finite``), naming the module and the output.
+        ValueError: an input requires grad while grad is enabled: run under ``no_grad``, the module would drop the
+            gradient that a frozen model run inline passes on (use :class:`FrozenDifferentiable`, or ``.detach()``).
     """
 
     differentiable = False  # FrozenDifferentiable: autograd kept through the module
@@ -172,7 +192,8 @@ class FrozenModule:
     def __init__(self, module: nn.Module, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  output_device: str | torch.device = "cpu", output_dtype: torch.dtype = torch.float32,
                  name: str | None = None, check_finite: bool = True) -> None:
-        self.module = module.eval().requires_grad_(False)
+        self.module = module.eval()
+        self._freeze_parameters()
         self._all_modules = list(module.modules())  # their train flags are checked at every call
         if device is not None or dtype is not None:
             self.module.to(device=device, dtype=dtype)
@@ -186,7 +207,7 @@ class FrozenModule:
         self.check_finite = check_finite
 
     def _in(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.to(self.device, non_blocking=True)
+        t = _move(t, self.device)
         return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
 
     def ledger_tensors(self) -> list[torch.Tensor]:
@@ -211,17 +232,39 @@ class FrozenModule:
     def _out(self, t: torch.Tensor) -> torch.Tensor:
         # Contiguous: a CPU convolution returns channels-last tensors, and the trained model's kernels (so the last
         # bits of the loss) depend on the memory format: it must be the same computed here, in a worker or stored.
-        t = t.to(self.output_device, non_blocking=True).contiguous()
+        t = _move(t, self.output_device).contiguous()
         return t.to(self.output_dtype) if t.is_floating_point() else t
+
+    def _freeze_parameters(self) -> None:
+        """No parameter requires grad or holds one (a gradient left from before it was frozen is memory for nothing)."""
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+            p.grad = None
+
+    def _refuse_inputs_that_need_grad(self, args: Any, kwargs: Any) -> None:
+        if self.differentiable or not torch.is_grad_enabled():
+            return
+        for where, t in _named_tensors({"args": args, "kwargs": kwargs}, "input"):
+            if t.requires_grad:
+                raise ValueError(
+                    f"frozen module {self.name}: {where} requires grad, and FrozenModule runs under torch.no_grad(): "
+                    "the gradient through it would be dropped in silence (inline, a frozen model passes it on). "
+                    "For a model in the gradient path (a perceptual loss, a base model a ControlNet or a prompt feeds) "
+                    "use FrozenDifferentiable; to drop the gradient on purpose, pass the input .detach()ed")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if any(m.training for m in self._all_modules):  # a parent's .train() reached it: frozen means eval, always
             self.module.eval()
+        if any(p.requires_grad for p in self.module.parameters()):  # a parent's requires_grad_(True) reached it
+            self._freeze_parameters()  # else FrozenDifferentiable's backward fills (and an optimizer steps) its weights
+        self._refuse_inputs_that_need_grad(args, kwargs)
         if self.differentiable and getattr(_STATE, "precomputing", False):
             raise PrecomputeRefused(
                 f"frozen model {self.name} is in the gradient path (FrozenDifferentiable): its inputs come from the "
                 "trained model and the loss backpropagates through it, so its outputs cannot be precomputed. "
                 "Precompute only the frozen models that feed the trained one (a VAE encoder, a text encoder)")
+        if getattr(_STATE, "precomputing", False):
+            _STATE.ran[id(self)] = self  # precompute watches their weights for PrecomputedDataset
         with torch.set_grad_enabled(self.differentiable and torch.is_grad_enabled()):
             args, kwargs = tree_map_only(torch.Tensor, self._in, (args, kwargs))  # containers walked by torch's pytree
             out = self.module(*args, **kwargs)
@@ -287,6 +330,12 @@ class _Run:
             except queue.Empty:
                 if self.stop.is_set():
                     return done
+                if self.thread is not None and not self.thread.is_alive():  # it ended without a word: never wait
+                    try:
+                        return self.queue.get_nowait()
+                    except queue.Empty:
+                        return FrozenWorkerError("the frozen-model worker thread ended without a batch, an end or an "
+                                                 "error (killed, or its report failed); the iteration cannot go on")
 
     def close(self) -> None:
         """Stop the worker, unblock it, join it, drop what it prepared."""
@@ -396,14 +445,17 @@ class FrozenPipeline:
                     return
             run.put(self._DONE)
         except BaseException as exc:  # noqa: BLE001 - every worker failure goes to the consumer
-            run.put(FrozenWorkerError(f"{type(exc).__name__} in the frozen-model worker: {exc}\n"
+            run.put(FrozenWorkerError(f"{type(exc).__name__} in the frozen-model worker: {_text(exc)}\n"
                                       f"worker traceback:\n{traceback.format_exc()}"))
 
     def __iter__(self) -> Iterator[Any]:
         self.close()  # an earlier iteration left early (a break): its worker stops, its prepared batches are dropped
         run = self._run = _Run(self.queue_size)  # this iteration's own queue: nothing of an earlier one
-        trainer_threads = torch.get_num_threads()
         batches = iter(self.batches)  # here: a sampler's seed is drawn in the trainer's thread, at a fixed point
+        with _TRAINER_THREADS["lock"]:  # the first of overlapping pipelines saves the count, the last restores it
+            if _TRAINER_THREADS["pipelines"] == 0:
+                _TRAINER_THREADS["count"] = torch.get_num_threads()
+            _TRAINER_THREADS["pipelines"] += 1
         try:
             first = next(batches, self._DONE)
             if first is self._DONE:
@@ -450,7 +502,10 @@ class FrozenPipeline:
                 self._wait_s += time.perf_counter() - start
         finally:
             run.close()
-            torch.set_num_threads(trainer_threads)
+            with _TRAINER_THREADS["lock"]:  # another pipeline still running keeps the split
+                _TRAINER_THREADS["pipelines"] -= 1
+                if _TRAINER_THREADS["pipelines"] == 0:
+                    torch.set_num_threads(_TRAINER_THREADS["count"])
 
     def close(self) -> None:
         """Stop the worker of the current iteration and wait for it (idempotent); the batches it prepared are

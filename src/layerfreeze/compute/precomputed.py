@@ -12,6 +12,7 @@ dataset that draws from a global random number generator (one draw would be stor
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,14 +26,36 @@ from layerfreeze.compute.determinism import (
     global_random_states,
     item_fingerprint,
 )
-from layerfreeze.compute.frozen import _STATE, PrecomputeRefused, _call_without_global_rng
+from layerfreeze.compute.frozen import _STATE, FrozenModule, PrecomputeRefused, _call_without_global_rng
 from layerfreeze.compute.store import ActivationCache
 
 __all__ = ["PrecomputedDataset", "precompute"]
 
+#: Per store: the weights of each FrozenModule its precompute ran, as ``(name, [(the dict holding the tensor, its
+#: name, a weak reference to it, its version, dtype, device)])`` (weak: a replaced weight is not kept alive).
+_WEIGHTS: weakref.WeakKeyDictionary[ActivationCache, list[tuple[str, list[tuple[Any, ...]]]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _weights(frozen: FrozenModule) -> list[tuple[Any, ...]]:
+    return [(slots, name, weakref.ref(t), t._version, t.dtype, t.device)
+            for module in frozen.module.modules() for slots in (module._parameters, module._buffers)
+            for name, t in slots.items() if t is not None]
+
+
+def _changed_weight(weights: list[tuple[Any, ...]]) -> str | None:
+    """The name of the first weight replaced, modified in place (an optimizer step, ``load_state_dict``), cast or
+    moved since :func:`_weights` was taken, or None. About 0.1 µs a tensor: checked at every item."""
+    for slots, name, ref, version, dtype, device in weights:
+        t = slots.get(name)
+        if t is None or t is not ref() or t._version != version or t.dtype != dtype or t.device != device:
+            return name
+    return None
+
 
 def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], batch_size: int = 32,
-               store: ActivationCache | None = None, key: int = 0) -> ActivationCache:
+               store: ActivationCache | None = None, key: int = 0,
+               collate_fn: Callable[[list[Any]], Any] | None = None) -> ActivationCache:
     """Run ``fn`` (the frozen models) once over ``dataset`` and store one output row per sample.
 
     Then train from :class:`PrecomputedDataset` ``(dataset, store)``: each item is ``dataset``'s item with the
@@ -42,14 +65,17 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
         dataset: Items are dicts of tensors (or numbers) holding ``"index"``, the item's position in ``dataset``
             (an int: ``{"pixel_values": ..., "labels": ..., "index": i}``), which is what the outputs are stored
             under (as :mod:`layerfreeze.train.data`'s datasets give them).
-        fn: ``batch dict -> (B, ...) tensor``: the batch as torch's default collate makes it of ``batch_size``
-            items (``batch["index"]`` a ``(B,)`` tensor), in dataset order.
+        fn: ``batch dict -> (B, ...) tensor``: the batch as ``collate_fn`` makes it of ``batch_size`` items
+            (``batch["index"]`` a ``(B,)`` tensor), in dataset order.
         batch_size: Batch size of the pass (default 32; use the training batch size: CPU matmul kernels can round the
             last bits differently for very small batches, and equal losses across modes need equal per-sample
             outputs).
         store: Where outputs go (default: an in-memory :class:`ActivationCache`); give one with a ``directory`` to
             spill to checksummed safetensors shards.
         key: The depth key entries are stored under.
+        collate_fn: Makes the batch of a list of items, as a DataLoader's (default: torch's default collate; give
+            one that pads when the items' inputs differ in shape, such as token ids of different lengths). It must
+            keep ``"index"`` as a ``(B,)`` tensor.
 
     Returns:
         The store, holding ``(index, key)`` entries.
@@ -63,7 +89,8 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
             batch).
         GlobalRNGUsedError: ``fn`` drew from the global RNG (a stored sample would be reused every epoch and the
             trainer's random numbers would shift): store the distribution's parameters and sample in the trainer.
-        ValueError: the dataset's items are not dicts with an ``"index"``.
+        ValueError: the dataset's items are not dicts with an ``"index"``, or differ in shape and no
+            ``collate_fn`` was given.
     """
     from torch.utils.data import DataLoader
 
@@ -87,12 +114,20 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
                              f"which the outputs are stored under), e.g. {{'pixel_values': x, 'index': i}}; an item "
                              f"is {what}")
         prints = [item_fingerprint(item) for item in items]
-        return default_collate(items), [(paths.setdefault(names, names), rows) for names, rows in prints]
+        try:
+            batch = (collate_fn or default_collate)(items)
+        except RuntimeError as exc:
+            if collate_fn is not None or "equal size" not in str(exc):
+                raise
+            raise ValueError(f"precompute: the items of a batch differ in shape ({exc}); torch's default collate "
+                             "cannot stack them: give precompute a collate_fn that pads them (the one your "
+                             "DataLoader uses, e.g. transformers' DataCollatorWithPadding)") from exc
+        return batch, [(paths.setdefault(names, names), rows) for names, rows in prints]
 
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, generator=torch.Generator(),
                         collate_fn=collate)
     batches, first = iter(loader), 0
-    _STATE.precomputing = True
+    _STATE.precomputing, _STATE.ran = True, {}
     try:
         while True:
             before = global_random_states()
@@ -122,8 +157,9 @@ def precompute(dataset: Dataset, fn: Callable[[dict[str, torch.Tensor]], torch.T
             store.put_batch(indices, key, out)
             for index, fingerprint in zip(indices, prints):
                 store.input_fingerprints[(index, key)] = fingerprint
+        _WEIGHTS[store] = [(frozen.name, _weights(frozen)) for frozen in _STATE.ran.values()]
     finally:
-        _STATE.precomputing = False
+        _STATE.precomputing, _STATE.ran = False, {}
     store.flush()
     return store
 
@@ -144,13 +180,17 @@ class PrecomputedDataset(Dataset):
     every tensor, number and string of the item, nested ones included, but ``"index"``, taken then:
     :func:`~layerfreeze.compute.determinism.item_fingerprint`), so a store paired with another dataset of the same
     size is refused, not read. A store filled by hand (:meth:`~layerfreeze.compute.store.ActivationCache.put_batch`)
-    holds no fingerprints: its items are not checked.
+    holds no fingerprints: its items are not checked. The weights of the
+    :class:`~layerfreeze.compute.frozen.FrozenModule` models that :func:`precompute` ran are checked too, at every
+    item: one replaced, modified in place (``load_state_dict``, an optimizer step), cast or moved since makes the
+    stored outputs stale (a model called without a ``FrozenModule``, or a change made after a DataLoader worker process
+    started, is not seen).
 
     Raises:
         KeyError: a sample has no stored output (the store was built over another dataset, or the shard that held
             it was found corrupt and dropped: run :func:`precompute` again).
         PrecomputeRefused: an item's inputs are not those its stored output was computed from (another dataset, or
-            one that changed since).
+            one that changed since), or a frozen model's weights changed since precompute ran it.
     """
 
     def __init__(self, dataset: Dataset, store: ActivationCache, feature_key: str = "features", key: int = 0,
@@ -170,9 +210,19 @@ class PrecomputedDataset(Dataset):
                 f"{dropped} shard(s) of the store were found corrupt and dropped (warned); run precompute() again"
                 if dropped else "precompute() over this dataset first"))
         self._check_inputs(i, index, item)
+        self._check_weights()
         item = {k: v for k, v in item.items() if k not in self.drop}
         item[self.feature_key] = out[0]
         return item
+
+    def _check_weights(self) -> None:
+        for name, weights in _WEIGHTS.get(self.store, ()):
+            changed = _changed_weight(weights)
+            if changed is not None:
+                raise PrecomputeRefused(
+                    f"PrecomputedDataset: a weight ({changed!r}) of frozen model {name} changed since precompute ran "
+                    "it (a load_state_dict, an optimizer step, a cast or a move), so the stored outputs are not what "
+                    "it gives now: run precompute again after the change (load the weights before precomputing)")
 
     def _check_inputs(self, i: int, index: int, item: dict[str, Any]) -> None:
         found = self.store.input_fingerprints.get((index, self.key))

@@ -494,7 +494,11 @@ class FrozenPipeline:
                     raise item
                 out, event = item
                 if event is not None:
-                    torch.cuda.current_stream().wait_event(event)
+                    consumer = torch.cuda.current_stream()
+                    consumer.wait_event(event)
+                    for _, t in _named_tensors(out):  # made on the side stream, used on this one: the allocator
+                        if t.is_cuda:  # must not give their memory back to the side stream while this one reads it
+                            t.record_stream(consumer)
                 self._batches += 1
                 yield out
                 start = time.perf_counter()

@@ -187,3 +187,17 @@ def test_precompute_takes_a_collate_fn_for_items_of_different_lengths():
 
     store = precompute(data, lambda b: b["ids"].float().sum(1, keepdim=True), batch_size=4, collate_fn=pad)
     assert [float(PrecomputedDataset(data, store)[i]["features"]) for i in range(6)] == [3.0, 6.0, 10.0, 3.0, 6.0, 10.0]
+
+
+@pytest.mark.cuda
+def test_a_pipeline_on_a_cuda_side_stream_gives_what_the_frozen_model_gives_inline():
+    # outputs made on the side stream are read on the trainer's: waited for (wait_event) and kept from the side
+    # stream's allocations until the trainer's kernels are done with them (record_stream)
+    torch.manual_seed(0)
+    frozen = FrozenModule(nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 64)), device="cuda",
+                          output_device="cuda")
+    batches = [torch.randn(512, 256) for _ in range(6)]
+    inline = [frozen(b) * 2 for b in batches]
+    piped = [out * 2 for out in FrozenPipeline(batches, frozen, stream=torch.cuda.Stream())]
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(inline, piped, strict=True))

@@ -191,8 +191,10 @@ def test_ddp_two_processes_identical_weights_after_freeze_and_thaw(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["hash"] == ranks[1]["hash"]
     assert ranks[0]["history"] == ranks[1]["history"] == [["freeze", 0, 2], ["freeze", 1, 3], ["thaw", 1, 5]]
-    assert ranks[0]["rebuilds"] == 3
-    assert ranks[0]["frozen_unchanged"] and ranks[0]["thawed_changed"]
+    # one more rebuild before step 4's forward, for the weight frozen by hand after step 3 (tests/scripts/
+    # lightning_ddp.py): DDP's reducer waited for its gradient (Lightning's "parameters that were not used")
+    assert ranks[0]["rebuilds"] == 4
+    assert ranks[0]["frozen_unchanged"] and ranks[0]["thawed_changed"] and ranks[0]["hand_unchanged"]
 
 
 def test_a_submodule_the_lightning_module_does_not_have_is_named_with_the_option(tmp_path):

@@ -30,3 +30,19 @@ def test_a_parameter_frozen_by_hand_mid_run_rebuilds_ddp_stays_frozen_through_sw
                      module="tests.distributed.own_loop_worker", timeout=120)
     assert resumed.returncodes == [0, 0], "\n".join(o[-3000:] for o in resumed.outputs)
     assert resumed.results[0]["records"] == [records[s] for s in range(8, 13)]
+
+
+def test_a_frozen_blocks_batchnorm_built_with_momentum_none_stays_in_eval_mode_and_equal_on_every_rank(tmp_path):
+    # a BatchNorm built with momentum=None (a cumulative average) in a block frozen from the start kept training mode
+    # (taken for update_bn's recalibration): the frozen block normalised with each batch's statistics and its running
+    # ones changed at every step, on each rank its own (DDP leaves a frozen block's buffers out of its broadcasts)
+    spec = {"strategy": "static", "params": {"k": 2}, "steps": 4, "batchnorm": True}
+    ranks = launch(spec, tmp_path, module="tests.distributed.own_loop_worker", timeout=120)
+    assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
+    a, b = (r["records"] for r in ranks.results)
+    frozen = [k for k in a[0]["hashes"] if k.startswith(("0.", "1."))]
+    assert any(k.endswith("running_mean") for k in frozen)
+    for x, y in zip(a, b):
+        assert x["frozen"][:2] == [True, True]
+        assert {k: x["hashes"][k] for k in frozen} == {k: y["hashes"][k] for k in frozen} == \
+            {k: a[0]["hashes"][k] for k in frozen}, x["step"]

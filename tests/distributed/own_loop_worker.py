@@ -4,6 +4,7 @@
 The 5-block MLP of :mod:`tests.distributed.worker` under :class:`~layerfreeze.distributed.FreezeDDP`, AdamW with one
 param group per block, a LambdaLR scheduler and the spec's strategy, for ``steps`` steps of 8 samples per rank.
 ``hand_at``/``hand``: after that step, the user freezes parameter ``hand`` by hand (``requires_grad_(False)``).
+``batchnorm``: a ``BatchNorm1d`` in each stage, built with ``momentum=None`` (a cumulative average).
 ``save_at``/``checkpoint``: rank 0 writes a checkpoint after that step; ``resume``: start from one. Per step it
 records the frozen set, which parameters require grad and every weight's SHA-256; at the end, the wrapper's rebuilds.
 """
@@ -27,8 +28,11 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     torch.set_num_threads(1)
     init_distributed(timeout_s=30)
-    task = mlp_task()
+    task = mlp_task(batchnorm=spec.get("batchnorm", False))
     model = task.model
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm1d):
+            module.momentum = None
     blocks = discover_blocks(model)
     optimizer = torch.optim.AdamW(block_param_groups(model, blocks, lr=0.01))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)

@@ -46,3 +46,19 @@ def test_a_frozen_blocks_batchnorm_built_with_momentum_none_stays_in_eval_mode_a
         assert x["frozen"][:2] == [True, True]
         assert {k: x["hashes"][k] for k in frozen} == {k: y["hashes"][k] for k in frozen} == \
             {k: a[0]["hashes"][k] for k in frozen}, x["step"]
+
+
+def test_a_ddp_wrapper_not_rebuilt_after_a_thaw_is_caught_at_the_next_step_on_every_rank(tmp_path):
+    # accelerate's prepare(model) under several processes, or one's own DistributedDataParallel, built once: a thawed
+    # block's gradients were never all-reduced and the ranks drifted apart in silence (no error, different weights)
+    spec = {"strategy": "gradual", "params": {"every_steps": 2}, "steps": 6, "plain_ddp": True}
+    ranks = launch(spec, tmp_path / "plain", module="tests.distributed.own_loop_worker", timeout=120)
+    assert ranks.returncodes == [1, 1], ranks.outputs
+    for out in ranks.outputs:
+        assert "RanksDivergedError: block(s) 3 were thawed" in out and "rebuild_ddp(ddp, freezer)" in out, out[-2000:]
+    # what it says to do: rebuild_ddp after every step that changed the frozen set
+    ranks = launch({**spec, "rebuild": True}, tmp_path / "rebuilt", module="tests.distributed.own_loop_worker",
+                   timeout=120)
+    assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
+    a, b = (r["records"] for r in ranks.results)
+    assert a == b and a[-1]["frozen"] == [True, False, False, False, False]

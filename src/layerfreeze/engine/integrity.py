@@ -115,6 +115,15 @@ class _Probe:
         return not torch.equal(now, self.values)  # a host read: only after a step that moved no version counter
 
 
+def _bits_sum(t: torch.Tensor) -> int:
+    """The sum of ``t``'s elements read as integers of their size (on its device; one host read): equal tensors give
+    equal sums whatever the reduction order or thread count (integer addition, modulo 2**64), where a float sum's
+    rounding could differ between ranks."""
+    flat = t.detach().contiguous().reshape(-1)
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(flat.element_size(), torch.uint8)
+    return int(flat.view(ints).sum(dtype=torch.int64).item())
+
+
 def checksum(named: Iterable[tuple[str, torch.Tensor]],
              gather: Callable[[Any], list[Any]] | None = None) -> dict[str, str]:
     """``{name: BLAKE2b-128 hex digest of the tensor's bytes}`` (bitwise: any change of any element changes it).
@@ -397,7 +406,7 @@ class FrozenSet:
 
     def check_ranks_agree(self, freezer: Any, gather: Callable[[Any], list[Any]]) -> None:
         """After the optimizer step that followed a thaw, on data-parallel ranks that each hold the whole model (DDP):
-        the thawed blocks' trainable weights are the same on every rank (each weight's sum, compared exactly). A
+        the thawed blocks' trainable weights are the same on every rank (each weight's :func:`_bits_sum`). A
         collective (``gather``: every rank's object in rank order); the blocks compared are the thaws' (rank 0's
         decisions, the same on every rank).
 
@@ -412,8 +421,7 @@ class FrozenSet:
         self.thawed_unchecked.clear()
         if not blocks:
             return
-        mine = [[p.detach().double().sum().item() for p in freezer.blocks[i].parameters() if p.requires_grad]
-                for i in blocks]
+        mine = [[_bits_sum(p) for p in freezer.blocks[i].parameters() if p.requires_grad] for i in blocks]
         everyone = gather(mine)
         differ = [freezer.blocks[i].name for k, i in enumerate(blocks) if any(r[k] != everyone[0][k] for r in everyone)]
         if differ:

@@ -852,6 +852,18 @@ def test_update_bn_recalibrates_a_frozen_blocks_batchnorm_in_an_averaged_copy():
         assert not model[0][1].training and model[0][1].momentum == 0.1  # as usual: the frozen block in eval
 
 
+def test_a_frozen_blocks_batchnorm_built_with_momentum_none_goes_to_eval_mode():
+    # momentum=None set by the user (a cumulative average), not by update_bn: the frozen block kept training mode,
+    # normalised with each batch's statistics, and its running statistics changed at every step
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=None)), nn.Linear(8, 2))
+    with Freezer(model, torch.optim.SGD(model.parameters(), lr=0.01), "static", {"k": 1}):
+        model.train()
+        before = model[0][1].running_mean.clone()
+        model(torch.randn(16, 4) + 3)
+        assert not model[0][1].training and torch.equal(model[0][1].running_mean, before)
+
+
 def test_a_parameter_made_trainable_by_hand_while_its_block_is_frozen_trains_once_the_block_thaws():
     # frozen by hand while its block trained, then made trainable again while the block was frozen: the check
     # re-froze it ("requires grad again") and it stayed frozen for good, through the thaw and a resume

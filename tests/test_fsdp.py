@@ -218,14 +218,17 @@ def test_fsdp2_a_strategy_that_reads_weights_without_a_mirror_is_refused_on_ever
         assert "mirror=copy.deepcopy(model) taken before fully_shard" in result["error"]
 
 
-def test_fsdp2_prefix_cache_on_ranks_that_hit_and_miss_differently_equals_the_uncached_run_bitwise(tmp_path):
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fsdp2_prefix_cache_on_ranks_that_hit_and_miss_differently_equals_the_uncached_run_bitwise(tmp_path, autocast):
     # every block's forward under FSDP2 is an all-gather: a rank that hits while the other misses would skip a
     # collective the other runs (a hang, or gloo's "collective mismatch"). The ranks agree each step on what all of
-    # them run; the cached run's logits and weights are then the uncached run's, bit for bit, on every step.
+    # them run; the cached run's logits and weights are then the uncached run's, bit for bit, on every step. Under
+    # bfloat16 autocast too: the cache's first call (a no-grad forward of the whole model, FSDP2's root first) left
+    # its casts of the unsharded weights in autocast's cache, and step 1's blocks 3 and 4 got no gradient.
     runs = {}
     for cache in (True, False):
-        ranks = launch({"cache": cache}, tmp_path / f"cache-{cache}", module="tests.distributed.fsdp_cache_worker",
-                       timeout=90)
+        ranks = launch({"cache": cache, "autocast": autocast}, tmp_path / f"cache-{cache}",
+                       module="tests.distributed.fsdp_cache_worker", timeout=90)
         assert ranks.returncodes == [0, 0], "\n".join(o[-3000:] for o in ranks.outputs)
         runs[cache] = ranks.results
     for on, off in zip(runs[True], runs[False]):

@@ -235,9 +235,11 @@ def test_torchrun_two_processes_identical_weights(tmp_path, checkpointing, form)
     assert ranks[0]["hash"] == ranks[1]["hash"]
     expected = [["freeze", 0, 2], ["freeze", 1, 3], ["thaw", 1, 6], ["freeze", 2, 10]]
     assert ranks[0]["history"] == ranks[1]["history"] == expected
-    assert ranks[0]["rebuilds"] == 4
+    # and one for the weight frozen by hand after step 4 (tests/scripts/hf_ddp.py): without find_unused_parameters
+    # (gradient checkpointing) DDP's reducer waited for its gradient ("Expected to have finished reduction")
+    assert ranks[0]["rebuilds"] == 5
     assert ranks[0]["find_unused"] is (not checkpointing)
-    assert ranks[0]["frozen_unchanged"] and ranks[0]["thawed_changed"]
+    assert ranks[0]["frozen_unchanged"] and ranks[0]["thawed_changed"] and ranks[0]["hand_unchanged"]
 
 
 @pytest.mark.assets("minilm", "bbc_news")

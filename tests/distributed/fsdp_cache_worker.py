@@ -5,7 +5,8 @@ ranks, SGD, a Freezer with blocks 0-1 frozen (static k=2) and block 2 frozen by 
 its own 8 samples per step (:data:`PLAN`), chosen so that the ranks' caches disagree: both miss, one hits while the
 other misses, both hit, both extend from the same older boundary, one extends while the other starts cold. With
 ``spec["cache"]`` the forward is a :class:`~layerfreeze.compute.cache.CachedPrefix`, else the model's own. Per step it
-records the logits' and the full weights' SHA-256 and the cache's counters. ``spec["root_only"]``: the model sharded
+records the logits' and the full weights' SHA-256 and the cache's counters; ``spec["autocast"]``: each step's forward
+under bfloat16 autocast. ``spec["root_only"]``: the model sharded
 by ``fully_shard(model)`` alone instead, and what the cache's ``on`` and ``auto`` modes say of it.
 """
 
@@ -55,14 +56,15 @@ def main() -> None:
         idx = list(shares[rank()])
         batch = {"pixel_values": torch.stack([task.train_set[i]["pixel_values"] for i in idx]),
                  "labels": torch.stack([task.train_set[i]["labels"] for i in idx]), "index": torch.tensor(idx)}
-        logits = runner(batch) if runner is not None else model(batch["pixel_values"])
-        nn.functional.cross_entropy(logits, batch["labels"]).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.get("autocast", False)):
+            logits = runner(batch) if runner is not None else model(batch["pixel_values"])
+        nn.functional.cross_entropy(logits.float(), batch["labels"]).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         freezer.step()
         if step == 3:
             freezer.freeze(2, reason="by hand")
-        record = {"step": step, "logits": hashlib.sha256(logits.detach().numpy().tobytes()).hexdigest(),
+        record = {"step": step, "logits": hashlib.sha256(logits.detach().float().numpy().tobytes()).hexdigest(),
                   "hashes": full_hashes(model)}
         if runner is not None:
             stats = runner.stats()

@@ -1,6 +1,7 @@
 """2-process transformers.Trainer under torchrun on CPU (gloo) with freezes and a thaw mid-run, optionally with
 gradient checkpointing (then the Trainer sets find_unused_parameters=False), the callback attached to the Trainer
-or given in its constructor (argv[3]: attach | constructor). Each rank writes rank<r>.json into argv[1]. Launched by
+or given in its constructor (argv[3]: attach | constructor), and a weight of a training layer frozen by hand after
+step 4. Each rank writes rank<r>.json into argv[1]. Launched by
 tests/test_integration_hf.py."""
 
 import json
@@ -26,6 +27,9 @@ class Record(TrainerCallback):
             self.frozen = model.bert.embeddings.word_embeddings.weight.detach().clone()
         if state.global_step == 6:
             self.thawed = model.bert.encoder.layer[0].output.dense.weight.detach().clone()
+        if state.global_step == 4:  # the user freezes a weight of layer 1, which trains, by hand
+            model.bert.encoder.layer[1].output.dense.weight.requires_grad_(False)
+            self.hand = model.bert.encoder.layer[1].output.dense.weight.detach().clone()
 
 
 def main(out: Path, checkpointing: bool, form: str) -> None:
@@ -51,6 +55,8 @@ def main(out: Path, checkpointing: bool, form: str) -> None:
         "find_unused": bool(ddp.find_unused_parameters),
         "frozen_unchanged": torch.equal(record.frozen, model.bert.embeddings.word_embeddings.weight),
         "thawed_changed": not torch.equal(record.thawed, model.bert.encoder.layer[0].output.dense.weight),
+        "hand_unchanged": torch.equal(record.hand, model.bert.encoder.layer[1].output.dense.weight)
+        and not model.bert.encoder.layer[1].output.dense.weight.requires_grad,
     }))
     close_distributed()  # a rank that exits with the group alive can abort at shutdown (its docstring)
 

@@ -1,4 +1,5 @@
-"""2-process Lightning DDP on CPU (gloo) with a freeze and a thaw mid-run; each rank writes rank<r>.json into the
+"""2-process Lightning DDP on CPU (gloo) with a freeze and a thaw mid-run, and a weight of a training block frozen by
+hand after step 3 (in a callback that runs after LayerFreeze's); each rank writes rank<r>.json into the
 folder given as argv[1]. Launched by tests/test_integration_lightning.py (Lightning re-runs this script for rank 1).
 """
 
@@ -36,6 +37,9 @@ class Record(L.Callback):
             self.frozen0 = pl_module.net[0].weight.detach().clone()
         if trainer.global_step == 5:
             self.thawed = pl_module.net[2].weight.detach().clone()
+        if trainer.global_step == 3:  # the user freezes a weight of block 2, which trains, by hand
+            pl_module.net[4].weight.requires_grad_(False)
+            self.hand = pl_module.net[4].weight.detach().clone()
 
 
 def main(out: Path) -> None:
@@ -56,6 +60,7 @@ def main(out: Path) -> None:
         "rebuilds": callback.session.ddp_rebuilds,
         "frozen_unchanged": torch.equal(record.frozen0, net[0].weight),
         "thawed_changed": not torch.equal(record.thawed, net[2].weight),
+        "hand_unchanged": torch.equal(record.hand, net[4].weight) and not net[4].weight.requires_grad,
     }))
     close_distributed()  # a rank that exits with the group alive can abort at shutdown (its docstring)
 

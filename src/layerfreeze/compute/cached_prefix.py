@@ -324,6 +324,10 @@ class CachedPrefix:
             for m, training in modes:
                 m.training = training
         reshard_all(fsdp_modules(self.model))
+        # under the caller's autocast, its cache kept this no-grad pass's casts of FSDP2's unsharded weights (the
+        # same Parameter objects at every all-gather): the step's forward reused them and the blocks after the first
+        # trainable one got no gradient
+        torch.clear_autocast_cache()
         self._warm = True
 
     # ---- checks --------------------------------------------------------------------------------------------

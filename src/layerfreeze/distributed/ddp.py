@@ -98,6 +98,17 @@ def frozen_state_names(wrapper: nn.Module, freezer: Any) -> list[str]:
     return names
 
 
+def trainable_flags(module: nn.Module) -> tuple[bool, ...]:
+    """Whether each parameter of ``module`` requires grad, in order: what a DDP reducer is built around.
+
+    Why not the Freezer's frozen set alone: a parameter the user freezes by hand (``requires_grad_(False)``) while its
+    block trains leaves the frozen set as it was, and a reducer that still holds it waits for its gradient ("Expected
+    to have finished reduction in the prior iteration" at the next forward; the bucket holding it is never
+    all-reduced, so the ranks step apart first). A wrapper is rebuilt when these flags change too.
+    """
+    return tuple(p.requires_grad for p in module.parameters())
+
+
 def sync_frozen_buffers(module: nn.Module, freezer: Any, process_group: Any = None) -> int:
     """Give every rank the first rank's values of the buffers of the frozen blocks (BatchNorm running statistics),
     before DDP leaves them out of its broadcasts (:func:`frozen_state_names`); returns the number of buffers sent.
@@ -183,6 +194,7 @@ class FreezeDDP:
         self.ddp: nn.parallel.DistributedDataParallel | None = None
         self._built_for: tuple[bool, ...] | None = None
         self._built_restores = 0  # the freezer's dtype_restores when the wrapper was built
+        self._built_trainable: tuple[bool, ...] | None = None  # trainable_flags when the wrapper was built
         self.rebuilds = 0
         self.rebuild_seconds: list[float] = []
 
@@ -196,7 +208,8 @@ class FreezeDDP:
         return self._built_for
 
     def sync(self) -> bool:
-        """Rebuild the wrapper if the frozen set changed since it was built; True if it rebuilt.
+        """Rebuild the wrapper if the frozen set changed since it was built, or which parameters require grad (one
+        frozen by hand: :func:`trainable_flags`); True if it rebuilt.
 
         Collective: every rank must call it at the same point (it is called before each forward, and freeze
         decisions are the same on every rank).
@@ -204,7 +217,9 @@ class FreezeDDP:
         frozen = tuple(self.freezer.frozen)
         # a thaw of a demoted block replaced its parameters' gradient accumulators: rebuild for the same set too
         restores = getattr(self.freezer, "dtype_restores", 0)
-        if frozen == self._built_for and restores == self._built_restores and self.ddp is not None:
+        trainable = trainable_flags(self.wrapper)  # a parameter frozen by hand, its block training (trainable_flags)
+        if (frozen == self._built_for and restores == self._built_restores and trainable == self._built_trainable
+                and self.ddp is not None):
             return False
         t0 = time.perf_counter()
         if self.ddp is None:
@@ -217,7 +232,7 @@ class FreezeDDP:
         if self.bytes is not None:
             self.ddp.register_comm_hook(None, self.bytes.hook)
         seconds = time.perf_counter() - t0
-        self._built_for, self._built_restores = frozen, restores
+        self._built_for, self._built_restores, self._built_trainable = frozen, restores, trainable
         self.rebuilds += 1
         self.rebuild_seconds.append(seconds)
         if self.on_rebuild is not None:

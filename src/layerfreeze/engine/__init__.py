@@ -36,7 +36,12 @@ The folder's map: one mechanism per module, top to bottom; each imports only mod
 from layerfreeze.engine.freezer import Freezer, release_earlier_freezers
 from layerfreeze.engine.freezing import PinnedBlockError
 from layerfreeze.engine.guard import StabilityGuard
-from layerfreeze.engine.integrity import BlockModuleReplacedError, FrozenWeightsChangedError, UnfrozenParameterError
+from layerfreeze.engine.integrity import (
+    BlockModuleReplacedError,
+    FrozenWeightsChangedError,
+    RanksDivergedError,
+    UnfrozenParameterError,
+)
 from layerfreeze.engine.mechanics import frozen_parameters, open_freezer, set_eval_mode
 from layerfreeze.engine.optim import block_param_groups
 from layerfreeze.engine.stages import share_decision
@@ -45,6 +50,7 @@ __all__ = [
     "BlockModuleReplacedError",
     "Freezer",
     "FrozenWeightsChangedError",
+    "RanksDivergedError",
     "PinnedBlockError",
     "StabilityGuard",
     "UnfrozenParameterError",

@@ -38,6 +38,7 @@ from layerfreeze.engine.lr_factors import check_block_lr
 from layerfreeze.engine.mechanics import (
     frozen_by_user,
     frozen_parameters,
+    record_momentum,
     resume_training,
     set_eval_mode,
     stop_training,
@@ -74,6 +75,7 @@ def freeze_block(freezer: Freezer, block: Block, reason: str) -> bool:
     if freezer.optimizer is not None:
         freezer._origin.update(remove_from_optimizer(freezer.optimizer, params))
     for _, module in block.modules:
+        record_momentum(module)  # what set_eval_mode tells a recalibration (update_bn) by
         set_eval_mode(module, freezer.train_bn)
         freezer._hooks.setdefault(block.index, []).append(module.register_forward_pre_hook(freezer._eval_hook))
     if freezer._root_eval_hook is None and block.modules and block.modules[0][1] is not freezer.model:

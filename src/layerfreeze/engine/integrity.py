@@ -59,6 +59,10 @@ class UnfrozenParameterError(RuntimeError):
     """A frozen block's parameter was replaced or made trainable again (raised when ``on_unfrozen="error"``)."""
 
 
+class RanksDivergedError(RuntimeError):
+    """A thawed block's weights differ across data-parallel ranks after the step that followed its thaw."""
+
+
 class BlockModuleReplacedError(UnfrozenParameterError):
     """A block's module, or a parameter the block holds outside its modules, is no longer part of the model: it was
     replaced (``model.layer[0] = nn.Linear(...)``) after the Freezer was built (raised whatever ``on_unfrozen``)."""
@@ -109,6 +113,15 @@ class _Probe:
             return True
         now = _local_tensor(self.param).detach().reshape(-1)[self.where]
         return not torch.equal(now, self.values)  # a host read: only after a step that moved no version counter
+
+
+def _bits_sum(t: torch.Tensor) -> int:
+    """The sum of ``t``'s elements read as integers of their size (on its device; one host read): equal tensors give
+    equal sums whatever the reduction order or thread count (integer addition, modulo 2**64), where a float sum's
+    rounding could differ between ranks."""
+    flat = t.detach().contiguous().reshape(-1)
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(flat.element_size(), torch.uint8)
+    return int(flat.view(ints).sum(dtype=torch.int64).item())
 
 
 def checksum(named: Iterable[tuple[str, torch.Tensor]],
@@ -165,6 +178,7 @@ class FrozenSet:
         self.gradients_pending = True  # check the next backward (the run starts with a new frozen set)
         self.switched_on: set[int] = set()  # blocks thawed since the last gradient check
         self.awaiting_update: dict[int, list[_Probe]] = {}  # thawed blocks with gradients, until the next step
+        self.thawed_unchecked: set[int] = set()  # thawed blocks not compared across ranks yet (check_ranks_agree)
         self.quick = quick
         if quick:
             install_hooks()  # what structure_version counts
@@ -183,6 +197,7 @@ class FrozenSet:
         self.gradients_pending = True
         self.switched_on.discard(index)
         self.awaiting_update.pop(index, None)
+        self.thawed_unchecked.discard(index)
 
     def retake(self, index: int, named: list[tuple[str, nn.Parameter]]) -> None:
         """Take the checksum of ``named`` (parameters that replaced others in frozen block ``index``) anew."""
@@ -198,6 +213,7 @@ class FrozenSet:
         self.dtypes.pop(index, None)
         self.gradients_pending = True
         self.switched_on.add(index)
+        self.thawed_unchecked.add(index)
 
     def check(self, freezer: Any) -> list[str]:
         """Re-freeze every frozen block's parameter that was replaced, made trainable or put back in the optimizer.
@@ -387,6 +403,35 @@ class FrozenSet:
                        "(LMFlow#726; pass it to Freezer(...) or attach_optimizer); a step skipped by a fp16 GradScaler "
                        "(an inf gradient) gives this warning once too", {"kind": "not_updated", "blocks": stale})
         return stale
+
+    def check_ranks_agree(self, freezer: Any, gather: Callable[[Any], list[Any]]) -> None:
+        """After the optimizer step that followed a thaw, on data-parallel ranks that each hold the whole model (DDP):
+        the thawed blocks' trainable weights are the same on every rank (each weight's :func:`_bits_sum`). A
+        collective (``gather``: every rank's object in rank order); the blocks compared are the thaws' (rank 0's
+        decisions, the same on every rank).
+
+        Why: a ``DistributedDataParallel`` built before a thaw all-reduces only what required grad when it was built
+        (``accelerator.prepare(model)`` under several processes, a wrapper of one's own): the thawed block trained on
+        each rank's gradients alone, and the ranks drifted apart in silence.
+
+        Raises:
+            RanksDivergedError: on every rank, naming the blocks and saying what to do.
+        """
+        blocks = sorted(i for i in self.thawed_unchecked if not freezer.frozen[i])
+        self.thawed_unchecked.clear()
+        if not blocks:
+            return
+        mine = [[_bits_sum(p) for p in freezer.blocks[i].parameters() if p.requires_grad] for i in blocks]
+        everyone = gather(mine)
+        differ = [freezer.blocks[i].name for k, i in enumerate(blocks) if any(r[k] != everyone[0][k] for r in everyone)]
+        if differ:
+            raise RanksDivergedError(
+                f"block(s) {', '.join(differ)} were thawed, and after the optimizer step that followed their weights "
+                "differ across ranks: the model's DistributedDataParallel wrapper was built before the thaw and "
+                "does not all-reduce their gradients (accelerate's prepare under several processes, or your own "
+                "DistributedDataParallel). Wrap the model with layerfreeze.distributed.FreezeDDP instead, or call "
+                "layerfreeze.distributed.rebuild_ddp(ddp, freezer) after every freezer.step() that changed "
+                "freezer.frozen")
 
     def state_dict(self) -> dict[str, Any]:
         return {str(i): dict(c) for i, c in self.checksums.items()}

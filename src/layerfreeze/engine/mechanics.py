@@ -74,16 +74,39 @@ def resume_training(params: Iterable[nn.Parameter], before: set[int]) -> list[nn
     return thawed
 
 
+#: The attribute a BatchNorm layer of a frozen block carries: its ``momentum`` when the block froze
+#: (:func:`record_momentum`).
+FROZEN_MOMENTUM = "_layerfreeze_momentum"
+
+
+def record_momentum(module: nn.Module) -> None:
+    """Record each BatchNorm layer's ``momentum`` in ``module`` (:data:`FROZEN_MOMENTUM`), as its block freezes: what
+    tells :func:`set_eval_mode` a recalibration (``momentum`` set to None since) from a layer built with
+    ``momentum=None`` (a cumulative average)."""
+    for sub in module.modules():
+        if isinstance(sub, _NORM_TYPES):
+            setattr(sub, FROZEN_MOMENTUM, sub.momentum)
+
+
 def set_eval_mode(module: nn.Module, train_bn: bool = False) -> None:
     """Put ``module`` and its sub-modules in eval mode (BatchNorm layers excepted when ``train_bn``).
 
-    A BatchNorm layer in training mode with ``momentum=None`` is being recalibrated (its statistics were reset and
-    are averaged anew over a pass of the data: ``torch.optim.swa_utils.update_bn``, Lightning's
-    ``StochasticWeightAveraging``) and keeps training mode: in eval mode a frozen block's reset statistics stayed at
-    0 and 1, and the averaged model's output was wrong."""
+    A BatchNorm layer in training mode whose ``momentum`` was set to None since its block froze
+    (:func:`record_momentum`) is being recalibrated (its statistics were reset and are averaged anew over a pass of
+    the data: ``torch.optim.swa_utils.update_bn``, Lightning's ``StochasticWeightAveraging``) and keeps training mode:
+    in eval mode a frozen block's reset statistics stayed at 0 and 1, and the averaged model's output was wrong. One
+    built with ``momentum=None`` goes to eval mode like any other: kept training, a frozen block normalised with each
+    batch's statistics and its running ones changed at every step (under DDP differently on every rank); a
+    recalibration cannot be told from its setting, so ``update_bn`` leaves such a layer of a frozen block as it
+    reset it."""
     for sub in module.modules():
         norm = isinstance(sub, _NORM_TYPES)
-        sub.training = bool(norm and sub.training and (train_bn or sub.momentum is None))
+        sub.training = bool(norm and sub.training and (train_bn or _recalibrating(sub)))
+
+
+def _recalibrating(norm: nn.Module) -> bool:
+    """Whether BatchNorm layer ``norm`` of a frozen block is being recalibrated (:func:`set_eval_mode`)."""
+    return norm.momentum is None and getattr(norm, FROZEN_MOMENTUM, None) is not None
 
 
 def frozen_blocks_to_eval(blocks: list[Block], frozen: list[bool], train_bn: bool = False) -> None:
@@ -95,13 +118,20 @@ def frozen_blocks_to_eval(blocks: list[Block], frozen: list[bool], train_bn: boo
     whole ``__call__`` (``GradientCheckpointingLayer``), so after the HF Trainer's ``model.train()`` a frozen
     layer ran under a reentrant checkpoint, where the checkpointing boundary's hook (grad mode off there) could not
     mark its output, and no checkpointed layer after it got a gradient (issue 41, transformers #21381's fault
-    again; found with transformers 5.17). One pass over the frozen blocks.
+    again; found with transformers 5.17). One pass over the frozen blocks. A frozen block in eval mode already gets its
+    BatchNorm layers' mode from :func:`set_eval_mode`'s recalibration test: Lightning's ``StochasticWeightAveraging``
+    resets their statistics and sets ``momentum=None`` with no ``train()`` after (the frozen block's statistics
+    stayed reset, 0 and 1), and puts the momentum back after (the layers go back to eval mode).
     """
     for index, is_frozen in enumerate(frozen):
         if is_frozen:
             for _, module in blocks[index].modules:
                 if module.training:
                     set_eval_mode(module, train_bn)
+                elif not train_bn:  # in eval mode already: a recalibration begun (or ended) since (set_eval_mode)
+                    for sub in module.modules():
+                        if isinstance(sub, _NORM_TYPES):
+                            sub.training = _recalibrating(sub)
 
 
 #: The open Freezer of each model, held weakly (a model's own hooks keep its Freezer alive until close()).

@@ -29,6 +29,7 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from layerfreeze.distributed import comm
 from layerfreeze.engine.lr_factors import apply_lr_scales
 from layerfreeze.engine.optim import inner_optimizer
 from layerfreeze.engine.sharding import sharded
@@ -124,6 +125,8 @@ def step(freezer: Freezer) -> Decision | None:
     sharded(freezer._fsdp)
     freezer.integrity.check(freezer)
     freezer.integrity.check_updated(freezer)  # a block thawed before this step must have been updated by it
+    if freezer.distributed and not freezer._fsdp:  # every rank a whole replica: the same thawed weights on all
+        freezer.integrity.check_ranks_agree(freezer, comm.all_gather_object)
     every = freezer.strategy.stage_every
     decision = stage(freezer, event="step") if every and freezer.step_count % every == 0 else None
     if freezer._lr_scale:

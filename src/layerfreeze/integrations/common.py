@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from layerfreeze.budget.plan import MemoryPlan, plan_memory
-from layerfreeze.distributed.ddp import rebuild_ddp
+from layerfreeze.distributed.ddp import rebuild_ddp, trainable_flags
 from layerfreeze.engine.freezer import Freezer
 from layerfreeze.models.blocks import output_tensor
 from layerfreeze.models.discovery import refuse_pattern_string
@@ -258,6 +258,7 @@ class FreezeSession:
         self.boundary = CheckpointBoundary() if checkpointing else None
         self.ddp_built_for = tuple(freezer.frozen) if ddp_built_for is None else tuple(ddp_built_for)
         self.ddp_built_restores = getattr(freezer, "dtype_restores", 0)
+        self.ddp_built_trainable: tuple[bool, ...] | None = None  # trainable_flags of the wrapper's module, first seen
         self.ddp_rebuilds = 0
         self.sync(None)
 
@@ -301,11 +302,17 @@ class FreezeSession:
         frozen = tuple(self.freezer.frozen)
         # a thaw of a demoted block replaced its parameters' gradient accumulators: rebuild for the same set too
         restores = getattr(self.freezer, "dtype_restores", 0)
-        if not isinstance(ddp, nn.parallel.DistributedDataParallel) or (
-                frozen == self.ddp_built_for and restores == self.ddp_built_restores):
+        if not isinstance(ddp, nn.parallel.DistributedDataParallel):
+            return False
+        # a parameter frozen by hand while its block trains changes no frozen set (trainable_flags)
+        trainable = trainable_flags(ddp.module)
+        if self.ddp_built_trainable is None:
+            self.ddp_built_trainable = trainable
+        if (frozen == self.ddp_built_for and restores == self.ddp_built_restores
+                and trainable == self.ddp_built_trainable):
             return False
         rebuild_ddp(ddp, self.freezer)
-        self.ddp_built_for, self.ddp_built_restores = frozen, restores
+        self.ddp_built_for, self.ddp_built_restores, self.ddp_built_trainable = frozen, restores, trainable
         self.ddp_rebuilds += 1
         return True
 

@@ -244,7 +244,9 @@ class LayerFreezeCallback(transformers.TrainerCallback):
         self._after_stage(None, control)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Before the step's first micro-batch: the memory ledger's step opens."""
+        """Before the step's first micro-batch: the memory ledger's step opens, and the DDP wrapper is rebuilt if a
+        parameter was frozen by hand since the last stage (a user's callback after this one)."""
+        self.session.sync(self.trainer.model_wrapped)
         self.session.begin_step(state.global_step + 1)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

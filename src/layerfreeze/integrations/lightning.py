@@ -207,7 +207,9 @@ class LayerFreeze(L.Callback):
             self.freezer.after_backward()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        """Before the first micro-batch of an optimizer step: the memory ledger's step opens."""
+        """Before the first micro-batch of an optimizer step: the memory ledger's step opens, and the DDP wrapper
+        is rebuilt if a parameter was frozen by hand since the last stage (a user's callback after this one)."""
+        self.session.sync(trainer.strategy.model)
         self.session.begin_step(trainer.global_step + 1)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

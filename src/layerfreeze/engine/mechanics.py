@@ -77,15 +77,19 @@ def resume_training(params: Iterable[nn.Parameter], before: set[int]) -> list[nn
 #: The attribute a BatchNorm layer of a frozen block carries: its ``momentum`` when the block froze
 #: (:func:`record_momentum`).
 FROZEN_MOMENTUM = "_layerfreeze_momentum"
+#: The attribute a frozen block's module carries: its BatchNorm layers, found as it froze (:func:`record_momentum`).
+FROZEN_NORMS = "_layerfreeze_norms"
 
 
 def record_momentum(module: nn.Module) -> None:
     """Record each BatchNorm layer's ``momentum`` in ``module`` (:data:`FROZEN_MOMENTUM`), as its block freezes: what
     tells :func:`set_eval_mode` a recalibration (``momentum`` set to None since) from a layer built with
-    ``momentum=None`` (a cumulative average)."""
-    for sub in module.modules():
-        if isinstance(sub, _NORM_TYPES):
-            setattr(sub, FROZEN_MOMENTUM, sub.momentum)
+    ``momentum=None`` (a cumulative average). ``module`` keeps the list of those layers (:data:`FROZEN_NORMS`), so
+    that :func:`frozen_blocks_to_eval` does not walk every sub-module of every frozen block at every forward."""
+    norms = [sub for sub in module.modules() if isinstance(sub, _NORM_TYPES)]
+    for sub in norms:
+        setattr(sub, FROZEN_MOMENTUM, sub.momentum)
+    object.__setattr__(module, FROZEN_NORMS, tuple(norms))
 
 
 def set_eval_mode(module: nn.Module, train_bn: bool = False) -> None:
@@ -129,9 +133,8 @@ def frozen_blocks_to_eval(blocks: list[Block], frozen: list[bool], train_bn: boo
                 if module.training:
                     set_eval_mode(module, train_bn)
                 elif not train_bn:  # in eval mode already: a recalibration begun (or ended) since (set_eval_mode)
-                    for sub in module.modules():
-                        if isinstance(sub, _NORM_TYPES):
-                            sub.training = _recalibrating(sub)
+                    for sub in getattr(module, FROZEN_NORMS, ()):
+                        sub.training = _recalibrating(sub)
 
 
 #: The open Freezer of each model, held weakly (a model's own hooks keep its Freezer alive until close()).

@@ -242,6 +242,21 @@ def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path, capsys, name, t
     assert said in _one_line(_err(capsys), "layerfreeze: error: Config file")
 
 
+def test_a_config_file_not_in_utf8_or_of_another_kind_is_one_line(tmp_path, capsys):
+    # a UTF-16 file from an editor gave a UnicodeDecodeError traceback (exit 1); an unknown extension said "is not
+    # valid None: Config file run.cfg must end in ..."
+    utf16 = tmp_path / "utf16.yaml"
+    utf16.write_bytes("train:\n  epochs: 1\n".encode("utf-16"))
+    assert main(["train", "--config", str(utf16)]) == 2
+    said = _one_line(_err(capsys), "layerfreeze: error: Config file")
+    assert said.rstrip().endswith("is not UTF-8 text (invalid start byte at byte 0): save it as UTF-8")
+    other = tmp_path / "run.cfg"
+    other.write_text("train:\n  epochs: 1\n")
+    assert main(["config", "--config", str(other)]) == 2
+    said = _one_line(_err(capsys), "layerfreeze: error: Config file")
+    assert said.rstrip() == f"layerfreeze: error: Config file {other} must end in .yaml, .yml, .toml or .json"
+
+
 def test_yaml_merge_keys_still_load_and_an_unhashable_key_is_one_line(tmp_path, capsys):
     # the duplicate-key check constructed `<<` as a key ("could not determine a constructor for the tag ...merge")
     # and let an unhashable key out as a TypeError traceback

@@ -92,17 +92,21 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         what = "is a folder" if path.is_dir() else "does not exist"
         raise ConfigError(f"--config {path} {what}: give a YAML, TOML or JSON config file (`layerfreeze config` "
                           "prints one to start from)")
-    text = path.read_text(encoding="utf-8")
     kind = {".yaml": "YAML", ".yml": "YAML", ".toml": "TOML", ".json": "JSON"}.get(path.suffix.lower())
+    if kind is None:
+        raise ConfigError(f"Config file {path} must end in .yaml, .yml, .toml or .json")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"Config file {path} is not UTF-8 text ({exc.reason} at byte {exc.start}): save it as "
+                          "UTF-8") from None
     try:
         if kind == "YAML":
             data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 (a safe loader's subclass)
         elif kind == "TOML":
             data = tomllib.loads(text)  # refuses a key given twice itself
-        elif kind == "JSON":
-            data = json.loads(text, object_pairs_hook=_unique_pairs)
         else:
-            raise ConfigError(f"Config file {path} must end in .yaml, .yml, .toml or .json")
+            data = json.loads(text, object_pairs_hook=_unique_pairs)
     except (yaml.YAMLError, tomllib.TOMLDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise ConfigError(f"Config file {path} is not valid {kind}: {_syntax_error(exc)}") from None
     if not isinstance(data, dict):

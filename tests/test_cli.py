@@ -240,13 +240,14 @@ def test_a_mistyped_config_key_suggests_the_closest_valid_one(tmp_path, capsys):
 def test_layerfreeze_config_prints_every_key_with_its_default_as_a_config_file(tmp_path, capsys):
     import yaml
 
-    from layerfreeze.train.config import config_keys
+    from layerfreeze.train.config import Config
+    from layerfreeze.train.config_words import config_keys
 
     assert main(["config"]) == 0
     text = capsys.readouterr().out
     assert "  max_length: 128  # tokens per text sample" in text and "  strategy: smartfrz" in text
     assert "  guard: null  # " in text and "tolerance: 0.05" in text  # an optional section shows its keys
-    for key in config_keys():  # every key of the schema is named, optional sections' keys in their comment
+    for key in config_keys(Config):  # every key of the schema is named, optional sections' keys in their comment
         assert f"{key.rsplit('.', 1)[-1]}:" in text, key
     loaded = yaml.safe_load(text)
     assert loaded["train"]["lr"] == 5e-5 and loaded["freeze"]["cache"] == {"mode": "auto", "dtype": "float32",

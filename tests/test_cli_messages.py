@@ -190,6 +190,18 @@ def test_a_row_named_twice_is_refused_before_anything_trains(tmp_path, capsys, m
 # ---- items 12, 13, 14, 22: config -------------------------------------------------------------------------------
 
 
+def test_cache_short_form_as_the_readme_writes_it(tmp_path):
+    # the README's `freeze.cache: on` was refused with "freeze.cache: is a section, not a value (got True)": YAML
+    # reads an unquoted on as True, which the user never wrote
+    path = tmp_path / "cache.yaml"
+    path.write_text("freeze:\n  cache: on\n")
+    assert load_config(path, []).freeze.cache.mode == "on"
+    assert load_config(None, [parse_override("freeze.cache=off")]).freeze.cache.mode == "off"
+    assert load_config(None, [parse_override("freeze.cache=auto")]).freeze.cache.mode == "auto"
+    with pytest.raises(ConfigError, match=r"freeze.cache.mode: 'maybe' is not one of off, on, auto"):
+        load_config(None, [parse_override("freeze.cache=maybe")])
+
+
 def test_demote_short_form_and_how_to_write_it():
     assert load_config(None, [parse_override("freeze.demote=bfloat16")]).freeze.demote.dtype == "bfloat16"
     assert load_config(None, [parse_override("freeze.demote=cpu")]).freeze.demote.offload == "cpu"

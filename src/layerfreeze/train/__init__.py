@@ -20,6 +20,8 @@ contract in ``pyproject.toml``); outside the folder, the CLI (and ``smartfrz``, 
   load_config`); imported by the CLI only.
 * ``config`` -- the validated config's schema (:func:`~layerfreeze.train.config.build_config`); by any module above.
 * ``presets`` -- what a task and a strategy on it change from the config's defaults; by config, config_yaml.
+* ``config_words`` -- a config's problems in its words (one line, each naming its key, the closest valid key); by
+  config, config_load, config_yaml.
 * ``loop`` -- the LR schedule and the optimizer step, shared with the SmartFRZ collector; by setup, step.
 * ``assets`` -- the offline assets (where they are, whether they are there); by data, loaders, tasks.
 """

@@ -12,8 +12,9 @@ from pydantic import ValidationError
 
 from layerfreeze.errors import ConfigError
 from layerfreeze.strategies import DEFAULT_STRATEGY
-from layerfreeze.train.config import Config, build_config, format_validation_error, validate_config
+from layerfreeze.train.config import Config, build_config, validate_config
 from layerfreeze.train.config_file import deep_merge, leaf_values, read_config_file
+from layerfreeze.train.config_words import format_validation_error
 
 
 def load_config(path: str | Path | None = None, overrides: list[dict[str, Any]] | None = None,
@@ -67,7 +68,7 @@ def _check_replaced(path: str | Path, file: dict[str, Any], merged: dict[str, An
     except ValidationError as exc:
         bad = [e for e in exc.errors() if tuple(str(p) for p in e["loc"]) in replaced]
         if bad:
-            raise ConfigError(f"Config file {path}: " + format_validation_error(exc, bad).removeprefix(
+            raise ConfigError(f"Config file {path}: " + format_validation_error(exc, Config, bad).removeprefix(
                 "Invalid configuration: ") + " (the command line sets it too, but the file's value is invalid: fix "
                 "or remove it)") from None
 

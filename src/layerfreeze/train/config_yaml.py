@@ -10,7 +10,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel
 
-from layerfreeze.train.config import Config, build_config, section_class
+from layerfreeze.train.config import Config, build_config
+from layerfreeze.train.config_words import section_class
 from layerfreeze.train.presets import strategy_preset
 
 

@@ -226,7 +226,8 @@ def read_compare(compare_dir: Path) -> list[dict[str, Any]]:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Parse ``metrics.jsonl`` into a list of records, in file order (no replay: see :func:`replay`).
+    """Parse ``metrics.jsonl`` into a list of records, in file order (no replay: a resumed run's redone steps appear
+    twice, the killed attempt's and the resumed one's; :func:`replay` of this list gives each once).
 
     Args:
         run_dir: the run directory (or the path of the ``.jsonl`` file itself).

@@ -421,7 +421,9 @@ class FrozenSet:
         self.thawed_unchecked.clear()
         if not blocks:
             return
-        mine = [[_bits_sum(p) for p in freezer.blocks[i].parameters() if p.requires_grad] for i in blocks]
+        # (a sharded weight, a DTensor of tensor parallelism, holds another part on each rank: not compared)
+        mine = [[_bits_sum(p) for p in freezer.blocks[i].parameters() if p.requires_grad and not hasattr(p, "to_local")]
+                for i in blocks]
         everyone = gather(mine)
         differ = [freezer.blocks[i].name for k, i in enumerate(blocks) if any(r[k] != everyone[0][k] for r in everyone)]
         if differ:

@@ -135,7 +135,8 @@ def test_the_ddp_own_loop_snippet_on_two_ranks(tmp_path):
 def test_the_ddp_own_loop_snippet_under_plain_python_says_to_use_torchrun(monkeypatch):
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(SystemExit, match=r"run this loop under torchrun, on two or more processes: torchrun --nproc_per_node 2 file.py"):
+    with pytest.raises(SystemExit, match=r"run this loop under torchrun, on two or more processes: "
+                                         r"torchrun --nproc_per_node 2 file.py"):
         run("In your own loop, three lines change", {})
 
 

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from layerfreeze.distributed import comm
+from layerfreeze.engine import lr_factors, steps
 from layerfreeze.engine import state as checkpoint_state
-from layerfreeze.engine import steps
 from layerfreeze.engine.arguments import resolve
 from layerfreeze.engine.attach import attach_optimizer
 from layerfreeze.engine.demote import Demoter, build_demoter
@@ -42,13 +42,6 @@ from layerfreeze.engine.freezing import freeze_block, refreeze, thaw_asked, warn
 from layerfreeze.engine.grad_signal import GradientSums, unsummed
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.integrity import FrozenSet
-from layerfreeze.engine.lr_factors import (
-    apply_lr_scales,
-    check_block_lr,
-    check_thaw_lrs,
-    keep_plateau_base,
-    set_block_lr,
-)
 from layerfreeze.engine.mechanics import (
     claim_model,
     frozen_before,
@@ -172,7 +165,7 @@ class Freezer:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
-        keep_plateau_base(optimizer, scheduler)
+        lr_factors.keep_plateau_base(optimizer, scheduler)
         self.train_bn = train_bn
         self.total_steps = run_length("total_steps", total_steps)
         self.steps_per_epoch = run_length("steps_per_epoch", steps_per_epoch)
@@ -227,7 +220,8 @@ class Freezer:
         #: The :class:`~layerfreeze.engine.demote.Demoter` of ``demote`` (None without it): also a byte source of
         #: the memory ledger (master copies, offloaded weights).
         self.demoter: Demoter | None = build_demoter(demote, self.blocks, train_bn=train_bn, sharded=bool(self._fsdp))
-        check_thaw_lrs(optimizer, self._origin, self.blocks, self.strategy)  # before attach: nothing to release
+        # before attach: nothing to release
+        lr_factors.check_thaw_lrs(optimizer, self._origin, self.blocks, self.strategy)
         if self.decides:
             if self._mirror is not None:
                 self.strategy.attach(self._mirror.mirror, self._mirror.blocks(self.blocks))
@@ -374,7 +368,7 @@ class Freezer:
         if not self._lr_scale:
             return None
         decision = stage(self, event="step")
-        apply_lr_scales(self.optimizer, self.blocks, self._origin, self._lr_scale, self._lr_written)
+        lr_factors.apply_lr_scales(self.optimizer, self.blocks, self._origin, self._lr_scale, self._lr_written)
         return decision
 
     def set_block_lr(self, key: int | str | Block, lr: float) -> None:
@@ -386,8 +380,8 @@ class Freezer:
                 parameters.
         """
         block = key if isinstance(key, Block) else self.block(key)
-        check_block_lr(self.optimizer, self._origin, block, lr)
-        set_block_lr(self.optimizer, self._origin, block, lr, self.scheduler, self._lr_written)
+        lr_factors.check_block_lr(self.optimizer, self._origin, block, lr)
+        lr_factors.set_block_lr(self.optimizer, self._origin, block, lr, self.scheduler, self._lr_written)
 
     def named_frozen_parameters(self, block: Block) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` pairs that freezing ``block`` stops training (see :func:`frozen_parameters`)."""

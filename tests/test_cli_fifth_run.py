@@ -78,6 +78,9 @@ def test_a_parameter_given_by_p_and_by_set_is_refused(capsys):
                       "it once")
     assert main(["config", "-s", "static", "-p", "k=2", "--set", "freeze.params.k=2"]) == 0
     assert "k: 2" in capsys.readouterr().out
+    # -p twice with two values kept the last in silence, where -p against --set was refused
+    assert main(["config", "-s", "static", "-p", "k=1", "-p", "k=2"]) == 2
+    _one_line(capsys, "layerfreeze: error: -p k=1 and -p k=2 set the same strategy parameter; give it once")
 
 
 # ---- resume, blocks, data ---------------------------------------------------------------------------------------

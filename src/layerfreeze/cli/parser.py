@@ -274,12 +274,15 @@ def overrides_of(args: argparse.Namespace, flags: dict[str, str]) -> list[dict[s
             out.append({"freeze": {"memory_budget": str(value)}})
         elif value is not None:
             out.append(parse_override(f"{key}={value}"))
+    given: dict[str, str] = {}
     for item in getattr(args, "param", []):
         name, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"--param {item!r} must look like NAME=VALUE, e.g. -p k=5")
+        if name in given and given[name] != value:  # as --set: the last would win, in silence
+            raise ConfigError(f"-p {name}={given[name]} and -p {item} set the same strategy parameter; give it once")
+        given[name] = value
         out.append(parse_override(f"freeze.params.{name}={value}"))
-    given = dict(item.partition("=")[::2] for item in getattr(args, "param", []))
     for item in args.set:
         key, _, value = item.partition("=")
         name = key.strip().removeprefix("freeze.params.")

@@ -80,7 +80,12 @@ def test_a_parameter_given_by_p_and_by_set_is_refused(capsys):
     assert "k: 2" in capsys.readouterr().out
     # -p twice with two values kept the last in silence, where -p against --set was refused
     assert main(["config", "-s", "static", "-p", "k=1", "-p", "k=2"]) == 2
-    _one_line(capsys, "layerfreeze: error: -p k=1 and -p k=2 set the same strategy parameter; give it once")
+    _one_line(capsys, "layerfreeze: error: -p k=1 and -p k=2 set the same key; give it once")
+    assert main(["config", "--set", "train.lr=1e-3", "--set", "train.lr=2e-3"]) == 2
+    _one_line(capsys, "layerfreeze: error: --set train.lr=1e-3 and --set train.lr=2e-3 set the same key; give it once")
+    assert main(["compare", "--rows", "none,static", "--row-param", "static.k=1", "--row-param", "static.k=2"]) == 2
+    _one_line(capsys, "layerfreeze: error: --row-param static.k=1 and --row-param static.k=2 set the same key; give "
+                      "it once")
 
 
 # ---- resume, blocks, data ---------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from layerfreeze.budget.measure import CACHE_BUCKETS
-from layerfreeze.cli.parser import TRAIN_FLAGS, main_rank, overrides_of
+from layerfreeze.cli.parser import TRAIN_FLAGS, main_rank, overrides_of, refuse_repeats
 from layerfreeze.distributed.comm import RankLostError, close_distributed, launched_world_size
 from layerfreeze.errors import ConfigError, UnknownStrategyError
 from layerfreeze.runs import rundir
@@ -288,6 +288,8 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
         base = deep_merge(base, override)
     task = base.get("task", "bbc-news")
     run_dir = base.get("run", {}).get("dir") or f"runs/compare-{task}-{time.strftime('%Y%m%d-%H%M%S')}"
+    refuse_repeats(args.row_param, "--row-param")
+    refuse_repeats(args.row_set, "--row-set")
     row_params: dict[str, dict[str, Any]] = {}
     for item in args.row_param:
         key, sep, _ = item.partition("=")

@@ -266,7 +266,21 @@ def add_run_arguments(parser: argparse.ArgumentParser, run_dir_help: str | None 
                         help="any config key, e.g. --set train.warmup_fraction=0.06 (repeatable)")
 
 
+def refuse_repeats(items: list[str], flag: str) -> None:
+    """Refuse a ``KEY=VALUE`` given twice with two values among ``items`` (``flag``'s, repeatable): the last one won,
+    in silence (``-p k=1 -p k=2`` trained with k=2)."""
+    given: dict[str, str] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key in given and given[key] != value:
+            raise ConfigError(f"{flag} {key}={given[key]} and {flag} {item} set the same key; give it once")
+        given[key] = value
+
+
 def overrides_of(args: argparse.Namespace, flags: dict[str, str]) -> list[dict[str, Any]]:
+    refuse_repeats(getattr(args, "param", []), "-p")
+    refuse_repeats(args.set, "--set")
     out = []
     for attr, key in flags.items():
         value = getattr(args, attr, None)
@@ -274,15 +288,12 @@ def overrides_of(args: argparse.Namespace, flags: dict[str, str]) -> list[dict[s
             out.append({"freeze": {"memory_budget": str(value)}})
         elif value is not None:
             out.append(parse_override(f"{key}={value}"))
-    given: dict[str, str] = {}
     for item in getattr(args, "param", []):
         name, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"--param {item!r} must look like NAME=VALUE, e.g. -p k=5")
-        if name in given and given[name] != value:  # as --set: the last would win, in silence
-            raise ConfigError(f"-p {name}={given[name]} and -p {item} set the same strategy parameter; give it once")
-        given[name] = value
         out.append(parse_override(f"freeze.params.{name}={value}"))
+    given = dict(item.partition("=")[::2] for item in getattr(args, "param", []))
     for item in args.set:
         key, _, value = item.partition("=")
         name = key.strip().removeprefix("freeze.params.")

@@ -109,6 +109,14 @@ def trainable_flags(module: nn.Module) -> tuple[bool, ...]:
     return tuple(p.requires_grad for p in module.parameters())
 
 
+def wrapper_key(freezer: Any, module: nn.Module) -> tuple[tuple[bool, ...], int, tuple[bool, ...]]:
+    """What a DDP wrapper of ``module`` is built for, compared before each forward (:class:`FreezeDDP`, the
+    framework callbacks' ``FreezeSession``): a change of any part means a rebuild (:func:`rebuild_ddp`). The frozen
+    set; the thaws of demoted blocks (``dtype_restores``: each replaced its parameters' gradient accumulators, the
+    frozen set the same); which parameters require grad (:func:`trainable_flags`)."""
+    return tuple(freezer.frozen), getattr(freezer, "dtype_restores", 0), trainable_flags(module)
+
+
 def sync_frozen_buffers(module: nn.Module, freezer: Any, process_group: Any = None) -> int:
     """Give every rank the first rank's values of the buffers of the frozen blocks (BatchNorm running statistics),
     before DDP leaves them out of its broadcasts (:func:`frozen_state_names`); returns the number of buffers sent.
@@ -192,9 +200,7 @@ class FreezeDDP:
         self.bytes = GradientBytes() if count_bytes else None
         self.on_rebuild = on_rebuild
         self.ddp: nn.parallel.DistributedDataParallel | None = None
-        self._built_for: tuple[bool, ...] | None = None
-        self._built_restores = 0  # the freezer's dtype_restores when the wrapper was built
-        self._built_trainable: tuple[bool, ...] | None = None  # trainable_flags when the wrapper was built
+        self._built: tuple[Any, ...] | None = None  # the wrapper_key the wrapper was built for
         self.rebuilds = 0
         self.rebuild_seconds: list[float] = []
 
@@ -205,7 +211,7 @@ class FreezeDDP:
     @property
     def built_for(self) -> tuple[bool, ...] | None:
         """The frozen set (one bool per block) the current wrapper was built for."""
-        return self._built_for
+        return None if self._built is None else self._built[0]
 
     def sync(self) -> bool:
         """Rebuild the wrapper if the frozen set changed since it was built, or which parameters require grad (one
@@ -214,12 +220,8 @@ class FreezeDDP:
         Collective: every rank must call it at the same point (it is called before each forward, and freeze
         decisions are the same on every rank).
         """
-        frozen = tuple(self.freezer.frozen)
-        # a thaw of a demoted block replaced its parameters' gradient accumulators: rebuild for the same set too
-        restores = getattr(self.freezer, "dtype_restores", 0)
-        trainable = trainable_flags(self.wrapper)  # a parameter frozen by hand, its block training (trainable_flags)
-        if (frozen == self._built_for and restores == self._built_restores and trainable == self._built_trainable
-                and self.ddp is not None):
+        key = wrapper_key(self.freezer, self.wrapper)
+        if key == self._built and self.ddp is not None:
             return False
         t0 = time.perf_counter()
         if self.ddp is None:
@@ -232,7 +234,7 @@ class FreezeDDP:
         if self.bytes is not None:
             self.ddp.register_comm_hook(None, self.bytes.hook)
         seconds = time.perf_counter() - t0
-        self._built_for, self._built_restores, self._built_trainable = frozen, restores, trainable
+        self._built = key
         self.rebuilds += 1
         self.rebuild_seconds.append(seconds)
         if self.on_rebuild is not None:

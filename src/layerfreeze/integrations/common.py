@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from layerfreeze.budget.plan import MemoryPlan, plan_memory
-from layerfreeze.distributed.ddp import rebuild_ddp, trainable_flags
+from layerfreeze.distributed.ddp import rebuild_ddp, wrapper_key
 from layerfreeze.engine.freezer import Freezer
 from layerfreeze.models.blocks import output_tensor
 from layerfreeze.models.discovery import refuse_pattern_string
@@ -256,9 +256,9 @@ class FreezeSession:
         self.events: list[dict[str, Any]] = list(freezer.history)
         freezer.on_event = self._on_event
         self.boundary = CheckpointBoundary() if checkpointing else None
-        self.ddp_built_for = tuple(freezer.frozen) if ddp_built_for is None else tuple(ddp_built_for)
-        self.ddp_built_restores = getattr(freezer, "dtype_restores", 0)
-        self.ddp_built_trainable: tuple[bool, ...] | None = None  # trainable_flags of the wrapper's module, first seen
+        # the ddp.wrapper_key the framework's wrapper was built for; which parameters require grad: first seen
+        self.ddp_built: tuple[Any, ...] = (tuple(freezer.frozen) if ddp_built_for is None else tuple(ddp_built_for),
+                                           getattr(freezer, "dtype_restores", 0), None)
         self.ddp_rebuilds = 0
         self.sync(None)
 
@@ -299,20 +299,15 @@ class FreezeSession:
         """
         if self.boundary is not None:
             self.boundary.update(self.freezer)
-        frozen = tuple(self.freezer.frozen)
-        # a thaw of a demoted block replaced its parameters' gradient accumulators: rebuild for the same set too
-        restores = getattr(self.freezer, "dtype_restores", 0)
         if not isinstance(ddp, nn.parallel.DistributedDataParallel):
             return False
-        # a parameter frozen by hand while its block trains changes no frozen set (trainable_flags)
-        trainable = trainable_flags(ddp.module)
-        if self.ddp_built_trainable is None:
-            self.ddp_built_trainable = trainable
-        if (frozen == self.ddp_built_for and restores == self.ddp_built_restores
-                and trainable == self.ddp_built_trainable):
+        key = wrapper_key(self.freezer, ddp.module)
+        if self.ddp_built[2] is None:
+            self.ddp_built = (*self.ddp_built[:2], key[2])
+        if key == self.ddp_built:
             return False
         rebuild_ddp(ddp, self.freezer)
-        self.ddp_built_for, self.ddp_built_restores, self.ddp_built_trainable = frozen, restores, trainable
+        self.ddp_built = key
         self.ddp_rebuilds += 1
         return True
 

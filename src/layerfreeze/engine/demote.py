@@ -582,14 +582,15 @@ def build_demoter(demote: Demotion | dict[str, Any] | str | torch.dtype | None, 
     """
     if demote is None:
         return None
-    if isinstance(demote, (str, torch.dtype)):
-        demote = Demotion(dtype=demote)
+    if isinstance(demote, Demotion):
+        spec = demote
+    elif isinstance(demote, (str, torch.dtype)):
+        spec = Demotion(dtype=demote)
     elif isinstance(demote, Mapping):
-        demote = Demotion(**demote)
-    elif not isinstance(demote, Demotion):
+        spec = Demotion(**demote)
+    else:
         raise TypeError(f"demote must be a Demotion, a dict of its settings ({{'dtype': 'bfloat16'}}) or a dtype "
                         f"('bfloat16', 'float16'), got {type(demote).__name__}")
-    spec = demote
     if train_bn:
         raise ValueError("demote needs train_bn=False: with train_bn the BatchNorm layers of frozen blocks keep "
                          "training, in float32, inside blocks that demotion casts")

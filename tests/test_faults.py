@@ -13,8 +13,9 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_twenty_random_kills_resume_to_the_uninterrupted_run_bitwise(tmp_path):
-    crash.finish(tmp_path / "ref", STEPS)
+    ref = crash.start(tmp_path / "ref", STEPS)  # the uninterrupted run, on the other core while the kills go on
     stats = crash.kill_and_resume(tmp_path / "cut", STEPS, kills=20, seed=0, max_delay_s=0.3)
+    assert ref.wait(timeout=600) == 0 and (tmp_path / "ref" / "summary.json").is_file(), ref.output()
     assert stats["kills"] == 20 and stats["finished_early"] == 0, stats
     assert stats["in_checkpoint_write"] >= 1, stats  # some kills landed inside a checkpoint write
     assert crash.mismatches(tmp_path / "ref", tmp_path / "cut") == []

@@ -38,7 +38,8 @@ def _args(tmp_path, extra):
             *extra]
 
 
-@pytest.mark.parametrize("extra, line", REFUSALS[:2], ids=["fsdp-demote", "fsdp-budget"])
+# fsdp-demote's ranks are launched one by one below: torchrun's report is read for one refusal
+@pytest.mark.parametrize("extra, line", REFUSALS[1:2], ids=["fsdp-budget"])
 def test_torchrun_refusal_is_one_line_exit_2_and_no_abort(tmp_path, extra, line):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
            "layerfreeze", *_args(tmp_path, extra)]

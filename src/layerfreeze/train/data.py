@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from layerfreeze.errors import ConfigError
 from layerfreeze.train.assets import bbc_news_dir, fashion_mnist_dir
@@ -172,6 +172,21 @@ def stratified_split(
     return sorted(train), sorted(test)
 
 
+def sample_keys(dataset: Dataset) -> list[int]:
+    """The ``"index"`` each position of ``dataset`` carries: its position in the underlying dataset (through
+    ``Subset`` objects, which the hold-out split and the data limits make), which is what the task datasets put in
+    ``item["index"]`` and what the activation cache keys entries by."""
+    if isinstance(dataset, Subset):
+        inner = sample_keys(dataset.dataset)
+        return [inner[i] for i in dataset.indices]
+    return list(range(len(dataset)))  # type: ignore[arg-type]
+
+
+def root_dataset(dataset: Dataset) -> Dataset:
+    """The dataset under ``Subset`` layers (what ``item["index"]`` counts positions of)."""
+    return root_dataset(dataset.dataset) if isinstance(dataset, Subset) else dataset
+
+
 class TokenizedTextDataset(Dataset):
     """Texts tokenized once, up front, to fixed length.
 
@@ -182,6 +197,8 @@ class TokenizedTextDataset(Dataset):
             ``truncation=True``, ``return_tensors="pt"``).
         max_length: tokens per text, after padding/truncation.
         num_classes: number of classes; defaults to ``max(labels) + 1``.
+        encode: tokenize every text now (the default); False tokenizes none until :meth:`encode` names the
+            positions a run reads (after its split and data limits: a 48-article run of BBC News tokenized 2,225).
 
     Items: ``{"input_ids", "attention_mask", ["token_type_ids"]}`` each ``(max_length,)`` int64,
     plus ``"labels"`` and ``"index"``, int64 scalars.
@@ -197,29 +214,47 @@ class TokenizedTextDataset(Dataset):
         tokenizer: Any,
         max_length: int = 128,
         num_classes: int | None = None,
+        encode: bool = True,
     ) -> None:
         if len(texts) != len(labels):
             raise ValueError(f"{len(texts)} texts but {len(labels)} labels")
-        encoded = tokenizer(
-            list(texts),
-            padding="max_length",
-            truncation=True,
-            max_length=max_length,
-            return_tensors="pt",
-        )
-        fields = ("input_ids", "attention_mask", "token_type_ids")
-        self.encodings = {k: encoded[k].long() for k in fields if k in encoded}
+        self.texts, self.tokenizer = list(texts), tokenizer
+        self.encodings: dict[str, torch.Tensor] = {}
+        #: per position, its row in :attr:`encodings` (-1: not tokenized)
+        self.rows = torch.full((len(self.texts),), -1, dtype=torch.int64)
         self.labels = torch.as_tensor(list(labels), dtype=torch.int64)
         self.max_length = max_length
         if num_classes is None:
             num_classes = int(max(labels, default=-1)) + 1
         self.num_classes = num_classes
 
+        if encode:
+            self.encode(range(len(self.texts)))
+
+    def encode(self, positions: Sequence[int]) -> None:
+        """Tokenize the texts at ``positions`` (those already tokenized are kept): what ``encode=False`` left for
+        later. The same tensors as tokenizing every text at once (each text is padded or cut to ``max_length``
+        alone)."""
+        wanted = torch.as_tensor(list(positions), dtype=torch.int64)
+        todo = wanted[self.rows[wanted] < 0].unique().tolist()  # sorted
+        if not todo:
+            return
+        encoded = self.tokenizer([self.texts[i] for i in todo], padding="max_length", truncation=True,
+                                 max_length=self.max_length, return_tensors="pt")
+        fields = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in encoded]
+        start = len(next(iter(self.encodings.values()))) if self.encodings else 0
+        self.encodings = {k: torch.cat([self.encodings[k], encoded[k].long()]) if self.encodings
+                          else encoded[k].long() for k in fields}
+        self.rows[todo] = torch.arange(start, start + len(todo))
+
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        item = {k: v[i] for k, v in self.encodings.items()}
+        row = int(self.rows[i])
+        if row < 0:  # encode=False and this position was not named to encode(): never an empty or wrong item
+            raise IndexError(f"text {i} was not tokenized: call encode() with the positions the run reads")
+        item = {k: v[row] for k, v in self.encodings.items()}
         item["labels"] = self.labels[i]
         item["index"] = torch.tensor(i, dtype=torch.int64)
         return item

@@ -49,6 +49,7 @@ from layerfreeze.strategies import Strategy, UnknownStrategyError, create_strate
 from layerfreeze.train.compile import CompiledRegions
 from layerfreeze.train.config import COMPILE_TRUE_BYPASSED, Config
 from layerfreeze.train.config_file import leaf_values
+from layerfreeze.train.data import sample_keys
 from layerfreeze.train.loop import lr_lambda, warmup_steps
 from layerfreeze.train.precision import Precision
 from layerfreeze.train.prefix_clock import PrefixClock
@@ -85,16 +86,6 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[i
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     perm = torch.randperm(n, generator=g).tolist()
     return [perm[i : i + batch_size] for i in range(0, n, batch_size)]
-
-
-def sample_keys(dataset: Dataset) -> list[int]:
-    """The ``"index"`` each position of ``dataset`` carries: its position in the underlying dataset (through
-    ``Subset`` objects, which the hold-out split and the data limits make), which is what the task datasets put in
-    ``item["index"]`` and what the activation cache keys entries by."""
-    if isinstance(dataset, Subset):
-        inner = sample_keys(dataset.dataset)
-        return [inner[i] for i in dataset.indices]
-    return list(range(len(dataset)))  # type: ignore[arg-type]
 
 
 class VisitPlan:

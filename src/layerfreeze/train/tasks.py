@@ -186,6 +186,12 @@ def _image_folder(path: str, size: int, key: str, classes: list[str] | None = No
     return dataset
 
 
+def _limits(train_set: Dataset, test_set: Dataset, cfg: Config) -> tuple[Dataset, Dataset]:
+    """``data.limit_train`` and ``data.limit_test`` applied (:func:`_limit`)."""
+    return (_limit(train_set, cfg.data.limit_train, cfg.data.split_seed, "data.limit_train"),
+            _limit(test_set, cfg.data.limit_test, cfg.data.split_seed + 1, "data.limit_test"))
+
+
 def _split(dataset: Dataset, labels: list[int], cfg: Config, classes: list[str]) -> tuple[Dataset, Dataset]:
     try:
         train_idx, test_idx = data.stratified_split(labels, cfg.data.test_fraction, cfg.data.split_seed, classes)
@@ -241,12 +247,16 @@ def build_task(cfg: Config) -> Task:
         model_path = cfg.model.name_or_path or str(assets.minilm_dir())
         model, tokenizer = load_text_model(model_path, num_labels=len(classes))
         check_max_length(model, model_path, cfg.model.max_length)
-        full = data.TokenizedTextDataset(texts, labels, tokenizer, cfg.model.max_length)
+        full = data.TokenizedTextDataset(texts, labels, tokenizer, cfg.model.max_length, encode=False)
         if cfg.data.test_path:
             t_texts, t_labels, _ = _read_csv(cfg.data.test_path, cfg, classes)  # label i: the training file's class i
-            train_set, test_set = full, data.TokenizedTextDataset(t_texts, t_labels, tokenizer, cfg.model.max_length)
+            test_set = data.TokenizedTextDataset(t_texts, t_labels, tokenizer, cfg.model.max_length, encode=False)
+            train_set = full
         else:
             train_set, test_set = _split(full, labels, cfg, classes)
+        train_set, test_set = _limits(train_set, test_set, cfg)
+        for split in (train_set, test_set):  # only the texts the run reads (after the split and data limits)
+            data.root_dataset(split).encode(data.sample_keys(split))
         forward, model_name = text_forward, model_path
     else:
         if cfg.task == "fashion-mnist":
@@ -270,11 +280,13 @@ def build_task(cfg: Config) -> Task:
         forward, model_name = image_forward, name
     if cfg.model.lora is not None:
         model = apply_lora(model, cfg)
+    if cfg.task not in ("bbc-news", "text-csv"):
+        train_set, test_set = _limits(train_set, test_set, cfg)
     return Task(
         name=cfg.task,
         model=model,
-        train_set=_limit(train_set, cfg.data.limit_train, cfg.data.split_seed, "data.limit_train"),
-        test_set=_limit(test_set, cfg.data.limit_test, cfg.data.split_seed + 1, "data.limit_test"),
+        train_set=train_set,
+        test_set=test_set,
         num_classes=len(classes),
         model_name=model_name,
         forward=forward,

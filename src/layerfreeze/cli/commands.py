@@ -261,7 +261,7 @@ def write_run_report(run_dir: Path | str, args: argparse.Namespace, console: Con
 
     try:
         console.print(f"report: {write_report(run_dir)}")
-    except ImportError as exc:
+    except (ImportError, ConfigError) as exc:  # a report folder it cannot write: a traceback after the run's table
         console.print(f"report skipped: {escape(str(exc))}", highlight=False)
 
 

@@ -343,3 +343,39 @@ def test_your_own_recipe_through_the_whole_pipeline(tmp_path, capsys, monkeypatc
     (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
     assert predictor_cli(["predictor", "collect", "--import", str(tmp_path / "broken.py"), "--out", str(out)]) == 2
     assert "failed: ModuleNotFoundError: No module named 'not_a_module_anywhere'" in _out(capsys)
+
+
+def test_train_never_writes_its_predictor_over_a_run_or_another_safetensors_file(runs, tmp_path, capsys):
+    """`predictor train --out runs/RUN/weights.safetensors` replaced the run's recording with the predictor (and its
+    card went among the run's files); an existing model.safetensors was overwritten in silence too."""
+    from safetensors.torch import save_file
+
+    assert predictor_cli(["predictor", "label", str(runs)]) == 0
+    weights = runs / RUN / WEIGHTS_FILE
+    recorded = weights.read_bytes()
+    model = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(2)}, str(model), metadata={"format": "pt"})
+    capsys.readouterr()
+    train = ["predictor", "train", str(runs), "--holdout", "", "--epochs", "1", "--out"]
+    assert predictor_cli([*train, str(weights)]) == 2
+    assert _out(capsys) == (f"layerfreeze: error: --out {weights} is in the recorded run folder {runs / RUN}: the "
+                            "predictor and PREDICTOR_CARD.md would go among the run's files; give a path outside "
+                            "the run folders")
+    assert weights.read_bytes() == recorded and not (runs / RUN / "PREDICTOR_CARD.md").exists()
+    assert predictor_cli([*train, str(model)]) == 2
+    assert _out(capsys) == (f"layerfreeze: error: --out {model} is a safetensors file that is not a predictor "
+                            "(format 'pt') and would be overwritten: give another path, or delete it first")
+    assert load_file(str(model))["w"].tolist() == [1.0, 1.0]
+    damaged = tmp_path / "damaged.safetensors"  # a damaged predictor is retrained in place, as its load error says
+    damaged.write_bytes(b"\x00" * 7)
+    assert predictor_cli([*train, str(damaged)]) == 0
+    assert predictor_cli([*train, str(damaged)]) == 0  # and a predictor over a predictor
+
+
+def test_collect_into_one_recorded_run_is_refused(runs, capsys):
+    """`collect --out runs/RUN` recorded a run inside a run's folder; every later command refused that folder."""
+    assert predictor_cli(["predictor", "collect", "--out", str(runs / RUN), "--recipes", "mlp-digits", "--seeds",
+                          "0", "--lrs", "0.02", "--quick"]) == 2
+    assert _out(capsys).endswith(f"layerfreeze: error: --out {runs / RUN} is one recorded run; give the folder that "
+                                 f"holds the runs, {runs}")
+    assert sorted(p.name for p in (runs / RUN).iterdir() if p.is_dir()) == []

@@ -240,12 +240,13 @@ def _lofo_table(title: str, lofo: dict[str, Any]) -> Table:
 def _train(args: argparse.Namespace, console: Console) -> int:
     from layerfreeze.runs.rundir import check_writable
     from layerfreeze.smartfrz.runs import excluded_runs, list_runs, read_run
-    from layerfreeze.smartfrz.ship import train_and_save
+    from layerfreeze.smartfrz.ship import check_out, train_and_save
 
     if Path(args.out).is_dir() or str(args.out).endswith(("/", "\\")):
         raise PipelineError(f"--out {args.out} is a folder: give the predictor's file, e.g. "
                             f"{Path(args.out) / 'predictor.safetensors'} (PREDICTOR_CARD.md goes beside it)")
     check_writable(Path(args.out), "--out")  # before anything trains
+    check_out(args.out)
     runs = [read_run(d, need_labels=True) for d in list_runs(args.runs_dir)]
     if not runs:
         raise PipelineError(f"no complete runs in {args.runs_dir}")

@@ -391,11 +391,13 @@ def collect(out: str | Path, recipes: list[str] | None = None, seeds: list[int] 
         The meta of every run (recorded now or earlier), in order.
 
     Raises:
-        PipelineError: an unknown recipe, a bad factor (:func:`scaled_lrs`) or a finished run recorded with other
-            settings (:func:`check_reusable`), before any run is recorded.
+        PipelineError: ``out`` is one recorded run's folder, an unknown recipe, a bad factor (:func:`scaled_lrs`)
+            or a finished run recorded with other settings (:func:`check_reusable`), before any run is recorded.
         ConfigError: ``out`` cannot be written (:func:`~layerfreeze.runs.rundir.check_writable`).
     """
     out = Path(out)
+    if (out / META_FILE).is_file():  # runs recorded inside a run: every later command refused the folder
+        raise PipelineError(f"--out {out} is one recorded run; give the folder that holds the runs, {out.parent}")
     chosen = get_recipes(list(recipes) if recipes else None)
     plan = {r.name: scaled_lrs(lrs or r.lrs, lr_factors, r.name) for r in chosen}  # every error before a run
     for r in chosen:

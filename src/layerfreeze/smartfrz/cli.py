@@ -59,7 +59,7 @@ def _collect(args: argparse.Namespace, console: Console) -> int:
     n_runs = sum(len(args.seeds) * len(plan[r.name]) for r in recipes)
     est = sum(len(args.seeds) * len(plan[r.name]) * r.minutes for r in recipes)
     runs = f"{n_runs} run{'s' * (n_runs != 1)}"
-    console.print(f"collecting {runs} into {args.out}" + ("" if args.quick else f" (~{est:.0f} min)"))
+    console.print(f"collecting {runs} into {escape(str(args.out))}" + ("" if args.quick else f" (~{est:.0f} min)"))
     from layerfreeze.smartfrz.runs import collapsed
 
     done = {"complete": 0, "diverged": 0, "skipped": 0, "redo": 0}
@@ -276,7 +276,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     if card["lofo"]:
         console.print(_lofo_table("leave-one-family-out (one predictor per family, trained on the others; not "
                                   "saved)", card["lofo"]))
-    console.print(f"predictor: {path}\ncard: {Path(path).with_name('PREDICTOR_CARD.md')}")
+    console.print(f"predictor: {escape(str(path))}\ncard: {escape(str(Path(path).with_name('PREDICTOR_CARD.md')))}")
     return 0
 
 

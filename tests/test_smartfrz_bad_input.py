@@ -379,3 +379,23 @@ def test_collect_into_one_recorded_run_is_refused(runs, capsys):
     assert _out(capsys).endswith(f"layerfreeze: error: --out {runs / RUN} is one recorded run; give the folder that "
                                  f"holds the runs, {runs}")
     assert sorted(p.name for p in (runs / RUN).iterdir() if p.is_dir()) == []
+
+
+def test_label_and_train_name_the_runs_a_stopped_collection_left_unfinished(runs, tmp_path, capsys):
+    """A collection killed while it recorded a run leaves its folder without meta.json: label and train used the
+    finished runs alone and said nothing, so a predictor was trained on part of the collection in silence."""
+    (runs / "mlp-digits_s1_lr0.02").mkdir()  # killed before its meta.json
+    (runs / "mlp-digits_s1_lr0.08").mkdir()
+    (runs / "mlp-digits_s1_lr0.08" / (WEIGHTS_FILE + ".tmp")).write_bytes(b"\0" * 8)
+    (runs / "_pretrained").mkdir()  # a recipe's cache, not a run
+    note = ("note: 2 runs not finished recording, left out: mlp-digits_s1_lr0.02, mlp-digits_s1_lr0.08 (the "
+            "collection stopped: run its `layerfreeze predictor collect` command again to finish them)")
+    assert predictor_cli(["predictor", "label", str(runs)]) == 0
+    assert _out(capsys).startswith(note)
+    assert predictor_cli(["predictor", "train", str(runs), "--holdout", "", "--epochs", "1", "--out",
+                          str(tmp_path / "p.safetensors")]) == 0
+    assert _out(capsys).startswith(note)
+    for name in ("mlp-digits_s1_lr0.02", "mlp-digits_s1_lr0.08"):
+        shutil.rmtree(runs / name)
+    assert predictor_cli(["predictor", "label", str(runs)]) == 0
+    assert "not finished" not in _out(capsys)

@@ -85,6 +85,18 @@ def _collect(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _note_unfinished(runs_dir: str, console: Console) -> None:
+    """Say which run folders of a stopped collection the command leaves out (label and train used the finished runs
+    alone, in silence)."""
+    from layerfreeze.smartfrz.runs import unfinished_runs
+
+    left = unfinished_runs(runs_dir)
+    if left:
+        console.print(f"note: {len(left)} run{'s' * (len(left) != 1)} not finished recording, left out: "
+                      f"{escape(', '.join(left))} (the collection stopped: run its `layerfreeze predictor collect` "
+                      "command again to finish them)", highlight=False)
+
+
 def _label(args: argparse.Namespace, console: Console) -> int:
     from layerfreeze.smartfrz.cflabels import label_run_corrected
     from layerfreeze.smartfrz.labels import label_run
@@ -93,6 +105,7 @@ def _label(args: argparse.Namespace, console: Console) -> int:
     runs = list_runs(args.runs_dir)
     if not runs:
         raise PipelineError(f"no complete runs in {args.runs_dir}")
+    _note_unfinished(args.runs_dir, console)
     mode = (f"; corrected by counterfactual costs, eps {args.eps_points:g} points" if args.counterfactual else "")
     table = Table(title=f"CKA labels (tau {args.tau}, from scratch {args.tau_scratch}, delta {args.delta}, window "
                         f"{args.window}{mode}): first freezable "
@@ -250,6 +263,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     runs = [read_run(d, need_labels=True) for d in list_runs(args.runs_dir)]
     if not runs:
         raise PipelineError(f"no complete runs in {args.runs_dir}")
+    _note_unfinished(args.runs_dir, console)
     if args.min_history > args.history:
         raise PipelineError(f"--min-history {args.min_history} is larger than --history {args.history}: a decision "
                             "cannot need more snapshots than the window holds")

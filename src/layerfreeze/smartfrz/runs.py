@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,18 @@ def list_runs(runs_dir: str | Path, include_diverged: bool = False) -> list[Path
         if include_diverged or _usable(read_meta(d)):
             out.append(d)
     return out
+
+
+#: A run folder's name as :func:`~layerfreeze.smartfrz.collect.run_name` makes it: ``<recipe>_s<seed>_lr<lr>``.
+_RUN_NAME = re.compile(r".+_s-?\d+_lr[0-9.eE+-]+")
+
+
+def unfinished_runs(runs_dir: str | Path) -> list[str]:
+    """The run folders under ``runs_dir`` whose recording has not finished (a collection stopped while it recorded
+    them, or before: no ``meta.json`` yet), by name; every command but ``collect`` leaves them out, and label and train
+    say so (they trained a predictor on part of a collection in silence)."""
+    return sorted(p.name for p in Path(runs_dir).iterdir()
+                  if p.is_dir() and _RUN_NAME.fullmatch(p.name) and not is_finished(p))
 
 
 def _check_recording(run_dir: Path) -> None:

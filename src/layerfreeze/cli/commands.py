@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from layerfreeze.budget.measure import CACHE_BUCKETS
-from layerfreeze.cli.parser import TRAIN_FLAGS, main_rank, overrides_of, refuse_repeats
+from layerfreeze.cli.parser import TRAIN_FLAGS, main_rank, overrides_of, refuse_repeats, same_value
 from layerfreeze.distributed.comm import RankLostError, close_distributed, launched_world_size
 from layerfreeze.errors import ConfigError, UnknownStrategyError
 from layerfreeze.runs import rundir
@@ -354,6 +354,10 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     if launched_world_size() > 1:
         raise ConfigError("layerfreeze plan measures the run in one process and makes no plan per rank yet: run it "
                           "without torchrun (its --memory budget is then one process's)")
+    for item in args.set:  # --memory won in silence over the budget --set named
+        key, _, value = item.partition("=")
+        if key.strip() == "freeze.memory_budget" and not same_value(value, args.memory):
+            raise ConfigError(f"--memory {args.memory} and --set {item} set the same budget; give it once (--memory)")
     overrides = [*overrides_of(args, TRAIN_FLAGS), {"freeze": {"memory_budget": args.memory}}]
     config = load_config(args.config, overrides)
     if args.check is not None and args.check < 1:

@@ -399,3 +399,45 @@ def test_label_and_train_name_the_runs_a_stopped_collection_left_unfinished(runs
         shutil.rmtree(runs / name)
     assert predictor_cli(["predictor", "label", str(runs)]) == 0
     assert "not finished" not in _out(capsys)
+
+
+@pytest.mark.parametrize("name", [WEIGHTS_FILE, ACTIVATIONS_FILE])
+def test_a_damaged_byte_that_still_parses_is_refused_and_collect_records_the_run_again(runs, tmp_path, capsys, name):
+    """A flipped byte in a tensor file's data still parses: the predictor trained on the changed weight samples, and
+    the labels came from the changed activations, in silence (or, where it made a NaN, a raw ValueError)."""
+    assert predictor_cli(["predictor", "label", str(runs)]) == 0
+    path = runs / RUN / name
+    good = path.read_bytes()
+    before = {k: v.clone() for k, v in load_file(str(path)).items()}
+    key = "samples" if name == WEIGHTS_FILE else "act.0"
+    damaged = bytearray(good)
+    damaged[-4] ^= 0x01
+    path.write_bytes(bytes(damaged))
+    after = load_file(str(path))  # it still parses, one value changed
+    assert after.keys() == before.keys() and sum(not torch.equal(before[k], after[k]) for k in before) == 1
+    capsys.readouterr()
+    argv = ["train", str(runs), "--holdout", "", "--epochs", "1", "--out", str(tmp_path / "p.safetensors")] \
+        if name == WEIGHTS_FILE else ["label", str(runs)]
+    assert predictor_cli(["predictor", *argv]) == 2
+    assert _out(capsys) == (f"layerfreeze: error: {path} does not match the SHA-256 its meta.json recorded (damaged "
+                            f"since it was recorded): delete the run folder {RUN} and collect it again (`layerfreeze "
+                            "predictor collect` skips the finished runs)")
+    assert predictor_cli(["predictor", "collect", "--out", str(runs), "--recipes", "mlp-digits", "--seeds", "0",
+                          "--quick"]) == 0
+    assert f"{RUN}: {name} does not match the SHA-256 its meta.json recorded (damaged since it was recorded): " \
+           "recording it again" in _out(capsys)
+    assert path.read_bytes() == good  # recorded again, bit for bit
+
+    # a run recorded before the digests, with a NaN in it: named, not a raw ValueError from the CKA or the features
+    meta = json.loads((runs / RUN / META_FILE).read_text())
+    del meta["sha256"]
+    (runs / RUN / META_FILE).write_text(json.dumps(meta))
+    tensors = load_file(str(path))
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[-1] = float("nan")
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+    assert predictor_cli(["predictor", *argv]) == 2
+    assert _out(capsys) == (f"layerfreeze: error: {path} holds NaN or Inf in {key} (damaged): delete the run folder "
+                            f"{RUN} and collect it again (`layerfreeze predictor collect` skips the finished runs)")

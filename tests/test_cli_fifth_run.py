@@ -107,6 +107,11 @@ def test_a_key_given_by_its_flag_and_by_set_is_refused(capsys):
     assert "strategy: static" in capsys.readouterr().out
     assert main(["config", "--task", "fashion-mnist", "--set", "task=fashion-mnist"]) == 0
     assert "task: fashion-mnist" in capsys.readouterr().out
+    import argparse
+
+    same = argparse.Namespace(compile="true", lr="0.1", set=["train.compile=True", "train.lr=1e-1"], param=[])
+    assert cli_parser.overrides_of(same, cli_parser.TRAIN_FLAGS)[-2:] == [{"train": {"compile": True}},
+                                                                           {"train": {"lr": "1e-1"}}]
 
 
 # ---- resume, blocks, data ---------------------------------------------------------------------------------------

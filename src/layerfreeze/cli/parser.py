@@ -279,8 +279,9 @@ def refuse_repeats(items: list[str], flag: str) -> None:
 
 
 def same_value(a: str, b: str) -> bool:
-    """Two spellings of one value: equal as written, or as numbers (``0.1`` and ``1e-1``)."""
-    if a.strip() == b.strip():
+    """Two spellings of one value: equal as written, as YAML reads them (``true`` and ``True``) or as numbers (``0.1``
+    and ``1e-1``)."""
+    if a.strip() == b.strip() or parse_override(f"x={a}") == parse_override(f"x={b}"):
         return True
     try:
         return float(a) == float(b)

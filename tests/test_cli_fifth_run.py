@@ -88,6 +88,32 @@ def test_a_parameter_given_by_p_and_by_set_is_refused(capsys):
                       "it once")
 
 
+def test_a_key_given_by_its_flag_and_by_set_is_refused(capsys):
+    """The --set won in silence: `--strategy static --set freeze.strategy=none` trained none, `--task fashion-mnist
+    --set task=bbc-news` trained on BBC News, and plan's --memory beat `--set freeze.memory_budget`."""
+    assert main(["config", "--strategy", "static", "--set", "freeze.strategy=none"]) == 2
+    _one_line(capsys, "layerfreeze: error: --strategy static and --set freeze.strategy=none set the same key "
+                      "(freeze.strategy); give it once")
+    assert main(["blocks", "--task", "fashion-mnist", "--set", "task=bbc-news"]) == 2
+    _one_line(capsys, "layerfreeze: error: --task fashion-mnist and --set task=bbc-news set the same key (task); give "
+                      "it once")
+    assert main(["train", "--epochs", "2", "--set", "train.epochs=3"]) == 2
+    _one_line(capsys, "layerfreeze: error: --epochs 2 and --set train.epochs=3 set the same key (train.epochs); give "
+                      "it once")
+    assert main(["plan", "--memory", "1GB", "--set", "freeze.memory_budget=2GB"]) == 2
+    _one_line(capsys, "layerfreeze: error: --memory 1GB and --set freeze.memory_budget=2GB set the same budget; give "
+                      "it once (--memory)")
+    assert main(["config", "-s", "static", "--set", "freeze.strategy=static"]) == 0  # the same value is no conflict
+    assert "strategy: static" in capsys.readouterr().out
+    assert main(["config", "--task", "fashion-mnist", "--set", "task=fashion-mnist"]) == 0
+    assert "task: fashion-mnist" in capsys.readouterr().out
+    import argparse
+
+    same = argparse.Namespace(compile="true", lr="0.1", set=["train.compile=True", "train.lr=1e-1"], param=[])
+    assert cli_parser.overrides_of(same, cli_parser.TRAIN_FLAGS)[-2:] == [{"train": {"compile": True}},
+                                                                           {"train": {"lr": "1e-1"}}]
+
+
 # ---- resume, blocks, data ---------------------------------------------------------------------------------------
 
 

@@ -293,3 +293,24 @@ def test_an_architecture_name_stays_a_name_beside_a_folder_of_that_name(tmp_path
     text = load_config(None, [{"task": "text-csv", "model": {"name_or_path": "my-bert"},
                                "data": {"path": str(tiny_csv)}}])
     assert image.model.name_or_path == "resnet18" and text.model.name_or_path == str(tmp_path / "my-bert")
+
+
+def test_the_printed_paths_are_the_run_folders_own_and_paste_into_a_shell(tmp_path, tiny_bert_dir, tiny_csv, capsys):
+    """A run folder named `[lr=1] a`: rich read `[lr=1]` as a style tag and printed `metrics: runs/ a/metrics.jsonl`
+    and `report: runs/ a/report/...`; the space left `tensorboard --logdir` and `train --resume` lines that do not
+    paste into a shell."""
+    import shlex
+
+    from layerfreeze.cli import main
+
+    run = tmp_path / "[lr=1] a"
+    assert main(["train", "--task", "text-csv", "--model", str(tiny_bert_dir), "--data", str(tiny_csv), "-s", "none",
+                 "--max-steps", "1", "--batch-size", "8", "--set", "model.max_length=16", "--no-progress",
+                 "--no-tensorboard", "--run-dir", str(run)]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith(("metrics: ", "report: "))]
+    metrics, logdir = lines[0].removeprefix("metrics: ").split("   TensorBoard: ")
+    assert shlex.split(metrics) == [str(run / "metrics.jsonl")]
+    assert shlex.split(logdir) == ["tensorboard", "--logdir", str(run)]
+    assert shlex.split(lines[1].removeprefix("report: ")) == [str(run / "report" / "index.html")]
+    assert main(["report", str(run)]) == 0
+    assert shlex.split(capsys.readouterr().out.removeprefix("report: ")) == [str(run / "report" / "index.html")]

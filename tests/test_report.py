@@ -211,3 +211,39 @@ def test_a_run_with_one_ledger_sample_draws_it_and_one_label_per_freeze_step(com
         assert shown and all(float(ln.get_ydata()[0]) > 0 for ln in shown)
     freezes = [t.get_text() for t in top.texts if "freeze" in t.get_text()]
     assert freezes == [" freeze 2 blocks (0..)"]  # blocks 0 and 1 at step 0: one label
+
+
+def test_a_report_folder_that_cannot_be_written_is_one_line_and_skipped_after_training(compare_dir, tmp_path,
+                                                                                      capsys):
+    """A file where report/ goes (or a read-only run folder) raised FileExistsError / IsADirectoryError /
+    PermissionError as a raw traceback from `layerfreeze report`, and after a finished `train` or `compare`."""
+    import argparse
+    import shutil
+
+    from layerfreeze.cli.commands import write_run_report
+    from layerfreeze.cli.entry import main
+    from layerfreeze.errors import ConfigError
+
+    run = tmp_path / "run"
+    shutil.copytree(compare_dir / "static", run)
+    shutil.rmtree(run / "report", ignore_errors=True)
+    (run / "report").write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"^report: .*run/report cannot be written \(File exists\): the report "
+                       r"goes into .*run/report; make it a writable folder, or copy .*run somewhere you can write"):
+        write_report(run)
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("layerfreeze: error: report: ") and "Traceback" not in err
+    console = Console(width=200, record=True)
+    write_run_report(run, argparse.Namespace(no_report=False), console)  # the end of `train`: said, not raised
+    assert console.export_text().startswith("report skipped: report: ")
+    (run / "report").unlink()
+    (run / "report" / "index.html").mkdir(parents=True)  # the page's own path taken by a folder
+    with pytest.raises(ConfigError, match=r"index\.html cannot be written \(Is a directory\)"):
+        write_report(run)
+    comparison = tmp_path / "comparison"
+    shutil.copytree(compare_dir, comparison)
+    shutil.rmtree(comparison / "report", ignore_errors=True)
+    (comparison / "report").write_text("")
+    with pytest.raises(ConfigError, match=r"comparison/report cannot be written"):
+        write_report(comparison)

@@ -343,3 +343,101 @@ def test_your_own_recipe_through_the_whole_pipeline(tmp_path, capsys, monkeypatc
     (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
     assert predictor_cli(["predictor", "collect", "--import", str(tmp_path / "broken.py"), "--out", str(out)]) == 2
     assert "failed: ModuleNotFoundError: No module named 'not_a_module_anywhere'" in _out(capsys)
+
+
+def test_train_never_writes_its_predictor_over_a_run_or_another_safetensors_file(runs, tmp_path, capsys):
+    """`predictor train --out runs/RUN/weights.safetensors` replaced the run's recording with the predictor (and its
+    card went among the run's files); an existing model.safetensors was overwritten in silence too."""
+    from safetensors.torch import save_file
+
+    assert predictor_cli(["predictor", "label", str(runs)]) == 0
+    weights = runs / RUN / WEIGHTS_FILE
+    recorded = weights.read_bytes()
+    model = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(2)}, str(model), metadata={"format": "pt"})
+    capsys.readouterr()
+    train = ["predictor", "train", str(runs), "--holdout", "", "--epochs", "1", "--out"]
+    assert predictor_cli([*train, str(weights)]) == 2
+    assert _out(capsys) == (f"layerfreeze: error: --out {weights} is in the recorded run folder {runs / RUN}: the "
+                            "predictor and PREDICTOR_CARD.md would go among the run's files; give a path outside "
+                            "the run folders")
+    assert weights.read_bytes() == recorded and not (runs / RUN / "PREDICTOR_CARD.md").exists()
+    assert predictor_cli([*train, str(model)]) == 2
+    assert _out(capsys) == (f"layerfreeze: error: --out {model} is a safetensors file that is not a predictor "
+                            "(format 'pt') and would be overwritten: give another path, or delete it first")
+    assert load_file(str(model))["w"].tolist() == [1.0, 1.0]
+    damaged = tmp_path / "damaged.safetensors"  # a damaged predictor is retrained in place, as its load error says
+    damaged.write_bytes(b"\x00" * 7)
+    assert predictor_cli([*train, str(damaged)]) == 0
+    assert predictor_cli([*train, str(damaged)]) == 0  # and a predictor over a predictor
+
+
+def test_collect_into_one_recorded_run_is_refused(runs, capsys):
+    """`collect --out runs/RUN` recorded a run inside a run's folder; every later command refused that folder."""
+    assert predictor_cli(["predictor", "collect", "--out", str(runs / RUN), "--recipes", "mlp-digits", "--seeds",
+                          "0", "--lrs", "0.02", "--quick"]) == 2
+    assert _out(capsys).endswith(f"layerfreeze: error: --out {runs / RUN} is one recorded run; give the folder that "
+                                 f"holds the runs, {runs}")
+    assert sorted(p.name for p in (runs / RUN).iterdir() if p.is_dir()) == []
+
+
+def test_label_and_train_name_the_runs_a_stopped_collection_left_unfinished(runs, tmp_path, capsys):
+    """A collection killed while it recorded a run leaves its folder without meta.json: label and train used the
+    finished runs alone and said nothing, so a predictor was trained on part of the collection in silence."""
+    (runs / "mlp-digits_s1_lr0.02").mkdir()  # killed before its meta.json
+    (runs / "mlp-digits_s1_lr0.08").mkdir()
+    (runs / "mlp-digits_s1_lr0.08" / (WEIGHTS_FILE + ".tmp")).write_bytes(b"\0" * 8)
+    (runs / "_pretrained").mkdir()  # a recipe's cache, not a run
+    note = ("note: 2 runs not finished recording, left out: mlp-digits_s1_lr0.02, mlp-digits_s1_lr0.08 (the "
+            "collection stopped: run its `layerfreeze predictor collect` command again to finish them)")
+    assert predictor_cli(["predictor", "label", str(runs)]) == 0
+    assert _out(capsys).startswith(note)
+    assert predictor_cli(["predictor", "train", str(runs), "--holdout", "", "--epochs", "1", "--out",
+                          str(tmp_path / "p.safetensors")]) == 0
+    assert _out(capsys).startswith(note)
+    for name in ("mlp-digits_s1_lr0.02", "mlp-digits_s1_lr0.08"):
+        shutil.rmtree(runs / name)
+    assert predictor_cli(["predictor", "label", str(runs)]) == 0
+    assert "not finished" not in _out(capsys)
+
+
+@pytest.mark.parametrize("name", [WEIGHTS_FILE, ACTIVATIONS_FILE])
+def test_a_damaged_byte_that_still_parses_is_refused_and_collect_records_the_run_again(runs, tmp_path, capsys, name):
+    """A flipped byte in a tensor file's data still parses: the predictor trained on the changed weight samples, and
+    the labels came from the changed activations, in silence (or, where it made a NaN, a raw ValueError)."""
+    assert predictor_cli(["predictor", "label", str(runs)]) == 0
+    path = runs / RUN / name
+    good = path.read_bytes()
+    before = {k: v.clone() for k, v in load_file(str(path)).items()}
+    key = "samples" if name == WEIGHTS_FILE else "act.0"
+    damaged = bytearray(good)
+    damaged[-4] ^= 0x01
+    path.write_bytes(bytes(damaged))
+    after = load_file(str(path))  # it still parses, one value changed
+    assert after.keys() == before.keys() and sum(not torch.equal(before[k], after[k]) for k in before) == 1
+    capsys.readouterr()
+    argv = ["train", str(runs), "--holdout", "", "--epochs", "1", "--out", str(tmp_path / "p.safetensors")] \
+        if name == WEIGHTS_FILE else ["label", str(runs)]
+    assert predictor_cli(["predictor", *argv]) == 2
+    assert _out(capsys) == (f"layerfreeze: error: {path} does not match the SHA-256 its meta.json recorded (damaged "
+                            f"since it was recorded): delete the run folder {RUN} and collect it again (`layerfreeze "
+                            "predictor collect` skips the finished runs)")
+    assert predictor_cli(["predictor", "collect", "--out", str(runs), "--recipes", "mlp-digits", "--seeds", "0",
+                          "--quick"]) == 0
+    assert f"{RUN}: {name} does not match the SHA-256 its meta.json recorded (damaged since it was recorded): " \
+           "recording it again" in _out(capsys)
+    assert path.read_bytes() == good  # recorded again, bit for bit
+
+    # a run recorded before the digests, with a NaN in it: named, not a raw ValueError from the CKA or the features
+    meta = json.loads((runs / RUN / META_FILE).read_text())
+    del meta["sha256"]
+    (runs / RUN / META_FILE).write_text(json.dumps(meta))
+    tensors = load_file(str(path))
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[-1] = float("nan")
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+    assert predictor_cli(["predictor", *argv]) == 2
+    assert _out(capsys) == (f"layerfreeze: error: {path} holds NaN or Inf in {key} (damaged): delete the run folder "
+                            f"{RUN} and collect it again (`layerfreeze predictor collect` skips the finished runs)")

@@ -215,3 +215,41 @@ def test_a_run_of_another_setup_or_a_depth_reaching_the_head_is_refused(runs):
     with pytest.raises(PipelineError, match=r"0\.\.3 blocks"):  # mlp-digits: 4 blocks, the last is the head
         run_counterfactuals(lambda: RECIPES["mlp-digits"].build(0, True, runs), runs / "mlp-digits_s0_lr0.02",
                             lr=0.02, seed=0, fractions=[0.5], depths=[4])
+
+
+def test_fractions_that_all_move_to_the_run_end_are_refused_and_keep_the_runs_grid(runs, tmp_path, capsys):
+    """--fractions 0.99 moved every grid step to the run's end: an empty grid was written over the run's
+    counterfactual.json (its continuations lost) and the table came out empty with exit code 0."""
+    import shutil
+
+    shutil.copytree(runs / "mlp-digits_s0_lr0.02", tmp_path / "mlp-digits_s0_lr0.02")
+    path = tmp_path / "mlp-digits_s0_lr0.02" / COUNTERFACTUAL_FILE
+    path.unlink(missing_ok=True)
+    args = ["predictor", "counterfactual", str(tmp_path), "--recipes", "mlp-digits", "--lrs", "0.02", "--quick",
+            "--depths", "1", "--null-orders", "0"]
+    assert _cli([*args, "--fractions", "0.5"]) == 0
+    kept = path.read_bytes()
+    assert [(c["t"], c["depth"]) for c in json.loads(kept)["grid"]] == [(12, 1)]
+    capsys.readouterr()
+    assert _cli([*args, "--fractions", "0.9,0.99"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("no grid step: --fractions 0.9,0.99 of 24 steps all move to the run's end; give fractions up to 0.875 "
+            "(its last activation snapshot before the end, step 21)") in out
+    assert path.read_bytes() == kept
+
+
+def test_calibrate_leaves_out_the_nothing_frozen_cells(runs):
+    """--depths 0 (the replay's check) put cells in the grid that no rule calls: calibrate read the head's CKA flags
+    for them (flags[-1]) and counted each as a missed free freeze, so adding it changed every rule's recall."""
+    run = "mlp-digits_s0_lr0.02"
+    grid = [{"t": t, "depth": d, "accuracy": 0.5, "loss": 1.0, "cost_points": 0.0 if d < 3 else 5.0}
+            for t in (6, 12, 18) for d in (1, 2, 3)]
+    cf = {"run": run, "head": 3, "steps": 24, "baseline": {"accuracy": 0.5}, "null": [], "grid": grid}
+    with_zero = {**cf, "grid": grid + [{"t": t, "depth": 0, "accuracy": 0.5, "loss": 1.0, "cost_points": 0.0}
+                                       for t in (6, 12, 18)]}
+    rules = {"taus": [0.5, 0.99], "windows": [1], "deltas": [1.0]}
+    plain = calibrate(runs, counterfactuals=[cf], **rules)
+    assert [r["cells"] for r in plain] == [9, 9] and plain[0]["recall"] == 1.0
+    assert calibrate(runs, counterfactuals=[with_zero], **rules) == plain
+    with pytest.raises(PipelineError, match=r"--deltas nan \(need >= 0\)"):
+        calibrate(runs, counterfactuals=[cf], taus=[0.5], windows=[1], deltas=[float("nan")])

@@ -9,6 +9,7 @@ import functools
 import inspect
 import json
 import re
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from layerfreeze.budget.measure import CACHE_BUCKETS
-from layerfreeze.cli.parser import TRAIN_FLAGS, main_rank, overrides_of, refuse_repeats
+from layerfreeze.cli.parser import TRAIN_FLAGS, main_rank, overrides_of, refuse_repeats, same_value
 from layerfreeze.distributed.comm import RankLostError, close_distributed, launched_world_size
 from layerfreeze.errors import ConfigError, UnknownStrategyError
 from layerfreeze.runs import rundir
@@ -204,8 +205,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
         what = "Interrupted" if by == signal.SIGINT else f"Stopped by {by.name}"
         if speaks:
             if (trainer.run_dir / rundir.CHECKPOINTS_DIR).is_dir():
-                console.print(f"\n{what}. A checkpoint is in {checkpoint}; continue with:\n"
-                              f"  {again} train --resume {trainer.run_dir}")
+                console.print(f"\n{what}. A checkpoint is in {shell_word(checkpoint)}; continue with:\n"
+                              f"  {again} train --resume {shell_word(trainer.run_dir)}")
             else:
                 console.print(f"\n{what} before the first checkpoint; nothing to resume.")
         return 128 + int(by)  # 130 for Ctrl-C, 143 for SIGTERM, as a shell reports a process the signal ended
@@ -214,20 +215,22 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
         # the cache's own stops (freeze.cache.mode on) go on without it: the mode may change on a resume
         off = " --set freeze.cache.mode=auto" if isinstance(exc, (CacheRefused, CacheWriteError)) else ""
         Console(stderr=True, soft_wrap=True).print(
-            f"[bold red]layerfreeze: run stopped:[/] {escape(str(exc))}\nThe last checkpoint is in {checkpoint} "
-            f"(continue with: {again} train --resume {trainer.run_dir}{off})", highlight=False)
+            f"[bold red]layerfreeze: run stopped:[/] {escape(str(exc))}\nThe last checkpoint is in "
+            f"{shell_word(checkpoint)} (continue with: {again} train --resume {shell_word(trainer.run_dir)}{off})",
+            highlight=False)
         return 1
     except RankLostError as exc:
         Console(stderr=True, soft_wrap=True).print(
-            f"[bold red]layerfreeze: error:[/] {escape(str(exc))}\nThe last complete checkpoint in {checkpoint} "
-            f"is resumable: {again} train --resume {trainer.run_dir}", highlight=False)
+            f"[bold red]layerfreeze: error:[/] {escape(str(exc))}\nThe last complete checkpoint in "
+            f"{shell_word(checkpoint)} is resumable: {again} train --resume {shell_word(trainer.run_dir)}",
+            highlight=False)
         return 1
     close_distributed()  # every rank finished; a gloo group left alive can abort the exit (SIGABRT)
     if not speaks:
         return 0
     print_summary(summary, console=console)
     metrics = trainer.run_dir / rundir.METRICS_FILE
-    console.print(f"metrics: {metrics}   TensorBoard: tensorboard --logdir {trainer.run_dir}")
+    console.print(f"metrics: {shell_word(metrics)}   TensorBoard: tensorboard --logdir {shell_word(trainer.run_dir)}")
     write_run_report(trainer.run_dir, args, console)
     return 0
 
@@ -253,6 +256,13 @@ def run_header(config: Any, world: int = 1) -> str:
     return " | ".join(parts)
 
 
+def shell_word(path: Path | str) -> str:
+    """``path`` for a printed line: a shell word (quoted when it holds a space or a shell character: the printed
+    `train --resume` and `tensorboard --logdir` lines are copied as they are) with rich's markup escaped (rich read
+    ``runs/[lr=1]`` as a style tag and printed ``runs/``)."""
+    return escape(shlex.quote(str(path)))
+
+
 def write_run_report(run_dir: Path | str, args: argparse.Namespace, console: Console) -> None:
     """The HTML report at the end of train/compare (skipped with --no-report or without matplotlib)."""
     if getattr(args, "no_report", False):
@@ -260,8 +270,8 @@ def write_run_report(run_dir: Path | str, args: argparse.Namespace, console: Con
     from layerfreeze.runs.report import write_report
 
     try:
-        console.print(f"report: {write_report(run_dir)}")
-    except ImportError as exc:
+        console.print(f"report: {shell_word(write_report(run_dir))}")
+    except (ImportError, ConfigError) as exc:  # a report folder it cannot write: a traceback after the run's table
         console.print(f"report skipped: {escape(str(exc))}", highlight=False)
 
 
@@ -313,13 +323,14 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     try:
         results = compare(base, rows, run_dir, console=console, row_params=row_params, row_overrides=row_overrides)
     except KeyboardInterrupt:  # the row's own checkpoint is in its folder; a comparison is not resumed as a whole
-        console.print(f"\nInterrupted. {Path(run_dir) / rundir.COMPARE_MD} lists the rows run so far, the one cut "
-                      f"and those not run. `layerfreeze train --resume {Path(run_dir)}/<row>` finishes the cut row "
-                      f"(`layerfreeze report {run_dir}` then includes it); a comparison itself does not resume: run "
+        console.print(f"\nInterrupted. {shell_word(Path(run_dir) / rundir.COMPARE_MD)} lists the rows run so far, "
+                      f"the one cut and those not run. `layerfreeze train --resume {shell_word(Path(run_dir))}/<row>` "
+                      f"finishes the cut row (`layerfreeze report {shell_word(run_dir)}` then includes it); a "
+                      "comparison itself does not resume: run "
                       "`layerfreeze compare` again with another --run-dir for the rows not run", highlight=False)
         return 130
-    console.print(f"table: {Path(run_dir) / rundir.COMPARE_MD}   rows: {Path(run_dir) / rundir.COMPARE_JSON}   "
-                  f"({len(results)} runs)")
+    console.print(f"table: {shell_word(Path(run_dir) / rundir.COMPARE_MD)}   "
+                  f"rows: {shell_word(Path(run_dir) / rundir.COMPARE_JSON)}   ({len(results)} runs)")
     write_run_report(run_dir, args, console)
     stopped = [r["row"] for r in results if r.get("stopped")]
     if stopped:  # the table is complete for the others; the exit code says not every row finished
@@ -343,6 +354,10 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     if launched_world_size() > 1:
         raise ConfigError("layerfreeze plan measures the run in one process and makes no plan per rank yet: run it "
                           "without torchrun (its --memory budget is then one process's)")
+    for item in args.set:  # --memory won in silence over the budget --set named
+        key, _, value = item.partition("=")
+        if key.strip() == "freeze.memory_budget" and not same_value(value, args.memory):
+            raise ConfigError(f"--memory {args.memory} and --set {item} set the same budget; give it once (--memory)")
     overrides = [*overrides_of(args, TRAIN_FLAGS), {"freeze": {"memory_budget": args.memory}}]
     config = load_config(args.config, overrides)
     if args.check is not None and args.check < 1:

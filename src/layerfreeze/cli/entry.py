@@ -93,7 +93,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if args.command == "report":
         from layerfreeze.runs.report import write_report
 
-        console.print(f"report: {write_report(args.run_dir)}")
+        console.print(f"report: {commands.shell_word(write_report(args.run_dir))}")
         return 0
     if args.command == "predictor":
         from layerfreeze.smartfrz import cli as smartfrz_cli

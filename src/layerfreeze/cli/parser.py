@@ -278,6 +278,17 @@ def refuse_repeats(items: list[str], flag: str) -> None:
         given[key] = value
 
 
+def same_value(a: str, b: str) -> bool:
+    """Two spellings of one value: equal as written, as YAML reads them (``true`` and ``True``) or as numbers (``0.1``
+    and ``1e-1``)."""
+    if a.strip() == b.strip() or parse_override(f"x={a}") == parse_override(f"x={b}"):
+        return True
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return False
+
+
 def overrides_of(args: argparse.Namespace, flags: dict[str, str]) -> list[dict[str, Any]]:
     refuse_repeats(getattr(args, "param", []), "-p")
     refuse_repeats(args.set, "--set")
@@ -294,8 +305,14 @@ def overrides_of(args: argparse.Namespace, flags: dict[str, str]) -> list[dict[s
             raise ConfigError(f"--param {item!r} must look like NAME=VALUE, e.g. -p k=5")
         out.append(parse_override(f"freeze.params.{name}={value}"))
     given = dict(item.partition("=")[::2] for item in getattr(args, "param", []))
+    flagged = {key: attr for attr, key in flags.items() if getattr(args, attr, None) is not None}
     for item in args.set:
         key, _, value = item.partition("=")
+        attr = flagged.get(key.strip())
+        if attr is not None and not same_value(value, str(getattr(args, attr))):
+            # the --set won in silence: `--strategy static --set freeze.strategy=none` trained none
+            raise ConfigError(f"--{attr.replace('_', '-')} {getattr(args, attr)} and --set {item} set the same key "
+                              f"({key.strip()}); give it once")
         name = key.strip().removeprefix("freeze.params.")
         if key.strip().startswith("freeze.params.") and name in given and given[name] != value:
             raise ConfigError(f"-p {name}={given[name]} and --set {item} set the same strategy parameter; give it "

@@ -59,7 +59,7 @@ def _collect(args: argparse.Namespace, console: Console) -> int:
     n_runs = sum(len(args.seeds) * len(plan[r.name]) for r in recipes)
     est = sum(len(args.seeds) * len(plan[r.name]) * r.minutes for r in recipes)
     runs = f"{n_runs} run{'s' * (n_runs != 1)}"
-    console.print(f"collecting {runs} into {args.out}" + ("" if args.quick else f" (~{est:.0f} min)"))
+    console.print(f"collecting {runs} into {escape(str(args.out))}" + ("" if args.quick else f" (~{est:.0f} min)"))
     from layerfreeze.smartfrz.runs import collapsed
 
     done = {"complete": 0, "diverged": 0, "skipped": 0, "redo": 0}
@@ -85,6 +85,18 @@ def _collect(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _note_unfinished(runs_dir: str, console: Console) -> None:
+    """Say which run folders of a stopped collection the command leaves out (label and train used the finished runs
+    alone, in silence)."""
+    from layerfreeze.smartfrz.runs import unfinished_runs
+
+    left = unfinished_runs(runs_dir)
+    if left:
+        console.print(f"note: {len(left)} run{'s' * (len(left) != 1)} not finished recording, left out: "
+                      f"{escape(', '.join(left))} (the collection stopped: run its `layerfreeze predictor collect` "
+                      "command again to finish them)", highlight=False)
+
+
 def _label(args: argparse.Namespace, console: Console) -> int:
     from layerfreeze.smartfrz.cflabels import label_run_corrected
     from layerfreeze.smartfrz.labels import label_run
@@ -93,6 +105,7 @@ def _label(args: argparse.Namespace, console: Console) -> int:
     runs = list_runs(args.runs_dir)
     if not runs:
         raise PipelineError(f"no complete runs in {args.runs_dir}")
+    _note_unfinished(args.runs_dir, console)
     mode = (f"; corrected by counterfactual costs, eps {args.eps_points:g} points" if args.counterfactual else "")
     table = Table(title=f"CKA labels (tau {args.tau}, from scratch {args.tau_scratch}, delta {args.delta}, window "
                         f"{args.window}{mode}): first freezable "
@@ -240,15 +253,17 @@ def _lofo_table(title: str, lofo: dict[str, Any]) -> Table:
 def _train(args: argparse.Namespace, console: Console) -> int:
     from layerfreeze.runs.rundir import check_writable
     from layerfreeze.smartfrz.runs import excluded_runs, list_runs, read_run
-    from layerfreeze.smartfrz.ship import train_and_save
+    from layerfreeze.smartfrz.ship import check_out, train_and_save
 
     if Path(args.out).is_dir() or str(args.out).endswith(("/", "\\")):
         raise PipelineError(f"--out {args.out} is a folder: give the predictor's file, e.g. "
                             f"{Path(args.out) / 'predictor.safetensors'} (PREDICTOR_CARD.md goes beside it)")
     check_writable(Path(args.out), "--out")  # before anything trains
+    check_out(args.out)
     runs = [read_run(d, need_labels=True) for d in list_runs(args.runs_dir)]
     if not runs:
         raise PipelineError(f"no complete runs in {args.runs_dir}")
+    _note_unfinished(args.runs_dir, console)
     if args.min_history > args.history:
         raise PipelineError(f"--min-history {args.min_history} is larger than --history {args.history}: a decision "
                             "cannot need more snapshots than the window holds")
@@ -275,7 +290,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     if card["lofo"]:
         console.print(_lofo_table("leave-one-family-out (one predictor per family, trained on the others; not "
                                   "saved)", card["lofo"]))
-    console.print(f"predictor: {path}\ncard: {Path(path).with_name('PREDICTOR_CARD.md')}")
+    console.print(f"predictor: {escape(str(path))}\ncard: {escape(str(Path(path).with_name('PREDICTOR_CARD.md')))}")
     return 0
 
 

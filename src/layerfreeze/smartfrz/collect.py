@@ -25,7 +25,9 @@ On-disk format (``RUN_FORMAT_VERSION`` 1), one folder per run, ``<out>/<recipe>_
     ``act_dims_full`` (a block's flattened output size per probe sample before subsampling), ``losses`` (mean training
     loss between consecutive snapshots), ``test_accuracy`` (final, on a fixed test subset: the fraction of its labels
     predicted right, one label per sample for a classifier, one per token for a language model), ``quick`` (shrunk for
-    tests), ``wall_seconds``, ``versions`` (python, torch, layerfreeze, ...).
+    tests), ``wall_seconds``, ``versions`` (python, torch, layerfreeze, ...), ``sha256`` (each tensor file's digest,
+    checked whenever it is read: a damaged byte that still parses is refused, not trained on; runs recorded before
+    it have none).
     A diverged run (NaN/Inf loss or weights) has ``status: "diverged"`` and ``diverged_at_step`` and no tensor
     files; it is never labelled or trained on, and is not retried (it would diverge the same way).
 ``weights.safetensors``
@@ -76,6 +78,7 @@ from layerfreeze.smartfrz.runs import (
     RUN_FORMAT_VERSION,
     WEIGHTS_FILE,
     PipelineError,
+    file_sha256,
     is_finished,
     read_meta,
     unreadable_tensors,
@@ -333,7 +336,7 @@ def record_run(setup: Setup, out_dir: str | Path, *, lr: float, seed: int, info:
     tmp_a.replace(out_dir / ACTIVATIONS_FILE)
     meta.update(status="complete", act_dims_full=probe.full_dims, losses=losses,
                 test_accuracy=_accuracy(setup, model), wall_seconds=round(time.perf_counter() - t0, 2),
-                versions=_versions())
+                versions=_versions(), sha256={n: file_sha256(out_dir / n) for n in (WEIGHTS_FILE, ACTIVATIONS_FILE)})
     write_json_atomic(out_dir / META_FILE, meta)
     return meta
 
@@ -391,11 +394,13 @@ def collect(out: str | Path, recipes: list[str] | None = None, seeds: list[int] 
         The meta of every run (recorded now or earlier), in order.
 
     Raises:
-        PipelineError: an unknown recipe, a bad factor (:func:`scaled_lrs`) or a finished run recorded with other
-            settings (:func:`check_reusable`), before any run is recorded.
+        PipelineError: ``out`` is one recorded run's folder, an unknown recipe, a bad factor (:func:`scaled_lrs`)
+            or a finished run recorded with other settings (:func:`check_reusable`), before any run is recorded.
         ConfigError: ``out`` cannot be written (:func:`~layerfreeze.runs.rundir.check_writable`).
     """
     out = Path(out)
+    if (out / META_FILE).is_file():  # runs recorded inside a run: every later command refused the folder
+        raise PipelineError(f"--out {out} is one recorded run; give the folder that holds the runs, {out.parent}")
     chosen = get_recipes(list(recipes) if recipes else None)
     plan = {r.name: scaled_lrs(lrs or r.lrs, lr_factors, r.name) for r in chosen}  # every error before a run
     for r in chosen:

@@ -248,6 +248,12 @@ def run_counterfactuals(setup_fn: Callable[[], Setup], run_dir: str | Path, *, l
                             f"differ){hint}")
     steps = int(setup.steps)
     ts = grid_steps(setup, fractions)
+    if not ts:  # an empty grid was written over the run's counterfactual.json, and the table came out empty (exit 0)
+        inner = [s for s in act_steps_of(setup) if 0 < s < steps]
+        fix = (f"give fractions up to {inner[-1] / steps:.3g} (its last activation snapshot before the end, step "
+               f"{inner[-1]})" if inner else "this run has no activation snapshot between its start and its end")
+        raise PipelineError(f"{run_dir}: no grid step: --fractions {','.join(f'{f:g}' for f in fractions)} of "
+                            f"{steps} steps all move to the run's end; {fix}")
     ds = list(depths) if depths is not None else grid_depths(len(blocks), head)
     deepest = grid_depths(len(blocks), head, max_depths=len(blocks))[-1]
     bad = [d for d in ds if not 0 <= d <= deepest]
@@ -469,7 +475,7 @@ def calibrate(runs_dir: str | Path, taus: Sequence[float], windows: Sequence[int
     """
     bad = ([f"--taus {t:g} (need 0 < tau <= 1)" for t in taus if not 0 < t <= 1]
            + [f"--windows {w} (need >= 1)" for w in windows if w < 1]
-           + [f"--deltas {d:g} (need >= 0)" for d in deltas if d < 0])
+           + [f"--deltas {d:g} (need >= 0)" for d in deltas if not d >= 0])  # not <: NaN scored every rule 0
     if bad:
         raise PipelineError("bad labelling rule values: " + ", ".join(bad))
     cfs = read_counterfactuals(runs_dir) if counterfactuals is None else counterfactuals
@@ -495,6 +501,8 @@ def _score_rule(tables: list[tuple[dict[str, Any], list[list[float]], dict[int, 
         flags = freezable_from_cka(cka, tau, delta, window, cf["head"])
         by_depth: dict[int, list[dict[str, Any]]] = {}
         for cell in cf["grid"]:
+            if cell["depth"] < 1:  # nothing frozen (--depths 0, the replay's check): no rule's call; flags[-1] is
+                continue           # the head's, so each such cell counted as a missed free freeze (recall fell)
             by_depth.setdefault(cell["depth"], []).append(cell)
             n += 1
             rule = flags[cell["depth"] - 1][col[cell["t"]]]

@@ -6,8 +6,10 @@ says ``"status": "complete"``; runs that diverged (``"status": "diverged"``) are
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,13 +74,35 @@ def _collect_again(run_dir: str | Path) -> str:
             "skips the finished runs)")
 
 
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, in hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _damaged(run_dir: str | Path, name: str) -> str | None:
+    """Why a tensor file of a run no longer holds what was recorded: its bytes differ from the ``sha256`` its
+    ``meta.json`` recorded (runs recorded before it have none: not checked); None when they match."""
+    meta = read_meta(run_dir) or {}
+    want = (meta.get("sha256") or {}).get(name) if isinstance(meta.get("sha256"), dict) else None
+    path = Path(run_dir) / name
+    if want is None or not path.is_file() or file_sha256(path) == want:
+        return None
+    return f"{name} does not match the SHA-256 its meta.json recorded (damaged since it was recorded)"
+
+
 def read_tensors(run_dir: str | Path, name: str, keys: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-    """A tensor file of a run folder (``weights.safetensors`` or ``activations.safetensors``), checked: it reads
-    and holds ``keys``.
+    """A tensor file of a run folder (``weights.safetensors`` or ``activations.safetensors``), checked: its bytes
+    are the recorded ones (the ``sha256`` of ``meta.json``), it reads, holds ``keys`` and no NaN or Inf (a collected
+    run has none: a diverged run has no tensor files).
 
     Raises:
-        PipelineError: it is missing, cannot be read (truncated, not a safetensors file) or lacks one of ``keys``
-            (the message names the file and says to delete the run folder and collect it again).
+        PipelineError: it is missing, damaged (a digest that does not match, NaN or Inf in it), cannot be read
+            (truncated, not a safetensors file) or lacks one of ``keys`` (the message names the file and says to
+            delete the run folder and collect it again).
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -88,15 +112,22 @@ def read_tensors(run_dir: str | Path, name: str, keys: tuple[str, ...] = ()) -> 
         tensors = load_file(str(path))
     except (OSError, SafetensorError) as exc:
         raise PipelineError(f"{path} cannot be read ({exc}): {_collect_again(run_dir)}") from None
+    why = _damaged(run_dir, name)  # a flipped byte that still parses was trained on, or labelled, in silence
+    if why is not None:
+        raise PipelineError(f"{Path(run_dir) / why}: {_collect_again(run_dir)}")
     missing = [k for k in keys if k not in tensors]
     if missing:
         raise PipelineError(f"{path} lacks {', '.join(missing)}: {_collect_again(run_dir)}")
+    bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:  # a run recorded before the digest, damaged: a raw ValueError from the CKA or the predictor's features
+        raise PipelineError(f"{path} holds NaN or Inf in {', '.join(bad)} (damaged): {_collect_again(run_dir)}")
     return tensors
 
 
 def unreadable_tensors(run_dir: str | Path) -> str | None:
-    """Why a complete run's tensor files cannot be used, from their headers alone (cheap: no tensor is read; a
-    truncated file fails there, its header's offsets run past its end); None when both open.
+    """Why a complete run's tensor files cannot be used, from their headers (no tensor is read; a truncated file
+    fails there, its header's offsets run past its end) and the digests ``meta.json`` recorded (a damaged byte that
+    still parses); None when both open and match.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -106,6 +137,9 @@ def unreadable_tensors(run_dir: str | Path) -> str | None:
                 pass
         except (OSError, SafetensorError) as exc:
             return f"{name} cannot be read ({exc})"
+        why = _damaged(run_dir, name)
+        if why is not None:
+            return why
     return None
 
 
@@ -154,6 +188,18 @@ def list_runs(runs_dir: str | Path, include_diverged: bool = False) -> list[Path
         if include_diverged or _usable(read_meta(d)):
             out.append(d)
     return out
+
+
+#: A run folder's name as :func:`~layerfreeze.smartfrz.collect.run_name` makes it: ``<recipe>_s<seed>_lr<lr>``.
+_RUN_NAME = re.compile(r".+_s-?\d+_lr[0-9.eE+-]+")
+
+
+def unfinished_runs(runs_dir: str | Path) -> list[str]:
+    """The run folders under ``runs_dir`` whose recording has not finished (a collection stopped while it recorded
+    them, or before: no ``meta.json`` yet), by name; every command but ``collect`` leaves them out, and label and train
+    say so (they trained a predictor on part of a collection in silence)."""
+    return sorted(p.name for p in Path(runs_dir).iterdir()
+                  if p.is_dir() and _RUN_NAME.fullmatch(p.name) and not is_finished(p))
 
 
 def _check_recording(run_dir: Path) -> None:

@@ -27,8 +27,8 @@ from layerfreeze.smartfrz.fit import (
 )
 from layerfreeze.smartfrz.lofo import family_folds, leave_one_family_out
 from layerfreeze.smartfrz.recipes import RECIPES
-from layerfreeze.smartfrz.runs import PipelineError, RunData
-from layerfreeze.strategies.smartfrz.predictor import save_predictor
+from layerfreeze.smartfrz.runs import META_FILE, PipelineError, RunData
+from layerfreeze.strategies.smartfrz.predictor import FORMAT, save_predictor
 
 
 def lr_spread(runs: Iterable[RunData]) -> dict[str, dict[str, Any]]:
@@ -51,6 +51,33 @@ def lr_spread(runs: Iterable[RunData]) -> dict[str, dict[str, Any]]:
                      "factors": None if registered is None else [float(f"{x / registered[0]:.4g}") for x in lrs],
                      "runs": len(rates)}
     return out
+
+
+def check_out(out: str | Path) -> None:
+    """Refuse a predictor path that would overwrite what is not a predictor, before anything trains: a file in a
+    recorded run's folder (``--out runs/x/weights.safetensors`` replaced the run's recording, and the card went
+    among its files), or a readable safetensors file of something else (a model's ``model.safetensors``). A file
+    that cannot be read is overwritten: a damaged predictor is retrained in place, as its load error says.
+
+    Raises:
+        PipelineError: naming the file and what to do.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    out = Path(out)
+    if (out.parent / META_FILE).is_file():
+        raise PipelineError(f"--out {out} is in the recorded run folder {out.parent}: the predictor and "
+                            "PREDICTOR_CARD.md would go among the run's files; give a path outside the run folders")
+    if not out.is_file():
+        return
+    try:
+        with safe_open(str(out), framework="pt") as f:
+            kind = (f.metadata() or {}).get("format")
+    except (OSError, SafetensorError):
+        return
+    if kind != FORMAT:
+        raise PipelineError(f"--out {out} is a safetensors file that is not a predictor (format {kind!r}) and would "
+                            "be overwritten: give another path, or delete it first")
 
 
 def train_and_save(runs: list[RunData], out: str | Path, holdout: Iterable[str], config: TrainConfig | None = None,

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from layerfreeze import distributed as dist_
 from layerfreeze.checkpoint import CheckpointStore, load_checkpoint, load_full_checkpoint, rng_state, set_rng_state
 from layerfreeze.errors import ConfigError
-from layerfreeze.runs import rundir
+from layerfreeze.runs import measure, rundir
 from layerfreeze.runs.rundir import Event
 
 if TYPE_CHECKING:
@@ -47,6 +47,14 @@ def cache_counts(trainer: Trainer) -> dict[str, float]:
     return {} if trainer.runner is None else trainer.runner.run_counts(getattr(trainer, "_cache_base", {}))
 
 
+def peak_memory(trainer: Trainer) -> int:
+    """The run's peak memory (:func:`~layerfreeze.runs.measure.peak_memory_bytes`) over every process that trained
+    it: the peak saved in the checkpoint a resumed run started from, or this process's, whichever is larger. A
+    resumed run's summary (and compare's ``peak mem``) covered only the last process: a run killed after an
+    unfrozen phase showed the frozen phase's peak as the run's, while its tensor peak covered the whole run."""
+    return max(int(trainer.progress.get("peak_memory_bytes") or 0), measure.peak_memory_bytes(trainer.device))
+
+
 def write_checkpoint(trainer: Trainer, epoch: int, batch_in_epoch: int, reason: str) -> Path | None:
     """Write a checkpoint into the run's store (rank 0; collective when distributed: every rank's RNG state
     goes into it). Its time is reported (``checkpoint_s`` in the event, ``checkpoint_time_s`` in the summary)."""
@@ -55,6 +63,7 @@ def write_checkpoint(trainer: Trainer, epoch: int, batch_in_epoch: int, reason: 
     t0 = time.perf_counter()
     trainer.freezer.verify_frozen_weights()  # never checkpoint weights that moved while frozen
     trainer.progress["cache_counts"] = cache_counts(trainer)
+    trainer.progress["peak_memory_bytes"] = peak_memory(trainer)
     trainer.progress["precision"] = trainer.precision.state_dict()
     if trainer.ledger is not None:
         trainer.progress["ledger"] = trainer.ledger.peaks.state_dict()

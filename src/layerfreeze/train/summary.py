@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from layerfreeze import distributed as dist_
 from layerfreeze.budget.plan import MemoryPlan
-from layerfreeze.runs import measure, rundir
+from layerfreeze.runs import rundir
+from layerfreeze.train.checkpointing import peak_memory
 
 if TYPE_CHECKING:
     from layerfreeze.train.trainer import Trainer
@@ -54,7 +55,7 @@ def write_summary(trainer: Trainer, wall_time: float, cache: dict[str, Any],
         "flops_total": p["flops_total"],
         "flops_per_step_first": p["flops_first"],
         "flops_per_step_last": p["flops_per_step"],
-        "peak_memory_bytes": measure.peak_memory_bytes(trainer.device),
+        "peak_memory_bytes": peak_memory(trainer),  # a resumed run's: every process's
         "blocks": [b.name for b in trainer.freezer.blocks],
         "frozen_blocks": trainer.freezer.frozen_blocks,
         "trainable_parameters": trainer.freezer.trainable_parameters(),

@@ -53,6 +53,7 @@ def write_report(run_dir: str | Path) -> Path:
         FileNotFoundError: ``run_dir`` does not exist or holds neither ``metrics.jsonl`` nor ``compare.json``.
         ValueError: ``metrics.jsonl`` or ``compare.json`` is malformed.
         ImportError: matplotlib is not installed (``pip install 'layerfreeze[report]'``).
+        ConfigError: the report folder cannot be written (a read-only run folder, a file in its place).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import html
 import json
 import math
 import os
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from layerfreeze.errors import ConfigError
 from layerfreeze.runs import rundir
 from layerfreeze.runs.compare_table import BASELINE, headers, markdown_table, table_cells
 from layerfreeze.runs.report.plots import (
@@ -273,12 +276,34 @@ def _without_stale(out: Path, plots: dict[str, str | None]) -> dict[str, str | N
     return plots
 
 
+@contextlib.contextmanager
+def _writing(folder: Path, what: Path) -> Iterator[None]:
+    """Writing the report of ``what`` into ``folder``: an OS error (a read-only run folder, a file where the report
+    folder goes) is a :class:`~layerfreeze.errors.ConfigError` in one line, not a traceback.
+
+    Raises:
+        ConfigError: naming the path and what to do.
+    """
+    try:
+        yield
+    except OSError as exc:
+        where = exc.filename or folder
+        raise ConfigError(f"report: {where} cannot be written ({exc.strerror or exc}): the report goes into "
+                          f"{folder}; make it a writable folder, or copy {what} somewhere you can write and report "
+                          "the copy") from None
+
+
 def write_run_report(run_dir: Path) -> Path:
-    """Write ``run_dir/report/index.html`` and the run's plots; return the page's path."""
+    """Write ``run_dir/report/index.html`` and the run's plots; return the page's path.
+
+    Raises:
+        ConfigError: the report folder cannot be written (:func:`_writing`).
+    """
     run = load_run(run_dir)
     out = run_dir / rundir.REPORT_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    plots = _without_stale(out, plot_run(run, out))
+    with _writing(out, run_dir):
+        out.mkdir(parents=True, exist_ok=True)
+        plots = _without_stale(out, plot_run(run, out))
     title = f"layerfreeze report — {run.strategy} on {run.task}"
     body = [
         f"<h1>{_e(title)}</h1>",
@@ -323,7 +348,8 @@ def write_run_report(run_dir: Path) -> Path:
         body += ["<h2>Configuration</h2>",
                  f"<details><summary>config</summary><pre>{_e(json.dumps(run.config, indent=2))}</pre></details>"]
     path = out / rundir.REPORT_INDEX
-    path.write_text(_page(title, [b for b in body if b]), encoding="utf-8")
+    with _writing(out, run_dir):
+        path.write_text(_page(title, [b for b in body if b]), encoding="utf-8")
     return path
 
 
@@ -332,10 +358,11 @@ def write_compare_report(compare_dir: Path) -> Path:
     row compare.json says stopped has been finished since (``layerfreeze train --resume``), ``compare.json`` and
     ``compare.md`` are written again with its results (they kept "stopped: interrupted" while the report showed it)."""
     rows = load_compare(compare_dir)
-    if [r.get("stopped") for r in rows] != [r.get("stopped") for r in rundir.read_compare(compare_dir)]:
-        rundir.write_compare(compare_dir, rows, markdown_table(rows))
     out = compare_dir / rundir.REPORT_DIR
-    out.mkdir(parents=True, exist_ok=True)
+    with _writing(out, compare_dir):
+        if [r.get("stopped") for r in rows] != [r.get("stopped") for r in rundir.read_compare(compare_dir)]:
+            rundir.write_compare(compare_dir, rows, markdown_table(rows))
+        out.mkdir(parents=True, exist_ok=True)
     links: list[str] = []
     loaded: list[tuple[str, Run]] = []
     problems: list[str] = []
@@ -353,7 +380,8 @@ def write_compare_report(compare_dir: Path) -> Path:
             continue
         rel = os.path.relpath(row_report, out).replace(os.sep, "/")
         links.append(f'<a href="{_e(urllib.parse.quote(rel))}">report</a>')
-    plots = _without_stale(out, plot_compare(rows, loaded, out))
+    with _writing(out, compare_dir):
+        plots = _without_stale(out, plot_compare(rows, loaded, out))
     tasks = sorted({str(r.get("task")) for r in rows if r.get("task")})
     title = "layerfreeze compare" + (f" — {', '.join(tasks)}" if tasks else "")
     columns = [*headers(rows), "run"]
@@ -400,5 +428,6 @@ def write_compare_report(compare_dir: Path) -> Path:
                      "and the peak's ratio to <code>none</code>."),
     ]
     path = out / rundir.REPORT_INDEX
-    path.write_text(_page(title, [b for b in body if b]), encoding="utf-8")
+    with _writing(out, compare_dir):
+        path.write_text(_page(title, [b for b in body if b]), encoding="utf-8")
     return path

@@ -30,6 +30,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from layerfreeze.distributed import comm
+from layerfreeze.engine import optimizer_load
 from layerfreeze.engine.lr_factors import apply_lr_scales
 from layerfreeze.engine.optim import inner_optimizer
 from layerfreeze.engine.sharding import sharded
@@ -73,7 +74,9 @@ def hook_optimizer(freezer: Freezer) -> None:
     ``torch.optim`` leave ``.grad`` as they found it. A previous hook is removed; none is
     set without an optimizer that takes one, or for a strategy that does not read ``grad_l1``. A wrapper (accelerate's
     ``AcceleratedOptimizer`` subclasses ``torch.optim.Optimizer`` but never runs its ``__init__``, so it has no hooks)
-    gets the hook on the optimizer it wraps, whose step runs once per real update."""
+    gets the hook on the optimizer it wraps, whose step runs once per real update. Its ``load_state_dict`` is watched
+    too (:func:`~layerfreeze.engine.optimizer_load.watch`: an optimizer loaded before the Freezer's state)."""
+    optimizer_load.watch(freezer)
     _unhook(freezer)
     optimizer = inner_optimizer(freezer.optimizer)
     if not hasattr(optimizer, "_optimizer_step_post_hooks") or "grad_l1" not in freezer.strategy.signals:
@@ -89,8 +92,9 @@ def hook_optimizer(freezer: Freezer) -> None:
 
 
 def release_gradients(freezer: Freezer) -> None:
-    """Remove the optimizer hook of :func:`hook_optimizer` and free the running sums (``Freezer.close``)."""
+    """Remove the optimizer hooks of :func:`hook_optimizer` and free the running sums (``Freezer.close``)."""
     _unhook(freezer)
+    optimizer_load.unwatch(freezer)
     freezer._grad_sums.load_state_dict({})
 
 
@@ -113,6 +117,7 @@ def step(freezer: Freezer) -> Decision | None:
         RuntimeError: from the stage (:func:`~layerfreeze.engine.stages.stage`).
     """
     freezer.step_count += 1
+    optimizer_load.forget(freezer)  # the optimizer's state is its own from now on, not a load's (optimizer_load)
     if freezer.total_steps is not None and freezer.step_count == freezer.total_steps + 1:
         # the strategies that place their stages by the fraction of training done read past the end as the end
         # (freezeout's LRs are 0 from there: training stopped in silence); counting micro-batches instead of

@@ -1,0 +1,84 @@
+"""The Freezer in a user's own training loop, written the ways real loops are: resume steps in another order than
+documented, a scheduler built after the Freezer, strategy parameters of the wrong type, peft's frozen base. Each test
+is a fault a breaking pass found (2026-12-08) and fails before its fix."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from layerfreeze import Freezer, block_param_groups, discover_blocks
+
+
+def net(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+                         nn.Linear(8, 3))
+
+
+def train(model: nn.Module, optimizer, freezer: Freezer, steps: range, scheduler=None) -> None:
+    for t in steps:
+        g = torch.Generator().manual_seed(t)
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+        nn.functional.cross_entropy(model(x), y).backward()
+        freezer.after_backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        freezer.step()
+
+
+def resumed(order: str, strategy: str, params: dict, groups) -> tuple[dict, dict]:
+    """Weights of a run of 6 steps and of the same run saved after 3 and resumed, loading model (m), optimizer (o)
+    and Freezer (f) state in ``order``."""
+    def build():
+        model = net()
+        optimizer = torch.optim.AdamW(groups(model), lr=1e-2)
+        return model, optimizer, Freezer(model, optimizer, strategy, params, total_steps=6)
+
+    model, optimizer, freezer = build()
+    train(model, optimizer, freezer, range(3))
+    saved = copy.deepcopy({"m": model.state_dict(), "o": optimizer.state_dict(), "f": freezer.state_dict()})
+    train(model, optimizer, freezer, range(3, 6))
+    freezer.close()
+    model2, optimizer2, freezer2 = build()
+    load = {"m": model2.load_state_dict, "o": optimizer2.load_state_dict, "f": freezer2.load_state_dict}
+    for what in order:
+        load[what](saved[what])
+    train(model2, optimizer2, freezer2, range(3, 6))
+    freezer2.close()
+    return dict(model.named_parameters()), dict(model2.named_parameters())
+
+
+@pytest.mark.parametrize("order", ["ofm", "mof"])
+def test_an_optimizer_loaded_before_the_freezer_keeps_its_state(order):
+    # the Freezer's restore cleared the optimizer state loaded before it: the run went on from zero Adam moments
+    whole, again = resumed(order, "static", {"k": 2}, lambda m: block_param_groups(m, discover_blocks(m), lr=1e-2))
+    assert all(torch.equal(whole[n], again[n]) for n in whole)
+
+
+def test_an_optimizer_loaded_before_the_freezer_in_one_group_keeps_each_state_on_its_parameter():
+    # one param group, badam's active block at the save (block 2) not the fresh start's (block 1), both of the same
+    # size: torch gave block 1's places block 2's moments, and the restore cleared them
+    whole, again = resumed("omf", "badam", {"k": 2, "seed": 0}, lambda m: m.parameters())
+    assert all(torch.equal(whole[n], again[n]) for n in whole)
+
+
+def test_an_optimizer_loaded_before_the_freezer_state_it_does_not_fit_says_the_order():
+    model = net()
+    optimizer = torch.optim.AdamW(block_param_groups(model, discover_blocks(model), lr=1e-2))
+    freezer = Freezer(model, optimizer, "gradual", {"every_steps": 1}, total_steps=6)
+    train(model, optimizer, freezer, range(2))  # two thaws: other group sizes than the start stage's
+    saved = optimizer.state_dict()
+    freezer.close()
+    model2 = net()
+    optimizer2 = torch.optim.AdamW(block_param_groups(model2, discover_blocks(model2), lr=1e-2))
+    with Freezer(model2, optimizer2, "gradual", {"every_steps": 1}, total_steps=6):
+        with pytest.raises(ValueError, match=r"param group 1 holds 2 parameters in the state dict, 0 here.*call "
+                                             r"freezer\.load_state_dict\(saved_freezer_state\) first"):
+            optimizer2.load_state_dict(saved)
+

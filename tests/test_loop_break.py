@@ -5,6 +5,7 @@ is a fault a breaking pass found (2026-12-08) and fails before its fix."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -81,4 +82,34 @@ def test_an_optimizer_loaded_before_the_freezer_state_it_does_not_fit_says_the_o
         with pytest.raises(ValueError, match=r"param group 1 holds 2 parameters in the state dict, 0 here.*call "
                                              r"freezer\.load_state_dict\(saved_freezer_state\) first"):
             optimizer2.load_state_dict(saved)
+
+
+def freezeout_run(build_scheduler_after: bool, call_after_backward: bool = True):
+    model = net()
+    optimizer = torch.optim.AdamW(block_param_groups(model, discover_blocks(model), lr=1e-2))
+    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 - t / 6)  # noqa: E731
+    scheduler = None if build_scheduler_after else schedule(optimizer)
+    freezer = Freezer(model, optimizer, "freezeout", scheduler=scheduler, total_steps=6)
+    if build_scheduler_after:
+        scheduler = schedule(optimizer)
+    nn.functional.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 0])).backward()
+    if call_after_backward:
+        freezer.after_backward()
+    optimizer.step()
+    scheduler.step()
+    freezer.step()
+    return [g["lr"] for g in optimizer.param_groups]
+
+
+def test_a_scheduler_built_after_freezeouts_freezer_is_refused_before_the_first_step():
+    # its base LRs were FreezeOut's scaled ones, and the factors applied again on top: block 0 trained at 1.95x
+    # FreezeOut's LR, in silence
+    assert freezeout_run(False)[0] == pytest.approx(0.01 / 0.512 * (5 / 6) * 0.5 * (1 + math.cos(math.pi * (1 / 6)
+                                                                                                    / 0.512)))
+    with pytest.raises(RuntimeError, match=r"an LR scheduler was built after the Freezer: it took param group 0's "
+                                           r"learning rate 0\.0195312, which strategy 'freezeout' had scaled from "
+                                           r"0\.01 .*Build the scheduler before the Freezer"):
+        freezeout_run(True)
+    with pytest.raises(RuntimeError, match="an LR scheduler was built after the Freezer"):
+        freezeout_run(True, call_after_backward=False)  # a loop without after_backward: refused at its first step()
 

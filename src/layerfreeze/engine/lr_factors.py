@@ -50,6 +50,31 @@ def set_lr_scales(lr_scale: dict[int, float], factors: Mapping[int, float], opti
             lr_scale[i] = float(scale)
 
 
+def refuse_scheduler_built_after(optimizer: torch.optim.Optimizer | None, lr_written: Mapping[int, tuple[float, float]],
+                                 strategy: str) -> None:
+    """Refuse an LR scheduler built after the Freezer whose start stage set LR factors (FreezeOut's ``1 / t_i``).
+
+    Why: a scheduler takes each group's LR when it is built as its base (``initial_lr``, ``base_lrs``); built after
+    the factors were written, its base holds them, and the Freezer multiplies them in again after every scheduler
+    step: the first block trained at about twice FreezeOut's LR, in silence. Seen as a group whose ``initial_lr`` is
+    the scaled LR the Freezer wrote (``lr_written``), not the LR it scaled. The Freezer checks it before its first
+    step (``after_backward``, ``step``), when nothing but the constructor has written.
+
+    Raises:
+        RuntimeError: naming the group and the two LRs, and saying to build the scheduler first and pass it.
+    """
+    if optimizer is None:
+        return
+    for gi, (unscaled, wrote) in sorted(lr_written.items()):
+        group = optimizer.param_groups[gi]
+        if wrote != unscaled and group.get("initial_lr") == wrote:
+            raise RuntimeError(
+                f"an LR scheduler was built after the Freezer: it took param group {gi}'s learning rate {wrote:g}, "
+                f"which strategy {strategy!r} had scaled from {unscaled:g} by its per-block factor, as its base, so "
+                "the factor would apply twice from its next step. Build the scheduler before the Freezer and pass it: "
+                "Freezer(..., scheduler=scheduler)")
+
+
 def check_lr_scales(optimizer: torch.optim.Optimizer, origin: Mapping[int, int], blocks: Sequence[Block],
                     lr_scale: Mapping[int, float]) -> None:
     """Every scaled block's param groups hold that block only (the factors set before ``optimizer`` was attached).

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from layerfreeze.distributed import comm
 from layerfreeze.engine import optimizer_load
-from layerfreeze.engine.lr_factors import apply_lr_scales
+from layerfreeze.engine.lr_factors import apply_lr_scales, refuse_scheduler_built_after
 from layerfreeze.engine.optim import inner_optimizer
 from layerfreeze.engine.sharding import sharded
 from layerfreeze.engine.stages import stage, sums_gradients
@@ -49,6 +49,8 @@ def after_backward(freezer: Freezer) -> None:
     has no optimizer to read them at (:func:`hook_optimizer`), also add the gradients to the running sums
     (:func:`sum_gradients`)."""
     freezer._backward_calls += 1
+    if freezer.step_count == 0:  # before the first optimizer step: the start stage's LR factors applied twice
+        refuse_scheduler_built_after(freezer.optimizer, freezer._lr_written, freezer.strategy.name)
     freezer.integrity.check_gradients(freezer)
     if freezer._grad_hook is None:
         sum_gradients(freezer)
@@ -116,6 +118,8 @@ def step(freezer: Freezer) -> Decision | None:
             with ``on_unfrozen="error"``.
         RuntimeError: from the stage (:func:`~layerfreeze.engine.stages.stage`).
     """
+    if freezer.step_count == 0:  # a loop without after_backward(): the start stage's LR factors applied twice
+        refuse_scheduler_built_after(freezer.optimizer, freezer._lr_written, freezer.strategy.name)
     freezer.step_count += 1
     optimizer_load.forget(freezer)  # the optimizer's state is its own from now on, not a load's (optimizer_load)
     if freezer.total_steps is not None and freezer.step_count == freezer.total_steps + 1:

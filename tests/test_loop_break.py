@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -113,3 +114,14 @@ def test_a_scheduler_built_after_freezeouts_freezer_is_refused_before_the_first_
     with pytest.raises(RuntimeError, match="an LR scheduler was built after the Freezer"):
         freezeout_run(True, call_after_backward=False)  # a loop without after_backward: refused at its first step()
 
+
+@pytest.mark.parametrize("seed", ["a", 1.5, None])
+def test_a_smartfrz_seed_that_is_no_integer_is_refused_in_one_line_before_training(seed):
+    # torch's manual_seed raised "manual_seed expected a long, but got str" from the strategy's attach
+    model = net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=rf"^smartfrz: seed must be an integer \(the seed of the sampled weight "
+                                         rf"positions\), got {re.escape(repr(seed))}$"):
+        Freezer(model, optimizer, "smartfrz", {"seed": seed}, total_steps=6)
+    with Freezer(model, optimizer, "smartfrz", {"seed": 3}, total_steps=6) as freezer:  # the Freezer was closed
+        assert freezer.strategy.seed == 3

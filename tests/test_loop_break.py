@@ -125,3 +125,19 @@ def test_a_smartfrz_seed_that_is_no_integer_is_refused_in_one_line_before_traini
         Freezer(model, optimizer, "smartfrz", {"seed": seed}, total_steps=6)
     with Freezer(model, optimizer, "smartfrz", {"seed": 3}, total_steps=6) as freezer:  # the Freezer was closed
         assert freezer.strategy.seed == 3
+
+
+@pytest.mark.parametrize(("strategy", "purpose"), [("freezeout", "a learning-rate factor"),
+                                                   ("gradual", "the learning rate 'gradual' gives a thawed block")])
+def test_a_strategy_that_sets_learning_rates_refuses_adafactors_relative_step_before_training(strategy, purpose):
+    # freezeout: a bare "TypeError: unsupported operand type(s) for *: 'NoneType' and 'float'" from the constructor;
+    # gradual: its discriminative LRs were written where Adafactor(relative_step=True) never reads them, in silence
+    from transformers.optimization import Adafactor
+
+    model = net()
+    groups = [dict(g, lr=None) for g in block_param_groups(model, discover_blocks(model), lr=1e-2)]
+    optimizer = Adafactor(groups, lr=None)  # relative_step=True: Adafactor's own step size
+    with pytest.raises(ValueError, match=rf"^Cannot give block '0' {purpose}: its param group 0 has lr=None, no "
+                                         r"learning rate to scale \(Adafactor with relative_step=True"):
+        Freezer(model, optimizer, strategy, total_steps=6)
+    assert all(p.requires_grad for p in model.parameters())  # refused before anything froze

@@ -43,7 +43,8 @@ def set_lr_scales(lr_scale: dict[int, float], factors: Mapping[int, float], opti
     """
     for i, scale in factors.items():
         if optimizer is not None:  # without one yet, attach_optimizer checks and applies the factors
-            exclusive_groups(optimizer, origin, blocks[i], "a learning-rate factor")
+            numeric_lrs(optimizer, exclusive_groups(optimizer, origin, blocks[i], "a learning-rate factor"), blocks[i],
+                        "a learning-rate factor")
         if scale == 1.0:
             lr_scale.pop(i, None)
         else:
@@ -83,7 +84,27 @@ def check_lr_scales(optimizer: torch.optim.Optimizer, origin: Mapping[int, int],
         ValueError: a group that also holds other blocks' parameters.
     """
     for i in lr_scale:
-        exclusive_groups(optimizer, origin, blocks[i], "a learning-rate factor")
+        numeric_lrs(optimizer, exclusive_groups(optimizer, origin, blocks[i], "a learning-rate factor"), blocks[i],
+                    "a learning-rate factor")
+
+
+def numeric_lrs(optimizer: torch.optim.Optimizer, groups: Sequence[int], block: Block, purpose: str) -> None:
+    """Refuse to give ``block`` ``purpose`` (a factor, an LR of its own) when one of its param ``groups`` has no
+    numeric ``lr``: Adafactor with ``relative_step=True`` (``lr=None``) computes its own step size, so a factor
+    failed with a bare ``TypeError`` ("unsupported operand type(s) for *: 'NoneType' and 'float'") from the Freezer's
+    constructor, and a thaw's LR (gradual's discriminative LRs) was written where Adafactor never reads it.
+
+    Raises:
+        ValueError: naming the group and its ``lr``, and what to build instead.
+    """
+    for gi in groups:
+        lr = optimizer.param_groups[gi].get("lr")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+            raise ValueError(
+                f"Cannot give block {block.name!r} {purpose}: its param group {gi} has lr={lr!r}, no learning rate "
+                "to scale (Adafactor with relative_step=True computes its own step size). Build the optimizer with a "
+                "learning rate, e.g. Adafactor(params, lr=1e-3, relative_step=False, scale_parameter=False, "
+                "warmup_init=False), or use a strategy that sets no learning rates")
 
 
 def check_block_lr(optimizer: torch.optim.Optimizer | None, origin: Mapping[int, int], block: Block, lr: float,
@@ -92,7 +113,9 @@ def check_block_lr(optimizer: torch.optim.Optimizer | None, origin: Mapping[int,
     group that also holds other blocks' parameters, or none of its parameters in a param group."""
     if optimizer is None or not 0 < lr < math.inf:
         raise ValueError(f"set_block_lr needs an optimizer and a finite lr > 0 (got lr={lr})")
-    if not exclusive_groups(optimizer, origin, block, purpose):
+    groups = exclusive_groups(optimizer, origin, block, purpose)
+    numeric_lrs(optimizer, groups, block, purpose)
+    if not groups:
         raise ValueError(f"Cannot give block {block.name!r} {purpose}: none of its parameters is in a param group of "
                          "the optimizer (build the optimizer from layerfreeze.block_param_groups(...), one group per "
                          "block)")

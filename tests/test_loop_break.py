@@ -141,3 +141,53 @@ def test_a_strategy_that_sets_learning_rates_refuses_adafactors_relative_step_be
                                          r"learning rate to scale \(Adafactor with relative_step=True"):
         Freezer(model, optimizer, strategy, total_steps=6)
     assert all(p.requires_grad for p in model.parameters())  # refused before anything froze
+
+
+def factors_against_schedule(make_scheduler, after_freezer_step: bool, metrics=None):
+    """Each step's LR of block 0's group under freezeout, over its factor, and the LR the same scheduler gives an
+    optimizer without a Freezer after as many scheduler steps (stepped between optimizer.step() and freezer.step(),
+    or after freezer.step())."""
+    model = net()
+    optimizer = torch.optim.SGD(block_param_groups(model, discover_blocks(model), lr=1e-2))
+    reference = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1e-2)
+    scheduler, schedule = make_scheduler(optimizer), make_scheduler(reference)
+    freezer = Freezer(model, optimizer, "freezeout", scheduler=scheduler, total_steps=12)
+    ours, theirs = [], []
+    for t in range(5):
+        nn.functional.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 0])).backward()
+        freezer.after_backward()
+        optimizer.step()
+        reference.step()
+        optimizer.zero_grad()
+        args = () if metrics is None else (metrics[t],)
+        if not after_freezer_step:
+            scheduler.step(*args)
+            schedule.step(*args)
+        freezer.step()
+        ours.append(optimizer.param_groups[0]["lr"] / freezer._lr_scale[0])
+        theirs.append(reference.param_groups[0]["lr"])
+        if after_freezer_step:
+            scheduler.step(*args)
+            schedule.step(*args)
+    freezer.close()
+    return ours, theirs
+
+
+def test_freezeout_factors_apply_once_under_a_warmup_that_derives_the_next_lr_from_the_current_one():
+    # LinearLR multiplies the LR it finds: it found the scaled one and the factor applied twice, 3.6x from step 2
+    warmup = lambda opt: torch.optim.lr_scheduler.SequentialLR(  # noqa: E731
+        opt, [torch.optim.lr_scheduler.LinearLR(opt, 0.1, 1.0, total_iters=3),
+              torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 - t / 12)], milestones=[3])
+    ours, theirs = factors_against_schedule(warmup, after_freezer_step=False)
+    assert ours == pytest.approx(theirs, rel=1e-12)
+    assert theirs[:2] == pytest.approx([0.004, 0.007])
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_freezeout_factors_apply_once_under_reduce_lr_on_plateau(after):
+    # a reduction found the scaled LR: the block went on at the reduced LR times its factor of the step before
+    plateau = lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)  # noqa: E731
+    ours, theirs = factors_against_schedule(plateau, after, metrics=[3.0, 2.0, 4.0, 5.0, 1.0])
+    assert ours == pytest.approx(theirs, rel=1e-12)
+    assert theirs[-1] == pytest.approx(0.0025)  # two reductions
+

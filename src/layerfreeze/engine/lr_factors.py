@@ -25,12 +25,30 @@ from layerfreeze.models.blocks import Block
 
 
 def apply_lr_scales(optimizer: torch.optim.Optimizer | None, blocks: Sequence[Block], origin: Mapping[int, int],
-                    lr_scale: Mapping[int, float], lr_written: dict[int, tuple[float, float]]) -> None:
+                    lr_scale: Mapping[int, float], lr_written: dict[int, tuple[float, float]],
+                    relative: bool = False) -> None:
     """Multiply each scaled block's scheduled LR by its factor
-    (:func:`~layerfreeze.engine.optim.scale_group_lrs`); no-op without an optimizer."""
+    (:func:`~layerfreeze.engine.optim.scale_group_lrs`, whose ``relative`` this passes on); no-op without an
+    optimizer."""
     if optimizer is not None:
         scales = {gi: scale for index, scale in lr_scale.items() for gi in block_groups(origin, blocks[index])}
-        scale_group_lrs(optimizer, scales, lr_written)
+        scale_group_lrs(optimizer, scales, lr_written, relative)
+
+
+def restore_unscaled(optimizer: torch.optim.Optimizer, lr_written: dict[int, tuple[float, float]]) -> None:
+    """After an optimizer step (a step post-hook, :func:`~layerfreeze.engine.steps.hook_optimizer`): give every param
+    group a factor scaled its unscaled LR back, until ``freezer.step()`` applies this step's factor.
+
+    Why: the scheduler steps between the two, and the schedulers that derive the next LR from the current one
+    (LinearLR's warm-up and so SequentialLR, CosineAnnealingLR, StepLR, ReduceLROnPlateau stepped per step) took the
+    factor into their next LR, and the Freezer multiplied it in again: under a 3-step LinearLR warm-up, FreezeOut's
+    first block trained at 3.6 times its LR from the second step, in silence. A group whose LR was changed since the
+    Freezer wrote it is left alone."""
+    for gi, (unscaled, wrote) in list(lr_written.items()):
+        group = optimizer.param_groups[gi]
+        if unscaled is not None and group["lr"] == wrote:
+            group["lr"] = unscaled
+            lr_written[gi] = (unscaled, unscaled)
 
 
 def set_lr_scales(lr_scale: dict[int, float], factors: Mapping[int, float], optimizer: torch.optim.Optimizer | None,

@@ -29,17 +29,17 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from layerfreeze.distributed import comm
 from layerfreeze.engine import optimizer_load
-from layerfreeze.engine.lr_factors import apply_lr_scales, refuse_scheduler_built_after
+from layerfreeze.engine.lr_factors import apply_lr_scales, refuse_scheduler_built_after, restore_unscaled
 from layerfreeze.engine.optim import inner_optimizer
 from layerfreeze.engine.sharding import sharded
 from layerfreeze.engine.stages import stage, sums_gradients
 from layerfreeze.strategies import Decision
 
 if TYPE_CHECKING:  # the hooks' work on a Freezer; the Freezer calls it, never the other way round
-    import torch
-
     from layerfreeze.engine.freezer import Freezer
 
 
@@ -81,9 +81,20 @@ def hook_optimizer(freezer: Freezer) -> None:
     optimizer_load.watch(freezer)
     _unhook(freezer)
     optimizer = inner_optimizer(freezer.optimizer)
-    if not hasattr(optimizer, "_optimizer_step_post_hooks") or "grad_l1" not in freezer.strategy.signals:
+    if not hasattr(optimizer, "_optimizer_step_post_hooks"):
         return
     ref = weakref.ref(freezer)  # the optimizer does not keep the Freezer alive
+
+    def unscale(optimizer: Any, args: Any, kwargs: Any) -> None:
+        owner = ref()
+        if owner is not None and owner._lr_written:
+            if owner.step_count == 0:  # (freezer.step() would see the restored LRs; lr_factors.restore_unscaled)
+                refuse_scheduler_built_after(owner.optimizer, owner._lr_written, owner.strategy.name)
+            restore_unscaled(owner.optimizer, owner._lr_written)
+
+    freezer._lr_hook = optimizer.register_step_post_hook(unscale)
+    if "grad_l1" not in freezer.strategy.signals:
+        return
 
     def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         owner = ref()
@@ -104,6 +115,9 @@ def _unhook(freezer: Freezer) -> None:
     if freezer._grad_hook is not None:
         freezer._grad_hook.remove()
         freezer._grad_hook = None
+    if getattr(freezer, "_lr_hook", None) is not None:
+        freezer._lr_hook.remove()
+        freezer._lr_hook = None
 
 
 def step(freezer: Freezer) -> Decision | None:
@@ -138,8 +152,9 @@ def step(freezer: Freezer) -> Decision | None:
         freezer.integrity.check_ranks_agree(freezer, comm.all_gather_object)
     every = freezer.strategy.stage_every
     decision = stage(freezer, event="step") if every and freezer.step_count % every == 0 else None
-    if freezer._lr_scale:
-        apply_lr_scales(freezer.optimizer, freezer.blocks, freezer._origin, freezer._lr_scale, freezer._lr_written)
+    if freezer._lr_scale:  # (a plateau scheduler multiplies what it finds: the scaled LR, stepped after step())
+        apply_lr_scales(freezer.optimizer, freezer.blocks, freezer._origin, freezer._lr_scale, freezer._lr_written,
+                        relative=isinstance(freezer.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
     freezer._step_times.mark(staged=decision is not None)
     return decision
 

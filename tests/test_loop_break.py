@@ -191,3 +191,19 @@ def test_freezeout_factors_apply_once_under_reduce_lr_on_plateau(after):
     assert ours == pytest.approx(theirs, rel=1e-12)
     assert theirs[-1] == pytest.approx(0.0025)  # two reductions
 
+
+def test_a_param_group_added_after_the_freezer_goes_back_into_the_optimizer_at_a_thaw():
+    # the Freezer took what the optimizer held when it was built as all it would ever hold: a block whose group was
+    # added after it left the optimizer at a freeze and never came back (rotations trained it once, then never)
+    model = net()
+    blocks = discover_blocks(model)
+    groups = block_param_groups(model, blocks, lr=1e-2)
+    optimizer = torch.optim.SGD([groups[0], groups[3]], lr=1e-2)  # the first block and the head
+    with Freezer(model, optimizer, "none", blocks=blocks) as freezer:
+        optimizer.add_param_group(groups[1])  # block 2 trains from now on (two-stage fine-tuning)
+        freezer.freeze(1)
+        freezer.thaw(1)
+        assert [len(g["params"]) for g in optimizer.param_groups] == [2, 2, 2]
+        before = model[2].weight.detach().clone()
+        train(model, optimizer, freezer, range(1))
+        assert not torch.equal(model[2].weight, before)

@@ -207,3 +207,27 @@ def test_a_param_group_added_after_the_freezer_goes_back_into_the_optimizer_at_a
         before = model[2].weight.detach().clone()
         train(model, optimizer, freezer, range(1))
         assert not torch.equal(model[2].weight, before)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    # "object of type 'int' has no len()" from the pattern matching
+    ({"blocks": [0, 2]}, TypeError, r"^blocks must be a list of module-name patterns \(str\), front to back, got int 0 "
+                                    r"at position 0: name each block's module"),
+    # "'dict' object has no attribute 'blocks_freeze'" from the first stage
+    ({"guard": {"tolerance": 0.05}}, TypeError, r"^Freezer\(guard=\.\.\.\) must be a layerfreeze\.StabilityGuard"),
+    # "'int' object is not callable" from the start stage's first freeze
+    ({"on_event": 5}, TypeError, r"^Freezer\(on_event=\.\.\.\) must be a function of one record \(a dict\) or None, "
+                                 r"not int 5$"),
+    # bool("no") is True: refused as a request for a process group ("Freezer(distributed=True) needs ...")
+    ({"distributed": "no"}, TypeError, r"^Freezer\(distributed=\.\.\.\) must be True or False, not 'no'$"),
+    # bool("no") is True: BatchNorm layers of frozen blocks kept training
+    ({"train_bn": "no"}, TypeError, r"^Freezer\(train_bn=\.\.\.\) must be True or False, not 'no'$"),
+])
+def test_a_freezer_option_of_the_wrong_type_is_refused_in_one_line_before_anything_freezes(kwargs, error, message):
+    model = net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(error, match=message):
+        Freezer(model, optimizer, "static", {"k": 2}, **kwargs)
+    assert all(p.requires_grad for p in model.parameters())
+    with Freezer(model, optimizer, "static", {"k": 2}) as freezer:  # nothing claimed the model
+        assert freezer.frozen_blocks == ["0", "2"]

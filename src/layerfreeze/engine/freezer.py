@@ -34,7 +34,7 @@ from torch import nn
 from layerfreeze.distributed import comm
 from layerfreeze.engine import lr_factors, steps
 from layerfreeze.engine import state as checkpoint_state
-from layerfreeze.engine.arguments import resolve
+from layerfreeze.engine.arguments import callback, flag, resolve
 from layerfreeze.engine.attach import attach_optimizer
 from layerfreeze.engine.demote import Demoter, build_demoter
 from layerfreeze.engine.demotion import Demotion
@@ -166,10 +166,10 @@ class Freezer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         lr_factors.keep_plateau_base(optimizer, scheduler)
-        self.train_bn = train_bn
+        self.train_bn = flag("train_bn", train_bn)
         self.total_steps = run_length("total_steps", total_steps)
         self.steps_per_epoch = run_length("steps_per_epoch", steps_per_epoch)
-        self.on_event = on_event
+        self.on_event = callback(on_event)
         self.guard = guard
         self._fsdp = resolved.fsdp
         self.blocks: list[Block] = resolved.blocks
@@ -206,7 +206,7 @@ class Freezer:
         self._in_stage = False  # stages.stage is applying a decision
         self._kept: set[int] = set()  # blocks a stage kept training, or nothing would have trained (warned once each)
         self.closed = False  # close() ran: freeze, thaw and the loop hooks are refused from then on
-        self.distributed = comm.is_distributed() if distributed is None else bool(distributed)
+        self.distributed = comm.is_distributed() if distributed is None else flag("distributed", distributed)
         if self.distributed and not comm.is_distributed():
             raise RuntimeError("Freezer(distributed=True) needs an initialized torch.distributed process group of "
                                "more than one rank")

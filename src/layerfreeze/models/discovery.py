@@ -88,7 +88,8 @@ def refuse_pattern_string(patterns: object, where: str = "") -> None:
         raise TypeError(f"{where + ': ' if where else ''}blocks must be a list of module-name patterns, got the "
                         f"string {patterns!r}: write [{patterns!r}]")
     # an index or a module among them raised "object of type 'int' has no len()" from the pattern matching
-    wrong = next(((i, p) for i, p in enumerate(patterns or ()) if not isinstance(p, str)), None)
+    ready = bool(patterns) and all(isinstance(p, Block) for p in patterns)  # type: ignore[union-attr]
+    wrong = None if ready else next(((i, p) for i, p in enumerate(patterns or ()) if not isinstance(p, str)), None)
     if wrong is not None:
         i, p = wrong
         raise TypeError(f"{where + ': ' if where else ''}blocks must be a list of module-name patterns (str), front to "

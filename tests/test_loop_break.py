@@ -231,3 +231,33 @@ def test_a_freezer_option_of_the_wrong_type_is_refused_in_one_line_before_anythi
     assert all(p.requires_grad for p in model.parameters())
     with Freezer(model, optimizer, "static", {"k": 2}) as freezer:  # nothing claimed the model
         assert freezer.frozen_blocks == ["0", "2"]
+
+
+class Noise(nn.Module):
+    """A parameter-free noise layer: samples in training mode, nothing the cache's module check knows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 0.1 * torch.randn_like(x) if self.training else x
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_prefix_that_draws_random_numbers_is_not_cached(fallback):
+    # the noise between two frozen blocks was drawn once and served from the cache at every step after (the model's
+    # own forward draws anew): it trained on one frozen sample of the noise, in silence
+    from layerfreeze import CachedPrefix, CacheRefused
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Noise(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Freezer(model, optimizer, "static", {"k": 2}) as freezer:
+        forward = CachedPrefix(model, freezer=freezer, fallback=fallback)
+        batch = {"x": torch.randn(4, 8), "labels": torch.tensor([0, 1, 2, 0]), "index": torch.arange(4)}
+        if not fallback:
+            with pytest.raises(CacheRefused, match=r"^the frozen prefix \(depth 2\) drew random numbers as it ran"):
+                forward(batch)
+            return
+        with pytest.warns(RuntimeWarning, match="activation cache turned off.*drew random numbers"):
+            first = forward(batch)
+        second = forward(batch)
+        assert forward.disabled is not None and forward.stats()["hits"] == 0
+        assert not torch.equal(first, second)  # fresh noise at every forward, as the model's own

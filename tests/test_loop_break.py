@@ -261,3 +261,27 @@ def test_a_prefix_that_draws_random_numbers_is_not_cached(fallback):
         second = forward(batch)
         assert forward.disabled is not None and forward.stats()["hits"] == 0
         assert not torch.equal(first, second)  # fresh noise at every forward, as the model's own
+
+
+def test_an_optimizer_loaded_before_the_freezer_is_built_keeps_its_state():
+    # model, optimizer, their states, then the Freezer and its state: the start stage freed the state of what it froze
+    # and the restore cleared the rest, so the run went on from zero Adam moments
+    def build():
+        model = net()
+        return model, torch.optim.AdamW(block_param_groups(model, discover_blocks(model), lr=1e-2))
+
+    model, optimizer = build()
+    freezer = Freezer(model, optimizer, "linear", total_steps=8, steps_per_epoch=4)  # nothing frozen before epoch 1
+    train(model, optimizer, freezer, range(2))
+    saved = copy.deepcopy({"m": model.state_dict(), "o": optimizer.state_dict(), "f": freezer.state_dict()})
+    train(model, optimizer, freezer, range(2, 4))
+    freezer.close()
+    model2, optimizer2 = build()
+    model2.load_state_dict(saved["m"])
+    optimizer2.load_state_dict(saved["o"])
+    freezer2 = Freezer(model2, optimizer2, "linear", total_steps=8, steps_per_epoch=4)
+    freezer2.load_state_dict(saved["f"])
+    assert len(optimizer2.state) == 8
+    train(model2, optimizer2, freezer2, range(2, 4))
+    freezer2.close()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from layerfreeze.distributed import comm
 from layerfreeze.distributed.fsdp import fsdp_modules
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.mechanics import refuse_second_freezer
@@ -91,3 +92,14 @@ def callback(on_event: Any) -> Any:
         raise TypeError(f"Freezer(on_event=...) must be a function of one record (a dict) or None, not "
                         f"{type(on_event).__name__} {on_event!r}")
     return on_event
+
+
+def distributed_mode(distributed: Any) -> bool:
+    """``Freezer(distributed=...)``: None follows the process group (on when one of more than one rank is initialized);
+    True needs one (:func:`flag` for the type)."""
+    if distributed is None:
+        return comm.is_distributed()
+    if flag("distributed", distributed) and not comm.is_distributed():
+        raise RuntimeError("Freezer(distributed=True) needs an initialized torch.distributed process group of more "
+                           "than one rank")
+    return distributed

@@ -12,7 +12,12 @@ parameter now at place ``k`` of group ``g``. Loaded the other way round:
   the optimizer state it rebuilt the groups around (:func:`~layerfreeze.engine.optim.load_param_groups`): the resumed
   run went on from zero Adam moments and momentum, in silence. The post-hook records which parameter held each place
   when the state was loaded; the Freezer's restore gives each saved name the state loaded at its saved place
-  (:func:`carry_over`), so the run resumes as if the documented order had been kept.
+  (:func:`carry_over`), so the run resumes as if the documented order had been kept;
+* when the optimizer's state was loaded before the Freezer was even built (model, optimizer, their states, then the
+  Freezer and its state), the Freezer's start stage freed the state of what it froze and its restore cleared the
+  rest: the same silent loss. What the optimizer holds when the Freezer is built is kept by parameter
+  (:func:`hold`) and given back to the parameters the restored groups hold (:func:`carry_over`), until the first
+  step.
 """
 
 from __future__ import annotations
@@ -99,36 +104,54 @@ def unwatch(freezer: Freezer) -> None:
         freezer._loads = None
 
 
+def hold(freezer: Freezer) -> None:
+    """Keep, by parameter, the state ``freezer``'s optimizer holds as the Freezer is built, before its start stage
+    frees that of the blocks it freezes: a state loaded before the Freezer, which its restore would clear."""
+    optimizer = inner_optimizer(freezer.optimizer) if freezer.optimizer is not None else None
+    freezer._held = dict(optimizer.state) if optimizer is not None and len(optimizer.state) else None
+
+
 def forget(freezer: Freezer) -> None:
     """An optimizer step ran (``Freezer.step``): the state is the optimizer's own from now on, held by the parameters
-    themselves, not by the places of a load."""
+    themselves, not by the places of a load or as it was when the Freezer was built."""
     loads = getattr(freezer, "_loads", None)
     if loads is not None:
         loads.places = None
+    freezer._held = None
 
 
-def loaded_places(freezer: Freezer) -> tuple[list[list[nn.Parameter]], dict[Any, Any]] | None:
+def loaded_places(freezer: Freezer) -> tuple[list[list[nn.Parameter]] | None, dict[Any, Any]] | None:
     """When the optimizer's state was loaded since the last step and its groups still hold the parameters they held
     then, in the same order: those places and the state (by parameter), taken before the Freezer's restore changes
-    either; None otherwise. The record is used once."""
+    either; else, before the first step, ``(None, the state held when the Freezer was built)`` (:func:`hold`); None
+    otherwise. Each record is used once."""
+    held, freezer._held = getattr(freezer, "_held", None), None
     loads = getattr(freezer, "_loads", None)
     if loads is None or loads.places is None:
-        return None
+        return None if held is None else (None, held)
     places, loads.places = loads.places, None
     now = [list(g["params"]) for g in loads.optimizer.param_groups]
     if len(now) != len(places) or any(len(a) != len(b) or any(p is not q for p, q in zip(a, b))
                                       for a, b in zip(now, places)):
-        return None
+        return None if held is None else (None, held)
     return places, dict(loads.optimizer.state)
 
 
-def carry_over(optimizer: torch.optim.Optimizer, loaded: tuple[list[list[nn.Parameter]], dict[Any, Any]] | None,
+def carry_over(optimizer: torch.optim.Optimizer,
+               loaded: tuple[list[list[nn.Parameter]] | None, dict[Any, Any]] | None,
                saved: list[list[str]], by_name: dict[str, nn.Parameter]) -> None:
     """After the Freezer's restore rebuilt the param groups (``saved``: each group's parameter names at the save),
-    give each saved name the state torch loaded at its place (``loaded``, :func:`loaded_places`)."""
+    give each saved name the state torch loaded at its place (``loaded``, :func:`loaded_places`), or each parameter the
+    groups hold the state it held when the Freezer was built."""
     if loaded is None:
         return
     places, state = loaded
+    if places is None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p in state:
+                    optimizer.state[p] = state[p]
+        return
     for group, names in zip(places, saved):
         if len(group) == len(names):
             for p, name in zip(group, names):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -285,3 +286,18 @@ def test_an_optimizer_loaded_before_the_freezer_is_built_keeps_its_state():
     train(model2, optimizer2, freezer2, range(2, 4))
     freezer2.close()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+
+
+def test_a_thaw_under_a_one_cycle_schedule_the_freezer_was_not_given_keeps_its_lr_without_a_false_warning():
+    # "its next step sets the LR back" was warned, but OneCycleLR schedules from the group's max_lr / min_lr, which
+    # the thaw scales: the discriminative LR stayed
+    model = net()
+    optimizer = torch.optim.SGD(block_param_groups(model, discover_blocks(model), lr=1e-2))
+    with Freezer(model, optimizer, "gradual", {"every_steps": 1}, total_steps=8) as freezer:
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            train(model, optimizer, freezer, range(1), scheduler)  # thaws block 2 at lr(head) / 2.6
+        train(model, optimizer, freezer, range(1, 2), scheduler)
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        assert lrs[2] == pytest.approx(lrs[3] / 2.6, rel=1e-12)

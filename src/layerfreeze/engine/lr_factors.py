@@ -20,7 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerfreeze.engine.optim import base_lr, block_groups, exclusive_groups, scale_group_lrs, set_group_lr
+from layerfreeze.engine.optim import (
+    SCHEDULED_KEYS,
+    base_lr,
+    block_groups,
+    exclusive_groups,
+    scale_group_lrs,
+    set_group_lr,
+)
 from layerfreeze.models.blocks import Block
 
 
@@ -176,14 +183,16 @@ def set_block_lr(optimizer: torch.optim.Optimizer, origin: Mapping[int, int], bl
     scale it too.
 
     Warns (UserWarning) when a group carries a scheduler's ``initial_lr`` but no ``scheduler`` was given: that
-    scheduler's next step would set the group's LR back (pass ``scheduler=`` to the Freezer).
+    scheduler's next step would set the group's LR back (pass ``scheduler=`` to the Freezer); not under OneCycleLR,
+    whose schedule follows the group's own ``max_lr`` and ``min_lr``, scaled here.
 
     Raises:
         ValueError: a group that also holds other blocks' parameters.
     """
     for gi in exclusive_groups(optimizer, origin, block, "its own learning rate"):
         group = optimizer.param_groups[gi]
-        if scheduler is None and "initial_lr" in group:
+        # OneCycleLR schedules from the group's own max_lr / min_lr, which set_group_lr scales: its steps keep the LR
+        if scheduler is None and "initial_lr" in group and not all(key in group for key in SCHEDULED_KEYS):
             warnings.warn(f"block {block.name!r} gets lr {lr:g}, but an LR scheduler over this optimizer (its param "
                           "groups carry initial_lr) was not given to the Freezer: its next step sets the LR back. "
                           "Pass it: Freezer(..., scheduler=scheduler)", stacklevel=4)

@@ -301,3 +301,29 @@ def test_a_thaw_under_a_one_cycle_schedule_the_freezer_was_not_given_keeps_its_l
         train(model, optimizer, freezer, range(1, 2), scheduler)
         lrs = [g["lr"] for g in optimizer.param_groups]
         assert lrs[2] == pytest.approx(lrs[3] / 2.6, rel=1e-12)
+
+
+@pytest.mark.parametrize("steps_per_epoch", [3, None])
+def test_a_loop_that_never_calls_epoch_end_is_warned_under_a_strategy_that_decides_only_there(steps_per_epoch):
+    # gradual thaws at epoch ends: without freezer.epoch_end() it trained only the head for the whole run, in silence
+    model = net()
+    optimizer = torch.optim.AdamW(block_param_groups(model, discover_blocks(model), lr=1e-2))
+    with Freezer(model, optimizer, "gradual", total_steps=12, steps_per_epoch=steps_per_epoch) as freezer:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(model, optimizer, freezer, range(12))
+        said = [str(w.message) for w in caught if "epoch_end" in str(w.message)]
+        span = "6 optimizer steps (3 per epoch)" if steps_per_epoch else "7 optimizer steps (the run has 12)"
+        assert said == [f"freezer.epoch_end() has not been called for {span}: strategy 'gradual' decides only at "
+                        "epoch ends, so it has made no decision since its start. Call freezer.epoch_end() after each "
+                        "epoch's last step"]
+        assert caught[0].filename == __file__
+    model = net()  # the same loop calling epoch_end() is not warned
+    optimizer = torch.optim.AdamW(block_param_groups(model, discover_blocks(model), lr=1e-2))
+    with Freezer(model, optimizer, "gradual", total_steps=12, steps_per_epoch=steps_per_epoch) as freezer:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for epoch in range(4):
+                train(model, optimizer, freezer, range(3 * epoch, 3 * epoch + 3))
+                freezer.epoch_end()
+        assert freezer.frozen_blocks == []

@@ -144,6 +144,7 @@ def load_state_dict(freezer: Freezer, state: dict[str, Any]) -> None:
     freezer.integrity.load_state_dict(state.get("frozen_checksums", {}), state.get("frozen_dtypes"))
     freezer.step_count = state["step"]
     freezer.epoch = state["epoch"]
+    freezer._epoch_started = freezer.step_count  # (steps.warn_missing_epoch_end: counted from here)
     freezer.history = list(state["history"])
     _load_grad_sums(freezer, state)
     freezer._backward_calls = state["backward_calls"]

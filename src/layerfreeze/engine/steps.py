@@ -156,7 +156,26 @@ def step(freezer: Freezer) -> Decision | None:
         apply_lr_scales(freezer.optimizer, freezer.blocks, freezer._origin, freezer._lr_scale, freezer._lr_written,
                         relative=isinstance(freezer.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
     freezer._step_times.mark(staged=decision is not None)
+    warn_missing_epoch_end(freezer)
     return decision
+
+
+def warn_missing_epoch_end(freezer: Freezer) -> None:
+    """Warn once when a strategy that decides only at epoch ends (``gradual``, ``linear``, ``geometric``) has gone
+    without ``freezer.epoch_end()`` for two epochs of ``steps_per_epoch``, or, without it, for over half of
+    ``total_steps``: a loop that never called it trained only the head under ``gradual`` and froze nothing under the
+    others, in silence."""
+    strategy = freezer.strategy
+    if not strategy.at_epoch_end or strategy.stage_every or getattr(freezer, "_epoch_end_warned", False):
+        return
+    spe, total, since = freezer.steps_per_epoch, freezer.total_steps, getattr(freezer, "_epoch_started", 0)
+    due = since + 2 * spe if spe else total // 2 + 1 if total and freezer.epoch == 0 else None
+    if due is not None and freezer.step_count >= due:
+        freezer._epoch_end_warned = True
+        span = f"{spe} per epoch" if spe else f"the run has {total}"
+        warnings.warn(f"freezer.epoch_end() has not been called for {freezer.step_count - since} optimizer steps "
+                      f"({span}): strategy {strategy.name!r} decides only at epoch ends, so it has made no decision "
+                      "since its start. Call freezer.epoch_end() after each epoch's last step", stacklevel=4)
 
 
 def epoch_end(freezer: Freezer) -> Decision | None:
@@ -167,6 +186,7 @@ def epoch_end(freezer: Freezer) -> Decision | None:
     """
     decision = stage(freezer, event="epoch_end") if freezer.strategy.at_epoch_end else None
     freezer.epoch += 1
+    freezer._epoch_started = freezer.step_count  # (warn_missing_epoch_end)
     freezer._step_times.restart()  # evaluation and checkpoints happen between epochs: not a step's time
     return decision
 

@@ -327,3 +327,44 @@ def test_a_loop_that_never_calls_epoch_end_is_warned_under_a_strategy_that_decid
                 train(model, optimizer, freezer, range(3 * epoch, 3 * epoch + 3))
                 freezer.epoch_end()
         assert freezer.frozen_blocks == []
+
+
+def test_freezeout_factors_apply_once_when_a_grad_scaler_skips_steps_under_a_warmup():
+    # a skipped step ran no step hook: LinearLR found the scaled LR and took the factor in, once per skipped step
+    # (two skips: 3.6x FreezeOut's LR to the warm-up's end)
+    model = net()
+    optimizer = torch.optim.SGD(block_param_groups(model, discover_blocks(model), lr=1e-2))
+    reference = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1e-2)
+    warmup = lambda opt: torch.optim.lr_scheduler.LinearLR(opt, 0.1, 1.0, total_iters=5)  # noqa: E731
+    scheduler, schedule = warmup(optimizer), warmup(reference)
+    scaler = torch.amp.GradScaler("cpu")
+    freezer = Freezer(model, optimizer, "freezeout", scheduler=scheduler, total_steps=12)
+    ratios = []
+    for t in range(5):
+        loss = nn.functional.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 0]))
+        scaler.scale(loss).backward()
+        freezer.after_backward()
+        if t < 2:
+            model[6].weight.grad[0, 0] = float("inf")  # the scaler skips this step
+        scaler.step(optimizer)
+        scaler.update()
+        reference.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        schedule.step()
+        freezer.step()
+        ratios.append(optimizer.param_groups[0]["lr"] / freezer._lr_scale[0] / reference.param_groups[0]["lr"])
+    freezer.close()
+    assert ratios == pytest.approx([1.0] * 5, rel=1e-12)
+
+
+def test_freezeout_factors_apply_once_under_a_per_epoch_step_lr_stepped_after_epoch_end():
+    model = net()
+    optimizer = torch.optim.SGD(block_param_groups(model, discover_blocks(model), lr=1e-2))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    with Freezer(model, optimizer, "freezeout", scheduler=scheduler, total_steps=12) as freezer:
+        for epoch in range(3):
+            train(model, optimizer, freezer, range(2 * epoch, 2 * epoch + 2))
+            assert optimizer.param_groups[3]["lr"] / freezer._lr_scale[3] == pytest.approx(0.01 * 0.5 ** epoch)
+            freezer.epoch_end()
+            scheduler.step()  # it multiplied the scaled LR: 0.0047, 0.0017 where the schedule says 0.005, 0.0025

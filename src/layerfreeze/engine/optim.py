@@ -235,9 +235,10 @@ def scale_group_lrs(
     ``written`` maps a group to ``(unscaled LR, LR written here last time)`` and is updated. A group whose LR is
     still the value written last time has not been rescheduled (no scheduler, or the scheduler only runs per
     epoch), so the factor is applied to the remembered unscaled LR, not compounded. Schedulers that derive the next
-    LR from the current one (StepLR, ExponentialLR) compound the factor when they step after the Freezer wrote it (a
-    per-epoch scheduler after ``freezer.step()``); stepped between ``optimizer.step()`` and ``freezer.step()`` they
-    find the unscaled LR (:func:`~layerfreeze.engine.lr_factors.restore_unscaled`). ``relative``: the scheduler
+    LR from the current one (StepLR, ExponentialLR) compound the factor when they step where the Freezer's scaled LR
+    is in the group (between ``freezer.step()`` and the next ``after_backward()`` or ``epoch_end()``); stepped after
+    the optimizer step or ``epoch_end()`` they find the unscaled LR (:func:`~layerfreeze.engine.steps.rest_lrs`,
+    :func:`~layerfreeze.engine.lr_factors.restore_unscaled`). ``relative``: the scheduler
     multiplies the LR it finds (ReduceLROnPlateau), so a rescheduled LR found where the scaled one was written is the
     unscaled one times the scheduler's change.
     """

@@ -30,6 +30,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim.lr_scheduler import CosineAnnealingWarmRestarts, CyclicLR, LambdaLR, OneCycleLR
 
 from layerfreeze.distributed import comm
 from layerfreeze.engine import optimizer_load
@@ -51,6 +52,7 @@ def after_backward(freezer: Freezer) -> None:
     freezer._backward_calls += 1
     if freezer.step_count == 0:  # before the first optimizer step: the start stage's LR factors applied twice
         refuse_scheduler_built_after(freezer.optimizer, freezer._lr_written, freezer.strategy.name)
+    rest_lrs(freezer)
     freezer.integrity.check_gradients(freezer)
     if freezer._grad_hook is None:
         sum_gradients(freezer)
@@ -85,14 +87,24 @@ def hook_optimizer(freezer: Freezer) -> None:
         return
     ref = weakref.ref(freezer)  # the optimizer does not keep the Freezer alive
 
+    def scale(optimizer: Any, args: Any, kwargs: Any) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._stepping = True
+            if owner._lr_scale:  # (a no-op where the LR is still the one freezer.step() wrote: rest_lrs)
+                apply_lr_scales(owner.optimizer, owner.blocks, owner._origin, owner._lr_scale, owner._lr_written,
+                                relative=multiplies(owner.scheduler))
+
     def unscale(optimizer: Any, args: Any, kwargs: Any) -> None:
         owner = ref()
-        if owner is not None and owner._lr_written:
-            if owner.step_count == 0:  # (freezer.step() would see the restored LRs; lr_factors.restore_unscaled)
-                refuse_scheduler_built_after(owner.optimizer, owner._lr_written, owner.strategy.name)
-            restore_unscaled(owner.optimizer, owner._lr_written)
+        if owner is not None:
+            owner._stepping = False
+            if owner._lr_written:
+                if owner.step_count == 0:  # (freezer.step() would see the restored LRs; lr_factors.restore_unscaled)
+                    refuse_scheduler_built_after(owner.optimizer, owner._lr_written, owner.strategy.name)
+                restore_unscaled(owner.optimizer, owner._lr_written)
 
-    freezer._lr_hook = optimizer.register_step_post_hook(unscale)
+    freezer._lr_hook = [optimizer.register_step_pre_hook(scale), optimizer.register_step_post_hook(unscale)]
     if "grad_l1" not in freezer.strategy.signals:
         return
 
@@ -115,9 +127,31 @@ def _unhook(freezer: Freezer) -> None:
     if freezer._grad_hook is not None:
         freezer._grad_hook.remove()
         freezer._grad_hook = None
-    if getattr(freezer, "_lr_hook", None) is not None:
-        freezer._lr_hook.remove()
-        freezer._lr_hook = None
+    for handle in getattr(freezer, "_lr_hook", None) or ():
+        handle.remove()
+    freezer._lr_hook = None
+
+
+def multiplies(scheduler: Any) -> bool:
+    """Whether ``scheduler`` multiplies the LR it finds in a group (ReduceLROnPlateau): a change of the scaled LR
+    written at the last step is then that LR times the scheduler's change (``scale_group_lrs``' ``relative``)."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def rest_lrs(freezer: Freezer) -> None:
+    """Give the param groups a factor scales their unscaled LR between optimizer steps, where a scheduler may step
+    (``after_backward``, ``epoch_end``); the optimizer's step pre-hook applies the factors again
+    (:func:`hook_optimizer`). Why: a step a GradScaler skipped on an overflow runs no step hook, so the scheduler that
+    followed found the scaled LR, and one that multiplies what it finds (LinearLR's warm-up) took the factor into its
+    next LR: two skipped steps under a 5-step warm-up trained FreezeOut's first block at 3.6 times its LR to the
+    warm-up's end, in silence. Not inside an optimizer step (Lightning runs the backward in the step's closure), nor
+    for an optimizer without step hooks (nothing would apply the factors again), nor under a scheduler given as
+    ``scheduler=`` that computes each LR from its base (LambdaLR, OneCycleLR, CyclicLR, warm restarts: what it finds
+    does not matter, and the LR in the groups stays the one the step runs at, which the CLI trainer records)."""
+    absolute = (LambdaLR, OneCycleLR, CyclicLR, CosineAnnealingWarmRestarts)
+    if freezer._lr_written and getattr(freezer, "_lr_hook", None) and not getattr(freezer, "_stepping", False) \
+            and not isinstance(freezer.scheduler, absolute):
+        restore_unscaled(freezer.optimizer, freezer._lr_written)
 
 
 def step(freezer: Freezer) -> Decision | None:
@@ -154,7 +188,7 @@ def step(freezer: Freezer) -> Decision | None:
     decision = stage(freezer, event="step") if every and freezer.step_count % every == 0 else None
     if freezer._lr_scale:  # (a plateau scheduler multiplies what it finds: the scaled LR, stepped after step())
         apply_lr_scales(freezer.optimizer, freezer.blocks, freezer._origin, freezer._lr_scale, freezer._lr_written,
-                        relative=isinstance(freezer.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
+                        relative=multiplies(freezer.scheduler))
     freezer._step_times.mark(staged=decision is not None)
     warn_missing_epoch_end(freezer)
     return decision
@@ -187,6 +221,7 @@ def epoch_end(freezer: Freezer) -> Decision | None:
     decision = stage(freezer, event="epoch_end") if freezer.strategy.at_epoch_end else None
     freezer.epoch += 1
     freezer._epoch_started = freezer.step_count  # (warn_missing_epoch_end)
+    rest_lrs(freezer)  # a per-epoch scheduler stepped after epoch_end() finds the unscaled LR
     freezer._step_times.restart()  # evaluation and checkpoints happen between epochs: not a step's time
     return decision
 

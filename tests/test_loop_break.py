@@ -368,3 +368,19 @@ def test_freezeout_factors_apply_once_under_a_per_epoch_step_lr_stepped_after_ep
             assert optimizer.param_groups[3]["lr"] / freezer._lr_scale[3] == pytest.approx(0.01 * 0.5 ** epoch)
             freezer.epoch_end()
             scheduler.step()  # it multiplied the scaled LR: 0.0047, 0.0017 where the schedule says 0.005, 0.0025
+
+
+def test_inputs_cast_with_the_model_after_caching_are_named_among_the_causes():
+    # the refusal named augmentation, a wrong index and two datasets, none of them what happened: the user had cast
+    # the model and its inputs to bfloat16 (rounding the inputs changed their fingerprint)
+    from layerfreeze import CachedPrefix, CacheRefused
+
+    model = net()
+    with Freezer(model, torch.optim.SGD(model.parameters(), lr=0.1), "static", {"k": 2}) as freezer:
+        forward = CachedPrefix(model, freezer=freezer)
+        x = torch.randn(4, 8)
+        forward({"x": x, "index": torch.arange(4)})
+        model.to(torch.bfloat16)
+        with pytest.raises(CacheRefused, match=r"or inputs cast to another dtype since \(model\.to\(torch\.bfloat16\) "
+                                               r"with its inputs: build a new CachedPrefix after the cast\)$"):
+            forward({"x": x.to(torch.bfloat16), "index": torch.arange(4)})

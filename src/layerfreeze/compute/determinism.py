@@ -31,8 +31,9 @@ CHANGED_INPUTS = (
     "the inputs of sample {index} changed since its prefix output was cached. The cache keys each sample by its "
     "'index', so this is one of: random augmentation in the dataset (make the transform deterministic, or set cache: "
     "off); an 'index' that is not the sample's own (a position within the batch: give each item its position in the "
-    "dataset); or two datasets through one CachedPrefix (evaluate with the model's own forward, or another "
-    "CachedPrefix)"
+    "dataset); two datasets through one CachedPrefix (evaluate with the model's own forward, or another "
+    "CachedPrefix); or inputs cast to another dtype since (model.to(torch.bfloat16) with its inputs: build a new "
+    "CachedPrefix after the cast)"
 )
 
 

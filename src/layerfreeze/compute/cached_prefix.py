@@ -52,6 +52,7 @@ from layerfreeze.compute.determinism import (
     check_prefix_deterministic,
     precision_key,
     precision_warning,
+    refuse_random_draws,
 )
 from layerfreeze.compute.store import ActivationCache, CacheWriteError, pad_dim0
 from layerfreeze.distributed import comm
@@ -266,14 +267,9 @@ class CachedPrefix:
             self._warm = True
             return self.split.full(self.model, batch)
         if "index" not in batch:
-            why = ("the batch has no 'index' (each sample's position in its dataset, e.g. "
-                   f"{{'index': i}} in the dataset's items); its keys: {', '.join(map(str, batch))}. The "
-                   "activation cache is keyed by it")
-            if not self.fallback:
-                raise ValueError(why)
-            self._turn_off(why)
-            self.full_forwards += 1
-            return self.split.full(self.model, batch)
+            return self._refused(ValueError(
+                "the batch has no 'index' (each sample's position in its dataset, e.g. {'index': i} in the dataset's "
+                f"items); its keys: {', '.join(map(str, batch))}. The activation cache is keyed by it"), batch)
         if not self._same_precision(batch):
             self.full_forwards += 1
             return self.split.full(self.model, batch)
@@ -295,15 +291,22 @@ class CachedPrefix:
         if self.sharded:
             refused, plan = self._agree(refused, plan)
         if refused is not None:
-            if not self.fallback:
-                raise refused
-            self._turn_off(str(refused))
-            self.full_forwards += 1
-            return self.split.full(self.model, batch)
+            return self._refused(refused, batch)
         if self.freezer is not None:  # demote offload="cpu": the served prefix's weights leave the device (no-op else)
             self.freezer.offload_prefix(depth)
-        state = self._states(batch, plan, depth)
+        try:
+            state = self._states(batch, plan, depth)
+        except CacheRefused as exc:  # the prefix drew random numbers as it ran (determinism.refuse_random_draws)
+            return self._refused(exc, batch)
         return self.split.suffix(self.model, state, batch, depth)
+
+    def _refused(self, why: Exception, batch: dict[str, Any]) -> torch.Tensor:
+        """Raise ``why``, or with ``fallback`` turn the cache off for good and run the full forward."""
+        if not self.fallback:
+            raise why
+        self._turn_off(str(why))
+        self.full_forwards += 1
+        return self.split.full(self.model, batch)
 
     @torch.no_grad()
     def warm_up(self, batch: dict[str, Any]) -> None:
@@ -488,16 +491,19 @@ class CachedPrefix:
                 return hit_states
         rows = _on_device(miss, device)
         t0 = _now(device)
+        with refuse_random_draws(depth):  # a stochastic module check_prefix_deterministic does not know
+            if plan.start > 0 and plan.old is not None:
+                old = plan.old
+                filler = old[:1].expand(size, *old.shape[1:]).clone()  # the other rows: any state, then dropped
+                filler[rows] = old
+                states = self.split.extend(self.model, filler, batch, plan.start, depth)
+            else:  # no common older entry (or it was lost to a corrupt shard just now): the whole batch's prefix
+                states = self.split.prefix(self.model, batch, depth)
         if plan.start > 0 and plan.old is not None:
-            old = plan.old
-            filler = old[:1].expand(size, *old.shape[1:]).clone()  # the other rows: any state, then dropped
-            filler[rows] = old
-            states = self.split.extend(self.model, filler, batch, plan.start, depth)
             self.extend_samples += len(miss)
             base = self._cost.get(plan.start, 0.0)
             self.saved_seconds += len(miss) * base
-        else:  # no common older entry (or it was lost to a corrupt shard just now): the whole batch's prefix
-            states = self.split.prefix(self.model, batch, depth)
+        else:
             self.prefix_samples += len(miss)
             base = 0.0
         if plan.compute_only:  # FSDP2: computed because another rank had misses; this rank's rows are all hits

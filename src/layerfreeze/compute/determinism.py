@@ -1,6 +1,7 @@
 """What would make a cached frozen-prefix output wrong, refused with a message that says why: random augmentation in
 the dataset (:func:`check_deterministic`), a module of the prefix that is stochastic in its current mode
-(:func:`check_prefix_deterministic`: dropout, BatchNorm in training mode). :class:`CacheRefused` is what the
+(:func:`check_prefix_deterministic`: dropout, BatchNorm in training mode), or any module that draws random numbers
+as the prefix runs (:func:`refuse_random_draws`). :class:`CacheRefused` is what the
 activation cache (:mod:`~layerfreeze.compute.cache`) raises, or turns itself off on, with ``fallback``. And a forward
 under another autocast precision than the cache was filled under (:func:`precision_key`, :func:`precision_warning`),
 which runs the full model.
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -29,8 +31,9 @@ CHANGED_INPUTS = (
     "the inputs of sample {index} changed since its prefix output was cached. The cache keys each sample by its "
     "'index', so this is one of: random augmentation in the dataset (make the transform deterministic, or set cache: "
     "off); an 'index' that is not the sample's own (a position within the batch: give each item its position in the "
-    "dataset); or two datasets through one CachedPrefix (evaluate with the model's own forward, or another "
-    "CachedPrefix)"
+    "dataset); two datasets through one CachedPrefix (evaluate with the model's own forward, or another "
+    "CachedPrefix); or inputs cast to another dtype since (model.to(torch.bfloat16) with its inputs: build a new "
+    "CachedPrefix after the cast)"
 )
 
 
@@ -243,6 +246,26 @@ def check_prefix_deterministic(
                     "run to run, so it cannot be cached. Put it in eval mode, freeze with train_bn=False, or set "
                     "cache: off"
                 )
+
+
+@contextmanager
+def refuse_random_draws(depth: int) -> Iterator[None]:
+    """Run the frozen prefix for the activation cache, refusing what it computed when it drew from the global random
+    number generators (:func:`drew_from_global_random`): a module that samples in training mode which
+    :func:`check_prefix_deterministic` does not know (a noise layer between a ``nn.Sequential``'s blocks, functional
+    dropout, stochastic depth) gave the cache one draw per sample, served at every later step where the model's own
+    forward draws anew: it trained on one frozen sample of the noise, in silence.
+
+    Raises:
+        CacheRefused: saying what to do.
+    """
+    before = global_random_states()
+    yield
+    if drew_from_global_random(before):
+        raise CacheRefused(
+            f"the frozen prefix (depth {depth}) drew random numbers as it ran (a module in training mode that samples: "
+            "noise, functional dropout, stochastic depth): its output changes from run to run, so it cannot be cached. "
+            "Put that module in eval mode, or set cache: off")
 
 
 def precision_key(device: torch.device) -> tuple[bool, torch.dtype | None]:

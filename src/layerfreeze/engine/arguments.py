@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from layerfreeze.distributed import comm
 from layerfreeze.distributed.fsdp import fsdp_modules
 from layerfreeze.engine.guard import StabilityGuard
 from layerfreeze.engine.mechanics import refuse_second_freezer
@@ -49,6 +50,9 @@ def resolve(model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy:
     """
     check_model_and_optimizer(model, optimizer)
     check_strategy_arguments(strategy, strategy_params)
+    if guard is not None and not isinstance(guard, StabilityGuard):  # a dict raised AttributeError at the first stage
+        raise TypeError(f"Freezer(guard=...) must be a layerfreeze.StabilityGuard (e.g. StabilityGuard(tolerance=0.05, "
+                        f"patience=1)) or None, not a {type(guard).__name__}")
     refuse_second_freezer(model)
     earlier = check_earlier(model, freezer_type)  # refuses what cannot be taken over
     fsdp = fsdp_modules(model)
@@ -71,3 +75,31 @@ def resolve(model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy:
                       "it again, so the guard cannot undo its freezes. Drop the guard, or pick a strategy the guard "
                       "can undo", stacklevel=3)
     return Resolved(resolved, strategy, earlier, fsdp, registered, stack_layers(resolved))
+
+
+def flag(name: str, value: Any) -> bool:
+    """A Freezer option that is True or False (``distributed="no"`` was True, and refused as a request for a process
+    group; ``train_bn="no"`` kept BatchNorm layers of frozen blocks training)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"Freezer({name}=...) must be True or False, not {value!r}")
+    return value
+
+
+def callback(on_event: Any) -> Any:
+    """``on_event``, checked to be callable or None (an int raised "'int' object is not callable" from the start
+    stage's first freeze)."""
+    if on_event is not None and not callable(on_event):
+        raise TypeError(f"Freezer(on_event=...) must be a function of one record (a dict) or None, not "
+                        f"{type(on_event).__name__} {on_event!r}")
+    return on_event
+
+
+def distributed_mode(distributed: Any) -> bool:
+    """``Freezer(distributed=...)``: None follows the process group (on when one of more than one rank is initialized);
+    True needs one (:func:`flag` for the type)."""
+    if distributed is None:
+        return comm.is_distributed()
+    if flag("distributed", distributed) and not comm.is_distributed():
+        raise RuntimeError("Freezer(distributed=True) needs an initialized torch.distributed process group of more "
+                           "than one rank")
+    return distributed

@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from layerfreeze.distributed import comm
-from layerfreeze.engine import lr_factors, steps
+from layerfreeze.engine import lr_factors, optimizer_load, steps
 from layerfreeze.engine import state as checkpoint_state
-from layerfreeze.engine.arguments import resolve
+from layerfreeze.engine.arguments import callback, distributed_mode, flag, resolve
 from layerfreeze.engine.attach import attach_optimizer
 from layerfreeze.engine.demote import Demoter, build_demoter
 from layerfreeze.engine.demotion import Demotion
@@ -166,10 +166,10 @@ class Freezer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         lr_factors.keep_plateau_base(optimizer, scheduler)
-        self.train_bn = train_bn
+        self.train_bn = flag("train_bn", train_bn)
         self.total_steps = run_length("total_steps", total_steps)
         self.steps_per_epoch = run_length("steps_per_epoch", steps_per_epoch)
-        self.on_event = on_event
+        self.on_event = callback(on_event)
         self.guard = guard
         self._fsdp = resolved.fsdp
         self.blocks: list[Block] = resolved.blocks
@@ -185,6 +185,7 @@ class Freezer:
         if optimizer is not None:
             self._origin = group_origin(optimizer)
             adopt_origins(self)  # groups an earlier Freezer with this optimizer took parameters out of
+            optimizer_load.hold(self)  # a state loaded before the Freezer: its start stage frees part of it
         # what the user set before the Freezer, a thaw gives back as it was (mechanics.frozen_before, not_optimized)
         self._frozen_before = frozen_before(model)
         self._not_optimized = not_optimized(model, self._origin) if optimizer is not None else set()
@@ -206,10 +207,7 @@ class Freezer:
         self._in_stage = False  # stages.stage is applying a decision
         self._kept: set[int] = set()  # blocks a stage kept training, or nothing would have trained (warned once each)
         self.closed = False  # close() ran: freeze, thaw and the loop hooks are refused from then on
-        self.distributed = comm.is_distributed() if distributed is None else bool(distributed)
-        if self.distributed and not comm.is_distributed():
-            raise RuntimeError("Freezer(distributed=True) needs an initialized torch.distributed process group of "
-                               "more than one rank")
+        self.distributed = distributed_mode(distributed)
         #: Whether this process runs the strategy: always in one process, on rank 0 only when distributed.
         self.decides = not self.distributed or comm.rank() == 0
         if self._fsdp and self.distributed:  # checksums of shards: the same on every rank (integrity.checksum)

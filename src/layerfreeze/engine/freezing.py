@@ -73,7 +73,10 @@ def freeze_block(freezer: Freezer, block: Block, reason: str) -> bool:
     freezer._frozen_before.difference_update(id(p) for p in params if p.requires_grad)
     stop_training(params, freezer._frozen_before)
     if freezer.optimizer is not None:
-        freezer._origin.update(remove_from_optimizer(freezer.optimizer, params))
+        found = remove_from_optimizer(freezer.optimizer, params)
+        freezer._origin.update(found)
+        # held now though not when the Freezer was built (optimizer.add_param_group since): a thaw puts them back
+        freezer._not_optimized.difference_update(found)
     for _, module in block.modules:
         record_momentum(module)  # what set_eval_mode tells a recalibration (update_bn) by
         set_eval_mode(module, freezer.train_bn)
@@ -188,8 +191,10 @@ def refreeze(freezer: Freezer, param: nn.Parameter, old: nn.Parameter | None) ->
     if param.requires_grad:  # made trainable by hand while its block is frozen: it trains when the block thaws
         freezer._frozen_before.discard(id(param))
     stop_training([param], freezer._frozen_before)  # (the Freezer's mark: not the user's frozen parameter)
-    if freezer.optimizer is not None:
-        remove_from_optimizer(freezer.optimizer, [param])
+    if freezer.optimizer is not None:  # put back in a param group by the user: a thaw puts it there again
+        found = remove_from_optimizer(freezer.optimizer, [param])
+        freezer._origin.update(found)
+        freezer._not_optimized.difference_update(found)
     if old is not None and old is not param:
         if id(old) in freezer._origin:
             freezer._origin[id(param)] = freezer._origin.pop(id(old))

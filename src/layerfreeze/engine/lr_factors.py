@@ -20,17 +20,42 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerfreeze.engine.optim import base_lr, block_groups, exclusive_groups, scale_group_lrs, set_group_lr
+from layerfreeze.engine.optim import (
+    SCHEDULED_KEYS,
+    base_lr,
+    block_groups,
+    exclusive_groups,
+    scale_group_lrs,
+    set_group_lr,
+)
 from layerfreeze.models.blocks import Block
 
 
 def apply_lr_scales(optimizer: torch.optim.Optimizer | None, blocks: Sequence[Block], origin: Mapping[int, int],
-                    lr_scale: Mapping[int, float], lr_written: dict[int, tuple[float, float]]) -> None:
+                    lr_scale: Mapping[int, float], lr_written: dict[int, tuple[float, float]],
+                    relative: bool = False) -> None:
     """Multiply each scaled block's scheduled LR by its factor
-    (:func:`~layerfreeze.engine.optim.scale_group_lrs`); no-op without an optimizer."""
+    (:func:`~layerfreeze.engine.optim.scale_group_lrs`, whose ``relative`` this passes on); no-op without an
+    optimizer."""
     if optimizer is not None:
         scales = {gi: scale for index, scale in lr_scale.items() for gi in block_groups(origin, blocks[index])}
-        scale_group_lrs(optimizer, scales, lr_written)
+        scale_group_lrs(optimizer, scales, lr_written, relative)
+
+
+def restore_unscaled(optimizer: torch.optim.Optimizer, lr_written: dict[int, tuple[float, float]]) -> None:
+    """After an optimizer step (a step post-hook, :func:`~layerfreeze.engine.steps.hook_optimizer`): give every param
+    group a factor scaled its unscaled LR back, until ``freezer.step()`` applies this step's factor.
+
+    Why: the scheduler steps between the two, and the schedulers that derive the next LR from the current one
+    (LinearLR's warm-up and so SequentialLR, CosineAnnealingLR, StepLR, ReduceLROnPlateau stepped per step) took the
+    factor into their next LR, and the Freezer multiplied it in again: under a 3-step LinearLR warm-up, FreezeOut's
+    first block trained at 3.6 times its LR from the second step, in silence. A group whose LR was changed since the
+    Freezer wrote it is left alone."""
+    for gi, (unscaled, wrote) in list(lr_written.items()):
+        group = optimizer.param_groups[gi]
+        if unscaled is not None and group["lr"] == wrote:
+            group["lr"] = unscaled
+            lr_written[gi] = (unscaled, unscaled)
 
 
 def set_lr_scales(lr_scale: dict[int, float], factors: Mapping[int, float], optimizer: torch.optim.Optimizer | None,
@@ -43,11 +68,37 @@ def set_lr_scales(lr_scale: dict[int, float], factors: Mapping[int, float], opti
     """
     for i, scale in factors.items():
         if optimizer is not None:  # without one yet, attach_optimizer checks and applies the factors
-            exclusive_groups(optimizer, origin, blocks[i], "a learning-rate factor")
+            numeric_lrs(optimizer, exclusive_groups(optimizer, origin, blocks[i], "a learning-rate factor"), blocks[i],
+                        "a learning-rate factor")
         if scale == 1.0:
             lr_scale.pop(i, None)
         else:
             lr_scale[i] = float(scale)
+
+
+def refuse_scheduler_built_after(optimizer: torch.optim.Optimizer | None, lr_written: Mapping[int, tuple[float, float]],
+                                 strategy: str) -> None:
+    """Refuse an LR scheduler built after the Freezer whose start stage set LR factors (FreezeOut's ``1 / t_i``).
+
+    Why: a scheduler takes each group's LR when it is built as its base (``initial_lr``, ``base_lrs``); built after
+    the factors were written, its base holds them, and the Freezer multiplies them in again after every scheduler
+    step: the first block trained at about twice FreezeOut's LR, in silence. Seen as a group whose ``initial_lr`` is
+    the scaled LR the Freezer wrote (``lr_written``), not the LR it scaled. The Freezer checks it before its first
+    step (``after_backward``, ``step``), when nothing but the constructor has written.
+
+    Raises:
+        RuntimeError: naming the group and the two LRs, and saying to build the scheduler first and pass it.
+    """
+    if optimizer is None:
+        return
+    for gi, (unscaled, wrote) in sorted(lr_written.items()):
+        group = optimizer.param_groups[gi]
+        if wrote != unscaled and group.get("initial_lr") == wrote:
+            raise RuntimeError(
+                f"an LR scheduler was built after the Freezer: it took param group {gi}'s learning rate {wrote:g}, "
+                f"which strategy {strategy!r} had scaled from {unscaled:g} by its per-block factor, as its base, so "
+                "the factor would apply twice from its next step. Build the scheduler before the Freezer and pass it: "
+                "Freezer(..., scheduler=scheduler)")
 
 
 def check_lr_scales(optimizer: torch.optim.Optimizer, origin: Mapping[int, int], blocks: Sequence[Block],
@@ -58,7 +109,27 @@ def check_lr_scales(optimizer: torch.optim.Optimizer, origin: Mapping[int, int],
         ValueError: a group that also holds other blocks' parameters.
     """
     for i in lr_scale:
-        exclusive_groups(optimizer, origin, blocks[i], "a learning-rate factor")
+        numeric_lrs(optimizer, exclusive_groups(optimizer, origin, blocks[i], "a learning-rate factor"), blocks[i],
+                    "a learning-rate factor")
+
+
+def numeric_lrs(optimizer: torch.optim.Optimizer, groups: Sequence[int], block: Block, purpose: str) -> None:
+    """Refuse to give ``block`` ``purpose`` (a factor, an LR of its own) when one of its param ``groups`` has no
+    numeric ``lr``: Adafactor with ``relative_step=True`` (``lr=None``) computes its own step size, so a factor
+    failed with a bare ``TypeError`` ("unsupported operand type(s) for *: 'NoneType' and 'float'") from the Freezer's
+    constructor, and a thaw's LR (gradual's discriminative LRs) was written where Adafactor never reads it.
+
+    Raises:
+        ValueError: naming the group and its ``lr``, and what to build instead.
+    """
+    for gi in groups:
+        lr = optimizer.param_groups[gi].get("lr")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+            raise ValueError(
+                f"Cannot give block {block.name!r} {purpose}: its param group {gi} has lr={lr!r}, no learning rate "
+                "to scale (Adafactor with relative_step=True computes its own step size). Build the optimizer with a "
+                "learning rate, e.g. Adafactor(params, lr=1e-3, relative_step=False, scale_parameter=False, "
+                "warmup_init=False), or use a strategy that sets no learning rates")
 
 
 def check_block_lr(optimizer: torch.optim.Optimizer | None, origin: Mapping[int, int], block: Block, lr: float,
@@ -67,7 +138,9 @@ def check_block_lr(optimizer: torch.optim.Optimizer | None, origin: Mapping[int,
     group that also holds other blocks' parameters, or none of its parameters in a param group."""
     if optimizer is None or not 0 < lr < math.inf:
         raise ValueError(f"set_block_lr needs an optimizer and a finite lr > 0 (got lr={lr})")
-    if not exclusive_groups(optimizer, origin, block, purpose):
+    groups = exclusive_groups(optimizer, origin, block, purpose)
+    numeric_lrs(optimizer, groups, block, purpose)
+    if not groups:
         raise ValueError(f"Cannot give block {block.name!r} {purpose}: none of its parameters is in a param group of "
                          "the optimizer (build the optimizer from layerfreeze.block_param_groups(...), one group per "
                          "block)")
@@ -110,14 +183,16 @@ def set_block_lr(optimizer: torch.optim.Optimizer, origin: Mapping[int, int], bl
     scale it too.
 
     Warns (UserWarning) when a group carries a scheduler's ``initial_lr`` but no ``scheduler`` was given: that
-    scheduler's next step would set the group's LR back (pass ``scheduler=`` to the Freezer).
+    scheduler's next step would set the group's LR back (pass ``scheduler=`` to the Freezer); not under OneCycleLR,
+    whose schedule follows the group's own ``max_lr`` and ``min_lr``, scaled here.
 
     Raises:
         ValueError: a group that also holds other blocks' parameters.
     """
     for gi in exclusive_groups(optimizer, origin, block, "its own learning rate"):
         group = optimizer.param_groups[gi]
-        if scheduler is None and "initial_lr" in group:
+        # OneCycleLR schedules from the group's own max_lr / min_lr, which set_group_lr scales: its steps keep the LR
+        if scheduler is None and "initial_lr" in group and not all(key in group for key in SCHEDULED_KEYS):
             warnings.warn(f"block {block.name!r} gets lr {lr:g}, but an LR scheduler over this optimizer (its param "
                           "groups carry initial_lr) was not given to the Freezer: its next step sets the LR back. "
                           "Pass it: Freezer(..., scheduler=scheduler)", stacklevel=4)

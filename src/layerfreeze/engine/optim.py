@@ -227,21 +227,28 @@ def exclusive_groups(
 
 
 def scale_group_lrs(
-    optimizer: torch.optim.Optimizer, scales: Mapping[int, float], written: dict[int, tuple[float, float]]
+    optimizer: torch.optim.Optimizer, scales: Mapping[int, float], written: dict[int, tuple[float, float]],
+    relative: bool = False,
 ) -> None:
     """Multiply param group ``gi``'s scheduled LR by ``scales[gi]`` (after the scheduler has set this step's LR).
 
     ``written`` maps a group to ``(unscaled LR, LR written here last time)`` and is updated. A group whose LR is
     still the value written last time has not been rescheduled (no scheduler, or the scheduler only runs per
     epoch), so the factor is applied to the remembered unscaled LR, not compounded. Schedulers that derive the next
-    LR from the current one (StepLR, ExponentialLR) would compound the factor: use LambdaLR-style schedulers (as
-    the CLI trainer does) with strategies that scale LRs.
+    LR from the current one (StepLR, ExponentialLR) compound the factor when they step where the Freezer's scaled LR
+    is in the group (between ``freezer.step()`` and the next ``after_backward()`` or ``epoch_end()``); stepped after
+    the optimizer step or ``epoch_end()`` they find the unscaled LR (:func:`~layerfreeze.engine.steps.rest_lrs`,
+    :func:`~layerfreeze.engine.lr_factors.restore_unscaled`). ``relative``: the scheduler
+    multiplies the LR it finds (ReduceLROnPlateau), so a rescheduled LR found where the scaled one was written is the
+    unscaled one times the scheduler's change.
     """
     for gi, scale in scales.items():
         group = optimizer.param_groups[gi]
         unscaled, last = written.get(gi, (None, None))
         if last is None or group["lr"] != last:
-            unscaled = group["lr"]
+            # a plateau reduction of the scaled LR written at the last step: the factor came with it, once more
+            multiplied = relative and unscaled is not None and last and last != unscaled
+            unscaled = unscaled * (group["lr"] / last) if multiplied else group["lr"]
         group["lr"] = unscaled * scale
         written[gi] = (unscaled, group["lr"])
 

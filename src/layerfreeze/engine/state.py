@@ -18,6 +18,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from layerfreeze.distributed import comm
+from layerfreeze.engine import optimizer_load
 from layerfreeze.engine.mechanics import frozen_by_user
 from layerfreeze.engine.optim import load_param_groups
 from layerfreeze.engine.sharding import sharded
@@ -117,6 +118,7 @@ def load_state_dict(freezer: Freezer, state: dict[str, Any]) -> None:
                          f"demote={mine!r}; resume with the same demotion (freeze.demote) so frozen blocks hold "
                          "the same weights")
     sharded(freezer._fsdp)
+    loaded = optimizer_load.loaded_places(freezer)  # an optimizer state loaded first: kept, not cleared (its module)
     freezer._floor |= {int(i) for i in state.get("floor", [])}
     _load_user_frozen(freezer, state.get("user_frozen", []))
     freezer._in_stage = True  # the saved frozen set, applied block by block: "nothing trains" would see it half done
@@ -137,10 +139,12 @@ def load_state_dict(freezer: Freezer, state: dict[str, Any]) -> None:
                 f"checkpoint's: saved {saved}, this run {now}; build the optimizer as the saved run did, its outside "
                 "parameters in the same groups and order")
         load_param_groups(freezer.optimizer, state["param_groups"], by_name)
+        optimizer_load.carry_over(freezer.optimizer, loaded, state["param_groups"], by_name)
         freezer._origin = {id(by_name[n]): gi for n, gi in state["origin"].items()}
     freezer.integrity.load_state_dict(state.get("frozen_checksums", {}), state.get("frozen_dtypes"))
     freezer.step_count = state["step"]
     freezer.epoch = state["epoch"]
+    freezer._epoch_started = freezer.step_count  # (steps.warn_missing_epoch_end: counted from here)
     freezer.history = list(state["history"])
     _load_grad_sums(freezer, state)
     freezer._backward_calls = state["backward_calls"]

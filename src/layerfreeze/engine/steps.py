@@ -29,16 +29,18 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch.optim.lr_scheduler import CosineAnnealingWarmRestarts, CyclicLR, LambdaLR, OneCycleLR
+
 from layerfreeze.distributed import comm
-from layerfreeze.engine.lr_factors import apply_lr_scales
+from layerfreeze.engine import optimizer_load
+from layerfreeze.engine.lr_factors import apply_lr_scales, refuse_scheduler_built_after, restore_unscaled
 from layerfreeze.engine.optim import inner_optimizer
 from layerfreeze.engine.sharding import sharded
 from layerfreeze.engine.stages import stage, sums_gradients
 from layerfreeze.strategies import Decision
 
 if TYPE_CHECKING:  # the hooks' work on a Freezer; the Freezer calls it, never the other way round
-    import torch
-
     from layerfreeze.engine.freezer import Freezer
 
 
@@ -48,6 +50,9 @@ def after_backward(freezer: Freezer) -> None:
     has no optimizer to read them at (:func:`hook_optimizer`), also add the gradients to the running sums
     (:func:`sum_gradients`)."""
     freezer._backward_calls += 1
+    if freezer.step_count == 0:  # before the first optimizer step: the start stage's LR factors applied twice
+        refuse_scheduler_built_after(freezer.optimizer, freezer._lr_written, freezer.strategy.name)
+    rest_lrs(freezer)
     freezer.integrity.check_gradients(freezer)
     if freezer._grad_hook is None:
         sum_gradients(freezer)
@@ -73,12 +78,35 @@ def hook_optimizer(freezer: Freezer) -> None:
     ``torch.optim`` leave ``.grad`` as they found it. A previous hook is removed; none is
     set without an optimizer that takes one, or for a strategy that does not read ``grad_l1``. A wrapper (accelerate's
     ``AcceleratedOptimizer`` subclasses ``torch.optim.Optimizer`` but never runs its ``__init__``, so it has no hooks)
-    gets the hook on the optimizer it wraps, whose step runs once per real update."""
+    gets the hook on the optimizer it wraps, whose step runs once per real update. Its ``load_state_dict`` is watched
+    too (:func:`~layerfreeze.engine.optimizer_load.watch`: an optimizer loaded before the Freezer's state)."""
+    optimizer_load.watch(freezer)
     _unhook(freezer)
     optimizer = inner_optimizer(freezer.optimizer)
-    if not hasattr(optimizer, "_optimizer_step_post_hooks") or "grad_l1" not in freezer.strategy.signals:
+    if not hasattr(optimizer, "_optimizer_step_post_hooks"):
         return
     ref = weakref.ref(freezer)  # the optimizer does not keep the Freezer alive
+
+    def scale(optimizer: Any, args: Any, kwargs: Any) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._stepping = True
+            if owner._lr_scale:  # (a no-op where the LR is still the one freezer.step() wrote: rest_lrs)
+                apply_lr_scales(owner.optimizer, owner.blocks, owner._origin, owner._lr_scale, owner._lr_written,
+                                relative=multiplies(owner.scheduler))
+
+    def unscale(optimizer: Any, args: Any, kwargs: Any) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._stepping = False
+            if owner._lr_written:
+                if owner.step_count == 0:  # (freezer.step() would see the restored LRs; lr_factors.restore_unscaled)
+                    refuse_scheduler_built_after(owner.optimizer, owner._lr_written, owner.strategy.name)
+                restore_unscaled(owner.optimizer, owner._lr_written)
+
+    freezer._lr_hook = [optimizer.register_step_pre_hook(scale), optimizer.register_step_post_hook(unscale)]
+    if "grad_l1" not in freezer.strategy.signals:
+        return
 
     def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         owner = ref()
@@ -89,8 +117,9 @@ def hook_optimizer(freezer: Freezer) -> None:
 
 
 def release_gradients(freezer: Freezer) -> None:
-    """Remove the optimizer hook of :func:`hook_optimizer` and free the running sums (``Freezer.close``)."""
+    """Remove the optimizer hooks of :func:`hook_optimizer` and free the running sums (``Freezer.close``)."""
     _unhook(freezer)
+    optimizer_load.unwatch(freezer)
     freezer._grad_sums.load_state_dict({})
 
 
@@ -98,6 +127,31 @@ def _unhook(freezer: Freezer) -> None:
     if freezer._grad_hook is not None:
         freezer._grad_hook.remove()
         freezer._grad_hook = None
+    for handle in getattr(freezer, "_lr_hook", None) or ():
+        handle.remove()
+    freezer._lr_hook = None
+
+
+def multiplies(scheduler: Any) -> bool:
+    """Whether ``scheduler`` multiplies the LR it finds in a group (ReduceLROnPlateau): a change of the scaled LR
+    written at the last step is then that LR times the scheduler's change (``scale_group_lrs``' ``relative``)."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def rest_lrs(freezer: Freezer) -> None:
+    """Give the param groups a factor scales their unscaled LR between optimizer steps, where a scheduler may step
+    (``after_backward``, ``epoch_end``); the optimizer's step pre-hook applies the factors again
+    (:func:`hook_optimizer`). Why: a step a GradScaler skipped on an overflow runs no step hook, so the scheduler that
+    followed found the scaled LR, and one that multiplies what it finds (LinearLR's warm-up) took the factor into its
+    next LR: two skipped steps under a 5-step warm-up trained FreezeOut's first block at 3.6 times its LR to the
+    warm-up's end, in silence. Not inside an optimizer step (Lightning runs the backward in the step's closure), nor
+    for an optimizer without step hooks (nothing would apply the factors again), nor under a scheduler given as
+    ``scheduler=`` that computes each LR from its base (LambdaLR, OneCycleLR, CyclicLR, warm restarts: what it finds
+    does not matter, and the LR in the groups stays the one the step runs at, which the CLI trainer records)."""
+    absolute = (LambdaLR, OneCycleLR, CyclicLR, CosineAnnealingWarmRestarts)
+    if freezer._lr_written and getattr(freezer, "_lr_hook", None) and not getattr(freezer, "_stepping", False) \
+            and not isinstance(freezer.scheduler, absolute):
+        restore_unscaled(freezer.optimizer, freezer._lr_written)
 
 
 def step(freezer: Freezer) -> Decision | None:
@@ -112,7 +166,10 @@ def step(freezer: Freezer) -> Decision | None:
             with ``on_unfrozen="error"``.
         RuntimeError: from the stage (:func:`~layerfreeze.engine.stages.stage`).
     """
+    if freezer.step_count == 0:  # a loop without after_backward(): the start stage's LR factors applied twice
+        refuse_scheduler_built_after(freezer.optimizer, freezer._lr_written, freezer.strategy.name)
     freezer.step_count += 1
+    optimizer_load.forget(freezer)  # the optimizer's state is its own from now on, not a load's (optimizer_load)
     if freezer.total_steps is not None and freezer.step_count == freezer.total_steps + 1:
         # the strategies that place their stages by the fraction of training done read past the end as the end
         # (freezeout's LRs are 0 from there: training stopped in silence); counting micro-batches instead of
@@ -129,10 +186,30 @@ def step(freezer: Freezer) -> Decision | None:
         freezer.integrity.check_ranks_agree(freezer, comm.all_gather_object)
     every = freezer.strategy.stage_every
     decision = stage(freezer, event="step") if every and freezer.step_count % every == 0 else None
-    if freezer._lr_scale:
-        apply_lr_scales(freezer.optimizer, freezer.blocks, freezer._origin, freezer._lr_scale, freezer._lr_written)
+    if freezer._lr_scale:  # (a plateau scheduler multiplies what it finds: the scaled LR, stepped after step())
+        apply_lr_scales(freezer.optimizer, freezer.blocks, freezer._origin, freezer._lr_scale, freezer._lr_written,
+                        relative=multiplies(freezer.scheduler))
     freezer._step_times.mark(staged=decision is not None)
+    warn_missing_epoch_end(freezer)
     return decision
+
+
+def warn_missing_epoch_end(freezer: Freezer) -> None:
+    """Warn once when a strategy that decides only at epoch ends (``gradual``, ``linear``, ``geometric``) has gone
+    without ``freezer.epoch_end()`` for two epochs of ``steps_per_epoch``, or, without it, for over half of
+    ``total_steps``: a loop that never called it trained only the head under ``gradual`` and froze nothing under the
+    others, in silence."""
+    strategy = freezer.strategy
+    if not strategy.at_epoch_end or strategy.stage_every or getattr(freezer, "_epoch_end_warned", False):
+        return
+    spe, total, since = freezer.steps_per_epoch, freezer.total_steps, getattr(freezer, "_epoch_started", 0)
+    due = since + 2 * spe if spe else total // 2 + 1 if total and freezer.epoch == 0 else None
+    if due is not None and freezer.step_count >= due:
+        freezer._epoch_end_warned = True
+        span = f"{spe} per epoch" if spe else f"the run has {total}"
+        warnings.warn(f"freezer.epoch_end() has not been called for {freezer.step_count - since} optimizer steps "
+                      f"({span}): strategy {strategy.name!r} decides only at epoch ends, so it has made no decision "
+                      "since its start. Call freezer.epoch_end() after each epoch's last step", stacklevel=4)
 
 
 def epoch_end(freezer: Freezer) -> Decision | None:
@@ -143,6 +220,8 @@ def epoch_end(freezer: Freezer) -> Decision | None:
     """
     decision = stage(freezer, event="epoch_end") if freezer.strategy.at_epoch_end else None
     freezer.epoch += 1
+    freezer._epoch_started = freezer.step_count  # (warn_missing_epoch_end)
+    rest_lrs(freezer)  # a per-epoch scheduler stepped after epoch_end() finds the unscaled LR
     freezer._step_times.restart()  # evaluation and checkpoints happen between epochs: not a step's time
     return decision
 

@@ -87,6 +87,14 @@ def refuse_pattern_string(patterns: object, where: str = "") -> None:
     if isinstance(patterns, str):
         raise TypeError(f"{where + ': ' if where else ''}blocks must be a list of module-name patterns, got the "
                         f"string {patterns!r}: write [{patterns!r}]")
+    # an index or a module among them raised "object of type 'int' has no len()" from the pattern matching
+    ready = bool(patterns) and all(isinstance(p, Block) for p in patterns)  # type: ignore[union-attr]
+    wrong = None if ready else next(((i, p) for i, p in enumerate(patterns or ()) if not isinstance(p, str)), None)
+    if wrong is not None:
+        i, p = wrong
+        raise TypeError(f"{where + ': ' if where else ''}blocks must be a list of module-name patterns (str), front to "
+                        f"back, got {type(p).__name__} {p!r} at position {i}: name each block's module, e.g. "
+                        "['stem', 'layers.*', 'head'] (`layerfreeze blocks` lists a model's blocks)")
 
 
 def find_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> Discovery:

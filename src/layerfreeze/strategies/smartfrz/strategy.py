@@ -135,6 +135,9 @@ class SmartFRZ(Strategy):
         if stage_budget is not None and (not is_number(stage_budget) or not 0 < stage_budget < 1):
             raise ValueError(f"smartfrz: stage_budget must be in (0, 1) (the share of step time the stages may cost; "
                              f"0.01 = 1%) or null (the run-length cadence alone), got {stage_budget!r}")
+        if not is_int(seed) or not -2**63 <= seed < 2**64:  # torch's manual_seed raised it at attach, unexplained
+            raise ValueError(f"smartfrz: seed must be an integer (the seed of the sampled weight positions), got "
+                             f"{seed!r}")
         try:  # a missing/corrupt/other-version file fails here, at config time, before anything runs
             self._loaded = load_predictor(Path(predictor) if predictor is not None else None)
         except PredictorError as exc:

@@ -61,7 +61,8 @@ READABLE_FORMATS = (1, 2)
 STATE_DIGEST = "state.pt.sha256"
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, in hex (read in 1 MiB chunks)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -165,7 +166,7 @@ def save_checkpoint(
         optimizer_state = optimizer.state_dict()
     state = {
         "format_version": FORMAT_VERSION,
-        "model_sha256": _sha256(tmp / "model.safetensors"),
+        "model_sha256": file_sha256(tmp / "model.safetensors"),
         "optimizer": optimizer_state,
         # its class: an AdamW state loads into an SGD without complaint, and its first step() raised KeyError
         "optimizer_class": _optimizer_class(optimizer) if optimizer is not None else None,
@@ -176,7 +177,7 @@ def save_checkpoint(
         "extra": extra or {},
     }
     torch.save(state, tmp / "state.pt")
-    (tmp / STATE_DIGEST).write_text(f"{_sha256(tmp / 'state.pt')}  state.pt\n")
+    (tmp / STATE_DIGEST).write_text(f"{file_sha256(tmp / 'state.pt')}  state.pt\n")
     for name in ("model.safetensors", "state.pt", STATE_DIGEST):
         _fsync(tmp / name)
     _fsync(tmp)
@@ -215,7 +216,7 @@ def read_state(path: Path) -> dict[str, Any]:
     digest_file = path / STATE_DIGEST
     if digest_file.is_file():
         recorded = digest_file.read_text(errors="replace").split()[:1]
-        if recorded != [_sha256(state_file)]:
+        if recorded != [file_sha256(state_file)]:
             raise CheckpointError(f"Checkpoint state file {state_file} does not match its recorded SHA-256 "
                                   f"({digest_file.name}): corrupt/truncated")
     try:
@@ -232,7 +233,7 @@ def read_state(path: Path) -> dict[str, Any]:
                               f"{', '.join(map(str, READABLE_FORMATS))}")
     if version >= 2 and not digest_file.is_file():
         raise CheckpointError(f"Checkpoint {path} is incomplete: {STATE_DIGEST} is missing")
-    if _sha256(weights) != state["model_sha256"]:
+    if file_sha256(weights) != state["model_sha256"]:
         raise CheckpointError(f"Checkpoint weights {weights} do not match their recorded SHA-256: corrupt/truncated")
     return state
 

@@ -6,7 +6,6 @@ says ``"status": "complete"``; runs that diverged (``"status": "diverged"``) are
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from layerfreeze.checkpoint import file_sha256
 
 META_FILE = "meta.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -72,15 +73,6 @@ def _collect_again(run_dir: str | Path) -> str:
     """What to do about a damaged file of a recorded run (its meta or a tensor file)."""
     return (f"delete the run folder {Path(run_dir).name} and collect it again (`layerfreeze predictor collect` "
             "skips the finished runs)")
-
-
-def file_sha256(path: Path) -> str:
-    """The SHA-256 of a file's bytes, in hex."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _damaged(run_dir: str | Path, name: str) -> str | None:

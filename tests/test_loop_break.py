@@ -384,3 +384,33 @@ def test_inputs_cast_with_the_model_after_caching_are_named_among_the_causes():
         with pytest.raises(CacheRefused, match=r"or inputs cast to another dtype since \(model\.to\(torch\.bfloat16\) "
                                                r"with its inputs: build a new CachedPrefix after the cast\)$"):
             forward({"x": x.to(torch.bfloat16), "index": torch.arange(4)})
+
+
+def test_a_scheduler_that_is_no_scheduler_and_an_unknown_demote_setting_are_refused_at_construction():
+    # scheduler="cosine" was kept and failed at the first thaw that sets an LR; demote={"bogus": 1} raised
+    # "Demotion.__init__() got an unexpected keyword argument 'bogus'"
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"^Freezer\(scheduler=\.\.\.\) must be the LR scheduler object you step .* "
+                                        r"not str 'cosine'$"):
+        Freezer(model, optimizer, "none", scheduler="cosine")
+    with pytest.raises(TypeError, match=r"^demote has no setting 'bogus': its settings are dtype, offload, master, "
+                                        r"directory, e.g. \{'dtype': 'bfloat16'\}$"):
+        Freezer(model, optimizer, "none", demote={"dtype": "bfloat16", "bogus": 1})
+    assert all(p.requires_grad for p in model.parameters())  # refused before anything froze
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    with Freezer(model, optimizer, "static", {"k": 1}, scheduler=scheduler, demote={"dtype": "bfloat16"}) as freezer:
+        assert freezer.scheduler is scheduler and freezer.frozen_blocks == ["0"]
+
+
+def test_the_cache_on_a_compiled_model_says_to_give_it_the_model_before_compiling():
+    # "Cannot split the forward of OptimizedModule ... Supported families: ..." named every family and no way out
+    from layerfreeze.models.discovery import split_for
+
+    model = net()
+    compiled = torch.compile(model)
+    with pytest.raises(ValueError, match=r"^Cannot split the forward of a torch\.compile'd Sequential for the "
+                                         r"activation cache: give the cache the model before compiling "
+                                         r"\(model\._orig_mod\), and compile its blocks instead"):
+        split_for(compiled, discover_blocks(model))
+    assert split_for(model, discover_blocks(model)) is not None  # the model itself splits

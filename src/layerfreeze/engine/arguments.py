@@ -94,6 +94,17 @@ def callback(on_event: Any) -> Any:
     return on_event
 
 
+def lr_scheduler(scheduler: Any) -> Any:
+    """``scheduler``, checked to be an LR scheduler (an object with a ``step`` method: ``torch.optim.lr_scheduler``'s,
+    ``ReduceLROnPlateau``, Hugging Face's) or None: a name such as ``scheduler="cosine"`` was kept, and the first thaw
+    that sets an LR failed on it far into the run."""
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise TypeError(f"Freezer(scheduler=...) must be the LR scheduler object you step (e.g. "
+                        f"torch.optim.lr_scheduler.LambdaLR(optimizer, ...)) or None, not {type(scheduler).__name__} "
+                        f"{scheduler!r}")
+    return scheduler
+
+
 def distributed_mode(distributed: Any) -> bool:
     """``Freezer(distributed=...)``: None follows the process group (on when one of more than one rank is initialized);
     True needs one (:func:`flag` for the type)."""

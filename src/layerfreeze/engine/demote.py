@@ -587,7 +587,7 @@ def build_demoter(demote: Demotion | dict[str, Any] | str | torch.dtype | None, 
     elif isinstance(demote, (str, torch.dtype)):
         spec = Demotion(dtype=demote)
     elif isinstance(demote, Mapping):
-        spec = Demotion(**demote)
+        spec = Demotion.from_settings(demote)
     else:
         raise TypeError(f"demote must be a Demotion, a dict of its settings ({{'dtype': 'bfloat16'}}) or a dtype "
                         f"('bfloat16', 'float16'), got {type(demote).__name__}")

@@ -9,8 +9,8 @@ explains what demotion does and re-exports these names) holds the demoted weight
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,23 @@ class Demotion:
             raise ValueError(f"demotion master must be one of {', '.join(MASTER_PLACES)}, got {self.master!r}")
         if self.dtype is None and self.offload is None:
             raise ValueError("a Demotion needs a dtype (bfloat16, float16), an offload target (cpu), or both")
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> Demotion:
+        """A Demotion from its settings as a dict (``Freezer(demote={"dtype": "bfloat16"})``, a config's
+        ``freeze.demote``).
+
+        Raises:
+            TypeError: a key that is no setting, naming the settings (``{"bogus": 1}`` raised "__init__() got an
+                unexpected keyword argument").
+            ValueError: a bad value (:class:`Demotion`).
+        """
+        names = [f.name for f in fields(cls)]
+        unknown = [str(k) for k in settings if k not in names]
+        if unknown:
+            raise TypeError(f"demote has no setting {', '.join(map(repr, unknown))}: its settings are "
+                            f"{', '.join(names)}, e.g. {{'dtype': 'bfloat16'}}")
+        return cls(**settings)
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

@@ -34,7 +34,7 @@ from torch import nn
 from layerfreeze.distributed import comm
 from layerfreeze.engine import lr_factors, optimizer_load, steps
 from layerfreeze.engine import state as checkpoint_state
-from layerfreeze.engine.arguments import callback, distributed_mode, flag, resolve
+from layerfreeze.engine.arguments import callback, distributed_mode, flag, lr_scheduler, resolve
 from layerfreeze.engine.attach import attach_optimizer
 from layerfreeze.engine.demote import Demoter, build_demoter
 from layerfreeze.engine.demotion import Demotion
@@ -164,7 +164,7 @@ class Freezer:
         self._earlier = resolved.earlier
         self.model = model
         self.optimizer = optimizer
-        self.scheduler = scheduler
+        self.scheduler = lr_scheduler(scheduler)
         lr_factors.keep_plateau_base(optimizer, scheduler)
         self.train_bn = flag("train_bn", train_bn)
         self.total_steps = run_length("total_steps", total_steps)

@@ -165,6 +165,10 @@ def split_for(model: nn.Module, blocks: Sequence[Block], input_key: str = "pixel
         ValueError: the model is none of the supported families (the message names them and why each did not
             fit), or its blocks do not line up with the family's forward.
     """
+    if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile(model): an OptimizedModule
+        raise ValueError(f"Cannot split the forward of a torch.compile'd {type(model._orig_mod).__name__} for the "
+                         "activation cache: give the cache the model before compiling (model._orig_mod), and compile "
+                         "its blocks instead (the CLI: --compile blocks)")
     reasons = []
     for cls in splits():
         if never_imported(cls.library):

@@ -186,12 +186,6 @@ def _image_folder(path: str, size: int, key: str, classes: list[str] | None = No
     return dataset
 
 
-def _limits(train_set: Dataset, test_set: Dataset, cfg: Config) -> tuple[Dataset, Dataset]:
-    """``data.limit_train`` and ``data.limit_test`` applied (:func:`_limit`)."""
-    return (_limit(train_set, cfg.data.limit_train, cfg.data.split_seed, "data.limit_train"),
-            _limit(test_set, cfg.data.limit_test, cfg.data.split_seed + 1, "data.limit_test"))
-
-
 def _split(dataset: Dataset, labels: list[int], cfg: Config, classes: list[str]) -> tuple[Dataset, Dataset]:
     try:
         train_idx, test_idx = data.stratified_split(labels, cfg.data.test_fraction, cfg.data.split_seed, classes)
@@ -254,9 +248,6 @@ def build_task(cfg: Config) -> Task:
             train_set = full
         else:
             train_set, test_set = _split(full, labels, cfg, classes)
-        train_set, test_set = _limits(train_set, test_set, cfg)
-        for split in (train_set, test_set):  # only the texts the run reads (after the split and data limits)
-            data.root_dataset(split).encode(data.sample_keys(split))
         forward, model_name = text_forward, model_path
     else:
         if cfg.task == "fashion-mnist":
@@ -278,10 +269,14 @@ def build_task(cfg: Config) -> Task:
         name = cfg.model.name_or_path or "mobilenet_v2"
         model = load_vision_model(name, len(classes), cfg.model.pretrained)
         forward, model_name = image_forward, name
+    train_set = _limit(train_set, cfg.data.limit_train, cfg.data.split_seed, "data.limit_train")
+    test_set = _limit(test_set, cfg.data.limit_test, cfg.data.split_seed + 1, "data.limit_test")
+    for split in (train_set, test_set):  # a text classifier tokenizes only the texts the run reads
+        root = data.root_dataset(split)
+        if isinstance(root, data.TokenizedTextDataset):
+            root.encode(data.sample_keys(split))
     if cfg.model.lora is not None:
         model = apply_lora(model, cfg)
-    if cfg.task not in ("bbc-news", "text-csv"):
-        train_set, test_set = _limits(train_set, test_set, cfg)
     return Task(
         name=cfg.task,
         model=model,

@@ -491,15 +491,16 @@ class CachedPrefix:
                 return hit_states
         rows = _on_device(miss, device)
         t0 = _now(device)
+        extend = plan.start > 0 and plan.old is not None
         with refuse_random_draws(depth):  # a stochastic module check_prefix_deterministic does not know
-            if plan.start > 0 and plan.old is not None:
+            if extend:
                 old = plan.old
                 filler = old[:1].expand(size, *old.shape[1:]).clone()  # the other rows: any state, then dropped
                 filler[rows] = old
                 states = self.split.extend(self.model, filler, batch, plan.start, depth)
             else:  # no common older entry (or it was lost to a corrupt shard just now): the whole batch's prefix
                 states = self.split.prefix(self.model, batch, depth)
-        if plan.start > 0 and plan.old is not None:
+        if extend:
             self.extend_samples += len(miss)
             base = self._cost.get(plan.start, 0.0)
             self.saved_seconds += len(miss) * base

@@ -198,6 +198,9 @@ class Freezer:
         self._layers = resolved.layers  # the repeated stack's blocks (BlockView.is_layer: models.blocks.stack_layers)
         self._grad_sums = GradientSums(len(self.blocks), unsummed(self.blocks, self._layers, strategy))
         self._grad_hook: Any = None  # the optimizer step post-hook adding gradients to the grad_l1 sums (steps.py)
+        self._lr_hook: list[Any] | None = None  # the LR factors' optimizer step pre- and post-hook (steps.py)
+        self._stepping = False  # inside optimizer.step(), between those two hooks (steps.rest_lrs)
+        self._epoch_started, self._epoch_end_warned = 0, False  # the last epoch_end's step (warn_missing_epoch_end)
         self._step_times = StepTimes()  # the step intervals the strategies read (timing.py)
         self._backward_calls = 0
         self._lr_scale: dict[int, float] = {}

@@ -127,9 +127,13 @@ def _unhook(freezer: Freezer) -> None:
     if freezer._grad_hook is not None:
         freezer._grad_hook.remove()
         freezer._grad_hook = None
-    for handle in getattr(freezer, "_lr_hook", None) or ():
+    for handle in freezer._lr_hook or ():
         handle.remove()
     freezer._lr_hook = None
+
+
+#: Schedulers that compute each LR from their base, whatever they find in the group (:func:`rest_lrs`).
+ABSOLUTE_SCHEDULERS = (LambdaLR, OneCycleLR, CyclicLR, CosineAnnealingWarmRestarts)
 
 
 def multiplies(scheduler: Any) -> bool:
@@ -148,9 +152,8 @@ def rest_lrs(freezer: Freezer) -> None:
     for an optimizer without step hooks (nothing would apply the factors again), nor under a scheduler given as
     ``scheduler=`` that computes each LR from its base (LambdaLR, OneCycleLR, CyclicLR, warm restarts: what it finds
     does not matter, and the LR in the groups stays the one the step runs at, which the CLI trainer records)."""
-    absolute = (LambdaLR, OneCycleLR, CyclicLR, CosineAnnealingWarmRestarts)
-    if freezer._lr_written and getattr(freezer, "_lr_hook", None) and not getattr(freezer, "_stepping", False) \
-            and not isinstance(freezer.scheduler, absolute):
+    if freezer._lr_written and freezer._lr_hook and not freezer._stepping \
+            and not isinstance(freezer.scheduler, ABSOLUTE_SCHEDULERS):
         restore_unscaled(freezer.optimizer, freezer._lr_written)
 
 
@@ -200,9 +203,9 @@ def warn_missing_epoch_end(freezer: Freezer) -> None:
     ``total_steps``: a loop that never called it trained only the head under ``gradual`` and froze nothing under the
     others, in silence."""
     strategy = freezer.strategy
-    if not strategy.at_epoch_end or strategy.stage_every or getattr(freezer, "_epoch_end_warned", False):
+    if not strategy.at_epoch_end or strategy.stage_every or freezer._epoch_end_warned:
         return
-    spe, total, since = freezer.steps_per_epoch, freezer.total_steps, getattr(freezer, "_epoch_started", 0)
+    spe, total, since = freezer.steps_per_epoch, freezer.total_steps, freezer._epoch_started
     due = since + 2 * spe if spe else total // 2 + 1 if total and freezer.epoch == 0 else None
     if due is not None and freezer.step_count >= due:
         freezer._epoch_end_warned = True
